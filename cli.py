@@ -1,0 +1,68 @@
+"""lragent's single entry point.
+
+    python cli.py fit|validate|test --config configs/<name>.yaml   # training (LightningCLI)
+    python cli.py export --ckpt CKPT --out DIR                     # adapters out of a checkpoint
+    python cli.py session --scheme S --out result.json             # one multi-agent schedule under a scheme
+    python cli.py bench kernel                                      # Flash-LoRA-Attention micro-benchmark
+
+This file only wires: each command lives in its own module and is imported when it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, function taking argv and returning an exit code)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "session": ("eval_suite.session_runner", "main"),
+    "export": ("lit_modules.cli", "export_main"),
+    "eval": ("eval_suite.run_eval", "main"),
+    "fidelity": ("eval_suite.fidelity", "main"),
+    "similarity": ("eval_suite.similarity", "main"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "kernel": ("kernels.bench", "main"),
+}
+LIGHTNING = ("fit", "validate", "test")
+
+
+def _call(target: tuple[str, str], argv: list[str]) -> int:
+    module_name, func = target
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            print(f"error: this checkout has no {module_name} yet", file=sys.stderr)
+            return 2
+        raise
+    return int(getattr(module, func)(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    allowed = ", ".join([*LIGHTNING, *COMMANDS, "bench"])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print(f"commands: {allowed}")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd in LIGHTNING:
+        from lit_modules.cli import run_lightning_cli
+
+        run_lightning_cli(argv)
+        return 0
+    if cmd in COMMANDS:
+        return _call(COMMANDS[cmd], rest)
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCHES:
+            got = rest[0] if rest else "nothing"
+            print(f"error: bench needs one of {', '.join(BENCHES)}, got {got}", file=sys.stderr)
+            return 2
+        return _call(BENCHES[rest[0]], rest[1:])
+    print(f"error: unknown command {cmd!r}: allowed {allowed}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

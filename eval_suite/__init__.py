@@ -1,0 +1,1 @@
+"""Evaluation suite: metrics, runners, benchmarks and reports (no heavy imports here)."""

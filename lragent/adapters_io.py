@@ -1,0 +1,188 @@
+"""Adapter interchange: one standard PEFT LoRA directory per role, and one native checkpoint for the whole set.
+
+PEFT directories hold ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's key names
+(``base_model.model.<module path>.lora_A.weight``); with shared A every role's directory carries the same A. They
+load with ``peft.PeftModel.from_pretrained`` and therefore in serving engines that read PEFT adapters.
+
+The native checkpoint (``lragent_adapters.safetensors``) keeps A once and every role's B, with the
+:class:`~lragent.multi_lora.MultiLoraConfig` as JSON metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lragent.lora_model import MultiLoraModel
+from lragent.multi_lora import MultiLoraConfig
+
+NATIVE_FILE = "lragent_adapters.safetensors"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+
+
+def export_peft(
+    model: MultiLoraModel, out_dir: str | Path, base_model_name: str = "", meta: dict | None = None
+) -> dict:
+    """Writes ``out_dir/<role>/`` (PEFT LoRA) for every role and ``out_dir/lragent_adapters.safetensors``.
+
+    Args:
+        model: the multi-LoRA model.
+        out_dir: target directory (created).
+        base_model_name: recorded as ``base_model_name_or_path``.
+        meta: extra JSON-serialisable information stored with the native checkpoint (e.g. the training config).
+
+    Returns:
+        ``{role: path}`` of the PEFT directories.
+    """
+    from peft import LoraConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.lora_config
+    paths = {}
+    for rid, role in enumerate(cfg.roles):
+        role_dir = out / role
+        role_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for name, module in model.lora_modules().items():
+            a = module.lora_A[0 if cfg.shared_a else rid]
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a.detach().cpu().contiguous().clone()
+            tensors[f"base_model.model.{name}.lora_B.weight"] = module.lora_B[rid].detach().cpu().contiguous().clone()
+        save_file(tensors, str(role_dir / PEFT_WEIGHTS), metadata={"format": "pt"})
+        LoraConfig(
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,
+            lora_dropout=cfg.dropout,
+            target_modules=sorted(cfg.targets),
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=base_model_name or None,
+        ).save_pretrained(str(role_dir))
+        paths[role] = role_dir
+    save_native(model, out / NATIVE_FILE, meta=meta)
+    return paths
+
+
+def save_native(model: MultiLoraModel, path: str | Path, meta: dict | None = None) -> None:
+    """One safetensors file with A (once if shared) and every role's B, plus the adapter config as metadata."""
+    tensors = {}
+    for name, module in model.lora_modules().items():
+        for i, a in enumerate(module.lora_A):
+            tensors[f"{name}.lora_A.{i}"] = a.detach().cpu().contiguous().clone()
+        for i, b in enumerate(module.lora_B):
+            tensors[f"{name}.lora_B.{i}"] = b.detach().cpu().contiguous().clone()
+    metadata = {"lragent_config": json.dumps(model.lora_config.to_dict()), "meta": json.dumps(meta or {})}
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def read_native_config(path: str | Path) -> MultiLoraConfig:
+    """The adapter config stored in a native checkpoint."""
+    with safe_open(str(path), "pt") as f:
+        return MultiLoraConfig.from_dict(json.loads(f.metadata()["lragent_config"]))
+
+
+@torch.no_grad()
+def load_native(model: MultiLoraModel, path: str | Path) -> None:
+    """Loads a native checkpoint into ``model``; the layouts must match."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"adapter checkpoint {path} does not exist")
+    stored = read_native_config(path)
+    mine = model.lora_config
+    for field_name in ("roles", "rank", "targets", "shared_a"):
+        if getattr(stored, field_name) != getattr(mine, field_name):
+            raise ValueError(
+                f"adapter checkpoint {path} has {field_name}={getattr(stored, field_name)!r}, "
+                f"the model has {getattr(mine, field_name)!r}"
+            )
+    with safe_open(str(path), "pt") as f:
+        for name, module in model.lora_modules().items():
+            for i, a in enumerate(module.lora_A):
+                a.copy_(f.get_tensor(f"{name}.lora_A.{i}"))
+            for i, b in enumerate(module.lora_B):
+                b.copy_(f.get_tensor(f"{name}.lora_B.{i}"))
+
+
+@torch.no_grad()
+def load_peft_role(model: MultiLoraModel, peft_dir: str | Path, role: str) -> None:
+    """Loads one PEFT LoRA directory into ``role``'s slot.
+
+    With shared A the directory's A must equal the model's current A unless this is the first role loaded
+    (``role`` is the model's first role), which sets it.
+    """
+    from safetensors.torch import load_file
+
+    peft_dir = Path(peft_dir)
+    cfg_path = peft_dir / PEFT_CONFIG
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{peft_dir} is not a PEFT adapter directory (no {PEFT_CONFIG})")
+    pc = json.loads(cfg_path.read_text())
+    mine = model.lora_config
+    if int(pc["r"]) != mine.rank or float(pc["lora_alpha"]) != float(mine.alpha):
+        raise ValueError(
+            f"{peft_dir}: r={pc['r']}, lora_alpha={pc['lora_alpha']} differ from the model's r={mine.rank}, "
+            f"alpha={mine.alpha}"
+        )
+    rid = model.router.id(role)
+    weights = load_file(str(peft_dir / PEFT_WEIGHTS))
+    for name, module in model.lora_modules().items():
+        a = weights.get(f"base_model.model.{name}.lora_A.weight")
+        b = weights.get(f"base_model.model.{name}.lora_B.weight")
+        if a is None or b is None:
+            raise ValueError(f"{peft_dir} has no adapter for {name}")
+        if mine.shared_a:
+            if rid == 0:
+                module.lora_A[0].copy_(a)
+            elif not torch.equal(module.lora_A[0].detach().cpu(), a.to(module.lora_A[0].dtype)):
+                raise ValueError(f"{peft_dir}: lora_A of {name} differs from the shared A; load with shared_a=False")
+        else:
+            module.lora_A[rid].copy_(a)
+        module.lora_B[rid].copy_(b)
+
+
+def load_adapter_dir(model: MultiLoraModel, adapter_dir: str | Path) -> None:
+    """Loads an adapter set: the native checkpoint if present, else one PEFT directory per role."""
+    d = Path(adapter_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"adapter directory {d} does not exist")
+    if (d / NATIVE_FILE).is_file():
+        load_native(model, d / NATIVE_FILE)
+        return
+    missing = [r for r in model.lora_config.roles if not (d / r / PEFT_CONFIG).is_file()]
+    if missing:
+        raise FileNotFoundError(f"adapter directory {d} has no {NATIVE_FILE} and no PEFT directory for {missing}")
+    for role in model.lora_config.roles:
+        load_peft_role(model, d / role, role)
+
+
+def adapter_config_of(adapter_dir: str | Path) -> MultiLoraConfig:
+    """The adapter layout stored in an adapter directory (native checkpoint, else the PEFT configs)."""
+    d = Path(adapter_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"adapter directory {d} does not exist")
+    if (d / NATIVE_FILE).is_file():
+        return read_native_config(d / NATIVE_FILE)
+    roles = sorted(p.parent.name for p in d.glob(f"*/{PEFT_CONFIG}"))
+    if not roles:
+        raise FileNotFoundError(f"adapter directory {d} has neither {NATIVE_FILE} nor PEFT role directories")
+    from safetensors.torch import load_file
+
+    pc = json.loads((d / roles[0] / PEFT_CONFIG).read_text())
+    known = [r for r in ("plan", "action", "reflect") if r in roles]
+    order = known + [r for r in roles if r not in known]
+    # Shared A exactly when every role directory carries the same A tensors.
+    a_sets = [{k: v for k, v in load_file(str(d / r / PEFT_WEIGHTS)).items() if ".lora_A." in k} for r in order]
+    shared = all(a.keys() == a_sets[0].keys() and all(torch.equal(a[k], a_sets[0][k]) for k in a) for a in a_sets)
+    return MultiLoraConfig(
+        roles=tuple(order),
+        rank=int(pc["r"]),
+        alpha=float(pc["lora_alpha"]),
+        dropout=float(pc.get("lora_dropout", 0)),
+        targets=tuple(sorted(pc["target_modules"])),
+        shared_a=shared,
+    )

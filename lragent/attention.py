@@ -1,0 +1,133 @@
+"""Attention over a plain cache and over the decomposed cache (V_base + V_lr B s).
+
+``decomposed_attention`` computes, per query head h with KV head g,
+``O = softmax(Q Kᵀ / sqrt(D) + mask) · V_base + ((softmax(...) · V_lr) · B_g) · s``
+without ever forming ``V_lr B`` for the cached keys. On CUDA it calls the fused Triton kernel
+(:mod:`kernels.flash_lora_attention`); elsewhere (and when the kernel is switched off) it uses the PyTorch path
+below, which is also the kernel's test oracle at the model level.
+
+Queries are the last ``Lq`` of the ``L`` keys (causal, aligned bottom-right).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_KERNEL_ENV = "LRAGENT_DISABLE_KERNEL"
+
+
+def kernel_available() -> bool:
+    """True when the fused kernel can run here (CUDA + Triton) and is not switched off by LRAGENT_DISABLE_KERNEL=1."""
+    if os.environ.get(_KERNEL_ENV, "0") not in ("", "0") or not torch.cuda.is_available():
+        return False
+    try:
+        import kernels.flash_lora_attention  # noqa: F401
+    except ImportError as exc:  # triton missing
+        log.warning("fused kernel unavailable (%s); using the PyTorch path", exc)
+        return False
+    return True
+
+
+def attention_mask(q_len: int, k_len: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask ``(B|1, 1, q_len, k_len)`` (True = attend) or ``None`` when plain causal SDPA suffices.
+
+    Args:
+        q_len: number of queries; query i sits at key position ``k_len - q_len + i``.
+        k_len: number of keys.
+        key_mask: ``(B, k_len)`` with 1 for real tokens and 0 for padding, or ``None``.
+        device: device of the mask.
+    """
+    if key_mask is None and q_len == 1:
+        return None
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)
+    k_pos = torch.arange(k_len, device=device)
+    mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # (1, 1, q, k)
+    if key_mask is not None:
+        mask = mask & key_mask.bool()[:, None, None, :]
+        # A padding query may see no real key; let it see itself so softmax stays finite (its output is unused).
+        mask = mask | (k_pos[None, :] == q_pos[:, None])[None, None]
+    return mask
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    gqa = q.shape[1] != k.shape[1]
+    if key_mask is None and q_len == k_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    mask = attention_mask(q_len, k_len, key_mask, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def plain_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal GQA attention over a plain cache.
+
+    Args:
+        q: ``(B, H_q, Lq, D)``.
+        k: ``(B, H_kv, L, D)``.
+        v: ``(B, H_kv, L, D)``.
+        key_mask: ``(B, L)`` padding mask or ``None``.
+
+    Returns:
+        ``(B, H_q, Lq, D)``.
+    """
+    return _sdpa(q, k, v, key_mask)
+
+
+def lora_b_per_head(lora_b: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """View the PEFT-layout up-projections ``(n_roles, H_kv·D, r)`` as ``(n_roles, H_kv, r, D)`` (no copy)."""
+    n_roles, d_out, r = lora_b.shape
+    return lora_b.view(n_roles, n_kv_heads, d_out // n_kv_heads, r).transpose(-1, -2)
+
+
+def decomposed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    role_ids: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    use_kernel: bool = True,
+) -> torch.Tensor:
+    """Attention over the decomposed cache: ``P V_base + ((P V_lr) B_role) s``.
+
+    Args:
+        q: ``(B, H_q, Lq, D)`` queries (RoPE applied).
+        k: ``(B, H_kv, L, D)`` keys.
+        v_base: ``(B, H_kv, L, D)`` base values ``X W0 (+ b)``.
+        v_lr: ``(B, L, r)`` low-rank cache ``X A``, shared by all KV heads.
+        lora_b: ``(n_roles, H_kv·D, r)`` stacked up-projections of ``v_proj`` (PEFT layout).
+        scaling: LoRA scaling alpha / r.
+        role_ids: ``(B,)`` role whose B each sequence applies.
+        key_mask: ``(B, L)`` padding mask or ``None``.
+        use_kernel: allow the fused Triton kernel on CUDA.
+
+    Returns:
+        ``(B, H_q, Lq, D)`` in q's dtype.
+    """
+    b, h_q, q_len, d = q.shape
+    h_kv = k.shape[1]
+    b_heads = lora_b_per_head(lora_b, h_kv)  # (n_roles, H_kv, r, D)
+    if use_kernel and key_mask is None and q.is_cuda and kernel_available():
+        from kernels.flash_lora_attention import flash_lora_attention
+
+        return flash_lora_attention(q, k, v_base, v_lr, b_heads, scaling, role_ids=role_ids)
+    r = v_lr.shape[-1]
+    # One SDPA over [V_base | V_lr]: the low-rank columns share the softmax with the base columns.
+    v_cat = torch.cat([v_base, v_lr[:, None].expand(b, h_kv, v_lr.shape[1], r)], dim=-1)  # (B, H_kv, L, D + r)
+    out = _sdpa(q, k, v_cat, key_mask)  # (B, H_q, Lq, D + r)
+    o_base, o_lr = out[..., :d], out[..., d:]
+    group = h_q // h_kv
+    o_lr = o_lr.reshape(b, h_kv, group, q_len, r)
+    b_sel = b_heads[role_ids]  # (B, H_kv, r, D)
+    o_up = torch.einsum("bhgqr,bhrd->bhgqd", o_lr, b_sel.to(o_lr.dtype)).reshape(b, h_q, q_len, d)
+    return o_base + o_up * scaling

@@ -1,0 +1,205 @@
+"""A causal LM with shared-A multi-LoRA role adapters injected, and its forwards (plain and through shared caches)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from lragent.decoder import DecoderEngine
+from lragent.kv_cache import ModelCache
+from lragent.models import check_supported
+from lragent.multi_lora import MultiLoraConfig, MultiLoraLinear
+from lragent.roles import RoleRouter
+from lragent.schemes import Scheme
+
+
+def _inject(model: PreTrainedModel, config: MultiLoraConfig) -> dict[str, MultiLoraLinear]:
+    """Replaces the target linears of every decoder layer by :class:`MultiLoraLinear`; returns them by name."""
+    found: dict[str, MultiLoraLinear] = {}
+    layers = model.model.layers
+    available: set[str] = set()
+    for i, layer in enumerate(layers):
+        for parent_name in ("self_attn", "mlp"):
+            parent = getattr(layer, parent_name)
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear | MultiLoraLinear):
+                    available.add(child_name)
+                if child_name in config.targets and isinstance(child, nn.Linear):
+                    wrapped = MultiLoraLinear(
+                        child, len(config.roles), config.rank, config.alpha, config.dropout, config.shared_a
+                    )
+                    setattr(parent, child_name, wrapped)
+                    found[f"model.layers.{i}.{parent_name}.{child_name}"] = wrapped
+    missing = [t for t in config.targets if t not in available]
+    if missing:
+        raise ValueError(f"target modules {missing} not found in the model: it has {', '.join(sorted(available))}")
+    return found
+
+
+class MultiLoraModel(nn.Module):
+    """A frozen base causal LM plus per-role LoRA adapters (shared A by default).
+
+    Args:
+        model: a LLaMA, Mistral or Qwen2 ``*ForCausalLM``; modified in place (targets wrapped, base frozen).
+        config: adapter layout.
+    """
+
+    def __init__(self, model: PreTrainedModel, config: MultiLoraConfig) -> None:
+        super().__init__()
+        check_supported(model.config)
+        self.model = model
+        self.lora_config = config
+        self.router = RoleRouter(config.roles)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self._lora = _inject(model, config)
+        self.engine = DecoderEngine(model)
+
+    # ---- parameters ---------------------------------------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.engine.n_layers
+
+    def lora_modules(self) -> dict[str, MultiLoraLinear]:
+        """The injected layers by module path (``model.layers.{i}.self_attn.q_proj`` ...)."""
+        return dict(self._lora)
+
+    def lora_parameters(self) -> Iterator[nn.Parameter]:
+        for m in self._lora.values():
+            yield from m.lora_A
+            yield from m.lora_B
+
+    def lora_parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Parameters by owner: ``"shared_a"`` (shared A) and one entry per role (its B, and its A if not shared)."""
+        groups: dict[str, list[nn.Parameter]] = {"shared_a": []} if self.lora_config.shared_a else {}
+        groups.update({role: [] for role in self.lora_config.roles})
+        for m in self._lora.values():
+            if self.lora_config.shared_a:
+                groups["shared_a"].append(m.lora_A[0])
+            for i, role in enumerate(self.lora_config.roles):
+                groups[role].append(m.lora_B[i])
+                if not self.lora_config.shared_a:
+                    groups[role].append(m.lora_A[i])
+        return groups
+
+    @torch.no_grad()
+    def init_adapters(self, mode: str = "zero", seed: int = 0, b_std: float = 0.02) -> None:
+        """Re-initialises every adapter.
+
+        Args:
+            mode: ``zero`` (PEFT default: A Kaiming-uniform, B = 0, the adapters change nothing) or ``random``
+                (B ~ N(0, b_std²) as well, distinct per role: for demos and tests of the sharing schemes).
+            seed: RNG seed.
+            b_std: standard deviation of B for ``random``.
+        """
+        if mode not in ("zero", "random"):
+            raise ValueError(f"adapter init {mode!r} not supported: allowed zero, random")
+        gen = torch.Generator().manual_seed(seed)
+        for m in self._lora.values():
+            for a in m.lora_A:
+                bound = 1.0 / a.shape[1] ** 0.5
+                a.copy_((torch.rand(a.shape, generator=gen) * 2 - 1) * bound)
+            for b in m.lora_B:
+                b.copy_(torch.randn(b.shape, generator=gen) * b_std if mode == "random" else torch.zeros(b.shape))
+
+    # ---- forwards -----------------------------------------------------------------------------------------------
+    def _role_tensor(self, role_ids: torch.Tensor | list | None, batch: int, device: torch.device) -> torch.Tensor:
+        if role_ids is None:
+            if len(self.router) != 1:
+                raise ValueError(f"role_ids is required: the model has roles {list(self.router.roles)}")
+            return torch.zeros(batch, dtype=torch.long, device=device)
+        if not isinstance(role_ids, torch.Tensor):
+            role_ids = self.router.ids(role_ids, device=device)
+        if role_ids.shape != (batch,):
+            raise ValueError(f"role_ids must have shape ({batch},), got {tuple(role_ids.shape)}")
+        if role_ids.numel() and (int(role_ids.min()) < 0 or int(role_ids.max()) >= len(self.router)):
+            raise ValueError(f"role_ids out of range: allowed 0..{len(self.router) - 1}, got {role_ids.tolist()}")
+        return role_ids.to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        role_ids: torch.Tensor | list | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Plain multi-LoRA forward, a role per sequence (training, scoring).
+
+        Args:
+            input_ids: ``(B, T)``.
+            role_ids: ``(B,)`` ids or role names.
+            attention_mask: ``(B, T)`` 1 for tokens, 0 for padding; with right padding positions are ``arange(T)``.
+            position_ids: ``(B, T)``; default: count of real tokens before each position.
+
+        Returns:
+            logits ``(B, T, vocab)``.
+        """
+        b, t = input_ids.shape
+        role_ids = self._role_tensor(role_ids, b, input_ids.device)
+        if position_ids is None and attention_mask is not None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        return self.engine.forward(input_ids, role_ids, positions=position_ids, key_mask=attention_mask)
+
+    def shared_context_forward(
+        self,
+        context_ids: torch.Tensor,
+        context_mask: torch.Tensor,
+        target_ids: torch.Tensor,
+        target_mask: torch.Tensor,
+        producer_ids: torch.Tensor | list,
+        consumer_ids: torch.Tensor | list,
+        scheme: str | Scheme = Scheme.BASE_LR_SHARED,
+    ) -> torch.Tensor:
+        """Context encoded by a producer role into a shared cache; target scored by the consumer role over it.
+
+        This is the condition a consumer meets at inference under ``scheme`` (``base_lr_shared``: shared K, V_base
+        and V_lr, the consumer applies its own B; ``full_shared``: V carries the producer's adapter), differentiable
+        for the cache-sharing-aware loss.
+
+        Args:
+            context_ids: ``(B, Tc)`` left-padded context.
+            context_mask: ``(B, Tc)`` 1 for tokens.
+            target_ids: ``(B, Tt)`` right-padded continuation.
+            target_mask: ``(B, Tt)`` 1 for tokens.
+            producer_ids: ``(B,)`` role encoding the context.
+            consumer_ids: ``(B,)`` role processing the target.
+            scheme: ``base_lr_shared`` or ``full_shared``.
+
+        Returns:
+            logits over the target positions ``(B, Tt, vocab)``.
+        """
+        scheme = Scheme.parse(scheme)
+        if scheme not in (Scheme.BASE_LR_SHARED, Scheme.FULL_SHARED):
+            raise ValueError(f"shared_context_forward supports base_lr_shared and full_shared, not {scheme.value}")
+        if scheme is Scheme.BASE_LR_SHARED and not self.lora_config.shared_a:
+            raise ValueError("scheme base_lr_shared needs shared A (shared_a=True): V_lr must mean the same for all")
+        b, tc = context_ids.shape
+        dev = context_ids.device
+        producer = self._role_tensor(producer_ids, b, dev)
+        consumer = self._role_tensor(consumer_ids, b, dev)
+        cache = ModelCache(self.n_layers, decomposed=scheme is Scheme.BASE_LR_SHARED)
+        ctx_pos = (context_mask.long().cumsum(-1) - 1).clamp_min(0)
+        key_mask = torch.cat([context_mask, target_mask], dim=1)
+        h = self.engine.run_layers(self.engine.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask)
+        del h  # the producer's outputs are not scored: only its cache is used
+        tgt_pos = context_mask.long().sum(-1, keepdim=True) + (target_mask.long().cumsum(-1) - 1).clamp_min(0)
+        h = self.engine.run_layers(self.engine.embed(target_ids), tgt_pos, consumer, cache, tc, key_mask=key_mask)
+        return self.engine.logits(h)
+
+    # ---- comparison helpers -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def merged_model(self, role: str | int) -> PreTrainedModel:
+        """A plain transformers model (deep copy) with ``role``'s adapters merged into the base weights."""
+        rid = self.router.id(role)
+        merged = copy.deepcopy(self.model)
+        for name, module in self._lora.items():
+            parent_name, child_name = name.rsplit(".", 1)
+            parent = merged.get_submodule(parent_name)
+            linear = copy.deepcopy(module.base)
+            linear.weight.copy_(module.merged_weight(rid))
+            setattr(parent, child_name, linear)
+        return merged.eval()

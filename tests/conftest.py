@@ -1,0 +1,50 @@
+"""Shared fixtures. GPU tests carry ``@pytest.mark.gpu`` and are skipped without CUDA; tests that load the embedded
+SmolLM2 model carry ``@pytest.mark.model`` (they run by default; ``-m "not model"`` leaves them out)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def load_embedded():
+    """Returns a loader of fresh copies of the embedded SmolLM2-135M-Instruct (fp32, CPU) and its tokenizer.
+
+    The first call converts the GGUF (~20 s, cached under ~/.cache/lragent); later calls read safetensors."""
+    from lragent.models import load_model
+
+    def load():
+        return load_model("default", dtype=torch.float32, device="cpu")
+
+    return load
+
+
+def tiny_multi_lora(
+    arch: str = "tiny-llama",
+    rank: int = 4,
+    shared_a: bool = True,
+    b_std: float = 0.3,
+    seed: int = 0,
+    roles=("plan", "action", "reflect"),
+    targets=("q_proj", "v_proj"),
+    overrides=None,
+):
+    """A tiny random model with random (B != 0) adapters, in eval mode."""
+    from lragent.lora_model import MultiLoraModel
+    from lragent.models import load_model
+    from lragent.multi_lora import MultiLoraConfig
+
+    hf, _ = load_model(arch, seed=seed, overrides=overrides)
+    model = MultiLoraModel(hf, MultiLoraConfig(roles=roles, rank=rank, dropout=0.0, shared_a=shared_a, targets=targets))
+    model.init_adapters("random", seed=seed + 1, b_std=b_std)
+    return model.eval()

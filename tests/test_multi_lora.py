@@ -1,0 +1,116 @@
+"""The shared-A multi-LoRA layer, injection and the role router."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_multi_lora
+from torch import nn
+
+from lragent.multi_lora import MultiLoraConfig, MultiLoraLinear
+from lragent.roles import RoleRouter
+
+
+def _layer(shared_a: bool) -> MultiLoraLinear:
+    torch.manual_seed(0)
+    layer = MultiLoraLinear(nn.Linear(12, 10, bias=True), n_roles=3, rank=4, alpha=8.0, shared_a=shared_a)
+    with torch.no_grad():
+        for b in layer.lora_B:
+            b.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("shared_a", [True, False])
+def test_mixed_batch_equals_each_role_alone(shared_a):
+    layer = _layer(shared_a)
+    x = torch.randn(6, 5, 12)
+    roles = torch.tensor([0, 2, 1, 1, 0, 2])
+    mixed = layer(x, roles)
+    for i, r in enumerate(roles.tolist()):
+        alone = layer(x[i : i + 1], torch.tensor([r]))
+        ref = x[i : i + 1] @ layer.merged_weight(r).t() + layer.base.bias
+        torch.testing.assert_close(mixed[i : i + 1], alone, rtol=0, atol=1e-6)
+        torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5)
+    # roles really differ (B != 0)
+    assert not torch.allclose(layer(x[:1], torch.tensor([0])), layer(x[:1], torch.tensor([1])))
+
+
+def test_parts_recompose_forward():
+    layer = _layer(True)
+    x = torch.randn(2, 7, 12)
+    roles = torch.tensor([1, 2])
+    base, lr = layer.forward_parts(x, roles)
+    assert lr.shape == (2, 7, 4)
+    torch.testing.assert_close(base + layer.lora_output(lr, roles), layer(x, roles))
+    torch.testing.assert_close(base, layer.base(x))
+
+
+def test_shared_a_has_one_a_and_role_b():
+    assert len(_layer(True).lora_A) == 1 and len(_layer(True).lora_B) == 3
+    assert len(_layer(False).lora_A) == 3
+
+
+def test_fresh_adapter_is_identity():
+    layer = MultiLoraLinear(nn.Linear(8, 8), n_roles=2, rank=2, alpha=4)
+    x = torch.randn(1, 3, 8)
+    torch.testing.assert_close(layer(x, torch.tensor([1])), layer.base(x))
+
+
+def test_role_ids_required_and_checked():
+    layer = _layer(True)
+    with pytest.raises(ValueError, match="role_ids is required"):
+        layer(torch.randn(1, 2, 12))
+    with pytest.raises(ValueError, match="one id per sequence"):
+        layer(torch.randn(2, 2, 12), torch.tensor([0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rank": 0}, "rank must be a positive integer, got 0"),
+        ({"rank": -3}, "rank must be a positive integer, got -3"),
+        ({"alpha": 0}, "alpha must be > 0"),
+        ({"dropout": 1.0}, "dropout must be in"),
+        ({"targets": ("q_proj", "nope")}, "'nope'"),
+        ({"roles": ("plan", "plan")}, "distinct"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MultiLoraConfig(**kwargs)
+
+
+def test_router():
+    router = RoleRouter(("plan", "action", "reflect"))
+    assert router.ids(["reflect", "plan"]).tolist() == [2, 0]
+    assert router.name(1) == "action"
+    with pytest.raises(ValueError, match="unknown role 'critic': allowed plan, action, reflect"):
+        router.id("critic")
+    with pytest.raises(ValueError, match="out of range"):
+        router.id(3)
+
+
+def test_injection_targets_and_groups():
+    model = tiny_multi_lora(targets=("q_proj", "v_proj", "down_proj"))
+    names = model.lora_modules()
+    assert len(names) == 3 * model.n_layers
+    assert all(n.rsplit(".", 1)[1] in ("q_proj", "v_proj", "down_proj") for n in names)
+    groups = model.lora_parameter_groups()
+    assert set(groups) == {"shared_a", "plan", "action", "reflect"}
+    assert len(groups["shared_a"]) == len(names) and len(groups["plan"]) == len(names)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in model.lora_parameters()}
+    indep = tiny_multi_lora(shared_a=False)
+    assert set(indep.lora_parameter_groups()) == {"plan", "action", "reflect"}
+
+
+def test_missing_target_is_refused():
+    from lragent.lora_model import MultiLoraModel
+    from lragent.models import load_model
+
+    hf, _ = load_model("tiny-llama")
+    hf.model.layers[0].self_attn.q_proj = nn.Identity()
+    for layer in hf.model.layers:
+        layer.self_attn.q_proj = nn.Identity()
+    with pytest.raises(ValueError, match=r"target modules \['q_proj'\] not found"):
+        MultiLoraModel(hf, MultiLoraConfig())
