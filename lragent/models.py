@@ -212,12 +212,17 @@ def _embedded_converted_dir() -> Path:
     import transformers
 
     gguf = embedded_gguf_path()
-    target = cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-tf{transformers.__version__}"
+    target = cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-tf{transformers.__version__}-v2"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     log.info("converting the embedded GGUF %s (first use only)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers' GGUF conversion gives the tokenizer <|im_start|> as EOS; the model (and the GGUF's own
+    # eos_token_id) end a turn with <|im_end|>. Use the model's.
+    eos_id = model.generation_config.eos_token_id
+    if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
     # The dequantised model is an ordinary fp32 model; drop the GGUF marker so it can be saved.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -234,6 +239,14 @@ def _embedded_converted_dir() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def load_tokenizer(name: str = "default") -> object:
+    """The tokenizer of ``name`` (the embedded model, a hub name or a local directory)."""
+    if name.lower() in NAMED_ARCHITECTURES:
+        raise ValueError(f"{name!r} is a random-weight architecture without a tokenizer")
+    source = _embedded_converted_dir() if name.lower() in EMBEDDED_NAMES else name
+    return AutoTokenizer.from_pretrained(source)
 
 
 def load_model(

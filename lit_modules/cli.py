@@ -1,0 +1,90 @@
+"""Lightning CLI for training: ``fit`` / ``validate`` / ``test`` over YAML configs, and ``export``.
+
+The project's ``cli.py`` dispatches ``fit``/``validate``/``test`` to :func:`run_lightning_cli` and ``export`` to
+:func:`export_main`. Examples (from the repository root)::
+
+    python cli.py fit --config configs/smoke.yaml
+    python cli.py fit --config configs/hotpotqa.yaml --ckpt_path last      # resume the last checkpoint
+    python cli.py fit --config configs/hotpotqa.yaml --print_config         # the full resolved config
+    python cli.py export --ckpt runs/hotpotqa/checkpoints/last.ckpt --out adapters/hotpotqa
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+
+from datamodules.role_examples import RoleExampleDataModule
+from lit_modules.multi_lora_module import MultiLoraModule
+from lragent.roles import DEFAULT_ROLES
+
+
+def _roles_or_default(roles: Sequence[str] | None) -> list[str]:
+    return list(DEFAULT_ROLES) if roles is None else list(roles)
+
+
+def _tokenizer_of(model_name: str, tokenizer: str | None) -> str:
+    return tokenizer if tokenizer is not None else model_name
+
+
+class LRAgentCLI(LightningCLI):
+    """``LightningCLI`` over :class:`MultiLoraModule` and :class:`RoleExampleDataModule`.
+
+    Linked values (set on the model side only): ``model.roles`` -> ``data.roles`` (role ids must mean the same on
+    both sides) and ``model.tokenizer_name`` (else ``model.model_name``) -> ``data.tokenizer``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("model_class", MultiLoraModule)
+        kwargs.setdefault("datamodule_class", RoleExampleDataModule)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("auto_configure_optimizers", False)  # the module builds its per-role AdamW groups
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.link_arguments("model.roles", "data.roles", compute_fn=_roles_or_default)
+        parser.link_arguments(("model.model_name", "model.tokenizer_name"), "data.tokenizer", compute_fn=_tokenizer_of)
+
+
+def run_lightning_cli(args: list[str]) -> None:
+    """Runs ``fit``/``validate``/``test`` (``args`` = the command line after the program name).
+
+    A bad value (unknown role, rank <= 0, lr <= 0, missing data path, a target module the model lacks ...) stops
+    with a one-line ``error: ...`` on stderr and exit status 2.
+    """
+    try:
+        # Called as `python cli.py fit ...` the arguments are sys.argv's; passing them again makes Lightning warn.
+        LRAgentCLI(args=None if list(args) == sys.argv[1:] else list(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+    """``export --ckpt CKPT --out DIR``: writes one PEFT LoRA directory per role, the native checkpoint and the
+    training config from a Lightning checkpoint. Returns the exit status."""
+    parser = argparse.ArgumentParser(prog="cli.py export", description=export_main.__doc__)
+    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint written by fit (e.g. .../last.ckpt)")
+    parser.add_argument("--out", required=True, help="output directory")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        import torch
+
+        from lit_modules.export import export_adapters
+
+        ckpt_path = Path(args.ckpt)
+        if not ckpt_path.is_file():
+            raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
+        module = MultiLoraModule.load_from_checkpoint(ckpt_path, map_location="cpu")
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        paths = export_adapters(module, args.out, ckpt.get("datamodule_hyper_parameters"))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {', '.join(paths)} to {args.out}")
+    return 0

@@ -1,0 +1,456 @@
+"""LightningModule that trains shared-A multi-LoRA role adapters (DESIGN.md §4).
+
+Only the LoRA parameters train: one shared A (or one A per role with ``shared_a=False``) and one B per role, each
+role in its own AdamW parameter group with its own learning rate, under a linear-warmup + cosine schedule.
+
+**Cache-sharing-aware loss.** ``loss = (1 - λ) · plain + λ · shared``. The plain term is the usual multi-LoRA
+causal-LM loss on the output tokens, each sequence under its own role. The shared term recreates what a consumer
+meets at inference under ``base_lr_shared`` (or ``full_shared``): the context that other agents already put in the
+shared cache is encoded by a *producer* role (drawn among the other roles) into the decomposed cache, and the
+example's own role (the *consumer*) encodes its own prompt piece and the output over that cache; the loss is on the
+same output tokens. ``λ = 0`` never runs the shared forward, so it is exactly plain multi-LoRA training.
+
+**Validation** logs, per role, the plain loss and token accuracy, the same through the shared-cache path under each
+scheme of ``val_schemes``, and the mean next-token KL(plain ‖ shared) over the output tokens.
+
+The frozen base weights are not stored in Lightning checkpoints (they are reloaded from ``model_name``); only the
+adapters, optimizer and schedule state are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torchmetrics import MeanMetric
+
+from datamodules.role_examples import IGNORE_INDEX
+from lragent.multi_lora import MultiLoraConfig
+from lragent.roles import DEFAULT_ROLES
+from lragent.schemes import Scheme
+
+PAPER_ROLE_LR: dict[str, float] = {"plan": 5e-5, "action": 6e-5, "reflect": 6e-5}
+"""Per-role learning rates of the paper."""
+SHARED_SCHEMES: tuple[str, ...] = (Scheme.BASE_LR_SHARED.value, Scheme.FULL_SHARED.value)
+"""Schemes the shared-cache forward (training term and validation) supports."""
+PRODUCER_MODES: tuple[str, ...] = ("random", "next")
+SPLIT_MODES: tuple[str, ...] = ("piece", "last_token")
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation and cache-sharing-loss settings, checked on construction.
+
+    Attributes:
+        role_lr: learning rate of each role's adapter parameters (its B, and its A without shared A).
+        shared_a_lr: learning rate of the shared A.
+        weight_decay: AdamW weight decay (paper: 0).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_ratio: share of the optimizer steps with linear warmup, in [0, 1).
+        min_lr_ratio: cosine floor as a share of each group's peak lr, in [0, 1].
+        lambda_shared: weight of the cache-sharing-aware term, in [0, 1].
+        shared_scheme: scheme of the shared term (``base_lr_shared`` or ``full_shared``).
+        producer: how the producer role is drawn: ``random`` among the other roles, or ``next`` (role id + 1).
+        shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece, as in the agent
+            loop) or ``last_token`` (only the last input token).
+        val_schemes: schemes evaluated through the shared-cache path during validation.
+    """
+
+    role_lr: dict[str, float]
+    shared_a_lr: float
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.0
+    lambda_shared: float = 0.0
+    shared_scheme: str = Scheme.BASE_LR_SHARED.value
+    producer: str = "random"
+    shared_split: str = "piece"
+    val_schemes: tuple[str, ...] = SHARED_SCHEMES
+
+    def __post_init__(self) -> None:
+        for role, lr in self.role_lr.items():
+            if not lr > 0:
+                raise ValueError(f"learning rate of role {role!r} must be > 0, got {lr!r}")
+        if not self.shared_a_lr > 0:
+            raise ValueError(f"shared_a_lr must be > 0, got {self.shared_a_lr!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"betas must be two values in [0, 1), got {self.betas!r}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0 <= self.lambda_shared <= 1:
+            raise ValueError(f"lambda_shared must be in [0, 1], got {self.lambda_shared!r}")
+        for scheme in (self.shared_scheme, *self.val_schemes):
+            if Scheme.parse(scheme).value not in SHARED_SCHEMES:
+                raise ValueError(
+                    f"scheme {scheme!r} cannot be trained or validated through the shared-cache path: "
+                    f"allowed {', '.join(SHARED_SCHEMES)}"
+                )
+        if self.producer not in PRODUCER_MODES:
+            raise ValueError(f"producer {self.producer!r} not supported: allowed {', '.join(PRODUCER_MODES)}")
+        if self.shared_split not in SPLIT_MODES:
+            raise ValueError(f"shared_split {self.shared_split!r} not supported: allowed {', '.join(SPLIT_MODES)}")
+
+
+def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.0) -> float:
+    """Learning-rate factor: linear warmup over ``warmup`` steps, then cosine from 1 to ``min_ratio`` at ``total``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross entropy of unshifted labels.
+
+    Args:
+        logits: ``(B, T, V)``; position t predicts token t + 1.
+        labels: ``(B, T)`` token ids, ``-100`` where no loss is taken.
+
+    Returns:
+        ``(loss, n)``: the mean over supervised tokens (0 when there are none) and their count.
+    """
+    shift_labels = labels[:, 1:]
+    n = (shift_labels != IGNORE_INDEX).sum()
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss / n.clamp_min(1), n
+
+
+def split_for_sharing(batch: dict[str, torch.Tensor], split: torch.Tensor, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Cuts every sequence at ``split``: the part before goes to the shared cache, the rest to the consumer.
+
+    Args:
+        batch: ``input_ids``, ``labels``, ``attention_mask`` ``(B, T)`` right-padded, ``lengths`` ``(B,)``.
+        split: ``(B,)`` tokens of each sequence encoded by the producer, ``0 <= split < context_len``.
+        pad_id: id written at padding positions.
+
+    Returns:
+        ``context_ids``/``context_mask`` ``(B, Tc)`` left-padded, ``target_ids``/``target_mask``/``target_labels``
+        ``(B, Tt)`` right-padded, with ``Tc = max(split)`` and ``Tt = max(lengths - split)``.
+    """
+    ids, labels, lengths = batch["input_ids"], batch["labels"], batch["lengths"]
+    b, t = ids.shape
+    tc = int(split.max())
+    tt = int((lengths - split).max())
+    j = torch.arange(tc, device=ids.device)[None]  # (1, Tc)
+    src = j - (tc - split[:, None])  # (B, Tc): source position, negative on the left padding
+    ctx_mask = src >= 0
+    context_ids = torch.where(ctx_mask, ids.gather(1, src.clamp(0, t - 1)), pad_id)
+    j = torch.arange(tt, device=ids.device)[None]  # (1, Tt)
+    src = (split[:, None] + j).clamp(max=t - 1)  # (B, Tt)
+    tgt_mask = j < (lengths - split)[:, None]
+    return {
+        "context_ids": context_ids,
+        "context_mask": ctx_mask.long(),
+        "target_ids": torch.where(tgt_mask, ids.gather(1, src), pad_id),
+        "target_mask": tgt_mask.long(),
+        "target_labels": torch.where(tgt_mask, labels.gather(1, src), IGNORE_INDEX),
+        "target_pos": src,
+    }
+
+
+class MultiLoraModule(LightningModule):
+    """Trains per-role LoRA adapters (shared A by default) on a frozen base causal LM.
+
+    Args:
+        model_name: base model: ``default`` (the embedded SmolLM2-135M-Instruct), a hub name or local directory, or
+            a named random architecture of :mod:`lragent.models` (e.g. ``tiny-llama``, for tests).
+        tokenizer_name: tokenizer to use when it is not the model's own (``byte``: the offline byte tokenizer, for
+            random architectures); ``None``: the model's. Linked to the data module's tokenizer by the CLI.
+        model_overrides: config fields changed for a named random architecture (e.g. ``{"vocab_size": 258}``).
+        model_seed: seed of a random architecture's weights.
+        roles: role names in adapter order (role id = position); linked to the data module.
+        rank: LoRA rank r.
+        alpha: LoRA alpha (scaling alpha / r).
+        dropout: dropout on the adapter input.
+        targets: linear layers (per decoder layer) that get adapters, e.g. ``[q_proj, v_proj]``.
+        shared_a: one A shared by all roles; False: one A per role (conventional multi-LoRA).
+        adapter_seed: seed of the adapter init (A Kaiming-uniform, B zero).
+        lr: learning rate of every role not in ``role_lr``.
+        role_lr: per-role learning rates; ``None``: the paper's (plan 5e-5, action/reflect 6e-5) for those roles.
+        shared_a_lr: learning rate of the shared A; ``None``: ``lr``.
+        weight_decay: AdamW weight decay.
+        warmup_ratio: share of the optimizer steps with linear warmup.
+        min_lr_ratio: cosine floor as a share of the peak lr.
+        lambda_shared: weight λ of the cache-sharing-aware term (0: plain multi-LoRA training).
+        shared_scheme: scheme of the shared term: ``base_lr_shared`` (needs shared A) or ``full_shared``.
+        producer: ``random`` (among the other roles, seeded by the step) or ``next`` (role id + 1).
+        shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece) or ``last_token``.
+        val_schemes: schemes validated through the shared-cache path; ``None``: ``base_lr_shared`` (with shared
+            A) and ``full_shared``.
+        producer_seed: seed of the producer draws.
+    """
+
+    def __init__(
+        self,
+        model_name: str = "default",
+        tokenizer_name: str | None = None,
+        model_overrides: dict[str, Any] | None = None,
+        model_seed: int = 0,
+        roles: list[str] | None = None,
+        rank: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.05,
+        targets: list[str] | None = None,
+        shared_a: bool = True,
+        adapter_seed: int = 0,
+        lr: float = 6e-5,
+        role_lr: dict[str, float] | None = None,
+        shared_a_lr: float | None = None,
+        weight_decay: float = 0.0,
+        warmup_ratio: float = 0.05,
+        min_lr_ratio: float = 0.0,
+        lambda_shared: float = 0.0,
+        shared_scheme: str = "base_lr_shared",
+        producer: str = "random",
+        shared_split: str = "piece",
+        val_schemes: list[str] | None = None,
+        producer_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        roles = list(DEFAULT_ROLES) if roles is None else list(roles)
+        self.lora_config = MultiLoraConfig(
+            roles=tuple(roles),
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            targets=("q_proj", "v_proj") if targets is None else tuple(targets),
+            shared_a=shared_a,
+        )
+        unknown = [r for r in (role_lr or {}) if r not in roles]
+        if unknown:
+            raise ValueError(f"unknown role {unknown[0]!r} in role_lr: roles are {', '.join(roles)}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        defaults = {r: PAPER_ROLE_LR.get(r, lr) for r in roles} if role_lr is None else dict.fromkeys(roles, lr)
+        if val_schemes is None:
+            val_schemes = list(SHARED_SCHEMES) if shared_a else [Scheme.FULL_SHARED.value]
+        self.train_config = TrainingConfig(
+            role_lr={**defaults, **(role_lr or {})},
+            shared_a_lr=lr if shared_a_lr is None else shared_a_lr,
+            weight_decay=weight_decay,
+            warmup_ratio=warmup_ratio,
+            min_lr_ratio=min_lr_ratio,
+            lambda_shared=lambda_shared,
+            shared_scheme=shared_scheme,
+            producer=producer,
+            shared_split=shared_split,
+            val_schemes=tuple(val_schemes),
+        )
+        if not shared_a:
+            for scheme in (shared_scheme if lambda_shared > 0 else None, *val_schemes):
+                if scheme == Scheme.BASE_LR_SHARED.value:
+                    raise ValueError("scheme base_lr_shared needs shared A: set shared_a: true or use full_shared")
+        self.roles = roles
+        self.lora_model = None  # built in configure_model (so that parsing a config does not load the model)
+        self.pad_id = 0
+        self.strict_loading = False  # checkpoints hold the adapters only; the frozen base comes from model_name
+        self.val_metrics = torch.nn.ModuleDict()
+        for role in roles:
+            for part in ["plain", *self.train_config.val_schemes]:
+                for metric in ("loss", "acc") + (("kl",) if part != "plain" else ()):
+                    self.val_metrics[f"{role}__{part}__{metric}"] = MeanMetric()
+        self.val_metrics["all__plain__loss"] = MeanMetric()
+        for scheme in self.train_config.val_schemes:
+            self.val_metrics[f"all__{scheme}__loss"] = MeanMetric()
+
+    # ---- model ----------------------------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Loads the base model and injects the adapters (once)."""
+        if self.lora_model is not None:
+            return
+        from lragent.lora_model import MultiLoraModel
+        from lragent.models import load_model
+
+        hf_model, tok = load_model(
+            self.hparams.model_name, overrides=self.hparams.model_overrides, seed=self.hparams.model_seed
+        )
+        if self.hparams.tokenizer_name is not None:
+            from datamodules.role_examples import resolve_tokenizer
+
+            tok = resolve_tokenizer(self.hparams.tokenizer_name)
+        if tok is not None:
+            if len(tok) > hf_model.config.vocab_size:
+                raise ValueError(
+                    f"tokenizer has {len(tok)} tokens but model {self.hparams.model_name!r} only "
+                    f"{hf_model.config.vocab_size} embeddings"
+                )
+            self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        with torch.random.fork_rng():
+            torch.manual_seed(self.hparams.adapter_seed)
+            self.lora_model = MultiLoraModel(hf_model, self.lora_config)
+            self.lora_model.init_adapters("zero", seed=self.hparams.adapter_seed)
+        self.lora_model.model.train()
+
+    def forward(
+        self, input_ids: torch.Tensor, role_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Plain multi-LoRA logits ``(B, T, V)`` for ``input_ids`` ``(B, T)`` and ``role_ids`` ``(B,)``."""
+        return self.lora_model(input_ids, role_ids, attention_mask=attention_mask)
+
+    # ---- losses ---------------------------------------------------------------------------------------------------
+    def draw_producers(self, consumers: torch.Tensor, seed: int) -> torch.Tensor:
+        """A producer role for every consumer ``(B,)``: a different role (the same one when there is only one)."""
+        n = len(self.roles)
+        if n == 1:
+            return consumers.clone()
+        if self.train_config.producer == "next":
+            return (consumers + 1) % n
+        g = torch.Generator().manual_seed(seed)
+        offset = torch.randint(1, n, consumers.shape, generator=g).to(consumers.device)
+        return (consumers + offset) % n
+
+    def shared_split(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(B,)`` tokens of each sequence that come from the shared cache (see ``shared_split``)."""
+        if self.train_config.shared_split == "piece":
+            return batch["prefix_len"]
+        return batch["context_len"] - 1
+
+    def shared_logits(
+        self, batch: dict[str, torch.Tensor], producers: torch.Tensor, scheme: str
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Consumer logits over the target part ``(B, Tt, V)`` with the context encoded by ``producers``."""
+        parts = split_for_sharing(batch, self.shared_split(batch), self.pad_id)
+        if parts["context_ids"].shape[1] == 0:  # nothing is shared in this batch: the consumer encodes everything
+            logits = self.lora_model(parts["target_ids"], batch["role_ids"], attention_mask=parts["target_mask"])
+        else:
+            logits = self.lora_model.shared_context_forward(
+                parts["context_ids"], parts["context_mask"], parts["target_ids"], parts["target_mask"],
+                producers, batch["role_ids"], scheme=scheme,
+            )  # fmt: skip
+        return logits, parts
+
+    def compute_loss(self, batch: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+        """``(1 - λ) · plain + λ · shared`` (terms with weight 0 are not computed).
+
+        Returns:
+            ``loss`` and the terms that were computed (``plain``, ``shared``), all scalars.
+        """
+        lam = self.train_config.lambda_shared
+        out: dict[str, torch.Tensor] = {}
+        loss = 0.0
+        if lam < 1:
+            logits = self(batch["input_ids"], batch["role_ids"], batch["attention_mask"])
+            out["plain"], _ = token_loss(logits, batch["labels"])
+            loss = loss + (1 - lam) * out["plain"]
+        if lam > 0:
+            producers = self.draw_producers(batch["role_ids"], seed)
+            logits, parts = self.shared_logits(batch, producers, self.train_config.shared_scheme)
+            out["shared"], _ = token_loss(logits, parts["target_labels"])
+            loss = loss + lam * out["shared"]
+        out["loss"] = loss
+        return out
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.compute_loss(batch, seed=self.hparams.producer_seed * 1_000_003 + self.global_step)
+        bs = batch["input_ids"].shape[0]
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=bs)
+        for name in ("plain", "shared"):
+            if name in out:
+                self.log(f"train/{name}_loss", out[name], batch_size=bs)
+        return out["loss"]
+
+    # ---- validation -----------------------------------------------------------------------------------------------
+    def _update_role_metrics(
+        self, part: str, role_ids: torch.Tensor, nll: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor,
+        kl: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Adds token-level values ``(B, T')`` under ``mask`` to the per-role metrics of ``part``."""
+        self.val_metrics[f"all__{part}__loss"].update(nll[mask])
+        for rid, role in enumerate(self.roles):
+            m = mask & (role_ids == rid)[:, None]
+            if not m.any():
+                continue
+            self.val_metrics[f"{role}__{part}__loss"].update(nll[m])
+            self.val_metrics[f"{role}__{part}__acc"].update(correct[m].float())
+            if kl is not None:
+                self.val_metrics[f"{role}__{part}__kl"].update(kl[m])
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits = self(batch["input_ids"], batch["role_ids"], batch["attention_mask"])
+        labels = batch["labels"][:, 1:]
+        mask = labels != IGNORE_INDEX
+        logp_plain = logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
+        safe = labels.clamp_min(0)[..., None]
+        nll = -logp_plain.gather(-1, safe)[..., 0]
+        self._update_role_metrics("plain", batch["role_ids"], nll, logp_plain.argmax(-1) == labels, mask)
+        producers = self.draw_producers(batch["role_ids"], seed=self.hparams.producer_seed * 1_000_003 + batch_idx)
+        for scheme in self.train_config.val_schemes:
+            s_logits, parts = self.shared_logits(batch, producers, scheme)
+            s_labels = parts["target_labels"][:, 1:]
+            s_mask = s_labels != IGNORE_INDEX
+            logp_s = s_logits[:, :-1].float().log_softmax(-1)  # (B, Tt-1, V)
+            s_nll = -logp_s.gather(-1, s_labels.clamp_min(0)[..., None])[..., 0]
+            # The plain log-probs of the same predictions: target position j is full position split + j.
+            pos = parts["target_pos"][:, :-1]  # (B, Tt-1)
+            lp = logp_plain.gather(
+                1, pos.clamp(max=logp_plain.shape[1] - 1)[..., None].expand(-1, -1, logp_s.shape[-1])
+            )
+            kl = (lp.exp() * (lp - logp_s)).sum(-1)  # KL(plain || shared), (B, Tt-1)
+            self._update_role_metrics(scheme, batch["role_ids"], s_nll, logp_s.argmax(-1) == s_labels, s_mask, kl)
+
+    def on_validation_epoch_end(self) -> None:
+        for key, metric in self.val_metrics.items():
+            if not metric.update_called:
+                continue
+            role, part, name = key.split("__")
+            if role == "all":
+                tag = "val/loss" if part == "plain" else f"val/{part}/loss"
+            else:
+                tag = f"val/{role}/{name}" if part == "plain" else f"val/{role}/{part}/{name}"
+            self.log(tag, metric.compute(), prog_bar=tag == "val/loss")
+            metric.reset()
+
+    # ---- optimisation ---------------------------------------------------------------------------------------------
+    def param_groups(self) -> list[dict[str, Any]]:
+        """AdamW parameter groups: ``shared_a`` (with shared A) and one per role, each with its lr."""
+        groups = []
+        for name, params in self.lora_model.lora_parameter_groups().items():
+            lr = self.train_config.shared_a_lr if name == "shared_a" else self.train_config.role_lr[name]
+            groups.append({"params": params, "lr": lr, "name": name, "weight_decay": self.train_config.weight_decay})
+        return groups
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        cfg = self.train_config
+        optimizer = torch.optim.AdamW(self.param_groups(), betas=cfg.betas, eps=cfg.eps)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = math.ceil(cfg.warmup_ratio * total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, total, warmup, cfg.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def adapter_state_keys(self) -> set[str]:
+        """State-dict keys of the adapter parameters."""
+        ids = {id(p) for p in self.lora_model.lora_parameters()}
+        return {k for k, p in self.named_parameters() if id(p) in ids}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keeps only the adapters (and metric states) of the state dict: the frozen base is reloaded."""
+        keep = self.adapter_state_keys()
+        checkpoint["state_dict"] = {
+            k: v for k, v in checkpoint["state_dict"].items() if k in keep or not k.startswith("lora_model.")
+        }
+        checkpoint["lora_config"] = self.lora_config.to_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuses a checkpoint that lacks some adapter weights (loading is otherwise non-strict)."""
+        if self.lora_model is None:
+            self.configure_model()
+        missing = sorted(self.adapter_state_keys() - set(checkpoint["state_dict"]))
+        if missing:
+            raise ValueError(f"checkpoint has no weights for {len(missing)} adapter tensors, e.g. {missing[0]}")
