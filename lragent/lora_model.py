@@ -142,6 +142,10 @@ class MultiLoraModel(nn.Module):
         role_ids = self._role_tensor(role_ids, b, input_ids.device)
         if position_ids is None and attention_mask is not None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        if attention_mask is not None and bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+            # Right padding only: the causal mask already keeps real tokens off the trailing padding, so plain
+            # causal attention (flash kernels) gives the same outputs at every real position.
+            attention_mask = None
         return self.engine.forward(input_ids, role_ids, positions=position_ids, key_mask=attention_mask)
 
     def shared_context_forward(
