@@ -62,6 +62,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     if key_mask is None and q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = attention_mask(q_len, k_len, key_mask, q.device)
+    if gqa and mask is not None and q.is_cuda:
+        # Masked GQA would go to cuDNN's kernel, which failed on an H200 (mha_graph.execute); expanded KV heads take
+        # the memory-efficient kernel instead. Same values.
+        group = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 

@@ -102,9 +102,13 @@ class MultiLoraModel(nn.Module):
         for m in self._lora.values():
             for a in m.lora_A:
                 bound = 1.0 / a.shape[1] ** 0.5
-                a.copy_((torch.rand(a.shape, generator=gen) * 2 - 1) * bound)
+                # explicit CPU: the RNG is a CPU generator even under a default-device context (Lightning's)
+                a.copy_((torch.rand(a.shape, generator=gen, device="cpu") * 2 - 1) * bound)
             for b in m.lora_B:
-                b.copy_(torch.randn(b.shape, generator=gen) * b_std if mode == "random" else torch.zeros(b.shape))
+                if mode == "random":
+                    b.copy_(torch.randn(b.shape, generator=gen, device="cpu") * b_std)
+                else:
+                    b.zero_()
 
     # ---- forwards -----------------------------------------------------------------------------------------------
     def _role_tensor(self, role_ids: torch.Tensor | list | None, batch: int, device: torch.device) -> torch.Tensor:

@@ -4,7 +4,7 @@
 # Usage inside a device command: source scripts/device_model.sh
 set -u
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+  [ -d /tmp/site/jsonargparse ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 mkdir -p /tmp/gguf
 [ -f .gguf1/part00 ] && cp .gguf1/part00 /tmp/gguf/

@@ -70,10 +70,13 @@ def main() -> int:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--pack", default=None)
+    p.add_argument("--only", default="", help="train only runs whose name contains this")
     args = p.parse_args()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     procs = []
     for name, ds, shared, lam in variants():
+        if args.only not in name:
+            continue
         cfg = make_config(name, ds, shared, lam, args.epochs, args.max_time, args.max_length)
         cmd = [sys.executable, "cli.py", "fit", "--config", str(cfg)]
         if args.resume and (RUNS / name / "checkpoints" / "last.ckpt").is_file():
@@ -81,7 +84,7 @@ def main() -> int:
         log = open(RUNS / name / ("fit_resume.log" if args.resume else "fit.log"), "w")
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         procs.append((name, proc, time.time()))
-    if not args.resume:  # the untrained model (B = 0) through the same validation
+    if not args.resume and not args.only:  # the untrained model (B = 0) through the same validation
         for ds in ("hotpotqa", "scienceqa"):
             cfg = RUNS / f"{ds}_sharedA_lam0" / "config.yaml"
             out = RUNS / f"{ds}_untrained"
