@@ -3,6 +3,9 @@
     python cli.py fit|validate|test --config configs/<name>.yaml   # training (LightningCLI)
     python cli.py export --ckpt CKPT --out DIR                     # adapters out of a checkpoint
     python cli.py session --scheme S --out result.json             # one multi-agent schedule under a scheme
+    python cli.py eval --benchmark hotpotqa --scheme all --adapters DIR   # agents on HotpotQA / ScienceQA
+    python cli.py fidelity --benchmark hotpotqa --adapters DIR            # KL / top-1 agreement vs non_shared
+    python cli.py droidspeak-select --benchmark hotpotqa --adapters DIR   # DroidSpeak recompute layers
     python cli.py bench kernel                                      # Flash-LoRA-Attention micro-benchmark
 
 This file only wires: each command lives in its own module and is imported when it is used.
@@ -20,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("eval_suite.run_eval", "main"),
     "fidelity": ("eval_suite.fidelity", "main"),
     "similarity": ("eval_suite.similarity", "main"),
+    "droidspeak-select": ("eval_suite.droidspeak_select", "main"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("kernels.bench", "main"),
