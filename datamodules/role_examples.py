@@ -26,8 +26,9 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lragent.agents.prompts import last_piece_start
+
 IGNORE_INDEX = -100
-RESPONSE_MARKER = "### Response:\n"
 LOCAL_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 
@@ -183,22 +184,6 @@ def read_records(spec: str | Path) -> list[RoleRecord]:
 
 
 # -------------------------------------------------------------------------------------------------------- tokenising
-
-
-def last_piece_start(text: str, marker: str = RESPONSE_MARKER) -> int:
-    """Character index where the text appended after the previous model output starts (0: there is none).
-
-    In the agent loop every model call follows a response marker and stops at a newline, and the runtime then
-    appends a new piece (observation, next marker) that the *next* caller prefills itself; everything before that
-    piece is already in the shared cache. For ``"...### Response:\nprevious output\nAction: \n### Response:\n"``
-    the piece is ``"\nAction: \n### Response:\n"``.
-    """
-    end = len(text) - len(marker) if text.endswith(marker) else len(text)
-    prev = text.rfind(marker, 0, end)
-    if prev < 0:
-        return 0
-    newline = text.find("\n", prev + len(marker))
-    return len(text) if newline < 0 else newline
 
 
 def special_token_layout(tokenizer: Any) -> tuple[int, int]:

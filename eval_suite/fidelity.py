@@ -41,12 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from eval_suite.report import markdown_table, write_json, write_text
+from lragent.agents.prompts import last_piece_start
 from lragent.lora_model import MultiLoraModel
 from lragent.schemes import SCHEMES
 from lragent.session import MultiAgentSession
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-RESPONSE_MARKER = "### Response:\n"
 SHARED_SPLITS: tuple[str, ...] = ("last", "piece")
 
 
@@ -80,20 +80,6 @@ class FidelityExample:
         if mode not in SHARED_SPLITS:
             raise ValueError(f"shared split {mode!r} unknown: allowed {', '.join(SHARED_SPLITS)}")
         return self.context_len - 1 if mode == "last" else self.prefix_len
-
-
-def last_piece_start(text: str, marker: str = RESPONSE_MARKER) -> int:
-    """Character index where the prompt piece appended after the previous model output starts (0: none).
-
-    Same rule as the training data module: for ``"...### Response:\\nprev output\\nAction: \\n### Response:\\n"``
-    the piece is ``"\\nAction: \\n### Response:\\n"``.
-    """
-    end = len(text) - len(marker) if text.endswith(marker) else len(text)
-    prev = text.rfind(marker, 0, end)
-    if prev < 0:
-        return 0
-    newline = text.find("\n", prev + len(marker))
-    return len(text) if newline < 0 else newline
 
 
 def _leading_specials(tokenizer: Any) -> int:
@@ -365,16 +351,9 @@ def validate_common(args: argparse.Namespace) -> None:
 
 def build_model(args: argparse.Namespace) -> tuple[MultiLoraModel, Any]:
     """Model and tokenizer for the CLI (adapters loaded or initialised), checked against ``--producer``."""
-    from eval_suite.session_runner import build_model as _build
+    from eval_suite.session_runner import model_from_args
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r} but CUDA is not available: allowed cpu")
-    ns = argparse.Namespace(
-        adapters=args.adapters, rank=args.rank, alpha=args.alpha, independent_a=False, model=args.model,
-        dtype=args.dtype, device=device, adapter_init=args.adapter_init, seed=args.seed,
-    )  # fmt: skip
-    model, tokenizer = _build(ns)
+    model, tokenizer = model_from_args(args)
     if args.producer != "next" and args.producer not in model.router.roles:
         raise ValueError(f"--producer {args.producer!r} unknown: allowed next or {', '.join(model.router.roles)}")
     return model, tokenizer

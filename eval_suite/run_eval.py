@@ -578,19 +578,10 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def build_policy_factory(args: argparse.Namespace) -> Callable[[str, int], Policy]:
     """Loads the model and adapters once; returns ``(scheme, seed) -> SessionPolicy``."""
-    import torch
-
-    from eval_suite.session_runner import build_model
+    from eval_suite.session_runner import model_from_args
     from lragent.agents import SessionPolicy
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r} but CUDA is not available: allowed cpu")
-    ns = argparse.Namespace(
-        adapters=args.adapters, rank=args.rank, alpha=args.alpha, independent_a=False, model=args.model,
-        dtype=args.dtype, device=device, adapter_init=args.adapter_init, seed=args.seed,
-    )  # fmt: skip
-    model, tokenizer = build_model(ns)
+    model, tokenizer = model_from_args(args)
     layers = load_droidspeak_config(args.droidspeak_config) if args.droidspeak_config else None
 
     def factory(scheme: str, seed: int) -> Policy:

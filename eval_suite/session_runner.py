@@ -114,6 +114,26 @@ def build_model(args: argparse.Namespace) -> tuple[MultiLoraModel, object]:
     return model.eval(), tokenizer
 
 
+def model_from_args(args: argparse.Namespace) -> tuple[MultiLoraModel, object]:
+    """:func:`build_model` for any command's arguments (``model``, ``adapters``, ``adapter_init``, ``seed``, ``rank``,
+    ``alpha``, ``dtype``, ``device``; ``device`` None picks CUDA when there is one)."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} but CUDA is not available: allowed cpu")
+    ns = argparse.Namespace(
+        adapters=args.adapters,
+        rank=args.rank,
+        alpha=args.alpha,
+        independent_a=getattr(args, "independent_a", False),
+        model=args.model,
+        dtype=args.dtype,
+        device=device,
+        adapter_init=args.adapter_init,
+        seed=args.seed,
+    )
+    return build_model(ns)
+
+
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))

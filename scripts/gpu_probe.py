@@ -52,7 +52,7 @@ for b, t in [(4, 2048), (8, 1024)]:
     loss.backward()
     torch.cuda.synchronize()
     print(f"shared B={b} T={t}: {time.time() - t0:.2f}s peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    for i in range(3):
+    for _ in range(3):
         t0 = time.time()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = m(ids, torch.zeros(b, dtype=torch.long, device=dev), attention_mask=torch.ones_like(ids))
