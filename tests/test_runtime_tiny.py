@@ -255,3 +255,29 @@ def test_truncate_rolls_back_caches():
     s.append(list(range(13, 20)))  # the same 17 tokens as before
     r2 = s.step("plan", max_new_tokens=3, return_logits=True)
     assert r2.generated_ids == r1.generated_ids
+
+
+@pytest.mark.parametrize("scheme", ["base_lr_shared", "full_shared"])
+def test_shared_term_forward_equals_session_logits(scheme):
+    """The training-time shared forward (batched, left-padded context) equals what the session computes when a
+    producer encodes the context and the consumer then processes the target, for the same scheme."""
+    model = model_for("tiny-llama")
+    contexts = [list(range(10, 27)), list(range(40, 49))]  # different lengths: left padding in the batch
+    targets = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    producers, consumers = ["reflect", "plan"], ["action", "reflect"]
+    tc = max(map(len, contexts))
+    ctx = torch.tensor([[0] * (tc - len(c)) + c for c in contexts])
+    ctx_mask = torch.tensor([[0] * (tc - len(c)) + [1] * len(c) for c in contexts])
+    tgt = torch.tensor(targets)
+    batched = model.shared_context_forward(ctx, ctx_mask, tgt, torch.ones_like(tgt), producers, consumers, scheme)
+    for i in range(2):
+        s = MultiAgentSession(model, scheme, eos_token_ids=[])
+        s.append(contexts[i])
+        s.step(producers[i], max_new_tokens=0)
+        s.append(targets[i])
+        res = s.step(consumers[i], max_new_tokens=0, return_logits=True)
+        assert res.logit_positions == list(range(len(contexts[i]), len(contexts[i]) + 4))
+        assert (batched[i] - res.logits).abs().max() <= 1e-4
+    # and the shared forward is not the plain forward of the consumer (the producer's cache matters)
+    plain = model(torch.tensor([contexts[0] + targets[0]]), [consumers[0]])[0, len(contexts[0]) :]
+    assert (plain - batched[0]).abs().max() > 1e-3
