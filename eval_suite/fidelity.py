@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from eval_suite.report import markdown_table, write_json, write_text
+from eval_suite.session_runner import add_model_args, model_from_args
 from lragent.agents.prompts import last_piece_start
 from lragent.lora_model import MultiLoraModel
 from lragent.schemes import SCHEMES
@@ -304,11 +305,7 @@ def render_markdown(result: dict, title: str = "Fidelity against non_shared") ->
 def add_common_args(p: argparse.ArgumentParser) -> None:
     """Model, adapter and example arguments shared by ``fidelity`` and ``droidspeak_select``."""
     p.add_argument("--benchmark", default="hotpotqa", help="hotpotqa or scienceqa (its role example files)")
-    p.add_argument("--adapters", default=None, help="adapter directory (native checkpoint or PEFT role dirs)")
-    p.add_argument("--adapter-init", default=None, help="zero or random (when no --adapters)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank for --adapter-init")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha for --adapter-init")
-    p.add_argument("--model", default="default", help="default (embedded SmolLM2-135M-Instruct), a hub name or dir")
+    add_model_args(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the adapter init and of the example draw")
     p.add_argument("--holdout", type=int, default=100, help="held-out tail of each role file")
     p.add_argument("--limit", type=int, default=20, help="examples per role drawn from the held-out tail")
@@ -351,8 +348,6 @@ def validate_common(args: argparse.Namespace) -> None:
 
 def build_model(args: argparse.Namespace) -> tuple[MultiLoraModel, Any]:
     """Model and tokenizer for the CLI (adapters loaded or initialised), checked against ``--producer``."""
-    from eval_suite.session_runner import model_from_args
-
     model, tokenizer = model_from_args(args)
     if args.producer != "next" and args.producer not in model.router.roles:
         raise ValueError(f"--producer {args.producer!r} unknown: allowed next or {', '.join(model.router.roles)}")

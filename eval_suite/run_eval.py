@@ -505,15 +505,13 @@ def load_droidspeak_config(path: str | Path) -> list[int]:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from eval_suite.session_runner import add_model_args
+
     p = argparse.ArgumentParser(prog="cli.py eval", description=__doc__.splitlines()[0])
     p.add_argument("--benchmark", default="hotpotqa", help="hotpotqa or scienceqa")
     p.add_argument("--levels", nargs="+", default=None, help="easy medium hard / 1-4 5-8 9-12 (default all three)")
     p.add_argument("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or all")
-    p.add_argument("--adapters", default=None, help="adapter directory (native checkpoint or PEFT role dirs)")
-    p.add_argument("--adapter-init", default=None, help="zero (the untrained row) or random (demo), without --adapters")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank for --adapter-init")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha for --adapter-init")
-    p.add_argument("--model", default="default", help="default (embedded SmolLM2-135M-Instruct), a hub name or dir")
+    add_model_args(p)
     p.add_argument("--runs", type=int, default=1, help="repetitions per question (mean ± std over runs)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="base seed (adapter init and per-episode sampling seeds)")

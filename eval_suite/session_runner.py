@@ -183,14 +183,19 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def add_model_args(p: argparse.ArgumentParser, adapter_init: str | None = None) -> None:
+    """The model and adapter options every command that runs agents shares (read by :func:`model_from_args`)."""
+    p.add_argument("--model", default="default", help="default (embedded SmolLM2-135M-Instruct), a hub name or dir")
+    p.add_argument("--adapters", default=None, help="adapter directory (native checkpoint or PEFT role dirs)")
+    p.add_argument("--adapter-init", default=adapter_init, help="zero (untrained) or random (demo), without --adapters")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank for --adapter-init")
+    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha for --adapter-init")
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cli.py session", description=__doc__.splitlines()[0])
     p.add_argument("--scheme", default="base_lr_shared", help=f"one of {', '.join(SCHEMES)}")
-    p.add_argument("--model", default="default", help="default (embedded SmolLM2-135M-Instruct), a hub name or dir")
-    p.add_argument("--adapters", default=None, help="adapter directory (native checkpoint or PEFT role dirs)")
-    p.add_argument("--adapter-init", default="random", help="zero or random (when no --adapters)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank for --adapter-init")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha for --adapter-init")
+    add_model_args(p, adapter_init="random")
     p.add_argument("--independent-a", action="store_true", help="one A per role (conventional multi-LoRA)")
     p.add_argument("--schedule", default="agent", help=f"one of {', '.join(SCHEDULES)}")
     p.add_argument("--question", type=int, default=0, help="index of the HotpotQA (easy) dev question")
