@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a hub name that is neither local nor reachable
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: could not load model {args.model!r}: {first}", file=sys.stderr)
+        return 2
     total = sum(s["prefill_tokens"] + len(s["generated_ids"]) for s in result["steps"])
     print(
         f"{result['scheme']}: {len(result['steps'])} steps, {total} processed tokens, "
