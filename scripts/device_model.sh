@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# GPU device helper (this workplace's device tool): stages the embedded GGUF, which is larger than one call
-# carries, in two halves (.gguf1 in one call, .gguf2 in the next), and installs carried wheels.
+# GPU device helper (this workplace's device tool). The embedded GGUF (98,362,432 bytes) is larger than one call
+# carries next to the repo (64 MiB in all, and the repo with data/adapters is ~40 MB), so it travels in parts:
+#   split -b 22000000 -d "$(python -c 'from lragent.models import embedded_gguf_path as p; print(p())')" part
+#   then put part00, part01, part02, ... each in its own git-ignored folder (.gguf1, .gguf2, ...), and carry one
+#   folder per call while the machine stays warm; this script collects the parts in /tmp/gguf and joins them once
+#   all bytes are there. It also installs carried wheels (.whl: gguf, jsonargparse[signatures]).
 # Usage inside a device command: source scripts/device_model.sh
 set -u
+GGUF_BYTES=98362432
 if ls .whl/*.whl >/dev/null 2>&1; then
-  [ -d /tmp/site/jsonargparse ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+  [ -d /tmp/site/jsonargparse ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
 fi
 mkdir -p /tmp/gguf
-[ -f .gguf1/part00 ] && cp .gguf1/part00 /tmp/gguf/
-[ -f .gguf2/part01 ] && cp .gguf2/part01 /tmp/gguf/
-if [ -f /tmp/gguf/part00 ] && [ -f /tmp/gguf/part01 ] && [ ! -f /tmp/gguf/model.gguf ]; then
-  cat /tmp/gguf/part00 /tmp/gguf/part01 > /tmp/gguf/model.gguf
+for f in .gguf*/part*; do [ -f "$f" ] && cp "$f" /tmp/gguf/; done
+if [ ! -f /tmp/gguf/model.gguf ] && [ "$(cat /tmp/gguf/part* 2>/dev/null | wc -c)" = "$GGUF_BYTES" ]; then
+  cat /tmp/gguf/part* > /tmp/gguf/model.gguf
 fi
 [ -f /tmp/gguf/model.gguf ] && export LRAGENT_EMBEDDED_GGUF=/tmp/gguf/model.gguf
 export LRAGENT_CACHE=/tmp/lragent_cache PYTHONUNBUFFERED=1
