@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from eval_suite.report import markdown_table, write_json, write_text
-from eval_suite.session_runner import add_model_args, model_from_args
+from eval_suite.session_runner import add_model_args, model_from_args, validate_model_args
 from lragent.agents.prompts import last_piece_start
 from lragent.lora_model import MultiLoraModel
 from lragent.schemes import SCHEMES
@@ -331,12 +331,7 @@ def validate_common(args: argparse.Namespace) -> None:
     """Checks the shared arguments; raises ValueError / FileNotFoundError with one-line messages."""
     if args.benchmark not in ("hotpotqa", "scienceqa"):
         raise ValueError(f"unknown benchmark {args.benchmark!r}: allowed hotpotqa, scienceqa")
-    if bool(args.adapters) == bool(args.adapter_init):
-        raise ValueError("give exactly one of --adapters DIR and --adapter-init {zero,random}")
-    if args.adapter_init not in (None, "zero", "random"):
-        raise ValueError(f"--adapter-init {args.adapter_init!r} not supported: allowed zero, random")
-    if args.adapters and not Path(args.adapters).is_dir():
-        raise FileNotFoundError(f"--adapters {args.adapters!r}: no such directory")
+    validate_model_args(args, exactly_one=True)
     for name in ("holdout", "limit", "rank"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")

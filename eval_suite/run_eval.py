@@ -546,6 +546,8 @@ def _adapters_label(args: argparse.Namespace) -> str:
 
 def validate(args: argparse.Namespace) -> list[str]:
     """Checks the arguments; returns the schemes to run. Raises ValueError / FileNotFoundError (one line)."""
+    from eval_suite.session_runner import validate_model_args
+
     if args.merge is not None:
         return []
     if args.benchmark not in BENCHMARK_LEVELS:
@@ -553,12 +555,7 @@ def validate(args: argparse.Namespace) -> list[str]:
     for lv in args.levels or ():
         parse_level(args.benchmark, lv)
     schemes = parse_schemes(args.scheme)
-    if bool(args.adapters) == bool(args.adapter_init):
-        raise ValueError("give exactly one of --adapters DIR and --adapter-init {zero,random}")
-    if args.adapter_init not in (None, "zero", "random"):
-        raise ValueError(f"--adapter-init {args.adapter_init!r} not supported: allowed zero, random")
-    if args.adapters and not Path(args.adapters).is_dir():
-        raise FileNotFoundError(f"--adapters {args.adapters!r}: no such directory")
+    validate_model_args(args, exactly_one=True)
     if args.adapter_init == "zero":
         if args.scheme not in ("all", "non_shared"):
             raise ValueError("--adapter-init zero is the untrained row: B = 0 makes every scheme equal non_shared")

@@ -192,6 +192,16 @@ def add_model_args(p: argparse.ArgumentParser, adapter_init: str | None = None) 
     p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha for --adapter-init")
 
 
+def validate_model_args(args: argparse.Namespace, exactly_one: bool = False) -> None:
+    """Checks the options of :func:`add_model_args`; ``exactly_one``: one of --adapters, --adapter-init is required."""
+    if exactly_one and bool(args.adapters) == bool(args.adapter_init):
+        raise ValueError("give exactly one of --adapters DIR and --adapter-init {zero,random}")
+    if args.adapter_init not in (None, "zero", "random"):
+        raise ValueError(f"--adapter-init {args.adapter_init!r} not supported: allowed zero, random")
+    if args.adapters and not Path(args.adapters).is_dir():
+        raise FileNotFoundError(f"--adapters {args.adapters!r}: no such directory")
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cli.py session", description=__doc__.splitlines()[0])
     p.add_argument("--scheme", default="base_lr_shared", help=f"one of {', '.join(SCHEMES)}")
@@ -221,14 +231,11 @@ def validate(args: argparse.Namespace) -> None:
     Scheme.parse(args.scheme)
     if args.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {args.schedule!r}: allowed {', '.join(SCHEDULES)}")
-    if args.adapter_init not in ("zero", "random"):
-        raise ValueError(f"--adapter-init {args.adapter_init!r} not supported: allowed zero, random")
+    validate_model_args(args)
     if args.rank <= 0:
         raise ValueError(f"--rank must be a positive integer, got {args.rank}")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.adapters and not Path(args.adapters).is_dir():
-        raise FileNotFoundError(f"--adapters {args.adapters!r}: no such directory")
     if args.scheme == "base_lr_shared" and args.independent_a and not args.adapters:
         raise ValueError("--scheme base_lr_shared needs shared A: drop --independent-a or use base_shared")
     if args.model.lower() in NAMED_ARCHITECTURES:
