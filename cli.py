@@ -16,13 +16,15 @@ from __future__ import annotations
 import importlib
 import sys
 
-# command -> (module, function taking argv and returning an exit code)
+# command -> (module, function). A function named ``main`` takes argv and returns an exit code (older commands);
+# any other name is a typed, documented function that lragent.command turns into a command line (--config,
+# --print_config, --help from its docstring).
 COMMANDS: dict[str, tuple[str, str]] = {
     "session": ("eval_suite.session_runner", "main"),
     "export": ("lit_modules.cli", "export_main"),
     "eval": ("eval_suite.run_eval", "main"),
     "fidelity": ("eval_suite.fidelity", "main"),
-    "similarity": ("eval_suite.similarity", "main"),
+    "similarity": ("eval_suite.similarity", "similarity"),
     "droidspeak-select": ("eval_suite.droidspeak_select", "main"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
@@ -31,7 +33,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 LIGHTNING = ("fit", "validate", "test")
 
 
-def _call(target: tuple[str, str], argv: list[str]) -> int:
+def _call(target: tuple[str, str], argv: list[str], prog: str = "cli.py") -> int:
     module_name, func = target
     try:
         module = importlib.import_module(module_name)
@@ -40,7 +42,12 @@ def _call(target: tuple[str, str], argv: list[str]) -> int:
             print(f"error: this checkout has no {module_name} yet", file=sys.stderr)
             return 2
         raise
-    return int(getattr(module, func)(argv) or 0)
+    fn = getattr(module, func)
+    if func in ("main", "export_main"):
+        return int(fn(argv) or 0)
+    from lragent.command import run_command
+
+    return run_command(fn, argv, prog)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,13 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         run_lightning_cli(argv)
         return 0
     if cmd in COMMANDS:
-        return _call(COMMANDS[cmd], rest)
+        return _call(COMMANDS[cmd], rest, f"cli.py {cmd}")
     if cmd == "bench":
         if not rest or rest[0] not in BENCHES:
             got = rest[0] if rest else "nothing"
             print(f"error: bench needs one of {', '.join(BENCHES)}, got {got}", file=sys.stderr)
             return 2
-        return _call(BENCHES[rest[0]], rest[1:])
+        return _call(BENCHES[rest[0]], rest[1:], f"cli.py bench {rest[0]}")
     print(f"error: unknown command {cmd!r}: allowed {allowed}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,118 @@
+"""Provenance of a result: which machine, dtype, library versions, commit and command produced it.
+
+Every JSON or Markdown result the toolkit writes carries :func:`provenance` (as a ``"provenance"`` key) or its
+:func:`provenance_footer`. On machines where the checkout has no ``.git`` (a copy of the working tree sent to a GPU
+machine), the commit comes from ``$LRAGENT_GIT_COMMIT`` / ``$LRAGENT_GIT_DIRTY``, set by whoever sent the copy.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_PACKAGES: tuple[str, ...] = ("torch", "triton", "transformers", "peft", "lightning", "torchmetrics")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@lru_cache(maxsize=1)
+def _git() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the checkout, or the values handed over in the environment."""
+    env_commit = os.environ.get("LRAGENT_GIT_COMMIT")
+    if env_commit:
+        return env_commit, os.environ.get("LRAGENT_GIT_DIRTY", "0") not in ("", "0", "false", "False")
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return commit or None, bool(status.strip())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_description(device: str | None = None) -> dict:
+    """``{"type", "name", "count"}`` of the device the work ran on (the first GPU's name on CUDA)."""
+    import torch
+
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = str(kind).split(":")[0]
+    if kind == "cuda" and torch.cuda.is_available():
+        return {"type": "cuda", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count()}
+    return {"type": "cpu", "name": _cpu_name(), "count": os.cpu_count() or 1}
+
+
+def provenance(
+    *, dtype: object | None = None, device: str | None = None, command: Sequence[str] | str | None = None
+) -> dict:
+    """What produced a result.
+
+    Args:
+        dtype: compute dtype of the run (``torch.bfloat16`` or a name); recorded as a string.
+        device: ``cpu`` / ``cuda`` (default: CUDA when available).
+        command: the command line (default: this process's ``sys.argv``).
+
+    Returns:
+        ``{"command", "device", "dtype", "versions", "git_commit", "git_dirty", "host", "utc"}``.
+    """
+    if command is None:
+        command = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
+    cmd = command if isinstance(command, str) else shlex.join(str(c) for c in command)
+    commit, dirty = _git()
+    versions = {"python": platform.python_version(), **{p: _version(p) for p in _PACKAGES}}
+    return {
+        "command": cmd,
+        "device": device_description(device),
+        "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+        "versions": versions,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "host": platform.node(),
+        "utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def provenance_footer(prov: dict) -> str:
+    """A Markdown footer (starts with a rule) that states :func:`provenance`'s record in two lines."""
+    dev = prov.get("device") or {}
+    vers = ", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items() if v)
+    commit = prov.get("git_commit") or "unknown"
+    if prov.get("git_dirty"):
+        commit += " (dirty)"
+    return (
+        "\n---\n"
+        f"Produced on {dev.get('name', '?')} ({dev.get('type', '?')}), dtype {prov.get('dtype') or 'n/a'}, "
+        f"commit {commit}, {prov.get('utc', '')}; {vers}.  \n"
+        f"Command: `{prov.get('command', '')}`\n"
+    )
