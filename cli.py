@@ -6,6 +6,7 @@
     python cli.py eval --benchmark hotpotqa --scheme all --adapters DIR   # agents on HotpotQA / ScienceQA
     python cli.py fidelity --benchmark hotpotqa --adapters DIR            # KL / top-1 agreement vs non_shared
     python cli.py droidspeak-select --benchmark hotpotqa --adapters DIR   # DroidSpeak recompute layers
+    python cli.py similarity --adapters DIR --benchmark hotpotqa           # cache similarity across agents
     python cli.py bench kernel                                      # Flash-LoRA-Attention micro-benchmark
 
 This file only wires: each command lives in its own module and is imported when it is used.

@@ -466,7 +466,8 @@ def _validate(
         raise ValueError(f"--samples must be >= 1, got {samples}")
     if max_tokens < 1:
         raise ValueError(f"--max_tokens must be >= 1, got {max_tokens}")
-    parse_dtype(dtype)
+    if parse_dtype(dtype) != torch.float32 and device == "cpu":
+        raise ValueError(f"--dtype {dtype!r} on CPU is slow and imprecise: allowed float32 (bfloat16/float16 on GPU)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device!r} but CUDA is not available: allowed cpu")
     if not (device == "cpu" or device.startswith("cuda")):
@@ -556,7 +557,7 @@ def similarity(
         device: cpu or cuda (default: cuda when available).
         label: name of the run in the reports (default: benchmark and adapter directory or init).
         merge: instead of measuring, combine the similarity.json of these finished run directories into
-            summary.md / summary.json in --out.
+            summary.md / summary.json in --out; a list: --merge "[DIR1, DIR2]" (or --merge+ DIR1 --merge+ DIR2).
         quiet: no progress bar.
     """
     from eval_suite import similarity_report
@@ -571,8 +572,6 @@ def similarity(
         return 0
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     _validate(adapters, adapter_init, benchmark, data, samples, max_tokens, model, dtype, device, out)
-    if dtype != "float32" and device == "cpu":
-        raise ValueError(f"--dtype {dtype} on CPU is slow and imprecise here: use float32 (bf16 is for GPU)")
     t0 = time.perf_counter()
     mlm, tokenizer = _build_model(model, adapters, adapter_init, seed, rank, alpha, independent_a, dtype, device)
     check_model(mlm)

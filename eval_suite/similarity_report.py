@@ -153,7 +153,8 @@ def _run_header(doc: dict) -> list[str]:
         f"{cfg['device']}); adapters {adapters}: roles {', '.join(cfg['roles'])}, rank {cfg['rank']}, alpha "
         f"{cfg['alpha']:g}, targets {', '.join(cfg['targets'])}, {'shared' if cfg['shared_a'] else 'independent'} A.",
         f"Contexts: {s['n_samples']} {source} (draw seed {cfg['sample_seed']}), each cut to at most its first "
-        f"{cfg['max_tokens']} tokens, {s['tokens_total']} tokens in all; measured in {doc.get('wall_s', 0):.1f} s wall clock (model load included).",
+        f"{cfg['max_tokens']} tokens, {s['tokens_total']} tokens in all; measured in {doc.get('wall_s', 0):.1f} s "
+        "wall clock (model load included).",
     ]
 
 
