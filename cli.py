@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("kernels.bench", "main"),
+    "decode": ("eval_suite.bench_decode", "decode"),
+    "trace": ("eval_suite.bench_trace", "trace"),
 }
 LIGHTNING = ("fit", "validate", "test")
 

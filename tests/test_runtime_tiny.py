@@ -251,7 +251,7 @@ def test_truncate_rolls_back_caches():
     s.append(list(range(3, 20)))
     r1 = s.step("plan", max_new_tokens=3, return_logits=True)
     s.truncate(10)
-    assert s.num_tokens == 10 and s.shared.length <= 10
+    assert s.num_tokens == 10 and s.cached_len("plan") <= 10
     s.append(list(range(13, 20)))  # the same 17 tokens as before
     r2 = s.step("plan", max_new_tokens=3, return_logits=True)
     assert r2.generated_ids == r1.generated_ids
