@@ -12,15 +12,17 @@ of a plain cache (``v_lr_cache=None``). Rows carry their own length, role and ca
 
 Design (``kernels/NOTES.md`` has the measurements):
 
-- The grid is ``(N_SPLITS, B * Hkv * row_blocks)``, fixed by (B, Hkv, capacity C, head dim, rank, SM count),
-  never by the lengths: a CUDA graph captured once replays for every length.
-- A row of n keys uses ``min(N_SPLITS, ceil(n / MIN_SPLIT))`` splits of equal length; the other programs of
-  the row exit at once. So a short row is spread over a few programs and a long one over the whole grid.
-- Each program runs the online softmax over its key range with a D-wide accumulator for ``p · V`` and an
-  r-wide one for ``p · V_lr``, for the G query heads of one KV head at once (one K/V tile feeds the group).
-- Splits write fp32 partials (acc, acc_lr, max, sum) to a workspace; the last program of a (row, KV head) to
-  finish (an atomic counter) merges them, applies ``B`` and writes O, then resets the counter for the next
-  launch or graph replay: one launch. With one split per row the program writes O directly.
+- The grid is ``(B * Hkv * row_blocks, N_SPLITS)``, fixed by (B, Hkv, capacity C, head dim, SM count), never
+  by the lengths: a CUDA graph captured once replays for every length. N_SPLITS fills about two programs per
+  SM (one wave) when every row is at capacity.
+- A row of n keys uses ``min(N_SPLITS, ceil(n / MIN_SPLIT))`` splits of equal length; the grid's other
+  programs for that row exit after one load. Splits are the slow grid axis, so the splits in use run first.
+- Each program runs the online softmax over its key range for the G query heads of one KV head at once (one
+  K/V tile feeds the group), with a D-wide accumulator for ``p · V`` and an r-wide one for ``p · V_lr``, and
+  applies ``B`` to its own partial (the merge is linear, so this is exact).
+- A row that uses one split writes O directly. Otherwise the splits write fp32 partials (acc, max, sum) to a
+  workspace, and the last split of a (row, KV head) to finish (an atomic counter) merges them in one or a few
+  wide loads and writes O, then resets the counter for the next launch or graph replay: one launch.
 - Workspace and counters are cached per (device, shape) and reused; the launcher never synchronises with the
   host and allocates nothing whose size depends on lengths. Configs are fixed by a rule (``_plan``), never
   autotuned, so capture compiles nothing new after a warm-up call.
@@ -253,7 +255,7 @@ def flash_lora_decode_reference(
 # Launch configuration: a fixed rule (no autotuning, so nothing runs during graph capture)
 # --------------------------------------------------------------------------------------------------
 
-_PROGRAMS_PER_SM = 4  # grid target: about this many programs per SM when every row is at capacity
+_PROGRAMS_PER_SM = 2  # grid: programs per SM when every row is at capacity (about the resident CTAs per SM)
 _MAX_SPLITS = 128
 
 
@@ -261,15 +263,15 @@ _MAX_SPLITS = 128
 class _DecodePlan:
     """Launch configuration of one decode shape (all compile-time constants of the kernel but the lengths)."""
 
-    n_splits: int  # programs per (row, KV head, row block): grid dim 0
+    n_splits: int  # programs per (row, KV head, row block): grid dim 1
     min_split: int  # keys per split at least: a row of n keys uses min(n_splits, ceil(n / min_split)) splits
     block_m: int  # query heads per program (the G heads of a KV head, padded; >= 16 for tl.dot)
+    rows: int  # heads per program kept in the workspace: min(block_m, next_pow2(G))
     row_blocks: int  # programs along the group when G > 64
     block_n: int  # keys per tile
-    block_s: int  # splits merged per tile
+    s_chunk: int  # splits merged per step
     num_warps: int
     num_stages: int
-    fused_merge: bool  # merge in the last program of a row (one launch) or in a second launch
 
 
 def _plan(
@@ -281,30 +283,31 @@ def _plan(
     sms: int,
     *,
     programs_per_sm: int = _PROGRAMS_PER_SM,
-    min_split_tiles: int = 2,
+    min_split_tiles: int = 1,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 2,
     num_stages: int | None = None,
-    fused_merge: bool = True,
 ) -> _DecodePlan:
     """The rule; the keyword arguments exist for the benchmark's sweep (``kernels/NOTES.md`` has the one that chose
-    the defaults)."""
+    the defaults). Splits fill ``programs_per_sm`` programs per SM without starting a second wave."""
     block_m = min(64, max(16, _next_pow2(group)))
+    rows = min(block_m, _next_pow2(group))
     row_blocks = -(-group // block_m)
     block_n = block_n or (64 if head_dim <= 128 else 32)
     min_split = min_split_tiles * block_n
     base = bsz * hkv * row_blocks
-    n_splits = max(1, min(-(-programs_per_sm * sms // base), -(-capacity // min_split), _MAX_SPLITS))
+    n_splits = max(1, min(programs_per_sm * sms // base, -(-capacity // min_split), _MAX_SPLITS))
+    s_chunk = max(1, min(_next_pow2(n_splits), (4096 * num_warps) // (rows * head_dim)))  # <= 128 fp32 regs/thread
     return _DecodePlan(
         n_splits=n_splits,
         min_split=min_split,
         block_m=block_m,
+        rows=rows,
         row_blocks=row_blocks,
         block_n=block_n,
-        block_s=min(32, _next_pow2(n_splits)),
+        s_chunk=1 << (s_chunk.bit_length() - 1),
         num_warps=num_warps,
         num_stages=num_stages or (3 if head_dim <= 128 else 2),
-        fused_merge=fused_merge,
     )
 
 
@@ -358,89 +361,40 @@ if triton is not None:
         return acc, acc_lr, l_i, m_i
 
     @triton.jit
-    def _merge_row(
-        WS_ACC, WS_LR, WS_M, WS_L, first, n_act, b_g, lora_scaling, o_ptr, j,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-        HAS_LORA: tl.constexpr,
+    def _merge_splits(
+        WS_ACC, WS_M, WS_L, OUT, pid, b, g, rb, n_act, stride_ob, stride_oh,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+        N_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr,
     ):  # fmt: skip
-        """Merge the n_act split partials of query head j (slots first .. first + n_act - 1), apply B, store."""
+        """Merge the n_act partials (acc, max, sum) of program column pid's ROWS heads and write O.
+
+        Every head of the column in one (S_CHUNK, ROWS, D) load per step, so a merge is one or a few round trips.
+        """
+        offs_s = tl.arange(0, S_CHUNK)
+        offs_r = tl.arange(0, ROWS)
         offs_d = tl.arange(0, HEAD_DIM)
-        offs_r = tl.arange(0, R_PAD)
-        offs_s = tl.arange(0, BLOCK_S)
-        m_run = tl.full([], -1.0e30, dtype=tl.float32)
-        l_run = tl.zeros([], dtype=tl.float32)
-        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-        acc_lr = tl.zeros([R_PAD], dtype=tl.float32)
-        for s0 in tl.static_range(0, N_SPLITS, BLOCK_S):
-            s_ok = s0 + offs_s < n_act
-            slot = first + s0 + offs_s  # (BLOCK_S,)
-            # .cg: read through L2, which holds the other programs' partials (L1 is not coherent)
+        base = pid.to(tl.int64) * N_SPLITS
+        m_run = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l_run = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        for s0 in range(0, n_act, S_CHUNK):
+            s_ok = (s0 + offs_s < n_act)[:, None]
+            slot = (base + s0 + offs_s)[:, None] * ROWS + offs_r[None, :]  # (S_CHUNK, ROWS)
+            # .cg: read through L2, where the other programs' partials are (L1 is not coherent)
             m_s = tl.load(WS_M + slot, mask=s_ok, other=-1.0e30, cache_modifier=".cg")
             l_s = tl.load(WS_L + slot, mask=s_ok, other=0.0, cache_modifier=".cg")
-            part = tl.load(WS_ACC + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
+            part = tl.load(WS_ACC + slot[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=s_ok[:, :, None],
+                           other=0.0, cache_modifier=".cg")  # fmt: skip
             m_new = tl.maximum(m_run, tl.max(m_s, 0))
             alpha = tl.math.exp2(m_run - m_new)
-            w = tl.math.exp2(m_s - m_new)  # (BLOCK_S,), 0 for splits past n_act
-            acc = acc * alpha + tl.sum(part * w[:, None], 0)
-            if HAS_LORA:
-                part_lr = tl.load(WS_LR + slot[:, None] * R_PAD + offs_r[None, :], mask=s_ok[:, None], other=0.0,
-                                  cache_modifier=".cg")  # fmt: skip
-                acc_lr = acc_lr * alpha + tl.sum(part_lr * w[:, None], 0)
+            w = tl.math.exp2(m_s - m_new[None, :])  # (S_CHUNK, ROWS); 0 for masked or empty splits
+            acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], 0)
             l_run = l_run * alpha + tl.sum(l_s * w, 0)
             m_run = m_new
-        if HAS_LORA:
-            acc += tl.sum(acc_lr[:, None] * b_g, 0) * lora_scaling
-        inv = tl.where(l_run > 0, 1.0 / tl.maximum(l_run, 1e-30), 0.0)  # a row with no keys writes zeros
-        tl.store(o_ptr + offs_d, (acc * inv).to(o_ptr.dtype.element_ty), mask=offs_d * 0 + j < GROUP)
-
-    @triton.jit
-    def _merge_rows(
-        WS, LB, OUT, pid, b, g, rb, role, n_act, n_programs,
-        stride_bn, stride_bh, stride_br, stride_bd, stride_ob, stride_oh, lora_scaling, rank,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        ROWS: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LORA: tl.constexpr,
-    ):  # fmt: skip
-        """Merge the splits of every query head of program pid's (row, KV head, row block) and write O."""
-        total = n_programs.to(tl.int64) * BLOCK_M * N_SPLITS  # partial slots in the workspace
-        ws_acc = WS
-        ws_lr = WS + total * HEAD_DIM
-        ws_m = WS + total * (HEAD_DIM + R_PAD)
-        ws_l = ws_m + total
-        offs_d = tl.arange(0, HEAD_DIM)
-        offs_r = tl.arange(0, R_PAD)
-        b_g = tl.zeros([R_PAD, HEAD_DIM], dtype=tl.float32)
-        if HAS_LORA:
-            b_ptrs = LB + role * stride_bn + g.to(tl.int64) * stride_bh + offs_r[:, None] * stride_br
-            b_g = tl.load(b_ptrs + offs_d[None, :] * stride_bd, mask=(offs_r < rank)[:, None], other=0.0)
-            b_g = b_g.to(tl.float32)
-        for i in tl.static_range(ROWS):  # ROWS = min(BLOCK_M, GROUP)
-            j = rb * BLOCK_M + i  # query head j of the group
-            first = (pid.to(tl.int64) * BLOCK_M + i) * N_SPLITS
-            o_ptr = OUT + b.to(tl.int64) * stride_ob + (g * GROUP + j).to(tl.int64) * stride_oh
-            _merge_row(
-                ws_acc, ws_lr, ws_m, ws_l, first, n_act, b_g, lora_scaling, o_ptr, j,
-                GROUP, HEAD_DIM, R_PAD, N_SPLITS, BLOCK_S, HAS_LORA,
-            )  # fmt: skip
-
-    @triton.jit
-    def _row_setup(
-        KVLEN, ROLE, pid, capacity,
-        N_KV_HEADS: tl.constexpr, ROW_BLOCKS: tl.constexpr, N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-        BLOCK_N: tl.constexpr, HAS_ROLE: tl.constexpr,
-    ):  # fmt: skip
-        """(b, g, rb, kv_len, role, active splits, split length) of program column pid."""
-        b = pid // (N_KV_HEADS * ROW_BLOCKS)
-        g = (pid // ROW_BLOCKS) % N_KV_HEADS
-        rb = pid % ROW_BLOCKS
-        kv_len = tl.minimum(tl.maximum(tl.load(KVLEN + b).to(tl.int32), 0), capacity)
-        if HAS_ROLE:
-            role = tl.load(ROLE + b).to(tl.int64)
-        else:
-            role = tl.zeros([], dtype=tl.int64)
-        n_act = tl.minimum(tl.maximum(tl.cdiv(kv_len, MIN_SPLIT), 1), N_SPLITS)
-        split_len = tl.cdiv(tl.cdiv(kv_len, n_act), BLOCK_N) * BLOCK_N
-        return b, g, rb, kv_len, role, n_act, split_len
+        inv = tl.where(l_run > 0, 1.0 / tl.maximum(l_run, 1e-30), 0.0)
+        j = rb * BLOCK_M + offs_r  # query heads of the group
+        o_ptrs = OUT + b.to(tl.int64) * stride_ob + (g * GROUP + j)[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=(j < GROUP)[:, None])
 
     @triton.jit
     def _flash_lora_decode_kernel(
@@ -454,100 +408,91 @@ if triton is not None:
         qk_scale, lora_scaling, capacity, rank,
         N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, FUSED_MERGE: tl.constexpr,
+        N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, S_CHUNK: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_ROLE: tl.constexpr, HAS_KVSLOT: tl.constexpr, HAS_LRSLOT: tl.constexpr,
     ):  # fmt: skip
-        """Grid (N_SPLITS, B * Hkv * ROW_BLOCKS): program (s, pid) runs split s of row b, KV head g, row block rb."""
-        pid_s = tl.program_id(0)
-        pid = tl.program_id(1)
-        b, g, rb, kv_len, role, n_act, split_len = _row_setup(
-            KVLEN, ROLE, pid, capacity, N_KV_HEADS, ROW_BLOCKS, N_SPLITS, MIN_SPLIT, BLOCK_N, HAS_ROLE
-        )
-        b64 = b.to(tl.int64)
-        g64 = g.to(tl.int64)
-        if HAS_KVSLOT:
-            kv_row = tl.load(KVSLOT + b).to(tl.int64)
-        else:
-            kv_row = b64
-        if HAS_LRSLOT:
-            lr_row = tl.load(LRSLOT + b).to(tl.int64)
-        else:
-            lr_row = kv_row
-        lo = pid_s * split_len
-        hi = tl.minimum(lo + split_len, kv_len)
-        full_hi = lo + (tl.maximum(hi - lo, 0) // BLOCK_N) * BLOCK_N  # tiles before this need no mask
+        """Grid (B * Hkv * ROW_BLOCKS, N_SPLITS): program (pid, s) runs split s of row b, KV head g, row block rb.
 
-        j = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # query heads of the group in this program
-        row_ok = j < GROUP
-        head = (g * GROUP + j).to(tl.int64)
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        k_ptr = K + kv_row * stride_ks + g64 * stride_kh
-        v_ptr = V + kv_row * stride_vs + g64 * stride_vh
-        lr_ptr = VLR + lr_row * stride_lrs
+        Splits are the slow grid axis, so the first splits of every row (the only ones short rows use) are
+        scheduled first; a program whose split is past the row's active count exits after one load.
+        """
+        pid = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = pid // (N_KV_HEADS * ROW_BLOCKS)
+        g = (pid // ROW_BLOCKS) % N_KV_HEADS
+        rb = pid % ROW_BLOCKS
+        kv_len = tl.minimum(tl.maximum(tl.load(KVLEN + b).to(tl.int32), 0), capacity)
+        n_act = tl.minimum(tl.maximum(tl.cdiv(kv_len, MIN_SPLIT), 1), N_SPLITS)  # splits this row uses
+        if pid_s < n_act:
+            b64 = b.to(tl.int64)
+            g64 = g.to(tl.int64)
+            if HAS_KVSLOT:
+                kv_row = tl.load(KVSLOT + b).to(tl.int64)
+            else:
+                kv_row = b64
+            if HAS_LRSLOT:
+                lr_row = tl.load(LRSLOT + b).to(tl.int64)
+            else:
+                lr_row = kv_row
+            split_len = tl.cdiv(tl.cdiv(kv_len, n_act), BLOCK_N) * BLOCK_N
+            lo = pid_s * split_len
+            hi = tl.minimum(lo + split_len, kv_len)
+            full_hi = lo + (tl.maximum(hi - lo, 0) // BLOCK_N) * BLOCK_N  # tiles before this need no mask
 
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a row with no keys stays NaN-free
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        acc_lr = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
-        acc, acc_lr, l_i, m_i = _decode_keys(
-            acc, acc_lr, l_i, m_i, q, k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
-            rank, lo, full_hi, qk_scale, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, False,
-        )  # fmt: skip
-        acc, acc_lr, l_i, m_i = _decode_keys(
-            acc, acc_lr, l_i, m_i, q, k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
-            rank, full_hi, hi, qk_scale, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, True,
-        )  # fmt: skip
+            j = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # query heads of the group in this program
+            row_ok = j < GROUP
+            head = (g * GROUP + j).to(tl.int64)
+            offs_d = tl.arange(0, HEAD_DIM)
+            q_ptrs = Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
+            k_ptr = K + kv_row * stride_ks + g64 * stride_kh
+            v_ptr = V + kv_row * stride_vs + g64 * stride_vh
+            lr_ptr = VLR + lr_row * stride_lrs
 
-        if N_SPLITS == 1:  # the whole row in this program: write O
+            m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a row with no keys stays NaN-free
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            acc_lr = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+            acc, acc_lr, l_i, m_i = _decode_keys(
+                acc, acc_lr, l_i, m_i, q, k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
+                rank, lo, full_hi, qk_scale, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, False,
+            )  # fmt: skip
+            acc, acc_lr, l_i, m_i = _decode_keys(
+                acc, acc_lr, l_i, m_i, q, k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
+                rank, full_hi, hi, qk_scale, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, True,
+            )  # fmt: skip
             if HAS_LORA:
+                # B applied per split: the merge is linear in acc, so merging (acc + acc_lr B s) is exact
+                if HAS_ROLE:
+                    role = tl.load(ROLE + b).to(tl.int64)
+                else:
+                    role = tl.zeros([], dtype=tl.int64)
                 acc += _lora_up(acc_lr, LB, role, g64, stride_bn, stride_bh, stride_br, stride_bd, rank,
                                 HEAD_DIM, R_PAD) * lora_scaling  # fmt: skip
-            inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-            o_ptrs = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            # partial slot of (pid, head i, split s): (pid * BLOCK_M + i) * N_SPLITS + s, splits of a row adjacent
-            total = tl.num_programs(1).to(tl.int64) * BLOCK_M * N_SPLITS
-            slot = (pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) * N_SPLITS + pid_s
-            keep = row_ok & (j * 0 + pid_s < n_act)  # vector compare: the interpreter cannot broadcast a scalar mask
-            offs_r = tl.arange(0, R_PAD)
-            tl.store(WS + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
-            if HAS_LORA:
-                tl.store(WS + total * HEAD_DIM + slot[:, None] * R_PAD + offs_r[None, :], acc_lr, mask=keep[:, None])
-            tl.store(WS + total * (HEAD_DIM + R_PAD) + slot, m_i, mask=keep)
-            tl.store(WS + total * (HEAD_DIM + R_PAD + 1) + slot, l_i, mask=keep)
-            if FUSED_MERGE:
+
+            if n_act == 1:  # the whole row in this program: write O
+                inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+                o_ptrs = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+                tl.store(o_ptrs, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
+            else:
+                # fp32 partials: slot (pid, split, head i) = (pid * N_SPLITS + split) * ROWS + i
+                total = tl.num_programs(0).to(tl.int64) * N_SPLITS * ROWS
+                ws_m = WS + total * HEAD_DIM
+                ws_l = ws_m + total
+                local = tl.arange(0, BLOCK_M)
+                keep = row_ok & (local < ROWS)
+                slot = (pid.to(tl.int64) * N_SPLITS + pid_s) * ROWS + local
+                tl.store(WS + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
+                tl.store(ws_m + slot, m_i, mask=keep)
+                tl.store(ws_l + slot, l_i, mask=keep)
                 tl.debug_barrier()  # every thread's partial stores precede the release below
                 done = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
-                if done == N_SPLITS - 1:  # the last program of this row to finish merges
+                if done == n_act - 1:  # the last split of this row to finish merges
                     tl.store(CNT + pid, 0)  # ready for the next launch / graph replay
-                    _merge_rows(
-                        WS, LB, OUT, pid, b, g, rb, role, n_act, tl.num_programs(1),
-                        stride_bn, stride_bh, stride_br, stride_bd, stride_ob, stride_oh, lora_scaling, rank,
-                        GROUP, HEAD_DIM, R_PAD, BLOCK_M, ROWS, N_SPLITS, BLOCK_S, HAS_LORA,
+                    _merge_splits(
+                        WS, ws_m, ws_l, OUT, pid, b, g, rb, n_act, stride_ob, stride_oh,
+                        GROUP, HEAD_DIM, BLOCK_M, ROWS, N_SPLITS, S_CHUNK,
                     )  # fmt: skip
-
-    @triton.jit
-    def _flash_lora_decode_merge_kernel(
-        LB, KVLEN, ROLE, OUT, WS,
-        stride_bn, stride_bh, stride_br, stride_bd, stride_ob, stride_oh,
-        lora_scaling, capacity, rank,
-        N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_S: tl.constexpr, N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_LORA: tl.constexpr,
-        HAS_ROLE: tl.constexpr,
-    ):  # fmt: skip
-        """The merge as a second launch (plan.fused_merge False): grid (B * Hkv * ROW_BLOCKS,)."""
-        pid = tl.program_id(0)
-        b, g, rb, kv_len, role, n_act, split_len = _row_setup(
-            KVLEN, ROLE, pid, capacity, N_KV_HEADS, ROW_BLOCKS, N_SPLITS, MIN_SPLIT, BLOCK_N, HAS_ROLE
-        )
-        _merge_rows(
-            WS, LB, OUT, pid, b, g, rb, role, n_act, tl.num_programs(0),
-            stride_bn, stride_bh, stride_br, stride_bd, stride_ob, stride_oh, lora_scaling, rank,
-            GROUP, HEAD_DIM, R_PAD, BLOCK_M, ROWS, N_SPLITS, BLOCK_S, HAS_LORA,
-        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -559,13 +504,13 @@ _WORKSPACES: dict[tuple, list] = {}  # key -> [fp32 workspace, int32 counters, c
 _FALLBACK_LOGGED: set[str] = set()
 
 
-def _workspace(device: torch.device, n_programs: int, plan: _DecodePlan, head_dim: int, r_pad: int) -> tuple:
+def _workspace(device: torch.device, n_programs: int, plan: _DecodePlan, head_dim: int) -> tuple[Tensor, Tensor]:
     """The cached (workspace, counters) of this shape; allocated on first use only."""
-    key = (device, n_programs, plan, head_dim, r_pad)
+    key = (device, n_programs, plan.n_splits, plan.rows, head_dim)
     entry = _WORKSPACES.get(key)
     if entry is None:
-        slots = n_programs * plan.block_m * plan.n_splits
-        ws = torch.empty(slots * (head_dim + r_pad + 2), dtype=torch.float32, device=device)
+        slots = n_programs * plan.n_splits * plan.rows
+        ws = torch.empty(slots * (head_dim + 2), dtype=torch.float32, device=device)
         cnt = torch.zeros(n_programs, dtype=torch.int32, device=device)
         # Allocated during graph capture, the zeroing is a graph node that runs only on replay: an eager call before
         # any replay must zero the counters itself.
@@ -591,38 +536,26 @@ def _launch_decode(
     out: Tensor,
     plan: _DecodePlan,
 ) -> Tensor:
-    """Run the decode kernel (and the merge launch when the plan does not fuse it). Inputs are validated."""
+    """Run the decode kernel: one launch, grid (B * Hkv * row_blocks, n_splits). Inputs are validated."""
     bsz, hq, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     has_lora = v_lr_cache is not None
     rank = v_lr_cache.shape[2] if has_lora else 1
-    r_pad = max(8, _next_pow2(rank)) if has_lora else 8
     n_programs = bsz * hkv * plan.row_blocks
-    ws, cnt = _workspace(q.device, n_programs, plan, d, r_pad) if plan.n_splits > 1 else (out, out)
-    lr = v_lr_cache if has_lora else out  # never read when HAS_LORA is off
-    lb = lora_b if has_lora else out
-    lr_strides = v_lr_cache.stride() if has_lora else (0, 0, 0)
-    b_strides = lora_b.stride() if has_lora else (0, 0, 0, 0)
-    consts = {
-        "N_KV_HEADS": hkv, "GROUP": hq // hkv, "HEAD_DIM": d, "R_PAD": r_pad, "BLOCK_M": plan.block_m,
-        "ROWS": min(plan.block_m, hq // hkv),
-        "ROW_BLOCKS": plan.row_blocks, "BLOCK_N": plan.block_n, "BLOCK_S": plan.block_s,
-        "N_SPLITS": plan.n_splits, "MIN_SPLIT": plan.min_split, "HAS_LORA": has_lora,
-        "HAS_ROLE": has_lora and role_ids is not None,
-    }  # fmt: skip
-    _flash_lora_decode_kernel[(plan.n_splits, n_programs)](
-        q, k_cache, v_cache, lr, lb, kv_lens, role_ids if role_ids is not None else kv_lens,
-        kv_slot if kv_slot is not None else kv_lens, lr_slot if lr_slot is not None else kv_lens, out, ws, cnt,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *lr_strides, *b_strides,
+    ws, cnt = _workspace(q.device, n_programs, plan, d) if plan.n_splits > 1 else (out, out)
+    _flash_lora_decode_kernel[(n_programs, plan.n_splits)](
+        q, k_cache, v_cache, v_lr_cache if has_lora else out, lora_b if has_lora else out, kv_lens,
+        role_ids if role_ids is not None else kv_lens, kv_slot if kv_slot is not None else kv_lens,
+        lr_slot if lr_slot is not None else kv_lens, out, ws, cnt,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *(v_lr_cache.stride() if has_lora else (0, 0, 0)), *(lora_b.stride() if has_lora else (0, 0, 0, 0)),
         out.stride(0), out.stride(1), 1.4426950408889634 / math.sqrt(d), float(scaling), cap, rank,
-        FUSED_MERGE=plan.fused_merge, HAS_KVSLOT=kv_slot is not None, HAS_LRSLOT=lr_slot is not None, **consts,
+        N_KV_HEADS=hkv, GROUP=hq // hkv, HEAD_DIM=d, R_PAD=max(8, _next_pow2(rank)) if has_lora else 8,
+        BLOCK_M=plan.block_m, ROWS=plan.rows, ROW_BLOCKS=plan.row_blocks, BLOCK_N=plan.block_n,
+        N_SPLITS=plan.n_splits, MIN_SPLIT=plan.min_split, S_CHUNK=plan.s_chunk, HAS_LORA=has_lora,
+        HAS_ROLE=has_lora and role_ids is not None, HAS_KVSLOT=kv_slot is not None, HAS_LRSLOT=lr_slot is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
-    if plan.n_splits > 1 and not plan.fused_merge:
-        _flash_lora_decode_merge_kernel[(n_programs,)](
-            lb, kv_lens, role_ids if role_ids is not None else kv_lens, out, ws, *b_strides,
-            out.stride(0), out.stride(1), float(scaling), cap, rank, **consts, num_warps=4,
-        )  # fmt: skip
     return out
 
 

@@ -5,6 +5,7 @@ prefill reference, the input checks, the launch rule, and the Triton kernel logi
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -141,8 +142,7 @@ def test_decode_reference_writes_out_and_low_precision_mode():
 
 
 def test_decode_on_cpu_takes_the_torch_path_and_says_so(caplog, monkeypatch):
-    import kernels.flash_lora_decode as fld
-
+    fld = importlib.import_module("kernels.flash_lora_decode")  # the package re-exports a same-named function
     monkeypatch.setattr(fld, "_FALLBACK_LOGGED", set())  # the warning is logged once per reason and process
     x = make_decode_inputs(2, 4, 2, 10, 16, 2, torch.float16, seed=4)
     lens = torch.tensor([10, 0])
@@ -198,10 +198,11 @@ def test_decode_bad_inputs_raise_value_error(fn):
 
 def test_plan_fills_the_gpu_and_depends_on_shape_only():
     one = _plan(1, 8, 4, 65536, 128, 132)
-    assert one.block_m == 16 and one.row_blocks == 1
-    assert 4 * 132 <= one.n_splits * 8 < 4 * 132 + 8  # about 4 programs per SM at batch 1
-    assert _plan(64, 8, 4, 65536, 128, 128).n_splits == 1  # 512 (row, KV head) programs already fill 128 SMs
-    assert _plan(1, 8, 4, 100, 128, 132).n_splits == 1  # a capacity of one split's keys needs no split
+    assert one.block_m == 16 and one.rows == 4 and one.row_blocks == 1
+    assert one.n_splits == 33  # 2 programs per SM at batch 1, one wave
+    assert _plan(32, 8, 4, 65536, 128, 132).n_splits == 1  # 256 (row, KV head) programs fill 132 SMs x 2
+    assert _plan(4, 8, 4, 65536, 128, 132).n_splits == 8
+    assert _plan(1, 8, 4, 64, 128, 132).n_splits == 1  # a capacity of one tile needs no split
     big_group = _plan(1, 1, 128, 4096, 64, 132)
     assert big_group.block_m == 64 and big_group.row_blocks == 2
     assert _plan(1, 8, 4, 65536, 256, 132).block_n == 32  # D = 256 halves the tile
@@ -212,9 +213,10 @@ def test_plan_fills_the_gpu_and_depends_on_shape_only():
 # ------------------------------------------------------------------------------------------------
 
 _INTERPRET_SCRIPT = """
-import dataclasses, json, torch
-import kernels.flash_lora_decode as fld
+import dataclasses, importlib, inspect, json, torch
+fld = importlib.import_module("kernels.flash_lora_decode")
 from tests.test_kernel_decode import make_decode_inputs
+rule_args = set(inspect.signature(fld._plan).parameters)
 res = []
 for (bsz, hq, hkv, cap, d, rank, lens, roles, slots, over) in CASES:
     x = make_decode_inputs(bsz, hq, hkv, cap, d, rank, torch.float16, n_slots=bsz + 1, seed=cap)
@@ -225,10 +227,10 @@ for (bsz, hq, hkv, cap, d, rank, lens, roles, slots, over) in CASES:
         kw["kv_slot"] = torch.tensor(slots, dtype=torch.int32)
     if over is None:
         out = fld.flash_lora_decode(**x, **kw)
+        plan = fld._PLANS[(bsz, hkv, hq // hkv, cap, d, x["q"].device)]
     else:
-        plan = fld._plan(bsz, hkv, hq // hkv, cap, d, 8, **{k: v for k, v in over.items() if k != "block_m"})
-        if "block_m" in over:
-            plan = dataclasses.replace(plan, block_m=over["block_m"], row_blocks=-(-(hq // hkv) // over["block_m"]))
+        plan = fld._plan(bsz, hkv, hq // hkv, cap, d, 8, **{k: v for k, v in over.items() if k in rule_args})
+        plan = dataclasses.replace(plan, **{k: v for k, v in over.items() if k not in rule_args})
         out = torch.full_like(x["q"], float("nan"))
         fld._launch_decode(x["q"], x["k_cache"], x["v_cache"], kw["kv_lens"], x.get("v_lr_cache"), x.get("lora_b"),
                            2.0, kw.get("role_ids"), kw.get("kv_slot"), None, out, plan)
@@ -236,18 +238,20 @@ for (bsz, hq, hkv, cap, d, rank, lens, roles, slots, over) in CASES:
     eager = fld.flash_lora_decode_reference(**x, **kw, upcast=False).float()
     zero_rows = [b for b, n in enumerate(lens) if n == 0]
     res.append([(out.float() - exact).abs().max().item(), (eager - exact).abs().max().item(),
-                bool(torch.isfinite(out).all()), all(bool((out[b] == 0).all()) for b in zero_rows)])
+                bool(torch.isfinite(out).all()), all(bool((out[b] == 0).all()) for b in zero_rows),
+                plan.n_splits, plan.s_chunk])
 print(json.dumps(res))
 """
 
 INTERPRET_CASES = [
-    # bsz, hq, hkv, cap, d, rank, kv_lens, role_ids, kv_slot, plan override (None = the public function's rule)
-    (3, 8, 2, 300, 32, 8, [300, 0, 1], [2, 0, 1], [2, 0, 3], None),  # 3 splits, fused merge, slots, idle row
-    (3, 8, 2, 300, 32, 8, [17, 129, 300], [2, 0, 1], None, {"fused_merge": False}),  # merge as a second launch
-    (3, 8, 2, 300, 32, 8, [17, 129, 300], [1, 1, 0], None, {"programs_per_sm": 1, "min_split_tiles": 100}),  # 1 split
-    (2, 4, 1, 520, 16, 3, [520, 64], [0, 2], None, {"block_n": 16, "min_split_tiles": 1}),  # > 32 splits: chunks
-    (2, 6, 3, 100, 16, None, [100, 5], None, [1, 0], None),  # plain cache
-    (1, 32, 1, 64, 16, 2, [40], [1], None, {"block_m": 16}),  # G = 32 over two row blocks
+    # bsz, hq, hkv, cap, d, rank, kv_lens, role_ids, kv_slot, plan override (None = the public function's rule;
+    # _plan keyword arguments or _DecodePlan fields). Splits: the rule gives 2 here (8 "SMs" on CPU).
+    (3, 8, 2, 300, 32, 8, [300, 0, 1], [2, 0, 1], [2, 0, 3], None),  # merge, one-split row, idle row, slots
+    (3, 8, 2, 300, 32, 8, [17, 129, 300], [2, 0, 1], None, {"programs_per_sm": 8}),  # 5 splits, one merge step
+    (2, 4, 1, 520, 16, 3, [520, 64], [0, 2], None, {"programs_per_sm": 64, "block_n": 16, "s_chunk": 4}),  # steps
+    (2, 6, 2, 150, 16, 5, [150, 77], [1, 2], None, {"programs_per_sm": 8, "block_n": 16}),  # G = 3: a padding row
+    (2, 6, 3, 100, 16, None, [100, 5], None, [1, 0], {"programs_per_sm": 8}),  # plain cache
+    (1, 32, 1, 64, 16, 2, [40], [1], None, {"block_n": 16, "block_m": 16, "rows": 16, "row_blocks": 2}),  # G = 32
     (2, 8, 8, 200, 64, 64, [200, 1], [0, 1], None, None),  # G = 1, rank 64, D = 64
 ]
 
@@ -261,6 +265,7 @@ def test_decode_kernel_under_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(results) == len(INTERPRET_CASES)
-    for case, (err, eager_err, finite, zero_rows_zero) in zip(INTERPRET_CASES, results, strict=True):
+    for case, (err, eager_err, finite, zero_rows_zero, *_) in zip(INTERPRET_CASES, results, strict=True):
         assert finite and zero_rows_zero, case
         assert err <= 2 * eager_err + 1e-3, (case, err, eager_err)
+    assert [r[4] for r in results][:3] == [2, 5, 33] and results[2][5] == 4  # the paths meant: merge, steps

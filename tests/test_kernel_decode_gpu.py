@@ -7,17 +7,18 @@ between), roles and cache slots; one test captures a decode step in a CUDA graph
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 
 import pytest
 import torch
 
-import kernels.flash_lora_decode as fld
 from kernels import flash_lora_attention, flash_lora_attention_reference
 from kernels.flash_lora_decode import flash_lora_decode, flash_lora_decode_reference
 from tests.test_kernel_decode import make_decode_inputs
 from tests.test_kernel_reference import make_inputs
 
+fld = importlib.import_module("kernels.flash_lora_decode")  # the package re-exports a same-named function
+fla = importlib.import_module("kernels.flash_lora_attention")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -139,27 +140,20 @@ def test_decode_launcher_never_syncs_and_reuses_its_workspace():
     assert torch.cuda.memory_allocated() == before
 
 
-def test_decode_is_deterministic_and_merge_launches_agree():
-    """Same bits twice (a race between splits and the merge would show), and the fused merge equals the merge as a
-    second launch (same arithmetic, another order of arrival)."""
+def test_decode_is_deterministic_across_split_arrival_orders():
+    """Same bits on every call: the merge reads the splits in a fixed order whichever finishes last (a race between
+    the partial stores and the merge would show as changing bits)."""
     x = make_decode_inputs(2, 32, 8, 65536, 128, 8, torch.bfloat16, device="cuda", seed=7)
     lens = torch.tensor([65536, 40000], dtype=torch.int32, device="cuda")
     roles = torch.tensor([2, 1], device="cuda")
-    a = flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles)
-    b = flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles)
-    assert torch.equal(a, b)
-    plan = fld._PLANS[(2, 8, 4, 65536, 128, a.device)]
-    assert plan.n_splits > 1 and plan.fused_merge
-    c = torch.empty_like(a)
-    fld._launch_decode(
-        x["q"], x["k_cache"], x["v_cache"], lens, x["v_lr_cache"], x["lora_b"], 2.0, roles, None, None, c,
-        dataclasses.replace(plan, fused_merge=False),
-    )  # fmt: skip
-    assert torch.equal(a, c)
+    first = flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles)
+    assert fld._PLANS[(2, 8, 4, 65536, 128, first.device)].n_splits > 1  # the merge path runs
+    for _ in range(5):
+        assert torch.equal(flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles), first)
 
 
 def test_decode_fp32_takes_the_torch_path_without_syncing():
-    x = make_decode_inputs(3, 8, 2, 700, 64, 4, torch.float32, device="cuda", seed=8)
+    x = make_decode_inputs(3, 8, 2, 700, 64, 4, torch.float32, n_slots=5, device="cuda", seed=8)
     rows = mixed_rows(3, 700, 3, seed=8)
     flash_lora_decode(**x, **rows, scaling=2.0)  # logs the fallback once
     torch.cuda.set_sync_debug_mode("error")
@@ -190,8 +184,6 @@ def test_decode_bad_inputs_on_gpu():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_full_prefill_rule_matches_reference(record_property, dtype, head_dim, group, seq):
     """A full causal prefill (kv_lens None, Lc == L) goes through the dispatch rule; its accuracy is the kernel's."""
-    import kernels.flash_lora_attention as fla
-
     x = make_inputs(2, 2 * group, 2, seq, seq, head_dim, 8, dtype, device="cuda", seed=seq)
     roles = torch.tensor([2, 0], device="cuda")
     out = flash_lora_attention(**x, scaling=2.0, role_ids=roles)
