@@ -336,28 +336,22 @@ if triton is not None:
         return acc, acc_lr, l_i, m_i
 
     @triton.jit
-    def _load_lora_b(
-        LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank,
+    def _lora_up(
+        acc_lr, LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank,
         HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
     ):  # fmt: skip
-        """The role's (r, D) slice of B for KV head g as a (max(16, R_PAD), D) tile laid out for :func:`_lora_up`."""
+        """``acc_lr @ B_{role, g}``: (BLOCK_M, R_PAD) fp32 times the role's (r, D) slice -> (BLOCK_M, D) fp32."""
         offs_d = tl.arange(0, HEAD_DIM)
+        offs_r = tl.arange(0, R_PAD)
         b_base = LB + role * stride_bn + g * stride_bh + offs_d[None, :] * stride_bd
         if R_PAD < 16:
-            # tl.dot needs K >= 16 for fp32: B rows interleaved with zero rows, [b0, 0, b1, 0, ...]
+            # tl.dot needs K >= 16 for fp32: interleave zero columns, [a0, 0, a1, 0, ...], and matching B rows
+            acc_lr = tl.reshape(tl.join(acc_lr, tl.zeros_like(acc_lr)), [acc_lr.shape[0], 2 * R_PAD])
             offs_k = tl.arange(0, 2 * R_PAD)
             k_ok = (offs_k % 2 == 0) & (offs_k // 2 < rank)
             b_g = tl.load(b_base + (offs_k // 2)[:, None] * stride_br, mask=k_ok[:, None], other=0.0)
         else:
-            offs_r = tl.arange(0, R_PAD)
             b_g = tl.load(b_base + offs_r[:, None] * stride_br, mask=(offs_r < rank)[:, None], other=0.0)
-        return b_g
-
-    @triton.jit
-    def _lora_up(acc_lr, b_g, R_PAD: tl.constexpr):
-        """``acc_lr @ B``: (BLOCK_M, R_PAD) fp32 times the tile of :func:`_load_lora_b` -> (BLOCK_M, D) fp32."""
-        if R_PAD < 16:  # matching zero columns, [a0, 0, a1, 0, ...]
-            acc_lr = tl.reshape(tl.join(acc_lr, tl.zeros_like(acc_lr)), [acc_lr.shape[0], 2 * R_PAD])
         return tl.dot(acc_lr, b_g.to(tl.float32), input_precision="ieee")  # fp32 FMA dot, once per block
 
     @triton.jit
@@ -368,8 +362,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
     ):  # fmt: skip
         """O = (acc + (acc_lr @ B_g) * s) / l, with B_g (r, D) of this sequence's role; stores valid rows."""
-        b_g = _load_lora_b(LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank, HEAD_DIM, R_PAD)
-        lora = _lora_up(acc_lr, b_g, R_PAD)
+        lora = _lora_up(acc_lr, LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank, HEAD_DIM, R_PAD)
         out = (acc + lora * lora_scaling) / l_i[:, None]
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None])
 

@@ -52,7 +52,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.flash_lora_attention import _load_lora_b, _lora_up
+    from kernels.flash_lora_attention import _lora_up
 except ImportError:  # pragma: no cover - platforms without Triton: only the torch path is available
     triton = None
     tl = None
@@ -283,7 +283,7 @@ def _plan(
     sms: int,
     *,
     programs_per_sm: int = _PROGRAMS_PER_SM,
-    min_split_tiles: int = 2,
+    min_split_tiles: int = 1,
     block_n: int | None = None,
     num_warps: int = 2,
     num_stages: int | None = None,
@@ -297,7 +297,7 @@ def _plan(
     min_split = min_split_tiles * block_n
     base = bsz * hkv * row_blocks
     n_splits = max(1, min(programs_per_sm * sms // base, -(-capacity // min_split), _MAX_SPLITS))
-    s_chunk = max(1, min(_next_pow2(n_splits), (2048 * num_warps) // (rows * head_dim)))  # <= 64 fp32 regs/thread
+    s_chunk = max(1, min(_next_pow2(n_splits), (4096 * num_warps) // (rows * head_dim)))  # <= 128 fp32 regs/thread
     return _DecodePlan(
         n_splits=n_splits,
         min_split=min_split,
@@ -368,8 +368,7 @@ if triton is not None:
     ):  # fmt: skip
         """Merge the n_act partials (acc, max, sum) of program column pid's ROWS heads and write O.
 
-        Every head of the column in one (S_CHUNK, ROWS, D) load per step; the steps are unrolled (fully masked past
-        n_act) so that the loads of later steps can be in flight before earlier steps are reduced.
+        Every head of the column in one (S_CHUNK, ROWS, D) load per step, so a merge is one or a few round trips.
         """
         offs_s = tl.arange(0, S_CHUNK)
         offs_r = tl.arange(0, ROWS)
@@ -378,7 +377,7 @@ if triton is not None:
         m_run = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l_run = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        for s0 in tl.static_range(0, N_SPLITS, S_CHUNK):
+        for s0 in range(0, n_act, S_CHUNK):
             s_ok = (s0 + offs_s < n_act)[:, None]
             slot = (base + s0 + offs_s)[:, None] * ROWS + offs_r[None, :]  # (S_CHUNK, ROWS)
             # .cg: read through L2, where the other programs' partials are (L1 is not coherent)
@@ -423,10 +422,6 @@ if triton is not None:
         g = (pid // ROW_BLOCKS) % N_KV_HEADS
         rb = pid % ROW_BLOCKS
         kv_len = tl.minimum(tl.maximum(tl.load(KVLEN + b).to(tl.int32), 0), capacity)
-        if HAS_ROLE:
-            role = tl.load(ROLE + b).to(tl.int64)  # issued beside kv_len: no extra round trip
-        else:
-            role = tl.zeros([], dtype=tl.int64)
         n_act = tl.minimum(tl.maximum(tl.cdiv(kv_len, MIN_SPLIT), 1), N_SPLITS)  # splits this row uses
         if pid_s < n_act:
             b64 = b.to(tl.int64)
@@ -453,8 +448,6 @@ if triton is not None:
             k_ptr = K + kv_row * stride_ks + g64 * stride_kh
             v_ptr = V + kv_row * stride_vs + g64 * stride_vh
             lr_ptr = VLR + lr_row * stride_lrs
-            if HAS_LORA:  # B's load is in flight during the key loop, used after it
-                b_g = _load_lora_b(LB, role, g64, stride_bn, stride_bh, stride_br, stride_bd, rank, HEAD_DIM, R_PAD)
 
             m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a row with no keys stays NaN-free
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -468,8 +461,14 @@ if triton is not None:
                 acc, acc_lr, l_i, m_i, q, k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
                 rank, full_hi, hi, qk_scale, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, True,
             )  # fmt: skip
-            if HAS_LORA:  # B applied per split: the merge is linear in acc, so merging (acc + acc_lr B s) is exact
-                acc += _lora_up(acc_lr, b_g, R_PAD) * lora_scaling
+            if HAS_LORA:
+                # B applied per split: the merge is linear in acc, so merging (acc + acc_lr B s) is exact
+                if HAS_ROLE:
+                    role = tl.load(ROLE + b).to(tl.int64)
+                else:
+                    role = tl.zeros([], dtype=tl.int64)
+                acc += _lora_up(acc_lr, LB, role, g64, stride_bn, stride_bh, stride_br, stride_bd, rank,
+                                HEAD_DIM, R_PAD) * lora_scaling  # fmt: skip
 
             if n_act == 1:  # the whole row in this program: write O
                 inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
