@@ -27,8 +27,8 @@ any GQA group size; batch with per-sequence lengths and one role per sequence. T
 views (the last dim of q, k, v_base must be contiguous). Values of ``role_ids``/``kv_lens`` that live on
 the GPU are not range-checked (that would need a host sync each call); the reference checks them.
 
-Tested GPUs: NVIDIA H100 80GB HBM3 (Triton 3.6, PyTorch 2.11), see ``kernels/NOTES.md``. Without CUDA the
-Triton kernels run only under ``TRITON_INTERPRET=1`` (CPU tensors, slow; used by a CPU test).
+Tested GPUs: NVIDIA H100 80GB HBM3 and NVIDIA H200 (Triton 3.6, PyTorch 2.11), see ``kernels/NOTES.md``.
+Without CUDA the Triton kernels run only under ``TRITON_INTERPRET=1`` (CPU tensors, slow; used by a CPU test).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ once per reason.
 
 Limits: device values of kv_lens are clamped to [0, C]; device values of role_ids / kv_slot / lr_slot are not
 range-checked (that would need a host sync); CPU tensors are. One stream at a time per shape (the workspace is
-shared). Call once before capturing a graph (the first call compiles). Tested GPUs: ``kernels/NOTES.md``.
+shared). Call once before capturing a graph (the first call compiles). Tested GPU: NVIDIA H200 (Triton 3.6,
+PyTorch 2.11), see ``kernels/NOTES.md``.
 """
 
 from __future__ import annotations
