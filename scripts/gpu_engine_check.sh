@@ -12,10 +12,10 @@ else
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-timeout 150 python3 scripts/gpu_engine_smoke.py 2>&1 | tee "$OUT/smoke.log"
-timeout 150 python3 cli.py bench decode --model smollm2-135m --context 2048 --batches "[1,64]" --new_tokens 128 \
+timeout 120 python3 scripts/gpu_engine_smoke.py 2>&1 | tee "$OUT/smoke.log"
+timeout 110 python3 cli.py bench decode --model smollm2-135m --context 2048 --batches "[1,64]" --new_tokens 128 \
   --out "$OUT/decode_135m" 2>&1 | tail -25 | tee "$OUT/decode_135m.log"
-timeout 200 python3 cli.py bench decode --model llama-3.1-8b --context 2048 --batches "[1,32]" --new_tokens 64 \
+timeout 170 python3 cli.py bench decode --model llama-3.1-8b --context 2048 --batches "[1,32]" --new_tokens 64 \
   --out "$OUT/decode_8b" 2>&1 | tail -25 | tee "$OUT/decode_8b.log"
-timeout 240 python3 cli.py bench trace --model llama-3.1-8b --contexts "$CTX" --out "$OUT/trace_8b" 2>&1 \
+timeout 160 python3 cli.py bench trace --model llama-3.1-8b --contexts "$CTX" --out "$OUT/trace_8b" 2>&1 \
   | grep -v Warning | tee "$OUT/trace_8b.log"
