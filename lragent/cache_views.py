@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention
+from lragent.decoder import rope_store_unfused
 from lragent.static_cache import StaticCachePool
 
 
@@ -105,6 +106,22 @@ class PrefillView:
         self.start, self.end = start, start + length
         self.use_kernel = use_kernel
         self.decomposed = pool.layout.decomposed
+        self.fused = use_kernel and pool.device.type == "cuda" and pool.dtype in (torch.float16, torch.bfloat16)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        if not self.fused:
+            return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+        from kernels.fused_ops import rope_store
+
+        p, t = self.pool, q.shape[1]
+        pos = torch.arange(self.start, self.end, device=q.device)
+        kv_slot = torch.full((t,), self.kv_slot, dtype=torch.long, device=q.device)
+        lr_slot = torch.full((t,), self.lr_slot, dtype=torch.long, device=q.device)
+        q_out = rope_store(
+            q[0], k[0], v[0], None if v_lr is None else v_lr[0], cos[0], sin[0],
+            p.k[layer], p.v[layer], p.v_lr[layer] if v_lr is not None else None, kv_slot, lr_slot, pos,
+        )  # fmt: skip
+        return q_out.transpose(0, 1)[None]  # (1, H_q, T, D)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
         p, s, e = self.pool, self.start, self.end
@@ -163,6 +180,23 @@ class DecodeView:
         self.decomposed = pool.layout.decomposed
         kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None
         self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
+        self.fused = self.kernel is not None
+        if self.kernel is not None:  # int32 indices once per step, not per layer
+            self.kv_lens32 = self.kv_lens.to(torch.int32)
+            self.kv_slot32 = kv_slot.to(torch.int32)
+            self.lr_slot32 = lr_slot.to(torch.int32)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        if not self.fused:
+            return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+        from kernels.fused_ops import rope_store
+
+        p = self.pool
+        q_out = rope_store(
+            q[:, 0], k[:, 0], v[:, 0], None if v_lr is None else v_lr[:, 0], cos[:, 0], sin[:, 0],
+            p.k[layer], p.v[layer], p.v_lr[layer] if v_lr is not None else None, self.kv_slot, self.lr_slot, self.pos,
+        )  # fmt: skip
+        return q_out[:, :, None]  # (B, H_q, 1, D)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
         p = self.pool
@@ -190,13 +224,13 @@ class DecodeView:
                 q1,
                 p.k[layer],
                 p.v[layer],
-                self.kv_lens.to(torch.int32),
+                self.kv_lens32,
                 v_lr_cache=lr_pool,
                 lora_b=b_heads,
                 scaling=scaling,
                 role_ids=role_ids,
-                kv_slot=self.kv_slot.to(torch.int32),
-                lr_slot=self.lr_slot.to(torch.int32),
+                kv_slot=self.kv_slot32,
+                lr_slot=self.lr_slot32,
             )
             return out[:, :, None]
         n = self.max_len

@@ -35,6 +35,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def rope_store_unfused(
+    view: CacheView,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_lr: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """:meth:`CacheView.rope_store` with PyTorch ops and the view's own ``store`` (shapes as there)."""
+    view.store(layer, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2), v_lr)
+    return apply_rope(q.transpose(1, 2), cos, sin)
+
+
 def _proj(module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
     if isinstance(module, MultiLoraLinear):
         return module(x, role_ids)
@@ -52,6 +67,20 @@ class CacheView(Protocol):
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
         """Writes keys ``(B, H_kv, T, D)`` (RoPE applied), values or V_base ``(B, H_kv, T, D)``, V_lr ``(B, T, r)``."""
+        ...
+
+    def rope_store(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        v_lr: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Applies RoPE to queries ``(B, T, H_q, D)`` and keys ``(B, T, H_kv, D)``, stores keys, values
+        ``(B, T, H_kv, D)`` and V_lr ``(B, T, r)``; returns the rotated queries ``(B, H_q, T, D)``."""
         ...
 
     def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
@@ -89,6 +118,7 @@ class DecoderEngine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
+        self._silu = getattr(cfg, "hidden_act", "silu") == "silu"
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- pieces -------------------------------------------------------------------------------------------------
@@ -110,16 +140,24 @@ class DecoderEngine:
             self._rope_tables = {key: (cos[0].contiguous(), sin[0].contiguous())}
         return self._rope_tables[key]
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """Final norm and LM head: ``(B, T, hidden)`` -> ``(B, T, vocab)``."""
-        return self.model.lm_head(self.inner.norm(h))
+        return self.model.lm_head(self._norm(self.inner.norm, h, fused))
 
-    def _mlp(self, layer: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
+    def _mlp(
+        self, layer: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None, fused: bool = False
+    ) -> torch.Tensor:
         mlp = layer.mlp
-        if not any(isinstance(getattr(mlp, n), MultiLoraLinear) for n in ("gate_proj", "up_proj", "down_proj")):
+        if not fused and not any(
+            isinstance(getattr(mlp, n), MultiLoraLinear) for n in ("gate_proj", "up_proj", "down_proj")
+        ):
             return mlp(x)
-        gate = _proj(mlp.gate_proj, x, role_ids)
-        return _proj(mlp.down_proj, mlp.act_fn(gate) * _proj(mlp.up_proj, x, role_ids), role_ids)
+        gate, up = _proj(mlp.gate_proj, x, role_ids), _proj(mlp.up_proj, x, role_ids)
+        if fused and self._silu:
+            from kernels.fused_ops import silu_mul
+
+            return _proj(mlp.down_proj, silu_mul(gate, up), role_ids)
+        return _proj(mlp.down_proj, mlp.act_fn(gate) * up, role_ids)
 
     # ---- one layer ----------------------------------------------------------------------------------------------
     def layer_forward(
@@ -139,7 +177,8 @@ class DecoderEngine:
             h: ``(B, T, hidden)`` hidden states entering the layer.
             rotary: cos/sin ``(B, T, D)`` for the positions.
             role_ids: ``(B,)`` role of each sequence.
-            view: where the new K/V go and what they attend to.
+            view: where the new K/V go and what they attend to; a view with ``fused = True`` gets the fused
+                norm / RoPE-and-store / SiLU kernels (:mod:`kernels.fused_ops`), else transformers' modules.
             write_kv: False when K and V_base of these positions are already cached (``base_shared``'s LR
                 prefill): only V_lr is written, and the K and V_base projections are skipped.
             lr_only: write V_lr and stop (the last layer of an LR prefill: nothing after it is needed).
@@ -151,8 +190,9 @@ class DecoderEngine:
         attn = layer.self_attn
         b, t, _ = h.shape
         cos, sin = rotary
+        fused = getattr(view, "fused", False)
         view.capture(index, h)
-        x = layer.input_layernorm(h)
+        x = self._norm(layer.input_layernorm, h, fused)
         v_mod = attn.v_proj
         low_rank = view.decomposed
         if low_rank and not isinstance(v_mod, MultiLoraLinear):
@@ -160,22 +200,39 @@ class DecoderEngine:
         if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
         if write_kv:
-            k = apply_rope(_proj(attn.k_proj, x, role_ids).view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
+            k = _proj(attn.k_proj, x, role_ids).view(b, t, -1, self.head_dim)
             if low_rank:
                 v, v_lr = v_mod.base(x), v_mod.lora_input(x, role_ids)
             else:
                 v, v_lr = _proj(v_mod, x, role_ids), None
-            view.store(index, k, v.view(b, t, -1, self.head_dim).transpose(1, 2), v_lr)
+            q = _proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim)
+            q = view.rope_store(index, q, k, v.view(b, t, -1, self.head_dim), v_lr, cos, sin)  # (B, H_q, T, D)
         else:
             view.store_lr(index, v_mod.lora_input(x, role_ids))
             if lr_only:
                 return h
-        q = apply_rope(_proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
+            q = apply_rope(_proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
         if role_ids is None:
             role_ids = torch.zeros(b, dtype=torch.long, device=h.device)
         o = view.attend(index, q, v_mod.stacked_b() if low_rank else None, v_mod.scaling if low_rank else 1.0, role_ids)
-        h = h + _proj(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids)
-        return h + self._mlp(layer, layer.post_attention_layernorm(h), role_ids)
+        o = _proj(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids)
+        if fused:
+            from kernels.fused_ops import rms_norm
+
+            norm = layer.post_attention_layernorm
+            x2, h = rms_norm(o, norm.weight, norm.variance_epsilon, residual=h)
+        else:
+            h = h + o
+            x2 = layer.post_attention_layernorm(h)
+        return h + self._mlp(layer, x2, role_ids, fused)
+
+    @staticmethod
+    def _norm(norm: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
+        if not fused:
+            return norm(h)
+        from kernels.fused_ops import rms_norm
+
+        return rms_norm(h, norm.weight, norm.variance_epsilon)[0]
 
     # ---- many layers --------------------------------------------------------------------------------------------
     def run_view(

@@ -250,6 +250,7 @@ class Engine:
         self.stop_index = StopTokenIndex(tokenizer, self.dec.vocab_size) if tokenizer is not None else None
         self.peak_cache_bytes = 0
         self._pending: dict[int, _Pending] = {}
+        self._lora_modules = list(model.lora_modules().values())
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._alloc_decode_state()
@@ -372,7 +373,7 @@ class Engine:
             return None
         h = self.dec.run_view(h, rotary, role_t, view)
         sch.record(traj, role, op)
-        return self.dec.logits(h if want_logits else h[:, -1:])[0]
+        return self.dec.logits(h if want_logits else h[:, -1:], fused=view.fused)[0]
 
     @torch.no_grad()
     def prefill(
@@ -497,7 +498,7 @@ class Engine:
         cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
         rotary = (cos_t[pos][:, None], sin_t[pos][:, None])
         h = self.dec.run_view(self.dec.embed(tok[:, None]), rotary, self.d_role[:b], view)
-        self.d_logits[:b] = self.dec.logits(h)[:, 0].float()
+        self.d_logits[:b] = self.dec.logits(h, fused=view.fused)[:, 0].float()
         pos.add_(step)
 
     def _bucket(self) -> int:
@@ -540,6 +541,8 @@ class Engine:
             return []
         if self.pool.version != self._pool_version:
             self._alloc_decode_state()
+        for module in self._lora_modules:  # bring the cached stacked B up to date (graphs read it in place)
+            module.stacked_b()
         finished: list[StepResult] = []
         steps = 0
         eager_logits = any(p.request.return_logits for p in self._pending.values())

@@ -210,6 +210,11 @@ class GrowableView:
         if v_lr is not None:
             cache.v_lr.write(self.start, v_lr)
 
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        from lragent.decoder import rope_store_unfused
+
+        return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+
     def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
         self.caches[layer].v_lr.write(self.start, v_lr)
 
