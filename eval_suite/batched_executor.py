@@ -17,9 +17,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from lragent.agents.requests import Choose, Generate, Reply, StepStats
 
 from lragent.agents import EpisodeResult
-from lragent.agents.requests import Choose, Generate, Reply, StepStats
 from lragent.engine import Engine, GenerationRequest, StepResult
 from lragent.lora_model import MultiLoraModel
 

@@ -138,14 +138,16 @@ if triton is not None:
                     tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + r, lr, mask=r < rank)
 
     @triton.jit
-    def _silu_mul_kernel(G, U, OUT, n_elem, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n_elem
-        g = tl.load(G + offs, mask=ok, other=0.0)
-        u = tl.load(U + offs, mask=ok, other=0.0)
+    def _silu_mul_kernel(G, U, OUT, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+        """Grid (rows, column blocks): out[row] = silu(g[row]) * u[row], rows of g and u strided."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0)
+        u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(OUT + offs, (act * u).to(g.dtype), mask=ok)
+        tl.store(OUT + row * n_cols + cols, (act * u).to(g.dtype), mask=ok)
 
 
 # ---- public functions ------------------------------------------------------------------------------------------------
@@ -233,12 +235,16 @@ def rope_store(
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """``silu(gate) * up`` elementwise (same shapes)."""
-    if not kernels_usable(gate) or gate.shape != up.shape:
+    """``silu(gate) * up`` elementwise (same shapes; rows may be strided views, e.g. halves of a fused GEMM)."""
+    if not kernels_usable(gate) or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
         return silu_mul_reference(gate, up)
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    n = g.numel()
-    block = 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
+    n_cols = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n_cols), up.reshape(-1, n_cols)  # views for the (B, T, I) slices a GEMM gives
+    if g2.data_ptr() != gate.data_ptr() or u2.data_ptr() != up.data_ptr():
+        g2, u2 = gate.contiguous().view(-1, n_cols), up.contiguous().view(-1, n_cols)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(n_cols))
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n_cols, block))](
+        g2, u2, out, n_cols, g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4
+    )
     return out

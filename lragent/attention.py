@@ -61,6 +61,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     gqa = q.shape[1] != k.shape[1]
     if key_mask is None and q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES:
+        # A chunk at the end of the keys: FlashAttention's bottom-right causal variant, no mask tensor.
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), enable_gqa=gqa)
     mask = attention_mask(q_len, k_len, key_mask, q.device)
     if gqa and mask is not None and q.is_cuda:
         # Masked GQA would go to cuDNN's kernel, which failed on an H200 (mha_graph.execute); expanded KV heads take

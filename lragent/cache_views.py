@@ -98,6 +98,7 @@ class PrefillView:
         start: int,
         length: int,
         use_kernel: bool = True,
+        fused: bool | None = None,
     ) -> None:
         if start + length > pool.capacity:
             raise ValueError(f"positions up to {start + length} exceed the cache capacity {pool.capacity}")
@@ -106,7 +107,8 @@ class PrefillView:
         self.start, self.end = start, start + length
         self.use_kernel = use_kernel
         self.decomposed = pool.layout.decomposed
-        self.fused = use_kernel and pool.device.type == "cuda" and pool.dtype in (torch.float16, torch.bfloat16)
+        gpu_ok = use_kernel and pool.device.type == "cuda" and pool.dtype in (torch.float16, torch.bfloat16)
+        self.fused = gpu_ok if fused is None else fused
 
     def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
         if not self.fused:
@@ -172,6 +174,7 @@ class DecodeView:
         pos: torch.Tensor,
         max_len: int | None = None,
         use_kernel: bool = True,
+        fused: bool | None = None,
     ) -> None:
         self.pool = pool
         self.kv_slot, self.lr_slot, self.hidden_slot, self.pos = kv_slot, lr_slot, hidden_slot, pos
@@ -180,7 +183,7 @@ class DecodeView:
         self.decomposed = pool.layout.decomposed
         kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None
         self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
-        self.fused = self.kernel is not None
+        self.fused = self.kernel is not None if fused is None else fused
         if self.kernel is not None:  # int32 indices once per step, not per layer
             self.kv_lens32 = self.kv_lens.to(torch.int32)
             self.kv_slot32 = kv_slot.to(torch.int32)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -48,6 +49,15 @@ def rope_store_unfused(
     """:meth:`CacheView.rope_store` with PyTorch ops and the view's own ``store`` (shapes as there)."""
     view.store(layer, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2), v_lr)
     return apply_rope(q.transpose(1, 2), cos, sin)
+
+
+def _with_lora(
+    module: nn.Module, base_out: torch.Tensor, x: torch.Tensor, role_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """``base_out`` (the module's base projection of ``x``) plus its LoRA term, if the module has one."""
+    if isinstance(module, MultiLoraLinear):
+        return module._add_lora(base_out, module.lora_input(x, role_ids), role_ids)
+    return base_out
 
 
 def _proj(module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
@@ -152,7 +162,12 @@ class DecoderEngine:
             isinstance(getattr(mlp, n), MultiLoraLinear) for n in ("gate_proj", "up_proj", "down_proj")
         ):
             return mlp(x)
-        gate, up = _proj(mlp.gate_proj, x, role_ids), _proj(mlp.up_proj, x, role_ids)
+        gu = mlp.__dict__.get("_lragent_gu") if fused else None
+        if gu is not None:
+            gate, up = F.linear(x, gu[0], gu[1]).split(gu[2], dim=-1)
+            gate, up = _with_lora(mlp.gate_proj, gate, x, role_ids), _with_lora(mlp.up_proj, up, x, role_ids)
+        else:
+            gate, up = _proj(mlp.gate_proj, x, role_ids), _proj(mlp.up_proj, x, role_ids)
         if fused and self._silu:
             from kernels.fused_ops import silu_mul
 
@@ -199,7 +214,19 @@ class DecoderEngine:
             raise ValueError("a decomposed cache (V_base + V_lr) needs a LoRA adapter on v_proj")
         if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
-        if write_kv:
+        qkv = attn.__dict__.get("_lragent_qkv") if fused else None
+        if write_kv and qkv is not None:
+            # one GEMM for the three base projections; each LoRA term added to its slice
+            q, k, v = F.linear(x, qkv[0], qkv[1]).split(qkv[2], dim=-1)
+            q, k = _with_lora(attn.q_proj, q, x, role_ids), _with_lora(attn.k_proj, k, x, role_ids)
+            if low_rank:
+                v_lr = v_mod.lora_input(x, role_ids)
+            else:
+                v, v_lr = _with_lora(v_mod, v, x, role_ids), None
+            q = q.view(b, t, -1, self.head_dim)
+            k = k.view(b, t, -1, self.head_dim)
+            q = view.rope_store(index, q, k, v.view(b, t, -1, self.head_dim), v_lr, cos, sin)  # (B, H_q, T, D)
+        elif write_kv:
             k = _proj(attn.k_proj, x, role_ids).view(b, t, -1, self.head_dim)
             if low_rank:
                 v, v_lr = v_mod.base(x), v_mod.lora_input(x, role_ids)

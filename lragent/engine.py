@@ -192,6 +192,8 @@ class Engine:
         sync_every: decode steps between host checks of which rows finished.
         growable: a one-row engine may reallocate to a larger capacity between steps (the session API); a
             batched engine raises :class:`CapacityError` instead.
+        fuse_ops: fused weights (one GEMM for q/k/v and for gate/up) and fused elementwise kernels; default: on
+            CUDA in fp16/bf16 with ``use_kernel``. On the CPU the fused path runs with PyTorch fallbacks (tests).
     """
 
     def __init__(
@@ -208,6 +210,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         sync_every: int = 8,
         growable: bool = False,
+        fuse_ops: bool | None = None,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -223,6 +226,12 @@ class Engine:
         param = next(model.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        gpu_ok = use_kernel and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+        self.fuse_ops = gpu_ok if fuse_ops is None else bool(fuse_ops)
+        if self.fuse_ops:
+            from lragent.fused_weights import fuse_base_weights
+
+            fuse_base_weights(model.model)
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         cfg = model.lora_config
@@ -358,14 +367,16 @@ class Engine:
         rotary = (cos_t[positions][None], sin_t[positions][None])
         role_t = torch.tensor([role], device=self.device)
         if isinstance(op, Recompute):
-            view = PrefillView(self.pool, kv_slot, lr_slot, None, start, end - start, self.use_kernel)
+            view = PrefillView(self.pool, kv_slot, lr_slot, None, start, end - start, self.use_kernel, self.fuse_ops)
             for a, b in sch.groups:
                 h = self.pool.hidden[a][sch.hidden_slot(row), start:end][None]
                 self.dec.run_view(h, rotary, role_t, view, layers=range(a, b))
             sch.record(traj, role, op)
             return None
         hidden_slot = sch.hidden_slot(row) if sch.hidden_layers else None
-        view = PrefillView(self.pool, kv_slot, lr_slot, hidden_slot, start, end - start, self.use_kernel)
+        view = PrefillView(
+            self.pool, kv_slot, lr_slot, hidden_slot, start, end - start, self.use_kernel, self.fuse_ops
+        )
         h = self.dec.embed(ids)
         if isinstance(op, LRPrefill):
             self.dec.run_view(h, rotary, role_t, view, write_kv=False)
@@ -493,7 +504,14 @@ class Engine:
         self.d_active[:b] = act & ~done
         pos = self.d_pos[:b]
         view = DecodeView(
-            self.pool, self.d_kv_slot[:b], self.d_lr_slot[:b], self.d_hid_slot[:b], pos, max_len, self.use_kernel
+            self.pool,
+            self.d_kv_slot[:b],
+            self.d_lr_slot[:b],
+            self.d_hid_slot[:b],
+            pos,
+            max_len,
+            self.use_kernel,
+            fused=self.fuse_ops,
         )
         cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
         rotary = (cos_t[pos][:, None], sin_t[pos][:, None])

@@ -273,3 +273,31 @@ def test_bad_requests_are_one_line_errors():
         eng.append(7, [1])
     with pytest.raises(ValueError, match="the trajectory is empty"):
         eng.start(1, GenerationRequest(role=0))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_path_equals_plain_path(scheme):
+    """The fused path (one GEMM for q/k/v and for gate/up, fused norm / RoPE-and-store / SiLU, here with their
+    PyTorch fallbacks) computes what the module-by-module path computes."""
+    from lragent.fused_weights import fuse_base_weights
+
+    plain_model = tiny_multi_lora("tiny-qwen2", b_std=0.3, targets=("q_proj", "v_proj", "up_proj"))
+    fused_model = tiny_multi_lora("tiny-qwen2", b_std=0.3, targets=("q_proj", "v_proj", "up_proj"))
+    x = torch.randn(2, 5, 64)
+    before = fused_model.model.model.layers[0].self_attn.k_proj(x)
+    assert fuse_base_weights(fused_model.model) == 4
+    attn = fused_model.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == attn.__dict__["_lragent_qkv"][0].data_ptr() + 64 * 64 * 4
+    assert torch.equal(attn.k_proj(x), before)  # the module itself still computes the same
+    out = {}
+    for name, model, fuse in (("plain", plain_model, False), ("fused", fused_model, True)):
+        eng = Engine(model, scheme, rows=2, capacity=64, eos_token_ids=[], droidspeak_layers=[1, 2], fuse_ops=fuse)
+        res = []
+        for r, sched in enumerate((_row_schedule(7), _row_schedule(8))):
+            for role, ids, n in sched:
+                eng.append(r, ids)
+                res.append(eng.generate(r, GenerationRequest(role=role, max_new_tokens=n, return_logits=True)))
+        out[name] = res
+    for a, b in zip(out["plain"], out["fused"], strict=True):
+        assert a.generated_ids == b.generated_ids
+        assert (a.logits - b.logits).abs().max() <= 1e-4
