@@ -476,6 +476,7 @@ def bench_kernel(
         raise ValueError(f"dtype must be bf16 or fp16, got {dtype!r}")
     if not torch.cuda.is_available():
         raise ValueError("bench kernel needs a CUDA GPU (torch.cuda.is_available() is False)")
+    importlib.import_module("kernels.flash_lora_attention").set_autotune(True)  # prefill timings: tuned configs
     from eval_suite.report import write_json, write_text
     from lragent.provenance import provenance
 

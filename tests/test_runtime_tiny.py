@@ -138,6 +138,7 @@ def test_zero_b_all_schemes_equal_base_generate(schedule, arch):
             continue
         gen = plain.generate(
             torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),  # token 0 is a real token, not padding
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
