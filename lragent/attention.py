@@ -12,20 +12,18 @@ Queries are the last ``Lq`` of the ``L`` keys (causal, aligned bottom-right).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_KERNEL_ENV = "LRAGENT_DISABLE_KERNEL"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's dtypes; fp32 takes the PyTorch path
 
 
 def kernel_available() -> bool:
-    """True when the fused kernel can run here (CUDA + Triton) and is not switched off by LRAGENT_DISABLE_KERNEL=1."""
-    if os.environ.get(_KERNEL_ENV, "0") not in ("", "0") or not torch.cuda.is_available():
+    """True when the fused kernel can run here (CUDA + Triton); callers switch it off with ``use_kernel=False``."""
+    if not torch.cuda.is_available():
         return False
     try:
         import kernels.flash_lora_attention  # noqa: F401
