@@ -135,6 +135,13 @@ class PrefillView:
     def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
         self.pool.v_lr[layer][self.lr_slot, self.start : self.end] = v_lr[0]
 
+    def sub(self, offset: int, length: int) -> PrefillView:
+        """The same slots over positions ``[start + offset, start + offset + length)``."""
+        return PrefillView(
+            self.pool, self.kv_slot, self.lr_slot, self.hidden_slot, self.start + offset, length, self.use_kernel,
+            self.fused,
+        )  # fmt: skip
+
     def capture(self, layer: int, h: torch.Tensor) -> None:
         if self.hidden_slot is not None and layer in self.pool.hidden:
             self.pool.hidden[layer][self.hidden_slot, self.start : self.end] = h[0]

@@ -184,6 +184,7 @@ class DecoderEngine:
         view: CacheView,
         write_kv: bool = True,
         lr_only: bool = False,
+        kv_from: int = 0,
     ) -> torch.Tensor:
         """One decoder layer over ``T`` new positions.
 
@@ -197,6 +198,9 @@ class DecoderEngine:
             write_kv: False when K and V_base of these positions are already cached (``base_shared``'s LR
                 prefill): only V_lr is written, and the K and V_base projections are skipped.
             lr_only: write V_lr and stop (the last layer of an LR prefill: nothing after it is needed).
+            kv_from: an LR prefill and a forward in one pass (``base_shared``): the first ``kv_from`` positions are
+                cached already and get only V_lr (no K/V_base projections), the rest are written in full. Needs a
+                view with ``sub()`` (:class:`~lragent.cache_views.PrefillView`).
 
         Returns:
             ``(B, T, hidden)`` hidden states leaving the layer (``h`` itself with ``lr_only``).
@@ -215,7 +219,20 @@ class DecoderEngine:
         if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
         qkv = attn.__dict__.get("_lragent_qkv") if fused else None
-        if write_kv and qkv is not None:
+        if write_kv and kv_from > 0:
+            v_lr = v_mod.lora_input(x, role_ids)  # (B, T, r): every position gets this role's V_lr
+            view.sub(0, kv_from).store_lr(index, v_lr[:, :kv_from])
+            xs = x[:, kv_from:]
+            ts = t - kv_from
+            k = _proj(attn.k_proj, xs, role_ids).view(b, ts, -1, self.head_dim)
+            v = v_mod.base(xs).view(b, ts, -1, self.head_dim)
+            q = _proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim)
+            q_head = apply_rope(q[:, :kv_from].transpose(1, 2), cos[:, :kv_from], sin[:, :kv_from])
+            q_tail = view.sub(kv_from, ts).rope_store(
+                index, q[:, kv_from:], k, v, v_lr[:, kv_from:], cos[:, kv_from:], sin[:, kv_from:]
+            )
+            q = torch.cat([q_head, q_tail], dim=2)  # (B, H_q, T, D)
+        elif write_kv and qkv is not None:
             # one GEMM for the three base projections; each LoRA term added to its slice
             q, k, v = F.linear(x, qkv[0], qkv[1]).split(qkv[2], dim=-1)
             q, k = _with_lora(attn.q_proj, q, x, role_ids), _with_lora(attn.k_proj, k, x, role_ids)
@@ -270,6 +287,7 @@ class DecoderEngine:
         view: CacheView,
         layers: Iterable[int] | None = None,
         write_kv: bool = True,
+        kv_from: int = 0,
     ) -> torch.Tensor:
         """Runs ``layers`` (default: all) in order over one view; see :meth:`layer_forward`.
 
@@ -278,7 +296,7 @@ class DecoderEngine:
         order = list(range(self.n_layers) if layers is None else layers)
         for i in order:
             lr_only = not write_kv and i == order[-1]
-            h = self.layer_forward(i, h, rotary, role_ids, view, write_kv, lr_only)
+            h = self.layer_forward(i, h, rotary, role_ids, view, write_kv, lr_only, kv_from)
         return h
 
     def run_layers(

@@ -374,9 +374,7 @@ class Engine:
             sch.record(traj, role, op)
             return None
         hidden_slot = sch.hidden_slot(row) if sch.hidden_layers else None
-        view = PrefillView(
-            self.pool, kv_slot, lr_slot, hidden_slot, start, end - start, self.use_kernel, self.fuse_ops
-        )
+        view = PrefillView(self.pool, kv_slot, lr_slot, hidden_slot, start, end - start, self.use_kernel, self.fuse_ops)
         h = self.dec.embed(ids)
         if isinstance(op, LRPrefill):
             self.dec.run_view(h, rotary, role_t, view, write_kv=False)
@@ -384,6 +382,25 @@ class Engine:
             return None
         h = self.dec.run_view(h, rotary, role_t, view)
         sch.record(traj, role, op)
+        return self.dec.logits(h if want_logits else h[:, -1:], fused=view.fused)[0]
+
+    def _run_lr_forward(self, row: int, role: int, lr: LRPrefill, fwd: Forward, want_logits: bool) -> torch.Tensor:
+        """One pass over ``[lr.start, fwd.end)``: V_lr only for the catch-up part, everything for the new part."""
+        traj, sch = self.traj[row], self.scheme
+        start, split, end = lr.start, fwd.start, fwd.end
+        ids = torch.tensor([traj.ids[start:end]], device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
+        rotary = (cos_t[positions][None], sin_t[positions][None])
+        view = PrefillView(
+            self.pool, sch.kv_slot(row, role), sch.lr_slot(row, role), None, start, end - start, self.use_kernel,
+            self.fuse_ops,
+        )  # fmt: skip
+        h = self.dec.run_view(self.dec.embed(ids), rotary, torch.tensor([role], device=self.device), view,
+                              kv_from=split - start)  # fmt: skip
+        sch.record(traj, role, lr)
+        sch.record(traj, role, fwd)
+        h = h[:, split - start :]
         return self.dec.logits(h if want_logits else h[:, -1:], fused=view.fused)[0]
 
     @torch.no_grad()
@@ -407,6 +424,14 @@ class Engine:
             ops[-1] = Forward(logits_from, ops[-1].end)
         self._ensure_capacity(len(traj.ids))
         logits, recomputed, total = None, 0, 0
+        if len(ops) == 2 and isinstance(ops[0], LRPrefill) and isinstance(ops[1], Forward):
+            # base_shared: the LR prefill and the forward of the new tokens in one pass over the layers
+            lr, fwd = ops
+            logits = self._run_lr_forward(row, role, lr, fwd, want_logits=return_logits)
+            positions = list(range(fwd.start, fwd.end)) if return_logits else [fwd.end - 1]
+            self._note_peak()
+            n_lr, n_fwd = lr.end - lr.start, fwd.end - fwd.start
+            return logits, positions, n_lr + n_fwd, n_lr
         for op in ops:
             total += op.end - op.start
             if not isinstance(op, Forward):
