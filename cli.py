@@ -29,7 +29,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "droidspeak-select": ("eval_suite.droidspeak_select", "main"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "kernel": ("kernels.bench", "main"),
+    "kernel": ("kernels.bench", "bench_kernel"),
+    "decode": ("eval_suite.bench_decode", "decode"),
+    "trace": ("eval_suite.bench_trace", "trace"),
 }
 LIGHTNING = ("fit", "validate", "test")
 
