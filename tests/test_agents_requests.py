@@ -300,3 +300,30 @@ def test_drive_answers_with_a_policy() -> None:
     res = drive(AgentLoop(None, SCIENCEQA).episode("q", None, answer_options=("A", "B")), policy)
     assert res.answer == "B" and res.constrained_calls == 1 and policy.choices == [("action", ("A", "B"), 1)]
     assert res.num_tokens == policy.num_tokens
+
+
+def test_session_policy_passes_sampling_settings_and_seeds() -> None:
+    calls: list[dict] = []
+
+    class Session:
+        num_tokens, peak_cache_bytes = 0, 0
+
+        def __init__(self, model: object, **kw: object) -> None:
+            pass
+
+        def append_text(self, text: str) -> None:
+            pass
+
+        def step(self, role: str, **kw: object):
+            calls.append(kw)
+            return type("R", (), {"text": "x", "generated_ids": [1], "prefill_tokens": 1, "prefill_s": 0.0,
+                                  "decode_s": 0.0})()  # fmt: skip
+
+    policy = SessionPolicy(None, None, temperature=0.9, top_p=0.75, seed=100, session_factory=Session)
+    policy.reset()
+    for _ in range(3):
+        policy.generate("plan", "t", max_new_tokens=4, stop=["\n"])
+    assert [(c["temperature"], c["top_p"], c["seed"]) for c in calls] == [(0.9, 0.75, 100 + i) for i in range(3)]
+    policy.reset()  # a new episode starts the call count again: seeds depend on (episode seed, call) only
+    policy.generate("plan", "t", max_new_tokens=4, stop=["\n"])
+    assert calls[-1]["seed"] == 100
