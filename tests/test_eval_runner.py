@@ -302,6 +302,11 @@ def test_cli_errors_and_merge(tmp_path, capsys, reference):
     assert written == json.loads(json.dumps(ref_summary))
     out = capsys.readouterr().out
     assert re.search(r"non_shared: em \d+\.\d ± \d+\.\d OOF", out)
+    # several directories as a list; the second copy of every record is a duplicate and is dropped
+    assert run("--merge", f"[{ref_dir},{ref_dir}]", "--out", str(tmp_path / "m2")) == 0
+    twice = json.loads((tmp_path / "m2" / "summary.json").read_text())
+    twice.pop("provenance")
+    assert twice.pop("duplicates") == 36 and twice == {k: v for k, v in written.items() if k != "duplicates"}
 
 
 def test_resume_refuses_other_settings(tmp_path):
@@ -430,7 +435,10 @@ def test_second_eval_on_the_same_out_is_refused(tmp_path, capsys):
     out = tmp_path / "busy"
     with DirectoryLock(out):
         with pytest.raises(DirectoryBusyError, match=r"in use by another eval \(pid \d+"):
-            evaluate(benchmark="scienceqa", adapter_init="zero", limit=1, runs=1, out=str(out), quiet=True)
+            evaluate(
+                benchmark="scienceqa", adapter_init="zero", limit=1, runs=1, max_steps=1, thought_tokens=1,
+                argument_tokens=1, out=str(out), quiet=True,
+            )  # fmt: skip
     assert sorted(p.name for p in out.iterdir()) == [".eval.lock"]  # nothing else written
     # a lock held by another process: the command refuses with one line, exit status 2
     holder = subprocess.Popen(
@@ -473,3 +481,30 @@ def test_command_checks_before_writing(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert f"trained shared-A adapters {tmp_path / 'adapters' / 'scienceqa_sharedA'} are missing" in err
     assert "--adapter_init zero" in err and not out.exists()
+
+
+@pytest.mark.model
+def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
+    """One constrained, sampled ScienceQA episode through the real command: records, provenance, report, resume."""
+    out = tmp_path / "e2e"
+    argv = [
+        "eval", "--benchmark", "scienceqa", "--adapter_init", "zero", "--limit", "1", "--runs", "1", "--max_steps",
+        "1", "--thought_tokens", "6", "--argument_tokens", "4", "--constrain", "all", "--out", str(out), "--quiet",
+        "true",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    (rec,) = read_episodes(out / EPISODES_FILE)
+    assert rec["row"] == "untrained+constrained" and rec["adapters"] == "init:zero"
+    assert rec["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["action_type", "answer"]}
+    types = ("Image2Text", "BingSearch", "Retrieve", "Finish")
+    assert rec["constrained_calls"] >= 1 and all(a.split("[", 1)[0] in types for a in rec["actions"])
+    assert {"command", "device", "dtype", "versions", "git_commit"} <= set(rec["provenance"])
+    assert rec["provenance"]["dtype"] == "float32" and rec["provenance"]["device"]["type"] == "cpu"
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "run_config.json").read_text())
+    assert summary["provenance"]["git_commit"] == config["provenance"]["git_commit"] == rec["provenance"]["git_commit"]
+    assert "\n---\nProduced on " in (out / "report.md").read_text()
+    assert config["corpus"]["passages"] > 200 and config["top_p"] == 0.75
+    capsys.readouterr()
+    assert cli.main(argv) == 0  # resume: nothing left to run
+    assert len(read_episodes(out / EPISODES_FILE)) == 1
