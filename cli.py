@@ -3,7 +3,7 @@
     python cli.py fit|validate|test --config configs/<name>.yaml   # training (LightningCLI)
     python cli.py export --ckpt CKPT --out DIR                     # adapters out of a checkpoint
     python cli.py session --scheme S --out result.json             # one multi-agent schedule under a scheme
-    python cli.py eval --benchmark hotpotqa --scheme all --adapters DIR   # agents on HotpotQA / ScienceQA
+    python cli.py eval --benchmark hotpotqa --scheme all --runs 3         # agents on HotpotQA / ScienceQA
     python cli.py fidelity --benchmark hotpotqa --adapters DIR            # KL / top-1 agreement vs non_shared
     python cli.py droidspeak-select --benchmark hotpotqa --adapters DIR   # DroidSpeak recompute layers
     python cli.py similarity --adapters DIR --benchmark hotpotqa           # cache similarity across agents
@@ -23,7 +23,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "session": ("eval_suite.session_runner", "main"),
     "export": ("lit_modules.cli", "export_main"),
-    "eval": ("eval_suite.run_eval", "main"),
+    "eval": ("eval_suite.run_eval", "evaluate"),
     "fidelity": ("eval_suite.fidelity", "main"),
     "similarity": ("eval_suite.similarity", "similarity"),
     "droidspeak-select": ("eval_suite.droidspeak_select", "main"),

@@ -1,26 +1,27 @@
-"""`python cli.py eval`: multi-agent accuracy of the sharing schemes on HotpotQA / ScienceQA (paper Tables 3 and 16).
+"""`python cli.py eval`: multi-agent accuracy of the sharing schemes on HotpotQA / ScienceQA (paper Tables 3, 15, 16).
 
 For every (row, run, question) one AutoAct episode runs (:class:`~lragent.agents.AgentLoop`, plan → plan → action,
-two-stage reflect, offline tools) and one JSON line is appended to ``OUT/episodes.jsonl`` as soon as it finishes. A
-row is a scheme, or ``untrained`` for the base model (``--adapter-init zero``: B = 0, so every scheme is the base
-model and one row is enough). An interrupted run resumes: finished entries are read back (a truncated last line is
-dropped) and skipped. ``--shard i/n`` takes every n-th question, so several processes split the work;
-``--merge DIR ...`` summarises several output directories together.
+two-stage reflect, offline tools) through an :class:`~eval_suite.executors.EpisodeExecutor`, and its record is
+appended to ``OUT/episodes.jsonl`` as soon as it comes back (:mod:`eval_suite.episode_log`). A row is a scheme, or
+``untrained`` for the base model (``--adapter_init zero``: B = 0, so every scheme is the base model and one row is
+enough); with ``--constrain`` the rows are named ``scheme+constrained`` and never mix with unconstrained ones.
 
-The summary (``summary.json``, ``report.md``) is computed from the JSONL only, records sorted by key first, so an
-uninterrupted run, a resumed run and merged shards give the same numbers:
+**Protocol** (as LRAgent's evaluation): sampling at temperature 0.9 with nucleus top-p 0.75, three runs, one seed
+per run: episode seeds are a function of (base seed, run, question), the same for every scheme (paired). Greedy
+decoding is ``--temperature 0``. Constrained choices (``--constrain``) are an option, off by default.
 
-- accuracy per level and average, mean ± std over runs, and the average's difference to ``non_shared`` (Table 3;
-  HotpotQA: exact match and F1, ScienceQA: choice accuracy);
-- OOF rate per level, same layout (Table 16);
-- mean sequence length, cycles per question, and per role prefill/decode tokens and seconds per question.
+An interrupted run resumes (finished records are read back, a torn last line is repaired, nothing is redone or
+duplicated). The output directory is locked while a run writes to it. ``--shard i/n`` takes every n-th question
+(one ``--out`` per shard); ``--merge [DIR,...]`` summarises several output directories together
+(:mod:`eval_suite.eval_report`).
 
 Usage::
 
-    python cli.py eval --benchmark hotpotqa --scheme all --adapters runs/hotpotqa/adapters --runs 3 --out out/hp
-    python cli.py eval --benchmark hotpotqa --adapter-init zero --out out/hp_untrained
+    python cli.py eval --benchmark hotpotqa --scheme all --runs 3 --out out/hp     # trained shared-A adapters
+    python cli.py eval --benchmark hotpotqa --adapter_init zero --out out/hp_untrained
+    python cli.py eval --benchmark scienceqa --constrain all --out out/sq_constrained
     python cli.py eval ... --shard 0/4 --out out/hp_s0     # one process per shard, then:
-    python cli.py eval --merge out/hp_s0 out/hp_s1 out/hp_s2 out/hp_s3 out/hp_untrained --out out/hp
+    python cli.py eval --merge [out/hp_s0,out/hp_s1,out/hp_s2,out/hp_s3,out/hp_untrained] --out out/hp
 """
 
 from __future__ import annotations
@@ -28,121 +29,36 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from eval_suite.metrics import (
-    HOTPOTQA_LEVELS,
-    SCIENCEQA_BANDS,
-    GroupedMetric,
-    HotpotQAExactMatch,
-    HotpotQAF1,
-    OOFRate,
-    RunMeanStd,
-    ScienceQAAccuracy,
-    aggregate_runs,
-    exact_match_score,
-    f1_score,
-    parse_choice,
+from eval_suite.benchmarks import (
+    DATA_DIR,
+    Benchmark,
+    Question,
+    get_benchmark,
+    parse_constraints,
+    row_name,
 )
-from eval_suite.report import fmt_mean_std, fmt_signed, markdown_table, write_json, write_text
-from lragent.agents import AgentConfig, AgentLoop, Policy, format_question, get_spec
-from lragent.agents.loop import ROLES
+from eval_suite.dir_lock import DirectoryLock
+from eval_suite.episode_log import EPISODES_FILE, UNTRAINED, EpisodeLog, read_episodes, record_key
+from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
+from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
+from eval_suite.report import fmt_mean_std, write_json
+from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
+from lragent.agents.policies import check_sampling
 from lragent.schemes import SCHEMES
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-EPISODES_FILE = "episodes.jsonl"
-UNTRAINED = "untrained"
-BENCHMARK_LEVELS: dict[str, tuple[str, ...]] = {"hotpotqa": HOTPOTQA_LEVELS, "scienceqa": SCIENCEQA_BANDS}
-ROLE_FIELDS: tuple[str, ...] = (
-    "calls", "prefill_tokens", "decode_tokens", "prefill_s", "decode_s", "recomputed_tokens",
-)  # fmt: skip
 # Settings that must not change when a run is resumed into the same directory.
 IDENTITY_FIELDS: tuple[str, ...] = (
-    "benchmark", "model", "adapters", "dtype", "temperature", "seed", "agent", "droidspeak_layers",
+    "benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints", "corpus_files", "seed", "agent",
+    "droidspeak_layers",
 )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------------ questions
-@dataclass(frozen=True)
-class Question:
-    """One benchmark question.
-
-    Attributes:
-        qid: the benchmark's id (HotpotQA ``id``, ScienceQA ``pid``).
-        level: HotpotQA level (``easy``/``medium``/``hard``) or ScienceQA grade band (``1-4``/``5-8``/``9-12``).
-        text: the question as the prompt shows it (:func:`~lragent.agents.format_question`).
-        gold: the gold answer (HotpotQA) or gold choice index (ScienceQA).
-        choices: ScienceQA options (empty for HotpotQA).
-        caption: ScienceQA image caption (None for HotpotQA).
-        ocr: ScienceQA OCR field (None for HotpotQA).
-    """
-
-    qid: str
-    level: str
-    text: str
-    gold: str | int
-    choices: tuple[str, ...] = ()
-    caption: str | None = None
-    ocr: str | None = None
-
-
-def parse_level(benchmark: str, level: str) -> str:
-    """Canonical level name: ``easy``... for HotpotQA; ``1-4``... for ScienceQA (``grade1_4``, ``1_4`` accepted)."""
-    allowed = BENCHMARK_LEVELS[benchmark]
-    key = level.lower().removeprefix("grade").replace("_", "-")
-    if key not in allowed:
-        raise ValueError(f"unknown {benchmark} level {level!r}: allowed {', '.join(allowed)}")
-    return key
-
-
-def level_file(benchmark: str, level: str, data_dir: Path = DATA_DIR) -> Path:
-    """The benchmark JSONL of one level (``hotpotqa_easy.jsonl``, ``scienceqa_grade1_4.jsonl``)."""
-    stem = level if benchmark == "hotpotqa" else "grade" + level.replace("-", "_")
-    return data_dir / "benchmarks" / f"{benchmark}_{stem}.jsonl"
-
-
-def load_questions(
-    benchmark: str, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
-) -> list[Question]:
-    """Questions of the chosen levels, interleaved (first of each level, then second of each, ...).
-
-    Args:
-        benchmark: ``hotpotqa`` or ``scienceqa``.
-        levels: level names (default all three).
-        limit: keep the first ``limit`` questions of the interleaved order (so every level is represented early).
-        data_dir: the ``data`` directory.
-    """
-    if benchmark not in BENCHMARK_LEVELS:
-        raise ValueError(f"unknown benchmark {benchmark!r}: allowed {', '.join(BENCHMARK_LEVELS)}")
-    levels = [parse_level(benchmark, lv) for lv in (levels or BENCHMARK_LEVELS[benchmark])]
-    per_level: list[list[Question]] = []
-    for level in levels:
-        path = level_file(benchmark, level, data_dir)
-        if not path.is_file():
-            raise FileNotFoundError(f"benchmark file {path} is missing")
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if benchmark == "hotpotqa":
-            qs = [Question(str(r["id"]), level, format_question(r["question"]), str(r["answer"])) for r in rows]
-        else:
-            qs = [
-                Question(
-                    str(r["pid"]),
-                    level,
-                    format_question(r["question"], r["choices"]),
-                    int(r["answer"]),
-                    tuple(r["choices"]),
-                    r.get("caption"),
-                    r.get("ocr"),
-                )
-                for r in rows
-            ]
-        per_level.append(qs)
-    out = [lv[i] for i in range(max(map(len, per_level), default=0)) for lv in per_level if i < len(lv)]
-    return out[:limit] if limit is not None else out
+UPSTREAM_TEMPERATURE = 0.9
+UPSTREAM_TOP_P = 0.75
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -162,375 +78,6 @@ def episode_seed(base: int, run: int, qid: str) -> int:
     return int(digest[:8], 16)
 
 
-def default_toolbox_factory(benchmark: str, data_dir: Path = DATA_DIR) -> Callable[[Question], Any]:
-    """A fresh :class:`~lragent.agents.Toolbox` per episode over the HotpotQA paragraphs (index built once)."""
-    from lragent.agents import Toolbox, WikiIndex
-
-    spec = get_spec(benchmark)
-    index = WikiIndex.from_benchmarks(sorted((data_dir / "benchmarks").glob("hotpotqa_*.jsonl")))
-
-    def make(q: Question) -> Toolbox:
-        return Toolbox(index, caption=q.caption, ocr=q.ocr, search_error=spec.search_error)
-
-    return make
-
-
-# --------------------------------------------------------------------------------------------------- episodes log
-def record_key(rec: dict) -> tuple[str, int, str]:
-    """The resume/merge key of a record: (row, run, question id)."""
-    return rec["row"], int(rec["run"]), str(rec["qid"])
-
-
-def read_episodes(path: Path, repair: bool = False) -> list[dict]:
-    """Records of an episodes JSONL file.
-
-    A last line without its newline (a killed writer) is kept if it parses, otherwise dropped; with ``repair`` the
-    file is cut back to its last complete line. A broken line before the last raises ``ValueError``.
-    """
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: broken JSON line ({exc.msg}); fix or remove it") from None
-    if tail.strip():
-        try:
-            records.append(json.loads(tail))
-            if repair:
-                with path.open("ab") as f:
-                    f.write(b"\n")
-        except json.JSONDecodeError:
-            if repair:
-                with path.open("r+b") as f:
-                    f.truncate(len(data) - len(tail))
-    return records
-
-
-def score(q: Question, benchmark: str, prediction: str | None) -> dict:
-    """Per-episode scores: HotpotQA ``em``/``f1``, ScienceQA ``correct``."""
-    if benchmark == "hotpotqa":
-        return {"em": exact_match_score(prediction, q.gold), "f1": f1_score(prediction, q.gold)}
-    return {"correct": float(parse_choice(prediction, q.choices) == q.gold)}
-
-
-def run_episodes(
-    questions: Sequence[Question],
-    schemes: Sequence[str],
-    runs: int,
-    policy_factory: Callable[[str, int], Policy],
-    out_dir: str | Path,
-    *,
-    benchmark: str,
-    adapters: str,
-    seed: int = 0,
-    agent_config: AgentConfig | None = None,
-    toolbox_factory: Callable[[Question], Any] | None = None,
-    max_episodes: int | None = None,
-    progress: bool = True,
-) -> list[dict]:
-    """Runs every missing (row, run, question) episode and appends its record to ``out_dir/episodes.jsonl``.
-
-    Args:
-        questions: the questions (already limited / sharded).
-        schemes: sharing schemes to run.
-        runs: repetitions per question.
-        policy_factory: ``(scheme, episode seed) -> Policy``; called once per episode.
-        out_dir: output directory (created).
-        benchmark: ``hotpotqa`` or ``scienceqa``.
-        adapters: where the adapters came from (``DIR``, ``init:random``; ``init:zero`` makes the row ``untrained``).
-        seed: base seed.
-        agent_config: loop budgets.
-        toolbox_factory: a fresh tool executor per question; default :func:`default_toolbox_factory`.
-        max_episodes: stop after this many new episodes (None: all); for tests of resuming.
-        progress: show a tqdm bar.
-
-    Returns:
-        every record in the file after the run.
-    """
-    from tqdm.auto import tqdm
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / EPISODES_FILE
-    done = {record_key(r) for r in read_episodes(path, repair=True)}
-    spec = get_spec(benchmark)
-    loop_config = agent_config or AgentConfig()
-    untrained = adapters == "init:zero"
-    todo = [
-        (scheme, run, q)
-        for scheme in schemes
-        for run in range(runs)
-        for q in questions
-        if ((UNTRAINED if untrained else scheme), run, q.qid) not in done
-    ]
-    if max_episodes is not None:
-        todo = todo[:max_episodes]
-    if todo and toolbox_factory is None:
-        toolbox_factory = default_toolbox_factory(benchmark)
-    with path.open("a", encoding="utf-8") as f:
-        for scheme, run, q in tqdm(todo, desc=f"eval {benchmark}", disable=not progress or not todo, unit="ep"):
-            ep_seed = episode_seed(seed, run, q.qid)
-            policy = policy_factory(scheme, ep_seed)
-            result = AgentLoop(policy, spec, loop_config).run(q.text, toolbox_factory(q))
-            rec = {
-                "benchmark": benchmark,
-                "qid": q.qid,
-                "level": q.level,
-                "row": UNTRAINED if untrained else scheme,
-                "scheme": scheme,
-                "adapters": adapters,
-                "run": run,
-                "seed": ep_seed,
-                "prediction": result.answer,
-                "candidate": result.candidate,
-                "gold": q.gold,
-                **({"choices": list(q.choices)} if q.choices else {}),
-                **score(q, benchmark, result.answer),
-                "oof": bool(result.oof),
-                "stop_reason": result.stop_reason,
-                "steps": result.cycles,
-                "actions": [f"{st.action_type}[{st.argument}]" for st in result.steps],
-                "num_tokens": result.num_tokens,
-                "wall_s": result.wall_s,
-                "roles": {r: {k: getattr(s, k) for k in ROLE_FIELDS} for r, s in result.role_stats.items()},
-            }
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            f.flush()
-    return read_episodes(path)
-
-
-# -------------------------------------------------------------------------------------------------------- summary
-def row_order(rows: Iterable[str]) -> list[str]:
-    """``untrained`` first, then the schemes in their canonical order, then anything else alphabetically."""
-    order = {name: i for i, name in enumerate((UNTRAINED, *SCHEMES))}
-    return sorted(set(rows), key=lambda r: (order.get(r, len(order)), r))
-
-
-def dedupe(records: Iterable[dict]) -> tuple[list[dict], int]:
-    """One record per key (the first one), sorted by (row, run, level, qid); returns also the duplicates dropped."""
-    seen: dict[tuple, dict] = {}
-    dups = 0
-    for rec in records:
-        k = record_key(rec)
-        if k in seen:
-            dups += 1
-            continue
-        seen[k] = rec
-    rank = {r: i for i, r in enumerate(row_order(k[0] for k in seen))}
-    ordered = sorted(seen.values(), key=lambda r: (rank[r["row"]], int(r["run"]), r["level"], str(r["qid"])))
-    return ordered, dups
-
-
-def _mean_std(values: Sequence[float]) -> dict[str, float]:
-    m = RunMeanStd()
-    for v in values:
-        m.update(v)
-    out = m.compute()
-    return {"mean": float(out["mean"]), "std": float(out["std"]), "runs": int(out["runs"])}
-
-
-def summarize(records: Iterable[dict]) -> dict:
-    """The summary of episode records (any order, duplicates dropped); see the module docstring.
-
-    Returns:
-        ``{"benchmark", "levels", "rows", "metrics", "episodes", "accuracy", "oof", "efficiency", "duplicates"}``;
-        ``accuracy[metric][row][level | "avg"] = {"mean", "std", "runs"}`` (fractions), plus
-        ``accuracy[metric][row]["diff_vs_non_shared"]`` (difference of the mean average).
-    """
-    recs, dups = dedupe(records)
-    if not recs:
-        raise ValueError("no episode records to summarise")
-    benchmarks = sorted({r["benchmark"] for r in recs})
-    if len(benchmarks) != 1:
-        raise ValueError(f"records of several benchmarks {benchmarks}: summarise them separately")
-    benchmark = benchmarks[0]
-    all_levels = BENCHMARK_LEVELS[benchmark]
-    levels = [lv for lv in all_levels if any(r["level"] == lv for r in recs)]
-    rows = row_order(r["row"] for r in recs)
-    for row in rows:
-        sources = sorted({r["adapters"] for r in recs if r["row"] == row})
-        if len(sources) > 1:
-            raise ValueError(f"row {row!r} mixes results of different adapters {sources}: merge them separately")
-    metrics = ("em", "f1") if benchmark == "hotpotqa" else ("accuracy",)
-    makers = {
-        "em": lambda: GroupedMetric(HotpotQAExactMatch(), all_levels),
-        "f1": lambda: GroupedMetric(HotpotQAF1(), all_levels),
-        "accuracy": lambda: GroupedMetric(ScienceQAAccuracy(), all_levels),
-    }
-    per_run: dict[str, dict[str, dict[int, dict[str, float]]]] = {m: {} for m in (*metrics, "oof")}
-    episodes: dict[str, dict[str, int]] = {}
-    efficiency: dict[str, dict] = {}
-    for row in rows:
-        row_recs = [r for r in recs if r["row"] == row]
-        run_ids = sorted({int(r["run"]) for r in row_recs})
-        episodes[row] = {str(run): sum(int(r["run"]) == run for r in row_recs) for run in run_ids}
-        eff_runs = []
-        for run in run_ids:
-            rr = [r for r in row_recs if int(r["run"]) == run]
-            group = [r["level"] for r in rr]
-            preds = [r["prediction"] for r in rr]
-            for m in metrics:
-                gm = makers[m]()
-                if m == "accuracy":
-                    gm.update(group, preds, [int(r["gold"]) for r in rr], [r["choices"] for r in rr])
-                else:
-                    gm.update(group, preds, [str(r["gold"]) for r in rr])
-                per_run[m].setdefault(row, {})[run] = {k: float(v) for k, v in gm.compute().items()}
-            oof = GroupedMetric(OOFRate(), all_levels)
-            oof.update(group, [None if r["oof"] else (r["prediction"] or "") for r in rr])
-            per_run["oof"].setdefault(row, {})[run] = {k: float(v) for k, v in oof.compute().items()}
-            n = len(rr)
-            eff = {"num_tokens": sum(r["num_tokens"] for r in rr) / n, "steps": sum(r["steps"] for r in rr) / n}
-            for role in ROLES:
-                for k in ROLE_FIELDS:
-                    eff[f"{role}.{k}"] = sum(r["roles"].get(role, {}).get(k, 0) for r in rr) / n
-            eff_runs.append(eff)
-        efficiency[row] = aggregate_runs(eff_runs)
-
-    def over_runs(values: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
-        keys = [*levels, "avg"]
-        return {k: _mean_std([v[k] for _, v in sorted(values.items()) if k in v]) for k in keys}
-
-    accuracy = {m: {row: over_runs(per_run[m][row]) for row in rows} for m in metrics}
-    for m in metrics:
-        ref = accuracy[m].get("non_shared", {}).get("avg", {}).get("mean")
-        for row in rows:
-            accuracy[m][row]["diff_vs_non_shared"] = None if ref is None else accuracy[m][row]["avg"]["mean"] - ref
-    oof = {row: over_runs(per_run["oof"][row]) for row in rows}
-    return {
-        "benchmark": benchmark,
-        "levels": levels,
-        "rows": rows,
-        "metrics": list(metrics),
-        "adapters": {row: next(r["adapters"] for r in recs if r["row"] == row) for row in rows},
-        "episodes": episodes,
-        "duplicates": dups,
-        "accuracy": accuracy,
-        "oof": oof,
-        "efficiency": efficiency,
-    }
-
-
-METRIC_TITLES = {"em": "exact match", "f1": "F1", "accuracy": "accuracy"}
-
-
-def render_markdown(summary: dict) -> str:
-    """Markdown report: accuracy tables (Table 3 layout), the OOF table (Table 16 layout), efficiency tables."""
-    levels, rows = summary["levels"], summary["rows"]
-    level_cols = [lv.capitalize() if summary["benchmark"] == "hotpotqa" else f"Grade {lv}" for lv in levels]
-    parts = [f"# {summary['benchmark']} evaluation\n"]
-    counts = ", ".join(f"{row}: {sum(n.values())} episodes / {len(n)} run(s)" for row, n in summary["episodes"].items())
-    parts.append(f"Mean ± std over runs, in %. {counts}.\n")
-    for m in summary["metrics"]:
-        parts.append(f"\n## Accuracy ({METRIC_TITLES[m]}), Table 3 layout\n\n")
-        body = []
-        for row in rows:
-            cell = summary["accuracy"][m][row]
-            vals = [fmt_mean_std(cell[lv]["mean"], cell[lv]["std"]) for lv in [*levels, "avg"]]
-            body.append([row, *vals, fmt_signed(cell["diff_vs_non_shared"])])
-        parts.append(markdown_table(["Scheme", *level_cols, "Avg", "Δ vs non_shared"], body))
-    parts.append("\n## Out-of-function rate, Table 16 layout\n\n")
-    body = []
-    for row in rows:
-        cell = summary["oof"][row]
-        body.append([row, *[fmt_mean_std(cell[lv]["mean"], cell[lv]["std"]) for lv in [*levels, "avg"]]])
-    parts.append(markdown_table(["Scheme", *level_cols, "Avg"], body))
-    parts.append("\n## Per question: sequence length and cycles\n\n")
-    eff = summary["efficiency"]
-    body = [
-        [row, fmt_mean_std(eff[row]["num_tokens"]["mean"], eff[row]["num_tokens"]["std"], 1.0),
-         fmt_mean_std(eff[row]["steps"]["mean"], eff[row]["steps"]["std"], 1.0, 2)]
-        for row in rows
-    ]  # fmt: skip
-    parts.append(markdown_table(["Scheme", "Sequence length (tokens)", "Cycles"], body))
-    parts.append("\n## Per question and role: prefill / decode (mean over runs)\n\n")
-    cols = ("prefill tok", "prefill s", "decode tok", "decode s")
-    header = ["Scheme"] + [f"{role} {c}" for role in ROLES for c in cols]
-    body = []
-    for row in rows:
-        cells = [row]
-        for role in ROLES:
-            for k, digits in (("prefill_tokens", 0), ("prefill_s", 3), ("decode_tokens", 0), ("decode_s", 3)):
-                cells.append(f"{eff[row][f'{role}.{k}']['mean']:.{digits}f}")
-        body.append(cells)
-    parts.append(markdown_table(header, body))
-    return "".join(parts)
-
-
-def write_summary(records: Iterable[dict], out_dir: str | Path) -> dict:
-    """Writes ``summary.json`` and ``report.md`` into ``out_dir``; returns the summary."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(records)
-    write_json(out / "summary.json", summary)
-    write_text(out / "report.md", render_markdown(summary))
-    return summary
-
-
-def merge_dirs(dirs: Sequence[str | Path], out_dir: str | Path) -> dict:
-    """Summarises the episodes of several output directories (shards, untrained row) into ``out_dir``."""
-    records: list[dict] = []
-    for d in dirs:
-        path = Path(d) / EPISODES_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"--merge {d}: no {EPISODES_FILE} there")
-        records += read_episodes(path)
-    return write_summary(records, out_dir)
-
-
-# ------------------------------------------------------------------------------------------------------------ CLI
-def load_droidspeak_config(path: str | Path) -> list[int]:
-    """The ``droidspeak_layers`` list of a JSON or YAML config (as :mod:`eval_suite.droidspeak_select` writes)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"--droidspeak-config {path}: no such file")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        cfg = yaml.safe_load(text)
-    else:
-        cfg = json.loads(text)
-    layers = cfg.get("droidspeak_layers") if isinstance(cfg, dict) else None
-    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
-        raise ValueError(f"--droidspeak-config {path}: expected a non-empty integer list 'droidspeak_layers'")
-    return layers
-
-
-def make_parser() -> argparse.ArgumentParser:
-    from eval_suite.session_runner import add_model_args
-
-    p = argparse.ArgumentParser(prog="cli.py eval", description=__doc__.splitlines()[0])
-    p.add_argument("--benchmark", default="hotpotqa", help="hotpotqa or scienceqa")
-    p.add_argument("--levels", nargs="+", default=None, help="easy medium hard / 1-4 5-8 9-12 (default all three)")
-    p.add_argument("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or all")
-    add_model_args(p)
-    p.add_argument("--runs", type=int, default=1, help="repetitions per question (mean ± std over runs)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0, help="base seed (adapter init and per-episode sampling seeds)")
-    p.add_argument("--limit", type=int, default=None, help="first K questions of the interleaved level order")
-    p.add_argument("--out", default="eval_out", help="output directory")
-    p.add_argument("--shard", default="0/1", help="i/n: this process takes every n-th question starting at i")
-    p.add_argument("--merge", nargs="+", default=None, metavar="DIR", help="summarise these output dirs into --out")
-    p.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--no-kernel", action="store_true", help="use the PyTorch attention path even on CUDA")
-    p.add_argument("--max-steps", type=int, default=15, help="agent cycles before an episode is out of function")
-    p.add_argument("--thought-tokens", type=int, default=AgentConfig.thought_tokens)
-    p.add_argument("--argument-tokens", type=int, default=AgentConfig.argument_tokens)
-    p.add_argument("--max-context-tokens", type=int, default=None, help="episode is OOF past this many tokens")
-    p.add_argument("--droidspeak-config", default=None, help="JSON/YAML with droidspeak_layers (droidspeak_select)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
-
-
 def parse_schemes(spec: str) -> list[str]:
     """``all`` or a comma list of scheme names (validated)."""
     names = list(SCHEMES) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
@@ -540,54 +87,22 @@ def parse_schemes(spec: str) -> list[str]:
     return names
 
 
-def _adapters_label(args: argparse.Namespace) -> str:
-    return str(Path(args.adapters).resolve()) if args.adapters else f"init:{args.adapter_init}"
+def load_droidspeak_config(path: str | Path) -> list[int]:
+    """The ``droidspeak_layers`` list of a JSON or YAML config (as :mod:`eval_suite.droidspeak_select` writes)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"droidspeak config {path}: no such file")
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
 
-
-def validate(args: argparse.Namespace) -> list[str]:
-    """Checks the arguments; returns the schemes to run. Raises ValueError / FileNotFoundError (one line)."""
-    from eval_suite.session_runner import validate_model_args
-
-    if args.merge is not None:
-        return []
-    if args.benchmark not in BENCHMARK_LEVELS:
-        raise ValueError(f"unknown benchmark {args.benchmark!r}: allowed {', '.join(BENCHMARK_LEVELS)}")
-    for lv in args.levels or ():
-        parse_level(args.benchmark, lv)
-    schemes = parse_schemes(args.scheme)
-    validate_model_args(args, exactly_one=True)
-    if args.adapter_init == "zero":
-        if args.scheme not in ("all", "non_shared"):
-            raise ValueError("--adapter-init zero is the untrained row: B = 0 makes every scheme equal non_shared")
-        schemes = ["non_shared"]
-    for name in ("runs", "max_steps", "thought_tokens", "argument_tokens", "rank"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    parse_shard(args.shard)
-    return schemes
-
-
-def build_policy_factory(args: argparse.Namespace) -> Callable[[str, int], Policy]:
-    """Loads the model and adapters once; returns ``(scheme, seed) -> SessionPolicy``."""
-    from eval_suite.session_runner import model_from_args
-    from lragent.agents import SessionPolicy
-
-    model, tokenizer = model_from_args(args)
-    layers = load_droidspeak_config(args.droidspeak_config) if args.droidspeak_config else None
-
-    def factory(scheme: str, seed: int) -> Policy:
-        kwargs: dict[str, Any] = {"use_kernel": not args.no_kernel}
-        if scheme == "droidspeak" and layers is not None:
-            kwargs["droidspeak_layers"] = layers
-        return SessionPolicy(
-            model, tokenizer, scheme=scheme, temperature=args.temperature, seed=seed, session_kwargs=kwargs
-        )
-
-    return factory
+        cfg = yaml.safe_load(text)
+    else:
+        cfg = json.loads(text)
+    layers = cfg.get("droidspeak_layers") if isinstance(cfg, dict) else None
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
+        raise ValueError(f"droidspeak config {path}: expected a non-empty integer list 'droidspeak_layers'")
+    return layers
 
 
 def check_run_config(out: Path, config: dict) -> None:
@@ -603,47 +118,362 @@ def check_run_config(out: Path, config: dict) -> None:
     write_json(path, config)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    try:
-        schemes = validate(args)
-        out = Path(args.out)
-        if args.merge is not None:
-            summary = merge_dirs(args.merge, out)
-        else:
-            questions = load_questions(args.benchmark, args.levels, args.limit)
-            i, n = parse_shard(args.shard)
-            questions = questions[i::n]
-            agent = AgentConfig(
-                max_steps=args.max_steps,
-                thought_tokens=args.thought_tokens,
-                argument_tokens=args.argument_tokens,
-                max_context_tokens=args.max_context_tokens,
+# ------------------------------------------------------------------------------------------------------ runner
+def episode_record(
+    task: EpisodeTask,
+    result: EpisodeResult,
+    bench: Benchmark,
+    *,
+    adapters: str,
+    protocol: dict,
+    provenance: dict | None,
+) -> dict:
+    """The episode-log record of one finished episode."""
+    q = task.question
+    row, run, _ = task.key
+    return {
+        "benchmark": bench.name,
+        "qid": q.qid,
+        "level": q.level,
+        "row": row,
+        "scheme": task.scheme,
+        "adapters": adapters,
+        "run": run,
+        "seed": task.seed,
+        "protocol": protocol,
+        "prediction": result.answer,
+        "candidate": result.candidate,
+        "gold": q.gold,
+        **({"choices": list(q.choices)} if q.choices else {}),
+        **bench.score(q, result.answer),
+        "oof": bool(result.oof),
+        "stop_reason": result.stop_reason,
+        "steps": result.cycles,
+        "constrained_calls": result.constrained_calls,
+        "actions": [f"{st.action_type}[{st.argument}]" for st in result.steps],
+        "num_tokens": result.num_tokens,
+        "wall_s": result.wall_s,
+        "roles": {r: {k: getattr(s, k) for k in ROLE_FIELDS} for r, s in result.role_stats.items()},
+        **({"provenance": provenance} if provenance is not None else {}),
+    }
+
+
+def run_episodes(
+    questions: Sequence[Question],
+    schemes: Sequence[str],
+    runs: int,
+    executor: EpisodeExecutor,
+    out_dir: str | Path,
+    *,
+    benchmark: str,
+    adapters: str,
+    seed: int = 0,
+    agent_config: AgentConfig | None = None,
+    toolbox_factory: Callable[[Question], Any] | None = None,
+    constraints: Sequence[str] = (),
+    temperature: float | None = None,
+    top_p: float | None = None,
+    max_episodes: int | None = None,
+    progress: bool = True,
+    provenance: dict | None = None,
+) -> list[dict]:
+    """Runs every missing (row, run, question) episode and appends its record to ``out_dir/episodes.jsonl``.
+
+    The caller holds the directory's lock (:class:`~eval_suite.dir_lock.DirectoryLock`) when other processes
+    could write there.
+
+    Args:
+        questions: the questions (already limited / sharded).
+        schemes: sharing schemes to run.
+        runs: repetitions per question.
+        executor: runs the episodes (e.g. ``SequentialExecutor(policy_factory)``); results may come in any order.
+        out_dir: output directory (created).
+        benchmark: ``hotpotqa`` or ``scienceqa``.
+        adapters: where the adapters came from (``DIR``, ``init:random``; ``init:zero`` makes the row ``untrained``).
+        seed: base seed.
+        agent_config: loop budgets.
+        toolbox_factory: a fresh tool executor per question; default the benchmark's
+            (:meth:`~eval_suite.benchmarks.Benchmark.toolbox_factory`).
+        constraints: constrained choices (:data:`~eval_suite.benchmarks.CONSTRAINTS`); rows get a ``+constrained``
+            suffix.
+        temperature: decoding temperature the executor's policies use (recorded in every record).
+        top_p: nucleus mass they use (recorded).
+        max_episodes: stop after this many new episodes (None: all); for tests of resuming.
+        progress: show a tqdm bar (total: questions × runs × rows; OOF so far in the postfix).
+        provenance: recorded in every record.
+
+    Returns:
+        every record in the file after the run.
+    """
+    from tqdm.auto import tqdm
+
+    bench = get_benchmark(benchmark)
+    cons = parse_constraints(list(constraints))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / EPISODES_FILE
+    loop = AgentLoop(None, bench.spec, agent_config or AgentConfig())
+    base_row = UNTRAINED if adapters == "init:zero" else None
+    protocol = {"temperature": temperature, "top_p": top_p, "constraints": list(cons)}
+    grid = [(row_name(base_row or s, cons), s, run, q) for s in schemes for run in range(runs) for q in questions]
+    keys = {(row, run, q.qid) for row, _, run, q in grid}
+    with EpisodeLog(path) as log:
+        done = {record_key(r): bool(r["oof"]) for r in log.records if record_key(r) in keys}
+        todo = [g for g in grid if (g[0], g[2], g[3].qid) not in done]
+        if max_episodes is not None:
+            todo = todo[:max_episodes]
+        if todo and toolbox_factory is None:
+            toolbox_factory = bench.toolbox_factory()[0]
+
+        def tasks() -> Iterator[EpisodeTask]:
+            for row, scheme, run, q in todo:
+                action_types, answer_options = bench.constraint_options(q, cons)
+                episode = loop.episode(
+                    q.text, toolbox_factory(q), action_types=action_types, answer_options=answer_options
+                )
+                yield EpisodeTask((row, run, q.qid), scheme, episode_seed(seed, run, q.qid), q, episode)
+
+        oof = sum(done.values())
+        bar = tqdm(
+            total=len(grid), initial=len(done), desc=f"eval {benchmark}", unit="ep", disable=not progress or not todo
+        )
+        with bar:
+            for task, result in executor.run(tasks()):
+                rec = episode_record(task, result, bench, adapters=adapters, protocol=protocol, provenance=provenance)
+                log.append(rec)
+                done[task.key] = bool(result.oof)
+                oof += bool(result.oof)
+                bar.update(1)
+                bar.set_postfix(oof=f"{oof}/{len(done)}")
+    return read_episodes(path)
+
+
+# ----------------------------------------------------------------------------------------------------- command
+def _as_list(value: Sequence[str] | str | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return [str(v) for v in value]
+
+
+def default_adapters(benchmark: str, data_dir: Path | None = None) -> Path:
+    """The shipped trained shared-A adapters of a benchmark: ``data/adapters/{benchmark}_sharedA``."""
+    return (data_dir or DATA_DIR) / "adapters" / f"{benchmark}_sharedA"
+
+
+def build_policy_factory(
+    model_args: argparse.Namespace,
+    *,
+    temperature: float,
+    top_p: float,
+    use_kernel: bool,
+    droidspeak_layers: list[int] | None,
+) -> Callable[[str, int], Policy]:
+    """Loads the model and adapters once; returns ``(scheme, seed) -> SessionPolicy``."""
+    from eval_suite.session_runner import model_from_args
+    from lragent.agents import SessionPolicy
+
+    model, tokenizer = model_from_args(model_args)
+
+    def factory(scheme: str, seed: int) -> Policy:
+        kwargs: dict[str, Any] = {"use_kernel": use_kernel}
+        if scheme == "droidspeak" and droidspeak_layers is not None:
+            kwargs["droidspeak_layers"] = droidspeak_layers
+        return SessionPolicy(
+            model, tokenizer, scheme=scheme, temperature=temperature, top_p=top_p, seed=seed, session_kwargs=kwargs
+        )
+
+    return factory
+
+
+def evaluate(
+    benchmark: str = "hotpotqa",
+    scheme: str = "all",
+    levels: list[str] | str | None = None,
+    limit: int | None = None,
+    runs: int = 3,
+    temperature: float = UPSTREAM_TEMPERATURE,
+    top_p: float = UPSTREAM_TOP_P,
+    seed: int = 0,
+    constrain: str = "none",
+    corpus: list[str] | str | None = None,
+    model: str = "default",
+    adapters: str | None = None,
+    adapter_init: str | None = None,
+    rank: int = 8,
+    alpha: float = 16.0,
+    dtype: str = "float32",
+    device: str | None = None,
+    use_kernel: bool = True,
+    droidspeak_config: str | None = None,
+    max_steps: int = 15,
+    thought_tokens: int = AgentConfig.thought_tokens,
+    argument_tokens: int = AgentConfig.argument_tokens,
+    max_context_tokens: int | None = None,
+    out: str = "eval_out",
+    shard: str = "0/1",
+    merge: list[str] | str | None = None,
+    quiet: bool = False,
+) -> int:
+    """Multi-agent accuracy of the cache sharing schemes on HotpotQA or ScienceQA (paper Tables 3, 15 and 16).
+
+    Runs one AutoAct episode per (row, run, question), appends each to OUT/episodes.jsonl as it finishes (an
+    interrupted run resumes), then writes OUT/summary.json and OUT/report.md. Sampling as LRAgent's evaluation
+    (temperature 0.9, top-p 0.75, 3 runs, one seed per run). Without --adapters or --adapter_init the benchmark's
+    trained shared-A adapters in data/adapters/{benchmark}_sharedA are used.
+
+    Args:
+        benchmark: hotpotqa or scienceqa.
+        scheme: a sharing scheme (non_shared, full_shared, droidspeak, base_shared, base_lr_shared), a comma list,
+            or all.
+        levels: levels to run: easy, medium, hard (HotpotQA) or 1-4, 5-8, 9-12 (ScienceQA); a comma list or
+            [a,b]; default all three.
+        limit: run only the first LIMIT questions of the interleaved level order.
+        runs: repetitions per question (mean ± std and a 95% interval over runs).
+        temperature: sampling temperature (0: greedy decoding).
+        top_p: nucleus sampling mass in (0, 1].
+        seed: base seed: adapter init and the per-episode sampling seeds (a function of seed, run and question).
+        constrain: constrained choices, off by default: none, all, or a comma list of action_type (choose the
+            action type among the valid ones) and answer (choose the Finish argument among the option letters on
+            ScienceQA, yes/no for HotpotQA judgement questions). Constrained rows are named scheme+constrained.
+        corpus: extra JSONL corpus file(s) of {"title", "text"} passages the search tools also index.
+        model: base model: default (embedded SmolLM2-135M-Instruct), a hub name or a local directory.
+        adapters: adapter directory (native checkpoint or PEFT role directories); default
+            data/adapters/{benchmark}_sharedA.
+        adapter_init: instead of trained adapters: zero (the untrained row) or random (a demo).
+        rank: LoRA rank for --adapter_init.
+        alpha: LoRA alpha for --adapter_init.
+        dtype: compute dtype (float32, bfloat16, float16).
+        device: cpu or cuda (default cuda when available).
+        use_kernel: use the fused Flash-LoRA-Attention kernel on CUDA (false: the PyTorch attention path).
+        droidspeak_config: JSON/YAML with droidspeak_layers (as droidspeak-select writes).
+        max_steps: agent cycles before an episode is out of function.
+        thought_tokens: generation budget of a thought.
+        argument_tokens: generation budget of an action argument.
+        max_context_tokens: an episode is out of function past this many trajectory tokens (default: no limit).
+        out: output directory (locked while this run writes to it).
+        shard: i/n: this process takes every n-th question starting at i (give each shard its own --out).
+        merge: output directories to summarise together into --out (nothing is run).
+        quiet: no progress bar.
+
+    Returns:
+        0 on success.
+    """
+    from lragent.command import on_interrupt
+    from lragent.models import parse_dtype
+    from lragent.provenance import provenance
+
+    out_dir = Path(out)
+    merge_list = _as_list(merge) if merge is not None else None
+    if merge_list is not None:
+        if not merge_list:
+            raise ValueError("--merge needs at least one output directory")
+        for d in merge_list:
+            if not (Path(d) / EPISODES_FILE).is_file():
+                raise FileNotFoundError(f"--merge {d}: no {EPISODES_FILE} there")
+        with DirectoryLock(out_dir):
+            summary = merge_dirs(merge_list, out_dir, provenance())
+        _print_summary(summary, out_dir)
+        return 0
+
+    # ---- every check before anything is loaded or written
+    bench = get_benchmark(benchmark)
+    level_list = [bench.parse_level(lv) for lv in _as_list(levels)] or None
+    schemes = parse_schemes(scheme)
+    cons = parse_constraints(constrain)
+    check_sampling(temperature, top_p)
+    if temperature == 0:
+        top_p = 1.0  # greedy: nucleus mass means nothing; recorded as 1
+    for name, value in (("runs", runs), ("max_steps", max_steps), ("thought_tokens", thought_tokens)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    for name, value in (("argument_tokens", argument_tokens), ("rank", rank)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    if max_context_tokens is not None and max_context_tokens < 1:
+        raise ValueError(f"--max_context_tokens must be >= 1, got {max_context_tokens}")
+    if not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"--alpha must be a positive number, got {alpha}")
+    i, n = parse_shard(shard)
+    parse_dtype(dtype)
+    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: allowed cpu or cuda")
+    if adapters and adapter_init:
+        raise ValueError("give at most one of --adapters DIR and --adapter_init {zero,random}")
+    if adapter_init not in (None, "zero", "random"):
+        raise ValueError(f"--adapter_init {adapter_init!r} not supported: allowed zero, random")
+    if adapters is None and adapter_init is None:
+        default = default_adapters(bench.name)
+        if not default.is_dir():
+            raise FileNotFoundError(
+                f"no --adapters given and the trained shared-A adapters {default} are missing: train and export "
+                f"them (cli.py fit --config configs/{bench.name}.yaml; cli.py export), pass --adapters DIR, or "
+                "--adapter_init zero for the untrained row"
             )
-            layers = load_droidspeak_config(args.droidspeak_config) if args.droidspeak_config else None
-            config = {
-                "benchmark": args.benchmark, "model": args.model, "adapters": _adapters_label(args),
-                "dtype": args.dtype, "temperature": args.temperature, "seed": args.seed,
-                "agent": vars(agent), "droidspeak_layers": layers, "schemes": schemes, "runs": args.runs,
-                "levels": args.levels, "limit": args.limit, "shard": args.shard, "questions": len(questions),
-            }  # fmt: skip
-            check_run_config(out, config)
-            factory = build_policy_factory(args)
-            records = run_episodes(
-                questions, schemes, args.runs, factory, out, benchmark=args.benchmark, adapters=config["adapters"],
-                seed=args.seed, agent_config=agent, progress=not args.quiet,
-            )  # fmt: skip
-            summary = write_summary(records, out)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        adapters = str(default)
+        print(f"eval: using the trained shared-A adapters {default} (no --adapters given)", file=sys.stderr)
+    if adapters and not Path(adapters).is_dir():
+        raise FileNotFoundError(f"--adapters {adapters!r}: no such directory")
+    if adapter_init == "zero":
+        if scheme not in ("all", "non_shared"):
+            raise ValueError("--adapter_init zero is the untrained row: B = 0 makes every scheme equal non_shared")
+        schemes = ["non_shared"]
+    layers = load_droidspeak_config(droidspeak_config) if droidspeak_config else None
+    corpus_files = _as_list(corpus)
+    for f in corpus_files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"--corpus {f}: no such file")
+    questions = bench.load_questions(level_list, limit)[i::n]
+    agent = AgentConfig(
+        max_steps=max_steps,
+        thought_tokens=thought_tokens,
+        argument_tokens=argument_tokens,
+        max_context_tokens=max_context_tokens,
+    )
+    import torch
+
+    run_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if run_device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {run_device!r} but CUDA is not available: allowed cpu")
+    adapters_label = str(Path(adapters).resolve()) if adapters else f"init:{adapter_init}"
+
+    # ---- the run
+    with DirectoryLock(out_dir):
+        toolbox_factory, corpus_desc = bench.toolbox_factory(corpus_files)
+        print(f"eval: {bench.name} search corpus: {json.dumps(corpus_desc)}", file=sys.stderr)
+        prov = provenance(dtype=dtype, device=run_device)
+        config = {
+            "benchmark": bench.name, "model": model, "adapters": adapters_label, "dtype": dtype,
+            "temperature": temperature, "top_p": top_p, "constraints": list(cons), "corpus_files": corpus_files,
+            "seed": seed, "agent": vars(agent), "droidspeak_layers": layers, "schemes": schemes, "runs": runs,
+            "levels": level_list, "limit": limit, "shard": shard, "questions": len(questions),
+            "corpus": corpus_desc, "provenance": prov,
+        }  # fmt: skip
+        check_run_config(out_dir, config)
+        on_interrupt(f"finished episodes are in {out_dir / EPISODES_FILE}; rerun the same command to resume")
+        model_args = argparse.Namespace(
+            model=model, adapters=adapters, adapter_init=adapter_init, seed=seed, rank=rank, alpha=alpha,
+            dtype=dtype, device=run_device,
+        )  # fmt: skip
+        factory = build_policy_factory(
+            model_args, temperature=temperature, top_p=top_p, use_kernel=use_kernel, droidspeak_layers=layers
+        )
+        records = run_episodes(
+            questions, schemes, runs, SequentialExecutor(factory), out_dir, benchmark=bench.name,
+            adapters=adapters_label, seed=seed, agent_config=agent, toolbox_factory=toolbox_factory,
+            constraints=cons, temperature=temperature, top_p=top_p, progress=not quiet, provenance=prov,
+        )  # fmt: skip
+        summary = write_summary(records, out_dir, prov)
+    _print_summary(summary, out_dir)
+    return 0
+
+
+def _print_summary(summary: dict, out_dir: Path) -> None:
     m = summary["metrics"][0]
     for row in summary["rows"]:
         acc, oof = summary["accuracy"][m][row]["avg"], summary["oof"][row]["avg"]
         print(f"{row}: {m} {fmt_mean_std(acc['mean'], acc['std'])} OOF {fmt_mean_std(oof['mean'], oof['std'])}")
-    print(f"-> {out / 'summary.json'}, {out / 'report.md'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    print(f"-> {out_dir / 'summary.json'}, {out_dir / 'report.md'}")

@@ -12,8 +12,9 @@ for scheme in non_shared full_shared droidspeak base_shared base_lr_shared; do
       > "$OUTDIR/${scheme}_$i.log" 2>&1 &
   done
 done
-timeout "$SECS" python3 cli.py eval --benchmark hotpotqa --adapter-init zero --runs 1 --limit "$LIMIT" --device cuda \
+timeout "$SECS" python3 cli.py eval --benchmark hotpotqa --adapter_init zero --runs 1 --limit "$LIMIT" --device cuda \
   --dtype bfloat16 --out "$OUTDIR/untrained" > "$OUTDIR/untrained.log" 2>&1 &
 wait
-python3 cli.py eval --merge "$OUTDIR"/*/ --out "$OUTDIR/merged" > "$OUTDIR/merge.log" 2>&1
+DIRS=$(ls -d "$OUTDIR"/*/ | grep -v '/merged/$' | paste -sd, -)
+python3 cli.py eval --merge "[$DIRS]" --out "$OUTDIR/merged" > "$OUTDIR/merge.log" 2>&1
 echo "episodes: $(cat "$OUTDIR"/*/episodes.jsonl 2>/dev/null | wc -l)"

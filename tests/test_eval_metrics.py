@@ -186,3 +186,20 @@ def test_aggregate_runs() -> None:
     out = aggregate_runs(runs)
     assert out["em"]["mean"] == pytest.approx(0.3) and out["em"]["std"] == pytest.approx(0.1)
     assert out["f1"]["runs"] == 2 and out["f1"]["std"] == pytest.approx(statistics.stdev([0.3, 0.5]))
+
+
+def test_student_t_quantiles_against_closed_forms():
+    from statistics import NormalDist
+
+    from eval_suite.metrics import mean_interval, student_t_cdf, student_t_quantile
+
+    for p in (0.6, 0.9, 0.975, 0.995):
+        assert student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)  # Cauchy
+        assert student_t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-9)
+        assert student_t_quantile(p, 10**6) == pytest.approx(NormalDist().inv_cdf(p), rel=1e-5)
+        assert student_t_quantile(1 - p, 3) == pytest.approx(-student_t_quantile(p, 3))
+        assert student_t_cdf(student_t_quantile(p, 7), 7) == pytest.approx(p, abs=1e-12)
+    lo, hi = mean_interval([0.2, 0.4, 0.3])
+    half = student_t_quantile(0.975, 2) * 0.1 / math.sqrt(3)
+    assert (lo, hi) == pytest.approx((0.3 - half, 0.3 + half))
+    assert mean_interval([0.5]) is None

@@ -16,17 +16,13 @@ from pathlib import Path
 
 import pytest
 
+import cli
 from eval_suite import run_eval
-from eval_suite.run_eval import (
-    EPISODES_FILE,
-    load_questions,
-    merge_dirs,
-    read_episodes,
-    render_markdown,
-    run_episodes,
-    summarize,
-    write_summary,
-)
+from eval_suite.benchmarks import load_questions
+from eval_suite.episode_log import EPISODES_FILE, read_episodes, record_key
+from eval_suite.eval_report import merge_dirs, render_markdown, summarize, write_summary
+from eval_suite.executors import SequentialExecutor
+from eval_suite.run_eval import run_episodes
 from lragent.agents import AgentConfig
 from lragent.agents.loop import StepStats
 from lragent.agents.prompts import OPTION_LETTERS
@@ -75,6 +71,15 @@ class FakePolicy:
         )  # fmt: skip
         return out
 
+    def choose(self, role: str, new_text: str, options) -> int:
+        """Constrained calls: the action type it would have generated, the answer it would have given."""
+        self.trajectory += new_text
+        want = ("Finish" if self.outcome < 2 else "Retrieve") if role == "plan" else self.answer
+        index = list(options).index(want) if want in options else len(options) - 1
+        self.trajectory += options[index]
+        self.last_stats = StepStats(prefill_tokens=len(new_text) // 4)
+        return index
+
 
 class Factory:
     """Counts the episodes it made policies for."""
@@ -96,9 +101,10 @@ def _tools(q):
 
 def _run(out: Path, questions, runs: int = 2, schemes=SCHEMES, benchmark="hotpotqa", adapters="init:random", **kw):
     factory = kw.pop("factory", None) or Factory(questions)
+    kw.setdefault("progress", False)
     records = run_episodes(
-        questions, schemes, runs, factory, out, benchmark=benchmark, adapters=adapters, seed=7,
-        agent_config=CONFIG, toolbox_factory=_tools, progress=False, **kw,
+        questions, schemes, runs, SequentialExecutor(factory), out, benchmark=benchmark, adapters=adapters, seed=7,
+        agent_config=CONFIG, toolbox_factory=_tools, **kw,
     )  # fmt: skip
     return records, factory
 
@@ -162,7 +168,7 @@ def test_resume_after_kill_gives_the_same_summary(tmp_path, questions, reference
     records, second = _run(out, questions)
     assert second.calls == 36 - 12  # finished entries are not redone; the torn one is
     assert len(path.read_text().splitlines()) == 36
-    assert len({run_eval.record_key(r) for r in records}) == 36
+    assert len({record_key(r) for r in records}) == 36
     assert write_summary(records, out) == ref_summary
     # a second resume finds nothing to do
     _, third = _run(out, questions)
@@ -178,7 +184,15 @@ def test_shards_merged_equal_one_run(tmp_path, questions, reference):
         dirs.append(d)
     merged = merge_dirs(dirs, tmp_path / "merged")
     assert merged == ref_summary
-    assert (tmp_path / "merged" / "report.md").read_text() == (ref_dir / "report.md").read_text()
+    assert _body(tmp_path / "merged" / "report.md") == _body(ref_dir / "report.md")
+
+
+def _body(path: Path) -> str:
+    """A report without its provenance footer (which names the time and command that wrote it)."""
+    text = path.read_text()
+    body, footer = text.split("\n---\nProduced on ", 1)
+    assert "Command: `" in footer
+    return body
 
 
 def _table(md: str, title: str) -> tuple[list[str], list[list[str]]]:
@@ -212,13 +226,13 @@ def test_markdown_tables_match_the_jsonl(tmp_path, questions, reference):
     untrained = tmp_path / "untrained"
     _run(untrained, questions, runs=1, schemes=["non_shared"], adapters="init:zero")
     summary = merge_dirs([ref_dir, untrained], tmp_path / "all")
-    md = (tmp_path / "all" / "report.md").read_text()
+    md = _body(tmp_path / "all" / "report.md")
     assert md == render_markdown(summary)
     records = read_episodes(ref_dir / EPISODES_FILE) + read_episodes(untrained / EPISODES_FILE)
     levels = ["easy", "medium", "hard"]
     for title, key in (("Accuracy (exact match)", "em"), ("Accuracy (F1)", "f1"), ("Out-of-function rate", "oof")):
         header, body = _table(md, title)
-        tail = ["Δ vs non_shared"] if key != "oof" else []
+        tail = ["Avg 95% CI", "Δ vs non_shared"] if key != "oof" else []
         assert header == ["Scheme", "Easy", "Medium", "Hard", "Avg", *tail]
         assert [b[0] for b in body] == ["untrained", "non_shared", "base_lr_shared"]
         ref_avg = _expected(records, "non_shared", key, levels)["avg"][0]
@@ -226,6 +240,11 @@ def test_markdown_tables_match_the_jsonl(tmp_path, questions, reference):
             exp = _expected(records, cells[0], key, levels)
             want = [f"{100 * m:.1f} ± {100 * s:.1f}" for m, s in (exp[k] for k in [*levels, "avg"])]
             if key != "oof":
+                runs = len({r["run"] for r in records if r["row"] == cells[0]})
+                mean, std = exp["avg"]
+                # two runs: t_{0.975, 1} = tan(0.475 pi) (the Cauchy quantile)
+                half = math.tan(0.475 * math.pi) * std / math.sqrt(2)
+                want.append(f"[{100 * (mean - half):.1f}, {100 * (mean + half):.1f}]" if runs == 2 else "–")
                 want.append(f"{100 * (exp['avg'][0] - ref_avg):+.1f}")
             assert cells[1:] == want, (title, cells)
     assert "± 0.0" in _table(md, "Accuracy (exact match)")[1][0][1]  # one run: std 0
@@ -264,18 +283,30 @@ def test_episode_log_errors(tmp_path):
 
 def test_cli_errors_and_merge(tmp_path, capsys, reference):
     ref_dir, ref_summary = reference
-    assert run_eval.main(["--benchmark", "nope", "--adapter-init", "zero"]) == 2
+
+    def run(*argv: str) -> int:
+        return cli.main(["eval", *argv])
+
+    assert run("--benchmark", "nope", "--adapter_init", "zero") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown benchmark") and err.count("\n") == 1
-    assert run_eval.main(["--adapter-init", "zero", "--scheme", "full_shared"]) == 2
+    assert run("--adapter_init", "zero", "--scheme", "full_shared") == 2
     assert "untrained" in capsys.readouterr().err
-    assert run_eval.main(["--adapters", str(tmp_path / "none")]) == 2
-    assert run_eval.main(["--adapter-init", "random", "--shard", "3/2"]) == 2
-    assert run_eval.main(["--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "m")]) == 2
-    assert run_eval.main(["--merge", str(ref_dir), "--out", str(tmp_path / "m")]) == 0
-    assert json.loads((tmp_path / "m" / "summary.json").read_text()) == json.loads(json.dumps(ref_summary))
+    assert run("--adapters", str(tmp_path / "none")) == 2
+    assert run("--adapter_init", "random", "--shard", "3/2") == 2
+    assert run("--merge", str(tmp_path / "missing"), "--out", str(tmp_path / "m")) == 2
+    assert not (tmp_path / "m").exists()
+    assert run("--merge", str(ref_dir), "--out", str(tmp_path / "m")) == 0
+    written = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert written.pop("provenance")["command"]
+    assert written == json.loads(json.dumps(ref_summary))
     out = capsys.readouterr().out
     assert re.search(r"non_shared: em \d+\.\d ± \d+\.\d OOF", out)
+    # several directories as a list; the second copy of every record is a duplicate and is dropped
+    assert run("--merge", f"[{ref_dir},{ref_dir}]", "--out", str(tmp_path / "m2")) == 0
+    twice = json.loads((tmp_path / "m2" / "summary.json").read_text())
+    twice.pop("provenance")
+    assert twice.pop("duplicates") == 36 and twice == {k: v for k, v in written.items() if k != "duplicates"}
 
 
 def test_resume_refuses_other_settings(tmp_path):
@@ -293,3 +324,187 @@ def test_droidspeak_config_file(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"layers": [1]}))
     with pytest.raises(ValueError, match="droidspeak_layers"):
         run_eval.load_droidspeak_config(tmp_path / "bad.json")
+
+
+# ------------------------------------------------------------------------------ protocols, executors, the command
+def test_constrained_rows_are_their_own_rows(tmp_path):
+    qs = load_questions("scienceqa", limit=6)
+    free, _ = _run(tmp_path / "free", qs, runs=1, schemes=["full_shared"], benchmark="scienceqa")
+    cons, _ = _run(
+        tmp_path / "cons", qs, runs=1, schemes=["full_shared"], benchmark="scienceqa",
+        constraints=("action_type", "answer"), temperature=0.9, top_p=0.75,
+    )  # fmt: skip
+    assert {r["row"] for r in cons} == {"full_shared+constrained"}
+    assert all(
+        r["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["action_type", "answer"]} for r in cons
+    )
+    assert all(r["constrained_calls"] >= 2 for r in cons if not r["oof"])  # action type + answer at least
+    assert all(r["constrained_calls"] == 0 for r in free)
+    # the same fake decisions: a constrained episode answers what the free one generated if that is an option
+    # letter, some option letter if not (the fake's "something else"), and nothing when the free one did not answer
+    for f, c in zip(free, cons, strict=True):
+        letters = tuple(OPTION_LETTERS[: len(f["choices"])])
+        assert (c["prediction"] is None) == (f["prediction"] is None)
+        if f["prediction"] in letters:
+            assert c["prediction"] == f["prediction"]
+        elif f["prediction"] is not None:
+            assert c["prediction"] in letters
+    assert any(f["prediction"] == "something else" for f in free)
+    s = merge_dirs([tmp_path / "free", tmp_path / "cons"], tmp_path / "both")
+    assert s["rows"] == ["full_shared", "full_shared+constrained"]
+    assert s["protocol"]["full_shared+constrained"]["constraints"] == ["action_type", "answer"]
+    assert s["episodes"] == {"full_shared": {"0": 6}, "full_shared+constrained": {"0": 6}}
+    mixed = [dict(r) for r in cons]
+    mixed[0]["protocol"] = {**mixed[0]["protocol"], "temperature": 0.0}
+    with pytest.raises(ValueError, match="mixes decoding protocols"):
+        summarize(mixed)
+
+
+class ReversedExecutor:
+    """Takes every task first, then hands results back last task first; checks each was logged before the next."""
+
+    def __init__(self, factory, log_path: Path) -> None:
+        self.factory, self.log_path, self.order = factory, log_path, []
+
+    def run(self, tasks):
+        from lragent.agents import drive
+
+        pending = list(tasks)
+        before = len(read_episodes(self.log_path))
+        for k, task in enumerate(reversed(pending)):
+            policy = self.factory(task.scheme, task.seed)
+            policy.reset()
+            self.order.append(task.key)
+            yield task, drive(task.episode, policy)
+            assert len(read_episodes(self.log_path)) == before + k + 1  # appended as soon as it arrived
+
+
+def test_results_in_any_order_give_the_same_summary(tmp_path, questions, reference):
+    _, ref_summary = reference
+    out = tmp_path / "reversed"
+    executor = ReversedExecutor(Factory(questions), out / EPISODES_FILE)
+    records = run_episodes(
+        questions, SCHEMES, 2, executor, out, benchmark="hotpotqa", adapters="init:random", seed=7,
+        agent_config=CONFIG, toolbox_factory=_tools, progress=False,
+    )  # fmt: skip
+    assert [record_key(r) for r in records] == executor.order
+    assert executor.order == sorted(executor.order, key=executor.order.index) and len(executor.order) == 36
+    assert summarize(records) == ref_summary
+
+
+def test_progress_bar_counts_the_whole_grid(tmp_path, questions, monkeypatch):
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, initial, disable, **kw):
+            self.total, self.n, self.disable, self.postfix = total, initial, disable, None
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix(self, **kw):
+            self.postfix = kw
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    out = tmp_path / "bar"
+    _run(out, questions, max_episodes=5, progress=True)
+    records, _ = _run(out, questions, progress=True)
+    first, second = bars
+    assert first.total == second.total == 9 * 2 * 2  # questions x runs x rows
+    assert (first.n, second.n) == (5, 36) and second.n - 31 == 5  # the resume starts at the 5 done
+    oof = sum(r["oof"] for r in records)
+    assert second.postfix == {"oof": f"{oof}/36"}
+
+
+def test_second_eval_on_the_same_out_is_refused(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from eval_suite.dir_lock import DirectoryBusyError, DirectoryLock
+    from eval_suite.run_eval import evaluate
+
+    out = tmp_path / "busy"
+    with DirectoryLock(out):
+        with pytest.raises(DirectoryBusyError, match=r"in use by another eval \(pid \d+"):
+            evaluate(
+                benchmark="scienceqa", adapter_init="zero", limit=1, runs=1, max_steps=1, thought_tokens=1,
+                argument_tokens=1, out=str(out), quiet=True,
+            )  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [".eval.lock"]  # nothing else written
+    # a lock held by another process: the command refuses with one line, exit status 2
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from eval_suite.dir_lock import DirectoryLock; "
+         f"l = DirectoryLock({str(out)!r}); l.acquire(); print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        (empty / EPISODES_FILE).write_text("")
+        assert cli.main(["eval", "--merge", str(empty), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"pid {holder.pid}" in err and "use another --out" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    with DirectoryLock(out):  # released when its holder died
+        pass
+
+
+def test_command_checks_before_writing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "o"
+    for argv, message in (
+        (["--temperature", ".nan"], "temperature must be a finite number"),
+        (["--temperature=-1"], "temperature must be a finite number"),
+        (["--top_p", "0"], "top_p must be in (0, 1]"),
+        (["--top_p", "1.5"], "top_p must be in (0, 1]"),
+        (["--constrain", "actions"], "--constrain 'actions'"),
+        (["--levels", "easy,extreme"], "unknown hotpotqa level 'extreme'"),
+        (["--corpus", str(tmp_path / "none.jsonl")], "--corpus"),
+    ):
+        assert cli.main(["eval", "--adapter_init", "zero", "--out", str(out), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (argv, err)
+        assert not out.exists()
+    monkeypatch.setattr(run_eval, "DATA_DIR", tmp_path)
+    assert cli.main(["eval", "--benchmark", "scienceqa", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"trained shared-A adapters {tmp_path / 'adapters' / 'scienceqa_sharedA'} are missing" in err
+    assert "--adapter_init zero" in err and not out.exists()
+
+
+@pytest.mark.model
+def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
+    """One constrained, sampled ScienceQA episode through the real command: records, provenance, report, resume."""
+    out = tmp_path / "e2e"
+    argv = [
+        "eval", "--benchmark", "scienceqa", "--adapter_init", "zero", "--limit", "1", "--runs", "1", "--max_steps",
+        "1", "--thought_tokens", "6", "--argument_tokens", "4", "--constrain", "all", "--out", str(out), "--quiet",
+        "true",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    (rec,) = read_episodes(out / EPISODES_FILE)
+    assert rec["row"] == "untrained+constrained" and rec["adapters"] == "init:zero"
+    assert rec["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["action_type", "answer"]}
+    types = ("Image2Text", "BingSearch", "Retrieve", "Finish")
+    assert rec["constrained_calls"] >= 1 and all(a.split("[", 1)[0] in types for a in rec["actions"])
+    assert {"command", "device", "dtype", "versions", "git_commit"} <= set(rec["provenance"])
+    assert rec["provenance"]["dtype"] == "float32" and rec["provenance"]["device"]["type"] == "cpu"
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "run_config.json").read_text())
+    assert summary["provenance"]["git_commit"] == config["provenance"]["git_commit"] == rec["provenance"]["git_commit"]
+    assert "\n---\nProduced on " in (out / "report.md").read_text()
+    assert config["corpus"]["passages"] > 200 and config["top_p"] == 0.75
+    capsys.readouterr()
+    assert cli.main(argv) == 0  # resume: nothing left to run
+    assert len(read_episodes(out / EPISODES_FILE)) == 1

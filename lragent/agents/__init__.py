@@ -3,29 +3,24 @@
 Nothing here imports torch; :class:`~lragent.agents.loop.SessionPolicy` imports the session lazily.
 """
 
-from lragent.agents.loop import (
-    AgentConfig,
-    AgentLoop,
-    EpisodeResult,
-    Policy,
-    RoleStats,
-    ScriptedPolicy,
-    SessionPolicy,
-    Step,
-    StepStats,
-    run_episode,
-)
+from lragent.agents.constraints import action_type_options, answer_options, is_judgement_question
+from lragent.agents.loop import AgentConfig, AgentLoop, EpisodeResult, RoleStats, Step, drive, run_episode
+from lragent.agents.policies import Policy, ScriptedPolicy, SessionPolicy
 from lragent.agents.prompts import HOTPOTQA, SCIENCEQA, BenchmarkSpec, format_question, get_spec, initial_text
+from lragent.agents.requests import Choose, Generate, Reply, StepStats
 from lragent.agents.tools import Passage, Toolbox, WikiIndex
 
 __all__ = [
     "AgentConfig",
     "AgentLoop",
     "BenchmarkSpec",
+    "Choose",
     "EpisodeResult",
+    "Generate",
     "HOTPOTQA",
     "Passage",
     "Policy",
+    "Reply",
     "RoleStats",
     "SCIENCEQA",
     "ScriptedPolicy",
@@ -34,8 +29,12 @@ __all__ = [
     "StepStats",
     "Toolbox",
     "WikiIndex",
+    "action_type_options",
+    "answer_options",
+    "drive",
     "format_question",
     "get_spec",
     "initial_text",
+    "is_judgement_question",
     "run_episode",
 ]

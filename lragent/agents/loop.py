@@ -26,19 +26,28 @@ Why the text looks like this, and where it differs from each role's training inp
 ending in a newline), so text appended in pieces tokenises at natural boundaries; the one exception is
 the single ``"\\n"`` before ``Reflect[...]``, which is what the reflect training inputs end with.
 
-Each model call goes through a :class:`Policy`: ``generate(role, new_text, ...)`` gets only the text
-appended since its previous call, so an implementation backed by a shared KV cache
-(:class:`SessionPolicy`) prefills just that.
+**Requests.** An episode is a generator (:meth:`AgentLoop.episode`) that yields one request per model call
+(:mod:`lragent.agents.requests`): :class:`Generate` carries only the text appended since the previous call, so an
+engine backed by a shared KV cache prefills just that. :func:`drive` answers the requests one by one with a
+:class:`~lragent.agents.policies.Policy` (:meth:`AgentLoop.run`); a batched engine answers many episodes at once.
+
+**Constrained choices** (off by default; LRAgent's protocol generates freely): with ``action_types`` the plan's
+action type is a :class:`Choose` among them instead of a generation, and with ``answer_options`` the action
+role's ``Finish`` argument is a :class:`Choose` among them (ScienceQA option letters, ``yes``/``no`` for a
+HotpotQA judgement question). The loop never forces an answer: an episode that does not ``Finish`` in time is
+OOF whatever the constraints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
+from lragent.agents.policies import Policy, ScriptedPolicy, SessionPolicy, cut_at_stop
 from lragent.agents.prompts import (
     ACTION_MARKER,
     ARGUMENT_MARKER,
@@ -50,33 +59,40 @@ from lragent.agents.prompts import (
     initial_text,
     observation_text,
 )
+from lragent.agents.requests import Choose, Generate, Reply, StepStats
 
 if TYPE_CHECKING:
     from lragent.agents.tools import Toolbox
+
+__all__ = [
+    "ROLES",
+    "AgentConfig",
+    "AgentLoop",
+    "Choose",
+    "EpisodeResult",
+    "Generate",
+    "Policy",
+    "Reply",
+    "RoleStats",
+    "ScriptedPolicy",
+    "SessionPolicy",
+    "Step",
+    "StepStats",
+    "answer_request",
+    "cut_at_stop",
+    "drive",
+    "is_accept",
+    "parse_reflect",
+    "run_episode",
+]
 
 ROLES: tuple[str, ...] = ("plan", "action", "reflect")
 
 _ACTION_RE = re.compile(r"^\s*(\w+)\s*\[(.*?)\]?\s*\.?\s*$", re.DOTALL)
 
-
-@dataclass
-class StepStats:
-    """Cost of one model call.
-
-    Attributes:
-        prefill_tokens: tokens prefilled for the call (the appended text, plus whatever the cache scheme
-            recomputes).
-        decode_tokens: tokens generated.
-        prefill_s: prefill wall time in seconds.
-        decode_s: decode wall time in seconds.
-        recomputed_tokens: context tokens the cache scheme re-processed for this role (0 when not reported).
-    """
-
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    recomputed_tokens: int = 0
+Request = Generate | Choose
+Episode = Generator[Request, Reply, "EpisodeResult"]
+"""An episode: yields requests, receives replies, returns its :class:`EpisodeResult`."""
 
 
 @dataclass
@@ -101,192 +117,6 @@ class RoleStats:
             self.recomputed_tokens += stats.recomputed_tokens
 
 
-@runtime_checkable
-class Policy(Protocol):
-    """The model side of the loop: one shared trajectory, extended by role calls.
-
-    Attributes:
-        last_stats: cost of the latest :meth:`generate` call, or None when the policy does not measure it.
-    """
-
-    last_stats: StepStats | None
-
-    def reset(self) -> None:
-        """Starts a new, empty trajectory (called at the start of every episode)."""
-        ...
-
-    def generate(self, role: str, new_text: str, *, max_new_tokens: int, stop: list[str]) -> str:
-        """Appends ``new_text`` to the trajectory, then lets ``role`` generate.
-
-        Args:
-            role: ``plan``, ``action`` or ``reflect``.
-            new_text: text appended to the shared trajectory since the previous call (may be empty).
-            max_new_tokens: generation budget.
-            stop: generation stops at the first of these strings.
-
-        Returns:
-            The generated text, cut before the first stop string; the trajectory now ends with it (the stop
-            string itself is not kept).
-        """
-        ...
-
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    """Returns ``text`` up to (not including) the earliest occurrence of any stop string."""
-    cut = len(text)
-    for s in stop:
-        if s:
-            i = text.find(s)
-            if 0 <= i < cut:
-                cut = i
-    return text[:cut]
-
-
-class ScriptedPolicy:
-    """A :class:`Policy` that plays canned outputs in order, for tests.
-
-    Each output is cut at the call's stop strings, as a model session cuts generation, so a canned
-    ``"Retrieve[Metallica]"`` for the action-type call yields ``"Retrieve"``. Every call is recorded in
-    :attr:`calls` and the trajectory it saw is kept in :attr:`trajectory`.
-
-    Args:
-        outputs: canned generations, consumed one per :meth:`generate` call (across episodes).
-        roles: if given, the role each call must have; a mismatch raises ``AssertionError`` (a test failure).
-
-    Attributes:
-        calls: ``(role, new_text, stop, output)`` per call.
-        trajectory: the text of the current episode's shared trajectory.
-        contexts: the full trajectory text each call generated after.
-    """
-
-    def __init__(self, outputs: Sequence[str], roles: Sequence[str] | None = None) -> None:
-        if roles is not None and len(roles) != len(outputs):
-            raise ValueError(f"roles has {len(roles)} entries for {len(outputs)} outputs")
-        self.outputs = list(outputs)
-        self.roles = list(roles) if roles is not None else None
-        self.position = 0
-        self.calls: list[tuple[str, str, list[str], str]] = []
-        self.contexts: list[str] = []
-        self.trajectory = ""
-        self.last_stats: StepStats | None = None
-
-    def reset(self) -> None:
-        """Empties the trajectory; the script position carries on."""
-        self.trajectory = ""
-        self.last_stats = None
-
-    @property
-    def num_tokens(self) -> int:
-        """Whitespace-separated words of the trajectory (a stand-in token count for tests)."""
-        return len(self.trajectory.split())
-
-    def generate(self, role: str, new_text: str, *, max_new_tokens: int, stop: list[str]) -> str:
-        """Plays the next canned output (see :class:`Policy`)."""
-        if self.position >= len(self.outputs):
-            raise IndexError(f"script exhausted after {self.position} outputs (role {role!r} asked for more)")
-        if self.roles is not None:
-            assert self.roles[self.position] == role, (
-                f"call {self.position}: expected role {self.roles[self.position]!r}, got {role!r}"
-            )
-        self.trajectory += new_text
-        self.contexts.append(self.trajectory)
-        out = cut_at_stop(self.outputs[self.position], stop)
-        self.position += 1
-        self.trajectory += out
-        self.calls.append((role, new_text, list(stop), out))
-        self.last_stats = StepStats(prefill_tokens=len(new_text.split()), decode_tokens=len(out.split()))
-        return out
-
-
-class SessionPolicy:
-    """A :class:`Policy` over the lead's ``lragent.session.MultiAgentSession`` (one shared KV cache).
-
-    Each :meth:`reset` opens a new session; :meth:`generate` appends ``new_text`` with
-    ``session.append_text`` and runs ``session.step(role, ...)``. The session keeps the generated text's
-    tokens and drops the stop string's, matching what the loop expects.
-
-    Tokenisation: text appended in pieces may tokenise slightly differently from the whole string at once.
-    The loop appends at natural boundaries (pieces that end with a newline, or ``[\\n### Response:\\n``),
-    which keeps the difference to the junction tokens.
-
-    Args:
-        model: the ``lragent`` MultiLoraModel.
-        tokenizer: its tokenizer.
-        scheme: cache sharing scheme (``non_shared``, ``full_shared``, ``droidspeak``, ``base_shared``,
-            ``base_lr_shared``).
-        temperature: sampling temperature (0 = greedy).
-        seed: base seed; call ``i`` of an episode uses ``seed + i`` (None: no seeding).
-        session_factory: builds a session from ``(model, scheme=..., tokenizer=...)``; defaults to
-            ``lragent.session.MultiAgentSession`` (imported on first use).
-        session_kwargs: extra keyword arguments for the session.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        scheme: str = "base_lr_shared",
-        temperature: float = 0.0,
-        seed: int | None = None,
-        session_factory: Callable[..., Any] | None = None,
-        session_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.scheme = scheme
-        self.temperature = temperature
-        self.seed = seed
-        self._factory = session_factory
-        self._session_kwargs = dict(session_kwargs or {})
-        self.session: Any = None
-        self.last_stats: StepStats | None = None
-        self._calls = 0
-
-    def reset(self) -> None:
-        """Opens a new, empty session."""
-        factory = self._factory
-        if factory is None:
-            from lragent.session import MultiAgentSession  # torch-heavy; imported only when used
-
-            factory = MultiAgentSession
-        self.session = factory(self.model, scheme=self.scheme, tokenizer=self.tokenizer, **self._session_kwargs)
-        self.last_stats = None
-        self._calls = 0
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the shared trajectory."""
-        return 0 if self.session is None else int(self.session.num_tokens)
-
-    @property
-    def peak_cache_bytes(self) -> int:
-        """Peak KV-cache bytes of the current session."""
-        return 0 if self.session is None else int(self.session.peak_cache_bytes)
-
-    def generate(self, role: str, new_text: str, *, max_new_tokens: int, stop: list[str]) -> str:
-        """Appends ``new_text`` and lets ``role`` generate (see :class:`Policy`)."""
-        if self.session is None:
-            self.reset()
-        if new_text:
-            self.session.append_text(new_text)
-        seed = None if self.seed is None else self.seed + self._calls
-        self._calls += 1
-        res = self.session.step(
-            role, max_new_tokens=max_new_tokens, temperature=self.temperature, seed=seed, stop=list(stop)
-        )
-        self.last_stats = StepStats(
-            prefill_tokens=int(res.prefill_tokens),
-            decode_tokens=len(res.generated_ids),
-            prefill_s=float(res.prefill_s),
-            decode_s=float(res.decode_s),
-            recomputed_tokens=int(getattr(res, "recomputed_tokens", 0)),
-        )
-        return res.text
-
-
 @dataclass
 class AgentConfig:
     """Budgets of the agent loop.
@@ -297,7 +127,8 @@ class AgentConfig:
         action_type_tokens: generation budget of the plan's action type.
         argument_tokens: generation budget of the action's argument.
         reflect_tokens: generation budget of ``Reflect[...]``.
-        max_context_tokens: the episode stops (OOF) when the policy's ``num_tokens`` exceeds this; None: no limit.
+        max_context_tokens: the episode stops (OOF) at the start of a cycle when the trajectory has more tokens than
+            this (as the replies report it); None: no limit.
     """
 
     max_steps: int = 15
@@ -348,8 +179,11 @@ class EpisodeResult:
         role_stats: per-role call count, prefill/decode tokens and seconds.
         oof: True when no answer was accepted (step limit or context budget).
         stop_reason: ``finished``, ``step_limit`` or ``context_limit``.
-        num_tokens: the policy's token count at the end (0 if it does not report one).
-        wall_s: episode wall time in seconds.
+        num_tokens: tokens in the trajectory at the end (the last reply's ``trajectory_tokens``; 0 if never
+            reported).
+        wall_s: episode wall time in seconds (from the first request to the result, waiting for replies included).
+        constrained_calls: :class:`Choose` requests the episode made (0 without constraints).
+        extra: free-form additions of whoever runs the episode.
     """
 
     answer: str | None
@@ -362,6 +196,7 @@ class EpisodeResult:
     stop_reason: str
     num_tokens: int = 0
     wall_s: float = 0.0
+    constrained_calls: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -379,60 +214,100 @@ def is_accept(argument: str) -> bool:
 
 
 class AgentLoop:
-    """Runs AutoAct episodes with a :class:`Policy` on one benchmark.
+    """Runs AutoAct episodes on one benchmark, as request generators or with a :class:`Policy`.
 
     Args:
-        policy: the model side.
+        policy: the model side for :meth:`run` (None when episodes are only driven through :meth:`episode`).
         spec: the benchmark (prompt, tools, observation strings).
         config: budgets; defaults to :class:`AgentConfig()`.
     """
 
-    def __init__(self, policy: Policy, spec: BenchmarkSpec, config: AgentConfig | None = None) -> None:
+    def __init__(self, policy: Policy | None, spec: BenchmarkSpec, config: AgentConfig | None = None) -> None:
         self.policy = policy
         self.spec = spec
         self.config = config or AgentConfig()
 
-    def run(self, question_text: str, toolbox: Toolbox | Callable[[str, str], str]) -> EpisodeResult:
-        """Runs one episode.
+    def episode(
+        self,
+        question_text: str,
+        toolbox: Toolbox | Callable[[str, str], str],
+        *,
+        action_types: Sequence[str] | None = None,
+        answer_options: Sequence[str] | None = None,
+    ) -> Episode:
+        """One episode as a generator of model requests.
+
+        The first request's ``new_text`` starts the trajectory: whoever answers must start a fresh one for it.
+        Tools run inside the generator, between requests.
 
         Args:
             question_text: the question as :func:`lragent.agents.prompts.format_question` formats it.
             toolbox: executes tool actions: ``toolbox(action_type, argument) -> observation``; a fresh
                 :class:`~lragent.agents.tools.Toolbox` per episode.
+            action_types: None (default): plan generates the action type. Otherwise the action type is a
+                :class:`Choose` among these (e.g. the benchmark's tools plus ``Finish``).
+            answer_options: None (default): action generates the ``Finish`` argument. Otherwise, after the action
+                type ``Finish``, the argument is a :class:`Choose` among these.
+
+        Yields:
+            :class:`Generate` / :class:`Choose` requests; each must be answered with a :class:`Reply` through
+            ``send`` (``Reply.choice`` indexes the request's options).
 
         Returns:
-            The :class:`EpisodeResult`.
+            The :class:`EpisodeResult` (as ``StopIteration.value``).
+
+        Raises:
+            ValueError: a reply to a :class:`Choose` without a valid option index; empty constraint lists.
         """
-        cfg, spec, policy = self.config, self.spec, self.policy
+        choose_types = _options("action_types", action_types)
+        choose_answers = _options("answer_options", answer_options)
+        cfg, spec = self.config, self.spec
         t0 = time.perf_counter()
-        policy.reset()
         stats = {r: RoleStats() for r in ROLES}
         parts: list[str] = []
         pending = initial_text(spec, question_text)
+        tokens = 0
+        constrained = 0
         steps: list[Step] = []
         answer: str | None = None
         candidate: str | None = None
         awaiting_reflect = False
         stop_reason = "step_limit"
 
-        def call(role: str, max_new_tokens: int, stop: list[str]) -> str:
+        def take(role: str, reply: Reply, new_text: str, text: str) -> None:
+            nonlocal tokens
+            stats[role].add(reply.stats)
+            if reply.stats is not None and reply.stats.trajectory_tokens is not None:
+                tokens = int(reply.stats.trajectory_tokens)
+            parts.append(new_text)
+            parts.append(text)
+
+        def call(role: str, max_new_tokens: int, stop: tuple[str, ...]) -> Generator[Request, Reply, str]:
             nonlocal pending
             new_text, pending = pending, ""
-            out = policy.generate(role, new_text, max_new_tokens=max_new_tokens, stop=stop)
-            stats[role].add(getattr(policy, "last_stats", None))
-            parts.append(new_text)
-            parts.append(out)
-            return out
+            reply = yield Generate(role, new_text, max_new_tokens, stop)
+            take(role, reply, new_text, reply.text)
+            return reply.text
+
+        def pick(role: str, options: tuple[str, ...]) -> Generator[Request, Reply, str]:
+            nonlocal pending, constrained
+            new_text, pending = pending, ""
+            reply = yield Choose(role, new_text, options)
+            if not isinstance(reply.choice, int) or not 0 <= reply.choice < len(options):
+                raise ValueError(f"a Choose among {len(options)} options got choice {reply.choice!r}")
+            constrained += 1
+            take(role, reply, new_text, options[reply.choice])
+            return options[reply.choice]
 
         for _ in range(cfg.max_steps):
-            if cfg.max_context_tokens is not None and getattr(policy, "num_tokens", 0) > cfg.max_context_tokens:
+            if cfg.max_context_tokens is not None and tokens > cfg.max_context_tokens:
                 stop_reason = "context_limit"
                 break
             if awaiting_reflect:
                 awaiting_reflect = False
-                thought = call("reflect", cfg.thought_tokens, ["\n"])
+                thought = yield from call("reflect", cfg.thought_tokens, ("\n",))
                 pending = REFLECT_ACTION_MARKER
-                out = call("reflect", cfg.reflect_tokens, ["\n"])
+                out = yield from call("reflect", cfg.reflect_tokens, ("\n",))
                 action_type, argument = parse_reflect(out)
                 if (action_type == "Reflect" and is_accept(argument)) or action_type == "Finish":
                     if action_type == "Finish":  # LRAgent: a Finish with an answer pending ends the episode
@@ -446,11 +321,17 @@ class AgentLoop:
                 pending = observation_text(observation)
                 continue
 
-            thought = call("plan", cfg.thought_tokens, ["\n"])
+            thought = yield from call("plan", cfg.thought_tokens, ("\n",))
             pending = ACTION_MARKER
-            action_type = call("plan", cfg.action_type_tokens, ["[", "\n"]).strip()
+            if choose_types is not None:
+                action_type = yield from pick("plan", choose_types)
+            else:
+                action_type = (yield from call("plan", cfg.action_type_tokens, ("[", "\n"))).strip()
             pending = ARGUMENT_MARKER
-            argument = call("action", cfg.argument_tokens, ["]", "\n"])
+            if action_type == "Finish" and choose_answers is not None:
+                argument = yield from pick("action", choose_answers)
+            else:
+                argument = yield from call("action", cfg.argument_tokens, ("]", "\n"))
             arg = argument.strip()
             if action_type == "Finish":
                 if candidate is not None:  # a Finish after a rejected answer ends the episode (LRAgent)
@@ -479,9 +360,90 @@ class AgentLoop:
             role_stats=stats,
             oof=answer is None,
             stop_reason=stop_reason,
-            num_tokens=int(getattr(policy, "num_tokens", 0)),
+            num_tokens=tokens,
             wall_s=time.perf_counter() - t0,
+            constrained_calls=constrained,
         )
+
+    def run(
+        self,
+        question_text: str,
+        toolbox: Toolbox | Callable[[str, str], str],
+        *,
+        action_types: Sequence[str] | None = None,
+        answer_options: Sequence[str] | None = None,
+    ) -> EpisodeResult:
+        """Runs one episode with this loop's policy: ``policy.reset()``, then :func:`drive` over :meth:`episode`.
+
+        Args:
+            question_text: the question as :func:`lragent.agents.prompts.format_question` formats it.
+            toolbox: executes tool actions (see :meth:`episode`).
+            action_types: constrained action types (see :meth:`episode`; None: generated).
+            answer_options: constrained ``Finish`` arguments (see :meth:`episode`; None: generated).
+
+        Returns:
+            The :class:`EpisodeResult`.
+        """
+        if self.policy is None:
+            raise ValueError("AgentLoop.run needs a policy; drive AgentLoop.episode with an engine instead")
+        self.policy.reset()
+        episode = self.episode(question_text, toolbox, action_types=action_types, answer_options=answer_options)
+        return drive(episode, self.policy)
+
+
+def _options(name: str, options: Sequence[str] | None) -> tuple[str, ...] | None:
+    if options is None:
+        return None
+    opts = tuple(options)
+    if not opts or any(not isinstance(o, str) or not o for o in opts):
+        raise ValueError(f"{name} must be None or non-empty strings, got {options!r}")
+    return opts
+
+
+def answer_request(policy: Policy, request: Request) -> Reply:
+    """Answers one request with a policy (``generate`` or ``choose``) and attaches the call's stats.
+
+    The stats are the policy's ``last_stats`` (copied); when the policy reports ``num_tokens`` and the stats do not
+    say the trajectory length, it is filled in from there.
+    """
+    if isinstance(request, Generate):
+        reply = Reply(
+            text=policy.generate(
+                request.role, request.new_text, max_new_tokens=request.max_new_tokens, stop=list(request.stop)
+            )
+        )
+    elif isinstance(request, Choose):
+        index = policy.choose(request.role, request.new_text, request.options)
+        text = request.options[index] if isinstance(index, int) and 0 <= index < len(request.options) else ""
+        reply = Reply(text=text, choice=index)
+    else:
+        raise TypeError(f"unknown request {request!r}")
+    stats = getattr(policy, "last_stats", None)
+    tokens = getattr(policy, "num_tokens", None)
+    if stats is not None:
+        stats = dataclasses.replace(stats)
+    if tokens is not None:
+        stats = stats or StepStats()
+        if stats.trajectory_tokens is None:
+            stats.trajectory_tokens = int(tokens)
+    reply.stats = stats
+    return reply
+
+
+def drive(episode: Episode, policy: Policy) -> EpisodeResult:
+    """Runs an episode generator to its end, answering every request with ``policy`` (one at a time).
+
+    The caller starts the policy's trajectory (``policy.reset()``) beforehand.
+
+    Returns:
+        The episode's :class:`EpisodeResult`.
+    """
+    try:
+        request = next(episode)
+        while True:
+            request = episode.send(answer_request(policy, request))
+    except StopIteration as done:
+        return done.value
 
 
 def run_episode(

@@ -1,0 +1,287 @@
+"""The evaluation benchmarks, one registry entry each: questions, levels, tools and corpus, constraints, scoring.
+
+==============  ==========================  ================================================  =====================
+benchmark       levels                      search corpus (offline tools)                     scores
+==============  ==========================  ================================================  =====================
+``hotpotqa``    ``easy`` ``medium``         the Wikipedia context paragraphs of every HotpotQA  exact match, F1
+                ``hard``                    question (``data/benchmarks/hotpotqa_*.jsonl``)
+``scienceqa``   ``1-4`` ``5-8`` ``9-12``    the search results of the ScienceQA training        choice accuracy
+                                            trajectories (:mod:`eval_suite.scienceqa_corpus`),
+                                            a stand-in for live web search; Image2Text reads
+                                            the question's own caption and OCR
+==============  ==========================  ================================================  =====================
+
+Both take extra ``{"title", "text"}`` JSONL corpora (``--corpus FILE``), indexed after their own passages.
+With constraints on (:mod:`lragent.agents.constraints`) the action type is chosen among the benchmark's tools plus
+``Finish`` and the ``Finish`` argument among the question's option letters (ScienceQA) or ``yes``/``no`` for a
+judgement question (HotpotQA, recognised from the question text only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eval_suite.metrics import (
+    HOTPOTQA_LEVELS,
+    SCIENCEQA_BANDS,
+    exact_match_score,
+    f1_score,
+    parse_choice,
+)
+from lragent.agents import BenchmarkSpec, format_question, get_spec
+from lragent.agents.constraints import action_type_options, answer_options
+from lragent.agents.tools import Passage, iter_corpus_passages, iter_hotpotqa_passages
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+CONSTRAINTS: tuple[str, ...] = ("action_type", "answer")
+"""Constrained-choice options: ``action_type`` (choose the action type among the valid ones) and ``answer``
+(choose the ``Finish`` argument among the question's options / yes-no)."""
+
+
+@dataclass(frozen=True)
+class Question:
+    """One benchmark question.
+
+    Attributes:
+        qid: the benchmark's id (HotpotQA ``id``, ScienceQA ``pid``).
+        level: HotpotQA level (``easy``/``medium``/``hard``) or ScienceQA grade band (``1-4``/``5-8``/``9-12``).
+        text: the question as the prompt shows it (:func:`~lragent.agents.format_question`).
+        gold: the gold answer (HotpotQA) or gold choice index (ScienceQA).
+        choices: ScienceQA options (empty for HotpotQA).
+        caption: ScienceQA image caption (None for HotpotQA).
+        ocr: ScienceQA OCR field (None for HotpotQA).
+    """
+
+    qid: str
+    level: str
+    text: str
+    gold: str | int
+    choices: tuple[str, ...] = ()
+    caption: str | None = None
+    ocr: str | None = None
+
+
+def _hotpotqa_question(row: dict, level: str) -> Question:
+    return Question(str(row["id"]), level, format_question(row["question"]), str(row["answer"]))
+
+
+def _scienceqa_question(row: dict, level: str) -> Question:
+    return Question(
+        str(row["pid"]),
+        level,
+        format_question(row["question"], row["choices"]),
+        int(row["answer"]),
+        tuple(row["choices"]),
+        row.get("caption"),
+        row.get("ocr"),
+    )
+
+
+def _hotpotqa_passages(data_dir: Path) -> tuple[list[Passage], dict]:
+    files = sorted((data_dir / "benchmarks").glob("hotpotqa_*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no HotpotQA benchmark files under {data_dir / 'benchmarks'}")
+    passages = [p for f in files for p in iter_hotpotqa_passages(f)]
+    return passages, {"source": "HotpotQA context paragraphs", "files": [f.name for f in files]}
+
+
+def _scienceqa_passages(data_dir: Path) -> tuple[list[Passage], dict]:
+    from eval_suite.scienceqa_corpus import build_search_corpus
+
+    raw = data_dir / "trajectories" / "raw" / "70b_scienceqa_200.jsonl.gz"
+    evaluation = [q.text for q in SCIENCEQA.load_questions(data_dir=data_dir)]
+    corpus = build_search_corpus(raw, evaluation)
+    return list(corpus.passages), {"source": f"search results of {raw.name}", **corpus.describe()}
+
+
+def _hotpotqa_score(q: Question, prediction: str | None) -> dict[str, float]:
+    return {"em": exact_match_score(prediction, str(q.gold)), "f1": f1_score(prediction, str(q.gold))}
+
+
+def _scienceqa_score(q: Question, prediction: str | None) -> dict[str, float]:
+    return {"correct": float(parse_choice(prediction, q.choices) == q.gold)}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark: what the runner, the tools and the summary need to know.
+
+    Attributes:
+        name: ``hotpotqa`` or ``scienceqa``.
+        levels: level names in report order.
+        metrics: summary metrics (``em``/``f1`` or ``accuracy``).
+        score_fields: per-episode score fields of a record (``em``/``f1`` or ``correct``).
+        file_stem: level -> benchmark file stem (``hotpotqa_easy``).
+        parse_row: ``(JSON row, level) -> Question``.
+        own_passages: ``data_dir -> (passages, description)``: the benchmark's search corpus.
+        score: ``(question, prediction) -> {score_field: value}``.
+        level_aliases: accepted spellings of levels (``grade1_4`` -> ``1-4``).
+    """
+
+    name: str
+    levels: tuple[str, ...]
+    metrics: tuple[str, ...]
+    score_fields: tuple[str, ...]
+    file_stem: Callable[[str], str]
+    parse_row: Callable[[dict, str], Question]
+    own_passages: Callable[[Path], tuple[list[Passage], dict]]
+    score: Callable[[Question, str | None], dict[str, float]]
+    level_aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> BenchmarkSpec:
+        """The agent-side description (prompt, tools, observation strings)."""
+        return get_spec(self.name)
+
+    def parse_level(self, level: str) -> str:
+        """Canonical level name; raises ``ValueError`` naming the allowed ones."""
+        key = level.lower()
+        key = self.level_aliases.get(key, key)
+        if key not in self.levels:
+            raise ValueError(f"unknown {self.name} level {level!r}: allowed {', '.join(self.levels)}")
+        return key
+
+    def level_file(self, level: str, data_dir: Path = DATA_DIR) -> Path:
+        """The benchmark JSONL of one level."""
+        return data_dir / "benchmarks" / f"{self.file_stem(level)}.jsonl"
+
+    def load_questions(
+        self, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
+    ) -> list[Question]:
+        """Questions of the chosen levels, interleaved (first of each level, then second of each, ...).
+
+        Args:
+            levels: level names (default all three).
+            limit: keep the first ``limit`` questions of the interleaved order (every level is represented early).
+            data_dir: the ``data`` directory.
+        """
+        chosen = [self.parse_level(lv) for lv in (levels or self.levels)]
+        per_level: list[list[Question]] = []
+        for level in chosen:
+            path = self.level_file(level, data_dir)
+            if not path.is_file():
+                raise FileNotFoundError(f"benchmark file {path} is missing")
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            per_level.append([self.parse_row(r, level) for r in rows])
+        out = [lv[i] for i in range(max(map(len, per_level), default=0)) for lv in per_level if i < len(lv)]
+        return out[:limit] if limit is not None else out
+
+    def corpus(self, extra: Sequence[str | Path] = (), data_dir: Path = DATA_DIR) -> tuple[list[Passage], dict]:
+        """The search corpus: the benchmark's own passages, then those of each extra JSONL file.
+
+        Returns:
+            ``(passages, description)``; the description is JSON-able (sources, counts).
+        """
+        passages, desc = self.own_passages(data_dir)
+        for path in extra:
+            p = Path(path)
+            if not p.is_file():
+                raise FileNotFoundError(f"--corpus {path}: no such file")
+            more = list(iter_corpus_passages(p))
+            passages += more
+            desc = {**desc, "extra": [*desc.get("extra", []), {"file": str(p), "passages": len(more)}]}
+        return passages, {**desc, "passages": len(passages)}
+
+    def toolbox_factory(
+        self, extra: Sequence[str | Path] = (), data_dir: Path = DATA_DIR
+    ) -> tuple[Callable[[Question], Any], dict]:
+        """A fresh :class:`~lragent.agents.Toolbox` per episode over this benchmark's corpus (index built once).
+
+        Returns:
+            ``(question -> Toolbox, corpus description)``.
+        """
+        from lragent.agents import Toolbox, WikiIndex
+
+        passages, desc = self.corpus(extra, data_dir)
+        index = WikiIndex.build(passages)
+        spec = self.spec
+
+        def make(q: Question) -> Toolbox:
+            return Toolbox(index, caption=q.caption, ocr=q.ocr, search_error=spec.search_error)
+
+        return make, {**desc, "indexed": len(index)}
+
+    def constraint_options(
+        self, q: Question, constraints: Sequence[str]
+    ) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+        """``(action_types, answer_options)`` for :meth:`lragent.agents.AgentLoop.episode` under ``constraints``."""
+        types = action_type_options(self.spec) if "action_type" in constraints else None
+        answers = answer_options(self.spec, q.text, q.choices) if "answer" in constraints else None
+        return types, answers
+
+
+HOTPOTQA = Benchmark(
+    name="hotpotqa",
+    levels=HOTPOTQA_LEVELS,
+    metrics=("em", "f1"),
+    score_fields=("em", "f1"),
+    file_stem=lambda level: f"hotpotqa_{level}",
+    parse_row=_hotpotqa_question,
+    own_passages=_hotpotqa_passages,
+    score=_hotpotqa_score,
+)
+
+SCIENCEQA = Benchmark(
+    name="scienceqa",
+    levels=SCIENCEQA_BANDS,
+    metrics=("accuracy",),
+    score_fields=("correct",),
+    file_stem=lambda level: "scienceqa_grade" + level.replace("-", "_"),
+    parse_row=_scienceqa_question,
+    own_passages=_scienceqa_passages,
+    score=_scienceqa_score,
+    level_aliases={
+        alias: band
+        for band in SCIENCEQA_BANDS
+        for alias in ("grade" + band, "grade" + band.replace("-", "_"), band.replace("-", "_"))
+    },
+)
+
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (HOTPOTQA, SCIENCEQA)}
+
+
+def get_benchmark(name: str) -> Benchmark:
+    """The registry entry called ``name``; raises ``ValueError`` naming the allowed ones."""
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}: allowed {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name]
+
+
+def parse_level(benchmark: str, level: str) -> str:
+    """Canonical level name: ``easy``... for HotpotQA; ``1-4``... for ScienceQA (``grade1_4``, ``1_4`` accepted)."""
+    return get_benchmark(benchmark).parse_level(level)
+
+
+def load_questions(
+    benchmark: str, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
+) -> list[Question]:
+    """Questions of a benchmark (see :meth:`Benchmark.load_questions`)."""
+    return get_benchmark(benchmark).load_questions(levels, limit, data_dir)
+
+
+def parse_constraints(spec: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``none`` / ``all`` / a comma list of :data:`CONSTRAINTS` -> the canonical tuple, in :data:`CONSTRAINTS` order."""
+    if spec is None:
+        return ()
+    items = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if items in (["none"], []):
+        return ()
+    if items == ["all"]:
+        return CONSTRAINTS
+    bad = [s for s in items if s not in CONSTRAINTS]
+    if bad:
+        raise ValueError(f"--constrain {spec!r}: unknown {bad}; allowed none, all or a comma list of {CONSTRAINTS}")
+    return tuple(c for c in CONSTRAINTS if c in items)
+
+
+def row_name(scheme_or_row: str, constraints: Sequence[str]) -> str:
+    """The report row of a scheme under constraints: ``base_lr_shared``, ``base_lr_shared+constrained`` (all),
+    ``base_lr_shared+constrained:answer`` (some); unconstrained rows keep the plain name."""
+    cons = parse_constraints(list(constraints))
+    if not cons:
+        return scheme_or_row
+    return f"{scheme_or_row}+constrained" if cons == CONSTRAINTS else f"{scheme_or_row}+constrained:{','.join(cons)}"

@@ -1,0 +1,63 @@
+"""How episodes are run: an executor takes episode tasks and gives back their results, in any order.
+
+A task is one episode as a request generator (:meth:`lragent.agents.AgentLoop.episode`) plus what the runner
+needs to file its result. :class:`SequentialExecutor` runs one task at a time with a fresh policy each
+(:class:`~lragent.agents.SessionPolicy` over ``MultiAgentSession``); a batched executor may hold many episodes at
+once, answer their requests together and hand results back as episodes end. The runner appends each result to the
+episode log as soon as it arrives, so any order is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from eval_suite.benchmarks import Question
+from lragent.agents import EpisodeResult, Policy, drive
+
+
+@dataclass
+class EpisodeTask:
+    """One episode to run.
+
+    Attributes:
+        key: ``(row, run, question id)``: the episode-log key of its record.
+        scheme: the cache sharing scheme to run it under.
+        seed: the episode's sampling seed (a function of base seed, run and question: the same for every scheme).
+        question: the question.
+        episode: the request generator; its first request starts a fresh trajectory.
+    """
+
+    key: tuple[str, int, str]
+    scheme: str
+    seed: int
+    question: Question
+    episode: Generator
+
+
+@runtime_checkable
+class EpisodeExecutor(Protocol):
+    """Runs episode tasks."""
+
+    def run(self, tasks: Iterable[EpisodeTask]) -> Iterator[tuple[EpisodeTask, EpisodeResult]]:
+        """Runs every task (pulling them lazily is allowed) and yields each with its result, in any order."""
+        ...
+
+
+class SequentialExecutor:
+    """Runs tasks one after the other, each with a fresh policy from ``policy_factory(scheme, seed)``.
+
+    Args:
+        policy_factory: ``(scheme, episode seed) -> Policy``; called once per episode.
+    """
+
+    def __init__(self, policy_factory: Callable[[str, int], Policy]) -> None:
+        self.policy_factory = policy_factory
+
+    def run(self, tasks: Iterable[EpisodeTask]) -> Iterator[tuple[EpisodeTask, EpisodeResult]]:
+        """Runs each task to its end (``policy.reset()``, then :func:`lragent.agents.drive`) and yields it."""
+        for task in tasks:
+            policy = self.policy_factory(task.scheme, task.seed)
+            policy.reset()
+            yield task, drive(task.episode, policy)

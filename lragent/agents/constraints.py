@@ -1,0 +1,84 @@
+"""Option sets for constrained choices (an evaluation option, off by default; LRAgent's protocol generates freely).
+
+With constraints on, the agent loop replaces a generation by a :class:`~lragent.agents.requests.Choose` among:
+
+* the **action type**: the benchmark's tools plus ``Finish`` (:func:`action_type_options`), in the order of the
+  system prompt; ``Reflect`` is left out, since the loop hands a ``Finish`` to the reflect role itself;
+* the **Finish argument** (:func:`answer_options`): on ScienceQA the letters of the question's options (the action
+  role's training outputs after ``Finish[`` are such letters, e.g. ``C``); on HotpotQA ``yes``/``no`` for a
+  judgement question, recognised from the question text alone (:func:`is_judgement_question`), and free
+  generation otherwise.
+
+Nothing here looks at a gold answer or at a benchmark's answer-type field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from lragent.agents.prompts import OPTION_LETTERS, BenchmarkSpec
+
+YES_NO: tuple[str, str] = ("yes", "no")
+"""The ``Finish`` arguments of a HotpotQA judgement question, as the system prompt asks for them."""
+
+_AUX = r"(?:is|are|was|were|am|do|does|did|can|could|will|would|has|have|had|should|shall|may|might|must)(?:n't)?"
+_STARTS_WITH_AUX = re.compile(rf"^{_AUX}\b", re.IGNORECASE)
+_WH = re.compile(r"\b(?:what|which|who|whom|whose|when|where|why|how)\b", re.IGNORECASE)
+_OR = re.compile(r"\bor\b(?!\s+not\b)", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+
+
+def action_type_options(spec: BenchmarkSpec) -> tuple[str, ...]:
+    """The action types a constrained plan chooses among: the benchmark's tools, then ``Finish``."""
+    return (*spec.tools, "Finish")
+
+
+def option_letters(n: int) -> tuple[str, ...]:
+    """The letters ``A``, ``B``, ... of ``n`` answer options (as :func:`~lragent.agents.prompts.format_question`)."""
+    if not 1 <= n <= len(OPTION_LETTERS):
+        raise ValueError(f"number of options must be 1..{len(OPTION_LETTERS)}, got {n}")
+    return tuple(OPTION_LETTERS[:n])
+
+
+def is_judgement_question(question: str) -> bool:
+    """True when ``question`` asks for yes or no, judged from its text alone.
+
+    The asking sentence is the question's last sentence. It is a judgement question when its main clause is a
+    yes/no question: the sentence starts with an auxiliary verb (``Are both Coldplay and Pierre Bouvier from the
+    same country?``), or its last comma-separated clause does and neither that clause nor the sentence's first word
+    is a wh-word (``Yukio Mishima and Roberto Bolaño, are Chilean?``); and it offers no alternatives (``Is Bell
+    Atlantic or Cellular One older?`` names its answers; ``or not`` is no alternative).
+
+    Args:
+        question: the question text (HotpotQA's ``question`` field).
+    """
+    text = _SENTENCE_END.split(" ".join(question.split()))[-1]  # the asking sentence: the last one
+    if not text or _OR.search(text):
+        return False
+    if _STARTS_WITH_AUX.match(text):
+        return True
+    clauses = [c.strip() for c in text.split(",")]
+    last, first_word = clauses[-1], text.split(" ", 1)[0]
+    return (
+        len(clauses) > 1 and bool(_STARTS_WITH_AUX.match(last)) and not _WH.search(last) and not _WH.match(first_word)
+    )
+
+
+def answer_options(spec: BenchmarkSpec, question: str, choices: Sequence[str] = ()) -> tuple[str, ...] | None:
+    """The ``Finish`` arguments a constrained action role chooses among, or None where it generates freely.
+
+    Args:
+        spec: the benchmark (``scienceqa``: option letters; ``hotpotqa``: yes/no for judgement questions).
+        question: the question text (without its options).
+        choices: the question's answer options (ScienceQA).
+
+    Returns:
+        ``("A", "B", ...)`` for a multiple-choice question, ``("yes", "no")`` for a HotpotQA judgement question,
+        else None.
+    """
+    if choices:
+        return option_letters(len(choices))
+    if spec.name == "hotpotqa" and is_judgement_question(question):
+        return YES_NO
+    return None
