@@ -144,16 +144,13 @@ class StopTokenIndex:
 
     def _all_pieces(self) -> list[str]:
         if self._pieces is None:
-            tok = self.tokenizer
-            n = min(len(tok), self.vocab_size)
-            tokens = tok.convert_ids_to_tokens(list(range(n)))
-            pieces = []
-            for t in tokens:
-                try:
-                    pieces.append(tok.convert_tokens_to_string([t]) if t is not None else "")
-                except Exception:  # a token the tokenizer cannot render alone
-                    pieces.append("")
-            self._pieces = pieces + [""] * (self.vocab_size - n)
+            tok, n = self.tokenizer, self.vocab_size
+            ids = [[i] for i in range(n)]
+            if hasattr(tok, "batch_decode"):
+                pieces = tok.batch_decode(ids, skip_special_tokens=False)
+            else:
+                pieces = [tok.decode(i, skip_special_tokens=False) for i in ids]
+            self._pieces = [p if isinstance(p, str) else "" for p in pieces]
         return self._pieces
 
     def mask(self, stops: Sequence[str]) -> torch.Tensor:
