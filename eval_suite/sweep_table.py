@@ -111,9 +111,9 @@ def run_summary(run_dir: str | Path) -> dict[str, Any]:
         status = "running"
     elif last is None:
         status = "pending"
-    elif last["finished"]:
+    elif last.get("finished"):
         status = "done"
-    elif last["reason"] in ("time_budget", "interrupted"):
+    elif last.get("reason") in ("time_budget", "interrupted"):
         status = "paused"
     else:
         status = "failed"
@@ -141,10 +141,10 @@ def run_summary(run_dir: str | Path) -> dict[str, Any]:
         "name": run_dir.name,
         "spec": spec,
         "status": status,
-        "stop_reason": last["reason"] if last else None,
-        "early_stopped": bool(last and last["reason"] == "early_stopping"),
+        "stop_reason": last.get("reason") if last else None,
+        "early_stopped": bool(last and last.get("reason") == "early_stopping"),
         "epochs": max((int(float(r["epoch"])) for r in vals), default=-1) + 1,
-        "steps": last["global_step"] if last else max(steps, default=0),
+        "steps": last["global_step"] if last and "global_step" in last else max(steps, default=0),
         "wall_s": round(sum(p["end"] - p["start"] for p in procs), 1),
         "fit_wall_s": round(sum(r.get("wall_s") or 0 for r in records), 1),
         "tokens_per_s": round(tokens / train_s) if train_s > 0 else None,

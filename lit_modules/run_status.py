@@ -57,7 +57,7 @@ class RunStatus(Callback):
     def _file(self, trainer: Trainer) -> Path:
         return Path(self.path) if self.path else Path(trainer.default_root_dir) / "fit_status.jsonl"
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_epoch, self._start_step = trainer.current_epoch, trainer.global_step
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -21,7 +21,8 @@ grid); alpha = 2 x rank (the paper's scaling alpha / r = 2); every other setting
 A call respects ``--budget`` seconds of wall clock: runs are launched while at least ``--min-launch`` seconds are
 left, each run stops itself at an epoch end before the deadline (``TimeBudget``), and what is still running
 ``--grace`` seconds after the deadline gets SIGTERM. Rerunning the same command continues every unfinished run from
-its ``last.ckpt``; finished runs (early stopping or the epoch cap) are not touched.
+its ``last.ckpt``; finished runs (early stopping or the epoch cap) are not touched, except that a run which ended at
+an epoch cap lower than this call's is continued.
 """
 
 from __future__ import annotations
@@ -297,6 +298,20 @@ class Sweep:
             _write_json(path, record)
         return d
 
+    def max_epochs(self, spec: RunSpec) -> int:
+        """The epoch cap of this call for ``spec`` (``--max-epochs``, else the base config's after ``--set``)."""
+        if self.args.max_epochs is not None:
+            return self.args.max_epochs
+        cfg = base_config(self.configs, spec.dataset)
+        for key, value in self.sets:
+            _set(cfg, key, value)
+        return int(cfg["trainer"].get("max_epochs") or 0)
+
+    def capped_below(self, spec: RunSpec) -> bool:
+        """Whether a finished run ended at the epoch cap and this call's cap is higher."""
+        s = run_summary(self.run_dir(spec))
+        return s["stop_reason"] == "max_epochs" and s["epochs"] < self.max_epochs(spec)
+
     def status(self, spec: RunSpec) -> str:
         return run_summary(self.run_dir(spec))["status"] if (self.run_dir(spec) / RUN_FILE).is_file() else "pending"
 
@@ -369,7 +384,7 @@ class Sweep:
             if j.kind == "after_run":
                 _write_json(self.run_dir(j.spec) / "after_run.json", {"rc": j.proc.returncode})
             if j.kind == "fit":
-                record = {"start": j.started, "end": time.time(), "rc": j.proc.returncode}
+                record = {"start": round(j.started, 2), "end": round(time.time(), 2), "rc": j.proc.returncode}
                 with (self.run_dir(j.spec) / LAUNCHES_FILE).open("a") as f:
                     f.write(json.dumps(record) + "\n")
             status = self.status(j.spec) if j.kind == "fit" else ""
@@ -397,6 +412,9 @@ class Sweep:
         queue: list[tuple[str, RunSpec]] = [("untrained", v) for v in validations if self.status(v) != "done"]
         for spec in fits:
             st = self.status(spec)
+            if st == "done" and self.capped_below(spec):
+                st = "paused"  # finished at a lower epoch cap than this call's: continue it
+                self.say(f"{spec.name}: stopped at a lower epoch cap; continuing to {self.max_epochs(spec)} epochs")
             if st == "done":
                 if final_val and not (self.run_dir(spec) / FINAL_VAL_DIR / "csv").is_dir():
                     queue.append(("final_val", spec))
