@@ -7,6 +7,7 @@
     python cli.py fidelity --benchmark hotpotqa --adapters DIR            # KL / top-1 agreement vs non_shared
     python cli.py droidspeak-select --benchmark hotpotqa --adapters DIR   # DroidSpeak recompute layers
     python cli.py bench kernel                                      # Flash-LoRA-Attention micro-benchmark
+    python cli.py data-stats --out DIR                              # role data token lengths and batches
 
 This file only wires: each command lives in its own module and is imported when it is used.
 """
@@ -26,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fidelity": ("eval_suite.fidelity", "main"),
     "similarity": ("eval_suite.similarity", "similarity"),
     "droidspeak-select": ("eval_suite.droidspeak_select", "main"),
+    "data-stats": ("eval_suite.data_stats", "data_stats"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("kernels.bench", "main"),

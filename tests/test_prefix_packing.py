@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,3 +154,23 @@ def test_token_budget_batches() -> None:
 def test_max_tokens_below_max_length_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"max_tokens must be >= max_length \(512\)"):
         datamodule(write_trajectories(tmp_path), True, max_tokens=100)
+
+
+def test_data_stats_reports_lengths_and_batches(tmp_path: Path) -> None:
+    from datamodules import read_records
+    from eval_suite.data_stats import data_stats
+
+    assert data_stats(str(tmp_path), ["scienceqa"], tokenizer="byte", max_length=8000, max_tokens=20000) == 0
+    stats = json.loads((tmp_path / "data_stats.json").read_text())["benchmarks"]["scienceqa"]
+    for role, n in (("plan", 944), ("action", 518), ("reflect", 520)):
+        records = read_records(REPO / f"data/trajectories/scienceqa/{role}.jsonl.gz")
+        lengths = sorted(len(r.input.encode()) + len(r.output.encode()) + 1 for r in records)  # bytes + EOS
+        s = stats["roles"][role]
+        assert s["n"] == n and s["max"] == lengths[-1] and s["p50"] == float(np.median(lengths))
+        assert s["fit_share"] == sum(x <= 8000 for x in lengths) / n
+    conf, base = stats["batching"]["configured"], stats["batching"]["baseline"]
+    assert conf["examples"] == base["examples"] == base["sequences"] > conf["sequences"]
+    assert conf["tokens"] < 0.5 * base["tokens"] and 0 <= conf["padding"] < 0.05
+    assert conf["padded_tokens"] / conf["batches"] <= 20000
+    assert base["optimizer_steps"] == base["batches"] / 8 and base["examples_per_step"] == pytest.approx(32, rel=0.01)
+    assert "| plan | 944 |" in (tmp_path / "data_stats.md").read_text()
