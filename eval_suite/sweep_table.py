@@ -149,6 +149,7 @@ def run_summary(run_dir: str | Path) -> dict[str, Any]:
         "fit_wall_s": round(sum(r.get("wall_s") or 0 for r in records), 1),
         "tokens_per_s": round(tokens / train_s) if train_s > 0 else None,
         "devices": sorted({r["device"] for r in records if r.get("device")}),
+        "max_memory_gb": max((r["max_memory_gb"] for r in records if r.get("max_memory_gb")), default=None),
         "best": best,
         "final_val": final_val,
         "adapters_mb": _dir_mb(run_dir / "adapters"),
@@ -176,7 +177,7 @@ def _spec_cells(spec: dict[str, Any]) -> list[str]:
 def fit_table(runs: list[dict[str, Any]]) -> str:
     """Markdown: one row per trained run, best validation first."""
     header = [
-        "run", "data", "A", "lr", "targets", "r", "status", "stop", "epochs", "steps", "wall s", "tok/s",
+        "run", "data", "A", "lr", "targets", "r", "status", "stop", "epochs", "steps", "wall s", "tok/s", "GPU GB",
         "best ep", "val loss", *(f"{r} loss / acc" for r in ROLES), "adapters MB",
     ]  # fmt: skip
     rows = []
@@ -193,6 +194,7 @@ def fit_table(runs: list[dict[str, Any]]) -> str:
                 str(s["steps"]),
                 f"{s['wall_s']:.0f}",
                 "–" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,}",
+                "–" if s["max_memory_gb"] is None else f"{s['max_memory_gb']:.1f}",
                 "–" if best.get("epoch") is None else str(best["epoch"]),
                 "–" if not best else f"{best['val_loss']:.4f}",
                 *(_cell((best.get("roles") or {}).get(r)) for r in ROLES),
@@ -245,7 +247,8 @@ def sweep_report(root: str | Path, provenance: dict[str, Any]) -> tuple[dict[str
         "adapters are exported from). `stop`: why the last `fit` call ended (`early stop`: val/loss did not "
         "improve for `patience` epochs; `max epochs`: the cap; `time budget`: paused, resumable). `wall s`: the "
         "fit processes' wall time, start-up included, all calls. `tok/s`: real training tokens per second of "
-        f"training time, per process (several shared the GPU). Trained on: {', '.join(devices) or 'n/a'}.",
+        f"training time, per process (several shared the GPU). `GPU GB`: peak memory allocated by the process. "
+        f"Trained on: {', '.join(devices) or 'n/a'}.",
         "",
         fit_table(fits),
     ]

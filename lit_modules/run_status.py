@@ -3,8 +3,8 @@
 :class:`RunStatus` appends one JSON line per ``fit`` call to a file (``fit_status.jsonl`` in the sweep's run
 directories): the stop reason (``early_stopping``, ``max_epochs``, ``max_steps``, ``time_budget``, ``interrupted``
 (Ctrl-C or SIGTERM), ``error``), epochs and optimizer steps done, wall and training seconds, real tokens trained
-and tokens per second, the best checkpoint with its score, and the device. Tokens are counted from the batches'
-host-side ``n_tokens`` (no device sync).
+and tokens per second, the best checkpoint with its score, the device and (on CUDA) the peak memory allocated.
+Tokens are counted from the batches' host-side ``n_tokens`` (no device sync).
 """
 
 from __future__ import annotations
@@ -112,6 +112,11 @@ class RunStatus(Callback):
             "best_checkpoint": best,
             "best_score": score,
             "device": _device_name(pl_module.device),
+            "max_memory_gb": (
+                round(torch.cuda.max_memory_allocated(pl_module.device) / 1e9, 2)
+                if pl_module.device.type == "cuda"
+                else None
+            ),
             "utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
         path = self._file(trainer)

@@ -11,7 +11,7 @@ grid); alpha = 2 x rank (the paper's scaling alpha / r = 2); every other setting
 ``configs/embedded_<dataset>.yaml``. A run is a directory ``<root>/<name>/`` (``run.json``, ``config.yaml``, CSV logs,
 ``fit_status.jsonl``, ``checkpoints/``, ``adapters/`` = the best checkpoint's, ``fit.log``).
 
-    python scripts/sweep_embedded.py run --stage 1 --parallel 8 --budget 540     # rerun to continue (resumes)
+    python scripts/sweep_embedded.py run --stage 1 --parallel 6 --budget 540     # rerun to continue (resumes)
     python scripts/sweep_embedded.py run --stage 2 --parallel 4 --budget 540     # --pick NAME to choose
     python scripts/sweep_embedded.py status                                      # one line per run
     python scripts/sweep_embedded.py table --out eval_suite/results/sweep_embedded
@@ -105,11 +105,17 @@ def stage2_grid(chosen: RunSpec) -> list[RunSpec]:
     return [RunSpec(ds, shared, chosen.lr, chosen.targets, chosen.rank) for ds in DATASETS for shared in (True, False)]
 
 
-def pick_stage2(root: Path, pick: str, lrs: list[float], targets: list[str], ranks: list[int]) -> RunSpec:
-    """The stage-2 point: ``auto`` (lowest best val/loss among finished stage-1 runs) or a stage-1 run's name.
+def pick_stage2(
+    root: Path, pick: str, lrs: list[float], targets: list[str], ranks: list[int], max_mb: float = 0.0
+) -> RunSpec:
+    """The stage-2 point: ``auto`` or a stage-1 run's name.
+
+    ``auto``: the lowest best val/loss among finished stage-1 runs whose exported adapter set (PEFT directories and
+    native checkpoint, as ``install`` ships it) is at most ``max_mb`` MB (``0``: any size). The repository carries
+    the shipped sets, so their size matters: q/v rank 8 is about 4.4 MB per set in bf16, q/v/o+MLP rank 16 about 46.
 
     Raises:
-        ValueError: no finished stage-1 run (``auto``), or ``pick`` is no stage-1 run name.
+        ValueError: no finished stage-1 run within the size (``auto``), or ``pick`` is no stage-1 run name.
     """
     grid = {s.name: s for s in stage1_grid(lrs, targets, ranks)}
     if pick != "auto":
@@ -118,8 +124,11 @@ def pick_stage2(root: Path, pick: str, lrs: list[float], targets: list[str], ran
         return grid[pick]
     done = [run_summary(root / n) for n in grid if (root / n / RUN_FILE).is_file()]
     done = [s for s in done if s["status"] == "done" and s["best"]]
+    if max_mb > 0:
+        done = [s for s in done if s["adapters_mb"] is not None and s["adapters_mb"] <= max_mb]
     if not done:
-        raise ValueError(f"no finished stage-1 run under {root}: run stage 1 first, or give --pick NAME")
+        size = f" with adapters of at most {max_mb:g} MB" if max_mb > 0 else ""
+        raise ValueError(f"no finished stage-1 run{size} under {root}: run stage 1 first, or give --pick NAME")
     return grid[min(done, key=lambda s: s["best"]["val_loss"])["name"]]
 
 
@@ -260,6 +269,7 @@ class Sweep:
             "TOKENIZERS_PARALLELISM": "false",
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": str(threads),
+            "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
         }
         self.log_file = None
@@ -624,11 +634,20 @@ def pack(
 # ---------------------------------------------------------------------------------------------------------- install
 
 
-def install(root: Path, to: Path, force: bool) -> list[Path]:
+def install(root: Path, to: Path, force: bool, native_only: bool = False, max_mb: float = 12.0) -> list[Path]:
     """Copies the stage-2 runs' exported (best-checkpoint) adapters to ``to/{dataset}_{sharedA,indepA}/``.
 
+    Args:
+        root: the sweep's run root.
+        to: the adapters directory (``data/adapters``).
+        force: also runs that are not finished, and sets over ``max_mb``.
+        native_only: copy the native checkpoint (and ``train_config.json``) without the PEFT directories
+            (``load_adapter_dir`` reads either; the PEFT form repeats A per role).
+        max_mb: refuse a set larger than this (the repository carries them).
+
     Raises:
-        ValueError: stage 2 was not run under ``root``, or a run is not finished (without ``force``).
+        ValueError: stage 2 was not run under ``root``, a run is not finished, or a set is too large (without
+            ``force``).
     """
     path = root / STAGE2_FILE
     if not path.is_file():
@@ -643,9 +662,17 @@ def install(root: Path, to: Path, force: bool) -> list[Path]:
             raise ValueError(f"{name} is {s['status']}, not done: finish it, or pass --force")
         spec = s["spec"]
         dst = to / f"{spec['dataset']}_{'sharedA' if spec['shared_a'] else 'indepA'}"
+        files = [f for f in src.rglob("*") if f.is_file()]
+        if native_only:
+            files = [f for f in files if f.parent == src]
+        size = sum(f.stat().st_size for f in files) / 1e6
+        if size > max_mb and not force:
+            raise ValueError(f"{name}: the set is {size:.1f} MB > --max-mb {max_mb:g}: try --native-only, or --force")
         if dst.exists():
             shutil.rmtree(dst)
-        shutil.copytree(src, dst)
+        for f in files:
+            (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst / f.relative_to(src))
         written.append(dst)
         print(f"{name} -> {dst} ({sum(f.stat().st_size for f in dst.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
     return written
@@ -665,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--root", default=str(ROOT / "runs" / "sweep"), help="directory of the run directories")
     r = sub.add_parser("run", parents=[common], help="run (or continue) a stage")
     r.add_argument("--stage", type=int, choices=[1, 2], required=True)
-    r.add_argument("--parallel", type=int, default=None, help="processes at a time (default: 8 in stage 1, 4 in 2)")
+    r.add_argument("--parallel", type=int, default=None, help="processes at a time (default: 6 in stage 1, 4 in 2)")
     r.add_argument("--budget", type=float, default=540.0, help="wall-clock seconds for this call")
     r.add_argument("--min-launch", type=float, default=120.0, help="launch a fit only with this many seconds left")
     r.add_argument("--min-launch-validate", type=float, default=45.0, help="the same for a validation")
@@ -678,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ranks", default="8,16", help="stage-1 ranks")
     r.add_argument("--max-epochs", type=int, default=None, help="epoch cap (default: the base config's)")
     r.add_argument("--pick", default="auto", help="stage 2: a stage-1 run name, or auto (lowest best val/loss)")
+    r.add_argument("--pick-max-mb", type=float, default=12.0, help="auto picks among runs whose adapter set is at "
+                   "most this many MB (0: any size)")  # fmt: skip
     r.add_argument("--only", default="", help="launch only runs whose name contains this")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (dotted key)")
     r.add_argument("--after-run", default="", help="shell command per finished fit; {adapters} {run_dir} {name} "
@@ -695,7 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--skip", type=int, default=0, help="leave out the first files (fetched before)")
     i = sub.add_parser("install", parents=[common], help="stage-2 adapters into data/adapters/{ds}_{A}/")
     i.add_argument("--to", default=str(ROOT / "data" / "adapters"))
-    i.add_argument("--force", action="store_true", help="also runs that are not finished")
+    i.add_argument("--force", action="store_true", help="also runs that are not finished, and sets over --max-mb")
+    i.add_argument("--native-only", action="store_true", help="the native checkpoint only (no PEFT directories)")
+    i.add_argument("--max-mb", type=float, default=12.0, help="refuse larger sets (the repository carries them)")
     args = p.parse_args(argv)
     root = Path(args.root).resolve()
     try:
@@ -713,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
             pack(root, Path(args.out), args.stage1_adapters, args.max_files, args.skip)
             return 0
         if args.command == "install":
-            install(root, Path(args.to), args.force)
+            install(root, Path(args.to), args.force, args.native_only, args.max_mb)
             return 0
         lrs, ranks = _floats(args.lrs), [int(x) for x in args.ranks.split(",") if x]
         targets = [t for t in args.targets.split(",") if t]
@@ -725,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.budget <= 0:
             raise ValueError(f"--budget must be > 0, got {args.budget}")
         if args.parallel is None:
-            args.parallel = 8 if args.stage == 1 else 4
+            args.parallel = 6 if args.stage == 1 else 4
         if args.parallel <= 0:
             raise ValueError(f"--parallel must be > 0, got {args.parallel}")
         parse_sets(args.set)
@@ -734,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == 1:
             fits, vals = stage1_grid(lrs, targets, ranks), [RunSpec("hotpotqa", kind="validate")]
         else:
-            chosen = pick_stage2(root, args.pick, lrs, targets, ranks)
+            chosen = pick_stage2(root, args.pick, lrs, targets, ranks, args.pick_max_mb)
             fits, vals = stage2_grid(chosen), [RunSpec(ds, kind="validate") for ds in DATASETS]
             root.mkdir(parents=True, exist_ok=True)
             _write_json(root / STAGE2_FILE, {"chosen": chosen.name, "runs": [s.name for s in fits]})

@@ -118,11 +118,14 @@ def fake_run(root: Path, spec, val_losses: list[float], reason: str | None, adap
 def test_pick_auto_takes_the_lowest_best_val_loss_of_finished_runs(tmp_path: Path) -> None:
     lrs, targets, ranks = [1e-3, 2e-3], ["qv"], [8, 16]
     grid = sweep.stage1_grid(lrs, targets, ranks)
-    fake_run(tmp_path, grid[0], [3.0, 2.0, 2.2], "early_stopping")
-    fake_run(tmp_path, grid[1], [3.0, 1.0], "time_budget")  # lower, but paused: not a candidate
-    fake_run(tmp_path, grid[2], [2.5, 1.9, 1.95], "max_epochs")
+    fake_run(tmp_path, grid[0], [3.0, 2.0, 2.2], "early_stopping", adapters_bytes=1024)
+    fake_run(tmp_path, grid[1], [3.0, 1.0], "time_budget", adapters_bytes=1024)  # lower, but paused: no candidate
+    fake_run(tmp_path, grid[2], [2.5, 1.9, 1.95], "max_epochs", adapters_bytes=1024)
     assert run_summary(tmp_path / grid[1].name)["status"] == "paused"
     assert sweep.pick_stage2(tmp_path, "auto", lrs, targets, ranks) == grid[2]
+    fake_run(tmp_path, grid[3], [1.5], "early_stopping", adapters_bytes=2_000_000)  # best, but its set is 4 MB
+    assert sweep.pick_stage2(tmp_path, "auto", lrs, targets, ranks) == grid[3]
+    assert sweep.pick_stage2(tmp_path, "auto", lrs, targets, ranks, max_mb=3.0) == grid[2]
     assert sweep.pick_stage2(tmp_path, grid[0].name, lrs, targets, ranks) == grid[0]
     with pytest.raises(ValueError, match="is no stage-1 run"):
         sweep.pick_stage2(tmp_path, "hotpotqa_sharedA_lr9_qv_r8", lrs, targets, ranks)
@@ -178,6 +181,12 @@ def test_pack_cuts_big_files_and_install_copies_the_stage2_sets(tmp_path: Path) 
     written = sweep.install(root, tmp_path / "data_adapters", force=False)
     assert sorted(p.name for p in written) == ["hotpotqa_indepA", "hotpotqa_sharedA", "scienceqa_indepA",
                                                "scienceqa_sharedA"]  # fmt: skip
+    copied = sorted(f.name for f in written[0].rglob("*"))
+    assert copied == ["adapter_model.safetensors", "lragent_adapters.safetensors", "plan"]
+    with pytest.raises(ValueError, match="MB > --max-mb 0.005"):
+        sweep.install(root, tmp_path / "data_adapters", force=False, max_mb=0.005)
+    (native,) = {tuple(sorted(f.name for f in p.rglob("*"))) for p in sweep.install(root, tmp_path / "n", False, True)}
+    assert native == ("lragent_adapters.safetensors",)
     (root / stage2[3].name / "fit_status.jsonl").write_text(json.dumps({"reason": "time_budget", "finished": False}))
     with pytest.raises(ValueError, match="is paused, not done"):
         sweep.install(root, tmp_path / "data_adapters", force=False)

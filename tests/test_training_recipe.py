@@ -219,6 +219,29 @@ def test_logits_at_supervised_positions_equal_the_full_forward(tmp_path: Path) -
     assert torch.allclose(selected, full.flatten(0, 1)[batch["loss_index"]], atol=1e-5, rtol=0)
 
 
+def test_validation_metrics_per_role_match_a_direct_computation(tmp_path: Path) -> None:
+    m = module()
+    m.configure_model()
+    m.lora_model.init_adapters("random", seed=5, b_std=0.5)
+    dm = data(tmp_path, max_tokens=700)  # several validation batches, mixed roles
+    dm.setup()
+    metrics = trainer(tmp_path, []).validate(m, dm, verbose=False)[0]
+    nll_sum, correct_sum, count = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    with torch.no_grad():
+        for e in dm.val_set.examples:  # one example at a time, full logits
+            ids = torch.tensor([e.input_ids])
+            logp = m(ids, torch.tensor([e.role_id]))[0, e.context_len - 1 : -1].log_softmax(-1)
+            target = ids[0, e.context_len :]
+            nll_sum[e.role_id] += -logp.gather(-1, target[:, None]).sum()
+            correct_sum[e.role_id] += (logp.argmax(-1) == target).sum()
+            count[e.role_id] += len(target)
+    assert (count > 0).all() and len(list(dm.val_dataloader())) > 1
+    for rid, role in enumerate(ROLES):
+        assert metrics[f"val/{role}/loss"] == pytest.approx(float(nll_sum[rid] / count[rid]), abs=1e-4)
+        assert metrics[f"val/{role}/acc"] == pytest.approx(float(correct_sum[rid] / count[rid]), abs=1e-6)
+    assert metrics["val/loss"] == pytest.approx(float(nll_sum.sum() / count.sum()), abs=1e-4)  # token-weighted
+
+
 def test_shared_loss_with_packed_data_is_refused_before_the_model_loads(tmp_path: Path) -> None:
     m = module(lambda_shared=0.5)
     with pytest.raises(ValueError, match="needs one example per sequence: set data.pack_prefixes false"):
