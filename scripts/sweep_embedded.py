@@ -700,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--grace", type=float, default=20.0, help="SIGTERM this long after the deadline")
     r.add_argument("--poll", type=float, default=2.0, help="seconds between checks")
     r.add_argument("--configs", default=str(ROOT / "configs"), help="directory with embedded_<dataset>.yaml")
-    r.add_argument("--lrs", default="2e-4,5e-4,1e-3,2e-3", help="stage-1 learning rates")
+    r.add_argument("--lrs", default="2e-3,1e-3,5e-4,2e-4", help="stage-1 learning rates, launched in this order "
+                   "(largest first: they early-stop soonest, and a budget cut hits the slow small ones)")  # fmt: skip
     r.add_argument("--targets", default="qv,qvo_mlp", help=f"stage-1 target sets, of {', '.join(TARGETS)}")
     r.add_argument("--ranks", default="8,16", help="stage-1 ranks")
     r.add_argument("--max-epochs", type=int, default=None, help="epoch cap (default: the base config's)")
