@@ -414,6 +414,8 @@ class Sweep:
         """
         self.root.mkdir(parents=True, exist_ok=True)
         self.log_file = (self.root / "driver.log").open("a")
+        pid_file = self.root / "driver.pid"  # while it exists and the pid lives, a driver works on this root
+        pid_file.write_text(f"{os.getpid()}\n")
         self.say(
             f"stage with {len(fits)} fits, {len(validations)} untrained validations; "
             f"budget {self.args.budget:.0f} s, {self.args.parallel} in parallel"
@@ -492,6 +494,7 @@ class Sweep:
         )
         write_tables(self.root, self.root)
         self.log_file.close()
+        pid_file.unlink(missing_ok=True)
         if failed or any(st == "failed" for st in statuses.values()):
             return 1
         return 3 if left else 0

@@ -259,13 +259,14 @@ def test_training_and_validation_steps_do_not_sync_the_host() -> None:
         dm = data(Path(tmp), pin_memory=True)
         dm.setup()
         cpu_batch = collate_examples(dm.train_set.examples[:6], pad_id=257)
+    pinned = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in cpu_batch.items()}  # as the loader pins
     m = module(val_schemes=[])
     m.configure_model()
     m = m.cuda()
     opt = torch.optim.AdamW(m.param_groups())
 
     def step() -> None:
-        batch = {k: v.pin_memory().cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in cpu_batch.items()}
+        batch = {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v for k, v in pinned.items()}
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = m.compute_loss(batch)["loss"]
         loss.backward()
