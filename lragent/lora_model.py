@@ -165,7 +165,8 @@ class MultiLoraModel(nn.Module):
         h = self.engine.run_layers(
             self.engine.embed(input_ids), position_ids, role_ids, ModelCache(self.n_layers), 0, key_mask=attention_mask
         )  # (B, T, hidden)
-        return self.engine.logits(h.flatten(0, 1)[output_index])  # (N, vocab)
+        # index_select: its backward is an index_add (no sort, no host sync)
+        return self.engine.logits(h.flatten(0, 1).index_select(0, output_index))  # (N, vocab)
 
     def shared_context_forward(
         self,
