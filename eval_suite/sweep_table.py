@@ -175,13 +175,19 @@ def _spec_cells(spec: dict[str, Any]) -> list[str]:
 
 
 def fit_table(runs: list[dict[str, Any]]) -> str:
-    """Markdown: one row per trained run, best validation first."""
+    """Markdown: one row per trained run; by dataset, then shared A first, then best validation first."""
     header = [
         "run", "data", "A", "lr", "targets", "r", "status", "stop", "epochs", "steps", "wall s", "tok/s", "GPU GB",
         "best ep", "val loss", *(f"{r} loss / acc" for r in ROLES), "adapters MB",
     ]  # fmt: skip
     rows = []
-    order = sorted(runs, key=lambda s: (s["best"] is None, s["best"]["val_loss"] if s["best"] else 0, s["name"]))
+
+    def key(s: dict[str, Any]) -> tuple:
+        spec = s["spec"]
+        loss = s["best"]["val_loss"] if s["best"] else math.inf
+        return (spec.get("dataset", ""), not spec.get("shared_a", True), loss, s["name"])
+
+    order = sorted(runs, key=key)
     for s in order:
         best = s["best"] or {}
         rows.append(

@@ -569,11 +569,12 @@ def pack(
 ) -> list[Path]:
     """Packs the sweep into at most ``max_files`` files of at most ``limit`` bytes in ``out``.
 
-    Order: ``sweep_logs.tar.gz`` (tables, every run's config, logs, metrics, status), then the stage-2 runs'
-    adapters (``adapters_stage2.tar.gz``), then the native adapter checkpoints of the best ``stage1_adapters``
-    stage-1 runs (``adapters_stage1.tar.gz``); a file over ``limit`` is cut into ``.partNN`` pieces. Paths inside
-    are relative to the repository root (``tar xzf FILE -C <repo>`` puts them back under ``runs/...``). ``skip``
-    leaves out the first files (to fetch the rest in a later call).
+    Order: ``sweep_table.md``, ``sweep_logs.tar.gz`` (tables, every run's config, logs, metrics, status), then the
+    stage-2 runs' adapters (``adapters_stage2.tar.gz``), then the native adapter checkpoints of the best
+    ``stage1_adapters`` stage-1 runs (``adapters_stage1.tar.gz``); a file over ``limit`` is cut into ``.partNN``
+    pieces (``cat FILE* | tar xz`` joins and unpacks). Paths inside are relative to the repository root, so
+    unpacking in the repository puts them back under ``runs/...``. ``skip`` leaves out the first files (to fetch the
+    rest in a later call).
 
     Returns:
         the files written to ``out``.
@@ -599,7 +600,8 @@ def pack(
                 logs.append((f, str(rel / f.relative_to(root))))
             elif f.is_file() and f.name == "train_config.json":
                 logs.append((f, str(rel / f.relative_to(root))))
-    files = _pieces(_tar(work / "sweep_logs.tar.gz", logs), limit)
+    shutil.copy2(root / "sweep_table.md", work / "sweep_table.md")  # readable at once
+    files = [work / "sweep_table.md", *_pieces(_tar(work / "sweep_logs.tar.gz", logs), limit)]
     stage2 = json.loads((root / STAGE2_FILE).read_text())["runs"] if (root / STAGE2_FILE).is_file() else []
     members = []
     for name in stage2:

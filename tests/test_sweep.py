@@ -165,6 +165,7 @@ def test_pack_cuts_big_files_and_install_copies_the_stage2_sets(tmp_path: Path) 
     out = tmp_path / "out"
     first = sweep.pack(root, out, stage1_adapters=0, max_files=3, skip=0, limit=10_000)
     assert len(first) == 3 and all(f.stat().st_size <= 10_000 for f in first)
+    assert first[0].name == "sweep_table.md"
     rest = sweep.pack(root, out, stage1_adapters=0, max_files=3, skip=3, limit=10_000)
     names = sorted(f.name for f in first + rest)
     pieces = [out / n for n in names if n.startswith("adapters_stage2.tar.gz.part")]
