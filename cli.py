@@ -30,7 +30,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data-stats": ("eval_suite.data_stats", "data_stats"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "kernel": ("kernels.bench", "main"),
+    "kernel": ("kernels.bench", "bench_kernel"),
+    "decode": ("eval_suite.bench_decode", "decode"),
+    "trace": ("eval_suite.bench_trace", "trace"),
 }
 LIGHTNING = ("fit", "validate", "test")
 

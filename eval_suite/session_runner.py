@@ -20,6 +20,7 @@ from lragent.adapters_io import adapter_config_of, load_adapter_dir
 from lragent.lora_model import MultiLoraModel
 from lragent.models import NAMED_ARCHITECTURES, load_model, parse_dtype
 from lragent.multi_lora import MultiLoraConfig
+from lragent.provenance import provenance
 from lragent.schemes import SCHEMES, Scheme
 from lragent.session import MultiAgentSession
 
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace) -> dict:
         seed=args.seed,
         use_kernel=not args.no_kernel,
         droidspeak_layers=args.droidspeak_layers,
+        cuda_graphs=False if args.no_graphs else None,
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace) -> dict:
         "steps": [],
         "cache_bytes": {},
         "peak_cache_bytes": 0,
+        "provenance": provenance(dtype=args.dtype, device=args.device),
     }
     for i, (role, text) in enumerate(steps):
         session.append_text(text)
@@ -221,6 +224,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-kernel", action="store_true", help="use the PyTorch attention path even on CUDA")
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly on CUDA (no CUDA graphs), for debugging")
     p.add_argument("--out", default="result.json")
     p.add_argument("--quiet", action="store_true")
     return p

@@ -27,16 +27,18 @@ any GQA group size; batch with per-sequence lengths and one role per sequence. T
 views (the last dim of q, k, v_base must be contiguous). Values of ``role_ids``/``kv_lens`` that live on
 the GPU are not range-checked (that would need a host sync each call); the reference checks them.
 
-Tested GPUs: NVIDIA H100 80GB HBM3 (Triton 3.6, PyTorch 2.11), see ``kernels/NOTES.md``. Without CUDA the
-Triton kernels run only under ``TRITON_INTERPRET=1`` (CPU tensors, slow; used by a CPU test).
+Tested GPUs: NVIDIA H100 80GB HBM3 and NVIDIA H200 (Triton 3.6, PyTorch 2.11), see ``kernels/NOTES.md``.
+Without CUDA the Triton kernels run only under ``TRITON_INTERPRET=1`` (CPU tensors, slow; used by a CPU test).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 try:
@@ -47,6 +49,8 @@ except ImportError:  # pragma: no cover - platforms without Triton: only the ref
     tl = None
 
 __all__ = ["flash_lora_attention", "flash_lora_attention_reference"]
+
+log = logging.getLogger(__name__)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -228,9 +232,19 @@ def flash_lora_attention_reference(
 # --------------------------------------------------------------------------------------------------
 
 
+_AUTOTUNE = [False]
+
+
+def set_autotune(enabled: bool) -> None:
+    """Autotune the prefill/chunk launch per (GROUP, HEAD_DIM, rank, length bucket) when ``enabled``.
+
+    Off by default: at run time a new shape bucket must not stall a step for seconds of tuning (or re-tune inside a
+    trace); the fixed configs are the ones the benchmark's sweeps chose. The kernel benchmark turns it on."""
+    _AUTOTUNE[0] = bool(enabled)
+
+
 def _autotune_enabled() -> bool:
-    """Autotune unless LRAGENT_FLA_AUTOTUNE=0 (the GPU tests use the fixed defaults to save compiles)."""
-    return os.environ.get("LRAGENT_FLA_AUTOTUNE", "1") != "0" and not _interpreting()
+    return _AUTOTUNE[0] and not _interpreting()
 
 
 def _prefill_default(head_dim: int) -> dict:
@@ -332,13 +346,11 @@ if triton is not None:
         return acc, acc_lr, l_i, m_i
 
     @triton.jit
-    def _apply_b_and_store(
-        acc, acc_lr, l_i,
-        LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank, lora_scaling,
-        o_ptrs, row_ok,
+    def _lora_up(
+        acc_lr, LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank,
         HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
     ):  # fmt: skip
-        """O = (acc + (acc_lr @ B_g) * s) / l, with B_g (r, D) of this sequence's role; stores valid rows."""
+        """``acc_lr @ B_{role, g}``: (BLOCK_M, R_PAD) fp32 times the role's (r, D) slice -> (BLOCK_M, D) fp32."""
         offs_d = tl.arange(0, HEAD_DIM)
         offs_r = tl.arange(0, R_PAD)
         b_base = LB + role * stride_bn + g * stride_bh + offs_d[None, :] * stride_bd
@@ -350,7 +362,17 @@ if triton is not None:
             b_g = tl.load(b_base + (offs_k // 2)[:, None] * stride_br, mask=k_ok[:, None], other=0.0)
         else:
             b_g = tl.load(b_base + offs_r[:, None] * stride_br, mask=(offs_r < rank)[:, None], other=0.0)
-        lora = tl.dot(acc_lr, b_g.to(tl.float32), input_precision="ieee")  # (BLOCK_M, D) fp32, once per block
+        return tl.dot(acc_lr, b_g.to(tl.float32), input_precision="ieee")  # fp32 FMA dot, once per block
+
+    @triton.jit
+    def _apply_b_and_store(
+        acc, acc_lr, l_i,
+        LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank, lora_scaling,
+        o_ptrs, row_ok,
+        HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
+    ):  # fmt: skip
+        """O = (acc + (acc_lr @ B_g) * s) / l, with B_g (r, D) of this sequence's role; stores valid rows."""
+        lora = _lora_up(acc_lr, LB, role, g, stride_bn, stride_bh, stride_br, stride_bd, rank, HEAD_DIM, R_PAD)
         out = (acc + lora * lora_scaling) / l_i[:, None]
         tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=row_ok[:, None])
 
@@ -614,6 +636,46 @@ def _launch(
     return out
 
 
+_CUDNN_REFUSED: set[tuple] = set()  # (device, dtype, D, G) where cuDNN attention raised: the kernel serves them
+
+
+def _full_prefill_sdpa(
+    q: Tensor, k: Tensor, v_base: Tensor, v_lr: Tensor, lora_b: Tensor, scaling: float, role_ids: Tensor | None,
+    sm_scale: float,
+) -> Tensor | None:  # fmt: skip
+    """A full causal prefill (every sequence has Lc == L keys) as cuDNN attention over ``V = V_base + V_lr B s``.
+
+    cuDNN's causal kernel beats the Triton kernel on full prefills (``kernels/NOTES.md``), and expanding V costs
+    O(L·D) bytes next to the O(L²·D) attention work, so this is the faster exact path there. The expansion is one
+    ``baddbmm`` (fp32 accumulate, one rounding to q's dtype). Returns None, and the caller runs the kernel, when
+    cuDNN is not available, refuses the shape, or ``LRAGENT_FLA_PREFILL_SDPA=0``.
+    """
+    if not q.is_cuda or _interpreting() or os.environ.get("LRAGENT_FLA_PREFILL_SDPA", "1") == "0":
+        return None
+    bsz, hq, seq, d = q.shape
+    hkv = k.shape[1]
+    key = (q.device, q.dtype, d, hq // hkv)
+    if key in _CUDNN_REFUSED:
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        return None
+    roles = role_ids.long() if role_ids is not None else torch.zeros(bsz, dtype=torch.long, device=q.device)
+    b_sel = lora_b[roles].to(q.dtype)  # (B, Hkv, r, D)
+    lr = v_lr.unsqueeze(1).expand(bsz, hkv, seq, v_lr.shape[2])  # (B, Hkv, L, r), a view
+    v = torch.baddbmm(v_base.flatten(0, 1), lr.flatten(0, 1), b_sel.flatten(0, 1), alpha=scaling)  # (B*Hkv, L, D)
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(
+                q, k, v.view(bsz, hkv, seq, d), is_causal=True, scale=sm_scale, enable_gqa=hq != hkv
+            )
+    except RuntimeError as err:  # no cuDNN kernel for this shape / GPU: remember it and use the Triton kernel
+        _CUDNN_REFUSED.add(key)
+        log.info("cuDNN attention refused a full prefill (%s); using the Triton kernel", str(err).splitlines()[0])
+        return None
+
+
 # --------------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------------
@@ -634,7 +696,9 @@ def flash_lora_attention(
 
     Computes ``softmax(Q Kᵀ sm_scale + causal) · (V_base + V_lr B_{role} · scaling)`` per query head, without
     materialising ``V_lr B``. Lc ≤ 64 / group rows per KV head run the split-K decode kernel, larger chunks
-    the prefill kernel.
+    the prefill kernel; a full causal prefill (kv_lens None, Lc == L) runs cuDNN attention over the expanded
+    values where cuDNN accepts it (faster there, see ``_full_prefill_sdpa``). For batched decode over a static
+    cache (CUDA graphs) use :func:`kernels.flash_lora_decode.flash_lora_decode`.
 
     Args:
         q: (B, Hq, Lc, D) fp16/bf16 queries; last dim contiguous. The Lc queries of sequence b sit at
@@ -659,4 +723,9 @@ def flash_lora_attention(
     role_ids, kv_lens, sm_scale = _check_inputs(
         q, k, v_base, v_lr, lora_b, scaling, role_ids, kv_lens, sm_scale, kernel=True
     )
+    bsz, hq, lc, _ = q.shape
+    if kv_lens is None and lc == k.shape[2] and (hq // k.shape[1]) * lc > _DECODE_MAX_ROWS:
+        out = _full_prefill_sdpa(q, k, v_base, v_lr, lora_b, scaling, role_ids, sm_scale)
+        if out is not None:
+            return out
     return _launch(q, k, v_base, v_lr, lora_b, scaling, role_ids, kv_lens, sm_scale)

@@ -12,20 +12,18 @@ Queries are the last ``Lq`` of the ``L`` keys (causal, aligned bottom-right).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_KERNEL_ENV = "LRAGENT_DISABLE_KERNEL"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's dtypes; fp32 takes the PyTorch path
 
 
 def kernel_available() -> bool:
-    """True when the fused kernel can run here (CUDA + Triton) and is not switched off by LRAGENT_DISABLE_KERNEL=1."""
-    if os.environ.get(_KERNEL_ENV, "0") not in ("", "0") or not torch.cuda.is_available():
+    """True when the fused kernel can run here (CUDA + Triton); callers switch it off with ``use_kernel=False``."""
+    if not torch.cuda.is_available():
         return False
     try:
         import kernels.flash_lora_attention  # noqa: F401
@@ -61,6 +59,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     gqa = q.shape[1] != k.shape[1]
     if key_mask is None and q_len == k_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES:
+        # A chunk at the end of the keys: FlashAttention's bottom-right causal variant, no mask tensor.
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), enable_gqa=gqa)
     mask = attention_mask(q_len, k_len, key_mask, q.device)
     if gqa and mask is not None and q.is_cuda:
         # Masked GQA would go to cuDNN's kernel, which failed on an H200 (mha_graph.execute); expanded KV heads take

@@ -4,20 +4,25 @@ transformers' own forward cannot route a role per sequence or keep V as V_base +
 model's own modules (norms, projections, rotary embedding, MLP) with those two changes. It matches transformers'
 forward to float rounding: the tests pin that against a merged-weights transformers model.
 
-Every forward writes the new positions into a cache (a fresh one when none is given) and attends over the
-cache's positions ``[0, start + T)``, so prefill, decoding, recompute and training share one code path.
+Every layer reads and writes its cache through a **cache view** (:class:`CacheView`): the view knows where the new
+positions go and which keys they attend to. Three views exist:
+
+- :class:`~lragent.kv_cache.GrowableView` over growable per-layer buffers (training through the cache, autograd);
+- :class:`~lragent.cache_views.PrefillView`: one trajectory's contiguous positions in a static pool slot;
+- :class:`~lragent.cache_views.DecodeView`: one new token per batch row, each row its own slot, position and
+  length (what a CUDA graph captures).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from lragent.attention import decomposed_attention, plain_attention
-from lragent.kv_cache import GrowableBuffer, LayerCache, ModelCache
 from lragent.multi_lora import MultiLoraLinear
 
 
@@ -26,9 +31,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Applies RoPE to ``x`` ``(B, H, T, D)`` with ``cos``/``sin`` ``(B, T, D)``."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+def rope_store_unfused(
+    view: CacheView,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_lr: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """:meth:`CacheView.rope_store` with PyTorch ops and the view's own ``store`` (shapes as there)."""
+    view.store(layer, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2), v_lr)
+    return apply_rope(q.transpose(1, 2), cos, sin)
+
+
+def _with_lora(
+    module: nn.Module, base_out: torch.Tensor, x: torch.Tensor, role_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """``base_out`` (the module's base projection of ``x``) plus its LoRA term, if the module has one."""
+    if isinstance(module, MultiLoraLinear):
+        return module._add_lora(base_out, module.lora_input(x, role_ids), role_ids)
+    return base_out
 
 
 def _proj(module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
@@ -37,8 +66,52 @@ def _proj(module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> 
     return module(x)
 
 
+class CacheView(Protocol):
+    """Where one forward's new positions are stored and what they attend to (per layer).
+
+    Attributes:
+        decomposed: V is stored as V_base plus the low-rank cache V_lr.
+    """
+
+    decomposed: bool
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        """Writes keys ``(B, H_kv, T, D)`` (RoPE applied), values or V_base ``(B, H_kv, T, D)``, V_lr ``(B, T, r)``."""
+        ...
+
+    def rope_store(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        v_lr: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Applies RoPE to queries ``(B, T, H_q, D)`` and keys ``(B, T, H_kv, D)``, stores keys, values
+        ``(B, T, H_kv, D)`` and V_lr ``(B, T, r)``; returns the rotated queries ``(B, H_q, T, D)``."""
+        ...
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        """Writes only V_lr ``(B, T, r)`` (``base_shared``'s LR prefill: K and V_base are already cached)."""
+        ...
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        """Receives the hidden states ``(B, T, hidden)`` entering ``layer`` (kept only where the view wants them)."""
+        ...
+
+    def attend(
+        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of queries ``(B, H_q, T, D)`` over the visible cached keys; returns ``(B, H_q, T, D)``.
+
+        ``lora_b`` is the stacked ``(n_roles, H_kv·D, r)`` up-projection of ``v_proj`` for decomposed views."""
+        ...
+
+
 class DecoderEngine:
-    """Runs the decoder layers of a causal LM over :class:`~lragent.kv_cache.LayerCache` objects.
+    """Runs the decoder layers of a causal LM over cache views.
 
     Args:
         model: a LLaMA-, Mistral- or Qwen2-style ``*ForCausalLM`` (possibly with :class:`MultiLoraLinear` injected).
@@ -54,6 +127,9 @@ class DecoderEngine:
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self._silu = getattr(cfg, "hidden_act", "silu") == "silu"
+        self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- pieces -------------------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -61,19 +137,42 @@ class DecoderEngine:
         return self.inner.embed_tokens(input_ids)
 
     def rotary(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``(B, T, D)`` for absolute ``positions`` ``(B, T)``."""
+        """cos/sin ``(B, T, D)`` for absolute ``positions`` ``(B, T)`` (transformers' rotary embedding)."""
         return self.inner.rotary_emb(h, positions)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``(B, T, hidden)`` -> ``(B, T, vocab)``."""
-        return self.model.lm_head(self.inner.norm(h))
+    def rope_table(self, capacity: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``(capacity, D)`` for positions ``0..capacity-1``, computed once by transformers' rotary embedding
+        (elementwise in the position, so a gathered row equals the value computed for that position alone)."""
+        key = (capacity, dtype, str(device))
+        if key not in self._rope_tables:
+            dummy = torch.zeros(1, dtype=dtype, device=device)
+            cos, sin = self.inner.rotary_emb(dummy, torch.arange(capacity, device=device)[None])
+            self._rope_tables = {key: (cos[0].contiguous(), sin[0].contiguous())}
+        return self._rope_tables[key]
 
-    def _mlp(self, layer: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """Final norm and LM head: ``(B, T, hidden)`` -> ``(B, T, vocab)``."""
+        return self.model.lm_head(self._norm(self.inner.norm, h, fused))
+
+    def _mlp(
+        self, layer: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None, fused: bool = False
+    ) -> torch.Tensor:
         mlp = layer.mlp
-        if not any(isinstance(getattr(mlp, n), MultiLoraLinear) for n in ("gate_proj", "up_proj", "down_proj")):
+        if not fused and not any(
+            isinstance(getattr(mlp, n), MultiLoraLinear) for n in ("gate_proj", "up_proj", "down_proj")
+        ):
             return mlp(x)
-        gate = _proj(mlp.gate_proj, x, role_ids)
-        return _proj(mlp.down_proj, mlp.act_fn(gate) * _proj(mlp.up_proj, x, role_ids), role_ids)
+        gu = mlp.__dict__.get("_lragent_gu") if fused else None
+        if gu is not None:
+            gate, up = F.linear(x, gu[0], gu[1]).split(gu[2], dim=-1)
+            gate, up = _with_lora(mlp.gate_proj, gate, x, role_ids), _with_lora(mlp.up_proj, up, x, role_ids)
+        else:
+            gate, up = _proj(mlp.gate_proj, x, role_ids), _proj(mlp.up_proj, x, role_ids)
+        if fused and self._silu:
+            from kernels.fused_ops import silu_mul
+
+            return _proj(mlp.down_proj, silu_mul(gate, up), role_ids)
+        return _proj(mlp.down_proj, mlp.act_fn(gate) * up, role_ids)
 
     # ---- one layer ----------------------------------------------------------------------------------------------
     def layer_forward(
@@ -82,131 +181,185 @@ class DecoderEngine:
         h: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         role_ids: torch.Tensor | None,
-        cache: LayerCache,
-        start: int,
+        view: CacheView,
         write_kv: bool = True,
-        key_mask: torch.Tensor | None = None,
-        use_kernel: bool = True,
+        lr_only: bool = False,
+        kv_from: int = 0,
     ) -> torch.Tensor:
-        """One decoder layer over ``T`` positions that sit at cache positions ``[start, start + T)``.
+        """One decoder layer over ``T`` new positions.
 
         Args:
             index: layer index.
             h: ``(B, T, hidden)`` hidden states entering the layer.
             rotary: cos/sin ``(B, T, D)`` for the positions.
             role_ids: ``(B,)`` role of each sequence.
-            cache: the layer's cache; the new K/V (or V_base/V_lr) are written at ``start``.
-            start: cache position of the first of the ``T`` positions.
-            write_kv: False when K and V_base for these positions are already cached (``base_shared``'s LR
-                prefill): only V_lr is (re)written, and the K and V_base projections are skipped.
-            key_mask: ``(B, >= start + T)`` padding mask over cache positions, or ``None``.
-            use_kernel: allow the fused kernel on CUDA.
+            view: where the new K/V go and what they attend to; a view with ``fused = True`` gets the fused
+                norm / RoPE-and-store / SiLU kernels (:mod:`kernels.fused_ops`), else transformers' modules.
+            write_kv: False when K and V_base of these positions are already cached (``base_shared``'s LR
+                prefill): only V_lr is written, and the K and V_base projections are skipped.
+            lr_only: write V_lr and stop (the last layer of an LR prefill: nothing after it is needed).
+            kv_from: an LR prefill and a forward in one pass (``base_shared``): the first ``kv_from`` positions are
+                cached already and get only V_lr (no K/V_base projections), the rest are written in full. Needs a
+                view with ``sub()`` (:class:`~lragent.cache_views.PrefillView`).
 
         Returns:
-            ``(B, T, hidden)`` hidden states leaving the layer.
+            ``(B, T, hidden)`` hidden states leaving the layer (``h`` itself with ``lr_only``).
         """
         layer = self.layers[index]
         attn = layer.self_attn
         b, t, _ = h.shape
         cos, sin = rotary
-        x = layer.input_layernorm(h)
-        q = _rope(_proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
+        fused = getattr(view, "fused", False)
+        view.capture(index, h)
+        x = self._norm(layer.input_layernorm, h, fused)
         v_mod = attn.v_proj
-        low_rank = cache.v_is_base and isinstance(v_mod, MultiLoraLinear)
-        if write_kv:
-            k = _rope(_proj(attn.k_proj, x, role_ids).view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
-            cache.k.write(start, k)
-            v = v_mod.base(x) if low_rank else _proj(v_mod, x, role_ids)
-            cache.v.write(start, v.view(b, t, -1, self.head_dim).transpose(1, 2))
-        elif not low_rank:
+        low_rank = view.decomposed
+        if low_rank and not isinstance(v_mod, MultiLoraLinear):
+            raise ValueError("a decomposed cache (V_base + V_lr) needs a LoRA adapter on v_proj")
+        if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
-        end = start + t
-        km = None if key_mask is None else key_mask[:, :end]
-        if low_rank:
-            cache.v_lr.write(start, v_mod.lora_input(x, role_ids))
-            o = decomposed_attention(
-                q,
-                cache.k.view(end),
-                cache.v.view(end),
-                cache.v_lr.view(end),
-                v_mod.stacked_b(),
-                v_mod.scaling,
-                role_ids if role_ids is not None else torch.zeros(b, dtype=torch.long, device=h.device),
-                key_mask=km,
-                use_kernel=use_kernel,
+        qkv = attn.__dict__.get("_lragent_qkv") if fused else None
+        if write_kv and kv_from > 0:
+            v_lr = v_mod.lora_input(x, role_ids)  # (B, T, r): every position gets this role's V_lr
+            view.sub(0, kv_from).store_lr(index, v_lr[:, :kv_from])
+            xs = x[:, kv_from:]
+            ts = t - kv_from
+            k = _proj(attn.k_proj, xs, role_ids).view(b, ts, -1, self.head_dim)
+            v = v_mod.base(xs).view(b, ts, -1, self.head_dim)
+            q = _proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim)
+            q_head = apply_rope(q[:, :kv_from].transpose(1, 2), cos[:, :kv_from], sin[:, :kv_from])
+            q_tail = view.sub(kv_from, ts).rope_store(
+                index, q[:, kv_from:], k, v, v_lr[:, kv_from:], cos[:, kv_from:], sin[:, kv_from:]
             )
+            q = torch.cat([q_head, q_tail], dim=2)  # (B, H_q, T, D)
+        elif write_kv and qkv is not None:
+            # one GEMM for the three base projections; each LoRA term added to its slice
+            q, k, v = F.linear(x, qkv[0], qkv[1]).split(qkv[2], dim=-1)
+            q, k = _with_lora(attn.q_proj, q, x, role_ids), _with_lora(attn.k_proj, k, x, role_ids)
+            if low_rank:
+                v_lr = v_mod.lora_input(x, role_ids)
+            else:
+                v, v_lr = _with_lora(v_mod, v, x, role_ids), None
+            q = q.view(b, t, -1, self.head_dim)
+            k = k.view(b, t, -1, self.head_dim)
+            q = view.rope_store(index, q, k, v.view(b, t, -1, self.head_dim), v_lr, cos, sin)  # (B, H_q, T, D)
+        elif write_kv:
+            k = _proj(attn.k_proj, x, role_ids).view(b, t, -1, self.head_dim)
+            if low_rank:
+                v, v_lr = v_mod.base(x), v_mod.lora_input(x, role_ids)
+            else:
+                v, v_lr = _proj(v_mod, x, role_ids), None
+            q = _proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim)
+            q = view.rope_store(index, q, k, v.view(b, t, -1, self.head_dim), v_lr, cos, sin)  # (B, H_q, T, D)
         else:
-            o = plain_attention(q, cache.k.view(end), cache.v.view(end), km)
-        h = h + _proj(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids)
-        return h + self._mlp(layer, layer.post_attention_layernorm(h), role_ids)
+            view.store_lr(index, v_mod.lora_input(x, role_ids))
+            if lr_only:
+                return h
+            q = apply_rope(_proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
+        if role_ids is None:
+            role_ids = torch.zeros(b, dtype=torch.long, device=h.device)
+        o = view.attend(index, q, v_mod.stacked_b() if low_rank else None, v_mod.scaling if low_rank else 1.0, role_ids)
+        o = _proj(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids)
+        if fused:
+            from kernels.fused_ops import rms_norm
+
+            norm = layer.post_attention_layernorm
+            x2, h = rms_norm(o, norm.weight, norm.variance_epsilon, residual=h)
+        else:
+            h = h + o
+            x2 = layer.post_attention_layernorm(h)
+        return h + self._mlp(layer, x2, role_ids, fused)
+
+    @staticmethod
+    def _norm(norm: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
+        if not fused:
+            return norm(h)
+        from kernels.fused_ops import rms_norm
+
+        return rms_norm(h, norm.weight, norm.variance_epsilon)[0]
 
     # ---- many layers --------------------------------------------------------------------------------------------
+    def run_view(
+        self,
+        h: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        role_ids: torch.Tensor | None,
+        view: CacheView,
+        layers: Iterable[int] | None = None,
+        write_kv: bool = True,
+        kv_from: int = 0,
+    ) -> torch.Tensor:
+        """Runs ``layers`` (default: all) in order over one view; see :meth:`layer_forward`.
+
+        With ``write_kv=False`` (LR prefill) the last layer only writes V_lr.
+        """
+        order = list(range(self.n_layers) if layers is None else layers)
+        for i in order:
+            lr_only = not write_kv and i == order[-1]
+            h = self.layer_forward(i, h, rotary, role_ids, view, write_kv, lr_only, kv_from)
+        return h
+
     def run_layers(
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
         role_ids: torch.Tensor | None,
-        caches: ModelCache | list[LayerCache],
+        caches,
         start: int,
         layers: Iterable[int] | None = None,
         write_kv: bool = True,
         key_mask: torch.Tensor | None = None,
-        capture: dict[int, GrowableBuffer] | None = None,
         use_kernel: bool = True,
     ) -> torch.Tensor:
-        """Runs ``layers`` (default: all) in order; see :meth:`layer_forward`.
+        """Runs layers over growable caches (:class:`~lragent.kv_cache.ModelCache`), new positions at ``start``.
 
         Args:
             h: ``(B, T, hidden)``.
             positions: ``(B, T)`` absolute RoPE positions.
             role_ids: ``(B,)``.
-            caches: one :class:`LayerCache` per model layer.
+            caches: a ModelCache (or list of LayerCache), one per model layer.
             start: cache position of the first new position.
             layers: layer indices to run.
             write_kv: see :meth:`layer_forward`.
             key_mask: ``(B, L)`` padding mask over cache positions.
-            capture: layer index -> buffer ``[B, S, hidden]`` that receives the hidden states entering that layer
-                (DroidSpeak's stored inputs of its recompute groups).
             use_kernel: allow the fused kernel on CUDA.
 
         Returns:
             ``(B, T, hidden)`` after the last layer run.
         """
-        rotary = self.rotary(h, positions)
-        for i in range(self.n_layers) if layers is None else layers:
-            if capture is not None and i in capture:
-                capture[i].write(start, h.detach())
-            h = self.layer_forward(i, h, rotary, role_ids, caches[i], start, write_kv, key_mask, use_kernel)
-        return h
+        from lragent.kv_cache import GrowableView
+
+        view = GrowableView(caches, start, key_mask=key_mask, use_kernel=use_kernel)
+        return self.run_view(h, self.rotary(h, positions), role_ids, view, layers, write_kv)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         role_ids: torch.Tensor | None,
-        caches: ModelCache | list[LayerCache] | None = None,
+        caches=None,
         start: int | None = None,
         positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        capture: dict[int, GrowableBuffer] | None = None,
         last_only: bool = False,
         use_kernel: bool = True,
     ) -> torch.Tensor:
-        """Full-depth forward of new tokens appended to ``caches`` (a fresh plain cache when ``None``).
+        """Full-depth forward of new tokens appended to growable caches (a fresh plain cache when ``None``).
 
         Args:
             input_ids: ``(B, T)``.
             role_ids: ``(B,)``.
-            caches: per-layer caches; the tokens are written at ``start`` (default: the cache's length).
+            caches: per-layer growable caches; the tokens are written at ``start`` (default: the cache's length).
             start: cache position of the first token.
             positions: ``(B, T)`` RoPE positions; default ``start + arange(T)``.
             key_mask: ``(B, start + T)`` padding mask.
-            capture: see :meth:`run_layers`.
             last_only: return logits for the last position only.
             use_kernel: allow the fused kernel on CUDA.
 
         Returns:
             logits ``(B, T, vocab)`` (``(B, 1, vocab)`` with ``last_only``).
         """
+        from lragent.kv_cache import ModelCache
+
         if caches is None:
             caches = ModelCache(self.n_layers)
         if start is None:
@@ -215,14 +368,7 @@ class DecoderEngine:
         if positions is None:
             positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
         h = self.run_layers(
-            self.embed(input_ids),
-            positions,
-            role_ids,
-            caches,
-            start,
-            key_mask=key_mask,
-            capture=capture,
-            use_kernel=use_kernel,
+            self.embed(input_ids), positions, role_ids, caches, start, key_mask=key_mask, use_kernel=use_kernel
         )
         if last_only:
             h = h[:, -1:]

@@ -8,7 +8,11 @@ Per decoder layer a :class:`LayerCache` holds
 - ``v_lr``: the low-rank cache ``V_lr = X A``, ``[B, S, r]``: one r-vector per token shared by all KV heads
   (decomposed schemes only).
 
-What is shared across agents, and whether that is exact, is the scheme's business (:mod:`lragent.session`): K and
+These growable caches serve training through the cache (the cache-sharing-aware loss) and other batched teacher-forced
+forwards; inference uses the static pools of :mod:`lragent.static_cache`. :class:`GrowableView` is the cache view
+(:class:`lragent.decoder.CacheView`) over them.
+
+What is shared across agents, and whether that is exact, is the scheme's business (:mod:`lragent.sharing`): K and
 V_base depend on the adapters only through the hidden states, so an agent reading another agent's K/V_base sees
 the context as that agent encoded it (approximate, and exact with one agent or with B = 0); ``V_lr`` with shared
 A is the same kind of quantity for every role, and each agent applies its own ``B`` at read time.
@@ -23,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from lragent.attention import decomposed_attention, plain_attention
 
 
 class GrowableBuffer:
@@ -166,3 +172,72 @@ class ModelCache:
             for name, n in layer.component_bytes().items():
                 total[name] = total.get(name, 0) + n
         return total
+
+
+class GrowableView:
+    """Cache view (:class:`lragent.decoder.CacheView`) over growable per-layer caches.
+
+    The new ``T`` positions are written at ``start`` in every layer's buffers and attend over positions
+    ``[0, start + T)`` with an optional padding mask.
+
+    Args:
+        caches: one :class:`LayerCache` per model layer (a :class:`ModelCache` or a list).
+        start: cache position of the first new position.
+        key_mask: ``(B, >= start + T)`` 1 for real tokens, 0 for padding, or ``None``.
+        capture: layer index -> buffer ``[B, S, hidden]`` receiving the hidden states entering that layer.
+        use_kernel: allow the fused kernel on CUDA.
+    """
+
+    def __init__(
+        self,
+        caches: ModelCache | list[LayerCache],
+        start: int,
+        key_mask: torch.Tensor | None = None,
+        capture: dict[int, GrowableBuffer] | None = None,
+        use_kernel: bool = True,
+    ) -> None:
+        self.caches = caches
+        self.start = start
+        self.key_mask = key_mask
+        self.capture_buffers = capture or {}
+        self.use_kernel = use_kernel
+        self.decomposed = bool(caches[0].v_is_base)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        cache = self.caches[layer]
+        cache.k.write(self.start, k)
+        cache.v.write(self.start, v)
+        if v_lr is not None:
+            cache.v_lr.write(self.start, v_lr)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        from lragent.decoder import rope_store_unfused
+
+        return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        self.caches[layer].v_lr.write(self.start, v_lr)
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        if layer in self.capture_buffers:
+            self.capture_buffers[layer].write(self.start, h.detach())
+
+    def attend(
+        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
+    ) -> torch.Tensor:
+        cache = self.caches[layer]
+        end = self.start + q.shape[2]
+        km = None if self.key_mask is None else self.key_mask[:, :end]
+        if self.decomposed:
+            return decomposed_attention(
+                q,
+                cache.k.view(end),
+                cache.v.view(end),
+                cache.v_lr.view(end),
+                lora_b,
+                scaling,
+                role_ids,
+                key_mask=km,
+                use_kernel=self.use_kernel,
+            )
+        return plain_attention(q, cache.k.view(end), cache.v.view(end), km)

@@ -15,6 +15,7 @@ from lragent.models import check_supported
 from lragent.multi_lora import MultiLoraConfig, MultiLoraLinear
 from lragent.roles import RoleRouter
 from lragent.schemes import Scheme
+from lragent.sharing import make_scheme
 
 
 def _inject(model: PreTrainedModel, config: MultiLoraConfig) -> dict[str, MultiLoraLinear]:
@@ -196,16 +197,18 @@ class MultiLoraModel(nn.Module):
         Returns:
             logits over the target positions ``(B, Tt, vocab)``.
         """
-        scheme = Scheme.parse(scheme)
-        if scheme not in (Scheme.BASE_LR_SHARED, Scheme.FULL_SHARED):
-            raise ValueError(f"shared_context_forward supports base_lr_shared and full_shared, not {scheme.value}")
-        if scheme is Scheme.BASE_LR_SHARED and not self.lora_config.shared_a:
-            raise ValueError("scheme base_lr_shared needs shared A (shared_a=True): V_lr must mean the same for all")
+        layout = make_scheme(scheme, len(self.router), shared_a=self.lora_config.shared_a, n_layers=self.n_layers)
+        if not layout.consumer_reads_producer_cache:
+            raise ValueError(
+                f"the shared-context forward emulates schemes in which the consumer reads the producer's cache as "
+                f"written (full_shared, base_lr_shared); {layout.scheme.value} makes the consumer re-process the "
+                "context, which this forward does not emulate"
+            )
         b, tc = context_ids.shape
         dev = context_ids.device
         producer = self._role_tensor(producer_ids, b, dev)
         consumer = self._role_tensor(consumer_ids, b, dev)
-        cache = ModelCache(self.n_layers, decomposed=scheme is Scheme.BASE_LR_SHARED)
+        cache = ModelCache(self.n_layers, decomposed=layout.decomposed)
         ctx_pos = (context_mask.long().cumsum(-1) - 1).clamp_min(0)
         key_mask = torch.cat([context_mask, target_mask], dim=1)
         h = self.engine.run_layers(self.engine.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask)

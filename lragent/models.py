@@ -276,9 +276,12 @@ def load_model(
         model_type = fields.pop("model_type")
         config = AutoConfig.for_model(model_type, **fields)
         check_supported(config)
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        dev = torch.device(device)
+        # fork_rng: the init is seeded, and the caller's global RNG state is left as it was
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type=dev.type):
+            torch.manual_seed(seed)
+            with dev:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model.eval(), None
     if overrides:
         raise ValueError(f"overrides are only for named architectures ({', '.join(NAMED_ARCHITECTURES)}), not {name!r}")

@@ -140,8 +140,24 @@ class MultiLoraLinear(nn.Module):
         return torch.stack(list(self.lora_A))
 
     def stacked_b(self) -> torch.Tensor:
-        """Returns B for every role, ``(n_roles, d_out, r)``."""
-        return torch.stack(list(self.lora_B))
+        """Returns B for every role, ``(n_roles, d_out, r)``.
+
+        With autograd on (training) this is a fresh differentiable stack. Without it (inference) it is one cached
+        tensor, refreshed in place whenever a B changed (tracked by the parameters' version counters), so its
+        address never moves: a captured CUDA graph reads it as an input, and whoever replays the graph calls this
+        method first to bring it up to date.
+        """
+        if torch.is_grad_enabled():
+            return torch.stack(list(self.lora_B))
+        versions = tuple(b._version for b in self.lora_B)
+        cache = self.__dict__.get("_b_cache")
+        ref = self.lora_B[0]
+        if cache is None or cache.device != ref.device or cache.dtype != ref.dtype:
+            self.__dict__["_b_cache"] = torch.stack([b.detach() for b in self.lora_B])
+        elif versions != self.__dict__.get("_b_versions"):
+            cache.copy_(torch.stack([b.detach() for b in self.lora_B]))
+        self.__dict__["_b_versions"] = versions
+        return self.__dict__["_b_cache"]
 
     def _check_roles(self, role_ids: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
         if role_ids is None:
@@ -185,6 +201,14 @@ class MultiLoraLinear(nn.Module):
         b = self.stacked_b()[role_ids]  # (B, d_out, r)
         return torch.einsum("btr,bor->bto", lr, b) * self.scaling
 
+    def _add_lora(self, base: torch.Tensor, lr: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
+        """``base + s · lr B_roleᵀ`` in one batched multiply-add for ``(B, T, ·)`` inputs."""
+        if self.n_roles == 1 or lr.dim() != 3:
+            return base + self.lora_output(lr, role_ids)
+        role_ids = self._check_roles(role_ids, lr.shape[0], lr.device)
+        b = self.stacked_b()[role_ids]  # (B, d_out, r)
+        return torch.baddbmm(base, lr, b.transpose(1, 2), alpha=self.scaling)
+
     def forward_parts(self, x: torch.Tensor, role_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(x W0ᵀ + b, drop(x) A_roleᵀ)``: shapes ``(B, T, d_out)`` and ``(B, T, r)``."""
         return self.base(x), self.lora_input(x, role_ids)
@@ -192,7 +216,7 @@ class MultiLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor, role_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T, d_in) -> (B, T, d_out)`` with each sequence's role adapter."""
         base, lr = self.forward_parts(x, role_ids)
-        return base + self.lora_output(lr, role_ids)
+        return self._add_lora(base, lr, role_ids)
 
     def merged_weight(self, role: int) -> torch.Tensor:
         """``W0 + s · B_role A_role`` (d_out × d_in), for comparison with a plain merged model."""

@@ -16,8 +16,11 @@ k = torch.randn(4, 3, 1024, 64, device=dev, dtype=torch.bfloat16)
 for ev in (64, 72):
     v = torch.randn(4, 3, 1024, ev, device=dev, dtype=torch.bfloat16)
     mask = torch.ones(4, 1, 1024, 1024, device=dev, dtype=torch.bool).tril()
-    for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                     ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+    for name, be in [
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+    ]:
         for gqa in (True, False):
             kk, vv = (k, v) if gqa else (k.repeat_interleave(3, 1), v.repeat_interleave(3, 1))
             try:
@@ -45,9 +48,14 @@ for b, t in [(4, 2048), (8, 1024)]:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = m.shared_context_forward(ids[:, : t // 2], cmask, ids[:, t // 2 :], torch.ones_like(cmask),
-                                          torch.zeros(b, dtype=torch.long, device=dev),
-                                          torch.ones(b, dtype=torch.long, device=dev))
+        logits = m.shared_context_forward(
+            ids[:, : t // 2],
+            cmask,
+            ids[:, t // 2 :],
+            torch.ones_like(cmask),
+            torch.zeros(b, dtype=torch.long, device=dev),
+            torch.ones(b, dtype=torch.long, device=dev),
+        )
         loss = logits.float().logsumexp(-1).mean()
     loss.backward()
     torch.cuda.synchronize()

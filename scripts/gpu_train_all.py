@@ -96,8 +96,13 @@ def main() -> int:
             (out / "config.yaml").write_text(yaml.safe_dump(c, sort_keys=False))
             log = open(out / "validate.log", "w")
             cmd = [sys.executable, "cli.py", "validate", "--config", str(out / "config.yaml")]
-            procs.append((f"{ds}_untrained", subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                              env=env), time.time()))
+            procs.append(
+                (
+                    f"{ds}_untrained",
+                    subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
+                    time.time(),
+                )
+            )
     for name, proc, t0 in procs:
         rc = proc.wait()
         print(f"{name}: exit {rc} after {time.time() - t0:.0f} s", flush=True)

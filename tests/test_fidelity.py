@@ -186,7 +186,7 @@ def test_droidspeak_selection_covers_a_third_in_contiguous_groups(tmp_path, n_la
     loaded = load_droidspeak_config(tmp_path / "ds.json")
     assert loaded == layers and json.loads((tmp_path / "ds.json").read_text())["profile"]["n_layers"] == n_layers
     s = MultiAgentSession(model, "droidspeak", droidspeak_layers=loaded)
-    assert [list(g) for g in s.groups] == groups
+    assert [list(g) for g in s.engine.scheme.groups] == groups
 
 
 def test_cli_errors(capsys):

@@ -114,3 +114,35 @@ def test_missing_target_is_refused():
         layer.self_attn.q_proj = nn.Identity()
     with pytest.raises(ValueError, match=r"target modules \['q_proj'\] not found"):
         MultiLoraModel(hf, MultiLoraConfig())
+
+
+@pytest.mark.parametrize("shared_a", [True, False])
+def test_forward_equals_hand_written_lora_formula(shared_a):
+    """``x W0ᵀ + b + (alpha / r) (x A_roleᵀ) B_roleᵀ`` computed from the config's alpha and rank, not from the
+    layer's own ``scaling`` (a wrong scaling would also be in the layer's merged weight, so that check is blind)."""
+    layer = _layer(shared_a)
+    x = torch.randn(2, 3, 12, dtype=torch.float64)
+    layer = layer.double()
+    for role in range(3):
+        a = layer.lora_A[0 if shared_a else role]
+        want = x @ layer.base.weight.t() + layer.base.bias + (8.0 / 4) * (x @ a.t()) @ layer.lora_B[role].t()
+        got = layer(x, torch.tensor([role, role]))
+        assert (got - want).abs().max() < 1e-12
+
+
+def test_tiny_model_equals_peft_lora(tmp_path):
+    """The whole injected model against PEFT's own LoRA implementation of each exported role (tiny, fp32)."""
+    from peft import PeftModel
+
+    from lragent.adapters_io import export_peft
+
+    model = tiny_multi_lora("tiny-llama", rank=4, b_std=0.3)
+    paths = export_peft(model, tmp_path)
+    ids = torch.randint(0, 256, (1, 11))
+    for role in ("plan", "action", "reflect"):
+        base = tiny_multi_lora("tiny-llama", rank=4, b_std=0.0)  # same base weights (seeded), no adapters
+        plain = base.merged_model(role)  # B = 0: the plain base model
+        peft_model = PeftModel.from_pretrained(plain, str(paths[role])).eval()
+        want = peft_model(ids).logits
+        got = model(ids, [role])
+        assert (got - want).abs().max() <= 1e-5, role

@@ -138,6 +138,7 @@ def test_zero_b_all_schemes_equal_base_generate(schedule, arch):
             continue
         gen = plain.generate(
             torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),  # token 0 is a real token, not padding
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
@@ -251,7 +252,7 @@ def test_truncate_rolls_back_caches():
     s.append(list(range(3, 20)))
     r1 = s.step("plan", max_new_tokens=3, return_logits=True)
     s.truncate(10)
-    assert s.num_tokens == 10 and s.shared.length <= 10
+    assert s.num_tokens == 10 and s.cached_len("plan") <= 10
     s.append(list(range(13, 20)))  # the same 17 tokens as before
     r2 = s.step("plan", max_new_tokens=3, return_logits=True)
     assert r2.generated_ids == r1.generated_ids

@@ -1,4 +1,4 @@
-"""The runtime on CUDA: the fused kernel changes no greedy token of the decomposed schemes (embedded model, bf16)."""
+"""The runtime on CUDA (embedded model, bf16): CUDA-graph decoding and the fused kernels change no greedy token."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ def cuda_model():
     return model.eval(), tok
 
 
-def _run(model, tok, scheme, use_kernel):
+def _run(model, tok, scheme, use_kernel, cuda_graphs=None):
     from eval_suite.session_runner import _load_question, build_schedule
 
-    session = MultiAgentSession(model, scheme, tokenizer=tok, use_kernel=use_kernel, eos_token_ids=[])
+    session = MultiAgentSession(
+        model, scheme, tokenizer=tok, use_kernel=use_kernel, eos_token_ids=[], cuda_graphs=cuda_graphs
+    )
     out = []
     for role, text in build_schedule("agent", _load_question(0)):
         session.append_text(text)
@@ -42,6 +44,18 @@ def test_kernel_on_off_same_greedy_tokens(cuda_model, scheme):
     same = sum(a == b for x, y in zip(on, off, strict=True) for a, b in zip(x, y, strict=False))
     print(f"{scheme}: {same}/{n} greedy tokens identical with the kernel on and off")
     assert on == off
+
+
+@pytest.mark.parametrize("scheme", ["non_shared", "full_shared", "droidspeak", "base_shared", "base_lr_shared"])
+def test_graph_and_eager_decoding_same_greedy_tokens(cuda_model, scheme):
+    """The 17-step agent schedule decoded by CUDA-graph replay and eagerly: identical greedy tokens."""
+    model, tok = cuda_model
+    graph = _run(model, tok, scheme, use_kernel=True, cuda_graphs=True)
+    eager = _run(model, tok, scheme, use_kernel=True, cuda_graphs=False)
+    n = sum(len(x) for x in graph)
+    same = sum(a == b for x, y in zip(graph, eager, strict=True) for a, b in zip(x, y, strict=False))
+    print(f"{scheme}: {same}/{n} greedy tokens identical, graph vs eager")
+    assert graph == eager
 
 
 def test_kernel_is_used_on_cuda(cuda_model, monkeypatch):

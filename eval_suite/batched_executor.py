@@ -1,0 +1,186 @@
+"""Many episodes at once on one engine: the batched :class:`~eval_suite.executors.EpisodeExecutor`.
+
+Each engine row holds one episode's trajectory. An episode's requests are answered as they come: a
+:class:`~lragent.agents.requests.Choose` at once (teacher-forced scoring on its row), a
+:class:`~lragent.agents.requests.Generate` by prefilling its row and entering it into the batched decode, which
+advances every generating row together (CUDA graphs on a GPU). When a row's generation ends, its episode gets the
+reply and asks for the next call; when an episode ends, the next task takes its row (continuous refill).
+
+Sampling follows the eval's protocol: call ``i`` of an episode samples with seed ``episode seed + i``; the noise
+depends only on that seed and the token index, so an episode draws the same tokens whatever else shares its batch.
+Tasks of different schemes are run scheme by scheme (one engine, hence one cache layout, at a time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from lragent.agents.requests import Choose, Generate, Reply, StepStats
+
+from lragent.agents import EpisodeResult
+from lragent.engine import Engine, GenerationRequest, StepResult
+from lragent.lora_model import MultiLoraModel
+
+
+@dataclass
+class _Row:
+    task: object
+    calls: int = 0
+    request: object | None = None
+    done: list = field(default_factory=list)
+
+
+class BatchedExecutor:
+    """Runs episode tasks ``batch`` at a time on one engine per scheme.
+
+    Args:
+        model: the multi-LoRA model (on its device).
+        tokenizer: its tokenizer.
+        batch: rows (episodes in flight).
+        capacity: positions per trajectory; keep it above the agent loop's ``max_context_tokens`` plus one cycle.
+        temperature: sampling temperature (0: greedy).
+        top_p: nucleus mass.
+        use_kernel: fused kernels on CUDA.
+        cuda_graphs: CUDA-graph decoding (default: on CUDA).
+        droidspeak_layers: DroidSpeak's recompute layers.
+    """
+
+    def __init__(
+        self,
+        model: MultiLoraModel,
+        tokenizer: object,
+        *,
+        batch: int = 64,
+        capacity: int = 8192,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        use_kernel: bool = True,
+        cuda_graphs: bool | None = None,
+        droidspeak_layers: list[int] | None = None,
+    ) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch = batch
+        self.capacity = capacity
+        self.temperature = temperature
+        self.top_p = top_p
+        self.use_kernel = use_kernel
+        self.cuda_graphs = cuda_graphs
+        self.droidspeak_layers = droidspeak_layers
+        self.generated_tokens = 0
+
+    def _engine(self, scheme: str, rows: int) -> Engine:
+        return Engine(
+            self.model,
+            scheme,
+            rows=rows,
+            capacity=self.capacity,
+            tokenizer=self.tokenizer,
+            droidspeak_layers=self.droidspeak_layers if scheme == "droidspeak" else None,
+            use_kernel=self.use_kernel,
+            cuda_graphs=self.cuda_graphs,
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def run(self, tasks: Iterable) -> Iterator[tuple[object, EpisodeResult]]:
+        """Runs every task; yields ``(task, result)`` as episodes end (any order)."""
+        pending = iter(tasks)
+        carry = None
+        while True:
+            first = carry if carry is not None else next(pending, None)
+            carry = None
+            if first is None:
+                return
+            group = [first]
+            # one scheme at a time: take tasks while they share the first one's scheme
+            for task in pending:
+                if task.scheme != first.scheme:
+                    carry = task
+                    break
+                group.append(task)
+            yield from self._run_scheme(first.scheme, group)
+
+    @torch.no_grad()
+    def _run_scheme(self, scheme: str, tasks: list) -> Iterator[tuple[object, EpisodeResult]]:
+        rows = min(self.batch, len(tasks))
+        eng = self._engine(scheme, rows)
+        queue = list(tasks)
+        active: dict[int, _Row] = {}
+        free = list(range(rows))
+
+        def answer(row: int, state: _Row, reply: Reply) -> EpisodeResult | None:
+            """Sends ``reply`` and serves the episode's requests until it waits on generation or ends."""
+            episode = state.task.episode
+            try:
+                request = episode.send(reply) if reply is not None else next(episode)
+                while True:
+                    state.calls += 1
+                    seed = state.task.seed + state.calls - 1
+                    if request.new_text:
+                        eng.append(row, self._encode(request.new_text))
+                    if isinstance(request, Choose):
+                        options = [self._encode(o) for o in request.options]
+                        role = self.model.router.id(request.role)
+                        scores = eng.score(row, role, options)
+                        best = max(range(len(scores)), key=lambda i: scores[i])
+                        eng.append(row, options[best])
+                        stats = StepStats(
+                            prefill_tokens=sum(len(o) for o in options), trajectory_tokens=len(eng.ids(row))
+                        )
+                        request = episode.send(Reply(choice=best, stats=stats))
+                        continue
+                    assert isinstance(request, Generate), request
+                    req = GenerationRequest(
+                        role=self.model.router.id(request.role),
+                        max_new_tokens=request.max_new_tokens,
+                        stop=tuple(request.stop),
+                        temperature=self.temperature,
+                        top_p=self.top_p,
+                        seed=seed,
+                    )
+                    done = eng.start(row, req)
+                    if done is None:
+                        return None  # generating: the reply comes from advance()
+                    request = episode.send(self._reply(done, eng, row))
+            except StopIteration as stop:
+                return stop.value
+
+        while queue or active:
+            while free and queue:
+                row = free.pop(0)
+                task = queue.pop(0)
+                eng.reset(row)
+                state = _Row(task)
+                active[row] = state
+                result = answer(row, state, None)
+                if result is not None:
+                    del active[row]
+                    free.append(row)
+                    yield task, result
+            for res in eng.advance():
+                self.generated_tokens += len(res.generated_ids)
+                state = active[res.row]
+                result = answer(res.row, state, self._reply(res, eng, res.row))
+                if result is not None:
+                    del active[res.row]
+                    free.append(res.row)
+                    free.sort()  # refill low rows first: the decode batch stays small at the tail
+                    yield state.task, result
+
+    @staticmethod
+    def _reply(res: StepResult, eng: Engine, row: int) -> Reply:
+        stats = StepStats(
+            prefill_tokens=res.prefill_tokens,
+            decode_tokens=len(res.generated_ids),
+            prefill_s=res.prefill_s,
+            decode_s=res.decode_s,
+            recomputed_tokens=res.recomputed_tokens,
+            trajectory_tokens=len(eng.ids(row)),
+        )
+        return Reply(text=res.text, stats=stats)

@@ -1,0 +1,232 @@
+"""`cli.py bench decode`: per-token decode latency against the GPU's bandwidth floor and stock transformers.
+
+For one architecture (random weights with the real shapes: speed does not depend on the values) and a context
+length, it measures in one run on one GPU:
+
+- **floor**: the bytes one decode step must read (every weight once, plus each row's cache at that context: K and
+  V, or K, V_base and V_lr) over the device-to-device copy bandwidth measured in the same run (bytes read plus
+  bytes written by one large copy, as METHOD.md defines it);
+- **engine**: lragent's engine per scheme and batch size (greedy, no early stop), CUDA-graph decoding and, as a
+  check of what graphs buy, eager decoding;
+- **transformers**: the stock transformers eager loop over the same base model (``model(input_ids=...,
+  past_key_values=DynamicCache)``, one token at a time), what a user would otherwise run.
+
+Writes ``bench_decode.json`` (with provenance) and ``bench_decode.md``; prints the table.
+
+    python cli.py bench decode --model llama-3.1-8b --context 2048 --batches [1,32] --out DIR
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from eval_suite.report import markdown_table, write_json, write_text
+from lragent.provenance import provenance, provenance_footer
+
+
+def measure_copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of ``reps``)."""
+    src = torch.empty(n_bytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    times = sorted(times[2:])
+    return 2 * n_bytes / times[len(times) // 2]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter (tied weights once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _rows_prompt(vocab: int, rows: int, context: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (rows, context), generator=g).tolist()
+
+
+def time_engine(
+    model, scheme: str, batch: int, context: int, new_tokens: int, graphs: bool, use_kernel: bool = True
+) -> dict:
+    """Decode time of ``batch`` rows at ``context`` tokens under ``scheme`` (second of two identical rounds)."""
+    from lragent.engine import Engine, GenerationRequest
+
+    eng = Engine(
+        model,
+        scheme,
+        rows=batch,
+        capacity=context + new_tokens + 8,
+        eos_token_ids=[],
+        use_kernel=use_kernel,
+        cuda_graphs=graphs,
+        sync_every=32,
+    )
+    prompts = _rows_prompt(model.engine.vocab_size, batch, context, seed=batch)
+    result = {}
+    for _ in range(2):  # the first round captures graphs and compiles kernels
+        for r in range(batch):
+            eng.reset(r)
+            eng.append(r, prompts[r])
+            eng.start(r, GenerationRequest(role=r % len(model.router), max_new_tokens=new_tokens))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        done = 0
+        while done < batch:
+            done += len(eng.advance())
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        result = {"seconds": seconds, "ms_per_token": 1e3 * seconds / new_tokens}
+    result["tokens_per_s"] = batch * new_tokens / result["seconds"]
+    result["cache_bytes_read_per_step"] = sum(eng.cache_bytes().values())
+    del eng
+    torch.cuda.empty_cache()
+    return result
+
+
+def time_transformers(hf_model, batch: int, context: int, new_tokens: int) -> dict:
+    """Stock transformers: prefill, then one eager forward per token with a DynamicCache (second of two rounds)."""
+    from transformers import DynamicCache
+
+    prompts = torch.tensor(_rows_prompt(hf_model.config.vocab_size, batch, context, seed=batch), device="cuda")
+    out = {}
+    with torch.no_grad():
+        for _ in range(2):
+            cache = DynamicCache()
+            logits = hf_model(input_ids=prompts, past_key_values=cache, use_cache=True).logits[:, -1]
+            tok = logits.argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(new_tokens):
+                logits = hf_model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+                tok = logits.argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            out = {"seconds": seconds, "ms_per_token": 1e3 * seconds / new_tokens}
+            del cache
+    out["tokens_per_s"] = batch * new_tokens / out["seconds"]
+    torch.cuda.empty_cache()
+    return out
+
+
+def decode(
+    model: str = "llama-3.1-8b",
+    schemes: list[str] | None = None,
+    context: int = 2048,
+    batches: list[int] | None = None,
+    new_tokens: int = 64,
+    rank: int = 8,
+    dtype: str = "bfloat16",
+    eager: bool = True,
+    transformers_baseline: bool = True,
+    out: str = "bench_out/decode",
+) -> int:
+    """Decode latency per token vs the bandwidth floor and stock transformers (one GPU, one run).
+
+    Args:
+        model: a named random-weight architecture (``llama-3.1-8b``, ``smollm2-135m``, ...) or a model name.
+        schemes: sharing schemes to time (default: full_shared and base_lr_shared).
+        context: tokens in each row's cache when decoding starts.
+        batches: batch sizes (rows decoding together).
+        new_tokens: tokens generated per row (timed).
+        rank: LoRA rank of the random adapters (q_proj, v_proj; B != 0).
+        dtype: compute dtype.
+        eager: also time eager decoding (no CUDA graphs).
+        transformers_baseline: also time stock transformers' eager loop (batch sizes up to 32).
+        out: output directory.
+    """
+    from lragent.lora_model import MultiLoraModel
+    from lragent.models import load_model, parse_dtype
+    from lragent.multi_lora import MultiLoraConfig
+    from lragent.schemes import Scheme
+
+    schemes = [Scheme.parse(s).value for s in (schemes or ["full_shared", "base_lr_shared"])]
+    batches = list(batches or [1, 32])
+    if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
+        raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")
+    if not torch.cuda.is_available():
+        raise ValueError("bench decode needs a CUDA GPU")
+    dt = parse_dtype(dtype)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    bandwidth = measure_copy_bandwidth(dev)
+    hf, _ = load_model(model, dtype=dt, device=dev)
+    rows: list[dict] = []
+    w_bytes = weight_bytes(hf)
+    if transformers_baseline:
+        for b in batches:
+            if b <= 32:
+                t = time_transformers(hf, b, context, new_tokens)
+                rows.append({"impl": "transformers eager", "scheme": "-", "batch": b, **t})
+                print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
+    lm = MultiLoraModel(hf, MultiLoraConfig(rank=rank, alpha=2 * rank, dropout=0.0)).eval()
+    lm.init_adapters("random", seed=0, b_std=0.02)
+    w_bytes_lora = weight_bytes(lm)
+    for scheme in schemes:
+        for b in batches:
+            for graphs in (True, False) if eager else (True,):
+                t = time_engine(lm, scheme, b, context, new_tokens, graphs)
+                floor_s = (w_bytes_lora + t["cache_bytes_read_per_step"]) / bandwidth
+                t["floor_ms"] = 1e3 * floor_s
+                t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
+                rows.append({"impl": "lragent " + ("graph" if graphs else "eager"), "scheme": scheme, "batch": b, **t})
+                print(f"{scheme} b={b} graphs={graphs}: {t['ms_per_token']:.3f} ms/token ({t['vs_floor']:.2f}x floor)")
+    for r in rows:
+        base = next((x for x in rows if x["impl"] == "transformers eager" and x["batch"] == r["batch"]), None)
+        r["speedup_vs_transformers"] = None if base is None else base["ms_per_token"] / r["ms_per_token"]
+    prov = provenance(dtype=dt, device="cuda")
+    result = {
+        "model": model,
+        "context": context,
+        "new_tokens": new_tokens,
+        "rank": rank,
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "weight_bytes": w_bytes,
+        "weight_bytes_with_adapters": w_bytes_lora,
+        "rows": rows,
+        "provenance": prov,
+    }
+    write_json(out_dir / "bench_decode.json", result)
+    body = [
+        [
+            r["impl"],
+            r["scheme"],
+            str(r["batch"]),
+            f"{r['ms_per_token']:.3f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['floor_ms']:.3f}" if "floor_ms" in r else "–",
+            f"{r['vs_floor']:.2f}" if "vs_floor" in r else "–",
+            f"{r['speedup_vs_transformers']:.2f}" if r["speedup_vs_transformers"] else "–",
+        ]
+        for r in rows
+    ]
+    md = (
+        f"# Decode latency ({prov['device']['name']})\n\n"
+        f"{model} (random weights), {dtype}, context {context} tokens per row, {new_tokens} tokens timed per row, "
+        f"LoRA rank {rank} on q/v (B != 0). Measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"weights {w_bytes / 1e9:.2f} GB ({w_bytes_lora / 1e9:.2f} GB with adapters). floor = (weights + the rows' "
+        "cache at this context) / bandwidth, per step.\n\n"
+        + markdown_table(
+            ["impl", "scheme", "batch", "ms/token", "tokens/s", "floor ms", "vs floor", "speed-up vs transformers"],
+            body,
+        )
+        + provenance_footer(prov)
+    )
+    write_text(out_dir / "bench_decode.md", md)
+    print(md)
+    return 0

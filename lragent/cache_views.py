@@ -1,0 +1,251 @@
+"""Cache views over a static pool (:mod:`lragent.static_cache`): where a forward's new positions go.
+
+- :class:`PrefillView`: ``T`` contiguous positions ``[start, start + T)`` of one trajectory, in its slots; queries
+  attend causally over ``[0, start + T)`` (bottom-right aligned).
+- :class:`DecodeView`: one new token per batch row; row ``b`` writes position ``pos[b]`` of its own slots and attends
+  over its first ``pos[b] + 1`` positions. Slots, positions and roles are device tensors, so one captured CUDA graph
+  serves every step, every length and every mix of roles.
+
+On CUDA the decomposed prefill uses the fused Flash-LoRA-Attention kernel, and decoding uses the fused decode kernel
+(plain and decomposed) where it is available; the PyTorch path below is the reference and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention
+from lragent.decoder import rope_store_unfused
+from lragent.static_cache import StaticCachePool
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_lens: torch.Tensor,
+    v_lr: torch.Tensor | None = None,
+    lora_b: torch.Tensor | None = None,
+    scaling: float = 1.0,
+    role_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per row over gathered keys, masked to each row's length (PyTorch; any device).
+
+    Args:
+        q: ``(B, H_q, D)``.
+        k: ``(B, H_kv, L, D)`` the rows' keys (positions ``>= kv_lens[b]`` are ignored).
+        v: ``(B, H_kv, L, D)`` values, or V_base when ``v_lr`` is given.
+        kv_lens: ``(B,)`` valid keys per row (>= 1).
+        v_lr: ``(B, L, r)`` low-rank values or ``None`` (plain attention).
+        lora_b: ``(n_roles, H_kv·D, r)`` stacked up-projections (PEFT layout).
+        scaling: LoRA scaling.
+        role_ids: ``(B,)``.
+
+    Returns:
+        ``(B, H_q, D)``.
+    """
+    b, h_q, d = q.shape
+    h_kv, length = k.shape[1], k.shape[2]
+    group = h_q // h_kv
+    visible = torch.arange(length, device=q.device)[None, :] < kv_lens[:, None]  # (B, L)
+    mask = visible[:, None, None, :]  # (B, 1, 1, L)
+    if v_lr is not None:
+        r = v_lr.shape[-1]
+        v = torch.cat([v, v_lr[:, None].expand(b, h_kv, length, r)], dim=-1)  # (B, H_kv, L, D + r)
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask)[:, :, 0]  # (B, H_q, D [+ r])
+    if v_lr is None:
+        return out
+    o_base, o_lr = out[..., :d], out[..., d:]  # (B, H_q, D), (B, H_q, r)
+    b_sel = lora_b_per_head(lora_b, h_kv)[role_ids]  # (B, H_kv, r, D)
+    o_up = torch.einsum("bhgr,bhrd->bhgd", o_lr.reshape(b, h_kv, group, -1), b_sel.to(o_lr.dtype))
+    return o_base + o_up.reshape(b, h_q, d) * scaling
+
+
+def _fused_decode():
+    """The fused decode kernel, or None where it cannot run (no CUDA/Triton, or not built yet)."""
+    try:
+        from kernels.flash_lora_decode import flash_lora_decode
+    except ImportError:
+        try:
+            from kernels.flash_lora_attention import flash_lora_decode  # type: ignore[attr-defined]
+        except ImportError:
+            return None
+    return flash_lora_decode
+
+
+class PrefillView:
+    """Contiguous new positions of one trajectory (batch 1) in a static pool.
+
+    Args:
+        pool: the pool.
+        kv_slot: slot of K and V / V_base.
+        lr_slot: slot of V_lr (decomposed pools).
+        hidden_slot: slot of the kept hidden states (DroidSpeak), or ``None`` to keep none.
+        start: position of the first new token.
+        length: number of new positions T.
+        use_kernel: allow the fused prefill kernel on CUDA.
+    """
+
+    def __init__(
+        self,
+        pool: StaticCachePool,
+        kv_slot: int,
+        lr_slot: int,
+        hidden_slot: int | None,
+        start: int,
+        length: int,
+        use_kernel: bool = True,
+        fused: bool | None = None,
+    ) -> None:
+        if start + length > pool.capacity:
+            raise ValueError(f"positions up to {start + length} exceed the cache capacity {pool.capacity}")
+        self.pool = pool
+        self.kv_slot, self.lr_slot, self.hidden_slot = kv_slot, lr_slot, hidden_slot
+        self.start, self.end = start, start + length
+        self.use_kernel = use_kernel
+        self.decomposed = pool.layout.decomposed
+        gpu_ok = use_kernel and pool.device.type == "cuda" and pool.dtype in (torch.float16, torch.bfloat16)
+        self.fused = gpu_ok if fused is None else fused
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        if not self.fused:
+            return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+        from kernels.fused_ops import rope_store
+
+        p, t = self.pool, q.shape[1]
+        pos = torch.arange(self.start, self.end, device=q.device)
+        kv_slot = torch.full((t,), self.kv_slot, dtype=torch.long, device=q.device)
+        lr_slot = torch.full((t,), self.lr_slot, dtype=torch.long, device=q.device)
+        q_out = rope_store(
+            q[0], k[0], v[0], None if v_lr is None else v_lr[0], cos[0], sin[0],
+            p.k[layer], p.v[layer], p.v_lr[layer] if v_lr is not None else None, kv_slot, lr_slot, pos,
+        )  # fmt: skip
+        return q_out.transpose(0, 1)[None]  # (1, H_q, T, D)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        p, s, e = self.pool, self.start, self.end
+        p.k[layer][self.kv_slot, :, s:e] = k[0]
+        p.v[layer][self.kv_slot, :, s:e] = v[0]
+        if v_lr is not None:
+            p.v_lr[layer][self.lr_slot, s:e] = v_lr[0]
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        self.pool.v_lr[layer][self.lr_slot, self.start : self.end] = v_lr[0]
+
+    def sub(self, offset: int, length: int) -> PrefillView:
+        """The same slots over positions ``[start + offset, start + offset + length)``."""
+        return PrefillView(
+            self.pool, self.kv_slot, self.lr_slot, self.hidden_slot, self.start + offset, length, self.use_kernel,
+            self.fused,
+        )  # fmt: skip
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        if self.hidden_slot is not None and layer in self.pool.hidden:
+            self.pool.hidden[layer][self.hidden_slot, self.start : self.end] = h[0]
+
+    def attend(
+        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
+    ) -> torch.Tensor:
+        p, ks, e = self.pool, self.kv_slot, self.end
+        k = p.k[layer][ks : ks + 1, :, :e]
+        v = p.v[layer][ks : ks + 1, :, :e]
+        if self.decomposed:
+            v_lr = p.v_lr[layer][self.lr_slot : self.lr_slot + 1, :e]
+            return decomposed_attention(q, k, v, v_lr, lora_b, scaling, role_ids, use_kernel=self.use_kernel)
+        return plain_attention(q, k, v)
+
+
+class DecodeView:
+    """One new token per batch row, each row in its own slots at its own position.
+
+    Args:
+        pool: the pool.
+        kv_slot: ``(B,)`` K/V slot of each row (the scratch slot for idle rows).
+        lr_slot: ``(B,)`` V_lr slot of each row.
+        hidden_slot: ``(B,)`` hidden-state slot of each row.
+        pos: ``(B,)`` position the row's new token takes; it attends over ``[0, pos]``.
+        max_len: a bound on ``pos + 1`` known on the host (eager decoding reads only that many positions), or
+            ``None`` (graph capture: the whole capacity, lengths on the device).
+        use_kernel: allow the fused decode kernel on CUDA.
+    """
+
+    def __init__(
+        self,
+        pool: StaticCachePool,
+        kv_slot: torch.Tensor,
+        lr_slot: torch.Tensor,
+        hidden_slot: torch.Tensor,
+        pos: torch.Tensor,
+        max_len: int | None = None,
+        use_kernel: bool = True,
+        fused: bool | None = None,
+    ) -> None:
+        self.pool = pool
+        self.kv_slot, self.lr_slot, self.hidden_slot, self.pos = kv_slot, lr_slot, hidden_slot, pos
+        self.kv_lens = pos + 1
+        self.max_len = pool.capacity if max_len is None else min(max_len, pool.capacity)
+        self.decomposed = pool.layout.decomposed
+        kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None
+        self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
+        self.fused = self.kernel is not None if fused is None else fused
+        if self.kernel is not None:  # int32 indices once per step, not per layer
+            self.kv_lens32 = self.kv_lens.to(torch.int32)
+            self.kv_slot32 = kv_slot.to(torch.int32)
+            self.lr_slot32 = lr_slot.to(torch.int32)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        if not self.fused:
+            return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+        from kernels.fused_ops import rope_store
+
+        p = self.pool
+        q_out = rope_store(
+            q[:, 0], k[:, 0], v[:, 0], None if v_lr is None else v_lr[:, 0], cos[:, 0], sin[:, 0],
+            p.k[layer], p.v[layer], p.v_lr[layer] if v_lr is not None else None, self.kv_slot, self.lr_slot, self.pos,
+        )  # fmt: skip
+        return q_out[:, :, None]  # (B, H_q, 1, D)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        p = self.pool
+        p.k[layer][self.kv_slot, :, self.pos] = k[:, :, 0]
+        p.v[layer][self.kv_slot, :, self.pos] = v[:, :, 0]
+        if v_lr is not None:
+            p.v_lr[layer][self.lr_slot, self.pos] = v_lr[:, 0]
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        self.pool.v_lr[layer][self.lr_slot, self.pos] = v_lr[:, 0]
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        if layer in self.pool.hidden:
+            self.pool.hidden[layer][self.hidden_slot, self.pos] = h[:, 0]
+
+    def attend(
+        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
+    ) -> torch.Tensor:
+        p = self.pool
+        q1 = q[:, :, 0]  # (B, H_q, D)
+        if self.kernel is not None:
+            lr_pool = p.v_lr[layer] if self.decomposed else None
+            b_heads = lora_b_per_head(lora_b, p.layout.n_kv_heads) if self.decomposed else None
+            out = self.kernel(
+                q1,
+                p.k[layer],
+                p.v[layer],
+                self.kv_lens32,
+                v_lr_cache=lr_pool,
+                lora_b=b_heads,
+                scaling=scaling,
+                role_ids=role_ids,
+                kv_slot=self.kv_slot32,
+                lr_slot=self.lr_slot32,
+            )
+            return out[:, :, None]
+        n = self.max_len
+        k = p.k[layer][:, :, :n][self.kv_slot]  # (B, H_kv, n, D)
+        v = p.v[layer][:, :, :n][self.kv_slot]
+        v_lr = p.v_lr[layer][:, :n][self.lr_slot] if self.decomposed else None  # (B, n, r)
+        out = decode_attention_reference(q1, k, v, self.kv_lens, v_lr, lora_b, scaling, role_ids)
+        return out[:, :, None]

@@ -1,0 +1,750 @@
+"""The multi-agent inference engine: static decomposed caches, batched trajectories, CUDA-graph decoding.
+
+An :class:`Engine` holds ``rows`` independent trajectories (episodes) over one static cache pool laid out by a
+sharing scheme (:mod:`lragent.sharing`). Each row is extended by agents (roles) in turn; a role's **step** is
+
+1. the scheme's plan (catch-up over context the role has not seen, then a forward of what its cache lacks), run
+   eagerly for that row (:meth:`Engine.prefill`);
+2. generation, batched over every row that is generating: each decode step feeds one token per row, with the
+   row's own role, slots, position and sampling settings as device tensors. On CUDA the step (model, sampling,
+   stop detection, bookkeeping) is captured once per batch bucket as a CUDA graph and replayed; the host looks at
+   the rows only every ``sync_every`` steps (a row that finished meanwhile idles harmlessly past its end).
+
+Stopping is decided on the device from token ids: a token whose text contains a stop string (single-token stops,
+e.g. ``"\\n"``) or an end-of-sequence token ends the row; stop strings that a tokeniser can split over several
+tokens are also matched on the decoded text at each sync (the text fallback). The kept tokens and the text are
+cut before the stop string, as the session API always did.
+
+The engine is exact: the equivalences of DESIGN.md §2 hold through it (tests), and graph and eager decoding give
+the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lragent.cache_views import DecodeView, PrefillView
+from lragent.lora_model import MultiLoraModel
+from lragent.sampling import check_sampling, sample_next
+from lragent.sharing import Forward, LRPrefill, PlanOp, Recompute, Trajectory, make_scheme
+from lragent.static_cache import StaticCachePool
+
+
+class CapacityError(ValueError):
+    """A trajectory would outgrow the cache capacity and the pool cannot grow now."""
+
+
+@dataclass
+class GenerationRequest:
+    """One role's turn to generate on one row.
+
+    Attributes:
+        role: role id.
+        max_new_tokens: generation bound (0: prefill only).
+        stop: stop strings; the kept text and tokens end before the first one.
+        temperature: 0 for greedy, > 0 to sample.
+        top_p: nucleus mass in (0, 1].
+        seed: sampling seed of this request (token i uses noise keyed by (seed, i)).
+        return_logits: keep the logits of every position the role ran at full depth (eager decoding).
+    """
+
+    role: int
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    return_logits: bool = False
+
+
+@dataclass
+class StepResult:
+    """What one agent step did.
+
+    Attributes:
+        role: the role that acted.
+        prefill_tokens: positions the prefill ran the model over (new tokens, plus recomputed or LR-prefilled
+            context for ``droidspeak`` / ``base_shared``, plus everything unseen for ``non_shared``).
+        recomputed_tokens: of those, context positions already in a shared cache that were processed again.
+        generated_ids: generated tokens (all of them, stop string included).
+        text: decoded generated text, cut before the first stop string.
+        kept_tokens: generated tokens kept in the trajectory (the stop string's tokens are dropped).
+        prefill_s: wall seconds of the prefill.
+        decode_s: wall seconds from the first decode step of this request to the sync that saw it end.
+        stop_reason: ``stop``, ``eos`` or ``length``.
+        logits: with ``return_logits``: ``(n, vocab)`` fp32 CPU logits of the positions in ``logit_positions``.
+        logit_positions: trajectory positions whose next-token logits are in ``logits``.
+        row: the trajectory.
+    """
+
+    role: str
+    prefill_tokens: int
+    recomputed_tokens: int
+    generated_ids: list[int]
+    text: str
+    kept_tokens: int
+    prefill_s: float
+    decode_s: float
+    stop_reason: str
+    logits: torch.Tensor | None = None
+    logit_positions: list[int] = field(default_factory=list)
+    row: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "role": self.role,
+            "prefill_tokens": self.prefill_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "generated_ids": self.generated_ids,
+            "text": self.text,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "stop_reason": self.stop_reason,
+        }
+
+
+@dataclass
+class _Pending:
+    """Host-side state of a row that is generating."""
+
+    request: GenerationRequest
+    len0: int
+    prefill_tokens: int
+    recomputed: int
+    prefill_s: float
+    t_decode: float
+    steps: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index of the earliest stop string in ``text``, or ``None``."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+class StopTokenIndex:
+    """Per stop string, the vocabulary mask of tokens whose text contains it (built once per tokenizer).
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        vocab_size: the model's vocabulary size (rows beyond the tokenizer's vocabulary never match).
+    """
+
+    def __init__(self, tokenizer: object, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._pieces: list[str] | None = None
+        self._masks: dict[str, torch.Tensor] = {}
+
+    def _all_pieces(self) -> list[str]:
+        if self._pieces is None:
+            tok = self.tokenizer
+            n = min(len(tok), self.vocab_size)
+            tokens = tok.convert_ids_to_tokens(list(range(n)))
+            pieces = []
+            for t in tokens:
+                try:
+                    pieces.append(tok.convert_tokens_to_string([t]) if t is not None else "")
+                except Exception:  # a token the tokenizer cannot render alone
+                    pieces.append("")
+            self._pieces = pieces + [""] * (self.vocab_size - n)
+        return self._pieces
+
+    def mask(self, stops: Sequence[str]) -> torch.Tensor:
+        """``(vocab,)`` bool: tokens whose text contains any of ``stops``."""
+        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        for s in stops:
+            if not s:
+                continue
+            if s not in self._masks:
+                self._masks[s] = torch.tensor([s in p for p in self._all_pieces()], dtype=torch.bool)
+            out |= self._masks[s]
+        return out
+
+    @staticmethod
+    def needs_text_check(stops: Sequence[str]) -> bool:
+        """True when a stop string can span tokens (longer than one character)."""
+        return any(len(s) > 1 for s in stops)
+
+
+_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+
+
+class Engine:
+    """Batched multi-agent inference over one static cache pool (see the module docstring).
+
+    Args:
+        model: the multi-LoRA model (its device and dtype are the engine's).
+        scheme: sharing scheme name.
+        rows: number of independent trajectories.
+        capacity: positions per trajectory slot; the pool is allocated once to it.
+        tokenizer: needed for stop strings, text and :meth:`append_text`.
+        eos_token_ids: tokens that end generation; default from the model's generation config.
+        droidspeak_layers: layers DroidSpeak recomputes (default: a middle third).
+        use_kernel: allow the fused Triton kernels on CUDA.
+        cuda_graphs: capture decode steps as CUDA graphs (default: on CUDA). False: eager decoding.
+        sync_every: decode steps between host checks of which rows finished.
+        growable: a one-row engine may reallocate to a larger capacity between steps (the session API); a
+            batched engine raises :class:`CapacityError` instead.
+        fuse_ops: fused weights (one GEMM for q/k/v and for gate/up) and fused elementwise kernels; default: on
+            CUDA in fp16/bf16 with ``use_kernel``. On the CPU the fused path runs with PyTorch fallbacks (tests).
+    """
+
+    def __init__(
+        self,
+        model: MultiLoraModel,
+        scheme: str,
+        *,
+        rows: int = 1,
+        capacity: int = 4096,
+        tokenizer: object | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        droidspeak_layers: Sequence[int] | None = None,
+        use_kernel: bool = True,
+        cuda_graphs: bool | None = None,
+        sync_every: int = 8,
+        growable: bool = False,
+        fuse_ops: bool | None = None,
+    ) -> None:
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.model = model
+        self.dec = model.engine
+        self.tokenizer = tokenizer
+        self.rows = rows
+        self.use_kernel = use_kernel
+        self.sync_every = sync_every
+        self.growable = growable
+        param = next(model.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        gpu_ok = use_kernel and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+        self.fuse_ops = gpu_ok if fuse_ops is None else bool(fuse_ops)
+        if self.fuse_ops:
+            from lragent.fused_weights import fuse_base_weights
+
+            fuse_base_weights(model.model)
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        cfg = model.lora_config
+        self.scheme = make_scheme(
+            scheme,
+            len(model.router),
+            rows,
+            shared_a=cfg.shared_a,
+            n_layers=self.dec.n_layers,
+            droidspeak_layers=droidspeak_layers,
+        )
+        if self.scheme.decomposed and "v_proj" not in cfg.targets:
+            raise ValueError(
+                f"scheme {self.scheme.scheme.value} stores V_lr = X·A of v_proj: targets must include v_proj"
+            )
+        layout = self.scheme.layout(self.dec.n_kv_heads, self.dec.head_dim, cfg.rank, self.dec.hidden_size)
+        self.pool = StaticCachePool(layout, capacity, self.dtype, self.device)
+        self.per_position = layout.bytes_per_position(torch.empty((), dtype=self.dtype).element_size())
+        self.traj = [Trajectory() for _ in range(rows)]
+        if eos_token_ids is None:
+            gen_cfg = model.model.generation_config
+            eos = gen_cfg.eos_token_id if gen_cfg is not None else None
+            eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = {int(t) for t in eos_token_ids}
+        self.stop_index = StopTokenIndex(tokenizer, self.dec.vocab_size) if tokenizer is not None else None
+        self.peak_cache_bytes = 0
+        self._pending: dict[int, _Pending] = {}
+        self._lora_modules = list(model.lora_modules().values())
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self._alloc_decode_state()
+
+    # ---- decode state (device) -----------------------------------------------------------------------------------
+    def _alloc_decode_state(self) -> None:
+        r, dev, v = self.rows, self.device, self.dec.vocab_size
+        long = {"dtype": torch.long, "device": dev}
+        pool = self.pool
+        self.d_tok = torch.zeros(r, **long)
+        self.d_pos = torch.zeros(r, **long)
+        self.d_role = torch.zeros(r, **long)
+        self.d_kv_slot = torch.full((r,), pool.scratch_kv, **long)
+        self.d_lr_slot = torch.full((r,), pool.scratch_lr, **long)
+        self.d_hid_slot = torch.full((r,), pool.scratch_hidden, **long)
+        self.d_active = torch.zeros(r, dtype=torch.bool, device=dev)
+        self.d_remaining = torch.zeros(r, **long)
+        self.d_count = torch.zeros(r, **long)
+        self.d_temp = torch.zeros(r, dtype=torch.float32, device=dev)
+        self.d_top_p = torch.ones(r, dtype=torch.float32, device=dev)
+        self.d_seed = torch.zeros(r, **long)
+        self.d_gen = torch.zeros(r, pool.capacity, **long)
+        self.d_stop = torch.zeros(r, v, dtype=torch.bool, device=dev)
+        self.d_logits = torch.zeros(r, v, dtype=torch.float32, device=dev)
+        eos = torch.zeros(v, dtype=torch.bool)
+        eos[[t for t in self.eos_token_ids if 0 <= t < v]] = True
+        self.d_eos = eos.to(dev)
+        self._graphs.clear()
+        self._pool_version = self.pool.version
+
+    # ---- trajectories --------------------------------------------------------------------------------------------
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.rows:
+            raise ValueError(f"row {row} out of range: the engine has rows 0..{self.rows - 1}")
+
+    def ids(self, row: int = 0) -> list[int]:
+        """The token ids of trajectory ``row`` (the engine's list: do not modify)."""
+        return self.traj[row].ids
+
+    def reset(self, row: int) -> None:
+        """Empties trajectory ``row`` (a new episode)."""
+        self._check_row(row)
+        if row in self._pending:
+            raise ValueError(f"row {row} is generating: wait for its result before resetting it")
+        self.traj[row] = Trajectory()
+
+    def append(self, row: int, token_ids: Sequence[int]) -> None:
+        """Appends tokens (prompt pieces, tool outputs) to trajectory ``row``."""
+        self._check_row(row)
+        vocab = self.dec.vocab_size
+        ids = [int(t) for t in token_ids]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} out of range: allowed 0..{vocab - 1}")
+        if row in self._pending:
+            raise ValueError(f"row {row} is generating: append after its result")
+        self.traj[row].ids.extend(ids)
+
+    def truncate(self, row: int, n_tokens: int) -> None:
+        """Cuts trajectory ``row`` (and every cache of it) to its first ``n_tokens`` tokens."""
+        self._check_row(row)
+        self.scheme.truncate(self.traj[row], n_tokens)
+
+    # ---- memory --------------------------------------------------------------------------------------------------
+    def cache_bytes(self, row: int | None = None) -> dict[str, int]:
+        """Bytes the caches hold now (valid positions), per component, for one row or all rows."""
+        rows = range(self.rows) if row is None else [row]
+        total: dict[str, int] = {}
+        for r in rows:
+            for k, v in self.scheme.component_bytes(self.traj[r], self.per_position).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def _note_peak(self) -> None:
+        self.peak_cache_bytes = max(self.peak_cache_bytes, sum(self.cache_bytes().values()))
+
+    # ---- capacity ------------------------------------------------------------------------------------------------
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.pool.capacity:
+            return
+        if not self.growable or self._pending:
+            raise CapacityError(
+                f"a trajectory needs {needed} positions but the cache capacity is {self.pool.capacity}; "
+                "raise the capacity"
+            )
+        # Between steps only: reallocate in a large chunk, keep the valid prefix, drop captured graphs.
+        new_cap = max(needed, 2 * self.pool.capacity)
+        new_cap = -(-new_cap // 256) * 256
+        self.pool.grow(new_cap, valid=max((len(t.ids) for t in self.traj), default=0))
+        self._alloc_decode_state()
+
+    # ---- prefill -------------------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _run_op(self, row: int, role: int, op: PlanOp, want_logits: bool) -> torch.Tensor | None:
+        """Runs one plan operation as ``role`` on ``row``; returns logits ``(T, vocab)`` of a Forward if asked."""
+        traj, sch = self.traj[row], self.scheme
+        kv_slot, lr_slot = sch.kv_slot(row, role), sch.lr_slot(row, role)
+        start, end = op.start, op.end
+        ids = torch.tensor([traj.ids[start:end]], device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
+        rotary = (cos_t[positions][None], sin_t[positions][None])
+        role_t = torch.tensor([role], device=self.device)
+        if isinstance(op, Recompute):
+            view = PrefillView(self.pool, kv_slot, lr_slot, None, start, end - start, self.use_kernel, self.fuse_ops)
+            for a, b in sch.groups:
+                h = self.pool.hidden[a][sch.hidden_slot(row), start:end][None]
+                self.dec.run_view(h, rotary, role_t, view, layers=range(a, b))
+            sch.record(traj, role, op)
+            return None
+        hidden_slot = sch.hidden_slot(row) if sch.hidden_layers else None
+        view = PrefillView(self.pool, kv_slot, lr_slot, hidden_slot, start, end - start, self.use_kernel, self.fuse_ops)
+        h = self.dec.embed(ids)
+        if isinstance(op, LRPrefill):
+            self.dec.run_view(h, rotary, role_t, view, write_kv=False)
+            sch.record(traj, role, op)
+            return None
+        h = self.dec.run_view(h, rotary, role_t, view)
+        sch.record(traj, role, op)
+        return self.dec.logits(h if want_logits else h[:, -1:], fused=view.fused)[0]
+
+    def _run_lr_forward(self, row: int, role: int, lr: LRPrefill, fwd: Forward, want_logits: bool) -> torch.Tensor:
+        """One pass over ``[lr.start, fwd.end)``: V_lr only for the catch-up part, everything for the new part."""
+        traj, sch = self.traj[row], self.scheme
+        start, split, end = lr.start, fwd.start, fwd.end
+        ids = torch.tensor([traj.ids[start:end]], device=self.device)
+        positions = torch.arange(start, end, device=self.device)
+        cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
+        rotary = (cos_t[positions][None], sin_t[positions][None])
+        view = PrefillView(
+            self.pool, sch.kv_slot(row, role), sch.lr_slot(row, role), None, start, end - start, self.use_kernel,
+            self.fuse_ops,
+        )  # fmt: skip
+        h = self.dec.run_view(self.dec.embed(ids), rotary, torch.tensor([role], device=self.device), view,
+                              kv_from=split - start)  # fmt: skip
+        sch.record(traj, role, lr)
+        sch.record(traj, role, fwd)
+        h = h[:, split - start :]
+        return self.dec.logits(h if want_logits else h[:, -1:], fused=view.fused)[0]
+
+    @torch.no_grad()
+    def prefill(
+        self, row: int, role: int, return_logits: bool = False, logits_from: int | None = None
+    ) -> tuple[torch.Tensor, list[int], int, int]:
+        """Runs ``role``'s plan on ``row``: catch-up, then a forward of what its cache lacks.
+
+        Args:
+            row: trajectory.
+            role: role id.
+            return_logits: return the logits of every forwarded position (else the last only).
+            logits_from: forward from at most this position (to get logits there even if it is cached).
+
+        Returns:
+            ``(logits (T, vocab), positions, prefill_tokens, recomputed_tokens)``.
+        """
+        traj = self.traj[row]
+        ops = self.scheme.plan(traj, role)
+        if logits_from is not None and isinstance(ops[-1], Forward) and ops[-1].start > logits_from:
+            ops[-1] = Forward(logits_from, ops[-1].end)
+        self._ensure_capacity(len(traj.ids))
+        logits, recomputed, total = None, 0, 0
+        if len(ops) == 2 and isinstance(ops[0], LRPrefill) and isinstance(ops[1], Forward):
+            # base_shared: the LR prefill and the forward of the new tokens in one pass over the layers
+            lr, fwd = ops
+            logits = self._run_lr_forward(row, role, lr, fwd, want_logits=return_logits)
+            positions = list(range(fwd.start, fwd.end)) if return_logits else [fwd.end - 1]
+            self._note_peak()
+            n_lr, n_fwd = lr.end - lr.start, fwd.end - fwd.start
+            return logits, positions, n_lr + n_fwd, n_lr
+        for op in ops:
+            total += op.end - op.start
+            if not isinstance(op, Forward):
+                recomputed += op.end - op.start
+            out = self._run_op(row, role, op, want_logits=return_logits)
+            if out is not None:
+                logits = out
+        last = ops[-1]
+        positions = list(range(last.start, last.end)) if return_logits else [last.end - 1]
+        self._note_peak()
+        return logits, positions, total, recomputed
+
+    # ---- generation ----------------------------------------------------------------------------------------------
+    def _validate(self, req: GenerationRequest) -> None:
+        if not 0 <= req.role < len(self.model.router):
+            raise ValueError(f"role id {req.role} out of range: allowed 0..{len(self.model.router) - 1}")
+        if isinstance(req.max_new_tokens, bool) or req.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {req.max_new_tokens}")
+        check_sampling(req.temperature, req.top_p)
+        if req.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the engine")
+
+    @torch.no_grad()
+    def start(self, row: int, request: GenerationRequest) -> StepResult | None:
+        """Prefills ``request.role`` on ``row`` and enters the row into batched decoding.
+
+        Returns:
+            the finished :class:`StepResult` right away when ``max_new_tokens`` is 0, else ``None`` (the result
+            comes from :meth:`advance`).
+        """
+        self._check_row(row)
+        self._validate(request)
+        if row in self._pending:
+            raise ValueError(f"row {row} is already generating")
+        traj = self.traj[row]
+        if not traj.ids:
+            raise ValueError("the trajectory is empty: append tokens before a step")
+        self._ensure_capacity(len(traj.ids) + request.max_new_tokens + 1)
+        self._sync()
+        t0 = time.perf_counter()
+        logits, positions, total, recomputed = self.prefill(row, request.role, request.return_logits)
+        self._sync()
+        prefill_s = time.perf_counter() - t0
+        pend = _Pending(request, len(traj.ids), total, recomputed, prefill_s, time.perf_counter())
+        if request.return_logits:
+            pend.logits.append(logits.float().cpu())
+            pend.positions.extend(positions)
+        if request.max_new_tokens == 0:
+            return self._finish(row, pend, [])
+        # load the row into the decode state
+        role = request.role
+        sch, pool = self.scheme, self.pool
+        self.d_logits[row] = logits[-1].float()
+        self.d_pos[row] = len(traj.ids)
+        self.d_role[row] = role
+        self.d_kv_slot[row] = sch.kv_slot(row, role)
+        self.d_lr_slot[row] = sch.lr_slot(row, role) if pool.layout.decomposed else pool.scratch_lr
+        self.d_hid_slot[row] = sch.hidden_slot(row) if sch.hidden_layers else pool.scratch_hidden
+        self.d_remaining[row] = request.max_new_tokens
+        self.d_count[row] = 0
+        self.d_temp[row] = float(request.temperature)
+        self.d_top_p[row] = float(request.top_p)
+        self.d_seed[row] = int(request.seed)
+        if request.stop:
+            self.d_stop[row] = self.stop_index.mask(request.stop).to(self.device)
+        else:
+            self.d_stop[row] = False
+        self.d_active[row] = True
+        self._pending[row] = pend
+        return None
+
+    def _release(self, row: int) -> None:
+        """Points an idle row at the scratch slots so graph steps for other rows cannot touch its caches."""
+        self.d_active[row] = False
+        self.d_kv_slot[row] = self.pool.scratch_kv
+        self.d_lr_slot[row] = self.pool.scratch_lr
+        self.d_hid_slot[row] = self.pool.scratch_hidden
+        self.d_pos[row] = 0
+
+    def _decode_step(self, b: int, sampling: bool, max_len: int | None) -> None:
+        """One decode step for batch rows ``[0, b)``: sample from the pending logits, record, stop, forward."""
+        act = self.d_active[:b]
+        count = self.d_count[:b]
+        tok = sample_next(
+            self.d_logits[:b], self.d_temp[:b], self.d_top_p[:b], self.d_seed[:b], count, sampling=sampling
+        )
+        rows = torch.arange(b, device=self.device)
+        slot = count.clamp(max=self.d_gen.shape[1] - 1)
+        self.d_gen[rows, slot] = torch.where(act, tok, self.d_gen[rows, slot])
+        step = act.long()
+        count.add_(step)
+        self.d_remaining[:b].sub_(step)
+        hit = self.d_stop[:b].gather(1, tok[:, None])[:, 0] | self.d_eos[tok]
+        done = act & (hit | (self.d_remaining[:b] <= 0))
+        self.d_active[:b] = act & ~done
+        pos = self.d_pos[:b]
+        view = DecodeView(
+            self.pool,
+            self.d_kv_slot[:b],
+            self.d_lr_slot[:b],
+            self.d_hid_slot[:b],
+            pos,
+            max_len,
+            self.use_kernel,
+            fused=self.fuse_ops,
+        )
+        cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
+        rotary = (cos_t[pos][:, None], sin_t[pos][:, None])
+        h = self.dec.run_view(self.dec.embed(tok[:, None]), rotary, self.d_role[:b], view)
+        self.d_logits[:b] = self.dec.logits(h, fused=view.fused)[:, 0].float()
+        pos.add_(step)
+
+    def _bucket(self) -> int:
+        top = max(self._pending) + 1
+        for b in _BUCKETS:
+            if b >= top and b <= self.rows:
+                return b
+        return self.rows
+
+    def _graph_for(self, b: int, sampling: bool) -> torch.cuda.CUDAGraph:
+        key = (b, sampling)
+        if key in self._graphs:
+            return self._graphs[key]
+        state = [self.d_tok, self.d_pos, self.d_active, self.d_remaining, self.d_count, self.d_gen, self.d_logits]
+        saved = [t.clone() for t in state]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: kernels compiled/tuned outside the capture
+                self._decode_step(b, sampling, None)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._decode_step(b, sampling, None)
+        for t, s in zip(state, saved, strict=True):
+            t.copy_(s)
+        self._graphs[key] = graph
+        return graph
+
+    @torch.no_grad()
+    def advance(self, max_steps: int | None = None) -> list[StepResult]:
+        """Runs decode steps for every generating row until at least one finishes (or ``max_steps`` steps).
+
+        Returns:
+            the results of the rows that finished, in row order.
+        """
+        if not self._pending:
+            return []
+        if self.pool.version != self._pool_version:
+            self._alloc_decode_state()
+        for module in self._lora_modules:  # bring the cached stacked B up to date (graphs read it in place)
+            module.stacked_b()
+        finished: list[StepResult] = []
+        steps = 0
+        eager_logits = any(p.request.return_logits for p in self._pending.values())
+        while not finished and (max_steps is None or steps < max_steps):
+            b = self._bucket()
+            sampling = any(p.request.temperature > 0 for p in self._pending.values())
+            n = self.sync_every if max_steps is None else min(self.sync_every, max_steps - steps)
+            if self.cuda_graphs and not eager_logits:
+                graph = self._graph_for(b, sampling)
+                for _ in range(n):
+                    graph.replay()
+            else:
+                # eager: the host looks after every step (a sync costs little next to eager launches)
+                n = 1
+                max_len = max(p.len0 + p.steps + 1 for p in self._pending.values())
+                for p in self._pending.values():
+                    p.steps += 1
+                self._decode_step(b, sampling, max_len)
+                if eager_logits:
+                    self._collect_logits()
+            steps += n
+            finished = self._collect_finished()
+        self._note_peak()
+        return finished
+
+    def _collect_logits(self) -> None:
+        """Eager decoding with ``return_logits``: keeps each active row's logits of the token just fed."""
+        active = self.d_active.cpu()
+        for row, p in self._pending.items():
+            if p.request.return_logits and bool(active[row]):
+                p.logits.append(self.d_logits[row : row + 1].float().cpu().clone())
+                p.positions.append(int(self.d_pos[row]) - 1)
+
+    def _collect_finished(self) -> list[StepResult]:
+        active = self.d_active.cpu()
+        count = self.d_count.cpu()
+        out: list[StepResult] = []
+        for row in sorted(self._pending):
+            p = self._pending[row]
+            n = int(count[row])
+            done = not bool(active[row])
+            if not done and p.request.stop and StopTokenIndex.needs_text_check(p.request.stop) and n:
+                text = self.tokenizer.decode(self.d_gen[row, :n].tolist(), skip_special_tokens=True)
+                done = find_stop(text, p.request.stop) is not None
+            if done:
+                generated = self.d_gen[row, :n].tolist()
+                self._release(row)
+                del self._pending[row]
+                out.append(self._finish(row, p, generated))
+        return out
+
+    def _finish(self, row: int, p: _Pending, generated: list[int]) -> StepResult:
+        """Host bookkeeping of a finished request: stop cut, kept tokens, cache lengths, ``seen``."""
+        req, traj, tok = p.request, self.traj[row], self.tokenizer
+        gen = list(generated)
+        reason = "length"
+        eos_at = next((i for i, t in enumerate(gen) if t in self.eos_token_ids), None)
+        if eos_at is not None:
+            gen, reason = gen[: eos_at + 1], "eos"
+        elif req.stop and StopTokenIndex.needs_text_check(req.stop):
+            gen = self._trim_to_stop(gen, req.stop)  # a stop seen on the text at a sync: drop what came after
+        kept, text = len(gen), ""
+        if tok is not None:
+            text = tok.decode(gen, skip_special_tokens=True)
+            cut = find_stop(text, req.stop) if req.stop else None
+            if cut is not None:
+                text = text[:cut]
+                kept = self._tokens_before(gen, text)
+                reason = "stop" if reason == "length" else reason
+            elif reason == "length" and req.stop and len(gen) < req.max_new_tokens:
+                # the device matched a stop token id whose text the full decode does not show: drop that token
+                reason, kept = "stop", len(gen) - 1
+                text = tok.decode(gen[:kept], skip_special_tokens=True)
+        if reason == "eos":
+            kept = min(kept, len(gen) - 1)  # EOS ends the turn; it is not part of the trajectory
+        traj.ids.extend(gen[:kept])
+        # Decoding fed gen[i] at position len0 + i as this role; as in a token-by-token session the last generated
+        # token counts as not yet processed, so the role's caches hold [len0, len0 + len(gen) - 1) of the new part.
+        fed_end = p.len0 + max(len(gen) - 1, 0)
+        written_end = min(fed_end, p.len0 + kept)
+        if written_end > p.len0:
+            self.scheme.record_forward(traj, req.role, p.len0, written_end)
+        self.scheme.finish_step(traj, req.role)
+        decode_s = time.perf_counter() - p.t_decode if gen else 0.0
+        logits, positions = None, []
+        if req.return_logits and p.logits:
+            keep = [i for i, pos in enumerate(p.positions) if pos < max(p.len0, fed_end)]
+            logits = torch.cat(p.logits)[keep]
+            positions = [p.positions[i] for i in keep]
+        return StepResult(
+            role=self.model.router.name(req.role),
+            prefill_tokens=p.prefill_tokens,
+            recomputed_tokens=p.recomputed,
+            generated_ids=gen,
+            text=text,
+            kept_tokens=kept,
+            prefill_s=p.prefill_s,
+            decode_s=decode_s,
+            stop_reason=reason,
+            logits=logits,
+            logit_positions=positions,
+            row=row,
+        )
+
+    def _trim_to_stop(self, generated: list[int], stops: Sequence[str]) -> list[int]:
+        """The shortest prefix of ``generated`` whose text contains a stop string (all of it if none does)."""
+        for j in range(1, len(generated) + 1):
+            if find_stop(self.tokenizer.decode(generated[:j], skip_special_tokens=True), stops) is not None:
+                return generated[:j]
+        return generated
+
+    def _tokens_before(self, generated: list[int], text: str) -> int:
+        """Largest k such that the first k generated tokens decode to a prefix of ``text``."""
+        k = 0
+        for j in range(1, len(generated) + 1):
+            if text.startswith(self.tokenizer.decode(generated[:j], skip_special_tokens=True)):
+                k = j
+            else:
+                break
+        return k
+
+    # ---- conveniences --------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, row: int, request: GenerationRequest) -> StepResult:
+        """Runs one request to completion; no other row may be generating."""
+        if self._pending:
+            raise ValueError(f"rows {sorted(self._pending)} are generating: use start()/advance() to batch")
+        done = self.start(row, request)
+        if done is not None:
+            return done
+        while True:
+            for res in self.advance():
+                return res
+
+    @torch.no_grad()
+    def score(self, row: int, role: int, options: Sequence[Sequence[int]]) -> list[float]:
+        """Teacher-forced log-probability of each option as a continuation of trajectory ``row`` by ``role``.
+
+        The trajectory is left as it was (each option is appended, scored and cut off again).
+
+        Returns:
+            the sum of the option's token log-probs, per option.
+        """
+        self._check_row(row)
+        traj = self.traj[row]
+        if not traj.ids:
+            raise ValueError("the trajectory is empty: append tokens before scoring")
+        if row in self._pending:
+            raise ValueError(f"row {row} is generating")
+        n0 = len(traj.ids)
+        scores = []
+        for opt in options:
+            opt = [int(t) for t in opt]
+            if not opt:
+                raise ValueError("an option must have at least one token")
+            self.append(row, opt)
+            logits, positions, _, _ = self.prefill(row, role, return_logits=True, logits_from=n0 - 1)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            idx = [positions.index(n0 - 1 + i) for i in range(len(opt))]
+            scores.append(float(sum(logp[j, t] for j, t in zip(idx, opt, strict=True))))
+            self.truncate(row, n0)
+        return scores

@@ -1,0 +1,90 @@
+"""Next-token selection on the device, per row, reproducible and independent of the batch it runs in.
+
+Greedy rows take the arg-max. Sampling rows draw from ``softmax(logits / temperature)`` restricted to the nucleus
+(the smallest set of most likely tokens whose mass reaches ``top_p``) by the Gumbel-max trick: the token with the
+largest ``logits / T + g`` among the nucleus, where ``g = -log(-log u)`` and ``u`` is a counter-based hash of
+(row seed, token index within the request, vocabulary index). The noise therefore depends only on those three
+integers: the same request with the same seed gives the same tokens whatever else is in the batch, on CPU and GPU,
+and no host RNG or synchronisation is involved (so a CUDA graph can capture it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic; wrap-around multiplication is the same bits)
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``u`` in (0, 1), shape ``(B, vocab)``, a pure function of ``(seed[b], counter[b], v)``.
+
+    Args:
+        seed: ``(B,)`` int64 seeds.
+        counter: ``(B,)`` int64 token index within each row's request.
+        vocab: vocabulary size V.
+    """
+    v = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    key = _splitmix64(_splitmix64(seed.long()) ^ counter.long())  # (B,)
+    bits = _splitmix64(key[:, None] + v[None, :] * _GOLDEN)  # (B, V)
+    return (_shr(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    counter: torch.Tensor,
+    sampling: bool = True,
+) -> torch.Tensor:
+    """Next token per row.
+
+    Args:
+        logits: ``(B, V)`` next-token logits.
+        temperature: ``(B,)``; 0 means greedy for that row.
+        top_p: ``(B,)`` nucleus mass in (0, 1].
+        seed: ``(B,)`` int64 per-row seed.
+        counter: ``(B,)`` int64 index of the token within the row's request.
+        sampling: False when every row is greedy (skips the sort; the result is the same).
+
+    Returns:
+        ``(B,)`` int64 token ids.
+    """
+    greedy = logits.argmax(-1)
+    if not sampling:
+        return greedy
+    logits = logits.float()
+    scaled = logits / temperature.clamp_min(1e-6)[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # keep the most likely tokens whose preceding mass is below top_p (the first token is always kept)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, logits.shape[-1])))
+    drawn = torch.where(keep, scaled + gumbel, torch.full_like(scaled, float("-inf"))).argmax(-1)
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Raises ``ValueError`` unless ``temperature`` is finite and >= 0 and ``top_p`` is in (0, 1]."""
+    import math
+
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not (isinstance(top_p, int | float) and math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")

@@ -1,0 +1,58 @@
+"""CPU tests of the kernel benchmark's command lines and its acceptance verdicts (the timings need a GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels.bench import DECODE_FLOOR_MAX, _targets
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--modes", "decode,foo"], "modes must be"),
+        (["--lengths", "1024,a"], "lengths must be comma-separated integers"),
+        (["--prefill", "2048:4096"], "1 <= Lc <= L"),
+        (["--dtype", "fp8"], "dtype must be bf16 or fp16"),
+    ],
+)
+@pytest.mark.parametrize("entry", [["cli.py", "bench", "kernel"], ["-m", "kernels.bench"]])
+def test_bench_bad_input_is_one_line_before_any_work(entry, args, needle, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, *entry, "--out", str(out), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert not out.exists()  # nothing written
+
+
+def _row(batch: int, seq: int, fused: float, floor: float, naive: float) -> dict:
+    row = {"batch": batch, "L": seq, "fused_vs_floor_graph": fused / floor, "plain_vs_floor_graph": 1.0}
+    row["naive_vs_fused_graph"] = naive / fused
+    row["fused_vs_floor_eager"] = fused / floor
+    return row
+
+
+def test_targets_flag_each_acceptance_point():
+    decode = [_row(1, 1024, 1.3, 1.0, 2.0), _row(32, 65536, 1.2, 1.0, 1.1), _row(1, 2048, 1.0, 1.0, 0.9)]
+    prefill = [
+        {"L": 32768, "Lc": 4096, "fused_vs_floor_graph": 0.9},
+        {"L": 2048, "Lc": 2048, "fused_vs_floor_graph": 1.4},
+    ]
+    verdicts = {t["what"]: t["status"] for t in _targets(decode, prefill)}
+    assert verdicts["decode B=1 L=1024 fused/floor (graph)"] == "MISSED"  # 1.3 > 1.25
+    assert verdicts["decode B=32 L=65536 fused/floor (graph)"] == "met"
+    assert verdicts["decode B=32 L=65536 fused/floor (eager)"] == "met"  # 1.2 <= 1.5, asked at 64k only
+    assert "decode B=1 L=1024 fused/floor (eager)" not in verdicts
+    assert verdicts["decode B=1 L=2048 naive/fused (graph)"] == "MISSED"  # slower than naive expansion
+    assert verdicts["prefill 4096 chunk @ L=32k fused/floor (graph)"] == "met"
+    assert verdicts["full causal prefill 2k fused/floor (graph)"] == "MISSED"
+    assert DECODE_FLOOR_MAX == 1.25
