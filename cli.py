@@ -8,6 +8,7 @@
     python cli.py droidspeak-select --benchmark hotpotqa --adapters DIR   # DroidSpeak recompute layers
     python cli.py similarity --adapters DIR --benchmark hotpotqa           # cache similarity across agents
     python cli.py bench kernel                                      # Flash-LoRA-Attention micro-benchmark
+    python cli.py data-stats --out DIR                              # role data token lengths and batches
 
 This file only wires: each command lives in its own module and is imported when it is used.
 """
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fidelity": ("eval_suite.fidelity", "main"),
     "similarity": ("eval_suite.similarity", "similarity"),
     "droidspeak-select": ("eval_suite.droidspeak_select", "main"),
+    "data-stats": ("eval_suite.data_stats", "data_stats"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("kernels.bench", "bench_kernel"),

@@ -1,5 +1,6 @@
 """Lightning data modules (thin adapters over files of role examples)."""
 
+from datamodules.prefix_packing import pack_prefix_chains
 from datamodules.role_examples import (
     IGNORE_INDEX,
     LengthBucketBatchSampler,
@@ -27,6 +28,7 @@ __all__ = [
     "byte_tokenizer",
     "collate_examples",
     "last_piece_start",
+    "pack_prefix_chains",
     "read_records",
     "resolve_tokenizer",
     "split_indices",

@@ -9,6 +9,12 @@ itself at inference, after the previous agent's output).
 
 Nothing is dropped silently: a broken record raises ``ValueError`` naming its file and line, an example whose output
 alone does not fit ``max_length`` raises too.
+
+Efficiency options (the embedded configs use both): ``pack_prefixes`` trains every example that is a prefix of a
+longer example's context inside that longer sequence (:mod:`datamodules.prefix_packing`: exact, about 3x fewer
+tokens on the bundled trajectories), and ``max_tokens`` forms batches by a padded-token budget instead of a fixed
+example count. Every batch also carries the flat indices of its supervised positions (``loss_index``) so that the
+model computes logits only there: the outputs are about 1% of the tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from datamodules.prefix_packing import pack_prefix_chains
 from lragent.agents.prompts import last_piece_start
 
 IGNORE_INDEX = -100
@@ -59,6 +66,15 @@ class TokenizedExample:
     """Index of the role in the role list."""
     source: str
     """``file:line`` of the record."""
+    segments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """Prefix packing (:func:`~datamodules.prefix_packing.pack_prefix_chains`): the outputs of other examples whose
+    tokens are a prefix of this context, as ``(context_len, output ids + EOS)``; their labels go at unshifted
+    positions ``context_len ...``. Empty for an unpacked example."""
+
+    @property
+    def n_examples(self) -> int:
+        """How many role examples this sequence scores (1 + packed ones)."""
+        return 1 + len(self.segments)
 
 
 # ----------------------------------------------------------------------------------------------------------- reading
@@ -254,16 +270,20 @@ class RoleExampleDataset(Dataset):
         return [len(e.input_ids) for e in self.examples]
 
 
-def collate_examples(examples: Sequence[TokenizedExample], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_examples(examples: Sequence[TokenizedExample], pad_id: int) -> dict[str, Any]:
     """Right-pads a list of examples into a batch.
 
     Returns:
         ``input_ids`` (B, T) long, right-padded with ``pad_id``; ``attention_mask`` (B, T) long, 1 on real tokens;
-        ``labels`` (B, T) long, equal to ``input_ids`` on output + EOS tokens and ``-100`` elsewhere (unshifted,
-        the model shifts); ``role_ids`` (B,) long; ``context_len`` (B,) long, input tokens of each example
-        (output tokens are ``context_len <= t < lengths``); ``prefix_len`` (B,) long, leading tokens before the
-        input's last prompt piece (what other agents put in the shared cache at inference); ``lengths`` (B,) long,
-        real tokens of each example.
+        ``labels`` (B, T) long, unshifted targets: ``labels[b, t]`` is the token position ``t - 1`` must predict,
+        the output + EOS tokens of the example (and of its packed ``segments``) and ``-100`` elsewhere;
+        ``loss_index`` (N,) long, the flat positions ``b * T + t - 1`` of the N supervised predictions in row-major
+        order, and ``loss_targets`` (N,) long, their targets (so a model can compute logits only there);
+        ``role_ids`` (B,) long; ``context_len`` (B,) long, input tokens of each example (output tokens are
+        ``context_len <= t < lengths``); ``prefix_len`` (B,) long, leading tokens before the input's last prompt
+        piece (what other agents put in the shared cache at inference); ``lengths`` (B,) long, real tokens of each
+        example; ``n_tokens`` and ``n_examples`` (Python ints): real tokens and role examples in the batch, known
+        on the host without a device sync.
     """
     lengths = torch.tensor([len(e.input_ids) for e in examples], dtype=torch.long)
     b, t = len(examples), int(lengths.max())
@@ -275,14 +295,22 @@ def collate_examples(examples: Sequence[TokenizedExample], pad_id: int) -> dict[
         input_ids[i, : len(ids)] = ids
         attention_mask[i, : len(ids)] = 1
         labels[i, e.context_len : len(ids)] = ids[e.context_len :]
+        for start, target in e.segments:
+            labels[i, start : start + len(target)] = torch.tensor(target, dtype=torch.long)
+    shifted = labels[:, 1:]
+    sup = (shifted != IGNORE_INDEX).nonzero()  # (N, 2), row-major
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "labels": labels,
+        "loss_index": sup[:, 0] * t + sup[:, 1],
+        "loss_targets": shifted[sup[:, 0], sup[:, 1]],
         "role_ids": torch.tensor([e.role_id for e in examples], dtype=torch.long),
         "context_len": torch.tensor([e.context_len for e in examples], dtype=torch.long),
         "prefix_len": torch.tensor([e.prefix_len for e in examples], dtype=torch.long),
         "lengths": lengths,
+        "n_tokens": int(lengths.sum()),
+        "n_examples": sum(e.n_examples for e in examples),
     }
 
 
@@ -292,7 +320,7 @@ class _Collator:
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
 
-    def __call__(self, examples: Sequence[TokenizedExample]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: Sequence[TokenizedExample]) -> dict[str, Any]:
         return collate_examples(examples, self.pad_id)
 
 
@@ -300,22 +328,33 @@ class _Collator:
 
 
 class LengthBucketBatchSampler(Sampler[list[int]]):
-    """Batches of similar length: shuffle, cut into pools of ``pool_batches`` batches, sort each pool by length.
+    """Batches of similar length, by example count or by a padded-token budget.
 
-    With ``shuffle`` the pool contents and the batch order are drawn from ``seed + epoch`` (call :meth:`set_epoch`;
-    the sampler exposes itself as ``sampler`` so Lightning's per-epoch ``set_epoch`` reaches it). Without, batches
-    are in descending length order (validation). With ``num_replicas > 1`` each rank takes every
-    ``num_replicas``-th batch of the same global order (the count is cut to be equal on every rank).
+    **Fixed-size batches** (``max_tokens=None``): shuffle, cut into pools of ``pool_batches`` batches, sort each pool
+    by length and cut it into batches of ``batch_size``; then shuffle the batches. A batch's padding is bounded by the
+    length spread of neighbours in a sorted pool, so larger pools give less padding and less randomness.
+
+    **Token-budget batches** (``max_tokens``): the examples are sorted by length once (longest first, ties by index)
+    and cut greedily into batches whose padded size ``rows x longest`` stays within ``max_tokens`` (an example
+    longer than the budget is a batch of its own; ``batch_size`` is not used). The composition is fixed for the run
+    and only the order of the batches is drawn anew every epoch: the number of batches per epoch stays constant,
+    which Lightning's epoch length and the learning-rate schedule assume, and padding is minimal.
+
+    With ``shuffle`` the order is drawn from ``seed + epoch`` (call :meth:`set_epoch`; the sampler exposes itself as
+    ``sampler`` so Lightning's per-epoch ``set_epoch`` reaches it). Without, batches are in descending length order
+    (validation). With ``num_replicas > 1`` each rank takes every ``num_replicas``-th batch of the same global order
+    (the count is cut to be equal on every rank).
 
     Args:
         lengths: token count of every example.
-        batch_size: examples per batch.
+        batch_size: examples per batch (fixed-size mode).
         shuffle: draw a new order every epoch.
         seed: base seed of the order.
-        pool_batches: batches per sorting pool (larger: less padding, less randomness).
-        drop_last: drop a last, smaller batch.
+        pool_batches: batches per sorting pool (fixed-size mode; larger: less padding, less randomness).
+        drop_last: drop a last, smaller batch (fixed-size mode).
         num_replicas: data-parallel world size.
         rank: this process's rank.
+        max_tokens: padded-token budget per batch; ``None``: fixed-size batches.
     """
 
     def __init__(
@@ -329,11 +368,14 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        max_tokens: int | None = None,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
         if pool_batches <= 0:
             raise ValueError(f"pool_batches must be > 0, got {pool_batches}")
+        if max_tokens is not None and max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0 or null, got {max_tokens}")
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -343,20 +385,38 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.num_replicas = num_replicas
         self.rank = rank
+        self.max_tokens = max_tokens
         self.epoch = 0
         self.sampler = self
+        self._budget_batches = self._token_budget_batches() if max_tokens is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the order of ``epoch``."""
         self.epoch = epoch
 
+    def _token_budget_batches(self) -> list[list[int]]:
+        order = sorted(range(len(self.lengths)), key=lambda i: (-self.lengths[i], i))
+        batches: list[list[int]] = []
+        for i in order:
+            # Sorted longest first: the batch's first example sets its padded length.
+            if batches and (len(batches[-1]) + 1) * self.lengths[batches[-1][0]] <= self.max_tokens:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        return batches
+
     def _global_batches(self) -> list[list[int]]:
         n = len(self.lengths)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self._budget_batches is not None:
+            batches = [list(b) for b in self._budget_batches]
+            if self.shuffle:
+                batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+            return batches
         if not self.shuffle:
             order = sorted(range(n), key=lambda i: -self.lengths[i])
             batches = [order[i : i + self.batch_size] for i in range(0, n, self.batch_size)]
         else:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
             perm = torch.randperm(n, generator=g).tolist()
             pool = self.batch_size * self.pool_batches
             batches = []
@@ -374,12 +434,24 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         yield from batches[self.rank :: self.num_replicas][:per_rank]
 
     def __len__(self) -> int:
-        n, bs = len(self.lengths), self.batch_size
-        pool = bs * self.pool_batches
-        # Pools are sorted and cut independently, so count the batches of every pool.
-        sizes = [min(pool, n - s) for s in range(0, n, pool)] if self.shuffle else [n]
-        total = sum(m // bs if self.drop_last else math.ceil(m / bs) for m in sizes)
+        if self._budget_batches is not None:
+            total = len(self._budget_batches)
+        else:
+            n, bs = len(self.lengths), self.batch_size
+            pool = bs * self.pool_batches
+            # Pools are sorted and cut independently, so count the batches of every pool.
+            sizes = [min(pool, n - s) for s in range(0, n, pool)] if self.shuffle else [n]
+            total = sum(m // bs if self.drop_last else math.ceil(m / bs) for m in sizes)
         return total // self.num_replicas if self.num_replicas > 1 else total
+
+    def padding_fraction(self) -> float:
+        """Share of the padded tokens (``sum(rows x longest)``) of one epoch that are padding."""
+        padded = real = 0
+        for batch in self._global_batches():
+            lens = [self.lengths[i] for i in batch]
+            padded += len(lens) * max(lens)
+            real += sum(lens)
+        return 1 - real / padded if padded else 0.0
 
 
 # ----------------------------------------------------------------------------------------------------- data module
@@ -439,8 +511,15 @@ class RoleExampleDataModule(LightningDataModule):
         seed: seed of the train/validation split and of the batch order.
         val_max_per_role: validate on at most this many held-out examples of each role (the lowest-numbered ones;
             the others stay held out, unused); ``None``: all of them. For quick runs.
-        pool_batches: batches per length-sorting pool of the training order.
+        pool_batches: batches per length-sorting pool of the training order (fixed-size batches).
         num_workers: DataLoader worker processes.
+        pack_prefixes: train each example that is a prefix of a longer example's context (same role) inside that
+            sequence (:mod:`datamodules.prefix_packing`; exact, far fewer tokens). Training set only, plain loss
+            only (``model.lambda_shared`` must be 0); validation examples stay one per sequence.
+        max_tokens: form batches by this padded-token budget (``rows x longest <= max_tokens``) instead of
+            ``batch_size`` examples, for training and validation; see :class:`LengthBucketBatchSampler`.
+        pin_memory: page-locked batches, so that the copy to the GPU does not synchronise the host; ``None``: when
+            CUDA is available.
     """
 
     def __init__(
@@ -455,6 +534,9 @@ class RoleExampleDataModule(LightningDataModule):
         val_max_per_role: int | None = None,
         pool_batches: int = 50,
         num_workers: int = 0,
+        pack_prefixes: bool = False,
+        max_tokens: int | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         if not data_files:
@@ -481,6 +563,8 @@ class RoleExampleDataModule(LightningDataModule):
             raise ValueError(f"val_max_per_role must be > 0 or null, got {val_max_per_role}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if max_tokens is not None and max_tokens < max_length:
+            raise ValueError(f"max_tokens must be >= max_length ({max_length}) or null, got {max_tokens}")
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
         self.data_files = {r: str(data_files[r]) for r in roles}
         self.roles = roles
@@ -493,6 +577,9 @@ class RoleExampleDataModule(LightningDataModule):
         self.val_max_per_role = val_max_per_role
         self.pool_batches = pool_batches
         self.num_workers = num_workers
+        self.pack_prefixes = pack_prefixes
+        self.max_tokens = max_tokens
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.train_set: RoleExampleDataset | None = None
         self.val_set: RoleExampleDataset | None = None
 
@@ -520,6 +607,8 @@ class RoleExampleDataModule(LightningDataModule):
             va_idx = va_idx[: self.val_max_per_role]
             train += [tokenize_example(self.tokenizer, records[i], role_id, self.max_length) for i in tr_idx]
             val += [tokenize_example(self.tokenizer, records[i], role_id, self.max_length) for i in va_idx]
+        if self.pack_prefixes:
+            train = pack_prefix_chains(train)
         self.train_set, self.val_set = RoleExampleDataset(train), RoleExampleDataset(val)
 
     def _loader(self, dataset: RoleExampleDataset, shuffle: bool) -> DataLoader:
@@ -533,6 +622,7 @@ class RoleExampleDataModule(LightningDataModule):
             pool_batches=self.pool_batches,
             num_replicas=world,
             rank=rank,
+            max_tokens=self.max_tokens,
         )
         return DataLoader(
             dataset,
@@ -540,6 +630,7 @@ class RoleExampleDataModule(LightningDataModule):
             collate_fn=_Collator(self.pad_id),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=self.pin_memory,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -71,18 +71,25 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cli.py export", description=export_main.__doc__)
     parser.add_argument("--ckpt", required=True, help="Lightning checkpoint written by fit (e.g. .../last.ckpt)")
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the stored adapter tensors (bfloat16 halves the size; default: float32)",
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
         import torch
 
-        from lit_modules.export import export_adapters
+        from lit_modules.export import checkpoint_source, export_adapters
 
         ckpt_path = Path(args.ckpt)
         if not ckpt_path.is_file():
             raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
         module = MultiLoraModule.load_from_checkpoint(ckpt_path, map_location="cpu")
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        paths = export_adapters(module, args.out, ckpt.get("datamodule_hyper_parameters"))
+        source = checkpoint_source(ckpt, ckpt_path)
+        paths = export_adapters(module, args.out, ckpt.get("datamodule_hyper_parameters"), args.dtype, source)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,14 @@ example's own role (the *consumer*) encodes its own prompt piece and the output 
 same output tokens. ``λ = 0`` never runs the shared forward, so it is exactly plain multi-LoRA training.
 
 **Validation** logs, per role, the plain loss and token accuracy, the same through the shared-cache path under each
-scheme of ``val_schemes``, and the mean next-token KL(plain ‖ shared) over the output tokens.
+scheme of ``val_schemes``, and the mean next-token KL(plain ‖ shared) over the output tokens. ``val_schemes: []``
+validates the plain forward only (one forward instead of three: for sweeps; validate the chosen checkpoint with the
+schemes afterwards).
+
+**No host syncs per micro-batch.** The plain forward computes logits only at the supervised positions that the
+collator lists (``loss_index``), passes no attention mask for the right-padded batches and accumulates validation
+sums on the device; the host waits for the device only where Lightning logs (every ``log_every_n_steps``) and at
+the end of a validation. The shared-cache paths (λ > 0, ``val_schemes``) still size their split on the host.
 
 The frozen base weights are not stored in Lightning checkpoints (they are reloaded from ``model_name``); only the
 adapters, optimizer and schedule state are.
@@ -21,12 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from torchmetrics import MeanMetric
+from torchmetrics import Metric
 
 from datamodules.role_examples import IGNORE_INDEX
 from lragent.multi_lora import MultiLoraConfig
@@ -161,6 +169,35 @@ def split_for_sharing(batch: dict[str, torch.Tensor], split: torch.Tensor, pad_i
     }
 
 
+class RoleSums(Metric):
+    """Per-role sums of token-level values, accumulated on the device without host syncs.
+
+    ``update(values, role)`` adds row i of ``values`` ``(N, K)`` to role ``role[i]``; :meth:`compute` returns the
+    ``(n_roles, K)`` sums (summed over processes under DDP).
+
+    Args:
+        n_roles: number of roles.
+        n_values: values per token (columns of ``values``).
+    """
+
+    full_state_update = False
+
+    def __init__(self, n_roles: int, n_values: int) -> None:
+        super().__init__()
+        self.add_state("sums", default=torch.zeros(n_roles, n_values, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor, role: torch.Tensor) -> None:
+        """Adds ``values`` ``(N, K)`` of tokens whose roles are ``role`` ``(N,)``."""
+        self.sums.index_add_(0, role, values.to(self.sums.dtype))
+
+    def compute(self) -> torch.Tensor:
+        return self.sums
+
+
+VAL_COLUMNS: tuple[str, ...] = ("loss", "acc", "kl", "n")
+"""Columns of the validation sums: summed NLL, correct top-1, KL(plain ‖ shared), token count."""
+
+
 class MultiLoraModule(LightningModule):
     """Trains per-role LoRA adapters (shared A by default) on a frozen base causal LM.
 
@@ -189,8 +226,12 @@ class MultiLoraModule(LightningModule):
         producer: ``random`` (among the other roles, seeded by the step) or ``next`` (role id + 1).
         shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece) or ``last_token``.
         val_schemes: schemes validated through the shared-cache path; ``None``: ``base_lr_shared`` (with shared
-            A) and ``full_shared``.
+            A) and ``full_shared``; ``[]``: the plain forward only (fast validation for sweeps).
         producer_seed: seed of the producer draws.
+        adapters_path: start from this exported adapter set (a directory with ``lragent_adapters.safetensors`` or
+            one PEFT directory per role) instead of fresh adapters; its layout must match. E.g. validate shipped
+            adapters through every scheme: ``cli.py validate --config C --model.adapters_path DIR
+            --model.val_schemes null`` (a ``--ckpt_path`` would also restore the checkpoint's hyperparameters).
     """
 
     def __init__(
@@ -218,6 +259,7 @@ class MultiLoraModule(LightningModule):
         shared_split: str = "piece",
         val_schemes: list[str] | None = None,
         producer_seed: int = 0,
+        adapters_path: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -254,18 +296,15 @@ class MultiLoraModule(LightningModule):
             for scheme in (shared_scheme if lambda_shared > 0 else None, *val_schemes):
                 if scheme == Scheme.BASE_LR_SHARED.value:
                     raise ValueError("scheme base_lr_shared needs shared A: set shared_a: true or use full_shared")
+        if adapters_path is not None and not Path(adapters_path).is_dir():
+            raise FileNotFoundError(f"adapters_path {adapters_path} is not a directory")
         self.roles = roles
         self.lora_model = None  # built in configure_model (so that parsing a config does not load the model)
         self.pad_id = 0
         self.strict_loading = False  # checkpoints hold the adapters only; the frozen base comes from model_name
-        self.val_metrics = torch.nn.ModuleDict()
-        for role in roles:
-            for part in ["plain", *self.train_config.val_schemes]:
-                for metric in ("loss", "acc") + (("kl",) if part != "plain" else ()):
-                    self.val_metrics[f"{role}__{part}__{metric}"] = MeanMetric()
-        self.val_metrics["all__plain__loss"] = MeanMetric()
-        for scheme in self.train_config.val_schemes:
-            self.val_metrics[f"all__{scheme}__loss"] = MeanMetric()
+        self.val_sums = torch.nn.ModuleDict(
+            {part: RoleSums(len(roles), len(VAL_COLUMNS)) for part in ["plain", *self.train_config.val_schemes]}
+        )
 
     # ---- model ----------------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -293,13 +332,39 @@ class MultiLoraModule(LightningModule):
             torch.manual_seed(self.hparams.adapter_seed)
             self.lora_model = MultiLoraModel(hf_model, self.lora_config)
             self.lora_model.init_adapters("zero", seed=self.hparams.adapter_seed)
+        if self.hparams.adapters_path is not None:
+            from lragent.adapters_io import load_adapter_dir
+
+            load_adapter_dir(self.lora_model, self.hparams.adapters_path)
         self.lora_model.model.train()
 
+    def setup(self, stage: str) -> None:
+        """Refuses prefix-packed training data with the cache-sharing-aware loss (before the model is loaded)."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if stage == "fit" and self.train_config.lambda_shared > 0 and getattr(dm, "pack_prefixes", False):
+            raise ValueError(
+                f"lambda_shared={self.train_config.lambda_shared} needs one example per sequence: set "
+                "data.pack_prefixes false (packed sequences have several supervised segments and no single split)"
+            )
+
     def forward(
-        self, input_ids: torch.Tensor, role_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        role_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        output_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Plain multi-LoRA logits ``(B, T, V)`` for ``input_ids`` ``(B, T)`` and ``role_ids`` ``(B,)``."""
-        return self.lora_model(input_ids, role_ids, attention_mask=attention_mask)
+        """Plain multi-LoRA logits ``(B, T, V)`` for ``input_ids`` ``(B, T)`` and ``role_ids`` ``(B,)``; ``(N, V)``
+        at the flat positions ``output_index`` ``(N,)`` only, when given."""
+        return self.lora_model(input_ids, role_ids, attention_mask=attention_mask, output_index=output_index)
+
+    def plain_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits ``(N, V)`` of the batch's N supervised predictions (``loss_index``, row-major), plain forward.
+
+        The batch is right-padded (the collator's layout), so no attention mask is needed: real positions only
+        attend to real positions, and the padding positions are never scored.
+        """
+        return self(batch["input_ids"], batch["role_ids"], None, output_index=batch["loss_index"])
 
     # ---- losses ---------------------------------------------------------------------------------------------------
     def draw_producers(self, consumers: torch.Tensor, seed: int) -> torch.Tensor:
@@ -343,8 +408,9 @@ class MultiLoraModule(LightningModule):
         out: dict[str, torch.Tensor] = {}
         loss = 0.0
         if lam < 1:
-            logits = self(batch["input_ids"], batch["role_ids"], batch["attention_mask"])
-            out["plain"], _ = token_loss(logits, batch["labels"])
+            logits = self.plain_logits(batch)  # (N, V)
+            n = max(1, batch["loss_index"].numel())
+            out["plain"] = F.cross_entropy(logits.float(), batch["loss_targets"], reduction="sum") / n
             loss = loss + (1 - lam) * out["plain"]
         if lam > 0:
             producers = self.draw_producers(batch["role_ids"], seed)
@@ -364,54 +430,48 @@ class MultiLoraModule(LightningModule):
         return out["loss"]
 
     # ---- validation -----------------------------------------------------------------------------------------------
-    def _update_role_metrics(
-        self, part: str, role_ids: torch.Tensor, nll: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor,
-        kl: torch.Tensor | None = None,
-    ) -> None:  # fmt: skip
-        """Adds token-level values ``(B, T')`` under ``mask`` to the per-role metrics of ``part``."""
-        self.val_metrics[f"all__{part}__loss"].update(nll[mask])
-        for rid, role in enumerate(self.roles):
-            m = mask & (role_ids == rid)[:, None]
-            if not m.any():
-                continue
-            self.val_metrics[f"{role}__{part}__loss"].update(nll[m])
-            self.val_metrics[f"{role}__{part}__acc"].update(correct[m].float())
-            if kl is not None:
-                self.val_metrics[f"{role}__{part}__kl"].update(kl[m])
-
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits = self(batch["input_ids"], batch["role_ids"], batch["attention_mask"])
-        labels = batch["labels"][:, 1:]
-        mask = labels != IGNORE_INDEX
-        logp_plain = logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
-        safe = labels.clamp_min(0)[..., None]
-        nll = -logp_plain.gather(-1, safe)[..., 0]
-        self._update_role_metrics("plain", batch["role_ids"], nll, logp_plain.argmax(-1) == labels, mask)
+        index, targets = batch["loss_index"], batch["loss_targets"]  # (N,)
+        t = batch["input_ids"].shape[1]
+        rows = index // t  # (N,) sequence of each supervised prediction
+        role = batch["role_ids"][rows]
+        logp = self.plain_logits(batch).float().log_softmax(-1)  # (N, V)
+        nll = -logp.gather(-1, targets[:, None])[:, 0]
+        zeros, ones = torch.zeros_like(nll), torch.ones_like(nll)
+        correct = (logp.argmax(-1) == targets).to(nll.dtype)
+        self.val_sums["plain"].update(torch.stack([nll, correct, zeros, ones], -1), role)
+        if not self.train_config.val_schemes:
+            return
         producers = self.draw_producers(batch["role_ids"], seed=self.hparams.producer_seed * 1_000_003 + batch_idx)
+        split = self.shared_split(batch)  # (B,)
         for scheme in self.train_config.val_schemes:
-            s_logits, parts = self.shared_logits(batch, producers, scheme)
-            s_labels = parts["target_labels"][:, 1:]
-            s_mask = s_labels != IGNORE_INDEX
-            logp_s = s_logits[:, :-1].float().log_softmax(-1)  # (B, Tt-1, V)
-            s_nll = -logp_s.gather(-1, s_labels.clamp_min(0)[..., None])[..., 0]
-            # The plain log-probs of the same predictions: target position j is full position split + j.
-            pos = parts["target_pos"][:, :-1]  # (B, Tt-1)
-            lp = logp_plain.gather(
-                1, pos.clamp(max=logp_plain.shape[1] - 1)[..., None].expand(-1, -1, logp_s.shape[-1])
-            )
-            kl = (lp.exp() * (lp - logp_s)).sum(-1)  # KL(plain || shared), (B, Tt-1)
-            self._update_role_metrics(scheme, batch["role_ids"], s_nll, logp_s.argmax(-1) == s_labels, s_mask, kl)
+            s_logits, parts = self.shared_logits(batch, producers, scheme)  # (B, Tt, V)
+            # The prediction at full position p is the consumer's at target position p - split (examples are not
+            # packed in validation, so every supervised prediction lies in the consumer's part).
+            s_index = rows * s_logits.shape[1] + (index - rows * t) - split[rows]
+            logp_s = s_logits.flatten(0, 1)[s_index].float().log_softmax(-1)  # (N, V)
+            s_nll = -logp_s.gather(-1, targets[:, None])[:, 0]
+            s_correct = (logp_s.argmax(-1) == targets).to(nll.dtype)
+            kl = (logp.exp() * (logp - logp_s)).sum(-1)  # KL(plain || shared) per prediction
+            self.val_sums[scheme].update(torch.stack([s_nll, s_correct, kl, ones], -1), role)
 
     def on_validation_epoch_end(self) -> None:
-        for key, metric in self.val_metrics.items():
+        for part, metric in self.val_sums.items():
             if not metric.update_called:
                 continue
-            role, part, name = key.split("__")
-            if role == "all":
-                tag = "val/loss" if part == "plain" else f"val/{part}/loss"
-            else:
-                tag = f"val/{role}/{name}" if part == "plain" else f"val/{role}/{part}/{name}"
-            self.log(tag, metric.compute(), prog_bar=tag == "val/loss")
+            sums = metric.compute()  # (n_roles, len(VAL_COLUMNS))
+            n = sums[:, VAL_COLUMNS.index("n")]
+            total = n.sum().clamp_min(1)
+            tag = "val/loss" if part == "plain" else f"val/{part}/loss"
+            self.log(tag, (sums[:, 0].sum() / total).float(), prog_bar=part == "plain")
+            for rid, role in enumerate(self.roles):
+                if n[rid] == 0:
+                    continue
+                for col, name in enumerate(VAL_COLUMNS[:3]):
+                    if part == "plain" and name == "kl":
+                        continue
+                    tag = f"val/{role}/{name}" if part == "plain" else f"val/{role}/{part}/{name}"
+                    self.log(tag, (sums[rid, col] / n[rid]).float())
             metric.reset()
 
     # ---- optimisation ---------------------------------------------------------------------------------------------

@@ -26,7 +26,11 @@ PEFT_CONFIG = "adapter_config.json"
 
 
 def export_peft(
-    model: MultiLoraModel, out_dir: str | Path, base_model_name: str = "", meta: dict | None = None
+    model: MultiLoraModel,
+    out_dir: str | Path,
+    base_model_name: str = "",
+    meta: dict | None = None,
+    dtype: torch.dtype | None = None,
 ) -> dict:
     """Writes ``out_dir/<role>/`` (PEFT LoRA) for every role and ``out_dir/lragent_adapters.safetensors``.
 
@@ -35,6 +39,8 @@ def export_peft(
         out_dir: target directory (created).
         base_model_name: recorded as ``base_model_name_or_path``.
         meta: extra JSON-serialisable information stored with the native checkpoint (e.g. the training config).
+        dtype: dtype of the stored tensors (e.g. ``torch.bfloat16`` to halve the size); ``None``: the model's.
+            Loading casts them back to the model's dtype.
 
     Returns:
         ``{role: path}`` of the PEFT directories.
@@ -51,8 +57,8 @@ def export_peft(
         tensors = {}
         for name, module in model.lora_modules().items():
             a = module.lora_A[0 if cfg.shared_a else rid]
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a.detach().cpu().contiguous().clone()
-            tensors[f"base_model.model.{name}.lora_B.weight"] = module.lora_B[rid].detach().cpu().contiguous().clone()
+            tensors[f"base_model.model.{name}.lora_A.weight"] = _stored(a, dtype)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = _stored(module.lora_B[rid], dtype)
         save_file(tensors, str(role_dir / PEFT_WEIGHTS), metadata={"format": "pt"})
         LoraConfig(
             r=cfg.rank,
@@ -64,18 +70,26 @@ def export_peft(
             base_model_name_or_path=base_model_name or None,
         ).save_pretrained(str(role_dir))
         paths[role] = role_dir
-    save_native(model, out / NATIVE_FILE, meta=meta)
+    save_native(model, out / NATIVE_FILE, meta=meta, dtype=dtype)
     return paths
 
 
-def save_native(model: MultiLoraModel, path: str | Path, meta: dict | None = None) -> None:
-    """One safetensors file with A (once if shared) and every role's B, plus the adapter config as metadata."""
+def _stored(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A detached, contiguous CPU copy of ``t`` in ``dtype`` (default: its own)."""
+    return t.detach().to("cpu", dtype=dtype or t.dtype).contiguous().clone()
+
+
+def save_native(
+    model: MultiLoraModel, path: str | Path, meta: dict | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """One safetensors file with A (once if shared) and every role's B (in ``dtype``, default the model's), plus
+    the adapter config as metadata."""
     tensors = {}
     for name, module in model.lora_modules().items():
         for i, a in enumerate(module.lora_A):
-            tensors[f"{name}.lora_A.{i}"] = a.detach().cpu().contiguous().clone()
+            tensors[f"{name}.lora_A.{i}"] = _stored(a, dtype)
         for i, b in enumerate(module.lora_B):
-            tensors[f"{name}.lora_B.{i}"] = b.detach().cpu().contiguous().clone()
+            tensors[f"{name}.lora_B.{i}"] = _stored(b, dtype)
     metadata = {"lragent_config": json.dumps(model.lora_config.to_dict()), "meta": json.dumps(meta or {})}
     save_file(tensors, str(path), metadata=metadata)
 

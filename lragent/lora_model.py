@@ -121,8 +121,11 @@ class MultiLoraModel(nn.Module):
             role_ids = self.router.ids(role_ids, device=device)
         if role_ids.shape != (batch,):
             raise ValueError(f"role_ids must have shape ({batch},), got {tuple(role_ids.shape)}")
-        if role_ids.numel() and (int(role_ids.min()) < 0 or int(role_ids.max()) >= len(self.router)):
-            raise ValueError(f"role_ids out of range: allowed 0..{len(self.router) - 1}, got {role_ids.tolist()}")
+        if role_ids.device.type == "cpu":
+            if role_ids.numel() and (int(role_ids.min()) < 0 or int(role_ids.max()) >= len(self.router)):
+                raise ValueError(f"role_ids out of range: allowed 0..{len(self.router) - 1}, got {role_ids.tolist()}")
+        else:  # checked on the device, without a host sync on every forward (a bad id fails the next sync)
+            torch._assert_async(((role_ids >= 0) & (role_ids < len(self.router))).all())
         return role_ids.to(device)
 
     def forward(
@@ -131,6 +134,7 @@ class MultiLoraModel(nn.Module):
         role_ids: torch.Tensor | list | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        output_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Plain multi-LoRA forward, a role per sequence (training, scoring).
 
@@ -138,10 +142,14 @@ class MultiLoraModel(nn.Module):
             input_ids: ``(B, T)``.
             role_ids: ``(B,)`` ids or role names.
             attention_mask: ``(B, T)`` 1 for tokens, 0 for padding; with right padding positions are ``arange(T)``.
+                Right-padded batches may pass ``None`` (real positions are the same; checking the padding costs a
+                host sync).
             position_ids: ``(B, T)``; default: count of real tokens before each position.
+            output_index: ``(N,)`` flat positions ``b * T + t`` whose logits are wanted; ``None``: all. The LM head
+                then runs on N positions only (training scores about 1% of the tokens).
 
         Returns:
-            logits ``(B, T, vocab)``.
+            logits ``(B, T, vocab)``, or ``(N, vocab)`` with ``output_index``.
         """
         b, t = input_ids.shape
         role_ids = self._role_tensor(role_ids, b, input_ids.device)
@@ -151,7 +159,15 @@ class MultiLoraModel(nn.Module):
             # Right padding only: the causal mask already keeps real tokens off the trailing padding, so plain
             # causal attention (flash kernels) gives the same outputs at every real position.
             attention_mask = None
-        return self.engine.forward(input_ids, role_ids, positions=position_ids, key_mask=attention_mask)
+        if output_index is None:
+            return self.engine.forward(input_ids, role_ids, positions=position_ids, key_mask=attention_mask)
+        if position_ids is None:
+            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        h = self.engine.run_layers(
+            self.engine.embed(input_ids), position_ids, role_ids, ModelCache(self.n_layers), 0, key_mask=attention_mask
+        )  # (B, T, hidden)
+        # index_select: its backward is an index_add (no sort, no host sync)
+        return self.engine.logits(h.flatten(0, 1).index_select(0, output_index))  # (N, vocab)
 
     def shared_context_forward(
         self,

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from datamodules import BYTE_VOCAB_SIZE, RoleExampleDataModule, byte_tokenizer, collate_examples
 from lit_modules import ExportAdapters, MultiLoraModule
 from lit_modules.cli import LRAgentCLI, export_main, run_lightning_cli
 from lit_modules.multi_lora_module import token_loss, warmup_cosine
+from lit_modules.run_status import RunStatus
+from lit_modules.time_budget import TimeBudget
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -198,14 +200,29 @@ def test_every_config_parses(config: Path, monkeypatch: pytest.MonkeyPatch, tmp_
     assert data.hparams.tokenizer == model.hparams.model_name == "default"  # linked
     assert model.lora_config.rank == 8 and model.lora_config.alpha == 16.0
     assert model.lora_config.targets == ("q_proj", "v_proj")
-    if config.stem != "smoke":
+    assert any(isinstance(c, ModelCheckpoint) and c.save_last for c in cli.trainer.callbacks)
+    assert any(isinstance(c, ExportAdapters) for c in cli.trainer.callbacks)
+    if config.stem.startswith("embedded_"):  # the embedded model's recipe
+        assert config.stem.removeprefix("embedded_") in data.data_files["plan"]
+        assert set(model.train_config.role_lr.values()) == {model.train_config.shared_a_lr}  # one lr for all
+        assert model.lora_config.shared_a and model.train_config.lambda_shared == 0.0
+        assert model.train_config.val_schemes == ()  # plain validation each epoch
+        assert data.pack_prefixes and data.max_tokens == 16384 and data.max_length == 4096
+        assert cli.trainer.max_epochs == 10 and cli.trainer.accumulate_grad_batches == 1
+        stop = [c for c in cli.trainer.callbacks if isinstance(c, EarlyStopping)]
+        assert len(stop) == 1 and stop[0].monitor == "val/loss" and stop[0].patience == 2
+        export = next(c for c in cli.trainer.callbacks if isinstance(c, ExportAdapters))
+        assert export.best and export.dtype == "bfloat16"
+        assert any(isinstance(c, RunStatus) for c in cli.trainer.callbacks)
+        assert any(isinstance(c, TimeBudget) and c.deadline is None for c in cli.trainer.callbacks)
+        assert {type(lg).__name__ for lg in cli.trainer.loggers} == {"CSVLogger"}
+        return
+    if config.stem != "smoke":  # the paper's settings (8B models)
         assert model.train_config.role_lr == {"plan": 5e-5, "action": 6e-5, "reflect": 6e-5}
         assert model.lora_config.dropout == 0.05 and model.train_config.warmup_ratio == 0.05
         assert cli.trainer.max_epochs == 10
         assert data.batch_size * cli.trainer.accumulate_grad_batches == 32
         assert model.lora_config.shared_a == (config.stem != "multi_lora")
-    assert any(isinstance(c, ModelCheckpoint) and c.save_last for c in cli.trainer.callbacks)
-    assert any(isinstance(c, ExportAdapters) for c in cli.trainer.callbacks)
     assert {type(lg).__name__ for lg in cli.trainer.loggers} == {"TensorBoardLogger", "CSVLogger"}
 
 
