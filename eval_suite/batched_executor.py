@@ -6,7 +6,7 @@ Each engine row holds one episode's trajectory. An episode's requests are answer
 advances every generating row together (CUDA graphs on a GPU). When a row's generation ends, its episode gets the
 reply and asks for the next call; when an episode ends, the next task takes its row (continuous refill).
 
-Sampling follows the eval's protocol: call ``i`` of an episode samples with seed ``episode seed + i``; the noise
+Sampling follows the eval's protocol: generate call ``i`` of an episode samples with seed ``episode seed + i``; the noise
 depends only on that seed and the token index, so an episode draws the same tokens whatever else shares its batch.
 Tasks of different schemes are run scheme by scheme (one engine, hence one cache layout, at a time).
 """
@@ -17,9 +17,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from lragent.agents.requests import Choose, Generate, Reply, StepStats
 
 from lragent.agents import EpisodeResult
+from lragent.agents.requests import Choose, Generate, Reply, StepStats
 from lragent.engine import Engine, GenerationRequest, StepResult
 from lragent.lora_model import MultiLoraModel
 
@@ -45,6 +45,7 @@ class BatchedExecutor:
         use_kernel: fused kernels on CUDA.
         cuda_graphs: CUDA-graph decoding (default: on CUDA).
         droidspeak_layers: DroidSpeak's recompute layers.
+        eos_token_ids: tokens that end a generation (default: the model's generation config).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class BatchedExecutor:
         use_kernel: bool = True,
         cuda_graphs: bool | None = None,
         droidspeak_layers: list[int] | None = None,
+        eos_token_ids: list[int] | None = None,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
@@ -71,6 +73,7 @@ class BatchedExecutor:
         self.use_kernel = use_kernel
         self.cuda_graphs = cuda_graphs
         self.droidspeak_layers = droidspeak_layers
+        self.eos_token_ids = eos_token_ids
         self.generated_tokens = 0
 
     def _engine(self, scheme: str, rows: int) -> Engine:
@@ -80,6 +83,7 @@ class BatchedExecutor:
             rows=rows,
             capacity=self.capacity,
             tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
             droidspeak_layers=self.droidspeak_layers if scheme == "droidspeak" else None,
             use_kernel=self.use_kernel,
             cuda_graphs=self.cuda_graphs,
@@ -120,8 +124,6 @@ class BatchedExecutor:
             try:
                 request = episode.send(reply) if reply is not None else next(episode)
                 while True:
-                    state.calls += 1
-                    seed = state.task.seed + state.calls - 1
                     if request.new_text:
                         eng.append(row, self._encode(request.new_text))
                     if isinstance(request, Choose):
@@ -136,6 +138,8 @@ class BatchedExecutor:
                         request = episode.send(Reply(choice=best, stats=stats))
                         continue
                     assert isinstance(request, Generate), request
+                    seed = state.task.seed + state.calls  # generate call i samples with seed + i (SessionPolicy)
+                    state.calls += 1
                     req = GenerationRequest(
                         role=self.model.router.id(request.role),
                         max_new_tokens=request.max_new_tokens,

@@ -314,6 +314,9 @@ def evaluate(
     out: str = "eval_out",
     shard: str = "0/1",
     merge: list[str] | str | None = None,
+    batch: int = 0,
+    capacity: int = 8192,
+    cuda_graphs: bool = True,
     quiet: bool = False,
 ) -> int:
     """Multi-agent accuracy of the cache sharing schemes on HotpotQA or ScienceQA (paper Tables 3, 15 and 16).
@@ -355,6 +358,11 @@ def evaluate(
         out: output directory (locked while this run writes to it).
         shard: i/n: this process takes every n-th question starting at i (give each shard its own --out).
         merge: output directories to summarise together into --out (nothing is run).
+        batch: episodes run at once on one engine (continuous refill; CUDA-graph decoding on a GPU); 0 runs them
+            one after another through the session API.
+        capacity: cache positions per episode with --batch (episodes stop as out of function before they outgrow
+            it: --max_context_tokens defaults to capacity - 2048 there).
+        cuda_graphs: decode with CUDA graphs on a GPU (false: eager, for debugging).
         quiet: no progress bar.
 
     Returns:
@@ -395,6 +403,16 @@ def evaluate(
         raise ValueError(f"--limit must be >= 1, got {limit}")
     if max_context_tokens is not None and max_context_tokens < 1:
         raise ValueError(f"--max_context_tokens must be >= 1, got {max_context_tokens}")
+    if batch < 0:
+        raise ValueError(f"--batch must be >= 0 (0: one episode at a time), got {batch}")
+    if batch and capacity < 4096:
+        raise ValueError(f"--capacity must be >= 4096 positions per episode, got {capacity}")
+    if batch and max_context_tokens is None:
+        max_context_tokens = capacity - 2048
+    if batch and max_context_tokens > capacity - 2048:
+        raise ValueError(
+            f"--max_context_tokens {max_context_tokens} leaves no room for a cycle: allowed <= capacity - 2048"
+        )
     if not math.isfinite(alpha) or alpha <= 0:
         raise ValueError(f"--alpha must be a positive number, got {alpha}")
     i, n = parse_shard(shard)
@@ -458,11 +476,23 @@ def evaluate(
             model=model, adapters=adapters, adapter_init=adapter_init, seed=seed, rank=rank, alpha=alpha,
             dtype=dtype, device=run_device,
         )  # fmt: skip
-        factory = build_policy_factory(
-            model_args, temperature=temperature, top_p=top_p, use_kernel=use_kernel, droidspeak_layers=layers
-        )
+        if batch:
+            from eval_suite.batched_executor import BatchedExecutor
+            from eval_suite.session_runner import model_from_args
+
+            lm, tokenizer = model_from_args(model_args)
+            executor = BatchedExecutor(
+                lm, tokenizer, batch=batch, capacity=capacity, temperature=temperature, top_p=top_p,
+                use_kernel=use_kernel, cuda_graphs=cuda_graphs if run_device.startswith("cuda") else False,
+                droidspeak_layers=layers,
+            )  # fmt: skip
+        else:
+            factory = build_policy_factory(
+                model_args, temperature=temperature, top_p=top_p, use_kernel=use_kernel, droidspeak_layers=layers
+            )
+            executor = SequentialExecutor(factory)
         records = run_episodes(
-            questions, schemes, runs, SequentialExecutor(factory), out_dir, benchmark=bench.name,
+            questions, schemes, runs, executor, out_dir, benchmark=bench.name,
             adapters=adapters_label, seed=seed, agent_config=agent, toolbox_factory=toolbox_factory,
             constraints=cons, temperature=temperature, top_p=top_p, progress=not quiet, provenance=prov,
         )  # fmt: skip

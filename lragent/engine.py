@@ -740,6 +740,7 @@ class Engine:
                 raise ValueError("an option must have at least one token")
             self.append(row, opt)
             logits, positions, _, _ = self.prefill(row, role, return_logits=True, logits_from=n0 - 1)
+            self.scheme.finish_step(traj, role)  # the role has now processed the context (its catch-up is done)
             logp = torch.log_softmax(logits.float(), dim=-1)
             idx = [positions.index(n0 - 1 + i) for i in range(len(opt))]
             scores.append(float(sum(logp[j, t] for j, t in zip(idx, opt, strict=True))))
