@@ -6,8 +6,8 @@ Each engine row holds one episode's trajectory. An episode's requests are answer
 advances every generating row together (CUDA graphs on a GPU). When a row's generation ends, its episode gets the
 reply and asks for the next call; when an episode ends, the next task takes its row (continuous refill).
 
-Sampling follows the eval's protocol: generate call ``i`` of an episode samples with seed ``episode seed + i``; the noise
-depends only on that seed and the token index, so an episode draws the same tokens whatever else shares its batch.
+Sampling follows the eval's protocol: generate call ``i`` of an episode samples with seed ``episode seed + i``; the
+noise depends only on that seed and the token index, so an episode draws the same tokens whatever shares its batch.
 Tasks of different schemes are run scheme by scheme (one engine, hence one cache layout, at a time).
 """
 
