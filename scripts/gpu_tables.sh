@@ -27,7 +27,7 @@ scienceqa sharedA/droidspeak --scheme droidspeak --runs 1
 hotpotqa sharedA/base_shared --scheme base_shared --runs 1
 scienceqa sharedA/base_shared --scheme base_shared --runs 1
 JOBS
-if ! pgrep -f "gpu_tables_queue" >/dev/null; then
+if ! pgrep -f "/tmp/tables/queue.sh" >/dev/null; then
   cat > /tmp/tables/queue.sh <<QUEUE
 # gpu_tables_queue
 while read -r ds name args; do
@@ -35,7 +35,8 @@ while read -r ds name args; do
   [ -f \$out/summary.json ] && continue
   while [ \$(pgrep -f "cli.py eval" | wc -l) -ge $PAR ]; do sleep 3; done
   mkdir -p \$out
-  python3 cli.py eval --benchmark \$ds --adapters /tmp/adapters/\${ds}_sharedA --batch $BATCH --dtype bfloat16 \
+  ad="--adapters /tmp/adapters/\${ds}_sharedA"; case "\$args" in *adapter_init*) ad="";; esac
+  python3 cli.py eval --benchmark \$ds \$ad --batch $BATCH --dtype bfloat16 \
     --out \$out --quiet true \$args > \$out.log 2>&1 < /dev/null &
   sleep 15
 done < /tmp/tables/jobs.txt
