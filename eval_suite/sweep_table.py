@@ -153,7 +153,41 @@ def run_summary(run_dir: str | Path) -> dict[str, Any]:
         "best": best,
         "final_val": final_val,
         "adapters_mb": _dir_mb(run_dir / "adapters"),
+        "dev": dev_episodes(run_dir / DEV_DIR),
     }
+
+
+DEV_DIR = "eval_dev"
+"""A run's dev-episode evaluation (``--after-run``'s ``cli.py eval --out {run_dir}/eval_dev``)."""
+
+
+def dev_episodes(out_dir: Path) -> dict[str, Any] | None:
+    """Mean accuracy metrics and OOF of a dev evaluation's first row, from its ``summary.json``; None without one.
+
+    Returns:
+        ``{"row", "episodes", "metrics": {name: mean}, "oof"}``, fractions in [0, 1].
+    """
+    path = out_dir / "summary.json"
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    row = summary["rows"][0]
+    return {
+        "row": row,
+        "episodes": sum(summary["episodes"][row].values()),
+        "metrics": {m: summary["accuracy"][m][row]["avg"]["mean"] for m in summary["metrics"]},
+        "oof": summary["oof"][row]["avg"]["mean"],
+    }
+
+
+def dev_table(runs: list[dict[str, Any]]) -> str:
+    """One line per run with a dev evaluation: episodes, its metrics and OOF in %."""
+    out = ["| run | row | episodes | metrics | OOF |", "| :--- | :--- | ---: | :--- | ---: |"]
+    for s in runs:
+        d = s["dev"]
+        metrics = ", ".join(f"{m} {100 * v:.1f}" for m, v in d["metrics"].items())
+        out.append(f"| {s['name']} | {d['row']} | {d['episodes']} | {metrics} | {100 * d['oof']:.1f} |")
+    return "\n".join(out)
 
 
 def _cell(cell: dict[str, float | None] | None) -> str:
@@ -268,5 +302,17 @@ def sweep_report(root: str | Path, provenance: dict[str, Any]) -> tuple[dict[str
             "<adapters> --model.val_schemes null`); `untrained_*`: B = 0.",
             "",
             final_table(finals),
+        ]
+    devs = [s for s in runs if s.get("dev")]
+    if devs:
+        lines += [
+            "",
+            "## Dev episodes of each run's exported adapters",
+            "",
+            "`--after-run`'s `cli.py eval` on the first dev questions of the run's benchmark (interleaved levels), "
+            "`non_shared`, the evaluation protocol's sampling (T 0.9, top-p 0.75), one run; metrics and OOF in %. "
+            "A small subset: a coarse check that the agents finish episodes, not a ranking.",
+            "",
+            dev_table(devs),
         ]
     return obj, "\n".join(lines) + provenance_footer(provenance)

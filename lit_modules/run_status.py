@@ -52,6 +52,7 @@ class RunStatus(Callback):
         self._tokens = 0
         self._examples = 0
         self._start_epoch = 0
+        self._device: torch.device | None = None
         self._start_step = 0
 
     def _file(self, trainer: Trainer) -> Path:
@@ -59,6 +60,8 @@ class RunStatus(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_epoch, self._start_step = trainer.current_epoch, trainer.global_step
+        # recorded here: by on_fit_end Lightning has moved the module back to the CPU
+        self._device = pl_module.device
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_t0 = time.time()
@@ -91,6 +94,7 @@ class RunStatus(Callback):
             self._train_s += time.time() - self._epoch_t0
             self._epoch_t0 = None
         best = best_checkpoint(trainer)
+        device = self._device or pl_module.device
         score = None
         for cb in trainer.checkpoint_callbacks:
             if getattr(cb, "best_model_score", None) is not None:
@@ -111,11 +115,9 @@ class RunStatus(Callback):
             "tokens_per_s": round(self._tokens / self._train_s, 1) if self._train_s > 0 else None,
             "best_checkpoint": best,
             "best_score": score,
-            "device": _device_name(pl_module.device),
+            "device": _device_name(device),
             "max_memory_gb": (
-                round(torch.cuda.max_memory_allocated(pl_module.device) / 1e9, 2)
-                if pl_module.device.type == "cuda"
-                else None
+                round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None
             ),
             "utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }

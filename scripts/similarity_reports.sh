@@ -5,7 +5,7 @@
 #
 #   bash scripts/similarity_reports.sh [ADAPTERS_ROOT] [OUT]
 #
-# ADAPTERS_ROOT holds {hotpotqa,scienceqa}_{sharedA,indepA}_lam0/ (default data/adapters); OUT defaults to
+# ADAPTERS_ROOT holds {hotpotqa,scienceqa}_{sharedA,indepA}/ (default data/adapters); OUT defaults to
 # eval_suite/results/similarity. SAMPLES (16), MAX_TOKENS (2048) and DEVICE (cpu) may be set in the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ COMMON=(--samples "${SAMPLES:-16}" --max_tokens "${MAX_TOKENS:-2048}" --device "
 runs=()
 for bench in hotpotqa scienceqa; do
   for a in sharedA indepA; do
-    python cli.py similarity --adapters "$ROOT/${bench}_${a}_lam0" --benchmark "$bench" "${COMMON[@]}" \
+    python cli.py similarity --adapters "$ROOT/${bench}_${a}" --benchmark "$bench" "${COMMON[@]}" \
       --out "$OUT/${bench}_${a}"
     runs+=("$OUT/${bench}_${a}")
   done
