@@ -1,0 +1,104 @@
+# ruff: noqa: E501
+"""Plants each bug a test guards against in a scratch copy of the repo and runs the tests that must catch it.
+
+python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: eval_suite/results/planted_bugs.json
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRATCH = "/tmp/lragent_plant_copy"
+RESULTS = os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
+BUGS = {
+    "catch-up as the wrong role": (
+        "lragent/engine.py",
+        "        role_t = torch.tensor([role], device=self.device)\n        if isinstance(op, Recompute):",
+        "        role_t = torch.tensor([role if isinstance(op, Forward) else 0], device=self.device)\n        if isinstance(op, Recompute):",
+        "tests/test_engine.py -k reference",
+    ),
+    "droidspeak recomputes one layer too many": (
+        "lragent/engine.py",
+        "self.dec.run_view(h, rotary, role_t, view, layers=range(a, b))",
+        "self.dec.run_view(h, rotary, role_t, view, layers=range(a, min(b + 1, self.dec.n_layers)))",
+        "tests/test_engine.py -k reference",
+    ),
+    "droidspeak recomputes one layer too few": (
+        "lragent/engine.py",
+        "self.dec.run_view(h, rotary, role_t, view, layers=range(a, b))",
+        "self.dec.run_view(h, rotary, role_t, view, layers=range(a, max(b - 1, a + 1)) if b - a > 1 else range(a, b - 1))",
+        "tests/test_engine.py -k reference",
+    ),
+    "catch-up RoPE positions restart at 0": (
+        "lragent/engine.py",
+        "        positions = torch.arange(start, end, device=self.device)\n",
+        "        positions = torch.arange(start, end, device=self.device) - (0 if isinstance(op, Forward) else start)\n",
+        "tests/test_engine.py -k reference",
+    ),
+    "seen not clipped by a truncation": (
+        "lragent/sharing.py",
+        "        traj.seen = {r: min(s, n) for r, s in traj.seen.items()}",
+        "        traj.seen = dict(traj.seen)",
+        "tests/test_engine.py -k reference",
+    ),
+    "LoRA scaling wrong in forward and merge alike": (
+        "lragent/multi_lora.py",
+        "        self.scaling = alpha / rank",
+        "        self.scaling = alpha / rank ** 0.5",
+        "tests/test_multi_lora.py",
+    ),
+    "low-rank term uses role 0's B (prefill)": (
+        "lragent/attention.py",
+        "    b_sel = b_heads[role_ids]  # (B, H_kv, r, D)",
+        "    b_sel = b_heads[torch.zeros_like(role_ids)]  # (B, H_kv, r, D)",
+        "tests/test_engine.py -k reference",
+    ),
+    "low-rank term uses role 0's B (decode)": (
+        "lragent/cache_views.py",
+        "    b_sel = lora_b_per_head(lora_b, h_kv)[role_ids]  # (B, H_kv, r, D)",
+        "    b_sel = lora_b_per_head(lora_b, h_kv)[torch.zeros_like(role_ids)]  # (B, H_kv, r, D)",
+        "tests/test_engine.py -k reference",
+    ),
+    "RoPE kernel: wrong sign of the rotated half": (
+        "kernels/fused_ops.py",
+        "        o1 = ((x1 * c1).to(dt) + (-x2 * s1).to(dt)).to(dt)",
+        "        o1 = ((x1 * c1).to(dt) + (x2 * s1).to(dt)).to(dt)",
+        "tests/test_fused_ops.py",
+    ),
+    "PEFT import puts each role's B in the next role": (
+        "lragent/adapters_io.py",
+        "        module.lora_B[rid].copy_(b)",
+        "        module.lora_B[(rid + 1) % len(module.lora_B)].copy_(b)",
+        "tests/test_shipped_adapters.py",
+    ),
+}
+only = sys.argv[1:]
+results = {}
+for name, (path, old, new, tests) in BUGS.items():
+    if only and not any(o in name for o in only):
+        continue
+    scratch = SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(
+        ROOT, scratch, ignore=shutil.ignore_patterns(".git", ".gguf*", ".whl", "data", "__pycache__", ".hypothesis")
+    )
+    os.symlink(f"{ROOT}/data", f"{scratch}/data")
+    src = open(f"{scratch}/{path}").read()
+    assert src.count(old) == 1, (name, src.count(old))
+    open(f"{scratch}/{path}", "w").write(src.replace(old, new))
+    r = subprocess.run(
+        f"cd {scratch} && OMP_NUM_THREADS=1 timeout 1500 python -m pytest -q -x -p no:cacheprovider {tests}",
+        shell=True,
+        capture_output=True,
+        text=True,
+    )
+    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-300:]
+    failed = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("FAILED")]
+    results[name] = {"exit": r.returncode, "summary": tail, "failed": failed}
+    print(name, "->", r.returncode, tail, failed, flush=True)
+old = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
+old.update(results)
+json.dump(old, open(RESULTS, "w"), indent=1)
