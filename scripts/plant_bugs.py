@@ -80,6 +80,18 @@ BUGS = {
         "        count.add_(torch.ones_like(step))\n",
         "tests/test_engine.py -k graph_replay",
     ),
+    "similarity: cosine over the whole sequence instead of per token": (
+        "eval_suite/similarity.py",
+        "    cos = (u * v).sum(-1) / denom\n",
+        "    cos = ((u * v).sum() / (u.norm() * v.norm())).expand(u.shape[0])\n",
+        "tests/test_similarity.py",
+    ),
+    "similarity: L1 of the adapter output as a mean instead of a sum over entries": (
+        "eval_suite/similarity.py",
+        '        out["l1_adapter"].append(adapter.double().abs().sum(-1).mean(-1).tolist())',
+        '        out["l1_adapter"].append(adapter.double().abs().mean(-1).mean(-1).tolist())',
+        "tests/test_similarity.py",
+    ),
 }
 only = sys.argv[1:]
 results = {}
