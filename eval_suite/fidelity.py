@@ -298,7 +298,12 @@ def render_markdown(result: dict, title: str = "Fidelity against non_shared") ->
         rows.append(cells)
     counts = ", ".join(f"{c}: {result['schemes'][schemes[0]][c]['tokens']} tokens" for c in cols) if schemes else ""
     head = f"# {title}\n\nKL(non_shared ‖ scheme) in nats per scored token; top-1 agreement in %. {counts}.\n\n"
-    return head + markdown_table(header, rows)
+    body = head + markdown_table(header, rows)
+    if "provenance" in result:
+        from lragent.provenance import provenance_footer
+
+        body += provenance_footer(result["provenance"])
+    return body
 
 
 # ------------------------------------------------------------------------------------------------------------ CLI
@@ -382,6 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         "shared_split": args.shared_split, "max_context_tokens": args.max_context_tokens,
         "droidspeak_layers": layers, "dtype": args.dtype,
     }  # fmt: skip
+    from lragent.provenance import provenance
+
+    command = None if argv is None else ["cli.py", "fidelity", *argv]  # None: this process's own command line
+    result["provenance"] = provenance(
+        dtype=args.dtype, device=str(next(model.parameters()).device.type), command=command
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "fidelity.json", result)

@@ -196,3 +196,19 @@ def test_cli_errors(capsys):
     assert fidelity.main(["--adapter-init", "random", "--shared-split", "middle"]) == 2
     assert fidelity.main(["--adapter-init", "random", "--scheme", "nope"]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_cli_writes_results_with_provenance(tmp_path):
+    """A fresh run's fidelity.json and fidelity.md say what produced them (command, device, versions, commit)."""
+    import json
+
+    out = tmp_path / "fid"
+    argv = ["--adapter-init", "random", "--limit", "1", "--max-context-tokens", "48",
+            "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert fidelity.main(argv) == 0
+    prov = json.loads((out / "fidelity.json").read_text())["provenance"]
+    assert {"command", "device", "dtype", "versions", "git_commit", "utc"} <= set(prov)
+    assert "--limit 1" in prov["command"]
+    md = (out / "fidelity.md").read_text()
+    assert "Produced on" in md and "Command:" in md
