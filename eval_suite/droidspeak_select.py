@@ -46,7 +46,7 @@ from eval_suite.fidelity import (
     scheme_logits,
     validate_common,
 )
-from eval_suite.report import write_json
+from eval_suite.report import check_writable, write_json
 from lragent.lora_model import MultiLoraModel
 from lragent.session import default_droidspeak_layers, groups_from_layers
 
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         validate_common(args)
+        check_writable(args.out, is_dir=False)
         if args.group_size < 1 or args.max_runs < 1:
             raise ValueError(f"--group-size and --max-runs must be >= 1, got {args.group_size}, {args.max_runs}")
         if not 0 < args.fraction <= 1:
@@ -247,8 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         adapters=str(Path(args.adapters).resolve()) if args.adapters else f"init:{args.adapter_init}",
         seed=args.seed,
     )
+    from lragent.provenance import provenance
+
+    config["provenance"] = provenance(
+        dtype=args.dtype,
+        device=str(next(model.parameters()).device.type),
+        command=None if argv is None else ["cli.py", "droidspeak-select", *argv],
+    )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, config)
     prof = config["profile"]
     cands = ", ".join(f"{name} {c['kl']:.3e}" for name, c in prof["candidates"].items())

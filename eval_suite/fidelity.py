@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eval_suite.report import markdown_table, write_json, write_text
+from eval_suite.report import check_writable, markdown_table, write_json, write_text
 from eval_suite.session_runner import add_model_args, model_from_args, validate_model_args
 from lragent.agents.prompts import last_piece_start
 from lragent.lora_model import MultiLoraModel
@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         validate_common(args)
+        check_writable(args.out, is_dir=True)
         schemes = parse_schemes(args.scheme)
         if "non_shared" not in schemes:
             schemes = ["non_shared", *schemes]

@@ -60,3 +60,24 @@ def write_text(path: str | Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def check_writable(path: str | Path, is_dir: bool) -> Path:
+    """Makes sure an output can be written **before** any expensive work: creates the directory (``is_dir``) or the
+    file's parent directory and writes and removes a probe file there.
+
+    Raises:
+        ValueError: one line naming the path and why it cannot be written.
+    """
+    p = Path(path)
+    d = p if is_dir else p.parent
+    if not is_dir and p.is_dir():
+        raise ValueError(f"--out {p} is a directory; give a file path")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".lragent_write_probe_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--out {p} cannot be written: {exc.strerror or exc}") from None
+    return p

@@ -252,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         validate(args)
+        from eval_suite.report import check_writable
+
+        check_writable(args.out, is_dir=False)
         result = run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

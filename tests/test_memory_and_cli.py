@@ -95,3 +95,42 @@ def test_session_cli_writes_result(tmp_path):
         assert 1 <= len(step["generated_ids"]) <= 4 and step["prefill_s"] > 0
     assert set(result["cache_bytes"]) == {"k", "v_base", "v_lr"}
     assert result["peak_cache_bytes"] >= sum(result["cache_bytes"].values())
+
+
+def test_console_command_is_installed_and_is_cli_py():
+    """`lragent` (the installed console command) and `python cli.py` are the same entry point."""
+    import shutil
+
+    exe = shutil.which("lragent")
+    assert exe, "the lragent console command is not installed (pip install -e .)"
+    a = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
+    b = _cli("--help")
+    assert a.returncode == b.returncode == 0
+    assert a.stdout == b.stdout and "commands: fit, validate, test" in a.stdout
+    bad = subprocess.run([exe, "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: unknown command 'nope'")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["session", "--scheme", "base_lr_shared", "--adapter-init", "random"],
+        ["fidelity", "--adapter-init", "random"],
+        ["droidspeak-select", "--adapter-init", "random"],
+    ],
+)
+def test_unwritable_out_is_refused_before_any_work(tmp_path, command):
+    """An --out that cannot be written is a one-line error, exit 2, before the model is loaded (the run does not
+    spend minutes and then lose its result)."""
+    import time
+
+    blocker = tmp_path / "file"  # a path under a regular file can never be created (read-only dirs do not stop root)
+    blocker.write_text("x")
+    out = blocker / "sub" / "out.json"
+    t0 = time.time()
+    r = _cli(*command, "--out", str(out), timeout=120)
+    assert r.returncode == 2, r.stderr[-500:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --out ") and "cannot be written" in lines[0], lines
+    assert "Loading weights" not in r.stderr and time.time() - t0 < 60
+    assert not (tmp_path / "file" / "sub").exists()
