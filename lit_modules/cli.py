@@ -86,8 +86,14 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         ckpt_path = Path(args.ckpt)
         if not ckpt_path.is_file():
             raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
+        try:
+            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+            if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
+                raise ValueError("no state_dict and hyper_parameters")
+        except Exception as exc:  # unpickling errors come in many types; any of them means "not a checkpoint"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"{ckpt_path} is not a Lightning checkpoint written by fit ({first[:200]})") from None
         module = MultiLoraModule.load_from_checkpoint(ckpt_path, map_location="cpu")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
         source = checkpoint_source(ckpt, ckpt_path)
         paths = export_adapters(module, args.out, ckpt.get("datamodule_hyper_parameters"), args.dtype, source)
     except (ValueError, FileNotFoundError) as e:

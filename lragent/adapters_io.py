@@ -94,10 +94,40 @@ def save_native(
     save_file(tensors, str(path), metadata=metadata)
 
 
+class _readable:
+    """Turns the errors of reading a damaged weights file (truncated, not safetensors, no lragent metadata) into one
+    ``ValueError`` naming the file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        from safetensors import SafetensorError
+
+        if exc is None or not isinstance(exc, SafetensorError | OSError | KeyError | json.JSONDecodeError):
+            return False
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{self.path} is not a readable adapter weights file ({what})") from None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """``dst.copy_(src)`` that refuses a shape mismatch with one line (a config that disagrees with its tensors)."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
 def read_native_config(path: str | Path) -> MultiLoraConfig:
-    """The adapter config stored in a native checkpoint."""
-    with safe_open(str(path), "pt") as f:
-        return MultiLoraConfig.from_dict(json.loads(f.metadata()["lragent_config"]))
+    """The adapter config stored in a native checkpoint.
+
+    Raises:
+        ValueError: the file is damaged or not a native lragent checkpoint.
+    """
+    with _readable(path), safe_open(str(path), "pt") as f:
+        return MultiLoraConfig.from_dict(json.loads((f.metadata() or {})["lragent_config"]))
 
 
 @torch.no_grad()
@@ -114,12 +144,12 @@ def load_native(model: MultiLoraModel, path: str | Path) -> None:
                 f"adapter checkpoint {path} has {field_name}={getattr(stored, field_name)!r}, "
                 f"the model has {getattr(mine, field_name)!r}"
             )
-    with safe_open(str(path), "pt") as f:
+    with _readable(path), safe_open(str(path), "pt") as f:
         for name, module in model.lora_modules().items():
             for i, a in enumerate(module.lora_A):
-                a.copy_(f.get_tensor(f"{name}.lora_A.{i}"))
+                _copy(a, f.get_tensor(f"{name}.lora_A.{i}"), f"{path}: {name}.lora_A.{i}")
             for i, b in enumerate(module.lora_B):
-                b.copy_(f.get_tensor(f"{name}.lora_B.{i}"))
+                _copy(b, f.get_tensor(f"{name}.lora_B.{i}"), f"{path}: {name}.lora_B.{i}")
 
 
 @torch.no_grad()
@@ -143,7 +173,8 @@ def load_peft_role(model: MultiLoraModel, peft_dir: str | Path, role: str) -> No
             f"alpha={mine.alpha}"
         )
     rid = model.router.id(role)
-    weights = load_file(str(peft_dir / PEFT_WEIGHTS))
+    with _readable(peft_dir / PEFT_WEIGHTS):
+        weights = load_file(str(peft_dir / PEFT_WEIGHTS))
     for name, module in model.lora_modules().items():
         a = weights.get(f"base_model.model.{name}.lora_A.weight")
         b = weights.get(f"base_model.model.{name}.lora_B.weight")
@@ -151,12 +182,14 @@ def load_peft_role(model: MultiLoraModel, peft_dir: str | Path, role: str) -> No
             raise ValueError(f"{peft_dir} has no adapter for {name}")
         if mine.shared_a:
             if rid == 0:
-                module.lora_A[0].copy_(a)
-            elif not torch.equal(module.lora_A[0].detach().cpu(), a.to(module.lora_A[0].dtype)):
+                _copy(module.lora_A[0], a, f"{peft_dir}: {name} lora_A")
+            elif a.shape != module.lora_A[0].shape or not torch.equal(
+                module.lora_A[0].detach().cpu(), a.to(module.lora_A[0].dtype)
+            ):
                 raise ValueError(f"{peft_dir}: lora_A of {name} differs from the shared A; load with shared_a=False")
         else:
-            module.lora_A[rid].copy_(a)
-        module.lora_B[rid].copy_(b)
+            _copy(module.lora_A[rid], a, f"{peft_dir}: {name} lora_A")
+        _copy(module.lora_B[rid], b, f"{peft_dir}: {name} lora_B")
 
 
 def load_adapter_dir(model: MultiLoraModel, adapter_dir: str | Path) -> None:

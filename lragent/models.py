@@ -249,6 +249,22 @@ def load_tokenizer(name: str = "default") -> object:
     return AutoTokenizer.from_pretrained(source)
 
 
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id (``namespace/name``): absolute, relative with a dot, home or backslash."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or "\\" in name or name.count("/") > 1
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device, or one line naming it and what is allowed (cpu, cuda, cuda:N, mps)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device: allowed cpu, cuda, cuda:N, mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this machine has no CUDA GPU: use cpu")
+    return dev
+
+
 def load_model(
     name: str = "default",
     dtype: str | torch.dtype = torch.float32,
@@ -267,9 +283,11 @@ def load_model(
         seed: seed of the random init for named architectures.
 
     Raises:
-        ValueError: the architecture is not LLaMA, Mistral or Qwen2, or ``overrides`` is given for a pretrained model.
+        ValueError: the architecture is not LLaMA, Mistral or Qwen2, ``overrides`` is given for a pretrained model,
+            the device is not one torch knows, or ``name`` is a missing local directory or an unloadable model.
     """
     dtype = parse_dtype(dtype)
+    device = check_device(device)
     key = name.lower()
     if key in NAMED_ARCHITECTURES:
         fields = {**NAMED_ARCHITECTURES[key], **(overrides or {})}
@@ -289,7 +307,14 @@ def load_model(
         source: str | Path = _embedded_converted_dir()
     else:
         source = name
-        config = AutoConfig.from_pretrained(source)
+        allowed = f"default, a named architecture ({', '.join(NAMED_ARCHITECTURES)}), a hub name or a local directory"
+        if _looks_like_path(name) and not Path(name).expanduser().is_dir():
+            raise ValueError(f"model directory {name!r} does not exist: allowed {allowed}")
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"could not load model {name!r} ({first}): allowed {allowed}") from None
         check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     check_supported(model.config)

@@ -134,3 +134,59 @@ def test_unwritable_out_is_refused_before_any_work(tmp_path, command):
     assert len(lines) == 1 and lines[0].startswith("error: --out ") and "cannot be written" in lines[0], lines
     assert "Loading weights" not in r.stderr and time.time() - t0 < 60
     assert not (tmp_path / "file" / "sub").exists()
+
+
+def _damaged_adapters(tmp_path, kind: str):
+    """A copy of a shipped adapter set, damaged: ``truncated`` weights files, or ``rank`` (PEFT config r=8, tensors
+    of rank 4, no native checkpoint)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / kind
+    shutil.copytree(ROOT / "data" / "adapters" / "hotpotqa_sharedA", d)
+    if kind == "truncated":
+        for f in d.rglob("*.safetensors"):
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:
+        (d / "lragent_adapters.safetensors").unlink()
+        for role in ("plan", "action", "reflect"):
+            f = d / role / "adapter_model.safetensors"
+            w = load_file(str(f))
+            save_file({k: (v[:4] if "lora_A" in k else v[:, :4]).contiguous() for k, v in w.items()}, str(f))
+    return d
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["truncated-session", "truncated-eval", "rank-session", "missing-model-eval", "missing-model-fidelity",
+     "bogus-device", "not-a-checkpoint"],
+)  # fmt: skip
+def test_bad_input_table_one_line_exit_2(tmp_path, case):
+    """Inputs a new user gave that once ended in tracebacks: one stderr line naming the bad value, exit 2."""
+    out = tmp_path / "out"
+    if case.startswith(("truncated", "rank")):
+        d = _damaged_adapters(tmp_path, case.split("-")[0])
+        if case.endswith("session"):
+            args = ["session", "--scheme", "base_lr_shared", "--adapters", str(d), "--out", str(out / "r.json")]
+        else:
+            args = ["eval", "--adapters", str(d), "--limit", "1", "--out", str(out)]
+        want = str(d)
+    elif case.startswith("missing-model"):
+        cmd = case.split("-")[-1]
+        init = "--adapter_init" if cmd == "eval" else "--adapter-init"
+        args = [cmd, "--model", str(tmp_path / "no" / "such" / "dir"), init, "zero", "--out", str(out)]
+        want = "does not exist"
+    elif case == "bogus-device":
+        args = ["session", "--adapter-init", "random", "--device", "bogus", "--out", str(out / "r.json")]
+        want = "'bogus'"
+    else:
+        ckpt = tmp_path / "x.ckpt"
+        ckpt.write_text("not a checkpoint")
+        args = ["export", "--ckpt", str(ckpt), "--out", str(out)]
+        want = "is not a Lightning checkpoint"
+    r = _cli(*args, timeout=300)
+    errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:") or "Traceback" in ln]
+    assert r.returncode == 2, r.stderr[-800:]
+    assert len(errors) == 1 and errors[0].startswith("error:") and want in errors[0], r.stderr[-800:]
+    assert "Traceback" not in r.stderr
