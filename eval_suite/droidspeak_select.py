@@ -224,7 +224,17 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    from lragent.command import add_config_args, parse_with_config
+
+    parser = make_parser()
+    add_config_args(parser)
+    try:
+        args = parse_with_config(parser, argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args is None:  # --print_config
+        return 0
     try:
         validate_common(args)
         check_writable(args.out, is_dir=False)

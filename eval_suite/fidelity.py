@@ -363,8 +363,17 @@ def examples_from_args(args: argparse.Namespace, model: MultiLoraModel, tokenize
 
 def main(argv: list[str] | None = None) -> int:
     from eval_suite.run_eval import load_droidspeak_config, parse_schemes
+    from lragent.command import add_config_args, parse_with_config
 
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    add_config_args(parser)
+    try:
+        args = parse_with_config(parser, argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args is None:  # --print_config
+        return 0
     try:
         validate_common(args)
         check_writable(args.out, is_dir=True)

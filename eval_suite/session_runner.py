@@ -249,7 +249,17 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    from lragent.command import add_config_args, parse_with_config
+
+    parser = make_parser()
+    add_config_args(parser)
+    try:
+        args = parse_with_config(parser, argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args is None:  # --print_config
+        return 0
     try:
         validate(args)
         from eval_suite.report import check_writable

@@ -190,3 +190,46 @@ def test_bad_input_table_one_line_exit_2(tmp_path, case):
     assert r.returncode == 2, r.stderr[-800:]
     assert len(errors) == 1 and errors[0].startswith("error:") and want in errors[0], r.stderr[-800:]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["session", "--adapter-init", "random", "--schedule", "short", "--max-new-tokens", "2"],
+        ["fidelity", "--adapter-init", "random", "--limit", "1"],
+        ["droidspeak-select", "--adapter-init", "random", "--limit", "1"],
+        ["export", "--ckpt", "some.ckpt", "--out", "adapters_out"],
+    ],
+)
+def test_argparse_commands_print_a_config_that_round_trips(tmp_path, command):
+    """--print_config of session/fidelity/droidspeak-select/export prints every option; --config with that file
+    gives the same options (and the command line still overrides it); a bad key is one line, exit 2."""
+    import yaml
+
+    first = _cli(*command, "--print_config", timeout=120)
+    assert first.returncode == 0, first.stderr[-500:]
+    values = yaml.safe_load(first.stdout)
+    assert values["out"] and all(k not in values for k in ("config", "print_config", "help"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(first.stdout)
+    again = _cli(command[0], "--config", str(cfg), "--print_config", timeout=120)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr[-500:]
+    override = yaml.safe_load(_cli(command[0], "--config", str(cfg), "--out", "elsewhere", "--print_config").stdout)
+    assert override == {**values, "out": "elsewhere"}
+    cfg.write_text(first.stdout + "no_such_option: 1\n")
+    bad = _cli(command[0], "--config", str(cfg), timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "no_such_option" in bad.stderr
+
+
+@pytest.mark.model
+def test_session_runs_unchanged_from_its_printed_config(tmp_path):
+    out = tmp_path / "r.json"
+    args = ["session", "--adapter-init", "random", "--schedule", "short", "--max-new-tokens", "2", "--out", str(out)]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(_cli(*args, "--print_config").stdout)
+    r = _cli("session", "--config", str(cfg), timeout=300)
+    assert r.returncode == 0, r.stderr[-800:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["scheme"] == "base_lr_shared" and result["steps"]
