@@ -61,6 +61,60 @@ UPSTREAM_TEMPERATURE = 0.9
 UPSTREAM_TOP_P = 0.75
 
 
+def _cli_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _run_on_devices(call: dict[str, Any], n: int, out_dir: Path) -> int:
+    """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
+    ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
+    every shard (their episode logs are resumable)."""
+    import inspect
+    import subprocess
+
+    import torch
+
+    from lragent.provenance import provenance
+
+    gpus = torch.cuda.device_count() if call["device"] in (None, "cuda") else 0
+    if call["device"] in (None, "cuda") and 0 < gpus < n:
+        raise ValueError(f"--devices {n} but this machine has {gpus} GPU(s): allowed at most {gpus}")
+    defaults = {k: p.default for k, p in inspect.signature(evaluate).parameters.items()}
+    args: list[str] = []
+    for key, value in call.items():
+        if key in ("devices", "shard", "out", "device", "merge", "quiet") or value is None or value == defaults[key]:
+            continue
+        args += [f"--{key}", _cli_value(value)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs, shard_dirs = [], []
+    for i in range(n):
+        d = out_dir / f"shard_{i}"
+        shard_dirs.append(d)
+        dev = f"cuda:{i}" if gpus else (call["device"] or "cpu")
+        cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out", str(d),
+               "--device", dev, "--quiet", "true"]  # fmt: skip
+        log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed below, after the process ends)
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        print(f"eval: shard {i}/{n} on {dev} -> {d} (log {out_dir / f'shard_{i}.log'})", file=sys.stderr)
+    failed = []
+    for i, (proc, log) in enumerate(procs):
+        if proc.wait() != 0:
+            failed.append(i)
+        log.close()
+    if failed:
+        print(f"error: shard(s) {failed} failed: see {out_dir}/shard_<i>.log; rerun the same command to resume "
+              "(finished episodes are kept)", file=sys.stderr)  # fmt: skip
+        return 1
+    with DirectoryLock(out_dir):
+        summary = merge_dirs([str(d) for d in shard_dirs], out_dir, provenance(dtype=call["dtype"]))
+    _print_summary(summary, out_dir)
+    return 0
+
+
 def parse_shard(spec: str) -> tuple[int, int]:
     """``"i/n"`` -> ``(i, n)`` with ``0 <= i < n``."""
     try:
@@ -317,6 +371,7 @@ def evaluate(
     batch: int = 0,
     capacity: int = 8192,
     cuda_graphs: bool = True,
+    devices: int = 1,
     quiet: bool = False,
 ) -> int:
     """Multi-agent accuracy of the cache sharing schemes on HotpotQA or ScienceQA (paper Tables 3, 15 and 16).
@@ -363,11 +418,14 @@ def evaluate(
         capacity: cache positions per episode with --batch (episodes stop as out of function before they outgrow
             it: --max_context_tokens defaults to capacity - 2048 there).
         cuda_graphs: decode with CUDA graphs on a GPU (false: eager, for debugging).
+        devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
+            --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT.
         quiet: no progress bar.
 
     Returns:
         0 on success.
     """
+    call = dict(locals())  # the command's arguments, before any local variable: --devices re-issues them per shard
     from lragent.command import on_interrupt
     from lragent.models import parse_dtype
     from lragent.provenance import provenance
@@ -453,6 +511,12 @@ def evaluate(
     )
     import torch
 
+    if devices < 1:
+        raise ValueError(f"--devices must be >= 1, got {devices}")
+    if devices > 1:
+        if shard != "0/1":
+            raise ValueError("--devices N runs its own shards: give --devices or --shard, not both")
+        return _run_on_devices(call, devices, out_dir)
     run_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if run_device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {run_device!r} but CUDA is not available: allowed cpu")

@@ -508,3 +508,24 @@ def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(argv) == 0  # resume: nothing left to run
     assert len(read_episodes(out / EPISODES_FILE)) == 1
+
+
+@pytest.mark.model
+def test_devices_shards_equal_one_process(tmp_path):
+    """eval --devices 2 (two shard processes, merged) gives the same episodes as one process: same questions, same
+    seeds, same predictions and lengths."""
+    base = ["eval", "--benchmark", "hotpotqa", "--scheme", "non_shared", "--limit", "4", "--max_steps", "2",
+            "--runs", "1", "--device", "cpu", "--quiet", "true"]  # fmt: skip
+    assert cli.main([*base, "--out", str(tmp_path / "one")]) == 0
+    assert cli.main([*base, "--devices", "2", "--out", str(tmp_path / "two")]) == 0
+
+    def episodes(d):
+        rows = []
+        for f in sorted(d.rglob("episodes.jsonl")):
+            rows += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        return sorted((r["qid"], r["prediction"], r["num_tokens"], r["steps"]) for r in rows)
+
+    one, two = episodes(tmp_path / "one"), episodes(tmp_path / "two")
+    assert len(one) == 4 and one == two
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["episodes"]["non_shared"] == {"0": 4}
