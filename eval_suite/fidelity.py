@@ -363,17 +363,11 @@ def examples_from_args(args: argparse.Namespace, model: MultiLoraModel, tokenize
 
 def main(argv: list[str] | None = None) -> int:
     from eval_suite.run_eval import load_droidspeak_config, parse_schemes
-    from lragent.command import add_config_args, parse_with_config
+    from lragent.command import parse_with_config
 
-    parser = make_parser()
-    add_config_args(parser)
-    try:
-        args = parse_with_config(parser, argv)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args is None:  # --print_config
-        return 0
+    args = parse_with_config(make_parser(), argv)
+    if isinstance(args, int):  # --print_config done (0), or a bad --config (2)
+        return args
     try:
         validate_common(args)
         check_writable(args.out, is_dir=True)
@@ -403,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     result["provenance"] = provenance(
         dtype=args.dtype, device=str(next(model.parameters()).device.type), command=command
     )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)  # created by check_writable before the work
     write_json(out / "fidelity.json", result)
     write_text(out / "fidelity.md", render_markdown(result))
     for s, v in result["schemes"].items():

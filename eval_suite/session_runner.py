@@ -249,17 +249,11 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lragent.command import add_config_args, parse_with_config
+    from lragent.command import parse_with_config
 
-    parser = make_parser()
-    add_config_args(parser)
-    try:
-        args = parse_with_config(parser, argv)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args is None:  # --print_config
-        return 0
+    args = parse_with_config(make_parser(), argv)
+    if isinstance(args, int):  # --print_config done (0), or a bad --config (2)
+        return args
     try:
         validate(args)
         from eval_suite.report import check_writable

@@ -77,16 +77,11 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         choices=["float32", "bfloat16", "float16"],
         help="dtype of the stored adapter tensors (bfloat16 halves the size; default: float32)",
     )
-    from lragent.command import add_config_args, parse_with_config
+    from lragent.command import parse_with_config
 
-    add_config_args(parser)
-    try:
-        args = parse_with_config(parser, argv)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args is None:  # --print_config
-        return 0
+    args = parse_with_config(parser, argv)
+    if isinstance(args, int):  # --print_config done (0), or a bad --config (2)
+        return args
     try:
         import torch
 

@@ -11,6 +11,8 @@ The native checkpoint (``lragent_adapters.safetensors``) keeps A once and every 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -94,23 +96,17 @@ def save_native(
     save_file(tensors, str(path), metadata=metadata)
 
 
-class _readable:
+@contextmanager
+def _readable(path: str | Path) -> Iterator[None]:
     """Turns the errors of reading a damaged weights file (truncated, not safetensors, no lragent metadata) into one
     ``ValueError`` naming the file."""
+    from safetensors import SafetensorError
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        from safetensors import SafetensorError
-
-        if exc is None or not isinstance(exc, SafetensorError | OSError | KeyError | json.JSONDecodeError):
-            return False
+    try:
+        yield
+    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as exc:
         what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{self.path} is not a readable adapter weights file ({what})") from None
+        raise ValueError(f"{path} is not a readable adapter weights file ({what})") from None
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

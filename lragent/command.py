@@ -85,21 +85,31 @@ def run_command(fn: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
 _NOT_OPTIONS = ("help", "config", "print_config")
 
 
-def add_config_args(parser: Any) -> None:
+def _add_config_args(parser: Any) -> None:
     """Adds ``--config FILE.yaml`` and ``--print_config`` to an ``argparse`` parser (see :func:`parse_with_config`)."""
     parser.add_argument("--config", default=None, help="YAML file of option values, as --print_config writes them")
     parser.add_argument("--print_config", action="store_true", help="print every option's value as YAML and exit")
 
 
-def parse_with_config(parser: Any, argv: Sequence[str] | None) -> Any | None:
-    """Parses ``argv`` with the values of ``--config`` as defaults (the command line wins).
+def parse_with_config(parser: Any, argv: Sequence[str] | None) -> Any:
+    """Adds ``--config`` / ``--print_config`` to ``parser`` and parses ``argv`` with the values of ``--config`` as
+    defaults (the command line wins).
 
     Returns:
-        the namespace, or None after printing the options as YAML (``--print_config``): the caller exits 0.
-
-    Raises:
-        ValueError: the config file is missing, not a YAML mapping, or names an option the command does not have.
+        the namespace; or the command's exit status when there is nothing left to run: 0 after printing the options
+        as YAML (``--print_config``), 2 after one ``error:`` line (the config file is missing, not a YAML mapping,
+        or names an option the command does not have).
     """
+    _add_config_args(parser)
+    try:
+        return _parse_with_config(parser, argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parse_with_config(parser: Any, argv: Sequence[str] | None) -> Any:
+    """:func:`parse_with_config` without the error handling: 0 for ``--print_config``, else the namespace."""
     import argparse
 
     import yaml
@@ -126,5 +136,5 @@ def parse_with_config(parser: Any, argv: Sequence[str] | None) -> Any | None:
     args = parser.parse_args(argv)
     if args.print_config:
         print(yaml.safe_dump({d: getattr(args, d) for d in actions}, sort_keys=False), end="")
-        return None
+        return 0
     return args
