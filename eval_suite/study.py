@@ -287,6 +287,7 @@ def run(
     root.mkdir(parents=True, exist_ok=True)
     procs: dict[str, tuple[subprocess.Popen, float, Any]] = {}
     on_gpu: dict[str, int] = {}
+    too_big: set[str] = set()
     say = lambda msg: print(f"[study {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     while True:
         for name, (proc, t0, log) in list(procs.items()):
@@ -309,6 +310,11 @@ def run(
                     pending.append(job)
                 continue
             if state == "failed" and attempts(job, root) > retries:
+                continue
+            if job.gb > gpu_gb:  # can never fit: say so once and leave it
+                if job.name not in too_big:
+                    too_big.add(job.name)
+                    say(f"{job.name} needs {job.gb:g} GB, more than the {gpu_gb:g} GB per GPU: not launched")
                 continue
             pending.append(job)
             g = min(range(gpus), key=lambda i: used[i])
