@@ -2,6 +2,7 @@
 """Plants each bug a test guards against in a scratch copy of the repo and runs the tests that must catch it.
 
 python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: eval_suite/results/planted_bugs.json
+                                                        # (or $LRAGENT_PLANTED_RESULTS)
 
 An entry is (file, old, new, tests); old and new may be tuples of strings replaced pairwise (a bug planted in several
 places). Entries whose tests are GPU-marked catch their bug only on a GPU (without one they skip: exit 0).
@@ -15,7 +16,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = "/tmp/lragent_plant_copy"
-RESULTS = os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
+RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
 BUGS = {
     "catch-up as the wrong role": (
         "lragent/engine.py",
