@@ -34,19 +34,20 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee
 "$PY" -c "import pytest, hypothesis, torch, triton; print('pytest', pytest.__version__, 'torch', torch.__version__, \
 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$OUTDIR/env.txt"
 
-run_suite() {  # $1 = run name, $2 = seconds allowed
-  local t=$(date +%s)
-  timeout -s INT -k 30 "$2" "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 \
+run_suite() {  # $1 = run name, $2 = seconds allowed (at least 30)
+  local t=$(date +%s) allowed=$(( $2 > 30 ? $2 : 30 ))
+  timeout -s INT -k 30 "$allowed" "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 \
     --junitxml="$OUTDIR/$1.xml" tests > "$OUTDIR/$1.log" 2>&1
   echo $? > "$OUTDIR/$1.rc"
   echo $(( $(date +%s) - t )) > "$OUTDIR/$1.seconds"
   echo "$1: exit $(cat "$OUTDIR/$1.rc") in $(cat "$OUTDIR/$1.seconds") s: $(tail -1 "$OUTDIR/$1.log")"
 }
 
-PLANT_SHARE=$([ "${GPU_TESTS_PLANT:-1}" = 0 ] && echo 0 || echo 150)
+PLANT_SHARE=$([ "${GPU_TESTS_PLANT:-1}" = 0 ] && echo 0 || echo 200)
 run_suite run1 $(( BUDGET - PLANT_SHARE - $(elapsed) - 15 ))
 if [ "$PLANT_SHARE" != 0 ]; then
   LEFT=$(( BUDGET - $(elapsed) - 15 ))
+  LEFT=$(( LEFT > 30 ? LEFT : 30 ))
   LRAGENT_PLANTED_RESULTS="$OUTDIR/planted_bugs_gpu.json" timeout -s INT -k 20 "$LEFT" \
     "$PY" scripts/plant_bugs.py "GPU:" 2>&1 | tee "$OUTDIR/planted_bugs.log"
 fi
