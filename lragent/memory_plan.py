@@ -227,8 +227,9 @@ def choose_batch(
         ValueError: one line naming the need and what is free, when the batch (or, for ``auto``, one episode) does
             not fit.
     """
-    from lragent.models import parse_dtype
+    from lragent.models import check_device, parse_dtype
 
+    device = check_device(device)  # one line for a bogus device, before anything else
     if isinstance(batch, str) and batch != "auto":
         raise ValueError(f"{option} {batch!r} invalid: allowed a positive integer or auto")
     if not isinstance(batch, str) and batch < 1:
