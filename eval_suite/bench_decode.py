@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from eval_suite.report import markdown_table, write_json, write_text
+from lragent.memory_plan import choose_batch, model_shape, transformers_baseline_bytes
 from lragent.provenance import provenance, provenance_footer
 
 
@@ -164,6 +165,11 @@ def decode(
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
+    for b in batches:  # refuse a batch whose caches (or transformers' prefill) do not fit, before loading anything
+        extra = transformers_baseline_bytes(model_shape(model), b, context, dt.itemsize) if b <= 32 else 0
+        extra = extra if transformers_baseline else 0
+        choose_batch(model, schemes, b, context + new_tokens + 8, dtype=dt, device=dev, rank=rank,
+                     option="--batches", auto_ok=False, extra_bytes=extra)  # fmt: skip
     bandwidth = measure_copy_bandwidth(dev)
     hf, _ = load_model(model, dtype=dt, device=dev)
     rows: list[dict] = []

@@ -33,7 +33,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eval_suite.benchmarks import (
     DATA_DIR,
@@ -50,6 +50,7 @@ from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecuto
 from eval_suite.report import fmt_mean_std, write_json
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
+from lragent.memory_plan import MAX_AUTO_BATCH, choose_batch
 from lragent.schemes import SCHEMES
 
 # Settings that must not change when a run is resumed into the same directory.
@@ -368,7 +369,7 @@ def evaluate(
     out: str = "eval_out",
     shard: str = "0/1",
     merge: list[str] | str | None = None,
-    batch: int = 0,
+    batch: int | Literal["auto"] = 0,
     capacity: int = 8192,
     cuda_graphs: bool = True,
     devices: int = 1,
@@ -414,7 +415,8 @@ def evaluate(
         shard: i/n: this process takes every n-th question starting at i (give each shard its own --out).
         merge: output directories to summarise together into --out (nothing is run).
         batch: episodes run at once on one engine (continuous refill; CUDA-graph decoding on a GPU); 0 runs them
-            one after another through the session API.
+            one after another through the session API; auto: the largest batch whose caches, model and workspace
+            fit in the device's free memory (an explicit batch that does not fit is refused before the model loads).
         capacity: cache positions per episode with --batch (episodes stop as out of function before they outgrow
             it: --max_context_tokens defaults to capacity - 2048 there).
         cuda_graphs: decode with CUDA graphs on a GPU (false: eager, for debugging).
@@ -461,7 +463,7 @@ def evaluate(
         raise ValueError(f"--limit must be >= 1, got {limit}")
     if max_context_tokens is not None and max_context_tokens < 1:
         raise ValueError(f"--max_context_tokens must be >= 1, got {max_context_tokens}")
-    if batch < 0:
+    if batch != "auto" and batch < 0:
         raise ValueError(f"--batch must be >= 0 (0: one episode at a time), got {batch}")
     if batch and capacity < 4096:
         raise ValueError(f"--capacity must be >= 4096 positions per episode, got {capacity}")
@@ -521,6 +523,10 @@ def evaluate(
     if run_device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {run_device!r} but CUDA is not available: allowed cpu")
     adapters_label = str(Path(adapters).resolve()) if adapters else f"init:{adapter_init}"
+    if batch:  # before the model loads: refuse a batch that does not fit in free memory, or size --batch auto
+        most = min(MAX_AUTO_BATCH, len(questions) * runs) or 1
+        batch = choose_batch(model, schemes, batch, capacity, dtype=dtype, device=run_device, rank=rank,
+                             droidspeak_layers=layers, max_batch=most)  # fmt: skip
 
     # ---- the run
     with DirectoryLock(out_dir):

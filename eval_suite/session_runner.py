@@ -18,6 +18,7 @@ import torch
 
 from lragent.adapters_io import adapter_config_of, load_adapter_dir
 from lragent.lora_model import MultiLoraModel
+from lragent.memory_plan import check_session
 from lragent.models import NAMED_ARCHITECTURES, load_model, parse_dtype
 from lragent.multi_lora import MultiLoraConfig
 from lragent.provenance import provenance
@@ -145,6 +146,9 @@ def run(args: argparse.Namespace) -> dict:
     """Runs the schedule and writes ``args.out``; returns the result."""
     question = _load_question(args.question)
     steps = build_schedule(args.schedule, question)
+    text_bytes = sum(len(text.encode()) for _, text in steps) + len(steps) * (args.max_new_tokens + 1)
+    check_session(args.model, args.scheme, text_bytes, dtype=args.dtype, device=args.device, rank=args.rank,
+                  shared_a=not args.independent_a, droidspeak_layers=args.droidspeak_layers)  # fmt: skip
     model, tokenizer = build_model(args)
     session = MultiAgentSession(
         model,

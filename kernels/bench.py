@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import inspect
 import math
 import sys
@@ -289,7 +288,8 @@ def sweep_decode(bsz: int, lengths: list[int], dtype: torch.dtype, log: Callable
 
 def bench_prefill(seq: int, lc: int, dtype: torch.dtype, quick: bool, log: Callable) -> dict:
     """One prefill row: the public function (its dispatch rule), the Triton kernel alone, floor and naive."""
-    fla = importlib.import_module("kernels.flash_lora_attention")  # the package re-exports a same-named function
+    import kernels.flash_lora_attention as fla
+
     gen = torch.Generator(device="cuda").manual_seed(seq + lc)
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -418,7 +418,8 @@ def _markdown(result: dict) -> str:
 
 def _autotune_choices() -> dict[str, str]:
     """The configs the prefill autotuner picked, per key (for the notes)."""
-    fla = importlib.import_module("kernels.flash_lora_attention")
+    import kernels.flash_lora_attention as fla
+
     out = {}
     for name in ("_prefill_tuned", "_decode_tuned"):
         for key, cfg in getattr(getattr(fla, name, None), "cache", {}).items():
@@ -476,7 +477,9 @@ def bench_kernel(
         raise ValueError(f"dtype must be bf16 or fp16, got {dtype!r}")
     if not torch.cuda.is_available():
         raise ValueError("bench kernel needs a CUDA GPU (torch.cuda.is_available() is False)")
-    importlib.import_module("kernels.flash_lora_attention").set_autotune(True)  # prefill timings: tuned configs
+    from kernels.flash_lora_attention import set_autotune
+
+    set_autotune(True)  # prefill timings: tuned configs
     from eval_suite.report import write_json, write_text
     from lragent.provenance import provenance
 

@@ -172,6 +172,23 @@ class StopTokenIndex:
 
 _BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of this process on which decode steps are warmed up and captured (per device).
+
+    Warm-up and capture must run on the same stream: state that CUDA libraries create lazily per stream (cuBLAS and
+    cuBLASLt workspaces, keyed by handle and stream, kept for the life of the process) is then created by the eager
+    warm-up, in ordinary memory. Created during a capture instead, it would be allocated from the graph's private
+    pool and outlive the graph, and the next capture into that pool would hit the allocator's
+    ``use_count > 0`` assert.
+    """
+    key = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
+    return _CAPTURE_STREAMS[key]
+
 
 class Engine:
     """Batched multi-agent inference over one static cache pool (see the module docstring).
@@ -258,7 +275,7 @@ class Engine:
         self._pending: dict[int, _Pending] = {}
         self._lora_modules = list(model.lora_modules().values())
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._graph_pool = None
+        self._graph_pool = None  # private memory pool shared by self._graphs; lives exactly as long as they do
         self._alloc_decode_state()
 
     # ---- decode state (device) -----------------------------------------------------------------------------------
@@ -284,8 +301,18 @@ class Engine:
         eos = torch.zeros(v, dtype=torch.bool)
         eos[[t for t in self.eos_token_ids if 0 <= t < v]] = True
         self.d_eos = eos.to(dev)
-        self._graphs.clear()
+        self._drop_graphs()
         self._pool_version = self.pool.version
+
+    def _drop_graphs(self) -> None:
+        """Releases the captured graphs and, with them, their memory pool's handle.
+
+        The allocator frees a private pool once no graph uses it and none of its blocks is allocated; capturing into
+        the handle of a pool whose graphs are all gone is refused (``use_count > 0`` assert) whenever a block of it
+        is still held. A new handle for the next generation of graphs never meets that state.
+        """
+        self._graphs.clear()
+        self._graph_pool = None
 
     # ---- trajectories --------------------------------------------------------------------------------------------
     def _check_row(self, row: int) -> None:
@@ -549,21 +576,27 @@ class Engine:
         return self.rows
 
     def _graph_for(self, b: int, sampling: bool) -> torch.cuda.CUDAGraph:
+        """The decode step of batch bucket ``b`` captured as a CUDA graph (captured on first use).
+
+        All graphs of the engine share one private memory pool. That is safe in any replay order: a captured step
+        keeps no output of its own (every result is copied into the engine's static state tensors), so what one
+        graph leaves in the pool is scratch that no other graph reads.
+        """
         key = (b, sampling)
         if key in self._graphs:
             return self._graphs[key]
         state = [self.d_tok, self.d_pos, self.d_active, self.d_remaining, self.d_count, self.d_gen, self.d_logits]
         saved = [t.clone() for t in state]
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: kernels compiled/tuned outside the capture
+            for _ in range(2):  # warm-up on the capture stream: kernels compiled/tuned, per-stream workspaces made
                 self._decode_step(b, sampling, None)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
             self._decode_step(b, sampling, None)
         for t, s in zip(state, saved, strict=True):
             t.copy_(s)

@@ -207,13 +207,33 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LRAGENT_CACHE", Path.home() / ".cache" / "lragent"))
 
 
-def _embedded_converted_dir() -> Path:
-    """Dequantises the GGUF once (about 20 s) and keeps the fp32 weights as safetensors for later loads."""
+def _converted_target(gguf: Path) -> Path:
     import transformers
 
+    return cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-tf{transformers.__version__}-v2"
+
+
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def embedded_model_missing() -> str | None:
+    """Why the embedded model cannot be loaded here (``None`` when it can), found without loading it: the GGUF file
+    is missing, or it has not been converted yet and the ``gguf`` package that converts it is not installed."""
+    try:
+        gguf = embedded_gguf_path()
+    except FileNotFoundError as exc:
+        return str(exc)
+    if _is_converted(_converted_target(gguf)) or importlib.util.find_spec("gguf") is not None:
+        return None
+    return f"{gguf} is not converted yet and the gguf package that converts it is not installed"
+
+
+def _embedded_converted_dir() -> Path:
+    """Dequantises the GGUF once (about 20 s) and keeps the fp32 weights as safetensors for later loads."""
     gguf = embedded_gguf_path()
-    target = cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-tf{transformers.__version__}-v2"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    target = _converted_target(gguf)
+    if _is_converted(target):
         return target
     log.info("converting the embedded GGUF %s (first use only)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -72,6 +72,14 @@ class PoolLayout:
             out["hidden"] = len(self.hidden_layers) * self.hidden_size * element_size
         return out
 
+    def allocated_bytes(self, capacity: int, element_size: int) -> int:
+        """Bytes a pool of this layout allocates at ``capacity`` positions, scratch slots included (what
+        :meth:`StaticCachePool.allocated_bytes` reports once allocated)."""
+        kv = 2 * self.n_layers * (self.kv_slots + 1) * self.n_kv_heads * self.head_dim
+        lr = self.n_layers * (self.lr_slots + 1) * self.rank if self.decomposed else 0
+        hidden = len(self.hidden_layers) * (self.hidden_slots + 1) * self.hidden_size
+        return capacity * (kv + lr + hidden) * element_size
+
 
 class StaticCachePool:
     """Preallocated per-layer cache buffers of one layout.

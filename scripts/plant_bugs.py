@@ -2,6 +2,10 @@
 """Plants each bug a test guards against in a scratch copy of the repo and runs the tests that must catch it.
 
 python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: eval_suite/results/planted_bugs.json
+                                                        # (or $LRAGENT_PLANTED_RESULTS)
+
+An entry is (file, old, new, tests); old and new may be tuples of strings replaced pairwise (a bug planted in several
+places). Entries whose tests are GPU-marked catch their bug only on a GPU (without one they skip: exit 0).
 """
 
 import json
@@ -12,7 +16,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = "/tmp/lragent_plant_copy"
-RESULTS = os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
+RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
 BUGS = {
     "catch-up as the wrong role": (
         "lragent/engine.py",
@@ -98,6 +102,54 @@ BUGS = {
         "    except ZeroDivisionError as exc:",
         "tests/test_memory_and_cli.py -k truncated",
     ),
+    "row reused after reset keeps its old cache lengths": (
+        "lragent/engine.py",
+        "        self.traj[row] = Trajectory()\n",
+        "        self.traj[row] = Trajectory(lengths=dict(self.traj[row].lengths))\n",
+        "tests/test_row_reuse.py",
+    ),
+    "memory plan forgets the scratch slots": (
+        "lragent/static_cache.py",
+        "        kv = 2 * self.n_layers * (self.kv_slots + 1) * self.n_kv_heads * self.head_dim",
+        "        kv = 2 * self.n_layers * self.kv_slots * self.n_kv_heads * self.head_dim",
+        "tests/test_memory_plan.py",
+    ),
+    "an explicit --batch is never checked against free memory": (
+        "lragent/memory_plan.py",
+        "        if plan.total > free:\n            fit = _largest_fitting(",
+        "        if False:\n            fit = _largest_fitting(",
+        "tests/test_memory_plan.py",
+    ),
+    "profile: the LoRA calls are not labelled": (
+        "eval_suite/profile_decode.py",
+        '        (MultiLoraLinear, "lora_input", "LoRA"),\n        (MultiLoraLinear, "_add_lora", "LoRA"),\n',
+        "",
+        "tests/test_profile_decode.py",
+    ),
+    "GPU: decode kernel switched off": (
+        "lragent/cache_views.py",
+        "        kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None",
+        "        kernel = None",
+        "tests/test_engine_gpu.py -k kernel_is_used",
+    ),
+    "GPU: prefill kernel switched off": (
+        "lragent/attention.py",
+        "    if use_kernel and key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES and kernel_available():",
+        "    if False:",
+        "tests/test_engine_gpu.py -k kernel_is_used",
+    ),
+    "GPU: capture as before issue 18 (warm-up and capture on two streams, pool handle kept after its graphs)": (
+        "lragent/engine.py",
+        (
+            "        with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):",
+            "        self._graphs.clear()\n        self._graph_pool = None\n",
+        ),
+        (
+            "        with torch.cuda.graph(graph, pool=self._graph_pool):",
+            "        self._graphs.clear()\n",
+        ),
+        "tests/test_engine_gpu.py -k fresh_process",
+    ),
     "a PEFT config/tensor rank mismatch reaches copy_": (
         "lragent/adapters_io.py",
         "    if tuple(dst.shape) != tuple(src.shape):",
@@ -177,10 +229,12 @@ for name, (path, old, new, tests) in BUGS.items():
     )
     os.symlink(f"{ROOT}/data", f"{scratch}/data")
     src = open(f"{scratch}/{path}").read()
-    assert src.count(old) == 1, (name, src.count(old))
-    open(f"{scratch}/{path}", "w").write(src.replace(old, new))
+    for o, n in zip(*((old, new) if isinstance(old, tuple) else ((old,), (new,))), strict=True):
+        assert src.count(o) == 1, (name, src.count(o))
+        src = src.replace(o, n)
+    open(f"{scratch}/{path}", "w").write(src)
     r = subprocess.run(
-        f"cd {scratch} && OMP_NUM_THREADS=1 timeout 1500 python -m pytest -q -x -p no:cacheprovider {tests}",
+        f"cd {scratch} && OMP_NUM_THREADS=1 timeout 1500 {sys.executable} -m pytest -q -x -p no:cacheprovider {tests}",
         shell=True,
         capture_output=True,
         text=True,

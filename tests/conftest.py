@@ -23,12 +23,20 @@ settings.load_profile(os.environ.get("LRAGENT_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if any("model" in item.keywords for item in items):
+        from lragent.models import embedded_model_missing
+
+        missing = embedded_model_missing()  # e.g. a GPU machine without the package: set LRAGENT_EMBEDDED_GGUF
+        if missing is not None:
+            skip = pytest.mark.skip(reason=f"needs the embedded model: {missing}")
+            for item in items:
+                if "model" in item.keywords:
+                    item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +44,11 @@ def load_embedded():
     """Returns a loader of fresh copies of the embedded SmolLM2-135M-Instruct (fp32, CPU) and its tokenizer.
 
     The first call converts the GGUF (~20 s, cached under ~/.cache/lragent); later calls read safetensors."""
-    from lragent.models import load_model
+    from lragent.models import embedded_model_missing, load_model
+
+    missing = embedded_model_missing()
+    if missing is not None:
+        pytest.skip(f"needs the embedded model: {missing}")
 
     def load():
         return load_model("default", dtype=torch.float32, device="cpu")

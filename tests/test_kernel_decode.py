@@ -5,7 +5,6 @@ prefill reference, the input checks, the launch rule, and the Triton kernel logi
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -17,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import flash_lora_attention_reference
+import kernels.flash_lora_decode as fld
+from kernels.flash_lora_attention import flash_lora_attention_reference
 from kernels.flash_lora_decode import _plan, flash_lora_decode, flash_lora_decode_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,6 @@ def test_decode_reference_writes_out_and_low_precision_mode():
 
 
 def test_decode_on_cpu_takes_the_torch_path_and_says_so(caplog, monkeypatch):
-    fld = importlib.import_module("kernels.flash_lora_decode")  # the package re-exports a same-named function
     monkeypatch.setattr(fld, "_FALLBACK_LOGGED", set())  # the warning is logged once per reason and process
     x = make_decode_inputs(2, 4, 2, 10, 16, 2, torch.float16, seed=4)
     lens = torch.tensor([10, 0])
@@ -213,8 +212,8 @@ def test_plan_fills_the_gpu_and_depends_on_shape_only():
 # ------------------------------------------------------------------------------------------------
 
 _INTERPRET_SCRIPT = """
-import dataclasses, importlib, inspect, json, torch
-fld = importlib.import_module("kernels.flash_lora_decode")
+import dataclasses, inspect, json, torch
+import kernels.flash_lora_decode as fld
 from tests.test_kernel_decode import make_decode_inputs
 rule_args = set(inspect.signature(fld._plan).parameters)
 res = []

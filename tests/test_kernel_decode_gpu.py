@@ -7,18 +7,16 @@ between), roles and cache slots; one test captures a decode step in a CUDA graph
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
-from kernels import flash_lora_attention, flash_lora_attention_reference
+import kernels.flash_lora_attention as fla
+import kernels.flash_lora_decode as fld
+from kernels.flash_lora_attention import flash_lora_attention, flash_lora_attention_reference
 from kernels.flash_lora_decode import flash_lora_decode, flash_lora_decode_reference
 from tests.test_kernel_decode import make_decode_inputs
 from tests.test_kernel_reference import make_inputs
 
-fld = importlib.import_module("kernels.flash_lora_decode")  # the package re-exports a same-named function
-fla = importlib.import_module("kernels.flash_lora_attention")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import flash_lora_attention, flash_lora_attention_reference
+from kernels.flash_lora_attention import flash_lora_attention, flash_lora_attention_reference
 from tests.test_kernel_reference import make_inputs
 
 pytestmark = [

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import flash_lora_attention, flash_lora_attention_reference
+from kernels.flash_lora_attention import flash_lora_attention, flash_lora_attention_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,7 @@ def test_kernel_rejects_cpu_and_unsupported_layouts():
 _INTERPRET_SCRIPT = """
 import json, torch
 from tests.test_kernel_reference import make_inputs
-from kernels import flash_lora_attention, flash_lora_attention_reference as ref
+from kernels.flash_lora_attention import flash_lora_attention, flash_lora_attention_reference as ref
 res = []
 for (bsz, hq, hkv, lc, seq, d, rank, kv, roles) in CASES:
     x = make_inputs(bsz, hq, hkv, lc, seq, d, rank, torch.float16, seed=seq)

@@ -80,33 +80,3 @@ def test_graph_and_eager_decoding_same_greedy_tokens(cuda_model, scheme):
     same = sum(a == b for x, y in zip(graph, eager, strict=True) for a, b in zip(x, y, strict=False))
     print(f"{scheme}: {same}/{n} greedy tokens identical, graph vs eager")
     assert graph == eager
-
-
-def test_kernel_is_used_on_cuda(cuda_model, monkeypatch):
-    """The decomposed path really dispatches to the Triton kernels on CUDA: the prefill kernel once per layer per
-    prefill, the decode kernel once per layer per eager decode step; neither with use_kernel=False."""
-    import kernels.flash_lora_attention as fla
-    import kernels.flash_lora_decode as fld
-
-    calls = {"prefill": 0, "decode": 0}
-
-    def spy(module, name, key):
-        real = getattr(module, name)
-
-        def wrapped(*args, **kwargs):
-            calls[key] += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, wrapped)
-
-    spy(fla, "flash_lora_attention", "prefill")
-    spy(fld, "flash_lora_decode", "decode")
-    model, tok = cuda_model
-    for use_kernel, want in ((True, model.n_layers), (False, 0)):
-        calls.update(prefill=0, decode=0)
-        s = MultiAgentSession(
-            model, "base_lr_shared", tokenizer=tok, eos_token_ids=[], use_kernel=use_kernel, cuda_graphs=False
-        )
-        s.append_text("Question: what is the capital of France?\n")
-        s.step("plan", max_new_tokens=2)  # one prefill, one decode step
-        assert calls == {"prefill": want, "decode": want}, (use_kernel, calls)

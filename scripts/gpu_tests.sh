@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole GPU test suite (pytest -m gpu) in one device call: run 1, the planted GPU bugs (scripts/plant_bugs.py
+# "GPU:" entries: each must make its test fail), then run 2 if the time budget leaves room for it. Writes to
+# $OUT/gpu_tests/ (default ./gpu_tests_out): run1.{log,xml,seconds,rc}, run2.*, planted_bugs_gpu.json and the record
+# gpu_tests_<device>_<date>.{json,md} (pass/fail counts with provenance: device, torch/triton/CUDA versions, commit,
+# source hash, command) to copy into eval_suite/results/gpu_tests/.
+#
+# Usage (device machine, repo root):   LRAGENT_COMMIT=<sha> bash scripts/gpu_tests.sh
+#   GPU_TESTS_BUDGET   seconds for the whole script (default 450); run 1 gets what is left minus the planted bugs'
+#                      share, run 2 runs only if it fits in what remains after the planted bugs.
+#   GPU_TESTS_PLANT    0 to skip the planted bugs.
+# The embedded model is not on the device by default: its tests (marker `model`) skip cleanly unless
+# LRAGENT_EMBEDDED_GGUF names the GGUF (scripts/device_model.sh joins carried .gguf*/part* into one and sets it).
+# Here (no GPU):   bash scripts/gpu_tests.sh --hash    prints the source hash the record names, to compare.
+set -uo pipefail
+source_hash() {
+  find cli.py lragent kernels eval_suite datamodules lit_modules tests scripts -name '*.py' -o -name '*.sh' \
+    | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
+}
+if [ "${1:-}" = "--hash" ]; then source_hash; exit 0; fi
+
+T0=$(date +%s)
+BUDGET=${GPU_TESTS_BUDGET:-450}
+OUTDIR=${OUT:-./gpu_tests_out}/gpu_tests
+mkdir -p "$OUTDIR"
+PY=$(command -v python3 || command -v python)
+CMD="LRAGENT_COMMIT=${LRAGENT_COMMIT:-} GPU_TESTS_BUDGET=$BUDGET bash scripts/gpu_tests.sh"
+source_hash > "$OUTDIR/source.sha256"
+[ -f scripts/device_model.sh ] && source scripts/device_model.sh > "$OUTDIR/device_model.log" 2>&1
+set +u
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
+elapsed() { echo $(( $(date +%s) - T0 )); }
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUTDIR/gpu.txt"
+"$PY" -c "import pytest, hypothesis, torch, triton; print('pytest', pytest.__version__, 'torch', torch.__version__, \
+'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$OUTDIR/env.txt"
+
+run_suite() {  # $1 = run name, $2 = seconds allowed (at least 30)
+  local t=$(date +%s) allowed=$(( $2 > 30 ? $2 : 30 ))
+  timeout -s INT -k 30 "$allowed" "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 \
+    --junitxml="$OUTDIR/$1.xml" tests > "$OUTDIR/$1.log" 2>&1
+  echo $? > "$OUTDIR/$1.rc"
+  echo $(( $(date +%s) - t )) > "$OUTDIR/$1.seconds"
+  echo "$1: exit $(cat "$OUTDIR/$1.rc") in $(cat "$OUTDIR/$1.seconds") s: $(tail -1 "$OUTDIR/$1.log")"
+}
+
+PLANT_SHARE=$([ "${GPU_TESTS_PLANT:-1}" = 0 ] && echo 0 || echo 200)
+run_suite run1 $(( BUDGET - PLANT_SHARE - $(elapsed) - 15 ))
+if [ "$PLANT_SHARE" != 0 ]; then
+  LEFT=$(( BUDGET - $(elapsed) - 15 ))
+  LEFT=$(( LEFT > 30 ? LEFT : 30 ))
+  LRAGENT_PLANTED_RESULTS="$OUTDIR/planted_bugs_gpu.json" timeout -s INT -k 20 "$LEFT" \
+    "$PY" scripts/plant_bugs.py "GPU:" 2>&1 | tee "$OUTDIR/planted_bugs.log"
+fi
+RUN1=$(cat "$OUTDIR/run1.seconds")
+LEFT=$(( BUDGET - $(elapsed) - 15 ))
+if [ "$LEFT" -gt $(( RUN1 + 20 )) ]; then
+  run_suite run2 "$LEFT"
+else
+  echo "run2 skipped: ${LEFT}s left, run1 took ${RUN1}s"
+fi
+"$PY" scripts/gpu_tests_record.py "$OUTDIR" "$CMD" --planted "$OUTDIR/planted_bugs_gpu.json"
+echo "total $(elapsed) s"

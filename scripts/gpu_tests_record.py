@@ -1,0 +1,157 @@
+"""Turns the JUnit XML of GPU-suite runs (``scripts/gpu_tests.sh``) into one record with provenance.
+
+python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [--planted FILE.json]
+
+Reads ``OUT_DIR/run*.xml`` (and ``run*.seconds`` / ``run*.rc``), writes ``OUT_DIR/gpu_tests_<device>_<date>.json``
+and ``.md`` (the files to copy into ``eval_suite/results/gpu_tests/``) and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import re
+import subprocess
+import xml.etree.ElementTree as ET
+from collections import Counter
+from datetime import datetime, timezone
+
+
+def _read(path: str, default: str = "") -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def parse_junit(path: str) -> dict:
+    """Counts and the failed / errored test ids of one pytest JUnit file."""
+    root = ET.parse(path).getroot()
+    counts: Counter = Counter()
+    failed, errors, skip_reasons = [], [], Counter()
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        if case.find("failure") is not None:
+            counts["failed"] += 1
+            failed.append(name)
+        elif case.find("error") is not None:
+            counts["errors"] += 1
+            errors.append(name)
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+            skip_reasons[(case.find("skipped").get("message") or "")[:160]] += 1
+        else:
+            counts["passed"] += 1
+    return {
+        "passed": counts["passed"],
+        "failed": counts["failed"],
+        "errors": counts["errors"],
+        "skipped": counts["skipped"],
+        "failed_tests": failed,
+        "error_tests": errors,
+        "skip_reasons": dict(skip_reasons),
+    }
+
+
+def _run(argv: list[str]) -> str | None:
+    """stdout of a command, or None when it fails or is not installed."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _embedded_model() -> str:
+    from lragent.models import embedded_gguf_path, embedded_model_missing
+
+    missing = embedded_model_missing()
+    return f"available ({embedded_gguf_path()})" if missing is None else f"missing, model tests skip ({missing})"
+
+
+def provenance(command: str) -> dict:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    commit = os.environ.get("LRAGENT_COMMIT") or _run(["git", "rev-parse", "HEAD"])
+    commit = commit or "unknown (no .git on the device; set LRAGENT_COMMIT)"
+    return {
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device",
+        "nvidia_smi": _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": commit,
+        "source_sha256": _read(os.path.join(os.environ.get("GPU_TESTS_OUT", "."), "source.sha256")) or None,
+        "embedded_model": _embedded_model(),
+        "command": command,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out_dir")
+    p.add_argument("command")
+    p.add_argument("--planted", default=None)
+    args = p.parse_args()
+    os.environ["GPU_TESTS_OUT"] = args.out_dir
+    runs = []
+    for xml in sorted(glob.glob(os.path.join(args.out_dir, "run*.xml"))):
+        stem = xml[: -len(".xml")]
+        rec = {"run": os.path.basename(stem), **parse_junit(xml)}
+        rec["seconds"] = float(_read(stem + ".seconds", "nan"))
+        rc = _read(stem + ".rc", "")
+        rec["exit_code"] = int(rc) if rc.lstrip("-").isdigit() else None
+        tail = _read(stem + ".log")[-4000:]  # timeout's SIGINT: exit 124, pytest's summary says KeyboardInterrupt
+        rec["interrupted"] = rec["exit_code"] in (2, 124, 137) or "KeyboardInterrupt" in tail or "Interrupted" in tail
+        runs.append(rec)
+    prov = provenance(args.command)
+    record = {"provenance": prov, "runs": runs}
+    if args.planted and os.path.exists(args.planted):
+        record["planted_bugs"] = json.load(open(args.planted))
+    dev = re.sub(r"[^A-Za-z0-9]+", "_", prov["device"]).strip("_").lower()
+    stem = os.path.join(args.out_dir, f"gpu_tests_{dev}_{prov['date_utc'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+    lines = [
+        f"# GPU test suite: {prov['device']}, {prov['date_utc']}",
+        "",
+        f"torch {prov['torch']} (CUDA {prov['cuda']}), triton {prov['triton']}, python {prov['python']}; "
+        f"commit {prov['commit']}; source sha256 {prov['source_sha256']}; embedded model: {prov['embedded_model']}",
+        f"command: `{prov['command']}`",
+        "",
+        "| run | passed | failed | errors | skipped | seconds | interrupted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['run']} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | {r['seconds']:.0f} | "
+            f"{r['interrupted']} |"
+        )
+    for r in runs:
+        for t in r["failed_tests"] + r["error_tests"]:
+            lines.append(f"- {r['run']} failed: `{t}`")
+    if "planted_bugs" in record:
+        lines += ["", "Planted bugs (exit != 0: the tests caught it):", ""]
+        for name, res in record["planted_bugs"].items():
+            lines.append(f"- {name}: exit {res['exit']}, {res['summary']}")
+    text = "\n".join(lines) + "\n"
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    print(f"record: {stem}.json / .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The engine on CUDA with a random SmolLM2-shaped model (no embedded model needed): kernel launches and graph capture.
+
+- The decomposed path really launches the Triton kernels (counted as launches and as kernels the GPU ran).
+- CUDA-graph capture works for every scheme and batch bucket, repeatedly, in one process: buckets captured in
+  several orders, graphs dropped and recaptured when a session's cache grows, engines created and released; and
+  the same in a fresh process, where the first capture of the process used to allocate cuBLAS's per-stream
+  workspace from the graph's private pool (``use_count > 0`` assert at the next capture into that pool).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lragent.engine import Engine, GenerationRequest
+from lragent.schemes import SCHEMES
+from lragent.session import MultiAgentSession
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cuda_random_model(n_layers: int = 4):
+    """SmolLM2-135M's shapes (head dim 64, 9 query / 3 KV heads) with ``n_layers`` layers, random weights and
+    random adapters (B != 0), bf16 on CUDA."""
+    from lragent.lora_model import MultiLoraModel
+    from lragent.models import load_model
+    from lragent.multi_lora import MultiLoraConfig
+
+    hf, _ = load_model("smollm2-135m", dtype=torch.bfloat16, device="cuda", overrides={"num_hidden_layers": n_layers})
+    model = MultiLoraModel(hf, MultiLoraConfig(dropout=0.0))
+    model.init_adapters("random", seed=0, b_std=0.05)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return cuda_random_model()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 40000, (n,), generator=g).tolist()
+
+
+def _agree_until_near_tie(graph: list[int], eager: list[int], eager_logits: torch.Tensor, where) -> None:
+    """Graph and eager tokens agree, or part at a bf16 near-tie of the eager logits (then the rest may differ)."""
+    for j, (a, b) in enumerate(zip(graph, eager, strict=False)):
+        if a != b:
+            margin = float(eager_logits[j][b] - eager_logits[j][a])
+            assert margin <= 0.05, (*where, f"token {j}: graph {a} vs eager {b}, margin {margin:.3f}")
+            return
+    assert len(graph) == len(eager), where
+
+
+# ---- kernel launches --------------------------------------------------------------------------------------------
+def test_kernel_is_used_on_cuda(model, monkeypatch):
+    """The decomposed path really launches the Triton kernels on CUDA, counted two ways (``kernel_launches``): the
+    launches the launchers issue and the kernels the GPU runs (profiler). Session, eager: a chunk prefill launches the
+    prefill kernel once per layer, each decode step the decode kernel once per layer. Batched engine, CUDA graphs: the
+    captured step holds one decode launch per layer and every replay runs them. With ``use_kernel=False`` none."""
+    from kernel_launches import gpu_kernel_counts, watch_launches
+    from torch.profiler import ProfilerActivity, profile
+
+    import kernels.flash_lora_attention as fla
+
+    monkeypatch.setitem(fla._AUTOTUNE, 0, False)  # autotuning would run the prefill kernel once per config
+    n_layers = model.n_layers
+    launches = watch_launches(monkeypatch)
+    decode_steps = []
+    real_step = Engine._decode_step
+
+    def counting_step(self, *args, **kwargs):
+        decode_steps.append(1)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_decode_step", counting_step)
+    for use_kernel in (True, False):
+        s = MultiAgentSession(model, "base_lr_shared", eos_token_ids=[], use_kernel=use_kernel, cuda_graphs=False)
+        s.append(_prompt(0, 40))
+        s.step("plan", max_new_tokens=2)  # a full prefill (cuDNN over expanded values where cuDNN takes it)
+        s.append(_prompt(1, 9))
+        launches.clear()
+        decode_steps.clear()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            s.step("action", max_new_tokens=3)  # a chunk prefill of the new tokens, then eager decode steps
+            torch.cuda.synchronize()
+        ran = gpu_kernel_counts(prof)
+        k = len(decode_steps)
+        want = {"prefill": n_layers, "decode": k * n_layers} if use_kernel else {"prefill": 0, "decode": 0}
+        assert k >= 2, k
+        assert dict(launches) == want, ("session launches", use_kernel, dict(launches), want)
+        assert dict(ran) == want, ("session GPU kernels", use_kernel, dict(ran), want)
+
+    for scheme in ("base_lr_shared", "full_shared"):  # the decode kernel serves decomposed and plain pools
+        eng = Engine(model, scheme, rows=2, capacity=512, eos_token_ids=[], cuda_graphs=True)
+        for r in range(2):
+            eng.append(r, _prompt(10 + r, 20 + 7 * r))
+            eng.start(r, GenerationRequest(role=r, max_new_tokens=40))
+        launches.clear()
+        eng.advance(max_steps=eng.sync_every)  # warm-up (two eager steps) and capture of the batch-2 graph
+        assert len(eng._graphs) == 1, list(eng._graphs)
+        assert dict(launches) == {"prefill": 0, "decode": 3 * n_layers}, (scheme, dict(launches))
+        launches.clear()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.advance(max_steps=eng.sync_every)  # replays only
+            torch.cuda.synchronize()
+        ran = gpu_kernel_counts(prof)
+        assert dict(launches) == {"prefill": 0, "decode": 0}, (scheme, dict(launches))  # nothing launched eagerly
+        assert dict(ran) == {"prefill": 0, "decode": eng.sync_every * n_layers}, (scheme, dict(ran))
+
+
+# ---- capture, repeatedly -----------------------------------------------------------------------------------------
+def _batched(model, scheme: str, graphs: bool, order: list[int]) -> list[list[tuple[list[int], object]]]:
+    """One engine of 8 rows; for each bucket size in ``order``, that many rows generate together (greedy)."""
+    eng = Engine(model, scheme, rows=8, capacity=256, eos_token_ids=[], cuda_graphs=graphs)
+    out = []
+    for rnd, b in enumerate(order):
+        for r in range(b):
+            eng.reset(r)
+            eng.append(r, _prompt(100 * rnd + r, 5 + 3 * r + rnd))
+            req = GenerationRequest(role=r % 3, max_new_tokens=6 + r, return_logits=not graphs)
+            assert eng.start(r, req) is None
+        got = {}
+        while eng._pending:
+            for res in eng.advance():
+                got[res.row] = (res.generated_ids, res.logits)
+        out.append([got[r] for r in range(b)])
+    return out
+
+
+def _growing_session(model, scheme: str, graphs: bool) -> list[tuple[list[int], object]]:
+    """A session whose cache grows 64 -> 128 -> 256 -> 512 between steps: each growth drops the captured graphs."""
+    s = MultiAgentSession(model, scheme, eos_token_ids=[], capacity=64, cuda_graphs=graphs)
+    out = []
+    for i in range(7):
+        s.append(_prompt(500 + i, 50))
+        res = s.step(i % 3, max_new_tokens=5, return_logits=not graphs)
+        n_gen = len(res.generated_ids)
+        out.append((res.generated_ids, None if graphs else res.logits[-n_gen:]))
+    return out
+
+
+def capture_workout(model) -> dict[str, int]:
+    """Per scheme a growing session (first: in a fresh process its first capture is the process's first, the state of
+    the issue's crash), then every batch bucket of an 8-row engine captured in two orders, twice each; graph tokens
+    checked against eager decoding. Returns per scheme the batched graphs captured (raises on a mismatch)."""
+    captured = {}
+    for scheme in SCHEMES:
+        graph_s = _growing_session(model, scheme, True)
+        eager_s = _growing_session(model, scheme, False)
+        for i, ((g, _), (e, e_logits)) in enumerate(zip(graph_s, eager_s, strict=True)):
+            _agree_until_near_tie(g, e, e_logits, (scheme, "growing session", i))
+        n = 0
+        for order in ([1, 2, 4, 8, 1, 8], [8, 4, 2, 1]):
+            eager = _batched(model, scheme, False, order)
+            for _ in range(2):
+                graph = _batched(model, scheme, True, order)
+                for rnd, (g_rows, e_rows) in enumerate(zip(graph, eager, strict=True)):
+                    for r, ((g, _), (e, e_logits)) in enumerate(zip(g_rows, e_rows, strict=True)):
+                        # the eager logits are the positions the step ran over: the generated tokens' are the last
+                        _agree_until_near_tie(g, e, e_logits[-len(e) :], (scheme, order, rnd, r))
+                n += len(set(order))
+                gc.collect()
+        captured[scheme] = n
+    return captured
+
+
+def test_capture_every_scheme_and_bucket_repeatedly(model):
+    captured = capture_workout(model)
+    assert all(n >= 8 for n in captured.values()), captured
+
+
+_FRESH = """
+import sys, torch
+sys.path[:0] = [{root!r}, {tests!r}]
+from test_engine_gpu import capture_workout, cuda_random_model
+print(capture_workout(cuda_random_model()))
+"""
+
+
+def test_capture_in_a_fresh_process():
+    """The same workout as the first CUDA work of a process (the state the session command and the issue's crash
+    start from: no cuBLAS workspace exists yet for the capture stream)."""
+    script = _FRESH.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])

@@ -1,0 +1,133 @@
+"""Memory-aware batching: the plan's figures are the engine's real allocations, and the commands refuse (or size) a
+batch from a free-memory figure before the model loads (the free-memory query is faked here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_multi_lora
+
+import cli
+from lragent import memory_plan
+from lragent.engine import Engine
+from lragent.memory_plan import GIB, ModelShape, choose_batch, model_shape, plan_memory, session_capacity
+from lragent.schemes import SCHEMES
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_plan_is_what_the_engine_allocates(scheme):
+    """Cache bytes equal the pool an engine of that many rows allocates; model bytes equal the parameters."""
+    model = tiny_multi_lora("tiny-llama", rank=4)
+    shape = ModelShape.from_config(model.model.config)
+    for rows, capacity in ((1, 64), (3, 96)):
+        eng = Engine(model, scheme, rows=rows, capacity=capacity, eos_token_ids=[], droidspeak_layers=[1, 2])
+        plan = plan_memory(shape, scheme, rows, capacity, element_size=4, rank=4, droidspeak_layers=[1, 2])
+        assert plan.cache_bytes == eng.pool.allocated_bytes(), (scheme, rows)
+        state = [eng.d_tok, eng.d_pos, eng.d_gen, eng.d_stop, eng.d_logits, eng.d_eos]
+        assert plan.state_bytes >= sum(t.numel() * t.element_size() for t in state)
+    params = sum(p.numel() for p in model.parameters())
+    assert plan.model_bytes == params * 4
+    assert plan.total > plan.cache_bytes + plan.model_bytes
+
+
+@pytest.mark.parametrize("arch", ["smollm2-135m", "llama-3.1-8b", "tiny-qwen2"])
+def test_base_params_from_the_config_alone(arch):
+    """The parameter count computed from the config equals the model's (built on the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lragent.models import NAMED_ARCHITECTURES
+
+    fields = dict(NAMED_ARCHITECTURES[arch])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    assert model_shape(arch).base_params() == sum(p.numel() for p in hf.parameters())
+    assert model_shape("default") == model_shape("smollm2-135m")
+
+
+def test_non_shared_caches_scale_with_roles():
+    """DESIGN.md's memory accounting, in the plan: non_shared ~ roles x full_shared; base_lr_shared adds V_lr only."""
+    shape = model_shape("smollm2-135m")
+    plan = {s: plan_memory(shape, s, 32, 8192, element_size=2).cache_bytes for s in SCHEMES}
+    kv_slot = plan["full_shared"] / 33  # 32 rows + the scratch slot
+    assert plan["non_shared"] == pytest.approx(kv_slot * (3 * 32 + 1))
+    assert 0 < plan["base_lr_shared"] - plan["full_shared"] < 0.05 * plan["full_shared"]
+
+
+@pytest.fixture
+def free(monkeypatch):
+    """Fakes the free-memory query; returns a setter."""
+    box = {"bytes": 0}
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: box["bytes"])
+
+    def set_free(n: int) -> None:
+        box["bytes"] = int(n)
+
+    return set_free
+
+
+def _need(scheme: str, batch: int, capacity: int = 8192) -> int:
+    return plan_memory(model_shape("default"), scheme, batch, capacity, element_size=2).total
+
+
+def test_choose_batch_refuses_and_sizes(free):
+    free(_need("non_shared", 40) + 1)
+    args = dict(dtype="bfloat16", device="cpu")  # the free figure is faked: any device
+    assert choose_batch("default", ["non_shared"], 40, 8192, **args) == 40
+    with pytest.raises(ValueError) as err:
+        choose_batch("default", ["full_shared", "non_shared"], 96, 8192, **args)
+    msg = str(err.value)
+    assert "\n" not in msg and "--batch 96 needs" in msg and "non_shared" in msg and "GiB is free" in msg
+    assert "allowed --batch <= 40 or --batch auto" in msg
+    # auto: the largest batch that fits, for the hungriest of the schemes
+    assert choose_batch("default", ["full_shared", "non_shared"], "auto", 8192, **args) == 40
+    assert choose_batch("default", ["full_shared"], "auto", 8192, **args) > 40
+    assert choose_batch("default", ["full_shared"], "auto", 8192, max_batch=7, **args) == 7
+    free(_need("full_shared", 1) - 1)
+    with pytest.raises(ValueError, match="even one episode needs"):
+        choose_batch("default", ["full_shared"], "auto", 8192, **args)
+    with pytest.raises(ValueError, match="invalid: allowed a positive integer or auto"):
+        choose_batch("default", ["full_shared"], "many", 8192, **args)
+
+
+def test_session_capacity_follows_the_engine_growth():
+    assert session_capacity(10) == 1024
+    assert session_capacity(1025) == 2048
+    assert session_capacity(5000) == 8192
+    assert session_capacity(3000, initial=1024) == 4096
+
+
+def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys, free, monkeypatch):
+    """``eval --batch 96`` with too little free memory: one line naming the need and what is free, exit 2, and the
+    model is never loaded; ``--batch auto`` picks the batch that fits and hands it to the executor."""
+    import eval_suite.session_runner as sr
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(sr, "model_from_args", no_load)
+    free(_need("non_shared", 12, 4096) + GIB // 100)
+    argv = ["eval", "--adapter_init", "zero", "--limit", "20", "--dtype", "bfloat16", "--device", "cpu"]
+    argv += ["--capacity", "4096", "--quiet", "true"]
+    assert cli.main([*argv, "--batch", "96", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --batch 96 needs"), err
+    assert "allowed --batch <= 12 or --batch auto" in err[0]
+    assert not (tmp_path / "a").exists()
+
+    chosen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_executor(lm, tok, *, batch, **kwargs):
+        chosen["batch"] = batch
+        raise Stop
+
+    import eval_suite.batched_executor as be
+
+    monkeypatch.setattr(sr, "model_from_args", lambda args: (None, None))
+    monkeypatch.setattr(be, "BatchedExecutor", fake_executor)
+    with pytest.raises(Stop):
+        cli.main([*argv, "--batch", "auto", "--out", str(tmp_path / "b")])
+    assert chosen == {"batch": 12}
