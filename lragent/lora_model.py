@@ -178,6 +178,7 @@ class MultiLoraModel(nn.Module):
         producer_ids: torch.Tensor | list,
         consumer_ids: torch.Tensor | list,
         scheme: str | Scheme = Scheme.BASE_LR_SHARED,
+        output_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Context encoded by a producer role into a shared cache; target scored by the consumer role over it.
 
@@ -193,9 +194,13 @@ class MultiLoraModel(nn.Module):
             producer_ids: ``(B,)`` role encoding the context.
             consumer_ids: ``(B,)`` role processing the target.
             scheme: ``base_lr_shared`` or ``full_shared``.
+            output_index: ``(N,)`` flat target positions ``b * Tt + t`` whose logits are wanted; ``None``: all.
 
         Returns:
-            logits over the target positions ``(B, Tt, vocab)``.
+            logits over the target positions ``(B, Tt, vocab)``, or ``(N, vocab)`` with ``output_index``.
+
+        The producer's last layer only writes its K/V (its outputs are never read), and with ``output_index`` the
+        LM head runs on the N scored positions only: the logits there are those of the full computation.
         """
         layout = make_scheme(scheme, len(self.router), shared_a=self.lora_config.shared_a, n_layers=self.n_layers)
         if not layout.consumer_reads_producer_cache:
@@ -211,10 +216,14 @@ class MultiLoraModel(nn.Module):
         cache = ModelCache(self.n_layers, decomposed=layout.decomposed)
         ctx_pos = (context_mask.long().cumsum(-1) - 1).clamp_min(0)
         key_mask = torch.cat([context_mask, target_mask], dim=1)
-        h = self.engine.run_layers(self.engine.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask)
-        del h  # the producer's outputs are not scored: only its cache is used
+        # the producer's outputs are not scored, only its cache is used: its last layer stops after writing K/V
+        self.engine.run_layers(
+            self.engine.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask, kv_only_last=True
+        )
         tgt_pos = context_mask.long().sum(-1, keepdim=True) + (target_mask.long().cumsum(-1) - 1).clamp_min(0)
         h = self.engine.run_layers(self.engine.embed(target_ids), tgt_pos, consumer, cache, tc, key_mask=key_mask)
+        if output_index is not None:
+            h = h.flatten(0, 1).index_select(0, output_index)  # (N, hidden)
         return self.engine.logits(h)
 
     # ---- comparison helpers -------------------------------------------------------------------------------------

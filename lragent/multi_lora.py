@@ -179,11 +179,12 @@ class MultiLoraLinear(nn.Module):
             ``(B, T, r)``.
         """
         x = self.dropout(x)
+        # adapters may be kept in float32 over a bfloat16 base (training): compute in the activations' dtype
         if self.shared_a:
-            return x @ self.lora_A[0].t()
+            return x @ self.lora_A[0].t().to(x.dtype)
         role_ids = self._check_roles(role_ids, x.shape[0], x.device)
         a = torch.stack(list(self.lora_A))[role_ids]  # (B, r, d_in)
-        return torch.einsum("btd,brd->btr", x, a)
+        return torch.einsum("btd,brd->btr", x, a.to(x.dtype))
 
     def lora_output(self, lr: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
         """Applies each sequence's up-projection and scaling: ``s · lr B_roleᵀ``.
@@ -197,9 +198,9 @@ class MultiLoraLinear(nn.Module):
         """
         role_ids = self._check_roles(role_ids, lr.shape[0], lr.device)
         if self.n_roles == 1:
-            return (lr @ self.lora_B[0].t()) * self.scaling
+            return (lr @ self.lora_B[0].t().to(lr.dtype)) * self.scaling
         b = self.stacked_b()[role_ids]  # (B, d_out, r)
-        return torch.einsum("btr,bor->bto", lr, b) * self.scaling
+        return torch.einsum("btr,bor->bto", lr, b.to(lr.dtype)) * self.scaling
 
     def _add_lora(self, base: torch.Tensor, lr: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
         """``base + s · lr B_roleᵀ`` in one batched multiply-add for ``(B, T, ·)`` inputs."""
@@ -207,7 +208,7 @@ class MultiLoraLinear(nn.Module):
             return base + self.lora_output(lr, role_ids)
         role_ids = self._check_roles(role_ids, lr.shape[0], lr.device)
         b = self.stacked_b()[role_ids]  # (B, d_out, r)
-        return torch.baddbmm(base, lr, b.transpose(1, 2), alpha=self.scaling)
+        return torch.baddbmm(base, lr.to(base.dtype), b.transpose(1, 2).to(base.dtype), alpha=self.scaling)
 
     def forward_parts(self, x: torch.Tensor, role_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(x W0ᵀ + b, drop(x) A_roleᵀ)``: shapes ``(B, T, d_out)`` and ``(B, T, r)``."""
