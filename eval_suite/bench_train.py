@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback
 
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.provenance import provenance, provenance_footer
@@ -220,9 +221,7 @@ class _StepTimer:
         return self.steps[self.warmup :]
 
 
-def _lightning_timer(timer: _StepTimer):
-    from lightning.pytorch import Callback
-
+def _lightning_timer(timer: _StepTimer) -> Callback:
     class StepTimerCallback(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             timer.begin(_batch_stats(batch))
@@ -231,6 +230,61 @@ def _lightning_timer(timer: _StepTimer):
             timer.end()
 
     return StepTimerCallback()
+
+
+class FitSpeed(Callback):
+    """Lightning callback for a real ``fit``: step times, tokens/s, model FLOPs / MFU and peak CUDA memory, written as
+    JSON when fit ends (add it to a config's ``trainer.callbacks`` as ``eval_suite.bench_train.FitSpeed``).
+
+    Each micro-batch is timed from its start to its end (device synchronised: forward, backward and, on the last
+    micro-batch of an accumulation, the optimizer step); the first ``warmup`` micro-batches are not counted. Data
+    loading, validation and checkpointing are outside the micro-batches: ``other_seconds`` reports them.
+
+    Args:
+        out: JSON file to write.
+        warmup: micro-batches not timed at the start of the run.
+        peak_tflops: peak TFLOP/s for MFU; ``None``: the dense bf16 peak of a known GPU.
+    """
+
+    def __init__(self, out: str, warmup: int = 2, peak_tflops: float | None = None) -> None:
+        self.out, self.warmup, self.peak_tflops = out, warmup, peak_tflops
+        self.records: list[dict[str, Any]] = []
+        self.stats: dict[str, Any] = {}
+        self.t_start = 0.0
+        self.t_fit = 0.0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.t_fit = time.perf_counter()
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        _sync(pl_module.device)
+        self.stats = _batch_stats(batch)
+        self.t_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        _sync(pl_module.device)
+        self.records.append({**self.stats, "seconds": time.perf_counter() - self.t_start})
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        dev = pl_module.device
+        rank = pl_module.lora_config.rank
+        shape = ModelShape.from_config(pl_module.lora_model.model.config, rank, pl_module.lora_config.targets)
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        peak = self.peak_tflops * 1e12 if self.peak_tflops else (peak_flops(name) if dev.type == "cuda" else None)
+        timed = self.records[self.warmup :]
+        result = _summarise(timed, shape, float(pl_module.train_config.lambda_shared), peak, dev)
+        total = time.perf_counter() - self.t_fit
+        result.update(
+            micro_batches=len(self.records),
+            global_step=trainer.global_step,
+            fit_seconds=total,
+            other_seconds=total - sum(r["seconds"] for r in self.records),
+            provenance=provenance(device=dev.type),
+        )
+        Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.out, result)
 
 
 def _summarise(
@@ -628,6 +682,5 @@ def render_markdown(result: dict[str, Any]) -> str:
         "during the setting (weights included). Model FLOPs per step (eval_suite/bench_train.py): per layer "
         "4·P·T (frozen projections, forward + input gradient) + 6·R·T (LoRA) + 12·H_q·D·Σ L(L+1)/2 (causal "
         "attention), plus 4·d·V per scored position (LM head); the λ term counts as a second such pass; "
-        "recomputation under checkpointing is not counted.\n"
-        + provenance_footer(prov)
+        "recomputation under checkpointing is not counted.\n" + provenance_footer(prov)
     )

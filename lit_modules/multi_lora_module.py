@@ -420,8 +420,8 @@ class MultiLoraModule(LightningModule):
             producers: ``(B,)`` producer role of each sequence.
             scheme: ``base_lr_shared`` or ``full_shared``.
             scored_only: logits only at the target's supervised predictions, listed (row-major) as
-                ``parts["scored_index"]`` ``(N,)`` flat positions ``b * Tt + t`` with targets ``parts["scored_targets"]``
-                ``(N,)``: the LM head skips the other positions (the same values there).
+                ``parts["scored_index"]`` ``(N,)`` (flat positions ``b * Tt + t``) with targets
+                ``parts["scored_targets"]`` ``(N,)``: the LM head skips the other positions (same values there).
             parts: :func:`split_for_sharing` of the batch, when the caller has it already.
             output_index: ``(N,)`` flat target positions to score (instead of ``scored_only``'s).
 

@@ -79,7 +79,9 @@ def test_flop_shape_is_the_real_models() -> None:
         + [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
     )
     assert sum(i * o for i, o in shape.linear_shapes().values()) == frozen
-    lora = sum(mod.lora_A[0].numel() + mod.lora_B[0].numel() for mod in (layer.self_attn.q_proj, layer.self_attn.v_proj))
+    lora = sum(
+        mod.lora_A[0].numel() + mod.lora_B[0].numel() for mod in (layer.self_attn.q_proj, layer.self_attn.v_proj)
+    )
     assert sum(8 * (shape.linear_shapes()[t][0] + shape.linear_shapes()[t][1]) for t in shape.targets) == lora
     assert shape.vocab * shape.hidden == m.lora_model.model.lm_head.weight.numel()
 
