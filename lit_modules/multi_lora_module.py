@@ -18,7 +18,8 @@ schemes afterwards).
 **No host syncs per micro-batch.** The plain forward computes logits only at the supervised positions that the
 collator lists (``loss_index``), passes no attention mask for the right-padded batches and accumulates validation
 sums on the device; the host waits for the device only where Lightning logs (every ``log_every_n_steps``) and at
-the end of a validation. The shared-cache paths (λ > 0, ``val_schemes``) still size their split on the host.
+the end of a validation. The shared-cache paths (λ > 0, ``val_schemes``) run producer and consumer in one pass over
+the unsplit batch (a role per token), so they need no host sync either and score only the supervised positions.
 
 The frozen base weights are not stored in Lightning checkpoints (they are reloaded from ``model_name``); only the
 adapters, optimizer and schedule state are.
@@ -409,43 +410,25 @@ class MultiLoraModule(LightningModule):
         batch: dict[str, torch.Tensor],
         producers: torch.Tensor,
         scheme: str,
-        scored_only: bool = False,
-        parts: dict[str, torch.Tensor] | None = None,
         output_index: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Consumer logits with the context encoded by ``producers``.
+    ) -> torch.Tensor:
+        """Logits with each sequence's first ``shared_split`` tokens encoded by its producer into the shared cache
+        and the rest by its own role (the consumer) over that cache, in one pass
+        (:meth:`~lragent.lora_model.MultiLoraModel.shared_sequence_forward`).
 
         Args:
-            batch: a collated batch.
+            batch: a collated batch (one example per sequence).
             producers: ``(B,)`` producer role of each sequence.
             scheme: ``base_lr_shared`` or ``full_shared``.
-            scored_only: logits only at the target's supervised predictions, listed (row-major) as
-                ``parts["scored_index"]`` ``(N,)`` (flat positions ``b * Tt + t``) with targets
-                ``parts["scored_targets"]`` ``(N,)``: the LM head skips the other positions (same values there).
-            parts: :func:`split_for_sharing` of the batch, when the caller has it already.
-            output_index: ``(N,)`` flat target positions to score (instead of ``scored_only``'s).
+            output_index: ``(N,)`` flat positions ``b * T + t`` to score (e.g. ``loss_index``); ``None``: all.
 
         Returns:
-            ``(logits, parts)``: logits ``(B, Tt, V)``, or ``(N, V)`` with ``scored_only`` / ``output_index``.
+            ``(B, T, V)``, or ``(N, V)`` at ``output_index``. Every supervised prediction lies in the consumer's part
+            (``split < context_len``).
         """
-        if parts is None:
-            parts = split_for_sharing(batch, self.shared_split(batch), self.pad_id)
-        if scored_only:
-            tt = parts["target_labels"].shape[1]
-            shifted = parts["target_labels"][:, 1:]  # (B, Tt - 1): target of the prediction at t
-            sup = (shifted != IGNORE_INDEX).nonzero()  # (N, 2), row-major
-            output_index = sup[:, 0] * tt + sup[:, 1]
-            parts["scored_index"], parts["scored_targets"] = output_index, shifted[sup[:, 0], sup[:, 1]]
-        if parts["context_ids"].shape[1] == 0:  # nothing is shared in this batch: the consumer encodes everything
-            logits = self.lora_model(
-                parts["target_ids"], batch["role_ids"], attention_mask=parts["target_mask"], output_index=output_index
-            )
-        else:
-            logits = self.lora_model.shared_context_forward(
-                parts["context_ids"], parts["context_mask"], parts["target_ids"], parts["target_mask"],
-                producers, batch["role_ids"], scheme=scheme, output_index=output_index,
-            )  # fmt: skip
-        return logits, parts
+        return self.lora_model.shared_sequence_forward(
+            batch["input_ids"], self.shared_split(batch), producers, batch["role_ids"], scheme, output_index
+        )
 
     def compute_loss(self, batch: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
         """``(1 - λ) · plain + λ · shared`` (terms with weight 0 are not computed).
@@ -463,10 +446,10 @@ class MultiLoraModule(LightningModule):
             loss = loss + (1 - lam) * out["plain"]
         if lam > 0:
             producers = self.draw_producers(batch["role_ids"], seed)
-            # the LM head on the supervised target positions only: the loss of token_loss over all target logits
-            logits, parts = self.shared_logits(batch, producers, self.train_config.shared_scheme, scored_only=True)
-            n = max(1, parts["scored_index"].numel())
-            out["shared"] = F.cross_entropy(logits.float(), parts["scored_targets"], reduction="sum") / n
+            # one pass over the unsplit sequences, the LM head at the supervised positions only
+            logits = self.shared_logits(batch, producers, self.train_config.shared_scheme, batch["loss_index"])
+            n = max(1, batch["loss_index"].numel())
+            out["shared"] = F.cross_entropy(logits.float(), batch["loss_targets"], reduction="sum") / n
             loss = loss + lam * out["shared"]
         out["loss"] = loss
         return out
@@ -494,14 +477,9 @@ class MultiLoraModule(LightningModule):
         if not self.train_config.val_schemes:
             return
         producers = self.draw_producers(batch["role_ids"], seed=self.hparams.producer_seed * 1_000_003 + batch_idx)
-        split = self.shared_split(batch)  # (B,)
-        parts = split_for_sharing(batch, split, self.pad_id)
-        # The prediction at full position p is the consumer's at target position p - split (examples are not packed
-        # in validation, so every supervised prediction lies in the consumer's part).
-        s_index = rows * parts["target_ids"].shape[1] + (index - rows * t) - split[rows]
         for scheme in self.train_config.val_schemes:
-            s_logits, _ = self.shared_logits(batch, producers, scheme, parts=parts, output_index=s_index)  # (N, V)
-            logp_s = s_logits.float().log_softmax(-1)  # (N, V)
+            # examples are not packed in validation: every supervised prediction lies in the consumer's part
+            logp_s = self.shared_logits(batch, producers, scheme, index).float().log_softmax(-1)  # (N, V)
             s_nll = -logp_s.gather(-1, targets[:, None])[:, 0]
             s_correct = (logp_s.argmax(-1) == targets).to(nll.dtype)
             kl = (logp.exp() * (logp - logp_s)).sum(-1)  # KL(plain || shared) per prediction

@@ -11,7 +11,7 @@ import torch
 from datamodules import BYTE_VOCAB_SIZE, RoleExampleDataModule, byte_tokenizer, collate_examples
 from eval_suite.bench_train import ModelShape, pass_flops, step_flops
 from lit_modules import MultiLoraModule
-from lit_modules.multi_lora_module import token_loss
+from lit_modules.multi_lora_module import split_for_sharing, token_loss
 from lragent.cli_main import main
 
 ROLES = ["plan", "action", "reflect"]
@@ -139,33 +139,74 @@ def test_module_sets_checkpointing_and_bfloat16_base_with_float32_adapters(tmp_p
 
 
 # ------------------------------------------------------------------------------------------------- the λ term
-def test_shared_term_scores_only_supervised_positions_with_the_same_loss(tmp_path: Path) -> None:
-    """The λ term's LM head runs on the supervised target positions only; the loss is token_loss over the full
-    target logits (the computation before this change)."""
-    m = tiny_module(lambda_shared=1.0, producer="next")
+@pytest.mark.parametrize(
+    ("scheme", "shared_a"), [("base_lr_shared", True), ("full_shared", True), ("full_shared", False)]
+)
+@pytest.mark.parametrize("split", ["piece", "last_token"])
+def test_one_pass_shared_term_equals_the_two_pass_form(tmp_path: Path, scheme: str, shared_a: bool, split: str) -> None:
+    """The λ term runs producer and consumer in one pass (a role per token) and scores the supervised positions
+    only; its loss is token_loss over the two-pass form's target logits (context re-laid out and encoded by the
+    producer into the cache, then the target by the consumer: the form pinned against a session)."""
+    m = tiny_module(lambda_shared=1.0, producer="random", shared_scheme=scheme, shared_a=shared_a, shared_split=split)
     m.lora_model.init_adapters("random", seed=3, b_std=0.5)
     batch = mixed_batch(tmp_path)
     producers = m.draw_producers(batch["role_ids"], seed=0)
-    full, parts = m.shared_logits(batch, producers, "base_lr_shared")  # (B, Tt, V)
-    reference, n = token_loss(full, parts["target_labels"])
-    out = m.compute_loss(batch)
-    assert "plain" not in out and n > 0
-    assert torch.allclose(out["shared"], reference, atol=1e-6, rtol=0)
-    scored, parts = m.shared_logits(batch, producers, "base_lr_shared", scored_only=True)
-    assert scored.shape == (int(n), full.shape[-1])
-    assert torch.allclose(scored, full.flatten(0, 1)[parts["scored_index"]], atol=1e-5, rtol=0)
+    parts = split_for_sharing(batch, m.shared_split(batch), m.pad_id)
+    assert int(parts["context_mask"].sum(1).min()) > 0  # every row shares some context
+    two_pass = m.lora_model.shared_context_forward(
+        parts["context_ids"], parts["context_mask"], parts["target_ids"], parts["target_mask"], producers,
+        batch["role_ids"], scheme=scheme,
+    )  # fmt: skip
+    reference, n = token_loss(two_pass, parts["target_labels"])
+    out = m.compute_loss(batch, seed=0)
+    assert "plain" not in out and n == batch["loss_index"].numel() > 0
+    assert torch.allclose(out["shared"], reference, atol=1e-5, rtol=0)
+    # and position by position over every consumer token
+    one_pass = m.shared_logits(batch, producers, scheme)  # (B, T, V)
+    for b in range(batch["input_ids"].shape[0]):
+        s, n_b = int(m.shared_split(batch)[b]), int(batch["lengths"][b])
+        assert torch.allclose(one_pass[b, s:n_b], two_pass[b, : n_b - s], atol=1e-5, rtol=0)
 
 
-def test_producer_pass_skips_its_last_layer_after_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The producer's last layer writes K/V and returns: its MLP never runs (the consumer's does)."""
-    m = tiny_module(lambda_shared=1.0, producer="next")
+def test_per_token_roles_equal_per_sequence_roles() -> None:
+    """A role per token, constant along a row, is the role per sequence (LoRA layers and decomposed attention)."""
+    from lragent.attention import decomposed_attention
+    from lragent.multi_lora import MultiLoraLinear
+
+    torch.manual_seed(0)
+    for shared_a in (True, False):
+        layer = MultiLoraLinear(torch.nn.Linear(16, 12), n_roles=3, rank=4, alpha=8.0, shared_a=shared_a)
+        for b in layer.lora_B:
+            torch.nn.init.normal_(b)
+        x, roles = torch.randn(2, 5, 16), torch.tensor([2, 0])
+        assert torch.allclose(layer(x, roles), layer(x, roles[:, None].expand(2, 5)), atol=1e-6)
+        mixed = torch.tensor([[0, 0, 1, 1, 2], [2, 1, 1, 0, 0]])
+        per_row = torch.stack([layer(x[i : i + 1], mixed[i, t : t + 1])[0, t] for i in range(2) for t in range(5)])
+        assert torch.allclose(layer(x, mixed).flatten(0, 1), per_row, atol=1e-6)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    v_lr, lora_b = torch.randn(2, 5, 3), torch.randn(3, 16, 3)
+    mixed = torch.tensor([[0, 0, 1, 1, 2], [2, 1, 1, 0, 0]])
+    out = decomposed_attention(q, k, v, v_lr, lora_b, 0.5, mixed, use_kernel=False)
+    for role in range(3):
+        ref = decomposed_attention(q, k, v, v_lr, lora_b, 0.5, torch.full((2,), role), use_kernel=False)
+        sel = mixed == role  # (B, Lq)
+        assert torch.allclose(out.transpose(1, 2)[sel], ref.transpose(1, 2)[sel], atol=1e-5)
+
+
+def test_two_pass_producer_skips_its_last_layer_after_the_cache(tmp_path: Path, monkeypatch) -> None:
+    """In the two-pass form the producer's last layer writes K/V and returns: its MLP never runs (the consumer's
+    does)."""
+    m = tiny_module()
     mlp_calls: list[int] = []
     last = m.lora_model.model.model.layers[-1].mlp
     monkeypatch.setattr(last, "forward", lambda x: mlp_calls.append(x.shape[1]) or torch.zeros_like(x))
     batch = mixed_batch(tmp_path)
-    m.compute_loss(batch)
-    tt = int((batch["lengths"] - batch["prefix_len"]).max())
-    assert mlp_calls == [tt]  # once, over the consumer's target positions
+    parts = split_for_sharing(batch, batch["prefix_len"], m.pad_id)
+    m.lora_model.shared_context_forward(
+        parts["context_ids"], parts["context_mask"], parts["target_ids"], parts["target_mask"],
+        torch.tensor([1, 2, 0, 1]), batch["role_ids"],
+    )  # fmt: skip
+    assert mlp_calls == [parts["target_ids"].shape[1]]  # once, over the consumer's target positions
 
 
 # ------------------------------------------------------------------------------------------------------ the CLI
