@@ -58,6 +58,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     q_len, k_len = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if key_mask is None and q_len == k_len:
+        if gqa and q.is_cuda and v.shape[-1] != q.shape[-1]:
+            # [V_base | V_lr] is wider than Q: FlashAttention cannot take it and GQA would fall to the math kernel;
+            # expanded KV heads take the memory-efficient kernel (as the masked case below). Same values.
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES:
         # A chunk at the end of the keys: FlashAttention's bottom-right causal variant, no mask tensor.
