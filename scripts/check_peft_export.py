@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     del module
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    base, _ = load_model(hp.model_name, dtype=torch.float32, device=dev, overrides=hp.model_overrides, seed=hp.model_seed)
+    base, _ = load_model(
+        hp.model_name, dtype=torch.float32, device=dev, overrides=hp.model_overrides, seed=hp.model_seed
+    )
     theirs = {}
     for role in roles:
         peft_model = PeftModel.from_pretrained(base, str(Path(args.export) / role)).eval()

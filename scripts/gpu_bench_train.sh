@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Training at 8B shapes on one GPU, in one call of at most ~8 minutes on an H100 (issue 19). Writes under $OUT:
 #
+#   shared_pass.json             the one-pass λ term against the two-pass form on this GPU (tiny model)
 #   bench/bench_train.{json,md}  lragent bench train: llama-3.1-8b shapes (random weights), hotpotqa role examples
 #                                (byte tokens) cut to 2048, batch 4, bf16-mixed; λ 0 and 0.5 with gradient
 #                                checkpointing on, λ 0 with it off, and the plain transformers + peft loop
@@ -44,6 +45,9 @@ phase() {  # phase NAME LOG command...: runs, logs, records wall seconds and sta
   tail -n 25 "$log"
   return 0
 }
+
+# 0. the one-pass λ term equals the two-pass form on this device (tiny model, seconds)
+phase shared_pass "$OUT/shared_pass.log" "$PY" scripts/check_shared_pass.py --out "$OUT/shared_pass.json"
 
 # 1. bench train: lragent (λ 0 / 0.5, checkpointing on; λ 0 off) and the PEFT loop on the same batches
 phase bench "$OUT/bench.log" "$PY" cli.py bench train --model "$MODEL" --model_overrides "$OVERRIDES" \
