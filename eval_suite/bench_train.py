@@ -554,11 +554,15 @@ def train(
                 settings.append(("lragent", 0.0, True))
             for impl, lam, packed in settings:
                 _reset_memory(dev)
-                steps_done = time_lragent(
-                    module, dm_packed if packed else dm, lam, ckpt, steps, warmup_steps, precision, dev, root
-                )
                 row = {"impl": impl, "lambda": lam, "checkpointing": ckpt, "packed": packed}
-                row.update(_summarise(steps_done[warmup_steps:], shape, lam, peak, dev))
+                row.update(
+                    _measure(
+                        lambda lam=lam, packed=packed, ckpt=ckpt, module=module: time_lragent(
+                            module, dm_packed if packed else dm, lam, ckpt, steps, warmup_steps, precision, dev, root
+                        ),
+                        warmup_steps, shape, lam, peak, dev,
+                    )
+                )  # fmt: skip
                 rows.append(row)
                 _print_row(row)
     del module
@@ -570,9 +574,15 @@ def train(
             for packed in [False, True] if dm_packed is not None else [False]:
                 _reset_memory(dev)
                 loader = (dm_packed if packed else dm).train_dataloader()
-                steps_done = time_peft(peft_model, loader, roles, ckpt, steps, warmup_steps, precision, dev)
                 row = {"impl": "peft", "lambda": 0.0, "checkpointing": ckpt, "packed": packed}
-                row.update(_summarise(steps_done[warmup_steps:], shape, 0.0, peak, dev))
+                row.update(
+                    _measure(
+                        lambda loader=loader, ckpt=ckpt: time_peft(
+                            peft_model, loader, roles, ckpt, steps, warmup_steps, precision, dev
+                        ),
+                        warmup_steps, shape, 0.0, peak, dev,
+                    )
+                )  # fmt: skip
                 rows.append(row)
                 _print_row(row)
         del peft_model
@@ -607,7 +617,28 @@ def train(
     return 0
 
 
+def _measure(run, warmup: int, shape: ModelShape, lam: float, peak: float | None, dev: torch.device) -> dict:
+    """``run()``'s step records summarised; a CUDA out-of-memory error gives a row marked ``oom`` (with the memory
+    allocated when it struck) instead of ending the benchmark."""
+    try:
+        return {"oom": False, **_summarise(run()[warmup:], shape, lam, peak, dev)}
+    except torch.OutOfMemoryError:
+        pass  # leave the except block first: its traceback holds the failed step's tensors
+    gib = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    _reset_memory(dev)
+    keys = ("steps", "seconds", "ms_per_step", "tokens", "padded_tokens", "examples", "tokens_per_s", "model_flops")
+    return {
+        "oom": True,
+        **dict.fromkeys(keys),
+        **dict.fromkeys(("tflops_per_s", "mfu", "step_seconds", "peak_reserved_gib")),
+        "peak_memory_gib": gib,
+    }
+
+
 def _print_row(row: dict[str, Any]) -> None:
+    if row["oom"]:
+        print(f"{row['impl']} λ={row['lambda']} ckpt={row['checkpointing']}: out of memory", flush=True)
+        return
     mem = f", peak {row['peak_memory_gib']:.1f} GiB" if row["peak_memory_gib"] is not None else ""
     mfu = f", MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
     print(
@@ -624,8 +655,9 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         same = [x for x in rows if x["checkpointing"] == r["checkpointing"] and x["packed"] == r["packed"]]
         zero = next((x for x in same if x["impl"] == "lragent" and x["lambda"] == 0.0), None)
         peft = next((x for x in same if x["impl"] == "peft"), None)
-        r["vs_lambda0"] = r["ms_per_step"] / zero["ms_per_step"] if zero and r["impl"] == "lragent" else None
-        r["vs_peft"] = r["tokens_per_s"] / peft["tokens_per_s"] if peft and r["impl"] == "lragent" else None
+        ok = not r["oom"] and r["impl"] == "lragent"
+        r["vs_lambda0"] = r["ms_per_step"] / zero["ms_per_step"] if ok and zero and not zero["oom"] else None
+        r["vs_peft"] = r["tokens_per_s"] / peft["tokens_per_s"] if ok and peft and not peft["oom"] else None
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -641,7 +673,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{r['lambda']:g}",
             "on" if r["checkpointing"] else "off",
             "yes" if r["packed"] else "no",
-            f"{r['ms_per_step']:.1f}",
+            "out of memory" if r["oom"] else f"{r['ms_per_step']:.1f}",
             f(r["tokens_per_s"], ".0f"),
             f(r["tflops_per_s"], ".1f"),
             f(None if r["mfu"] is None else 100 * r["mfu"], ".1f"),
@@ -657,7 +689,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"# Training-step speed ({prov['device']['name']})\n\n"
         f"{result['model']} (overrides {result['model_overrides'] or 'none'}: {shape['n_layers']} layers, width "
         f"{shape['hidden']}, vocab {shape['vocab']}), {result['precision']}, data {result['data']} "
-        f"(tokenizer {result['tokenizer'] or 'the model'}s), examples cut to {result['seq_len']} tokens, batch "
+        f"({result['tokenizer'] or 'the model'} tokenizer), examples cut to {result['seq_len']} tokens, batch "
         f"{result['batch_size']} sequences, LoRA r={result['rank']} alpha={result['alpha']:g} dropout "
         f"{result['dropout']:g} on {', '.join(result['targets'])}; {result['steps']} timed steps after "
         f"{result['warmup_steps']} warm-up steps, the same batches for every row with the same packing. "
@@ -679,7 +711,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             body,
         )
         + "\n\ntokens = real (non-padding) tokens of the batch's sequences; peak GiB = the most CUDA memory allocated "
-        "during the setting (weights included). Model FLOPs per step (eval_suite/bench_train.py): per layer "
+        "during the setting (weights included; for an out-of-memory row, when it failed). Model FLOPs per step "
+        "(eval_suite/bench_train.py): per layer "
         "4·P·T (frozen projections, forward + input gradient) + 6·R·T (LoRA) + 12·H_q·D·Σ L(L+1)/2 (causal "
         "attention), plus 4·d·V per scored position (LM head); the λ term counts as a second such pass; "
         "recomputation under checkpointing is not counted.\n" + provenance_footer(prov)

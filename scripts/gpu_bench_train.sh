@@ -34,6 +34,7 @@ mkdir -p "$OUT"
 : > "$OUT/timings.txt"
 (nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1) || true
 export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 phase() {  # phase NAME LOG command...: runs, logs, records wall seconds and status; later phases still run
   local name=$1 log=$2

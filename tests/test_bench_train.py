@@ -242,3 +242,32 @@ def test_bench_train_bad_values_are_one_line(args: list[str], message: str, caps
     assert main(["bench", "train", "--model", "tiny-llama", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_an_out_of_memory_setting_is_a_row_not_the_end() -> None:
+    from eval_suite.bench_train import _compare, _measure, render_markdown
+
+    shape = ModelShape(1, 8, 2, 1, 4, 16, 10, 2, ("q_proj",))
+
+    def oom() -> list:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def fine() -> list:
+        return [{"lengths": [3], "padded": 4, "n_scored": 1, "n_examples": 1, "seconds": 0.5}] * 2
+
+    dev = torch.device("cpu")
+    setting = {"impl": "lragent", "checkpointing": False, "packed": False}
+    rows = [
+        {**setting, "lambda": 0.0, **_measure(fine, 1, shape, 0.0, None, dev)},
+        {**setting, "lambda": 0.5, **_measure(oom, 1, shape, 0.5, None, dev)},
+    ]
+    _compare(rows)
+    assert rows[1]["oom"] and rows[1]["vs_lambda0"] is None and rows[0]["ms_per_step"] == 500.0
+    prov = {"device": {"name": "cpu"}, "command": "x"}
+    result = {
+        "provenance": prov, "rows": rows, "shape": {"n_layers": 1, "hidden": 8, "vocab": 10}, "peak_flops": None,
+        "model": "m", "model_overrides": None, "precision": "32-true", "data": "d", "tokenizer": "byte", "seq_len": 4,
+        "batch_size": 1, "rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": ["q_proj"], "steps": 1,
+        "warmup_steps": 1,
+    }  # fmt: skip
+    assert "| lragent | 0.5 | off | no | out of memory |" in render_markdown(result)
