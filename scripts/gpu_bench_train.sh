@@ -51,7 +51,7 @@ phase() {  # phase NAME LOG command...: runs, logs, records wall seconds and sta
 phase shared_pass "$OUT/shared_pass.log" "$PY" scripts/check_shared_pass.py --out "$OUT/shared_pass.json"
 
 # 1. bench train: lragent (λ 0 / 0.5, checkpointing on; λ 0 off) and the PEFT loop on the same batches
-phase bench "$OUT/bench.log" "$PY" cli.py bench train --model "$MODEL" --model_overrides "$OVERRIDES" \
+[ -n "${LRAGENT_SKIP_BENCH:-}" ] || phase bench "$OUT/bench.log" "$PY" cli.py bench train --model "$MODEL" --model_overrides "$OVERRIDES" \
   --data hotpotqa --seq_len "$SEQ" --batch_size "$BATCH" --steps "$BENCH_STEPS" --warmup_steps 2 \
   --lambdas '[0, 0.5]' --checkpointing '[true, false]' --pack_prefixes false --out "$OUT/bench"
 
@@ -66,6 +66,9 @@ run, out = sys.argv[1], sys.argv[2]
 cfg = yaml.safe_load(open("configs/hotpotqa.yaml").read().replace("runs/hotpotqa", run))
 if not any(importlib.util.find_spec(m) for m in ("tensorboard", "tensorboardX")):  # keep the CSV logger only
     cfg["trainer"]["logger"] = [lg for lg in cfg["trainer"]["logger"] if "TensorBoard" not in lg["class_path"]]
+# no progress bar in a log file
+cfg["trainer"]["callbacks"] = [cb for cb in cfg["trainer"]["callbacks"] if "ProgressBar" not in cb["class_path"]]
+cfg["trainer"]["enable_progress_bar"] = False
 for i in (1, 2):
     speed = {"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/fit{i}_speed.json"}}
     cfg_i = {**cfg, "trainer": {**cfg["trainer"], "callbacks": [*cfg["trainer"]["callbacks"], speed]}}
@@ -74,7 +77,7 @@ EOF
 FIT=(--model.model_name "$MODEL" --model.model_overrides "$OVERRIDES" --model.tokenizer_name byte
   --model.model_dtype bfloat16 --model.gradient_checkpointing true --data.max_length "$FIT_LEN"
   --trainer.accumulate_grad_batches 2 --trainer.val_check_interval 6 --trainer.limit_val_batches 4
-  --trainer.log_every_n_steps 1 --trainer.enable_progress_bar false)
+  --trainer.log_every_n_steps 1)
 phase fit1 "$OUT/fit1.log" "$PY" cli.py fit --config "$OUT/fit1_config.yaml" "${FIT[@]}" \
   --trainer.max_steps "$FIT_STEPS1"
 phase fit2 "$OUT/fit2.log" "$PY" cli.py fit --config "$OUT/fit2_config.yaml" "${FIT[@]}" \
