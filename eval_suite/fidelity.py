@@ -49,6 +49,9 @@ from lragent.session import MultiAgentSession
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SHARED_SPLITS: tuple[str, ...] = ("last", "piece")
+POOLS: tuple[str, ...] = ("heldout", "dev", "val")
+VAL_FRACTION, VAL_SEED = 0.05, 0
+"""The validation split of ``configs/embedded_*.yaml`` (``data.val_fraction``, ``data.seed``): ``--pool val``."""
 
 
 # ------------------------------------------------------------------------------------------------------- examples
@@ -123,15 +126,21 @@ def heldout_indices(n: int, holdout: int, limit: int | None, seed: int, role: st
         limit: draw this many of the pool with ``random.Random(f"{seed}:{role}")`` (None: the whole pool).
         seed: seed of the draw.
         role: role name (part of the seed).
-        pool: ``heldout`` (the tail) or ``dev`` (the ``holdout`` examples just before the tail, for tuning).
+        pool: ``heldout`` (the tail), ``dev`` (the ``holdout`` examples just before the tail, for tuning) or ``val``
+            (the validation split of the embedded training configs, ``val_fraction`` 0.05 with data seed 0: the only
+            examples that adapters trained by those configs never saw; ``holdout`` is then ignored).
     """
     if holdout < 1:
         raise ValueError(f"holdout must be >= 1, got {holdout}")
     tail = list(range(max(0, n - holdout), n))
-    if pool == "dev":
+    if pool == "val":
+        from datamodules.role_examples import split_indices
+
+        tail = split_indices(n, VAL_FRACTION, VAL_SEED, role)[1]
+    elif pool == "dev":
         tail = list(range(max(0, n - 2 * holdout), max(0, n - holdout)))
     elif pool != "heldout":
-        raise ValueError(f"pool {pool!r} unknown: allowed heldout, dev")
+        raise ValueError(f"pool {pool!r} unknown: allowed {', '.join(POOLS)}")
     if limit is not None and limit < len(tail):
         tail = sorted(random.Random(f"{seed}:{role}").sample(tail, limit))
     return tail
@@ -329,6 +338,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or all")
     p.add_argument("--droidspeak-config", default=None, help="JSON/YAML with droidspeak_layers (droidspeak_select)")
     p.add_argument("--out", default="fidelity_out", help="output directory (fidelity.json, fidelity.md)")
+    p.add_argument(
+        "--pool", default="heldout", help=f"examples: {', '.join(POOLS)} (val: the embedded configs' validation split, "
+        "never trained on; --holdout is ignored)"
+    )  # fmt: skip
     return p
 
 
@@ -371,12 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate_common(args)
         check_writable(args.out, is_dir=True)
+        if args.pool not in POOLS:
+            raise ValueError(f"--pool {args.pool!r} unknown: allowed {', '.join(POOLS)}")
         schemes = parse_schemes(args.scheme)
         if "non_shared" not in schemes:
             schemes = ["non_shared", *schemes]
         layers = load_droidspeak_config(args.droidspeak_config) if args.droidspeak_config else None
         model, tokenizer = build_model(args)
-        examples = examples_from_args(args, model, tokenizer, "heldout")
+        examples = examples_from_args(args, model, tokenizer, args.pool)
         result = run_fidelity(
             model, examples, schemes, producer=args.producer, shared_split=args.shared_split,
             droidspeak_layers=layers, use_kernel=not args.no_kernel, progress=not args.quiet,
@@ -387,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     result["config"] = {
         "benchmark": args.benchmark, "model": args.model,
         "adapters": str(Path(args.adapters).resolve()) if args.adapters else f"init:{args.adapter_init}",
-        "seed": args.seed, "holdout": args.holdout, "limit": args.limit, "producer": args.producer,
+        "seed": args.seed, "pool": args.pool, "holdout": args.holdout, "limit": args.limit, "producer": args.producer,
         "shared_split": args.shared_split, "max_context_tokens": args.max_context_tokens,
         "droidspeak_layers": layers, "dtype": args.dtype,
     }  # fmt: skip
