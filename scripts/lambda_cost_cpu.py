@@ -4,7 +4,9 @@ Runs against whichever checkout is on ``PYTHONPATH`` (to compare a change with t
 
     PYTHONPATH=. python scripts/lambda_cost_cpu.py --layers 6 --seq_len 512 --batch_size 1 --rounds 3
 
-Prints one JSON line: median seconds per step at each λ and their ratio. The 135M shapes with the byte tokenizer
+Prints one JSON line: median seconds per step at each λ and their ratio, and the FLOPs of the same steps as
+``torch.utils.flop_counter`` counts them (matmuls and attention, forward and backward), which machine load cannot
+change. The 135M shapes with the byte tokenizer
 (49K-row LM head, as the embedded model) and random weights; fp32; dropout 0.05 as in the configs.
 """
 
@@ -62,6 +64,18 @@ def main() -> None:
             for p in m.lora_model.lora_parameters():
                 p.grad = None
     med = {lam: statistics.median(v) for lam, v in times.items()}
+    # the same steps' operation counts (matmuls and attention, forward and backward): what the load cannot change
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops = {}
+    for lam in (0.0, 0.5):
+        m.train_config.lambda_shared = lam
+        with FlopCounterMode(display=False) as counter:
+            for i, batch in enumerate(batches[1:], start=1):
+                m.compute_loss(batch, seed=i)["loss"].backward()
+        flops[lam] = counter.get_total_flops()
+        for p in m.lora_model.lora_parameters():
+            p.grad = None
     print(
         json.dumps(
             {
@@ -73,6 +87,9 @@ def main() -> None:
                 "seconds_lambda0": med[0.0],
                 "seconds_lambda0.5": med[0.5],
                 "ratio": med[0.5] / med[0.0],
+                "flops_lambda0": flops[0.0],
+                "flops_lambda0.5": flops[0.5],
+                "flop_ratio": flops[0.5] / flops[0.0],
                 "all": {str(k): v for k, v in times.items()},
             }
         )
