@@ -238,7 +238,8 @@ class FitSpeed(Callback):
 
     Each micro-batch is timed from its start to its end (device synchronised: forward, backward and, on the last
     micro-batch of an accumulation, the optimizer step); the first ``warmup`` micro-batches are not counted. Data
-    loading, validation and checkpointing are outside the micro-batches: ``other_seconds`` reports them.
+    loading, validation and checkpointing are outside the micro-batches: ``other_seconds`` reports them. In the JSON,
+    ``steps`` / ``ms_per_step`` count timed micro-batches (an optimizer step is ``accumulate_grad_batches`` of them).
 
     Args:
         out: JSON file to write.
