@@ -18,7 +18,8 @@ schemes afterwards).
 **No host syncs per micro-batch.** The plain forward computes logits only at the supervised positions that the
 collator lists (``loss_index``), passes no attention mask for the right-padded batches and accumulates validation
 sums on the device; the host waits for the device only where Lightning logs (every ``log_every_n_steps``) and at
-the end of a validation. The shared-cache paths (λ > 0, ``val_schemes``) still size their split on the host.
+the end of a validation. The shared-cache paths (λ > 0, ``val_schemes``) run producer and consumer in one pass over
+the unsplit batch (a role per token), so they need no host sync either and score only the supervised positions.
 
 The frozen base weights are not stored in Lightning checkpoints (they are reloaded from ``model_name``); only the
 adapters, optimizer and schedule state are.
@@ -232,6 +233,11 @@ class MultiLoraModule(LightningModule):
             one PEFT directory per role) instead of fresh adapters; its layout must match. E.g. validate shipped
             adapters through every scheme: ``cli.py validate --config C --model.adapters_path DIR
             --model.val_schemes null`` (a ``--ckpt_path`` would also restore the checkpoint's hyperparameters).
+        model_dtype: dtype of the frozen base weights (``float32``, ``bfloat16``, ``float16``); ``None``: float32.
+            With ``trainer.precision: bf16-mixed`` an 8B model wants ``bfloat16``: half the memory, and autocast
+            does not re-cast every weight on every matmul. The adapters stay float32 (AdamW on float32 weights).
+        gradient_checkpointing: recompute each decoder layer's activations in backward instead of storing them
+            (same loss and gradients; memory per layer drops to its input and its K/V; about one more forward).
     """
 
     def __init__(
@@ -260,6 +266,8 @@ class MultiLoraModule(LightningModule):
         val_schemes: list[str] | None = None,
         producer_seed: int = 0,
         adapters_path: str | None = None,
+        model_dtype: str | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -298,6 +306,10 @@ class MultiLoraModule(LightningModule):
                     raise ValueError("scheme base_lr_shared needs shared A: set shared_a: true or use full_shared")
         if adapters_path is not None and not Path(adapters_path).is_dir():
             raise FileNotFoundError(f"adapters_path {adapters_path} is not a directory")
+        if model_dtype is not None:
+            from lragent.models import parse_dtype
+
+            parse_dtype(model_dtype)  # a bad name fails here, before the model is loaded
         self.roles = roles
         self.lora_model = None  # built in configure_model (so that parsing a config does not load the model)
         self.pad_id = 0
@@ -314,8 +326,14 @@ class MultiLoraModule(LightningModule):
         from lragent.lora_model import MultiLoraModel
         from lragent.models import load_model
 
+        # On the device Lightning initialises on (its tensor_init_context; the CPU elsewhere): an 8B model is built
+        # on the GPU directly instead of in host memory.
         hf_model, tok = load_model(
-            self.hparams.model_name, overrides=self.hparams.model_overrides, seed=self.hparams.model_seed
+            self.hparams.model_name,
+            dtype=self.hparams.get("model_dtype") or torch.float32,
+            device=torch.get_default_device(),
+            overrides=self.hparams.model_overrides,
+            seed=self.hparams.model_seed,
         )
         if self.hparams.tokenizer_name is not None:
             from datamodules.role_examples import resolve_tokenizer
@@ -331,7 +349,10 @@ class MultiLoraModule(LightningModule):
         with torch.random.fork_rng():
             torch.manual_seed(self.hparams.adapter_seed)
             self.lora_model = MultiLoraModel(hf_model, self.lora_config)
+            for p in self.lora_model.lora_parameters():  # the trained weights stay float32 under a low-precision base
+                p.data = p.data.float()
             self.lora_model.init_adapters("zero", seed=self.hparams.adapter_seed)
+        self.lora_model.engine.gradient_checkpointing = bool(self.hparams.get("gradient_checkpointing", False))
         if self.hparams.adapters_path is not None:
             from lragent.adapters_io import load_adapter_dir
 
@@ -385,18 +406,29 @@ class MultiLoraModule(LightningModule):
         return batch["context_len"] - 1
 
     def shared_logits(
-        self, batch: dict[str, torch.Tensor], producers: torch.Tensor, scheme: str
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Consumer logits over the target part ``(B, Tt, V)`` with the context encoded by ``producers``."""
-        parts = split_for_sharing(batch, self.shared_split(batch), self.pad_id)
-        if parts["context_ids"].shape[1] == 0:  # nothing is shared in this batch: the consumer encodes everything
-            logits = self.lora_model(parts["target_ids"], batch["role_ids"], attention_mask=parts["target_mask"])
-        else:
-            logits = self.lora_model.shared_context_forward(
-                parts["context_ids"], parts["context_mask"], parts["target_ids"], parts["target_mask"],
-                producers, batch["role_ids"], scheme=scheme,
-            )  # fmt: skip
-        return logits, parts
+        self,
+        batch: dict[str, torch.Tensor],
+        producers: torch.Tensor,
+        scheme: str,
+        output_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits with each sequence's first ``shared_split`` tokens encoded by its producer into the shared cache
+        and the rest by its own role (the consumer) over that cache, in one pass
+        (:meth:`~lragent.lora_model.MultiLoraModel.shared_sequence_forward`).
+
+        Args:
+            batch: a collated batch (one example per sequence).
+            producers: ``(B,)`` producer role of each sequence.
+            scheme: ``base_lr_shared`` or ``full_shared``.
+            output_index: ``(N,)`` flat positions ``b * T + t`` to score (e.g. ``loss_index``); ``None``: all.
+
+        Returns:
+            ``(B, T, V)``, or ``(N, V)`` at ``output_index``. Every supervised prediction lies in the consumer's part
+            (``split < context_len``).
+        """
+        return self.lora_model.shared_sequence_forward(
+            batch["input_ids"], self.shared_split(batch), producers, batch["role_ids"], scheme, output_index
+        )
 
     def compute_loss(self, batch: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
         """``(1 - λ) · plain + λ · shared`` (terms with weight 0 are not computed).
@@ -414,8 +446,10 @@ class MultiLoraModule(LightningModule):
             loss = loss + (1 - lam) * out["plain"]
         if lam > 0:
             producers = self.draw_producers(batch["role_ids"], seed)
-            logits, parts = self.shared_logits(batch, producers, self.train_config.shared_scheme)
-            out["shared"], _ = token_loss(logits, parts["target_labels"])
+            # one pass over the unsplit sequences, the LM head at the supervised positions only
+            logits = self.shared_logits(batch, producers, self.train_config.shared_scheme, batch["loss_index"])
+            n = max(1, batch["loss_index"].numel())
+            out["shared"] = F.cross_entropy(logits.float(), batch["loss_targets"], reduction="sum") / n
             loss = loss + lam * out["shared"]
         out["loss"] = loss
         return out
@@ -443,13 +477,9 @@ class MultiLoraModule(LightningModule):
         if not self.train_config.val_schemes:
             return
         producers = self.draw_producers(batch["role_ids"], seed=self.hparams.producer_seed * 1_000_003 + batch_idx)
-        split = self.shared_split(batch)  # (B,)
         for scheme in self.train_config.val_schemes:
-            s_logits, parts = self.shared_logits(batch, producers, scheme)  # (B, Tt, V)
-            # The prediction at full position p is the consumer's at target position p - split (examples are not
-            # packed in validation, so every supervised prediction lies in the consumer's part).
-            s_index = rows * s_logits.shape[1] + (index - rows * t) - split[rows]
-            logp_s = s_logits.flatten(0, 1)[s_index].float().log_softmax(-1)  # (N, V)
+            # examples are not packed in validation: every supervised prediction lies in the consumer's part
+            logp_s = self.shared_logits(batch, producers, scheme, index).float().log_softmax(-1)  # (N, V)
             s_nll = -logp_s.gather(-1, targets[:, None])[:, 0]
             s_correct = (logp_s.argmax(-1) == targets).to(nll.dtype)
             kl = (logp.exp() * (logp - logp_s)).sum(-1)  # KL(plain || shared) per prediction

@@ -58,6 +58,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     q_len, k_len = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if key_mask is None and q_len == k_len:
+        if gqa and q.is_cuda and v.shape[-1] != q.shape[-1]:
+            # [V_base | V_lr] is wider than Q: FlashAttention cannot take it and GQA would fall to the math kernel;
+            # expanded KV heads take the memory-efficient kernel (as the masked case below). Same values.
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES:
         # A chunk at the end of the keys: FlashAttention's bottom-right causal variant, no mask tensor.
@@ -116,7 +122,7 @@ def decomposed_attention(
         v_lr: ``(B, L, r)`` low-rank cache ``X A``, shared by all KV heads.
         lora_b: ``(n_roles, H_kv·D, r)`` stacked up-projections of ``v_proj`` (PEFT layout).
         scaling: LoRA scaling alpha / r.
-        role_ids: ``(B,)`` role whose B each sequence applies.
+        role_ids: ``(B,)`` role whose B each sequence applies, or ``(B, Lq)`` each query's (the PyTorch path).
         key_mask: ``(B, L)`` padding mask or ``None``.
         use_kernel: allow the fused Triton kernel on CUDA.
 
@@ -126,7 +132,15 @@ def decomposed_attention(
     b, h_q, q_len, d = q.shape
     h_kv = k.shape[1]
     b_heads = lora_b_per_head(lora_b, h_kv)  # (n_roles, H_kv, r, D)
-    if use_kernel and key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES and kernel_available():
+    per_query = role_ids.dim() == 2
+    if (
+        use_kernel
+        and not per_query
+        and key_mask is None
+        and q.is_cuda
+        and q.dtype in _KERNEL_DTYPES
+        and kernel_available()
+    ):
         from kernels.flash_lora_attention import flash_lora_attention
 
         return flash_lora_attention(q, k, v_base, v_lr, b_heads, scaling, role_ids=role_ids)
@@ -137,6 +151,13 @@ def decomposed_attention(
     o_base, o_lr = out[..., :d], out[..., d:]
     group = h_q // h_kv
     o_lr = o_lr.reshape(b, h_kv, group, q_len, r)
+    if per_query:  # each query's own B: o_lr in its role's r columns, times every role's B side by side
+        n_roles = b_heads.shape[0]
+        onehot = F.one_hot(role_ids, n_roles).to(o_lr.dtype)[:, None, None, :, :, None]  # (B, 1, 1, Lq, n, 1)
+        o_roles = (onehot * o_lr[..., None, :]).flatten(-2)  # (B, H_kv, group, Lq, n·r)
+        b_cat = b_heads.transpose(0, 1).reshape(h_kv, n_roles * r, d)  # (H_kv, n·r, D)
+        o_up = torch.einsum("bhgqk,hkd->bhgqd", o_roles, b_cat.to(o_lr.dtype)).reshape(b, h_q, q_len, d)
+        return o_base + o_up * scaling
     b_sel = b_heads[role_ids]  # (B, H_kv, r, D)
     o_up = torch.einsum("bhgqr,bhrd->bhgqd", o_lr, b_sel.to(o_lr.dtype)).reshape(b, h_q, q_len, d)
     return o_base + o_up * scaling

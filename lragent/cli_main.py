@@ -8,6 +8,7 @@
     python cli.py droidspeak-select --benchmark hotpotqa --adapters DIR   # DroidSpeak recompute layers
     python cli.py similarity --adapters DIR --benchmark hotpotqa           # cache similarity across agents
     python cli.py bench kernel                                      # Flash-LoRA-Attention micro-benchmark
+    python cli.py bench train --model llama-3.1-8b                  # training steps: lragent vs a PEFT loop
     python cli.py data-stats --out DIR                              # role data token lengths and batches
 
 This file only wires: each command lives in its own module and is imported when it is used.
@@ -35,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("kernels.bench", "bench_kernel"),
     "decode": ("eval_suite.bench_decode", "decode"),
     "trace": ("eval_suite.bench_trace", "trace"),
+    "train": ("eval_suite.bench_train", "train"),
 }
 LIGHTNING = ("fit", "validate", "test")
 

@@ -130,6 +130,9 @@ class DecoderEngine:
         self.vocab_size = cfg.vocab_size
         self._silu = getattr(cfg, "hidden_act", "silu") == "silu"
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.gradient_checkpointing = False
+        """Recompute each layer's activations in backward instead of keeping them (training through growable
+        caches: :meth:`run_view`). Same values and gradients; memory per layer drops to its input and its K/V."""
 
     # ---- pieces -------------------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -185,6 +188,7 @@ class DecoderEngine:
         write_kv: bool = True,
         lr_only: bool = False,
         kv_from: int = 0,
+        kv_only: bool = False,
     ) -> torch.Tensor:
         """One decoder layer over ``T`` new positions.
 
@@ -201,9 +205,12 @@ class DecoderEngine:
             kv_from: an LR prefill and a forward in one pass (``base_shared``): the first ``kv_from`` positions are
                 cached already and get only V_lr (no K/V_base projections), the rest are written in full. Needs a
                 view with ``sub()`` (:class:`~lragent.cache_views.PrefillView`).
+            kv_only: write K, V (or V_base) and V_lr and stop: the last layer of a pass whose outputs nobody reads,
+                only its cache (the producer of the shared-context forward). The values written are those of the
+                full layer (same operations); the queries, attention, ``o_proj`` and MLP are skipped.
 
         Returns:
-            ``(B, T, hidden)`` hidden states leaving the layer (``h`` itself with ``lr_only``).
+            ``(B, T, hidden)`` hidden states leaving the layer (``h`` itself with ``lr_only`` or ``kv_only``).
         """
         layer = self.layers[index]
         attn = layer.self_attn
@@ -249,6 +256,10 @@ class DecoderEngine:
                 v, v_lr = v_mod.base(x), v_mod.lora_input(x, role_ids)
             else:
                 v, v_lr = _proj(v_mod, x, role_ids), None
+            if kv_only:  # the stores of rope_store_unfused, without the queries
+                v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
+                view.store(index, apply_rope(k.transpose(1, 2), cos, sin), v, v_lr)  # (B, H_kv, T, D)
+                return h
             q = _proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim)
             q = view.rope_store(index, q, k, v.view(b, t, -1, self.head_dim), v_lr, cos, sin)  # (B, H_q, T, D)
         else:
@@ -288,15 +299,25 @@ class DecoderEngine:
         layers: Iterable[int] | None = None,
         write_kv: bool = True,
         kv_from: int = 0,
+        kv_only_last: bool = False,
     ) -> torch.Tensor:
         """Runs ``layers`` (default: all) in order over one view; see :meth:`layer_forward`.
 
-        With ``write_kv=False`` (LR prefill) the last layer only writes V_lr.
+        With ``write_kv=False`` (LR prefill) the last layer only writes V_lr; with ``kv_only_last`` it only writes
+        its K/V (the caller reads the cache, not the output). With :attr:`gradient_checkpointing` set and autograd
+        on, every full layer over a :class:`~lragent.kv_cache.GrowableView` runs under activation checkpointing.
         """
+        from lragent.kv_cache import GrowableView
+
         order = list(range(self.n_layers) if layers is None else layers)
+        ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and isinstance(view, GrowableView)
         for i in order:
             lr_only = not write_kv and i == order[-1]
-            h = self.layer_forward(i, h, rotary, role_ids, view, write_kv, lr_only, kv_from)
+            kv_only = kv_only_last and write_kv and i == order[-1]
+            if ckpt and not (lr_only or kv_only):
+                h = _checkpointed_layer(self, i, h, rotary, role_ids, view, write_kv, kv_from)
+            else:
+                h = self.layer_forward(i, h, rotary, role_ids, view, write_kv, lr_only, kv_from, kv_only)
         return h
 
     def run_layers(
@@ -310,6 +331,7 @@ class DecoderEngine:
         write_kv: bool = True,
         key_mask: torch.Tensor | None = None,
         use_kernel: bool = True,
+        kv_only_last: bool = False,
     ) -> torch.Tensor:
         """Runs layers over growable caches (:class:`~lragent.kv_cache.ModelCache`), new positions at ``start``.
 
@@ -323,6 +345,7 @@ class DecoderEngine:
             write_kv: see :meth:`layer_forward`.
             key_mask: ``(B, L)`` padding mask over cache positions.
             use_kernel: allow the fused kernel on CUDA.
+            kv_only_last: the last layer only writes its K/V (see :meth:`run_view`).
 
         Returns:
             ``(B, T, hidden)`` after the last layer run.
@@ -330,7 +353,7 @@ class DecoderEngine:
         from lragent.kv_cache import GrowableView
 
         view = GrowableView(caches, start, key_mask=key_mask, use_kernel=use_kernel)
-        return self.run_view(h, self.rotary(h, positions), role_ids, view, layers, write_kv)
+        return self.run_view(h, self.rotary(h, positions), role_ids, view, layers, write_kv, kv_only_last=kv_only_last)
 
     def forward(
         self,
@@ -373,3 +396,61 @@ class DecoderEngine:
         if last_only:
             h = h[:, -1:]
         return self.logits(h)
+
+
+class _ReplayView:
+    """A cache view for one checkpointed layer: the first call goes through ``view``; the recomputation in backward
+    writes nothing (the cache already holds these positions, and other forwards may have appended after them) and
+    attends to what the first call wrote, which has the same values.
+    """
+
+    def __init__(self, view: CacheView) -> None:
+        self.view = view
+        self.decomposed = view.decomposed
+        self.replay = False
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        if not self.replay:
+            self.view.store(layer, k, v, v_lr)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        if not self.replay:
+            self.view.store_lr(layer, v_lr)
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        if not self.replay:
+            self.view.capture(layer, h)
+
+    def attend(self, layer, q, lora_b, scaling, role_ids) -> torch.Tensor:
+        return self.view.attend(layer, q, lora_b, scaling, role_ids)
+
+
+def _checkpointed_layer(
+    engine: DecoderEngine,
+    index: int,
+    h: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    role_ids: torch.Tensor | None,
+    view: CacheView,
+    write_kv: bool,
+    kv_from: int,
+) -> torch.Tensor:
+    """:meth:`DecoderEngine.layer_forward` under non-reentrant activation checkpointing (dropout masks replayed).
+
+    Returns:
+        ``(B, T, hidden)``, as the layer.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    replay = _ReplayView(view)
+    calls = [0]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        replay.replay = calls[0] > 0
+        calls[0] += 1
+        return engine.layer_forward(index, x, rotary, role_ids, replay, write_kv, False, kv_from)
+
+    return checkpoint(run, h, use_reentrant=False, preserve_rng_state=True)

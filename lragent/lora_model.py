@@ -178,6 +178,7 @@ class MultiLoraModel(nn.Module):
         producer_ids: torch.Tensor | list,
         consumer_ids: torch.Tensor | list,
         scheme: str | Scheme = Scheme.BASE_LR_SHARED,
+        output_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Context encoded by a producer role into a shared cache; target scored by the consumer role over it.
 
@@ -193,9 +194,13 @@ class MultiLoraModel(nn.Module):
             producer_ids: ``(B,)`` role encoding the context.
             consumer_ids: ``(B,)`` role processing the target.
             scheme: ``base_lr_shared`` or ``full_shared``.
+            output_index: ``(N,)`` flat target positions ``b * Tt + t`` whose logits are wanted; ``None``: all.
 
         Returns:
-            logits over the target positions ``(B, Tt, vocab)``.
+            logits over the target positions ``(B, Tt, vocab)``, or ``(N, vocab)`` with ``output_index``.
+
+        The producer's last layer only writes its K/V (its outputs are never read), and with ``output_index`` the
+        LM head runs on the N scored positions only: the logits there are those of the full computation.
         """
         layout = make_scheme(scheme, len(self.router), shared_a=self.lora_config.shared_a, n_layers=self.n_layers)
         if not layout.consumer_reads_producer_cache:
@@ -211,10 +216,65 @@ class MultiLoraModel(nn.Module):
         cache = ModelCache(self.n_layers, decomposed=layout.decomposed)
         ctx_pos = (context_mask.long().cumsum(-1) - 1).clamp_min(0)
         key_mask = torch.cat([context_mask, target_mask], dim=1)
-        h = self.engine.run_layers(self.engine.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask)
-        del h  # the producer's outputs are not scored: only its cache is used
+        # the producer's outputs are not scored, only its cache is used: its last layer stops after writing K/V
+        self.engine.run_layers(
+            self.engine.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask, kv_only_last=True
+        )
         tgt_pos = context_mask.long().sum(-1, keepdim=True) + (target_mask.long().cumsum(-1) - 1).clamp_min(0)
         h = self.engine.run_layers(self.engine.embed(target_ids), tgt_pos, consumer, cache, tc, key_mask=key_mask)
+        if output_index is not None:
+            h = h.flatten(0, 1).index_select(0, output_index)  # (N, hidden)
+        return self.engine.logits(h)
+
+    def shared_sequence_forward(
+        self,
+        input_ids: torch.Tensor,
+        split: torch.Tensor,
+        producer_ids: torch.Tensor | list,
+        consumer_ids: torch.Tensor | list,
+        scheme: str | Scheme = Scheme.BASE_LR_SHARED,
+        output_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`shared_context_forward` in one pass over the unsplit sequences: the producer and the consumer
+        batched token by token.
+
+        Each token is processed by its own role: the first ``split`` tokens of a sequence by the producer, the rest
+        by the consumer, at their own positions, causally. That is what the two-pass form computes: a context
+        token attends only to context tokens, as the producer did; under ``full_shared`` every key carries the
+        values its writer's adapter made; under ``base_lr_shared`` each query applies its own role's B to the
+        shared V_lr. Here the sequences keep their right padding (no re-layout, no mask: causal attention over one
+        length), and the producer and consumer projections run as one batch.
+
+        Args:
+            input_ids: ``(B, T)`` right-padded sequences.
+            split: ``(B,)`` tokens of each sequence encoded by the producer.
+            producer_ids: ``(B,)`` role encoding the first ``split`` tokens.
+            consumer_ids: ``(B,)`` role of the remaining tokens.
+            scheme: ``base_lr_shared`` or ``full_shared``.
+            output_index: ``(N,)`` flat positions ``b * T + t`` whose logits are wanted; ``None``: all.
+
+        Returns:
+            logits ``(B, T, vocab)``, or ``(N, vocab)`` with ``output_index``; the consumer's positions are those of
+            :meth:`shared_context_forward` (the producer's are the producer's own outputs).
+        """
+        layout = make_scheme(scheme, len(self.router), shared_a=self.lora_config.shared_a, n_layers=self.n_layers)
+        if not layout.consumer_reads_producer_cache:
+            raise ValueError(
+                f"the shared-context forward emulates schemes in which the consumer reads the producer's cache as "
+                f"written (full_shared, base_lr_shared); {layout.scheme.value} makes the consumer re-process the "
+                "context, which this forward does not emulate"
+            )
+        b, t = input_ids.shape
+        dev = input_ids.device
+        producer = self._role_tensor(producer_ids, b, dev)
+        consumer = self._role_tensor(consumer_ids, b, dev)
+        pos = torch.arange(t, device=dev).expand(b, t)  # (B, T)
+        roles = torch.where(pos < split.to(dev)[:, None], producer[:, None], consumer[:, None])  # (B, T)
+        cache = ModelCache(self.n_layers, decomposed=layout.decomposed)
+        # use_kernel=False: the fused attention kernel has no backward, and this forward trains
+        h = self.engine.run_layers(self.engine.embed(input_ids), pos, roles, cache, 0, use_kernel=False)
+        if output_index is not None:
+            h = h.flatten(0, 1).index_select(0, output_index)  # (N, hidden)
         return self.engine.logits(h)
 
     # ---- comparison helpers -------------------------------------------------------------------------------------

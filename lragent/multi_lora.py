@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "v_proj")
@@ -164,50 +165,69 @@ class MultiLoraLinear(nn.Module):
             if self.n_roles != 1:
                 raise ValueError(f"role_ids is required: this layer serves {self.n_roles} roles")
             return torch.zeros(batch, dtype=torch.long, device=device)
-        if role_ids.shape != (batch,):
-            raise ValueError(f"role_ids must have shape ({batch},), one id per sequence, got {tuple(role_ids.shape)}")
+        if role_ids.shape != (batch,) and not (role_ids.dim() == 2 and role_ids.shape[0] == batch):
+            raise ValueError(
+                f"role_ids must have shape ({batch},), one id per sequence, or ({batch}, T), one per token; "
+                f"got {tuple(role_ids.shape)}"
+            )
         return role_ids.to(device)
+
+    def _per_role(self, lr: torch.Tensor, role_ids: torch.Tensor) -> torch.Tensor:
+        """``(B, T, n_roles·r)``: ``lr`` ``(B, T, r)`` in the r columns of each token's role (``role_ids`` ``(B, T)``),
+        zero elsewhere: one GEMM with the concatenated B's then applies every token's own B."""
+        onehot = F.one_hot(role_ids, self.n_roles).to(lr.dtype)  # (B, T, n_roles)
+        return (onehot[..., None] * lr[..., None, :]).flatten(-2)
+
+    def cat_b(self) -> torch.Tensor:
+        """``(d_out, n_roles·r)``: every role's B side by side (role-major columns)."""
+        return torch.cat(list(self.lora_B), dim=1)
 
     def lora_input(self, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
         """The low-rank activation ``drop(x) A_roleᵀ`` (what V_lr stores for ``v_proj``).
 
         Args:
             x: ``(B, T, d_in)``.
-            role_ids: ``(B,)`` role of each sequence (ignored with shared A).
+            role_ids: ``(B,)`` role of each sequence, or ``(B, T)`` of each token (ignored with shared A).
 
         Returns:
             ``(B, T, r)``.
         """
         x = self.dropout(x)
+        # adapters may be kept in float32 over a bfloat16 base (training): compute in the activations' dtype
         if self.shared_a:
-            return x @ self.lora_A[0].t()
+            return x @ self.lora_A[0].t().to(x.dtype)
         role_ids = self._check_roles(role_ids, x.shape[0], x.device)
+        if role_ids.dim() == 2:  # every role's A, then each token's own r columns
+            lr_all = (x @ torch.cat(list(self.lora_A)).t().to(x.dtype)).unflatten(-1, (self.n_roles, self.rank))
+            return lr_all.gather(2, role_ids[..., None, None].expand(-1, -1, 1, self.rank)).squeeze(2)
         a = torch.stack(list(self.lora_A))[role_ids]  # (B, r, d_in)
-        return torch.einsum("btd,brd->btr", x, a)
+        return torch.einsum("btd,brd->btr", x, a.to(x.dtype))
 
     def lora_output(self, lr: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
         """Applies each sequence's up-projection and scaling: ``s · lr B_roleᵀ``.
 
         Args:
             lr: ``(B, T, r)`` low-rank activations.
-            role_ids: ``(B,)``.
+            role_ids: ``(B,)``, or ``(B, T)`` (a role per token).
 
         Returns:
             ``(B, T, d_out)``.
         """
         role_ids = self._check_roles(role_ids, lr.shape[0], lr.device)
+        if role_ids.dim() == 2:
+            return (self._per_role(lr, role_ids) @ self.cat_b().t().to(lr.dtype)) * self.scaling
         if self.n_roles == 1:
-            return (lr @ self.lora_B[0].t()) * self.scaling
+            return (lr @ self.lora_B[0].t().to(lr.dtype)) * self.scaling
         b = self.stacked_b()[role_ids]  # (B, d_out, r)
-        return torch.einsum("btr,bor->bto", lr, b) * self.scaling
+        return torch.einsum("btr,bor->bto", lr, b.to(lr.dtype)) * self.scaling
 
     def _add_lora(self, base: torch.Tensor, lr: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
         """``base + s · lr B_roleᵀ`` in one batched multiply-add for ``(B, T, ·)`` inputs."""
-        if self.n_roles == 1 or lr.dim() != 3:
-            return base + self.lora_output(lr, role_ids)
+        if self.n_roles == 1 or lr.dim() != 3 or (role_ids is not None and role_ids.dim() == 2):
+            return base + self.lora_output(lr, role_ids).to(base.dtype)
         role_ids = self._check_roles(role_ids, lr.shape[0], lr.device)
         b = self.stacked_b()[role_ids]  # (B, d_out, r)
-        return torch.baddbmm(base, lr, b.transpose(1, 2), alpha=self.scaling)
+        return torch.baddbmm(base, lr.to(base.dtype), b.transpose(1, 2).to(base.dtype), alpha=self.scaling)
 
     def forward_parts(self, x: torch.Tensor, role_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(x W0ᵀ + b, drop(x) A_roleᵀ)``: shapes ``(B, T, d_out)`` and ``(B, T, r)``."""

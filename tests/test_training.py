@@ -120,7 +120,8 @@ def test_lambda_zero_is_plain_multi_lora_loss(tmp_path: Path, monkeypatch: pytes
     m = tiny_module(lambda_shared=0.0)
     m.lora_model.init_adapters("random", seed=1, b_std=0.5)
     batch = next(iter(tiny_data(tmp_path).train_dataloader()))
-    monkeypatch.setattr(m.lora_model, "shared_context_forward", lambda *a, **k: pytest.fail("shared path ran at λ=0"))
+    for name in ("shared_context_forward", "shared_sequence_forward"):
+        monkeypatch.setattr(m.lora_model, name, lambda *a, **k: pytest.fail("shared path ran at λ=0"))
     loss = m.compute_loss(batch)["loss"]
     # Reference: each sequence through a plain transformers model with its role's adapter merged in.
     total, count = 0.0, 0

@@ -1,0 +1,720 @@
+"""`lragent bench train`: training-step speed of the multi-LoRA LightningModule against a plain PEFT loop.
+
+For one model (a named random-weight architecture such as ``llama-3.1-8b``: speed does not depend on the values; the
+embedded model; or a tiny config for CI) and one batch of settings, it times in one run:
+
+- **lragent**: :class:`~lit_modules.multi_lora_module.MultiLoraModule` under a Lightning ``Trainer`` (the path of
+  ``lragent fit``): role examples from :class:`~datamodules.role_examples.RoleExampleDataModule`, the given precision
+  (``bf16-mixed``: bfloat16 frozen base, float32 adapters), gradient checkpointing on or off, at every λ of
+  ``lambdas`` (λ > 0 adds the cache-sharing-aware term); with ``pack_prefixes`` also λ = 0 on prefix-packed
+  sequences (the packed data path; packing is refused with λ > 0);
+- **peft**: what a user would otherwise run: transformers + peft, one LoRA per role (``add_adapter``), the same
+  batches; each batch's rows of one role go through ``set_adapter(role)`` and one forward/backward (the
+  supervised-token mean over the whole batch, as lragent's), then one AdamW step; autocast, checkpointing and the
+  frozen base dtype as lragent's.
+
+A step is timed from the end of the previous step to the end of this one (device synchronised): data loading,
+the host-to-device copy, forward, backward and optimizer step. The first ``warmup_steps`` are not timed.
+
+**Model FLOPs** (MFU = model FLOPs / step time / the GPU's dense bf16 peak). Per sequence of ``L`` real tokens,
+per decoder layer, with ``P`` = Σ over the 7 frozen projections of ``d_in·d_out`` (q, k, v, o, gate, up, down),
+``R`` = Σ over the LoRA targets of ``r·(d_in + d_out)``, and ``H_q·D`` the query width:
+
+- frozen projections: forward ``2·P·L``; backward ``2·P·L`` (only the gradient of the input: frozen weights get
+  no weight gradient; that is why LoRA training is about 4·N·T, not 6·N·T);
+- LoRA: forward ``2·R·L``; backward ``4·R·L`` (gradients of the input and of A and B);
+- attention (causal): ``L·(L+1)/2`` query-key pairs, each ``4·H_q·D`` forward (QKᵀ and PV) and ``8·H_q·D``
+  backward;
+- LM head (``d·V``, frozen): ``2·d·V`` forward + ``2·d·V`` backward per **scored** position (lragent computes
+  logits only at the supervised positions; the PEFT loop computes them at every position, which is not counted);
+- embeddings and norms: not counted.
+
+Padding is not counted (real tokens only). Recomputation under gradient checkpointing is not counted (model FLOPs,
+not hardware FLOPs). With λ > 0 the shared term is one more pass over the same tokens (the producer encodes the
+context, the consumer the rest, over the same causal pairs), counted as equal to the plain pass; this over-counts
+it by the producer's last layer after its K/V, which the forward skips (< 1/n_layers of the term). The autograd
+skip of layer 0's q/k/v input gradients (nothing upstream needs them) is not subtracted either.
+
+Writes ``bench_train.json`` (with provenance) and ``bench_train.md``; prints the table.
+
+    lragent bench train --model llama-3.1-8b --seq_len 2048 --batch_size 4 --lambdas [0,0.5] --out DIR
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+
+from eval_suite.report import markdown_table, write_json, write_text
+from lragent.provenance import provenance, provenance_footer
+
+LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Dense bf16 peak (no sparsity) by device-name fragment, most specific first; from NVIDIA's data sheets.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.4e12),
+    ("H200", 989.4e12),
+    ("H20", 148e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+)
+PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true", "32")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP count needs of an architecture.
+
+    Attributes:
+        n_layers: decoder layers.
+        hidden: model width d.
+        n_heads: query heads H_q.
+        n_kv_heads: key/value heads H_kv.
+        head_dim: head width D.
+        intermediate: MLP width.
+        vocab: vocabulary size V (LM head rows).
+        rank: LoRA rank r.
+        targets: projections with a LoRA adapter.
+    """
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rank: int
+    targets: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, config: Any, rank: int, targets: tuple[str, ...] | list[str]) -> ModelShape:
+        """From a transformers config."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            n_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            rank=rank,
+            targets=tuple(targets),
+        )
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(d_in, d_out)`` of each projection of a decoder layer."""
+        d, q, kv, ff = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.intermediate
+        return {
+            "q_proj": (d, q),
+            "k_proj": (d, kv),
+            "v_proj": (d, kv),
+            "o_proj": (q, d),
+            "gate_proj": (d, ff),
+            "up_proj": (d, ff),
+            "down_proj": (ff, d),
+        }
+
+
+def pass_flops(shape: ModelShape, lengths: list[int], n_scored: int) -> float:
+    """Model FLOPs of one forward + backward of LoRA training (frozen base) over causal sequences.
+
+    Args:
+        shape: the architecture and adapters.
+        lengths: real tokens of each sequence (padding excluded).
+        n_scored: positions whose logits the loss needs (the LM head runs there).
+
+    Returns:
+        FLOPs (see the module docstring for the count).
+    """
+    lin = shape.linear_shapes()
+    p = sum(i * o for i, o in lin.values())  # frozen multiply-adds per token per layer
+    r = sum(shape.rank * (lin[t][0] + lin[t][1]) for t in shape.targets)  # LoRA multiply-adds per token per layer
+    tokens = sum(lengths)
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    width = shape.n_heads * shape.head_dim
+    per_layer = (2 + 2) * p * tokens + (2 + 4) * r * tokens + (4 + 8) * width * pairs
+    head = (2 + 2) * shape.hidden * shape.vocab * n_scored
+    return float(shape.n_layers * per_layer + head)
+
+
+def step_flops(shape: ModelShape, lengths: list[int], n_scored: int, lambda_shared: float) -> float:
+    """Model FLOPs of one training step: the plain pass (λ < 1) plus the shared-term pass (λ > 0)."""
+    one = pass_flops(shape, lengths, n_scored)
+    return one * ((lambda_shared < 1) + (lambda_shared > 0))
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU named ``device_name``; ``None`` when unknown (or a CPU)."""
+    for fragment, value in PEAK_BF16_FLOPS:
+        if fragment in device_name:
+            return value
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+def _data_files(data: str, roles: list[str]) -> dict[str, str]:
+    """``data``: a benchmark name under ``data/trajectories`` or a directory with one ``<role>.jsonl[.gz]`` each."""
+    from lragent.provenance import ROOT
+
+    base = Path(data) if Path(data).is_dir() else ROOT / "data" / "trajectories" / data
+    if not base.is_dir():
+        raise ValueError(f"data {data!r} is neither a directory nor a benchmark under data/trajectories")
+    files = {}
+    for role in roles:
+        found = [base / f"{role}{ext}" for ext in (".jsonl.gz", ".jsonl", ".json") if (base / f"{role}{ext}").is_file()]
+        if not found:
+            raise ValueError(f"data {base} has no file for role {role!r} ({role}.jsonl.gz, .jsonl or .json)")
+        files[role] = str(found[0])
+    return files
+
+
+def _batch_stats(batch: dict[str, Any]) -> dict[str, Any]:
+    """Host-side sizes of a collated batch (taken before it moves to the device)."""
+    return {
+        "lengths": batch["lengths"].tolist(),
+        "padded": int(batch["input_ids"].numel()),
+        "n_scored": int(batch["loss_index"].numel()),
+        "n_examples": int(batch["n_examples"]),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -------------------------------------------------------------------------------------------------------- timing
+class _StepTimer:
+    """Times steps from the end of one to the end of the next (device synchronised); records batch sizes."""
+
+    def __init__(self, device: torch.device, warmup: int) -> None:
+        self.device = device
+        self.warmup = warmup
+        self.last: float | None = None
+        self.steps: list[dict[str, Any]] = []
+        self.pending: dict[str, Any] | None = None
+
+    def begin(self, stats: dict[str, Any]) -> None:
+        self.pending = stats
+        if self.last is None:  # the first step: from its start
+            _sync(self.device)
+            self.last = time.perf_counter()
+
+    def end(self) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        self.steps.append({**(self.pending or {}), "seconds": now - self.last})
+        self.last = now
+
+    def timed(self) -> list[dict[str, Any]]:
+        return self.steps[self.warmup :]
+
+
+def _lightning_timer(timer: _StepTimer) -> Callback:
+    class StepTimerCallback(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            timer.begin(_batch_stats(batch))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            timer.end()
+
+    return StepTimerCallback()
+
+
+class FitSpeed(Callback):
+    """Lightning callback for a real ``fit``: step times, tokens/s, model FLOPs / MFU and peak CUDA memory, written as
+    JSON when fit ends (add it to a config's ``trainer.callbacks`` as ``eval_suite.bench_train.FitSpeed``).
+
+    Each micro-batch is timed from its start to its end (device synchronised: forward, backward and, on the last
+    micro-batch of an accumulation, the optimizer step); the first ``warmup`` micro-batches are not counted. Data
+    loading, validation and checkpointing are outside the micro-batches: ``other_seconds`` reports them. In the JSON,
+    ``steps`` / ``ms_per_step`` count timed micro-batches (an optimizer step is ``accumulate_grad_batches`` of them).
+
+    Args:
+        out: JSON file to write.
+        warmup: micro-batches not timed at the start of the run.
+        peak_tflops: peak TFLOP/s for MFU; ``None``: the dense bf16 peak of a known GPU.
+    """
+
+    def __init__(self, out: str, warmup: int = 2, peak_tflops: float | None = None) -> None:
+        self.out, self.warmup, self.peak_tflops = out, warmup, peak_tflops
+        self.records: list[dict[str, Any]] = []
+        self.stats: dict[str, Any] = {}
+        self.t_start = 0.0
+        self.t_fit = 0.0
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.t_fit = time.perf_counter()
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        _sync(pl_module.device)
+        self.stats = _batch_stats(batch)
+        self.t_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        _sync(pl_module.device)
+        self.records.append({**self.stats, "seconds": time.perf_counter() - self.t_start})
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        dev = pl_module.device
+        rank = pl_module.lora_config.rank
+        shape = ModelShape.from_config(pl_module.lora_model.model.config, rank, pl_module.lora_config.targets)
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        peak = self.peak_tflops * 1e12 if self.peak_tflops else (peak_flops(name) if dev.type == "cuda" else None)
+        timed = self.records[self.warmup :]
+        result = _summarise(timed, shape, float(pl_module.train_config.lambda_shared), peak, dev)
+        total = time.perf_counter() - self.t_fit
+        result.update(
+            micro_batches=len(self.records),
+            global_step=trainer.global_step,
+            fit_seconds=total,
+            other_seconds=total - sum(r["seconds"] for r in self.records),
+            provenance=provenance(device=dev.type),
+        )
+        Path(self.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.out, result)
+
+
+def _summarise(
+    steps: list[dict[str, Any]], shape: ModelShape, lam: float, peak: float | None, device: torch.device
+) -> dict[str, Any]:
+    seconds = sum(s["seconds"] for s in steps)
+    tokens = sum(sum(s["lengths"]) for s in steps)
+    flops = sum(step_flops(shape, s["lengths"], s["n_scored"], lam) for s in steps)
+    out = {
+        "steps": len(steps),
+        "seconds": seconds,
+        "ms_per_step": 1e3 * seconds / max(1, len(steps)),
+        "tokens": tokens,
+        "padded_tokens": sum(s["padded"] for s in steps),
+        "examples": sum(s["n_examples"] for s in steps),
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "model_flops": flops,
+        "tflops_per_s": flops / seconds / 1e12 if seconds else None,
+        "mfu": flops / seconds / peak if seconds and peak else None,
+        "step_seconds": [s["seconds"] for s in steps],
+    }
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+    else:
+        out["peak_memory_gib"] = None
+        out["peak_reserved_gib"] = None
+    return out
+
+
+def _reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ------------------------------------------------------------------------------------------------------- lragent
+def time_lragent(
+    module: Any,
+    datamodule: Any,
+    lam: float,
+    checkpointing: bool,
+    steps: int,
+    warmup: int,
+    precision: str,
+    device: torch.device,
+    root: str,
+) -> list[dict[str, Any]]:
+    """Runs ``warmup + steps`` optimizer steps of ``module`` with a Lightning Trainer; returns every step's record."""
+    from lightning.pytorch import Trainer
+
+    module.train_config.lambda_shared = lam
+    module.hparams.lambda_shared = lam
+    if module.lora_model is not None:
+        module.lora_model.engine.gradient_checkpointing = checkpointing
+    module.hparams.gradient_checkpointing = checkpointing
+    timer = _StepTimer(device, warmup)
+    trainer = Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=1,
+        precision=precision,
+        max_steps=warmup + steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+        callbacks=[_lightning_timer(timer)],
+    )
+    # Lightning's teardown moves the module to the CPU after fit; the next setting would move it back (16 GB at 8B)
+    module.cpu = lambda: module
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:
+        del module.cpu
+    return timer.steps
+
+
+# ---------------------------------------------------------------------------------------------------------- peft
+def build_peft(
+    model: str, roles: list[str], rank: int, alpha: float, dropout: float, targets: list[str], dtype, device, kw
+) -> Any:
+    """The base model (same weights as lragent's: same name and seed) with one PEFT LoRA adapter per role."""
+    from peft import LoraConfig, get_peft_model
+
+    from lragent.models import load_model
+
+    hf, _ = load_model(model, dtype=dtype, device=device, **kw)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none")
+    peft_model = get_peft_model(hf, cfg, adapter_name=roles[0])
+    for role in roles[1:]:
+        peft_model.add_adapter(role, cfg)
+    return peft_model
+
+
+def time_peft(
+    peft_model: Any,
+    loader: Any,
+    roles: list[str],
+    checkpointing: bool,
+    steps: int,
+    warmup: int,
+    precision: str,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """Plain loop: per batch, one forward/backward per role present (its rows, ``set_adapter``), one AdamW step."""
+    base = peft_model.get_base_model()
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_disable()
+    peft_model.train()
+    params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    timer = _StepTimer(device, warmup)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    for i, batch in enumerate(loader):
+        if i == warmup + steps:
+            break
+        timer.begin(_batch_stats(batch))
+        roles_host = batch["role_ids"].tolist()
+        lengths = batch["lengths"].tolist()
+        n_items = torch.tensor(int(batch["loss_index"].numel()), device=device)
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        mask = batch["attention_mask"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        for rid in sorted(set(roles_host)):
+            rows = [j for j, r in enumerate(roles_host) if r == rid]
+            t = max(lengths[j] for j in rows)
+            sel = torch.tensor(rows, device=device)
+            peft_model.set_adapter(roles[rid])
+            with autocast:
+                out = peft_model(
+                    input_ids=ids[sel, :t],
+                    attention_mask=mask[sel, :t],
+                    labels=labels[sel, :t],
+                    num_items_in_batch=n_items,
+                    use_cache=False,
+                )
+            out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        timer.end()
+    return timer.steps
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+def train(
+    model: str = "llama-3.1-8b",
+    data: str = "hotpotqa",
+    tokenizer: str | None = None,
+    model_overrides: dict | None = None,
+    seq_len: int = 2048,
+    batch_size: int = 4,
+    steps: int = 5,
+    warmup_steps: int = 2,
+    lambdas: list[float] | None = None,
+    checkpointing: list[bool] | None = None,
+    pack_prefixes: bool = True,
+    peft_baseline: bool = True,
+    rank: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.05,
+    targets: list[str] | None = None,
+    precision: str = "bf16-mixed",
+    device: str = "auto",
+    peak_tflops: float | None = None,
+    out: str = "bench_out/train",
+) -> int:
+    """Training-step speed of lragent's multi-LoRA LightningModule vs a plain transformers + peft loop.
+
+    Args:
+        model: a named random-weight architecture (``llama-3.1-8b``, ``tiny-llama`` ...), ``default`` (the embedded
+            model) or a model name / directory.
+        data: a benchmark under ``data/trajectories`` (``hotpotqa``, ``scienceqa``) or a directory with one
+            ``<role>.jsonl[.gz]`` per role.
+        tokenizer: tokenizer of the data; ``None``: the model's own, or ``byte`` for a random architecture.
+        model_overrides: config fields changed for a named architecture (e.g. ``{"num_hidden_layers": 2}``).
+        seq_len: most tokens per example (``max_length``; longer contexts are cut from the left).
+        batch_size: examples per batch (sequences per step; packed sequences hold several examples).
+        steps: timed optimizer steps per setting.
+        warmup_steps: untimed steps before them.
+        lambdas: weights λ of the cache-sharing-aware term to time (0: plain multi-LoRA).
+        checkpointing: gradient checkpointing settings to time (e.g. ``[true, false]``).
+        pack_prefixes: also time λ = 0 (and the PEFT loop) on prefix-packed sequences.
+        peft_baseline: also time the plain transformers + peft loop.
+        rank: LoRA rank.
+        alpha: LoRA alpha.
+        dropout: LoRA dropout.
+        targets: projections with adapters (default ``[q_proj, v_proj]``).
+        precision: ``bf16-mixed`` (bfloat16 frozen base, float32 adapters, autocast) or ``32-true``.
+        device: ``auto`` (CUDA when available), ``cuda`` or ``cpu``.
+        peak_tflops: the device's peak TFLOP/s for MFU; ``None``: the dense bf16 peak of a known GPU.
+        out: output directory.
+    """
+    from datamodules.prefix_packing import pack_prefix_chains
+    from datamodules.role_examples import RoleExampleDataModule, RoleExampleDataset
+    from lit_modules.multi_lora_module import MultiLoraModule
+    from lragent.models import NAMED_ARCHITECTURES, check_device
+    from lragent.roles import DEFAULT_ROLES
+
+    lambdas = [0.0, 0.5] if lambdas is None else [float(x) for x in lambdas]
+    checkpointing = [True] if checkpointing is None else [bool(x) for x in checkpointing]
+    targets = ["q_proj", "v_proj"] if targets is None else list(targets)
+    if not lambdas or any(not 0 <= x <= 1 for x in lambdas):
+        raise ValueError(f"lambdas must be values in [0, 1], got {lambdas}")
+    if not checkpointing:
+        raise ValueError("checkpointing: give at least one setting (true / false)")
+    if steps < 1 or warmup_steps < 0 or batch_size < 1 or seq_len < 2:
+        raise ValueError(
+            f"steps >= 1, warmup_steps >= 0, batch_size >= 1, seq_len >= 2 needed, got {steps}, {warmup_steps}, "
+            f"{batch_size}, {seq_len}"
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} not supported: allowed {', '.join(PRECISIONS)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = check_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if tokenizer is None and model.lower() in NAMED_ARCHITECTURES:
+        tokenizer = "byte"
+    roles = list(DEFAULT_ROLES)
+    files = _data_files(data, roles)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base_dtype = "bfloat16" if precision == "bf16-mixed" else "float32"
+
+    t0 = time.perf_counter()
+    dm = RoleExampleDataModule(
+        files, roles=roles, tokenizer=tokenizer or model, max_length=seq_len, batch_size=batch_size, val_fraction=0.0
+    )
+    dm.setup("fit")
+    dm_packed = None
+    if pack_prefixes:
+        dm_packed = RoleExampleDataModule(
+            files, roles=roles, tokenizer=dm.tokenizer, max_length=seq_len, batch_size=batch_size, val_fraction=0.0,
+            pack_prefixes=True,
+        )  # fmt: skip
+        dm_packed.train_set = RoleExampleDataset(pack_prefix_chains(dm.train_set.examples))
+        dm_packed.val_set = RoleExampleDataset([])
+    data_seconds = time.perf_counter() - t0
+    print(f"data: {len(dm.train_set)} examples tokenised in {data_seconds:.1f} s", flush=True)
+
+    module = MultiLoraModule(
+        model_name=model, tokenizer_name=tokenizer, model_overrides=model_overrides, roles=roles, rank=rank,
+        alpha=alpha, dropout=dropout, targets=targets, val_schemes=[], model_dtype=base_dtype,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    with dev:  # build the model where it trains (what Lightning's init context does in fit)
+        module.configure_model()
+    load_seconds = time.perf_counter() - t0
+    shape = ModelShape.from_config(module.lora_model.model.config, rank, targets)
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    peak = peak_tflops * 1e12 if peak_tflops else (peak_flops(dev_name) if dev.type == "cuda" else None)
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as root:
+        for ckpt in checkpointing:
+            settings = [("lragent", lam, False) for lam in lambdas]
+            if dm_packed is not None and 0.0 in lambdas:
+                settings.append(("lragent", 0.0, True))
+            for impl, lam, packed in settings:
+                _reset_memory(dev)
+                row = {"impl": impl, "lambda": lam, "checkpointing": ckpt, "packed": packed}
+                row.update(
+                    _measure(
+                        lambda lam=lam, packed=packed, ckpt=ckpt, module=module: time_lragent(
+                            module, dm_packed if packed else dm, lam, ckpt, steps, warmup_steps, precision, dev, root
+                        ),
+                        warmup_steps, shape, lam, peak, dev,
+                    )
+                )  # fmt: skip
+                rows.append(row)
+                _print_row(row)
+    del module
+    _reset_memory(dev)
+    if peft_baseline:
+        kw = {"overrides": model_overrides} if model_overrides else {}
+        peft_model = build_peft(model, roles, rank, alpha, dropout, targets, base_dtype, dev, kw)
+        for ckpt in checkpointing:
+            for packed in [False, True] if dm_packed is not None else [False]:
+                _reset_memory(dev)
+                loader = (dm_packed if packed else dm).train_dataloader()
+                row = {"impl": "peft", "lambda": 0.0, "checkpointing": ckpt, "packed": packed}
+                row.update(
+                    _measure(
+                        lambda loader=loader, ckpt=ckpt: time_peft(
+                            peft_model, loader, roles, ckpt, steps, warmup_steps, precision, dev
+                        ),
+                        warmup_steps, shape, 0.0, peak, dev,
+                    )
+                )  # fmt: skip
+                rows.append(row)
+                _print_row(row)
+        del peft_model
+        _reset_memory(dev)
+    _compare(rows)
+    prov = provenance(dtype=base_dtype, device=dev.type)
+    result = {
+        "model": model,
+        "model_overrides": model_overrides,
+        "data": data,
+        "tokenizer": tokenizer,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "steps": steps,
+        "warmup_steps": warmup_steps,
+        "precision": precision,
+        "rank": rank,
+        "alpha": alpha,
+        "dropout": dropout,
+        "targets": targets,
+        "shape": asdict(shape),
+        "peak_flops": peak,
+        "data_seconds": data_seconds,
+        "model_load_seconds": load_seconds,
+        "rows": rows,
+        "provenance": prov,
+    }
+    write_json(out_dir / "bench_train.json", result)
+    md = render_markdown(result)
+    write_text(out_dir / "bench_train.md", md)
+    print(md)
+    return 0
+
+
+def _measure(run, warmup: int, shape: ModelShape, lam: float, peak: float | None, dev: torch.device) -> dict:
+    """``run()``'s step records summarised; a CUDA out-of-memory error gives a row marked ``oom`` (with the memory
+    allocated when it struck) instead of ending the benchmark."""
+    try:
+        return {"oom": False, **_summarise(run()[warmup:], shape, lam, peak, dev)}
+    except torch.OutOfMemoryError:
+        pass  # leave the except block first: its traceback holds the failed step's tensors
+    gib = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    _reset_memory(dev)
+    keys = ("steps", "seconds", "ms_per_step", "tokens", "padded_tokens", "examples", "tokens_per_s", "model_flops")
+    return {
+        "oom": True,
+        **dict.fromkeys(keys),
+        **dict.fromkeys(("tflops_per_s", "mfu", "step_seconds", "peak_reserved_gib")),
+        "peak_memory_gib": gib,
+    }
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    if row["oom"]:
+        print(f"{row['impl']} λ={row['lambda']} ckpt={row['checkpointing']}: out of memory", flush=True)
+        return
+    mem = f", peak {row['peak_memory_gib']:.1f} GiB" if row["peak_memory_gib"] is not None else ""
+    mfu = f", MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else ""
+    print(
+        f"{row['impl']} λ={row['lambda']} ckpt={row['checkpointing']} packed={row['packed']}: "
+        f"{row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s{mfu}{mem}",
+        flush=True,
+    )
+
+
+def _compare(rows: list[dict[str, Any]]) -> None:
+    """Adds ``vs_lambda0`` (step time over λ = 0's, same checkpointing, unpacked) and ``vs_peft`` (tokens/s over the
+    PEFT loop's on the same batches) to every row."""
+    for r in rows:
+        same = [x for x in rows if x["checkpointing"] == r["checkpointing"] and x["packed"] == r["packed"]]
+        zero = next((x for x in same if x["impl"] == "lragent" and x["lambda"] == 0.0), None)
+        peft = next((x for x in same if x["impl"] == "peft"), None)
+        ok = not r["oom"] and r["impl"] == "lragent"
+        r["vs_lambda0"] = r["ms_per_step"] / zero["ms_per_step"] if ok and zero and not zero["oom"] else None
+        r["vs_peft"] = r["tokens_per_s"] / peft["tokens_per_s"] if ok and peft and not peft["oom"] else None
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """The result as a Markdown report (table, FLOP count, provenance)."""
+    prov = result["provenance"]
+
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    body = [
+        [
+            r["impl"],
+            f"{r['lambda']:g}",
+            "on" if r["checkpointing"] else "off",
+            "yes" if r["packed"] else "no",
+            "out of memory" if r["oom"] else f"{r['ms_per_step']:.1f}",
+            f(r["tokens_per_s"], ".0f"),
+            f(r["tflops_per_s"], ".1f"),
+            f(None if r["mfu"] is None else 100 * r["mfu"], ".1f"),
+            f(r["peak_memory_gib"], ".1f"),
+            f(r["vs_lambda0"], ".2f"),
+            f(r["vs_peft"], ".2f"),
+        ]
+        for r in result["rows"]
+    ]
+    shape = result["shape"]
+    peak = result["peak_flops"]
+    return (
+        f"# Training-step speed ({prov['device']['name']})\n\n"
+        f"{result['model']} (overrides {result['model_overrides'] or 'none'}: {shape['n_layers']} layers, width "
+        f"{shape['hidden']}, vocab {shape['vocab']}), {result['precision']}, data {result['data']} "
+        f"({result['tokenizer'] or 'the model'} tokenizer), examples cut to {result['seq_len']} tokens, batch "
+        f"{result['batch_size']} sequences, LoRA r={result['rank']} alpha={result['alpha']:g} dropout "
+        f"{result['dropout']:g} on {', '.join(result['targets'])}; {result['steps']} timed steps after "
+        f"{result['warmup_steps']} warm-up steps, the same batches for every row with the same packing. "
+        f"MFU against {f(None if peak is None else peak / 1e12, '.1f')} TFLOP/s (dense bf16 peak).\n\n"
+        + markdown_table(
+            [
+                "impl",
+                "λ",
+                "checkpointing",
+                "packed",
+                "ms/step",
+                "tokens/s",
+                "model TFLOP/s",
+                "MFU %",
+                "peak GiB",
+                "step vs λ=0",
+                "tokens/s vs peft",
+            ],
+            body,
+        )
+        + "\n\ntokens = real (non-padding) tokens of the batch's sequences; peak GiB = the most CUDA memory allocated "
+        "during the setting (weights included; for an out-of-memory row, when it failed). Model FLOPs per step "
+        "(eval_suite/bench_train.py): per layer "
+        "4·P·T (frozen projections, forward + input gradient) + 6·R·T (LoRA) + 12·H_q·D·Σ L(L+1)/2 (causal "
+        "attention), plus 4·d·V per scored position (LM head); the λ term counts as a second such pass; "
+        "recomputation under checkpointing is not counted.\n" + provenance_footer(prov)
+    )

@@ -1,0 +1,273 @@
+"""bench train (training-step speed vs a PEFT loop), its FLOP count, gradient checkpointing, the cheaper λ term."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from datamodules import BYTE_VOCAB_SIZE, RoleExampleDataModule, byte_tokenizer, collate_examples
+from eval_suite.bench_train import ModelShape, pass_flops, step_flops
+from lit_modules import MultiLoraModule
+from lit_modules.multi_lora_module import split_for_sharing, token_loss
+from lragent.cli_main import main
+
+ROLES = ["plan", "action", "reflect"]
+TINY = {"vocab_size": BYTE_VOCAB_SIZE, "num_hidden_layers": 2}
+
+
+def tiny_module(**kwargs) -> MultiLoraModule:
+    args = dict(model_name="tiny-llama", tokenizer_name="byte", model_overrides=TINY, dropout=0.0)
+    m = MultiLoraModule(**{**args, **kwargs})
+    m.configure_model()
+    return m
+
+
+def write_data(tmp_path: Path, n: int = 8) -> Path:
+    """Agent-like role files: a prompt with an earlier response, a last prompt piece, a short output."""
+    for r, role in enumerate(ROLES):
+        rows = [
+            {
+                "input": f"Question {i}: what is {i} + {r}?\nThought: \n### Response:\nI add them.\n"
+                f"{role.capitalize()}: \n### Response:\n",
+                "output": f"{role} {i + r}",
+            }
+            for i in range(n)
+        ]
+        (tmp_path / f"{role}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return tmp_path
+
+
+def mixed_batch(tmp_path: Path) -> dict:
+    dm = RoleExampleDataModule(
+        {r: str(write_data(tmp_path) / f"{r}.jsonl") for r in ROLES},
+        roles=ROLES, tokenizer=byte_tokenizer(), max_length=96, batch_size=4, val_fraction=0.0,
+    )  # fmt: skip
+    dm.setup()
+    return collate_examples([dm.train_set[i] for i in (0, 9, 17, 20)], pad_id=257)  # every role, unequal lengths
+
+
+# ------------------------------------------------------------------------------------------------------ FLOPs
+def test_flop_count_matches_a_hand_count_on_a_tiny_config() -> None:
+    shape = ModelShape(
+        n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, intermediate=128, vocab=258, rank=8,
+        targets=("q_proj", "v_proj"),
+    )  # fmt: skip
+    # By hand, per token per layer: frozen multiply-adds q 64·64 + k 64·32 + v 64·32 + o 64·64 + gate, up, down
+    # 3 · 64·128 = 4096 + 2048 + 2048 + 4096 + 24576 = 36864; LoRA q 8·(64+64) + v 8·(64+32) = 1024 + 768 = 1792.
+    # Two sequences of 5 and 3 tokens: 8 tokens, 15 + 6 = 21 causal query-key pairs; 4 scored positions.
+    frozen = 4 * 36864 * 8  # forward 2·P·T + input gradient 2·P·T (no weight gradient: frozen)
+    lora = 6 * 1792 * 8  # forward 2·R·T + input, A and B gradients 4·R·T
+    attention = 12 * (4 * 16) * 21  # QKᵀ and PV: 4·H_q·D per pair forward, twice that backward
+    head = 4 * 64 * 258 * 4  # 2·d·V forward + 2·d·V input gradient per scored position
+    assert pass_flops(shape, [5, 3], n_scored=4) == 2 * (frozen + lora + attention) + head == 2827776
+    assert step_flops(shape, [5, 3], 4, lambda_shared=0.0) == 2827776
+    assert step_flops(shape, [5, 3], 4, lambda_shared=0.5) == 2 * 2827776  # plain pass + shared-term pass
+    assert step_flops(shape, [5, 3], 4, lambda_shared=1.0) == 2827776  # the plain term is not computed
+
+
+def test_flop_shape_is_the_real_models() -> None:
+    """The shape read from a config counts the weights the model really has (frozen and LoRA)."""
+    m = tiny_module()
+    shape = ModelShape.from_config(m.lora_model.model.config, rank=8, targets=("q_proj", "v_proj"))
+    layer = m.lora_model.model.model.layers[0]
+    frozen = sum(
+        mod.weight.numel() if isinstance(mod, torch.nn.Linear) else mod.base.weight.numel()
+        for mod in [*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+        + [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+    )
+    assert sum(i * o for i, o in shape.linear_shapes().values()) == frozen
+    lora = sum(
+        mod.lora_A[0].numel() + mod.lora_B[0].numel() for mod in (layer.self_attn.q_proj, layer.self_attn.v_proj)
+    )
+    assert sum(8 * (shape.linear_shapes()[t][0] + shape.linear_shapes()[t][1]) for t in shape.targets) == lora
+    assert shape.vocab * shape.hidden == m.lora_model.model.lm_head.weight.numel()
+
+
+# ----------------------------------------------------------------------------------------- gradient checkpointing
+def _loss_and_grads(m: MultiLoraModule, batch: dict, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    for p in m.lora_model.lora_parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = m.compute_loss(batch, seed=seed)["loss"]
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in m.lora_model.lora_parameters()]
+
+
+@pytest.mark.parametrize("scheme", ["base_lr_shared", "full_shared"])
+def test_checkpointing_gives_the_same_loss_and_gradients(tmp_path: Path, scheme: str) -> None:
+    """With dropout on (its masks must replay in the recomputation) and λ > 0 (the producer's cache is read by the
+    consumer and recomputed in backward), checkpointing changes memory, not the loss or the gradients."""
+    m = tiny_module(lambda_shared=0.5, dropout=0.2, producer="next", shared_scheme=scheme)
+    m.lora_model.init_adapters("random", seed=1, b_std=0.5)
+    m.train()
+    batch = mixed_batch(tmp_path)
+    loss0, grads0 = _loss_and_grads(m, batch, seed=7)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    m.lora_model.engine.gradient_checkpointing = True
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss1, grads1 = _loss_and_grads(m, batch, seed=7)
+    assert torch.allclose(loss0, loss1, atol=1e-6, rtol=0)
+    for g0, g1 in zip(grads0, grads1, strict=True):
+        assert torch.allclose(g0, g1, atol=1e-6, rtol=1e-5)
+    m.lora_model.engine.gradient_checkpointing = False
+    saved_plain: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_plain.append(t.numel()) or t, lambda t: t):
+        _loss_and_grads(m, batch, seed=7)
+    assert sum(saved) < 0.5 * sum(saved_plain)  # the layers' activations are not kept
+
+
+def test_module_sets_checkpointing_and_bfloat16_base_with_float32_adapters(tmp_path: Path) -> None:
+    m = tiny_module(model_dtype="bfloat16", gradient_checkpointing=True, lambda_shared=0.5)
+    assert m.lora_model.engine.gradient_checkpointing
+    assert m.lora_model.model.lm_head.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in m.lora_model.lora_parameters())
+    m.lora_model.init_adapters("random", seed=1, b_std=0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m.compute_loss(mixed_batch(tmp_path))["loss"]
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.lora_model.lora_parameters())
+    with pytest.raises(ValueError, match="float8"):
+        MultiLoraModule(model_name="tiny-llama", model_dtype="float8")
+
+
+# ------------------------------------------------------------------------------------------------- the λ term
+@pytest.mark.parametrize(
+    ("scheme", "shared_a"), [("base_lr_shared", True), ("full_shared", True), ("full_shared", False)]
+)
+@pytest.mark.parametrize("split", ["piece", "last_token"])
+def test_one_pass_shared_term_equals_the_two_pass_form(tmp_path: Path, scheme: str, shared_a: bool, split: str) -> None:
+    """The λ term runs producer and consumer in one pass (a role per token) and scores the supervised positions
+    only; its loss is token_loss over the two-pass form's target logits (context re-laid out and encoded by the
+    producer into the cache, then the target by the consumer: the form pinned against a session)."""
+    m = tiny_module(lambda_shared=1.0, producer="random", shared_scheme=scheme, shared_a=shared_a, shared_split=split)
+    m.lora_model.init_adapters("random", seed=3, b_std=0.5)
+    batch = mixed_batch(tmp_path)
+    producers = m.draw_producers(batch["role_ids"], seed=0)
+    parts = split_for_sharing(batch, m.shared_split(batch), m.pad_id)
+    assert int(parts["context_mask"].sum(1).min()) > 0  # every row shares some context
+    two_pass = m.lora_model.shared_context_forward(
+        parts["context_ids"], parts["context_mask"], parts["target_ids"], parts["target_mask"], producers,
+        batch["role_ids"], scheme=scheme,
+    )  # fmt: skip
+    reference, n = token_loss(two_pass, parts["target_labels"])
+    out = m.compute_loss(batch, seed=0)
+    assert "plain" not in out and n == batch["loss_index"].numel() > 0
+    assert torch.allclose(out["shared"], reference, atol=1e-5, rtol=0)
+    # and position by position over every consumer token
+    one_pass = m.shared_logits(batch, producers, scheme)  # (B, T, V)
+    for b in range(batch["input_ids"].shape[0]):
+        s, n_b = int(m.shared_split(batch)[b]), int(batch["lengths"][b])
+        assert torch.allclose(one_pass[b, s:n_b], two_pass[b, : n_b - s], atol=1e-5, rtol=0)
+
+
+def test_per_token_roles_equal_per_sequence_roles() -> None:
+    """A role per token, constant along a row, is the role per sequence (LoRA layers and decomposed attention)."""
+    from lragent.attention import decomposed_attention
+    from lragent.multi_lora import MultiLoraLinear
+
+    torch.manual_seed(0)
+    for shared_a in (True, False):
+        layer = MultiLoraLinear(torch.nn.Linear(16, 12), n_roles=3, rank=4, alpha=8.0, shared_a=shared_a)
+        for b in layer.lora_B:
+            torch.nn.init.normal_(b)
+        x, roles = torch.randn(2, 5, 16), torch.tensor([2, 0])
+        assert torch.allclose(layer(x, roles), layer(x, roles[:, None].expand(2, 5)), atol=1e-6)
+        mixed = torch.tensor([[0, 0, 1, 1, 2], [2, 1, 1, 0, 0]])
+        per_row = torch.stack([layer(x[i : i + 1], mixed[i, t : t + 1])[0, t] for i in range(2) for t in range(5)])
+        assert torch.allclose(layer(x, mixed).flatten(0, 1), per_row, atol=1e-6)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    v_lr, lora_b = torch.randn(2, 5, 3), torch.randn(3, 16, 3)
+    mixed = torch.tensor([[0, 0, 1, 1, 2], [2, 1, 1, 0, 0]])
+    out = decomposed_attention(q, k, v, v_lr, lora_b, 0.5, mixed, use_kernel=False)
+    for role in range(3):
+        ref = decomposed_attention(q, k, v, v_lr, lora_b, 0.5, torch.full((2,), role), use_kernel=False)
+        sel = mixed == role  # (B, Lq)
+        assert torch.allclose(out.transpose(1, 2)[sel], ref.transpose(1, 2)[sel], atol=1e-5)
+
+
+def test_two_pass_producer_skips_its_last_layer_after_the_cache(tmp_path: Path, monkeypatch) -> None:
+    """In the two-pass form the producer's last layer writes K/V and returns: its MLP never runs (the consumer's
+    does)."""
+    m = tiny_module()
+    mlp_calls: list[int] = []
+    last = m.lora_model.model.model.layers[-1].mlp
+    monkeypatch.setattr(last, "forward", lambda x: mlp_calls.append(x.shape[1]) or torch.zeros_like(x))
+    batch = mixed_batch(tmp_path)
+    parts = split_for_sharing(batch, batch["prefix_len"], m.pad_id)
+    m.lora_model.shared_context_forward(
+        parts["context_ids"], parts["context_mask"], parts["target_ids"], parts["target_mask"],
+        torch.tensor([1, 2, 0, 1]), batch["role_ids"],
+    )  # fmt: skip
+    assert mlp_calls == [parts["target_ids"].shape[1]]  # once, over the consumer's target positions
+
+
+# ------------------------------------------------------------------------------------------------------ the CLI
+def test_bench_train_runs_on_a_tiny_model(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    data = write_data(tmp_path / "data")
+    out = tmp_path / "out"
+    argv = [
+        "bench", "train", "--model", "tiny-llama", "--model_overrides", json.dumps(TINY), "--data", str(data),
+        "--seq_len", "96", "--batch_size", "4", "--steps", "1", "--warmup_steps", "0", "--lambdas", "[0, 0.5]",
+        "--checkpointing", "[true]", "--pack_prefixes", "false", "--precision", "32-true", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((out / "bench_train.json").read_text())
+    rows = {(r["impl"], r["lambda"]): r for r in result["rows"]}
+    assert set(rows) == {("lragent", 0.0), ("lragent", 0.5), ("peft", 0.0)}
+    assert rows["lragent", 0.0]["tokens"] == rows["peft", 0.0]["tokens"] > 0  # the same batches
+    assert rows["lragent", 0.5]["model_flops"] == 2 * rows["lragent", 0.0]["model_flops"]
+    assert rows["lragent", 0.5]["vs_lambda0"] > 0 and rows["lragent", 0.0]["vs_peft"] > 0
+    assert result["provenance"]["command"] and result["shape"]["n_layers"] == 2
+    assert "| lragent | 0.5 | on |" in (out / "bench_train.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lambdas", "[1.5]"], "lambdas must be values in [0, 1], got [1.5]"),
+        (["--precision", "fp8"], "precision 'fp8' not supported: allowed bf16-mixed, 32-true, 32"),
+        (["--data", "nowhere"], "data 'nowhere' is neither a directory nor a benchmark"),
+    ],
+)
+def test_bench_train_bad_values_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "train", "--model", "tiny-llama", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_an_out_of_memory_setting_is_a_row_not_the_end() -> None:
+    from eval_suite.bench_train import _compare, _measure, render_markdown
+
+    shape = ModelShape(1, 8, 2, 1, 4, 16, 10, 2, ("q_proj",))
+
+    def oom() -> list:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def fine() -> list:
+        return [{"lengths": [3], "padded": 4, "n_scored": 1, "n_examples": 1, "seconds": 0.5}] * 2
+
+    dev = torch.device("cpu")
+    setting = {"impl": "lragent", "checkpointing": False, "packed": False}
+    rows = [
+        {**setting, "lambda": 0.0, **_measure(fine, 1, shape, 0.0, None, dev)},
+        {**setting, "lambda": 0.5, **_measure(oom, 1, shape, 0.5, None, dev)},
+    ]
+    _compare(rows)
+    assert rows[1]["oom"] and rows[1]["vs_lambda0"] is None and rows[0]["ms_per_step"] == 500.0
+    prov = {"device": {"name": "cpu"}, "command": "x"}
+    result = {
+        "provenance": prov, "rows": rows, "shape": {"n_layers": 1, "hidden": 8, "vocab": 10}, "peak_flops": None,
+        "model": "m", "model_overrides": None, "precision": "32-true", "data": "d", "tokenizer": "byte", "seq_len": 4,
+        "batch_size": 1, "rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": ["q_proj"], "steps": 1,
+        "warmup_steps": 1,
+    }  # fmt: skip
+    assert "| lragent | 0.5 | off | no | out of memory |" in render_markdown(result)
