@@ -257,6 +257,10 @@ def gpu_memory_gb() -> tuple[float, int]:
         return 0.0, 0
 
 
+NO_RESULT = 97
+"""Attempt code of a job that exited 0 without writing its result file."""
+
+
 def reset_failed(root: Path) -> list[str]:
     """Forgets the failed attempts of every job (a new machine: earlier failures may have been memory contention).
 
@@ -295,6 +299,8 @@ def run(
             if rc is None:
                 continue
             log.close()
+            if rc == 0 and not is_done(jobs[name], root):  # a success without its result is a failure, or it loops
+                rc = NO_RESULT
             _append(root / name / "attempts.jsonl", {"rc": rc, "seconds": round(time.time() - t0, 1)})
             say(f"{name}: exit {rc} after {time.time() - t0:.0f} s")
             del procs[name]

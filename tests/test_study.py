@@ -206,10 +206,19 @@ def test_pack_leaves_checkpoints_out(tmp_path: Path) -> None:
 def test_jobs_spread_over_gpus_within_each_budget(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
     plan = [j for j in _fake_plan(tmp_path) if j.kind == "eval" and "untrained" in j.name]
-    plan += [dataclasses.replace(j, name=f"{j.name}_{i}", done_file=f"x{i}/summary.json", deps=())
-             for i, j in enumerate(p for p in _fake_plan(tmp_path) if p.kind == "fidelity")]  # fmt: skip
+    log = str(tmp_path / "launches.jsonl")
+    fids = [p for p in _fake_plan(tmp_path) if p.kind == "fidelity"]
+    plan += [
+        dataclasses.replace(j, name=f"{j.name}_{i}", done_file=f"x{i}/fidelity.json", deps=(),
+                            cmd=[sys.executable, "-c", FAKE, "{root}", f"{j.name}_{i}", f"x{i}/fidelity.json", log])
+        for i, j in enumerate(fids)
+    ]  # fmt: skip
+    # a job that exits 0 without its result counts as failed (relaunching it would never end)
+    plan += [dataclasses.replace(fids[0], name="fidelity/no_result", done_file="never/written.json", deps=())]
     budget = 10.0  # one fidelity job (8 GB) per GPU at a time
-    assert run(tmp_path / "study", plan, gpu_gb=budget, poll=0.05, gpus=2) == 1  # the 22-GB eval never fits
+    assert run(tmp_path / "study", plan, gpu_gb=budget, poll=0.05, gpus=2, retries=1) == 1  # 20-GB eval never fits
+    attempts_log = tmp_path / "study" / "fidelity/no_result" / "attempts.jsonl"
+    assert [json.loads(x)["rc"] for x in attempts_log.read_text().splitlines()] == [97, 97]
     events = [x for x in _launches(tmp_path)]
     assert {x["gpu"] for x in events if "start" in x} == {"0", "1"}
     for gpu in ("0", "1"):
