@@ -47,9 +47,11 @@ from eval_suite.dir_lock import DirectoryLock
 from eval_suite.episode_log import EPISODES_FILE, UNTRAINED, EpisodeLog, read_episodes, record_key
 from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
-from eval_suite.report import fmt_mean_std, write_json
+from eval_suite.report import check_writable, fmt_mean_std, write_json
+from lragent.adapters_io import adapter_config_of
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
+from lragent.roles import DEFAULT_ROLES
 from lragent.schemes import SCHEMES
 
 # Settings that must not change when a run is resumed into the same directory.
@@ -430,7 +432,7 @@ def evaluate(
     from lragent.models import parse_dtype
     from lragent.provenance import provenance
 
-    out_dir = Path(out)
+    out_dir = check_writable(out, is_dir=True)
     merge_list = _as_list(merge) if merge is not None else None
     if merge_list is not None:
         if not merge_list:
@@ -493,6 +495,8 @@ def evaluate(
         print(f"eval: using the trained shared-A adapters {default} (no --adapters given)", file=sys.stderr)
     if adapters and not Path(adapters).is_dir():
         raise FileNotFoundError(f"--adapters {adapters!r}: no such directory")
+    if adapters:
+        adapter_config_of(adapters, roles=DEFAULT_ROLES)  # damaged or incomplete sets fail here, not mid-run
     if adapter_init == "zero":
         if scheme not in ("all", "non_shared"):
             raise ValueError("--adapter_init zero is the untrained row: B = 0 makes every scheme equal non_shared")

@@ -17,31 +17,15 @@ from pathlib import Path
 import torch
 
 from lragent.adapters_io import adapter_config_of, load_adapter_dir
+from lragent.agents.prompts import HOTPOTQA, RESPONSE, initial_text
 from lragent.lora_model import MultiLoraModel
-from lragent.models import NAMED_ARCHITECTURES, load_model, parse_dtype
+from lragent.models import NAMED_ARCHITECTURES, check_device, load_model, parse_dtype
 from lragent.multi_lora import MultiLoraConfig
+from lragent.paths import DATA_DIR
 from lragent.provenance import provenance
+from lragent.roles import DEFAULT_ROLES
 from lragent.schemes import SCHEMES, Scheme
 from lragent.session import MultiAgentSession
-
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-HOTPOT_PROMPT = (
-    "I want you to be a good multi-hop question answerer ,solving a question answering task with interleaving "
-    "Thought, Action, Observation steps. Thought can reason about the current situation, and Action can be five "
-    "types :\n(1) BingSearch[query], which search the exact detailed query on the Internet and returns the relevant "
-    "information to the query. Be specific and precise with your query to increase the chances of getting relevant "
-    'results. For example, instead of searching for "dogs," you can search for "popular dog breeds in the United '
-    'States."For example, BingSearch[Which type of computer networking technology, developed in the 1970s, allows '
-    "devices to communicate over a shared network]\n(2) Retrieve[entity], which retrieve the exact entity on "
-    "Wikipedia and returns the first paragraph if it exists. If not, it will return some similar entities to "
-    "retrieve. For example, Retrieve[Milhouse]\n(3) Lookup[keyword], which returns the next sentence containing "
-    "keyword in the last passage successfully found by Retrieve or BingSearch. For example, Lookup[river]\n"
-    "(4) Finish[answer], which returns a definite answer. For example, Finish[Richard Nixon] (If it is a judgement "
-    "question, please Finish[yes] or Finish[no])\n(5) Reflect[right/wrong], which reflects the answer right or wrong "
-    "based on the context history. For example, Reflect[right]\nNote that Reflect must be the next Action after "
-    "Finish. You may take as many steps as necessary.\n"
-)
-RESPONSE = "\n### Response:\n"
 
 
 def _load_question(index: int) -> dict:
@@ -65,7 +49,7 @@ def build_schedule(name: str, question: dict) -> list[tuple[str, str]]:
         f"{t}: {''.join(s).strip()}"
         for t, s in zip(question["context"]["title"], question["context"]["sentences"], strict=True)
     ]
-    head = HOTPOT_PROMPT + "Question:" + question["question"].strip() + "\nThought: " + RESPONSE
+    head = initial_text(HOTPOTQA, question["question"].strip())
     if name == "agent":
         steps: list[tuple[str, str]] = []
         for c in range(5):
@@ -238,14 +222,15 @@ def validate(args: argparse.Namespace) -> None:
     validate_model_args(args)
     if args.rank <= 0:
         raise ValueError(f"--rank must be a positive integer, got {args.rank}")
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.scheme == "base_lr_shared" and args.independent_a and not args.adapters:
         raise ValueError("--scheme base_lr_shared needs shared A: drop --independent-a or use base_shared")
     if args.model.lower() in NAMED_ARCHITECTURES:
         raise ValueError(f"--model {args.model!r} has random weights and no tokenizer: the session job needs text")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device!r} but CUDA is not available: allowed cpu")
+    check_device(args.device)
+    if args.adapters:
+        adapter_config_of(args.adapters, roles=DEFAULT_ROLES)
 
 
 def main(argv: list[str] | None = None) -> int:
