@@ -44,10 +44,10 @@ from eval_suite.report import check_writable, markdown_table, write_json, write_
 from eval_suite.session_runner import add_model_args, model_from_args, validate_model_args
 from lragent.agents.prompts import last_piece_start
 from lragent.lora_model import MultiLoraModel
+from lragent.paths import DATA_DIR
 from lragent.schemes import SCHEMES
 from lragent.session import MultiAgentSession
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SHARED_SPLITS: tuple[str, ...] = ("last", "piece")
 
 

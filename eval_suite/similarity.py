@@ -69,8 +69,8 @@ import torch
 from eval_suite.report import write_json
 from lragent.lora_model import MultiLoraModel
 from lragent.multi_lora import MultiLoraLinear
+from lragent.paths import DATA_DIR
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BENCHMARKS: tuple[str, ...] = ("hotpotqa", "scienceqa")
 ADAPTER_INITS: tuple[str, ...] = ("zero", "random")
 PAIR_METRICS: tuple[str, ...] = ("full", "base", "adapter", "lr", "k", "hidden")
