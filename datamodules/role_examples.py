@@ -495,6 +495,10 @@ class RoleExampleDataModule(LightningDataModule):
             ``batch_size`` examples, for training and validation; see :class:`LengthBucketBatchSampler`.
         pin_memory: page-locked batches, so that the copy to the GPU does not synchronise the host; ``None``: when
             CUDA is available.
+        option_variants: for multiple-choice data (ScienceQA), add to the *training* set, for every trajectory, a
+            variant with each of these option counts (e.g. ``[2, 3]``): distractors dropped, gold letters balanced,
+            every ``Finish`` letter re-lettered (:mod:`datamodules.option_variants`). Validation stays as read.
+            ``None``: the data as read.
     """
 
     def __init__(
@@ -512,6 +516,7 @@ class RoleExampleDataModule(LightningDataModule):
         pack_prefixes: bool = False,
         max_tokens: int | None = None,
         pin_memory: bool | None = None,
+        option_variants: list[int] | None = None,
     ) -> None:
         super().__init__()
         if not data_files:
@@ -540,6 +545,12 @@ class RoleExampleDataModule(LightningDataModule):
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if max_tokens is not None and max_tokens < max_length:
             raise ValueError(f"max_tokens must be >= max_length ({max_length}) or null, got {max_tokens}")
+        if option_variants is not None:
+            bad = [k for k in option_variants if not isinstance(k, int) or isinstance(k, bool) or not 2 <= k <= 10]
+            if bad or not option_variants:
+                raise ValueError(
+                    f"option_variants must be a non-empty list of option counts in 2..10, got {option_variants}"
+                )
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
         self.data_files = {r: str(data_files[r]) for r in roles}
         self.roles = roles
@@ -555,6 +566,8 @@ class RoleExampleDataModule(LightningDataModule):
         self.pack_prefixes = pack_prefixes
         self.max_tokens = max_tokens
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.option_variants = list(option_variants) if option_variants else None
+        self.variant_stats: dict[str, int] = {}
         self.train_set: RoleExampleDataset | None = None
         self.val_set: RoleExampleDataset | None = None
 
@@ -575,13 +588,21 @@ class RoleExampleDataModule(LightningDataModule):
         """Reads, checks, splits and tokenises every role's data (once)."""
         if self.train_set is not None:
             return
-        train, val = [], []
-        for role_id, role in enumerate(self.roles):
+        train_records: dict[str, list[RoleRecord]] = {}
+        val_records: dict[str, list[RoleRecord]] = {}
+        for role in self.roles:
             records = read_records(self.data_files[role])
             tr_idx, va_idx = split_indices(len(records), self.val_fraction, self.seed, role)
-            va_idx = va_idx[: self.val_max_per_role]
-            train += [tokenize_example(self.tokenizer, records[i], role_id, self.max_length) for i in tr_idx]
-            val += [tokenize_example(self.tokenizer, records[i], role_id, self.max_length) for i in va_idx]
+            train_records[role] = [records[i] for i in tr_idx]
+            val_records[role] = [records[i] for i in va_idx[: self.val_max_per_role]]
+        if self.option_variants:
+            from datamodules.option_variants import option_count_variants
+
+            train_records, self.variant_stats = option_count_variants(train_records, self.option_variants, self.seed)
+        train, val = [], []
+        for role_id, role in enumerate(self.roles):
+            train += [tokenize_example(self.tokenizer, rec, role_id, self.max_length) for rec in train_records[role]]
+            val += [tokenize_example(self.tokenizer, rec, role_id, self.max_length) for rec in val_records[role]]
         if self.pack_prefixes:
             train = pack_prefix_chains(train)
         self.train_set, self.val_set = RoleExampleDataset(train), RoleExampleDataset(val)

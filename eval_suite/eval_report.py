@@ -32,6 +32,7 @@ from eval_suite.metrics import (
     aggregate_runs,
     mean_interval,
 )
+from eval_suite.paired import paired_difference, validity
 from eval_suite.report import fmt_mean_std, fmt_signed, markdown_table, write_json, write_text
 from lragent.agents.loop import ROLES
 from lragent.provenance import provenance_footer
@@ -145,6 +146,20 @@ def summarize(records: Iterable[dict]) -> dict:
             ref = accuracy[m].get(_reference_row(row), {}).get("avg", {}).get("mean")
             accuracy[m][row]["diff_vs_non_shared"] = None if ref is None else accuracy[m][row]["avg"]["mean"] - ref
     oof = {row: over_runs(per_run["oof"][row]) for row in rows}
+    # Paired by question and run against non_shared of the same protocol, 95% bootstrap interval over questions.
+    paired: dict[str, dict[str, Any]] = {}
+    for m, score_field in zip(metrics, bench.score_fields, strict=True):
+        paired[m] = {
+            row: paired_difference(recs, row, _reference_row(row), score_field)
+            for row in rows
+            if row != _reference_row(row) and _reference_row(row) in rows
+        }
+    paired["oof"] = {
+        row: paired_difference(recs, row, _reference_row(row), "oof")
+        for row in rows
+        if row != _reference_row(row) and _reference_row(row) in rows
+    }
+    valid = {row: validity(r for r in recs if r["row"] == row) for row in rows} if bench.name == "scienceqa" else {}
     commits = sorted({str((r.get("provenance") or {}).get("git_commit")) for r in recs if r.get("provenance")})
     return {
         "benchmark": bench.name,
@@ -158,6 +173,8 @@ def summarize(records: Iterable[dict]) -> dict:
         "duplicates": dups,
         "accuracy": accuracy,
         "oof": oof,
+        "paired_vs_non_shared": paired,
+        "validity": valid,
         "efficiency": efficiency,
     }
 
@@ -166,6 +183,13 @@ def _fmt_interval(ci: Sequence[float] | None) -> str:
     if ci is None:
         return "–"
     return f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def _fmt_paired(cell: dict | None) -> str:
+    if not cell:
+        return "–"
+    lo, hi = cell["ci95"]
+    return f"{100 * cell['mean']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
 
 def _fmt_protocol(p: dict) -> str:
@@ -203,6 +227,34 @@ def render_markdown(summary: dict) -> str:
             vals = [fmt_mean_std(cell[lv]["mean"], cell[lv]["std"]) for lv in [*levels, "avg"]]
             body.append([row, *vals, _fmt_interval(cell["avg"]["ci95"]), fmt_signed(cell["diff_vs_non_shared"])])
         parts.append(markdown_table(["Scheme", *level_cols, "Avg", "Avg 95% CI", "Δ vs non_shared"], body))
+    paired = summary.get("paired_vs_non_shared") or {}
+    if any(paired.get(m) for m in summary["metrics"]):
+        parts.append(
+            "\n## Paired difference to non_shared\n\nPer question: the mean over the runs both rows have of "
+            "(row − non_shared); the mean over questions, in points, and its 95% bootstrap interval over questions "
+            "(10,000 resamples). An interval that contains 0 is no measured difference.\n\n"
+        )
+        header = ["Scheme", *[f"Δ {METRIC_TITLES[m]} [95% CI]" for m in summary["metrics"]], "Δ OOF [95% CI]", "Pairs"]
+        body = []
+        for row in rows:
+            cells = [paired.get(m, {}).get(row) for m in (*summary["metrics"], "oof")]
+            if not any(cells):
+                continue
+            pairs = next(c["pairs"] for c in cells if c)
+            body.append([row, *[_fmt_paired(c) for c in cells], str(pairs)])
+        parts.append(markdown_table(header, body))
+    if summary.get("validity"):
+        parts.append(
+            "\n## Answer validity\n\nShare of the answered episodes (not OOF) whose answer is a lone letter of one "
+            "of the question's own options.\n\n"
+        )
+        body = []
+        for row in rows:
+            v = summary["validity"][row]
+            rate = "–" if v["rate"] is None else f"{100 * v['rate']:.1f}%"
+            top = "; ".join(f"{e['answer']} ×{e['count']}" for e in v["invalid_examples"][:4]) or "–"
+            body.append([row, str(v["answered"]), str(v["valid"]), rate, top])
+        parts.append(markdown_table(["Scheme", "Answered", "Valid", "Valid %", "Most frequent invalid"], body))
     parts.append("\n## Out-of-function rate, Table 16 layout\n\n")
     body = []
     for row in rows:
