@@ -23,7 +23,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import replace
 
-from datamodules.tokenized import TokenizedExample
+from datamodules.records import TokenizedExample
 
 
 def _body(example: TokenizedExample) -> tuple[int, ...]:

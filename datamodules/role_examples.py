@@ -24,7 +24,6 @@ import json
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +32,11 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from datamodules.prefix_packing import pack_prefix_chains
-from datamodules.tokenized import TokenizedExample
+from datamodules.records import RoleRecord, TokenizedExample
 from lragent.prompt_pieces import last_piece_start
 
 IGNORE_INDEX = -100
 LOCAL_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
-
-
-@dataclass(frozen=True)
-class RoleRecord:
-    """One raw role example and where it came from."""
-
-    input: str
-    """Prompt text; ends with the response marker (e.g. ``"\\n### Response:\\n"``)."""
-    output: str
-    """Text the role must produce; the loss is on its tokens."""
-    source: str
-    """``file:line`` (or ``dataset:split row N``) for error messages."""
 
 
 # ----------------------------------------------------------------------------------------------------------- reading

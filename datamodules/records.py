@@ -1,8 +1,21 @@
-"""A tokenised role example: what the reader produces and prefix packing and the collate functions consume."""
+"""The two forms of a role example: the raw record as read, and its tokenised form (what prefix packing and the
+collate functions consume). Their own module so that every datamodule can use them without importing the reader."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoleRecord:
+    """One raw role example and where it came from."""
+
+    input: str
+    """Prompt text; ends with the response marker (e.g. ``"\\n### Response:\\n"``)."""
+    output: str
+    """Text the role must produce; the loss is on its tokens."""
+    source: str
+    """``file:line`` (or ``dataset:split row N``) for error messages."""
 
 
 @dataclass(frozen=True)
