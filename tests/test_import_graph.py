@@ -159,6 +159,17 @@ def test_kernels_and_datamodules_never_import_eval_suite_or_agents():
     assert not bad, bad
 
 
+def test_commands_never_import_commands():
+    """A command module (one that ``lragent`` dispatches to) imports no other command module: what two commands
+    share lives in a library module (``lragent.loading``, ``lragent.schemes``, ``eval_suite.fidelity`` ...)."""
+    from lragent.cli_main import BENCHES, COMMANDS
+
+    commands = {module for module, _ in [*COMMANDS.values(), *BENCHES.values()]}
+    graph = import_graph(ROOT)
+    bad = [f"{m} -> {t}" for m in sorted(commands) for t in sorted(graph[m]) if t in commands]
+    assert not bad, bad
+
+
 def test_no_import_cycle():
     cycles = find_cycles(import_graph(ROOT))
     assert not cycles, f"import cycles: {cycles}"

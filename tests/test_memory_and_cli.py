@@ -52,7 +52,7 @@ def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
         (["--rank", "0"], "--rank must be a positive integer, got 0"),
         (["--rank", "-2"], "--rank must be a positive integer, got -2"),
         (["--schedule", "long"], "unknown schedule 'long': allowed agent, short, roles"),
-        (["--adapter-init", "ones"], "--adapter-init 'ones' not supported: allowed zero, random"),
+        (["--adapter_init", "ones"], "--adapter_init 'ones' not supported: allowed zero, random"),
     ],
 )
 def test_session_cli_bad_input(args, needle, tmp_path):
@@ -74,15 +74,16 @@ def test_session_cli_writes_result(tmp_path):
         "session",
         "--scheme",
         "base_lr_shared",
-        "--adapter-init",
+        "--adapter_init",
         "random",
         "--seed",
         "0",
         "--schedule",
         "short",
-        "--max-new-tokens",
+        "--max_new_tokens",
         "4",
         "--quiet",
+        "true",
         "--out",
         str(out),
     )
@@ -114,9 +115,9 @@ def test_console_command_is_installed_and_is_cli_py():
 @pytest.mark.parametrize(
     "command",
     [
-        ["session", "--scheme", "base_lr_shared", "--adapter-init", "random"],
-        ["fidelity", "--adapter-init", "random"],
-        ["droidspeak-select", "--adapter-init", "random"],
+        ["session", "--scheme", "base_lr_shared", "--adapter_init", "random"],
+        ["fidelity", "--adapter_init", "random"],
+        ["droidspeak-select", "--adapter_init", "random"],
     ],
 )
 def test_unwritable_out_is_refused_before_any_work(tmp_path, command):
@@ -195,20 +196,19 @@ def _bad_input_case(tmp_path, case: str) -> tuple[list[str], str]:
         args, _ = _adapter_case(tmp_path, kind, cmd)
         return args, "'reflect'"
     if kind == "missing-model":
-        init = "--adapter_init" if cmd == "eval" else "--adapter-init"
         missing = str(tmp_path / "no" / "such" / "dir")
-        return [cmd, "--model", missing, init, "zero", "--out", str(out)], "does not exist"
+        return [cmd, "--model", missing, "--adapter_init", "zero", "--out", str(out)], "does not exist"
     if kind == "out-is-file":
         blocker = tmp_path / "a_file"
         blocker.write_text("x")
         extra = ["--adapter_init", "zero", "--limit", "1"] if cmd == "eval" else []
         return [cmd, *extra, "--out", str(blocker)], str(blocker)
     if case == "bogus-device":
-        return ["session", "--adapter-init", "random", "--device", "bogus", "--out", str(out / "r.json")], "'bogus'"
+        return ["session", "--adapter_init", "random", "--device", "bogus", "--out", str(out / "r.json")], "'bogus'"
     if case == "mps-device":
-        return ["session", "--adapter-init", "random", "--device", "mps", "--out", str(out / "r.json")], "'mps'"
+        return ["session", "--adapter_init", "random", "--device", "mps", "--out", str(out / "r.json")], "'mps'"
     if case == "zero-new-tokens":
-        return ["session", "--adapter-init", "random", "--max-new-tokens", "0", "--out", str(out / "r.json")], "got 0"
+        return ["session", "--adapter_init", "random", "--max_new_tokens", "0", "--out", str(out / "r.json")], "got 0"
     assert case == "not-a-checkpoint", case
     ckpt = tmp_path / "x.ckpt"
     ckpt.write_text("not a checkpoint")
@@ -240,13 +240,13 @@ def test_bad_input_table_one_line_exit_2(tmp_path, case):
 @pytest.mark.parametrize(
     "command",
     [
-        ["session", "--adapter-init", "random", "--schedule", "short", "--max-new-tokens", "2"],
-        ["fidelity", "--adapter-init", "random", "--limit", "1"],
-        ["droidspeak-select", "--adapter-init", "random", "--limit", "1"],
+        ["session", "--adapter_init", "random", "--schedule", "short", "--max_new_tokens", "2"],
+        ["fidelity", "--adapter_init", "random", "--limit", "1"],
+        ["droidspeak-select", "--adapter_init", "random", "--limit", "1"],
         ["export", "--ckpt", "some.ckpt", "--out", "adapters_out"],
     ],
 )
-def test_argparse_commands_print_a_config_that_round_trips(tmp_path, command):
+def test_commands_print_a_config_that_round_trips(tmp_path, command):
     """--print_config of session/fidelity/droidspeak-select/export prints every option; --config with that file
     gives the same options (and the command line still overrides it); a bad key is one line, exit 2."""
     import yaml
@@ -269,7 +269,7 @@ def test_argparse_commands_print_a_config_that_round_trips(tmp_path, command):
 @pytest.mark.model
 def test_session_runs_unchanged_from_its_printed_config(tmp_path):
     out = tmp_path / "r.json"
-    args = ["session", "--adapter-init", "random", "--schedule", "short", "--max-new-tokens", "2", "--out", str(out)]
+    args = ["session", "--adapter_init", "random", "--schedule", "short", "--max_new_tokens", "2", "--out", str(out)]
     cfg = tmp_path / "c.yaml"
     cfg.write_text(_cli(*args, "--print_config").stdout)
     r = _cli("session", "--config", str(cfg), timeout=300)
