@@ -80,7 +80,7 @@ SCHEDULES = ("agent", "short", "roles")
 
 def run(
     *,
-    scheme: str,
+    scheme: Scheme,
     model: str,
     adapters: str | None,
     adapter_init: str | None,
@@ -196,7 +196,7 @@ def session(
     Returns:
         0 on success.
     """
-    Scheme.parse(scheme)
+    parsed = Scheme.parse(scheme)  # the one parse of --scheme: the session and the engine take the Scheme
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: allowed {', '.join(SCHEDULES)}")
     if adapters is None and adapter_init is None:
@@ -214,7 +214,7 @@ def session(
     device = resolve_device(device)
     on_interrupt(f"the steps done so far are in {out}")
     result = run(
-        scheme=scheme, model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha,
+        scheme=parsed, model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha,
         independent_a=independent_a, schedule=schedule, question=question, max_new_tokens=max_new_tokens,
         temperature=temperature, seed=seed, droidspeak_layers=droidspeak_layers, dtype=dtype, device=device,
         use_kernel=use_kernel, cuda_graphs=cuda_graphs, out=out, quiet=quiet,

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRATCH = "/tmp/lragent_plant_copy"
+SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
 BUGS = {
     "catch-up as the wrong role": (
@@ -103,6 +103,42 @@ BUGS = {
         "    if tuple(dst.shape) != tuple(src.shape):",
         "    if False:",
         "tests/test_memory_and_cli.py -k rank",
+    ),
+    "kernels import the evaluation suite (upward import)": (
+        "kernels/bench.py",
+        "    from lragent.report_io import markdown_table",
+        "    from eval_suite.report import markdown_table",
+        "tests/test_import_graph.py",
+    ),
+    "kv_cache imports the decoder back (import cycle)": (
+        "lragent/kv_cache.py",
+        "from lragent.rope import rope_store_unfused\n",
+        "from lragent.rope import rope_store_unfused\nfrom lragent.decoder import apply_rope  # noqa: F401\n",
+        "tests/test_import_graph.py",
+    ),
+    "a command imports another command": (
+        "eval_suite/droidspeak_select.py",
+        "from eval_suite.report import check_writable, write_json\n",
+        "from eval_suite.report import check_writable, write_json\nfrom eval_suite.fidelity_command import fidelity  # noqa: F401\n",
+        "tests/test_import_graph.py",
+    ),
+    "session accepts --max_new_tokens 0": (
+        "eval_suite/session_runner.py",
+        "    if max_new_tokens < 1:",
+        "    if max_new_tokens < 0:",
+        "tests/test_memory_and_cli.py -k zero-new-tokens",
+    ),
+    "a PEFT adapter set without a role passes the up-front check": (
+        "lragent/adapters_io.py",
+        "    missing = [r for r in roles if r not in found]",
+        "    missing = []",
+        "tests/test_memory_and_cli.py -k peft-no-reflect",
+    ),
+    "a PEFT config that is not a mapping is read as one": (
+        "lragent/adapters_io.py",
+        "    if not isinstance(pc, dict):",
+        "    if False:",
+        "tests/test_memory_and_cli.py -k peft-list",
     ),
 }
 only = sys.argv[1:]
