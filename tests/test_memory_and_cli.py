@@ -278,3 +278,18 @@ def test_session_runs_unchanged_from_its_printed_config(tmp_path):
 
     result = json.loads(out.read_text())
     assert result["scheme"] == "base_lr_shared" and result["steps"]
+
+
+def test_help_is_about_lragent_and_bench_has_help(capsys):
+    """`lragent --help` shows the commands as the user types them (no `python cli.py`, no notes on the code);
+    `lragent bench --help` prints help, exit 0."""
+    from lragent.cli_main import BENCHES, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "lragent COMMAND" in out and "python cli.py" not in out and "only wires" not in out
+    for flag in ("--help", "-h"):
+        assert main(["bench", flag]) == 0
+        out = capsys.readouterr().out
+        assert all(name in out for name in BENCHES) and "usage:" in out
+    assert main(["bench"]) == 2 and "error: bench needs one of" in capsys.readouterr().err
