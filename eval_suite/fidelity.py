@@ -46,6 +46,9 @@ from lragent.schemes import SCHEMES
 from lragent.session import MultiAgentSession
 
 SHARED_SPLITS: tuple[str, ...] = ("last", "piece")
+POOLS: tuple[str, ...] = ("heldout", "dev", "val")
+VAL_FRACTION, VAL_SEED = 0.05, 0
+"""The validation split of ``configs/embedded_*.yaml`` (``data.val_fraction``, ``data.seed``): ``--pool val``."""
 
 
 # ------------------------------------------------------------------------------------------------------- examples
@@ -120,15 +123,21 @@ def heldout_indices(n: int, holdout: int, limit: int | None, seed: int, role: st
         limit: draw this many of the pool with ``random.Random(f"{seed}:{role}")`` (None: the whole pool).
         seed: seed of the draw.
         role: role name (part of the seed).
-        pool: ``heldout`` (the tail) or ``dev`` (the ``holdout`` examples just before the tail, for tuning).
+        pool: ``heldout`` (the tail), ``dev`` (the ``holdout`` examples just before the tail, for tuning) or ``val``
+            (the validation split of the embedded training configs, ``val_fraction`` 0.05 with data seed 0: the only
+            examples that adapters trained by those configs never saw; ``holdout`` is then ignored).
     """
     if holdout < 1:
         raise ValueError(f"holdout must be >= 1, got {holdout}")
     tail = list(range(max(0, n - holdout), n))
-    if pool == "dev":
+    if pool == "val":
+        from datamodules.role_examples import split_indices
+
+        tail = split_indices(n, VAL_FRACTION, VAL_SEED, role)[1]
+    elif pool == "dev":
         tail = list(range(max(0, n - 2 * holdout), max(0, n - holdout)))
     elif pool != "heldout":
-        raise ValueError(f"pool {pool!r} unknown: allowed heldout, dev")
+        raise ValueError(f"pool {pool!r} unknown: allowed {', '.join(POOLS)}")
     if limit is not None and limit < len(tail):
         tail = sorted(random.Random(f"{seed}:{role}").sample(tail, limit))
     return tail

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eval_suite.fidelity import check_example_args, check_producer, load_role_examples, render_markdown, run_fidelity
+from eval_suite.fidelity import (
+    POOLS,
+    check_example_args,
+    check_producer,
+    load_role_examples,
+    render_markdown,
+    run_fidelity,
+)
 from eval_suite.report import check_writable, write_json, write_text
 from lragent.loading import check_model_args, load_lora_model, read_droidspeak_config
 from lragent.provenance import provenance
@@ -22,6 +29,7 @@ def fidelity(
     seed: int = 0,
     holdout: int = 100,
     limit: int = 20,
+    pool: str = "heldout",
     max_context_tokens: int | None = None,
     producer: str = "next",
     shared_split: str = "last",
@@ -47,7 +55,9 @@ def fidelity(
         alpha: LoRA alpha for --adapter_init.
         seed: seed of the adapter init and of the example draw.
         holdout: held-out tail of each role file.
-        limit: examples per role drawn from the held-out tail.
+        limit: examples per role drawn from the pool.
+        pool: which examples: heldout (the last --holdout of each role file), dev (the --holdout before them) or val
+            (the embedded configs' validation split, never trained on; --holdout is ignored).
         max_context_tokens: cut each context from the left to this many tokens (default: no cut).
         producer: next (the next role, wrapping) or a fixed role name.
         shared_split: last or piece: where the shared cache ends.
@@ -67,6 +77,8 @@ def fidelity(
         model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, dtype=dtype,
         device=device, exactly_one=True, needs_text=True,
     )  # fmt: skip
+    if pool not in POOLS:
+        raise ValueError(f"--pool {pool!r} unknown: allowed {', '.join(POOLS)}")
     schemes = parse_schemes(scheme)
     if "non_shared" not in schemes:
         schemes = ["non_shared", *schemes]
@@ -79,7 +91,7 @@ def fidelity(
     check_producer(lm, producer)
     examples = load_role_examples(
         benchmark, list(lm.router.roles), tokenizer, holdout=holdout, limit=limit, seed=seed,
-        max_context_tokens=max_context_tokens, pool="heldout",
+        max_context_tokens=max_context_tokens, pool=pool,
     )  # fmt: skip
     result = run_fidelity(
         lm, examples, schemes, producer=producer, shared_split=shared_split, droidspeak_layers=layers,
@@ -88,8 +100,9 @@ def fidelity(
     result["config"] = {
         "benchmark": benchmark, "model": model,
         "adapters": str(Path(adapters).resolve()) if adapters else f"init:{adapter_init}",
-        "seed": seed, "holdout": holdout, "limit": limit, "producer": producer, "shared_split": shared_split,
-        "max_context_tokens": max_context_tokens, "droidspeak_layers": layers, "dtype": dtype,
+        "seed": seed, "pool": pool, "holdout": holdout, "limit": limit, "producer": producer,
+        "shared_split": shared_split, "max_context_tokens": max_context_tokens, "droidspeak_layers": layers,
+        "dtype": dtype,
     }  # fmt: skip
     result["provenance"] = provenance(dtype=dtype, device=str(next(lm.parameters()).device.type))
     write_json(out_dir / "fidelity.json", result)

@@ -102,14 +102,14 @@ def test_variant_changes_only_the_options_line_and_finish_letters(scienceqa) -> 
             to_old = {LETTERS[i]: LETTERS[old_opts.index(t)] for i, t in enumerate(new_opts)}
             # map the variant's letters back: the text must be the original's, character for character
             back_in = FINISH.sub(
-                lambda m: m.group(0)[:-2] + to_old[m.group(1)] + "]",
+                lambda m, to_old=to_old: m.group(0)[:-2] + to_old[m.group(1)] + "]",
                 var.input.replace(f"Options:{vkey[1]}\n", f"Options:{okey[1]}\n"),
             )
             assert back_in == orig.input, var.source
             if orig.input.endswith("Finish[\n### Response:\n"):
                 assert to_old[var.output.strip()] == orig.output.strip()
             else:
-                back_out = FINISH.sub(lambda m: m.group(0)[:-2] + to_old[m.group(1)] + "]", var.output)
+                back_out = FINISH.sub(lambda m, to_old=to_old: m.group(0)[:-2] + to_old[m.group(1)] + "]", var.output)
                 assert back_out == orig.output
             checked += 1
     assert checked == sum(len(out[r]) - len(scienceqa[r]) for r in ROLES) > 1000

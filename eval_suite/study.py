@@ -1,0 +1,357 @@
+"""The sharing study (issue 17): train-for-sharing (λ) adapters and every evaluation row at 3 runs, resumable.
+
+One **plan** of jobs, each a shipped command in its own process:
+
+* ``train``: ``cli.py fit`` of one adapter set on ``configs/embedded_<benchmark>.yaml`` with the study's recipe
+  (equal optimiser steps and data for every λ: no prefix packing, since the shared term needs one example per
+  sequence; a fixed number of epochs, no early stopping; the last weights exported): shared A at
+  λ ∈ ``--lambdas`` with the shared term emulating ``base_lr_shared``, λ = 1 emulating ``full_shared``
+  (ICaRus-like), and independent A at λ = 0;
+* ``eval``: ``cli.py eval`` of one adapter set under one scheme, ``--runs`` runs of the 90 dev questions (the
+  evaluation protocol: T 0.9, top-p 0.75, seeds paired across schemes); λ = 0 shared A under all five schemes,
+  the other λ under ``non_shared``, ``base_lr_shared`` and ``full_shared``, independent A under the four schemes it
+  allows, the untrained model (B = 0) under ``non_shared``;
+* ``fidelity``: ``cli.py fidelity --pool val`` of one adapter set (every scheme against ``non_shared`` on all the
+  validation examples that training never saw).
+
+A job is done when its result file exists (``adapters/lragent_adapters.safetensors``, ``summary.json`` with every
+run, ``fidelity.json``); ``run`` launches what is not done, dependencies first, as many processes at once as the GPU
+memory allows (an estimate per job kind against ``--gpu-gb``), and retries a failed job up to ``--retries`` times.
+Everything resumes: a killed ``fit`` continues from its ``last.ckpt``, a killed ``eval`` from its episode log. A
+finished job is never launched again (``tests/test_study.py``).
+
+    python -m eval_suite.study plan   --root runs/study                      # the jobs and their state
+    python -m eval_suite.study run    --root runs/study --gpu-gb 130         # until every job is done
+    python -m eval_suite.study pack   --root runs/study --out OUT            # <= 8 files for the device tool
+    python -m eval_suite.study report --root runs/study --out eval_suite/results/study
+
+``scripts/gpu_study.sh`` is the device driver: it starts ``run`` in the background once per machine and packs
+while it works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eval_suite.study_jobs import Job, is_done
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS: tuple[str, ...] = ("scienceqa", "hotpotqa")
+LAMBDAS: tuple[float, ...] = (0.0, 0.5, 0.25, 1.0)
+"""Shared-A λ values, in launch order (the most informative first)."""
+FIVE = ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak")
+LAMBDA_SCHEMES = ("non_shared", "base_lr_shared", "full_shared")
+INDEP_SCHEMES = ("non_shared", "full_shared", "base_shared", "droidspeak")
+ADAPTER_FILE = "lragent_adapters.safetensors"
+GB = {"train": 18.0, "eval": 14.0, "eval_non_shared": 22.0, "fidelity": 8.0}
+"""Estimated GPU memory per job (bf16, embedded model; eval at the batch sizes below, capacity 8192)."""
+EVAL_BATCH = {"non_shared": 32, "droidspeak": 48}
+"""Rows per eval process (``--batch``); other schemes: :data:`DEFAULT_BATCH`. non_shared keeps 3 caches per row."""
+DEFAULT_BATCH = 64
+
+
+def set_name(benchmark: str, lam: float | None, scheme: str = "base_lr_shared", shared_a: bool = True) -> str:
+    """Adapter-set name: ``scienceqa_lam0.5`` (base_lr_shared term), ``scienceqa_lam1_full``, ``scienceqa_indepA``,
+    ``scienceqa_untrained`` (``lam`` None)."""
+    if lam is None:
+        return f"{benchmark}_untrained"
+    if not shared_a:
+        return f"{benchmark}_indepA"
+    suffix = "_full" if scheme == "full_shared" and lam > 0 else ""
+    return f"{benchmark}_lam{lam:g}{suffix}"
+
+
+def train_config(benchmark: str, lam: float, scheme: str, shared_a: bool, run_dir: Path, epochs: int) -> dict:
+    """The ``cli.py fit`` config of one study set: the embedded recipe, unpacked, ``epochs`` epochs, last weights."""
+    base = yaml.safe_load((ROOT / "configs" / f"embedded_{benchmark}.yaml").read_text())
+    cfg = json.loads(json.dumps(base))
+    tr, model, data = cfg["trainer"], cfg["model"], cfg["data"]
+    tr["default_root_dir"] = str(run_dir)
+    tr["enable_progress_bar"] = False
+    tr["max_epochs"], tr["max_steps"] = epochs, -1
+    tr["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                     "init_args": {"save_dir": str(run_dir), "name": "csv", "version": None}}]  # fmt: skip
+    callbacks = []
+    for cb in tr.get("callbacks") or []:
+        kind = cb["class_path"].rsplit(".", 1)[-1]
+        args = cb.setdefault("init_args", {})
+        if kind in ("EarlyStopping", "TQDMProgressBar", "TimeBudget"):
+            continue  # equal optimiser steps for every λ
+        if kind == "ModelCheckpoint":
+            args.update(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True, monitor=None)
+        elif kind == "ExportAdapters":
+            args.update(out_dir=str(run_dir / "adapters"), best=False)
+        elif kind == "RunStatus":
+            args["path"] = str(run_dir / "fit_status.jsonl")
+        callbacks.append(cb)
+    tr["callbacks"] = callbacks
+    model.update(lambda_shared=float(lam), shared_scheme=scheme, shared_a=shared_a, val_schemes=[])
+    data["pack_prefixes"] = False
+    return cfg
+
+
+def build_plan(
+    benchmarks: tuple[str, ...] = BENCHMARKS,
+    lambdas: tuple[float, ...] = LAMBDAS,
+    runs: int = 3,
+    epochs: int = 2,
+    python: str = "python3",
+) -> list[Job]:
+    """Every job of the study, in priority order (see the module docstring)."""
+    jobs: list[Job] = []
+    for bi, bench in enumerate(benchmarks):
+        sets: list[tuple[str, float | None, str, bool, tuple[str, ...]]] = []
+        for lam in lambdas:
+            sets.append((set_name(bench, lam), lam, "base_lr_shared", True, FIVE if lam == 0 else LAMBDA_SCHEMES))
+        sets.append((set_name(bench, 1.0, "full_shared"), 1.0, "full_shared", True, LAMBDA_SCHEMES))
+        sets.append((set_name(bench, 0.0, shared_a=False), 0.0, "base_lr_shared", False, INDEP_SCHEMES))
+        sets.append((set_name(bench, None), None, "", True, ("non_shared",)))
+        for si, (name, lam, scheme, shared_a, schemes) in enumerate(sets):
+            meta = {"benchmark": bench, "set": name, "lambda": lam, "train_scheme": scheme, "shared_a": shared_a}
+            deps: tuple[str, ...] = ()
+            adapters: list[str]
+            if lam is None:
+                adapters = ["--adapter_init", "zero"]
+            else:
+                tname = f"train/{name}"
+                jobs.append(Job(
+                    name=tname, kind="train",
+                    cmd=[python, "cli.py", "fit", "--config", f"{{root}}/{tname}/config.yaml"],
+                    done_file=f"{tname}/adapters/{ADAPTER_FILE}", gb=GB["train"], priority=bi * 10 + si * 0.1,
+                    meta={**meta, "epochs": epochs},
+                ))  # fmt: skip
+                deps = (tname,)
+                adapters = ["--adapters", f"{{root}}/{tname}/adapters"]
+            for ci, sch in enumerate(schemes):
+                ename = f"eval/{name}/{sch}"
+                jobs.append(Job(
+                    name=ename, kind="eval",
+                    cmd=[python, "cli.py", "eval", "--benchmark", bench, *adapters, "--scheme", sch,
+                         "--runs", str(runs), "--batch", str(EVAL_BATCH.get(sch, DEFAULT_BATCH)),
+                         "--dtype", "bfloat16", "--out", f"{{root}}/{ename}", "--quiet", "true"],
+                    done_file=f"{ename}/summary.json", deps=deps,
+                    gb=GB["eval_non_shared" if sch == "non_shared" else "eval"],
+                    priority=100 + bi * 10 + si * 0.1 + ci * 0.01 + (0 if sch in LAMBDA_SCHEMES else 5),
+                    meta={**meta, "scheme": sch, "runs": runs},
+                ))  # fmt: skip
+            if lam is not None:
+                fname = f"fidelity/{name}"
+                jobs.append(Job(
+                    name=fname, kind="fidelity",
+                    cmd=[python, "cli.py", "fidelity", "--benchmark", bench, *adapters, "--pool", "val",
+                         "--limit", "100000", "--dtype", "bfloat16", "--out", f"{{root}}/{fname}", "--quiet", "true"],
+                    done_file=f"{fname}/fidelity.json", deps=deps, gb=GB["fidelity"],
+                    priority=200 + bi * 10 + si * 0.1, meta=meta,
+                ))  # fmt: skip
+    return sorted(jobs, key=lambda j: j.priority)
+
+
+# ------------------------------------------------------------------------------------------------------------ state
+def job_state(job: Job, root: Path, running: set[str], jobs: dict[str, Job]) -> str:
+    """``done``, ``running``, ``failed`` (the last attempt exited non-zero), ``ready`` or ``waiting``.
+
+    Args:
+        job: the job.
+        root: the study root.
+        running: names of the jobs running now.
+        jobs: every job of the plan by name (for the dependencies).
+    """
+    if is_done(job, root):
+        return "done"
+    if job.name in running:
+        return "running"
+    status = root / job.name / "attempts.jsonl"
+    if status.is_file():
+        last = [json.loads(line) for line in status.read_text().splitlines() if line.strip()][-1:]
+        if last and last[0].get("rc") not in (0, None):
+            return "failed"
+    return "ready" if all(is_done(jobs[d], root) for d in job.deps) else "waiting"
+
+
+def attempts(job: Job, root: Path) -> int:
+    path = root / job.name / "attempts.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
+def _append(path: Path, rec: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def prepare(job: Job, root: Path) -> list[str]:
+    """Writes what the job needs (the fit config) and returns its command with the root filled in."""
+    d = root / job.name
+    d.mkdir(parents=True, exist_ok=True)
+    cmd = [c.replace("{root}", str(root)) for c in job.cmd]
+    if job.kind == "train":
+        m = job.meta
+        cfg = train_config(m["benchmark"], m["lambda"], m["train_scheme"], m["shared_a"], d, m["epochs"])
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        if (d / "checkpoints" / "last.ckpt").is_file():
+            cmd += ["--ckpt_path", str(d / "checkpoints" / "last.ckpt")]
+    return cmd
+
+
+def gpu_memory_gb() -> float:
+    """Total memory of GPU 0 (0 without one)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )  # fmt: skip
+        return float(out.stdout.split()[0]) / 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0.0
+
+
+def run(root: Path, plan: list[Job], gpu_gb: float, retries: int = 2, poll: float = 5.0, max_procs: int = 14) -> int:
+    """Launches the jobs that are not done until every one is done or has failed ``retries + 1`` times.
+
+    Returns:
+        0 when every job is done, 1 otherwise.
+    """
+    jobs = {j.name: j for j in plan}
+    root.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, tuple[subprocess.Popen, float, Any]] = {}
+    say = lambda msg: print(f"[study {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
+    while True:
+        for name, (proc, t0, log) in list(procs.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            log.close()
+            _append(root / name / "attempts.jsonl", {"rc": rc, "seconds": round(time.time() - t0, 1)})
+            say(f"{name}: exit {rc} after {time.time() - t0:.0f} s")
+            del procs[name]
+        running = set(procs)
+        used = sum(jobs[n].gb for n in running)
+        pending = []
+        for job in plan:
+            state = job_state(job, root, running, jobs)
+            if state in ("done", "running", "waiting"):
+                if state != "done":
+                    pending.append(job)
+                continue
+            if state == "failed" and attempts(job, root) > retries:
+                continue
+            pending.append(job)
+            if len(procs) >= max_procs or used + job.gb > gpu_gb:
+                continue
+            cmd = prepare(job, root)
+            (root / job.name).mkdir(parents=True, exist_ok=True)
+            log = (root / job.name / "log.txt").open("a")
+            log.write(f"\n$ {shlex.join(cmd)}\n")
+            log.flush()
+            procs[job.name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL), time.time(), log)  # fmt: skip
+            used += job.gb
+            say(f"launched {job.name} ({job.gb:g} GB est., {used:g} of {gpu_gb:g} in use)")
+        (root / "driver.json").write_text(json.dumps({"pid": os.getpid(), "running": sorted(procs)}))
+        if not procs and not any(job_state(j, root, set(), jobs) == "ready" for j in pending):
+            done = sum(is_done(j, root) for j in plan)
+            say(f"finished: {done} of {len(plan)} jobs done")
+            return 0 if done == len(plan) else 1
+        time.sleep(poll)
+
+
+def status_lines(root: Path, plan: list[Job]) -> list[str]:
+    """One line per job: state, attempts, name."""
+    jobs = {j.name: j for j in plan}
+    running = set()
+    pid_file = root / "driver.json"
+    if pid_file.is_file():
+        running = set(json.loads(pid_file.read_text()).get("running", []))
+    return [f"{job_state(j, root, running, jobs):8s} {attempts(j, root)}  {j.name}" for j in plan]
+
+
+# ------------------------------------------------------------------------------------------------------------- pack
+PACK_EXCLUDE = ("checkpoints", "csv", "lightning_logs")
+
+
+def pack(root: Path, out: Path, piece_bytes: int = 15_500_000) -> list[Path]:
+    """Everything of the study but checkpoints, as ``study.tar.gz`` split into pieces the device tool returns."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "study.tar.gz.tmp"
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        parts = Path(info.name).parts
+        if any(p in PACK_EXCLUDE for p in parts) or info.name.endswith((".ckpt", ".tmp")):
+            return None
+        if "adapters" in parts and len(parts) > parts.index("adapters") + 2:
+            return None  # the native checkpoint only; the PEFT directories are re-made by `lragent export`
+        return info
+
+    with tarfile.open(tmp, "w:gz") as tar:
+        tar.add(root, arcname="study", filter=keep)
+    data = tmp.read_bytes()
+    tmp.unlink()
+    for old in out.glob("study.tar.gz.part*"):
+        old.unlink()
+    paths = []
+    for i in range(0, max(1, len(data)), piece_bytes):
+        p = out / f"study.tar.gz.part{i // piece_bytes:02d}"
+        p.write_bytes(data[i : i + piece_bytes])
+        paths.append(p)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval_suite.study", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=["plan", "run", "pack", "report"])
+    p.add_argument("--root", default=str(ROOT / "runs" / "study"), help="directory of the jobs")
+    p.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma list of hotpotqa, scienceqa")
+    p.add_argument("--lambdas", default=",".join(f"{x:g}" for x in LAMBDAS), help="shared-A λ values (comma list)")
+    p.add_argument("--runs", type=int, default=3, help="runs of every evaluation row")
+    p.add_argument("--epochs", type=int, default=2, help="training epochs of every set (equal steps for every λ)")
+    p.add_argument("--gpu-gb", type=float, default=None, help="GPU memory to fill (default: 90%% of GPU 0's)")
+    p.add_argument("--retries", type=int, default=2, help="relaunches of a failed job")
+    p.add_argument("--out", default=None, help="pack / report: output directory")
+    args = p.parse_args(argv)
+    try:
+        benchmarks = tuple(b.strip() for b in args.benchmarks.split(",") if b.strip())
+        bad = [b for b in benchmarks if b not in BENCHMARKS]
+        if bad or not benchmarks:
+            raise ValueError(f"--benchmarks {args.benchmarks!r}: allowed {', '.join(BENCHMARKS)}")
+        lambdas = tuple(float(x) for x in args.lambdas.split(",") if x.strip())
+        if not lambdas or any(not 0 <= x <= 1 for x in lambdas):
+            raise ValueError(f"--lambdas {args.lambdas!r}: values in [0, 1]")
+        if args.runs < 1 or args.epochs < 1:
+            raise ValueError(f"--runs and --epochs must be >= 1, got {args.runs}, {args.epochs}")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    root = Path(args.root).resolve()
+    plan = build_plan(benchmarks, lambdas, args.runs, args.epochs, python=sys.executable)
+    if args.command == "plan":
+        print("\n".join(status_lines(root, plan)))
+        return 0
+    if args.command == "run":
+        gpu = args.gpu_gb if args.gpu_gb is not None else 0.9 * gpu_memory_gb()
+        if gpu <= 0:
+            print("error: no GPU memory to fill: give --gpu-gb (the study is meant for a GPU)", file=sys.stderr)
+            return 2
+        return run(root, plan, gpu, retries=args.retries)
+    if args.command == "pack":
+        paths = pack(root, Path(args.out or "study_pack"))
+        print("\n".join(f"{p} {p.stat().st_size}" for p in paths))
+        return 0
+    from eval_suite.study_report import write_report
+
+    write_report(root, plan, Path(args.out or root / "report"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Results page of the sharing study (:mod:`eval_suite.study`): Markdown, HTML and figures from the job outputs alone.
+
+Per benchmark:
+
+1. **λ study**: for each shared-A set (λ, and the term's scheme), the ``non_shared`` accuracy (mean ± std over runs),
+   the paired difference of ``base_lr_shared`` and ``full_shared`` to ``non_shared`` with its 95% bootstrap interval
+   over questions (:mod:`eval_suite.paired`), their OOF rates, ScienceQA answer validity, and the teacher-forced
+   fidelity (KL, top-1 against ``non_shared``) on the validation examples;
+2. **every row at its runs**: each adapter set under each scheme it was evaluated with, per-run mean ± std, the
+   Student-t interval over runs, and the paired difference to ``non_shared``;
+3. ScienceQA: each set's ``non_shared`` accuracy against the chance rate of the same questions (mean of
+   1/#options), paired by question, with its 95% interval;
+4. figures: accuracy and KL against λ per scheme.
+
+Only finished evaluations are reported (a job's ``summary.json``); a row still running is listed as missing.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eval_suite.episode_log import EPISODES_FILE, read_episodes
+from eval_suite.eval_report import summarize
+from eval_suite.paired import bootstrap_mean_interval
+from eval_suite.report import fmt_mean_std, markdown_table, write_json, write_text
+from eval_suite.study_jobs import Job, is_done
+from lragent.provenance import provenance, provenance_footer
+
+SCHEME_ORDER = ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak")
+
+
+def _pct(x: float | None, signed: bool = False) -> str:
+    if x is None:
+        return "–"
+    return f"{100 * x:+.1f}" if signed else f"{100 * x:.1f}"
+
+
+def _paired_cell(cell: dict | None) -> str:
+    if not cell:
+        return "–"
+    lo, hi = cell["ci95"]
+    return f"{100 * cell['mean']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
+def chance_gap(records: Sequence[dict], seed: int = 0) -> dict[str, Any] | None:
+    """``non_shared`` accuracy minus the chance rate, paired by question (ScienceQA), with a 95% bootstrap interval.
+
+    Per question: the mean over runs of ``correct - 1/#options``.
+    """
+    per_q: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r["row"] == "non_shared":
+            per_q[str(r["qid"])].append(float(r["correct"]) - 1.0 / len(r["choices"]))
+    if not per_q:
+        return None
+    values = [sum(v) / len(v) for v in per_q.values()]
+    mean, lo, hi = bootstrap_mean_interval(values, seed=seed)
+    chance = {str(r["qid"]): 1.0 / len(r["choices"]) for r in records if r["row"] == "non_shared"}
+    return {"mean": mean, "ci95": [lo, hi], "chance": sum(chance.values()) / len(chance), "questions": len(values)}
+
+
+def collect(root: Path, plan: Sequence[Job]) -> dict[str, Any]:
+    """Summaries of every adapter set's finished evaluations, the fidelity results and the training runs."""
+    sets: dict[str, dict[str, Any]] = {}
+    for job in plan:
+        meta = job.meta
+        keys = ("benchmark", "set", "lambda", "train_scheme", "shared_a")
+        fresh = {"meta": {k: meta[k] for k in keys}, "records": [], "missing": [], "fidelity": None, "train": None}
+        entry = sets.setdefault(meta["set"], fresh)
+        if job.kind == "eval":
+            if is_done(job, root):
+                entry["records"] += read_episodes(root / job.name / EPISODES_FILE)
+            else:
+                entry["missing"].append(meta["scheme"])
+        elif job.kind == "fidelity" and is_done(job, root):
+            entry["fidelity"] = json.loads((root / job.done_file).read_text())
+        elif job.kind == "train" and is_done(job, root):
+            status = root / job.name / "fit_status.jsonl"
+            lines = status.read_text().splitlines() if status.is_file() else []
+            entry["train"] = json.loads(lines[-1]) if lines else {"done": True}
+    for entry in sets.values():
+        entry["summary"] = summarize(entry["records"]) if entry["records"] else None
+        if entry["summary"] and entry["meta"]["benchmark"] == "scienceqa":
+            entry["chance"] = chance_gap(entry["records"])
+        entry.pop("records")
+    return sets
+
+
+def _metric(bench: str) -> str:
+    return "accuracy" if bench == "scienceqa" else "em"
+
+
+def _row_mean(summary: dict, metric: str, row: str) -> tuple[float | None, float | None, int]:
+    cell = (summary or {}).get("accuracy", {}).get(metric, {}).get(row)
+    if not cell:
+        return None, None, 0
+    return cell["avg"]["mean"], cell["avg"]["std"], cell["avg"]["runs"]
+
+
+def _kl(fid: dict | None, scheme: str) -> float | None:
+    if not fid:
+        return None
+    return (fid.get("schemes", {}).get(scheme) or {}).get("overall", {}).get("kl")
+
+
+def _top1(fid: dict | None, scheme: str) -> float | None:
+    if not fid:
+        return None
+    return (fid.get("schemes", {}).get(scheme) or {}).get("overall", {}).get("top1")
+
+
+def lambda_table(sets: dict[str, dict], bench: str) -> str:
+    metric = _metric(bench)
+    header = [
+        "Adapters", "λ (term)", "non_shared", "Δ base_lr_shared [95% CI]", "Δ full_shared [95% CI]",
+        "OOF ns / blr / full", "Valid % ns / blr / full", "KL blr / full", "top-1 blr / full", "Runs",
+    ]  # fmt: skip
+    body = []
+    lam_sets = [e for e in sets.values() if e["meta"]["benchmark"] == bench and e["meta"]["shared_a"]
+                and e["meta"]["lambda"] is not None]  # fmt: skip
+    for e in sorted(lam_sets, key=lambda e: (e["meta"]["lambda"], e["meta"]["train_scheme"])):
+        s, m = e["summary"], e["meta"]
+        term = "—" if m["lambda"] == 0 else m["train_scheme"]
+        mean, std, runs = _row_mean(s, metric, "non_shared")
+        paired = (s or {}).get("paired_vs_non_shared", {}).get(metric, {})
+        oof = [(s or {}).get("oof", {}).get(r, {}).get("avg", {}).get("mean") for r in LAMBDA3]
+        valid = [((s or {}).get("validity", {}).get(r) or {}).get("rate") for r in LAMBDA3]
+        body.append([
+            m["set"], f"{m['lambda']:g} ({term})", fmt_mean_std(mean, std) if runs > 1 else _pct(mean),
+            _paired_cell(paired.get("base_lr_shared")), _paired_cell(paired.get("full_shared")),
+            " / ".join(_pct(x) for x in oof), " / ".join(_pct(x) for x in valid) if bench == "scienceqa" else "–",
+            " / ".join("–" if _kl(e["fidelity"], r) is None else f"{_kl(e['fidelity'], r):.3f}" for r in LAMBDA3[1:]),
+            " / ".join(_pct(_top1(e["fidelity"], r)) for r in LAMBDA3[1:]),
+            str(runs) + (f" (missing: {', '.join(e['missing'])})" if e["missing"] else ""),
+        ])  # fmt: skip
+    return markdown_table(header, body)
+
+
+LAMBDA3 = ("non_shared", "base_lr_shared", "full_shared")
+
+
+def rows_table(sets: dict[str, dict], bench: str) -> str:
+    metric = _metric(bench)
+    header = ["Adapters", "Scheme", "Accuracy" if bench == "scienceqa" else "EM", "95% CI over runs",
+              "Δ vs non_shared, paired [95% CI]", "OOF", "Runs", "Episodes"]  # fmt: skip
+    body = []
+    for e in sets.values():
+        s = e["summary"]
+        if e["meta"]["benchmark"] != bench or not s:
+            continue
+        for row in [r for r in SCHEME_ORDER if r in s["rows"]]:
+            cell = s["accuracy"][metric][row]["avg"]
+            ci = cell["ci95"]
+            oof = s["oof"][row]["avg"]
+            body.append([
+                e["meta"]["set"], row,
+                fmt_mean_std(cell["mean"], cell["std"]) if cell["runs"] > 1 else _pct(cell["mean"]),
+                "–" if ci is None else f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]",
+                _paired_cell(s["paired_vs_non_shared"][metric].get(row)),
+                fmt_mean_std(oof["mean"], oof["std"]) if oof["runs"] > 1 else _pct(oof["mean"]),
+                str(cell["runs"]), str(sum(s["episodes"][row].values())),
+            ])  # fmt: skip
+    return markdown_table(header, body)
+
+
+def chance_table(sets: dict[str, dict]) -> str:
+    body = []
+    for e in sets.values():
+        c = e.get("chance")
+        if e["meta"]["benchmark"] != "scienceqa" or not c:
+            continue
+        lo, hi = c["ci95"]
+        verdict = "above chance" if lo > 0 else ("below chance" if hi < 0 else "not distinguishable from chance")
+        body.append([e["meta"]["set"], _pct(c["chance"]), f"{100 * c['mean']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]",
+                     verdict, str(c["questions"])])  # fmt: skip
+    return markdown_table(["Adapters", "Chance rate", "non_shared − chance, paired [95% CI]", "Verdict", "Questions"],
+                          body)  # fmt: skip
+
+
+def plot(sets: dict[str, dict], out: Path) -> list[str]:
+    """``lambda_<benchmark>.png``: accuracy (left) and KL (right) against λ for the shared-A sets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for bench in sorted({e["meta"]["benchmark"] for e in sets.values()}):
+        metric = _metric(bench)
+        fig, (ax_acc, ax_kl) = plt.subplots(1, 2, figsize=(10, 4))
+        for term, marker in (("base_lr_shared", "o"), ("full_shared", "s")):
+            pts = sorted(
+                (e["meta"]["lambda"], e) for e in sets.values()
+                if e["meta"]["benchmark"] == bench and e["meta"]["shared_a"] and e["meta"]["lambda"] is not None
+                and (e["meta"]["lambda"] == 0 or e["meta"]["train_scheme"] == term)
+            )  # fmt: skip
+            if len(pts) < 1:
+                continue
+            for row, ls in zip(LAMBDA3, ("-", "--", ":"), strict=True):
+                xs, ys, es = [], [], []
+                for lam, e in pts:
+                    mean, std, _ = _row_mean(e["summary"], metric, row)
+                    if mean is not None:
+                        xs.append(lam)
+                        ys.append(100 * mean)
+                        es.append(100 * (std or 0))
+                if xs:
+                    ax_acc.errorbar(xs, ys, yerr=es, marker=marker, ls=ls, capsize=3,
+                                    label=f"eval {row} (train term {term})")  # fmt: skip
+            for row, ls in zip(LAMBDA3[1:], ("--", ":"), strict=True):
+                xs = [lam for lam, e in pts if _kl(e["fidelity"], row) is not None]
+                ys = [_kl(e["fidelity"], row) for lam, e in pts if _kl(e["fidelity"], row) is not None]
+                if xs:
+                    ax_kl.plot(xs, ys, marker=marker, ls=ls, label=f"{row} (train term {term})")
+        ax_acc.set(xlabel="λ", ylabel=f"{metric} (%)", title=f"{bench}: accuracy vs λ (mean ± std over runs)")
+        ax_kl.set(xlabel="λ", ylabel="KL(non_shared ‖ scheme)", title=f"{bench}: teacher-forced KL vs λ")
+        for ax in (ax_acc, ax_kl):
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"lambda_{bench}.png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def _md_to_html(md: str) -> str:
+    """The study page's Markdown (headings, paragraphs, pipe tables, images) as HTML; nothing else is used."""
+    out, table = [], []
+
+    def flush() -> None:
+        if table:
+            rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+            head, body = rows[0], [r for r in rows[2:]]
+            out.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in head) + "</tr>"
+                       + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
+                       + "</table>")  # fmt: skip
+            table.clear()
+
+    for line in md.splitlines():
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush()
+        if line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            out.append(f"<h{level}>{html.escape(line.lstrip('#').strip())}</h{level}>")
+        elif line.startswith("!["):
+            src = line[line.index("(") + 1 : line.rindex(")")]
+            out.append(f"<img src='{html.escape(src)}' style='max-width:100%'>")
+        elif line.strip():
+            out.append(f"<p>{html.escape(line)}</p>")
+    flush()
+    css = "body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse}" \
+          "td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}"  # fmt: skip
+    head = f"<!doctype html><html><head><meta charset='utf-8'><style>{css}</style></head>"
+    return f"{head}<body>{''.join(out)}</body></html>"
+
+
+def write_report(root: Path, plan: Sequence[Job], out: Path) -> dict:
+    """Writes ``study.md``, ``study.html``, ``study.json`` and the figures into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    sets = collect(root, plan)
+    figures = plot(sets, out)
+    parts = ["# Sharing study: accuracy under a shared cache, and training for sharing (λ)\n\n",
+             "Every number below comes from the job outputs under the study root (`python -m eval_suite.study "
+             "report`). Paired differences: per question, the mean over runs of (scheme − non_shared) with the same "
+             "sampling seeds; 95% bootstrap interval over the questions. An interval containing 0 is no measured "
+             "difference. `ns` / `blr` / `full`: non_shared / base_lr_shared / full_shared.\n"]  # fmt: skip
+    for bench in [b for b in ("scienceqa", "hotpotqa") if any(e["meta"]["benchmark"] == b for e in sets.values())]:
+        parts.append(f"\n## {bench}: λ study (shared A)\n\n")
+        parts.append(lambda_table(sets, bench))
+        parts.append(f"\n## {bench}: every row\n\n")
+        parts.append(rows_table(sets, bench))
+        if bench == "scienceqa":
+            parts.append("\n## scienceqa: non_shared against the chance rate\n\n")
+            parts.append(chance_table(sets))
+        if f"lambda_{bench}.png" in figures:
+            parts.append(f"\n![{bench}](lambda_{bench}.png)\n")
+    missing = [f"{name}: {', '.join(e['missing'])}" for name, e in sets.items() if e["missing"]]
+    if missing:
+        parts.append("\n## Not run yet (missing evaluations)\n\n" + "".join(f"- {m}\n" for m in missing))
+    prov = provenance(command=["python", "-m", "eval_suite.study", "report", "--root", str(root), "--out", str(out)])
+    md = "".join(parts)
+    write_text(out / "study.md", md + provenance_footer(prov))
+    write_text(out / "study.html", _md_to_html(md + provenance_footer(prov)))
+    data = {name: {k: v for k, v in e.items()} for name, e in sets.items()}
+    write_json(out / "study.json", {"sets": data, "provenance": prov})
+    return data

@@ -1,0 +1,203 @@
+"""The sharing-study driver: a resumed study never re-runs finished jobs, dependencies and memory are respected,
+failures are retried a bounded number of times, the training recipe is equal across λ, and the report is built from
+the job outputs alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval_suite.study import (
+    Job,
+    build_plan,
+    is_done,
+    main,
+    pack,
+    run,
+    train_config,
+)
+from eval_suite.study_report import chance_gap, write_report
+
+FAKE = r"""
+import json, os, sys, time
+root, name, done, log = sys.argv[1:5]
+with open(log, "a") as f:
+    f.write(json.dumps({"job": name, "start": time.time()}) + "\n")
+time.sleep(0.3)
+if os.environ.get("FAIL_JOB") == name:
+    with open(log, "a") as f:
+        f.write(json.dumps({"job": name, "end": time.time()}) + "\n")
+    sys.exit(3)
+path = os.path.join(root, done)
+os.makedirs(os.path.dirname(path), exist_ok=True)
+body = {"episodes": {name.rsplit("/", 1)[-1]: {"0": 1, "1": 1, "2": 1}}} if done.endswith("summary.json") else {}
+open(path, "w").write(json.dumps(body))
+with open(log, "a") as f:
+    f.write(json.dumps({"job": name, "end": time.time()}) + "\n")
+"""
+
+
+def _fake_plan(tmp_path: Path, **kw) -> list[Job]:
+    plan = build_plan(("scienceqa",), (0.0, 0.5), runs=3, epochs=1, **kw)
+    log = tmp_path / "launches.jsonl"
+    return [
+        dataclasses.replace(j, cmd=[sys.executable, "-c", FAKE, "{root}", j.name, j.done_file, str(log)]) for j in plan
+    ]
+
+
+def _launches(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "launches.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_resumed_study_does_not_rerun_finished_jobs(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    root = tmp_path / "study"
+    plan = _fake_plan(tmp_path)
+    finished = [j for j in plan if j.name in ("train/scienceqa_lam0", "eval/scienceqa_lam0/non_shared")]
+    for j in finished:  # finished before this call (a previous session)
+        (root / j.done_file).parent.mkdir(parents=True, exist_ok=True)
+        body = {"episodes": {"non_shared": {"0": 90, "1": 90, "2": 90}}} if j.kind == "eval" else {}
+        (root / j.done_file).write_text(json.dumps(body))
+    # an eval whose summary lacks a run is not done (it resumes from its episode log)
+    partial = next(j for j in plan if j.name == "eval/scienceqa_lam0/base_lr_shared")
+    (root / partial.done_file).parent.mkdir(parents=True, exist_ok=True)
+    (root / partial.done_file).write_text(json.dumps({"episodes": {"base_lr_shared": {"0": 90}}}))
+    assert not is_done(partial, root)
+    assert run(root, plan, gpu_gb=1000, poll=0.05) == 0
+    starts = [x for x in _launches(tmp_path) if "start" in x]
+    launched = [x["job"] for x in starts]
+    assert sorted(launched) == sorted(j.name for j in plan if j not in finished)
+    # dependencies first: every eval of a set starts after its training ended
+    ends = {x["job"]: x["end"] for x in _launches(tmp_path) if "end" in x}
+    for x in starts:
+        job = next(j for j in plan if j.name == x["job"])
+        for dep in job.deps:
+            assert dep not in ends or ends[dep] <= x["start"], (job.name, dep)
+    # a second call finds everything done and launches nothing
+    n = len(starts)
+    assert run(root, plan, gpu_gb=1000, poll=0.05) == 0
+    assert len([x for x in _launches(tmp_path) if "start" in x]) == n
+
+
+def test_memory_budget_and_bounded_retries(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setenv("FAIL_JOB", "fidelity/scienceqa_lam0.5")
+    root = tmp_path / "study"
+    plan = [j for j in _fake_plan(tmp_path) if "indepA" not in j.name and "untrained" not in j.name][:6]
+    plan += [j for j in _fake_plan(tmp_path) if j.name == "fidelity/scienceqa_lam0.5"]
+    budget = max(j.gb for j in plan)  # room for one big job at a time
+    assert run(root, plan, gpu_gb=budget, retries=1, poll=0.05) == 1  # the failing job never finishes
+    events = _launches(tmp_path)
+    starts = sorted(x["start"] for x in events if "start" in x)
+    # at no moment do the running jobs' memory estimates add up to more than the budget
+    gb = {j.name: j.gb for j in plan}
+    level = peak = 0.0
+    timeline = [(x["start"], gb[x["job"]]) for x in events if "start" in x]
+    timeline += [(x["end"], -gb[x["job"]]) for x in events if "end" in x]
+    for _, delta in sorted(timeline, key=lambda t: (t[0], t[1])):
+        level += delta
+        peak = max(peak, level)
+    assert peak <= budget
+    fails = [x for x in events if x["job"] == "fidelity/scienceqa_lam0.5" and "start" in x]
+    assert len(fails) == 2  # first try + 1 retry
+    assert len(starts) == len(plan) - 1 + 2
+
+
+def test_training_recipe_is_equal_across_lambda(tmp_path: Path) -> None:
+    cfgs = {lam: train_config("scienceqa", lam, "base_lr_shared", True, tmp_path, epochs=2) for lam in (0.0, 0.5)}
+    full = train_config("scienceqa", 1.0, "full_shared", True, tmp_path, epochs=2)
+    for cfg in (*cfgs.values(), full):
+        kinds = [cb["class_path"].rsplit(".", 1)[-1] for cb in cfg["trainer"]["callbacks"]]
+        assert "EarlyStopping" not in kinds and "ExportAdapters" in kinds
+        export = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("ExportAdapters"))
+        assert export["init_args"]["best"] is False
+        assert cfg["data"]["pack_prefixes"] is False and cfg["trainer"]["max_epochs"] == 2
+        assert cfg["data"]["option_variants"] == [2, 3]
+    strip = lambda c: {
+        **c,
+        "model": {k: v for k, v in c["model"].items() if k not in ("lambda_shared", "shared_scheme")},
+    }  # noqa: E731
+    assert strip(cfgs[0.0]) == strip(cfgs[0.5]) == strip(full)
+    assert (cfgs[0.5]["model"]["lambda_shared"], full["model"]["shared_scheme"]) == (0.5, "full_shared")
+
+
+def test_plan_rows_and_cli_errors(capsys) -> None:
+    plan = build_plan(("scienceqa", "hotpotqa"), (0.0, 0.25, 0.5, 1.0), runs=3)
+    evals = {j.name for j in plan if j.kind == "eval"}
+    for bench in ("scienceqa", "hotpotqa"):
+        for s in ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak"):
+            assert f"eval/{bench}_lam0/{s}" in evals
+        for lam in ("0.25", "0.5", "1", "1_full"):
+            assert {f"eval/{bench}_lam{lam}/{s}" for s in ("non_shared", "base_lr_shared", "full_shared")} <= evals
+        assert f"eval/{bench}_indepA/base_lr_shared" not in evals  # needs shared A
+        assert f"eval/{bench}_untrained/non_shared" in evals
+    assert all("--runs" in j.cmd and j.cmd[j.cmd.index("--runs") + 1] == "3" for j in plan if j.kind == "eval")
+    assert main(["plan", "--lambdas", "0,2"]) == 2
+    assert "--lambdas" in capsys.readouterr().err
+    assert main(["plan", "--benchmarks", "mmlu"]) == 2
+
+
+def _episode(row: str, qid: str, run: int, correct: bool, n: int) -> dict:
+    return {
+        "benchmark": "scienceqa", "qid": qid, "level": "1-4", "row": row, "scheme": row, "adapters": "a", "run": run,
+        "protocol": {"temperature": 0.9, "top_p": 0.75, "constraints": []}, "prediction": "A" if correct else "B",
+        "gold": 0, "choices": [f"c{i}" for i in range(n)], "correct": float(correct), "oof": False, "steps": 3,
+        "num_tokens": 100, "roles": {},
+    }  # fmt: skip
+
+
+def test_chance_gap_by_hand() -> None:
+    # q0 (2 options): correct in both runs -> 1 - 1/2; q1 (4 options): wrong, then right -> 0.5 - 1/4
+    recs = [_episode("non_shared", "q0", r, True, 2) for r in range(2)]
+    recs += [_episode("non_shared", "q1", 0, False, 4), _episode("non_shared", "q1", 1, True, 4)]
+    recs += [_episode("base_lr_shared", "q0", 0, False, 2)]
+    c = chance_gap(recs)
+    assert c["mean"] == pytest.approx((0.5 + 0.25) / 2) and c["chance"] == pytest.approx((0.5 + 0.25) / 2)
+    assert c["ci95"] == [pytest.approx(0.25), pytest.approx(0.5)]  # two questions: the extremes
+
+
+def test_report_from_job_outputs(tmp_path: Path) -> None:
+    root = tmp_path / "study"
+    plan = build_plan(("scienceqa",), (0.0, 0.5), runs=2)
+    for j in plan:
+        if j.kind != "eval" or "lam" not in j.name:
+            continue
+        scheme = j.meta["scheme"]
+        d = root / j.name
+        d.mkdir(parents=True)
+        recs = [
+            _episode(scheme, f"q{q}", r, q % 2 == 0 or scheme == "non_shared", 2) for q in range(6) for r in range(2)
+        ]
+        (d / "episodes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+        (d / "summary.json").write_text(json.dumps({"episodes": {scheme: {"0": 6, "1": 6}}}))
+    data = write_report(root, plan, tmp_path / "out")
+    md = (tmp_path / "out" / "study.md").read_text()
+    s = data["scienceqa_lam0.5"]["summary"]
+    assert s["paired_vs_non_shared"]["accuracy"]["base_lr_shared"]["mean"] == pytest.approx(-0.5)
+    assert "-50.0 [" in md and "λ study" in md and "above chance" in md
+    assert (tmp_path / "out" / "study.html").read_text().count("<table>") >= 3
+    assert (tmp_path / "out" / "lambda_scienceqa.png").stat().st_size > 1000
+    assert "missing" in md  # the untrained and independent-A rows never ran
+
+
+def test_pack_leaves_checkpoints_out(tmp_path: Path) -> None:
+    root = tmp_path / "study"
+    (root / "train/x/checkpoints").mkdir(parents=True)
+    (root / "train/x/checkpoints/last.ckpt").write_bytes(b"0" * 1000)
+    (root / "train/x/adapters/plan").mkdir(parents=True)
+    (root / "train/x/adapters/lragent_adapters.safetensors").write_bytes(b"1")
+    (root / "train/x/adapters/plan/adapter_model.safetensors").write_bytes(b"2")
+    parts = pack(root, tmp_path / "out", piece_bytes=50)
+    import io
+    import tarfile
+
+    data = b"".join(p.read_bytes() for p in parts)
+    names = tarfile.open(fileobj=io.BytesIO(data)).getnames()
+    assert "study/train/x/adapters/lragent_adapters.safetensors" in names
+    assert not any(n.endswith(".ckpt") or "plan/adapter_model" in n for n in names)
+    assert len(parts) > 1
