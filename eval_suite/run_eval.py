@@ -45,7 +45,7 @@ from eval_suite.dir_lock import DirectoryLock
 from eval_suite.episode_log import EPISODES_FILE, UNTRAINED, EpisodeLog, read_episodes, record_key
 from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
-from eval_suite.report import check_writable, fmt_mean_std, write_json
+from eval_suite.report import fmt_mean_std, write_json
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
 from lragent.loading import check_model_args, load_lora_model, resolve_device
@@ -402,7 +402,9 @@ def evaluate(
     from lragent.command import on_interrupt
     from lragent.provenance import provenance
 
-    out_dir = check_writable(out, is_dir=True)
+    out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():  # checked before anything is written (the lock creates it)
+        raise ValueError(f"--out {out_dir} is an existing file; give a directory")
     merge_list = _as_list(merge) if merge is not None else None
     if merge_list is not None:
         if not merge_list:
