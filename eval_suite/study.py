@@ -21,12 +21,12 @@ Everything resumes: a killed ``fit`` continues from its ``last.ckpt``, a killed 
 finished job is never launched again (``tests/test_study.py``).
 
     python -m eval_suite.study plan   --root runs/study                      # the jobs and their state
-    python -m eval_suite.study run    --root runs/study --gpu-gb 130         # until every job is done
+    python -m eval_suite.study run    --root runs/study --reset-failed      # until every job is done
     python -m eval_suite.study pack   --root runs/study --out OUT            # <= 8 files for the device tool
     python -m eval_suite.study report --root runs/study --out eval_suite/results/study
 
 ``scripts/gpu_study.sh`` is the device driver: it starts ``run`` in the background once per machine and packs
-while it works.
+while it works; a new machine starts from the study committed in ``results/study/root`` (unpack a pack there).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ FIVE = ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspea
 LAMBDA_SCHEMES = ("non_shared", "base_lr_shared", "full_shared")
 INDEP_SCHEMES = ("non_shared", "full_shared", "base_shared", "droidspeak")
 ADAPTER_FILE = "lragent_adapters.safetensors"
-GB = {"train": 18.0, "eval": 14.0, "eval_non_shared": 22.0, "fidelity": 8.0}
-"""Estimated GPU memory per job (bf16, embedded model; eval at the batch sizes below, capacity 8192)."""
+GB = {"train": 55.0, "eval": 14.0, "eval_non_shared": 20.0, "fidelity": 10.0}
+"""GPU memory per job as seen on an H200 (bf16, embedded model; a fit of 16k-token unpacked batches peaks near 50 GB;
+eval at the batch sizes below, capacity 8192)."""
 EVAL_BATCH = {"non_shared": 32, "droidspeak": 48}
 """Rows per eval process (``--batch``); other schemes: :data:`DEFAULT_BATCH`. non_shared keeps 3 caches per row."""
 DEFAULT_BATCH = 64
@@ -204,20 +205,41 @@ def prepare(job: Job, root: Path) -> list[str]:
     return cmd
 
 
-def gpu_memory_gb() -> float:
-    """Total memory of GPU 0 (0 without one)."""
+def gpu_memory_gb() -> tuple[float, int]:
+    """``(total memory of GPU 0 in GB, number of GPUs)``; ``(0, 0)`` without one."""
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=20, check=True,
         )  # fmt: skip
-        return float(out.stdout.split()[0]) / 1024
+        values = [float(x) for x in out.stdout.split()]
+        return values[0] / 1024, len(values)
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return 0.0
+        return 0.0, 0
 
 
-def run(root: Path, plan: list[Job], gpu_gb: float, retries: int = 2, poll: float = 5.0, max_procs: int = 14) -> int:
+def reset_failed(root: Path) -> list[str]:
+    """Forgets the failed attempts of every job (a new machine: earlier failures may have been memory contention).
+
+    Returns:
+        the names of the jobs whose attempt logs were removed.
+    """
+    names = []
+    for path in sorted(root.rglob("attempts.jsonl")):
+        last = [line for line in path.read_text().splitlines() if line.strip()][-1:]
+        if not last or json.loads(last[0]).get("rc") != 0:
+            path.unlink()
+            names.append(str(path.parent.relative_to(root)))
+    return names
+
+
+def run(
+    root: Path, plan: list[Job], gpu_gb: float, retries: int = 2, poll: float = 5.0, max_procs: int = 12, gpus: int = 1
+) -> int:
     """Launches the jobs that are not done until every one is done or has failed ``retries + 1`` times.
+
+    Each job goes to the GPU with the least estimated memory in use (``CUDA_VISIBLE_DEVICES``), if its estimate fits
+    that GPU's ``gpu_gb``; at most ``max_procs`` processes per GPU.
 
     Returns:
         0 when every job is done, 1 otherwise.
@@ -225,6 +247,7 @@ def run(root: Path, plan: list[Job], gpu_gb: float, retries: int = 2, poll: floa
     jobs = {j.name: j for j in plan}
     root.mkdir(parents=True, exist_ok=True)
     procs: dict[str, tuple[subprocess.Popen, float, Any]] = {}
+    on_gpu: dict[str, int] = {}
     say = lambda msg: print(f"[study {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     while True:
         for name, (proc, t0, log) in list(procs.items()):
@@ -235,8 +258,10 @@ def run(root: Path, plan: list[Job], gpu_gb: float, retries: int = 2, poll: floa
             _append(root / name / "attempts.jsonl", {"rc": rc, "seconds": round(time.time() - t0, 1)})
             say(f"{name}: exit {rc} after {time.time() - t0:.0f} s")
             del procs[name]
+            on_gpu.pop(name, None)
         running = set(procs)
-        used = sum(jobs[n].gb for n in running)
+        used = [sum(jobs[n].gb for n in running if on_gpu.get(n) == g) for g in range(gpus)]
+        count = [sum(1 for n in running if on_gpu.get(n) == g) for g in range(gpus)]
         pending = []
         for job in plan:
             state = job_state(job, root, running, jobs)
@@ -247,17 +272,25 @@ def run(root: Path, plan: list[Job], gpu_gb: float, retries: int = 2, poll: floa
             if state == "failed" and attempts(job, root) > retries:
                 continue
             pending.append(job)
-            if len(procs) >= max_procs or used + job.gb > gpu_gb:
+            g = min(range(gpus), key=lambda i: used[i])
+            if count[g] >= max_procs or used[g] + job.gb > gpu_gb:
                 continue
             cmd = prepare(job, root)
             (root / job.name).mkdir(parents=True, exist_ok=True)
             log = (root / job.name / "log.txt").open("a")
             log.write(f"\n$ {shlex.join(cmd)}\n")
             log.flush()
+            # One intra-op thread per eval/fidelity process (up to a dozen share the host's cores), a few per fit.
+            threads = "4" if job.kind == "train" else "1"
+            env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "OMP_NUM_THREADS": threads}
+            if gpus > 1:
+                env["CUDA_VISIBLE_DEVICES"] = str(g)
             procs[job.name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL), time.time(), log)  # fmt: skip
-            used += job.gb
-            say(f"launched {job.name} ({job.gb:g} GB est., {used:g} of {gpu_gb:g} in use)")
+                                                stdin=subprocess.DEVNULL, env=env), time.time(), log)  # fmt: skip
+            on_gpu[job.name] = g
+            used[g] += job.gb
+            count[g] += 1
+            say(f"launched {job.name} on GPU {g} ({job.gb:g} GB est., {used[g]:g} of {gpu_gb:g} in use there)")
         (root / "driver.json").write_text(json.dumps({"pid": os.getpid(), "running": sorted(procs)}))
         if not procs and not any(job_state(j, root, set(), jobs) == "ready" for j in pending):
             done = sum(is_done(j, root) for j in plan)
@@ -317,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2, help="training epochs of every set (equal steps for every λ)")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU memory to fill (default: 90%% of GPU 0's)")
     p.add_argument("--retries", type=int, default=2, help="relaunches of a failed job")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to spread the jobs over (default: all)")
+    p.add_argument("--reset-failed", action="store_true", help="run: forget earlier failed attempts first")
+    p.add_argument("--partial", action="store_true", help="report: include unfinished evaluations (interim page)")
     p.add_argument("--out", default=None, help="pack / report: output directory")
     args = p.parse_args(argv)
     try:
@@ -338,18 +374,22 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(status_lines(root, plan)))
         return 0
     if args.command == "run":
-        gpu = args.gpu_gb if args.gpu_gb is not None else 0.9 * gpu_memory_gb()
+        total, n_gpus = gpu_memory_gb()
+        gpu = args.gpu_gb if args.gpu_gb is not None else 0.9 * total
         if gpu <= 0:
             print("error: no GPU memory to fill: give --gpu-gb (the study is meant for a GPU)", file=sys.stderr)
             return 2
-        return run(root, plan, gpu, retries=args.retries)
+        if args.reset_failed:
+            for name in reset_failed(root):
+                print(f"reset failed attempts of {name}")
+        return run(root, plan, gpu, retries=args.retries, gpus=max(1, args.gpus or n_gpus))
     if args.command == "pack":
         paths = pack(root, Path(args.out or "study_pack"))
         print("\n".join(f"{p} {p.stat().st_size}" for p in paths))
         return 0
     from eval_suite.study_report import write_report
 
-    write_report(root, plan, Path(args.out or root / "report"))
+    write_report(root, plan, Path(args.out or root / "report"), partial=args.partial)
     return 0
 
 

@@ -64,17 +64,29 @@ def chance_gap(records: Sequence[dict], seed: int = 0) -> dict[str, Any] | None:
     return {"mean": mean, "ci95": [lo, hi], "chance": sum(chance.values()) / len(chance), "questions": len(values)}
 
 
-def collect(root: Path, plan: Sequence[Job]) -> dict[str, Any]:
-    """Summaries of every adapter set's finished evaluations, the fidelity results and the training runs."""
+def collect(root: Path, plan: Sequence[Job], partial: bool = False) -> dict[str, Any]:
+    """Summaries of every adapter set's finished evaluations, the fidelity results and the training runs.
+
+    Args:
+        root: the study root.
+        plan: the study's jobs.
+        partial: also take the episodes of unfinished evaluations (listed under ``partial`` with their counts).
+    """
     sets: dict[str, dict[str, Any]] = {}
     for job in plan:
         meta = job.meta
         keys = ("benchmark", "set", "lambda", "train_scheme", "shared_a")
-        fresh = {"meta": {k: meta[k] for k in keys}, "records": [], "missing": [], "fidelity": None, "train": None}
+        fresh = {"meta": {k: meta[k] for k in keys}, "records": [], "missing": [], "partial": {}, "fidelity": None,
+                 "train": None}  # fmt: skip
         entry = sets.setdefault(meta["set"], fresh)
         if job.kind == "eval":
+            episodes = root / job.name / EPISODES_FILE
             if is_done(job, root):
-                entry["records"] += read_episodes(root / job.name / EPISODES_FILE)
+                entry["records"] += read_episodes(episodes)
+            elif partial and episodes.is_file() and episodes.stat().st_size > 0:
+                recs = read_episodes(episodes)
+                entry["records"] += recs
+                entry["partial"][meta["scheme"]] = len(recs)
             else:
                 entry["missing"].append(meta["scheme"])
         elif job.kind == "fidelity" and is_done(job, root):
@@ -264,10 +276,17 @@ def _md_to_html(md: str) -> str:
     return f"{head}<body>{''.join(out)}</body></html>"
 
 
-def write_report(root: Path, plan: Sequence[Job], out: Path) -> dict:
-    """Writes ``study.md``, ``study.html``, ``study.json`` and the figures into ``out``."""
+def write_report(root: Path, plan: Sequence[Job], out: Path, partial: bool = False) -> dict:
+    """Writes ``study.md``, ``study.html``, ``study.json`` and the figures into ``out``.
+
+    Args:
+        root: the study root.
+        plan: the study's jobs.
+        out: output directory.
+        partial: include unfinished evaluations (an interim page; each such row is marked with its episode count).
+    """
     out.mkdir(parents=True, exist_ok=True)
-    sets = collect(root, plan)
+    sets = collect(root, plan, partial)
     figures = plot(sets, out)
     parts = ["# Sharing study: accuracy under a shared cache, and training for sharing (λ)\n\n",
              "Every number below comes from the job outputs under the study root (`python -m eval_suite.study "
@@ -284,10 +303,24 @@ def write_report(root: Path, plan: Sequence[Job], out: Path) -> dict:
             parts.append(chance_table(sets))
         if f"lambda_{bench}.png" in figures:
             parts.append(f"\n![{bench}](lambda_{bench}.png)\n")
+    total = {j.meta["set"]: j.meta["runs"] for j in plan if j.kind == "eval"}
+    unfinished = [
+        f"{name}: " + ", ".join(f"{sch} {n} of {90 * total[name]} episodes" for sch, n in e["partial"].items())
+        for name, e in sets.items()
+        if e["partial"]
+    ]
+    if unfinished:
+        note = (
+            "\n**Interim page: some rows are unfinished** (their numbers cover only the episodes run so far, the "
+            "first questions of the first run; the paired differences pair only the (question, run) both rows have). "
+            "Unfinished: "
+        )
+        parts.insert(1, note + "; ".join(unfinished) + ".\n")
     missing = [f"{name}: {', '.join(e['missing'])}" for name, e in sets.items() if e["missing"]]
     if missing:
         parts.append("\n## Not run yet (missing evaluations)\n\n" + "".join(f"- {m}\n" for m in missing))
-    prov = provenance(command=["python", "-m", "eval_suite.study", "report", "--root", str(root), "--out", str(out)])
+    command = ["python", "-m", "eval_suite.study", "report", "--root", str(root), "--out", str(out)]
+    prov = provenance(command=command + (["--partial"] if partial else []))
     md = "".join(parts)
     write_text(out / "study.md", md + provenance_footer(prov))
     write_text(out / "study.html", _md_to_html(md + provenance_footer(prov)))

@@ -26,7 +26,7 @@ FAKE = r"""
 import json, os, sys, time
 root, name, done, log = sys.argv[1:5]
 with open(log, "a") as f:
-    f.write(json.dumps({"job": name, "start": time.time()}) + "\n")
+    f.write(json.dumps({"job": name, "start": time.time(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
 time.sleep(0.3)
 if os.environ.get("FAIL_JOB") == name:
     with open(log, "a") as f:
@@ -201,3 +201,35 @@ def test_pack_leaves_checkpoints_out(tmp_path: Path) -> None:
     assert "study/train/x/adapters/lragent_adapters.safetensors" in names
     assert not any(n.endswith(".ckpt") or "plan/adapter_model" in n for n in names)
     assert len(parts) > 1
+
+
+def test_jobs_spread_over_gpus_within_each_budget(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    plan = [j for j in _fake_plan(tmp_path) if j.kind == "eval" and "untrained" in j.name]
+    plan += [dataclasses.replace(j, name=f"{j.name}_{i}", done_file=f"x{i}/summary.json", deps=())
+             for i, j in enumerate(p for p in _fake_plan(tmp_path) if p.kind == "fidelity")]  # fmt: skip
+    budget = 10.0  # one fidelity job (8 GB) per GPU at a time
+    assert run(tmp_path / "study", plan, gpu_gb=budget, poll=0.05, gpus=2) == 1  # the 22-GB eval never fits
+    events = [x for x in _launches(tmp_path)]
+    assert {x["gpu"] for x in events if "start" in x} == {"0", "1"}
+    for gpu in ("0", "1"):
+        jobs_here = {x["job"] for x in events if x.get("gpu") == gpu}
+        timeline = sorted([(x["start"], 1) for x in events if x["job"] in jobs_here and "start" in x]
+                          + [(x["end"], -1) for x in events if x["job"] in jobs_here and "end" in x])  # fmt: skip
+        level = peak = 0
+        for _, d in timeline:
+            level += d
+            peak = max(peak, level)
+        assert peak == 1
+
+
+def test_reset_failed_keeps_successes(tmp_path: Path) -> None:
+    from eval_suite.study import reset_failed
+
+    for name, rcs in (("eval/a/non_shared", [1, 1, 1]), ("train/b", [1, 0]), ("eval/c/full_shared", [0])):
+        d = tmp_path / name
+        d.mkdir(parents=True)
+        (d / "attempts.jsonl").write_text("".join(json.dumps({"rc": rc}) + "\n" for rc in rcs))
+    assert reset_failed(tmp_path) == ["eval/a/non_shared"]
+    assert not (tmp_path / "eval/a/non_shared/attempts.jsonl").exists()
+    assert (tmp_path / "train/b/attempts.jsonl").exists()
