@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from datamodules.role_examples import RoleRecord
+from datamodules.records import RoleRecord
 
 LETTERS = "ABCDEFGHIJ"
 

@@ -22,10 +22,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # role_examples imports this module
-    from datamodules.role_examples import TokenizedExample
+from datamodules.records import TokenizedExample
 
 
 def _body(example: TokenizedExample) -> tuple[int, ...]:

@@ -35,8 +35,8 @@ from eval_suite.metrics import (
 from lragent.agents import BenchmarkSpec, format_question, get_spec
 from lragent.agents.constraints import action_type_options, answer_options
 from lragent.agents.tools import Passage, iter_corpus_passages, iter_hotpotqa_passages
+from lragent.paths import DATA_DIR
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CONSTRAINTS: tuple[str, ...] = ("action_type", "answer")
 """Constrained-choice options: ``action_type`` (choose the action type among the valid ones) and ``answer``
 (choose the ``Finish`` argument among the question's options / yes-no)."""

@@ -9,7 +9,6 @@ step. Writes ``data_stats.json`` (with provenance) and ``data_stats.md``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,8 @@ from datamodules.role_examples import (
     resolve_tokenizer,
     tokenize_example,
 )
-from eval_suite.report import markdown_table, write_json, write_text
+from eval_suite.report import check_writable, markdown_table, write_json, write_text
+from lragent.paths import DATA_DIR
 
 BENCHMARKS: tuple[str, ...] = ("hotpotqa", "scienceqa")
 ROLES: tuple[str, ...] = ("plan", "action", "reflect")
@@ -109,9 +109,9 @@ def data_stats(
         raise ValueError(f"benchmark {unknown[0]!r} not bundled: allowed {', '.join(BENCHMARKS)}")
     if max_length < 2 or (max_tokens is not None and max_tokens < max_length):
         raise ValueError(f"need max_length >= 2 and max_tokens >= max_length, got {max_length}, {max_tokens}")
+    out_dir = check_writable(out, is_dir=True)
     from lragent.provenance import provenance, provenance_footer
 
-    root = Path(__file__).resolve().parent.parent
     tok = resolve_tokenizer(tokenizer)
     result: dict[str, Any] = {"settings": {
         "tokenizer": tokenizer, "max_length": max_length, "max_tokens": max_tokens, "pack_prefixes": pack_prefixes,
@@ -119,7 +119,7 @@ def data_stats(
     }, "benchmarks": {}}  # fmt: skip
     md = ["# Role data: token lengths and batches", ""]
     for bench in benchmarks:
-        files = {r: str(root / "data" / "trajectories" / bench / f"{r}.jsonl.gz") for r in ROLES}
+        files = {r: str(DATA_DIR / "trajectories" / bench / f"{r}.jsonl.gz") for r in ROLES}
         roles = {}
         for role, path in files.items():
             full = [tokenize_example(tok, rec, 0, 10**7) for rec in read_records(path)]
@@ -169,8 +169,6 @@ def data_stats(
         md.append("")
     prov = provenance(dtype=None, device="cpu")
     result["provenance"] = prov
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "data_stats.json", result)
     write_text(out_dir / "data_stats.md", "\n".join(md) + provenance_footer(prov))
     print((out_dir / "data_stats.md").read_text())

@@ -5,31 +5,29 @@ current agent has not seen. Which groups to recompute is profiled with the fidel
 :mod:`eval_suite.fidelity` on a few dev examples (the ``--holdout`` examples just before each role file's held-out
 tail, so the fidelity test set stays untouched):
 
-1. the layers are cut into units of ``--group-size`` consecutive layers;
+1. the layers are cut into units of ``--group_size`` consecutive layers;
 2. for each unit, DroidSpeak recomputes *only that unit*; its KL to ``non_shared`` is compared with ``full_shared``
    (nothing recomputed). The **gain** ``KL(full_shared) - KL(unit)`` is how much recomputing the unit helps: a lower
    KL when recomputed means a more critical unit;
 3. the selection takes units covering ``round(n_layers * --fraction)`` layers (default a third, the paper's Pareto
-   point) in at most ``--max-runs`` contiguous runs (each run is one recompute group, and each group stores one
+   point) in at most ``--max_runs`` contiguous runs (each run is one recompute group, and each group stores one
    hidden-state buffer), maximising the summed gain (gains are treated as additive: an approximation, so the chosen
-   set is measured again). The candidates (the best selection with ``--max-runs`` runs, the best single window,
+   set is measured again). The candidates (the best selection with ``--max_runs`` runs, the best single window,
    and the default middle third when it has the same size) are measured jointly on the same examples and the one
    with the lowest KL is kept; every candidate's KL is stored in the profile.
 
 The config (``{"droidspeak_layers": [...], "groups": [[start, end], ...], "profile": {...}}``) is read by
-``cli.py eval --droidspeak-config`` and ``cli.py fidelity --droidspeak-config``; the list also fits
-``cli.py session --droidspeak-layers``.
+``lragent eval --droidspeak_config`` and ``lragent fidelity --droidspeak_config``; the list also fits
+``lragent session --droidspeak_layers``.
 
 Usage::
 
-    python -m eval_suite.droidspeak_select --benchmark hotpotqa --adapters runs/hp/adapters --limit 4 \\
-        --max-context-tokens 1024 --out configs/droidspeak_hotpotqa.json
+    lragent droidspeak-select --benchmark hotpotqa --adapters data/adapters/hotpotqa_sharedA --limit 4 \\
+        --max_context_tokens 1024 --out configs/droidspeak_hotpotqa.json
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -38,16 +36,17 @@ import torch
 
 from eval_suite.fidelity import (
     FidelityExample,
-    add_common_args,
-    build_model,
+    check_example_args,
+    check_producer,
     compare,
-    examples_from_args,
+    load_role_examples,
     producer_for,
     scheme_logits,
-    validate_common,
 )
 from eval_suite.report import check_writable, write_json
+from lragent.loading import check_model_args, load_lora_model
 from lragent.lora_model import MultiLoraModel
+from lragent.provenance import provenance
 from lragent.session import default_droidspeak_layers, groups_from_layers
 
 
@@ -212,64 +211,96 @@ def select_droidspeak_layers(
     }
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cli.py droidspeak-select", description=__doc__.splitlines()[0])
-    add_common_args(p)
-    p.set_defaults(limit=4)
-    p.add_argument("--group-size", type=int, default=2, help="layers per profiled unit")
-    p.add_argument("--fraction", type=float, default=1 / 3, help="share of the layers to recompute")
-    p.add_argument("--max-runs", type=int, default=2, help="most contiguous recompute groups")
-    p.add_argument("--out", default="droidspeak.json", help="config file to write (JSON)")
-    return p
+def droidspeak_select(
+    benchmark: str = "hotpotqa",
+    model: str = "default",
+    adapters: str | None = None,
+    adapter_init: str | None = None,
+    rank: int = 8,
+    alpha: float = 16.0,
+    seed: int = 0,
+    holdout: int = 100,
+    limit: int = 4,
+    max_context_tokens: int | None = None,
+    producer: str = "next",
+    shared_split: str = "last",
+    group_size: int = 2,
+    fraction: float = 1 / 3,
+    max_runs: int = 2,
+    dtype: str = "float32",
+    device: str | None = None,
+    use_kernel: bool = True,
+    out: str = "droidspeak.json",
+    quiet: bool = False,
+) -> int:
+    """Profiles which layer groups DroidSpeak should recompute and writes the chosen layers as a config.
 
+    Each unit of --group_size layers is recomputed alone on the dev examples (the --holdout examples before each
+    role file's held-out tail) and compared with full_shared; units covering --fraction of the layers in at most
+    --max_runs contiguous groups are chosen, and the candidates are measured jointly. The config is read by
+    eval --droidspeak_config and fidelity --droidspeak_config.
 
-def main(argv: list[str] | None = None) -> int:
-    from lragent.command import parse_with_config
+    Args:
+        benchmark: hotpotqa or scienceqa (its role example files in data/trajectories).
+        model: base model: default (embedded SmolLM2-135M-Instruct), a hub name or a local directory.
+        adapters: adapter directory (native checkpoint or PEFT role directories).
+        adapter_init: zero or random adapters instead of --adapters (one of the two is required).
+        rank: LoRA rank for --adapter_init.
+        alpha: LoRA alpha for --adapter_init.
+        seed: seed of the adapter init and of the example draw.
+        holdout: size of the held-out tail (the dev pool is the holdout examples before it).
+        limit: dev examples per role.
+        max_context_tokens: cut each context from the left to this many tokens (default: no cut).
+        producer: next (the next role, wrapping) or a fixed role name.
+        shared_split: last or piece: where the shared cache ends.
+        group_size: layers per profiled unit.
+        fraction: share of the layers to recompute, in (0, 1].
+        max_runs: most contiguous recompute groups.
+        dtype: compute dtype (float32, bfloat16, float16).
+        device: cpu, cuda, cuda:N or mps (default cuda when available).
+        use_kernel: the fused Flash-LoRA-Attention kernel on CUDA (false: the PyTorch attention path).
+        out: config file to write (JSON).
+        quiet: no progress bar.
 
-    args = parse_with_config(make_parser(), argv)
-    if isinstance(args, int):  # --print_config done (0), or a bad --config (2)
-        return args
-    try:
-        validate_common(args)
-        check_writable(args.out, is_dir=False)
-        if args.group_size < 1 or args.max_runs < 1:
-            raise ValueError(f"--group-size and --max-runs must be >= 1, got {args.group_size}, {args.max_runs}")
-        if not 0 < args.fraction <= 1:
-            raise ValueError(f"--fraction must be in (0, 1], got {args.fraction}")
-        model, tokenizer = build_model(args)
-        examples = examples_from_args(args, model, tokenizer, "dev")
-        config = select_droidspeak_layers(
-            model, examples, group_size=args.group_size, fraction=args.fraction, max_runs=args.max_runs,
-            producer=args.producer, shared_split=args.shared_split, use_kernel=not args.no_kernel,
-            progress=not args.quiet,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    Returns:
+        0 on success.
+    """
+    check_example_args(benchmark, holdout, limit, max_context_tokens, shared_split)
+    check_model_args(
+        model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, dtype=dtype,
+        device=device, exactly_one=True, needs_text=True,
+    )  # fmt: skip
+    if group_size < 1 or max_runs < 1:
+        raise ValueError(f"--group_size and --max_runs must be >= 1, got {group_size}, {max_runs}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--fraction must be in (0, 1], got {fraction}")
+    out_path = check_writable(out, is_dir=False)
+    lm, tokenizer = load_lora_model(
+        model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, seed=seed, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    check_producer(lm, producer)
+    examples = load_role_examples(
+        benchmark, list(lm.router.roles), tokenizer, holdout=holdout, limit=limit, seed=seed,
+        max_context_tokens=max_context_tokens, pool="dev",
+    )  # fmt: skip
+    config = select_droidspeak_layers(
+        lm, examples, group_size=group_size, fraction=fraction, max_runs=max_runs, producer=producer,
+        shared_split=shared_split, use_kernel=use_kernel, progress=not quiet,
+    )  # fmt: skip
     config["profile"].update(
-        benchmark=args.benchmark,
-        model=args.model,
-        adapters=str(Path(args.adapters).resolve()) if args.adapters else f"init:{args.adapter_init}",
-        seed=args.seed,
+        benchmark=benchmark,
+        model=model,
+        adapters=str(Path(adapters).resolve()) if adapters else f"init:{adapter_init}",
+        seed=seed,
     )
-    from lragent.provenance import provenance
-
-    config["provenance"] = provenance(
-        dtype=args.dtype,
-        device=str(next(model.parameters()).device.type),
-        command=None if argv is None else ["cli.py", "droidspeak-select", *argv],
-    )
-    out = Path(args.out)
-    write_json(out, config)
+    config["provenance"] = provenance(dtype=dtype, device=str(next(lm.parameters()).device.type))
+    write_json(out_path, config)
     prof = config["profile"]
     cands = ", ".join(f"{name} {c['kl']:.3e}" for name, c in prof["candidates"].items())
     print(
         f"droidspeak_layers {config['droidspeak_layers']} (groups {config['groups']}); KL full_shared "
         f"{prof['kl_full_shared']:.3e}, chosen {prof['chosen']} {prof['kl_selected']:.3e} (candidates: {cands}) "
-        f"-> {out}"
+        f"-> {out_path}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

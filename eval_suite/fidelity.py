@@ -1,4 +1,4 @@
-"""`python cli.py fidelity`: teacher-forced next-token fidelity of each sharing scheme against ``non_shared``.
+"""Teacher-forced next-token fidelity of each sharing scheme against ``non_shared``.
 
 For a held-out role example (``{"input", "output"}`` of a consumer role), the trajectory is ``input + output + EOS``.
 A **producer** role encodes the context into the scheme's cache, then the **consumer** (the example's own role)
@@ -7,7 +7,7 @@ processes the rest, teacher-forced, through :class:`~lragent.session.MultiAgentS
     session.append(ids[:split]); session.step(producer, max_new_tokens=0)
     session.append(ids[split:]); session.step(consumer, max_new_tokens=0, return_logits=True)
 
-``split`` is where the shared cache ends, as in the cache-sharing-aware training loss (``--shared-split``): ``last``
+``split`` is where the shared cache ends, as in the cache-sharing-aware training loss (``--shared_split``): ``last``
 (default: everything but the last context token, so the consumer's logits cover every output token, the first one
 included) or ``piece`` (the context up to its last prompt piece, e.g. ``"\\nAction: \\n### Response:\\n"``, which the
 consumer prefills itself in the agent loop). The scored positions are those whose next token is an output token (or
@@ -19,19 +19,17 @@ compares the reference with itself (0 and 1 by construction).
 Held-out examples: the last ``--holdout`` examples of each role file; ``--limit`` of them are drawn with a seed.
 With one role, or adapters whose B = 0, every scheme equals ``non_shared`` (KL 0 up to float error).
 
-Usage::
+The ``fidelity`` command (:mod:`eval_suite.fidelity_command`) and ``droidspeak-select`` run on this module::
 
-    python cli.py fidelity --benchmark hotpotqa --adapters runs/hp/adapters --limit 50 --out out/fid
-    python cli.py fidelity --benchmark hotpotqa --adapter-init random --limit 3 --max-context-tokens 512 --out /tmp/f
+    lragent fidelity --benchmark hotpotqa --adapters data/adapters/hotpotqa_sharedA --limit 50 --out out/fid
+    lragent fidelity --benchmark hotpotqa --adapter_init random --limit 3 --max_context_tokens 512 --out /tmp/f
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +38,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from eval_suite.report import check_writable, markdown_table, write_json, write_text
-from eval_suite.session_runner import add_model_args, model_from_args, validate_model_args
+from eval_suite.report import markdown_table
 from lragent.agents.prompts import last_piece_start
 from lragent.lora_model import MultiLoraModel
+from lragent.paths import DATA_DIR
 from lragent.schemes import SCHEMES
 from lragent.session import MultiAgentSession
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 SHARED_SPLITS: tuple[str, ...] = ("last", "piece")
 POOLS: tuple[str, ...] = ("heldout", "dev", "val")
 VAL_FRACTION, VAL_SEED = 0.05, 0
@@ -315,111 +312,26 @@ def render_markdown(result: dict, title: str = "Fidelity against non_shared") ->
     return body
 
 
-# ------------------------------------------------------------------------------------------------------------ CLI
-def add_common_args(p: argparse.ArgumentParser) -> None:
-    """Model, adapter and example arguments shared by ``fidelity`` and ``droidspeak_select``."""
-    p.add_argument("--benchmark", default="hotpotqa", help="hotpotqa or scienceqa (its role example files)")
-    add_model_args(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of the adapter init and of the example draw")
-    p.add_argument("--holdout", type=int, default=100, help="held-out tail of each role file")
-    p.add_argument("--limit", type=int, default=20, help="examples per role drawn from the held-out tail")
-    p.add_argument("--max-context-tokens", type=int, default=None, help="cut each context from the left to this")
-    p.add_argument("--producer", default="next", help="next (the next role, wrapping) or a fixed role name")
-    p.add_argument("--shared-split", default="last", help="last or piece: where the shared cache ends")
-    p.add_argument("--device", default=None, help="cpu or cuda (default cuda when available)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--no-kernel", action="store_true", help="use the PyTorch attention path even on CUDA")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+# ------------------------------------------------------------------------------------- checks the commands share
+BENCHMARKS: tuple[str, ...] = ("hotpotqa", "scienceqa")
 
 
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cli.py fidelity", description=__doc__.splitlines()[0])
-    add_common_args(p)
-    p.add_argument("--scheme", default="all", help=f"one of {', '.join(SCHEMES)}, a comma list, or all")
-    p.add_argument("--droidspeak-config", default=None, help="JSON/YAML with droidspeak_layers (droidspeak_select)")
-    p.add_argument("--out", default="fidelity_out", help="output directory (fidelity.json, fidelity.md)")
-    p.add_argument(
-        "--pool", default="heldout", help=f"examples: {', '.join(POOLS)} (val: the embedded configs' validation split, "
-        "never trained on; --holdout is ignored)"
-    )  # fmt: skip
-    return p
+def check_example_args(
+    benchmark: str, holdout: int, limit: int, max_context_tokens: int | None, shared_split: str
+) -> None:
+    """Checks the example options of ``fidelity`` and ``droidspeak-select``; one-line ``ValueError`` otherwise."""
+    if benchmark not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {benchmark!r}: allowed {', '.join(BENCHMARKS)}")
+    for name, value in (("holdout", holdout), ("limit", limit)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    if max_context_tokens is not None and max_context_tokens < 2:
+        raise ValueError(f"--max_context_tokens must be >= 2, got {max_context_tokens}")
+    if shared_split not in SHARED_SPLITS:
+        raise ValueError(f"--shared_split {shared_split!r} unknown: allowed {', '.join(SHARED_SPLITS)}")
 
 
-def validate_common(args: argparse.Namespace) -> None:
-    """Checks the shared arguments; raises ValueError / FileNotFoundError with one-line messages."""
-    if args.benchmark not in ("hotpotqa", "scienceqa"):
-        raise ValueError(f"unknown benchmark {args.benchmark!r}: allowed hotpotqa, scienceqa")
-    validate_model_args(args, exactly_one=True)
-    for name in ("holdout", "limit", "rank"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.max_context_tokens is not None and args.max_context_tokens < 2:
-        raise ValueError(f"--max-context-tokens must be >= 2, got {args.max_context_tokens}")
-    if args.shared_split not in SHARED_SPLITS:
-        raise ValueError(f"--shared-split {args.shared_split!r} unknown: allowed {', '.join(SHARED_SPLITS)}")
-
-
-def build_model(args: argparse.Namespace) -> tuple[MultiLoraModel, Any]:
-    """Model and tokenizer for the CLI (adapters loaded or initialised), checked against ``--producer``."""
-    model, tokenizer = model_from_args(args)
-    if args.producer != "next" and args.producer not in model.router.roles:
-        raise ValueError(f"--producer {args.producer!r} unknown: allowed next or {', '.join(model.router.roles)}")
-    return model, tokenizer
-
-
-def examples_from_args(args: argparse.Namespace, model: MultiLoraModel, tokenizer: Any, pool: str) -> list:
-    return load_role_examples(
-        args.benchmark, list(model.router.roles), tokenizer, holdout=args.holdout, limit=args.limit, seed=args.seed,
-        max_context_tokens=args.max_context_tokens, pool=pool,
-    )  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> int:
-    from eval_suite.run_eval import load_droidspeak_config, parse_schemes
-    from lragent.command import parse_with_config
-
-    args = parse_with_config(make_parser(), argv)
-    if isinstance(args, int):  # --print_config done (0), or a bad --config (2)
-        return args
-    try:
-        validate_common(args)
-        check_writable(args.out, is_dir=True)
-        if args.pool not in POOLS:
-            raise ValueError(f"--pool {args.pool!r} unknown: allowed {', '.join(POOLS)}")
-        schemes = parse_schemes(args.scheme)
-        if "non_shared" not in schemes:
-            schemes = ["non_shared", *schemes]
-        layers = load_droidspeak_config(args.droidspeak_config) if args.droidspeak_config else None
-        model, tokenizer = build_model(args)
-        examples = examples_from_args(args, model, tokenizer, args.pool)
-        result = run_fidelity(
-            model, examples, schemes, producer=args.producer, shared_split=args.shared_split,
-            droidspeak_layers=layers, use_kernel=not args.no_kernel, progress=not args.quiet,
-        )  # fmt: skip
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    result["config"] = {
-        "benchmark": args.benchmark, "model": args.model,
-        "adapters": str(Path(args.adapters).resolve()) if args.adapters else f"init:{args.adapter_init}",
-        "seed": args.seed, "pool": args.pool, "holdout": args.holdout, "limit": args.limit, "producer": args.producer,
-        "shared_split": args.shared_split, "max_context_tokens": args.max_context_tokens,
-        "droidspeak_layers": layers, "dtype": args.dtype,
-    }  # fmt: skip
-    from lragent.provenance import provenance
-
-    command = None if argv is None else ["cli.py", "fidelity", *argv]  # None: this process's own command line
-    result["provenance"] = provenance(
-        dtype=args.dtype, device=str(next(model.parameters()).device.type), command=command
-    )
-    out = Path(args.out)  # created by check_writable before the work
-    write_json(out / "fidelity.json", result)
-    write_text(out / "fidelity.md", render_markdown(result))
-    for s, v in result["schemes"].items():
-        print(f"{s:15s} KL {v['overall']['kl']:.3e}  top-1 {100 * v['overall']['top1']:.2f}%")
-    print(f"-> {out / 'fidelity.json'}, {out / 'fidelity.md'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def check_producer(model: MultiLoraModel, producer: str) -> None:
+    """``producer`` is ``next`` or one of the model's roles."""
+    if producer != "next" and producer not in model.router.roles:
+        raise ValueError(f"--producer {producer!r} unknown: allowed next or {', '.join(model.router.roles)}")

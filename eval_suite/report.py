@@ -2,31 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None) -> str:
-    """A GitHub Markdown table.
-
-    Args:
-        header: column titles.
-        rows: cells, one list per row, each as long as ``header``.
-        align: ``l`` or ``r`` per column (default: first column left, the others right).
-
-    Returns:
-        the table, one line per row, ending with a newline.
-    """
-    if any(len(r) != len(header) for r in rows):
-        raise ValueError(f"every row needs {len(header)} cells, got {sorted({len(r) for r in rows})}")
-    align = list(align or ["l"] + ["r"] * (len(header) - 1))
-    rule = [":---" if a == "l" else "---:" for a in align]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+from lragent.report_io import markdown_table, write_json, write_text  # noqa: F401  (re-exported)
 
 
 def fmt_mean_std(mean: float | None, std: float | None, scale: float = 100.0, digits: int = 1) -> str:
@@ -46,22 +26,6 @@ def fmt_signed(value: float | None, scale: float = 100.0, digits: int = 1) -> st
     return f"{value * scale:+.{digits}f}"
 
 
-def write_json(path: str | Path, obj: object) -> None:
-    """Writes ``obj`` as indented JSON through a temporary file (never a half-written file)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
-def write_text(path: str | Path, text: str) -> None:
-    """Writes ``text`` through a temporary file."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def check_writable(path: str | Path, is_dir: bool) -> Path:
     """Makes sure an output can be written **before** any expensive work: creates the directory (``is_dir``) or the
     file's parent directory and writes and removes a probe file there.
@@ -73,6 +37,8 @@ def check_writable(path: str | Path, is_dir: bool) -> Path:
     d = p if is_dir else p.parent
     if not is_dir and p.is_dir():
         raise ValueError(f"--out {p} is a directory; give a file path")
+    if is_dir and p.exists() and not p.is_dir():
+        raise ValueError(f"--out {p} is an existing file; give a directory")
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe = d / f".lragent_write_probe_{os.getpid()}"

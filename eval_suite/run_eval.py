@@ -26,10 +26,8 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -50,8 +48,12 @@ from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecuto
 from eval_suite.report import fmt_mean_std, write_json
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
+from lragent.loading import check_model_args, load_lora_model, resolve_device
+from lragent.loading import read_droidspeak_config as load_droidspeak_config
+from lragent.lora_model import MultiLoraModel
 from lragent.memory_plan import MAX_AUTO_BATCH, choose_batch
-from lragent.schemes import SCHEMES
+from lragent.roles import DEFAULT_ROLES
+from lragent.schemes import parse_schemes
 
 # Settings that must not change when a run is resumed into the same directory.
 IDENTITY_FIELDS: tuple[str, ...] = (
@@ -131,33 +133,6 @@ def episode_seed(base: int, run: int, qid: str) -> int:
     """Seed of one episode: a function of (base seed, run, question) only, the same for every scheme (paired)."""
     digest = hashlib.sha256(f"{base}:{run}:{qid}".encode()).hexdigest()
     return int(digest[:8], 16)
-
-
-def parse_schemes(spec: str) -> list[str]:
-    """``all`` or a comma list of scheme names (validated)."""
-    names = list(SCHEMES) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
-    bad = [s for s in names if s not in SCHEMES]
-    if bad or not names:
-        raise ValueError(f"--scheme {spec!r}: unknown {bad or 'nothing'}; allowed {', '.join(SCHEMES)} or all")
-    return names
-
-
-def load_droidspeak_config(path: str | Path) -> list[int]:
-    """The ``droidspeak_layers`` list of a JSON or YAML config (as :mod:`eval_suite.droidspeak_select` writes)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"droidspeak config {path}: no such file")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        cfg = yaml.safe_load(text)
-    else:
-        cfg = json.loads(text)
-    layers = cfg.get("droidspeak_layers") if isinstance(cfg, dict) else None
-    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
-        raise ValueError(f"droidspeak config {path}: expected a non-empty integer list 'droidspeak_layers'")
-    return layers
 
 
 def check_run_config(out: Path, config: dict) -> None:
@@ -318,18 +293,16 @@ def default_adapters(benchmark: str, data_dir: Path | None = None) -> Path:
 
 
 def build_policy_factory(
-    model_args: argparse.Namespace,
+    model: MultiLoraModel,
+    tokenizer: Any,
     *,
     temperature: float,
     top_p: float,
     use_kernel: bool,
     droidspeak_layers: list[int] | None,
 ) -> Callable[[str, int], Policy]:
-    """Loads the model and adapters once; returns ``(scheme, seed) -> SessionPolicy``."""
-    from eval_suite.session_runner import model_from_args
+    """``(scheme, seed) -> SessionPolicy`` over one model with its adapters (loaded once by the caller)."""
     from lragent.agents import SessionPolicy
-
-    model, tokenizer = model_from_args(model_args)
 
     def factory(scheme: str, seed: int) -> Policy:
         kwargs: dict[str, Any] = {"use_kernel": use_kernel}
@@ -429,10 +402,11 @@ def evaluate(
     """
     call = dict(locals())  # the command's arguments, before any local variable: --devices re-issues them per shard
     from lragent.command import on_interrupt
-    from lragent.models import parse_dtype
     from lragent.provenance import provenance
 
     out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():  # checked before anything is written (the lock creates it)
+        raise ValueError(f"--out {out_dir} is an existing file; give a directory")
     merge_list = _as_list(merge) if merge is not None else None
     if merge_list is not None:
         if not merge_list:
@@ -473,16 +447,9 @@ def evaluate(
         raise ValueError(
             f"--max_context_tokens {max_context_tokens} leaves no room for a cycle: allowed <= capacity - 2048"
         )
-    if not math.isfinite(alpha) or alpha <= 0:
-        raise ValueError(f"--alpha must be a positive number, got {alpha}")
     i, n = parse_shard(shard)
-    parse_dtype(dtype)
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"--device {device!r}: allowed cpu or cuda")
-    if adapters and adapter_init:
-        raise ValueError("give at most one of --adapters DIR and --adapter_init {zero,random}")
-    if adapter_init not in (None, "zero", "random"):
-        raise ValueError(f"--adapter_init {adapter_init!r} not supported: allowed zero, random")
     if adapters is None and adapter_init is None:
         default = default_adapters(bench.name)
         if not default.is_dir():
@@ -493,8 +460,10 @@ def evaluate(
             )
         adapters = str(default)
         print(f"eval: using the trained shared-A adapters {default} (no --adapters given)", file=sys.stderr)
-    if adapters and not Path(adapters).is_dir():
-        raise FileNotFoundError(f"--adapters {adapters!r}: no such directory")
+    check_model_args(  # damaged or incomplete adapter sets fail here, not mid-run
+        model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, dtype=dtype,
+        device=device, roles=DEFAULT_ROLES, needs_text=True,
+    )  # fmt: skip
     if adapter_init == "zero":
         if scheme not in ("all", "non_shared"):
             raise ValueError("--adapter_init zero is the untrained row: B = 0 makes every scheme equal non_shared")
@@ -511,7 +480,6 @@ def evaluate(
         argument_tokens=argument_tokens,
         max_context_tokens=max_context_tokens,
     )
-    import torch
 
     if devices < 1:
         raise ValueError(f"--devices must be >= 1, got {devices}")
@@ -519,9 +487,7 @@ def evaluate(
         if shard != "0/1":
             raise ValueError("--devices N runs its own shards: give --devices or --shard, not both")
         return _run_on_devices(call, devices, out_dir)
-    run_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if run_device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {run_device!r} but CUDA is not available: allowed cpu")
+    run_device = resolve_device(device)
     adapters_label = str(Path(adapters).resolve()) if adapters else f"init:{adapter_init}"
     if batch:  # before the model loads: refuse a batch that does not fit in free memory, or size --batch auto
         most = min(MAX_AUTO_BATCH, len(questions) * runs) or 1
@@ -542,15 +508,13 @@ def evaluate(
         }  # fmt: skip
         check_run_config(out_dir, config)
         on_interrupt(f"finished episodes are in {out_dir / EPISODES_FILE}; rerun the same command to resume")
-        model_args = argparse.Namespace(
-            model=model, adapters=adapters, adapter_init=adapter_init, seed=seed, rank=rank, alpha=alpha,
+        lm, tokenizer = load_lora_model(
+            model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, seed=seed,
             dtype=dtype, device=run_device,
         )  # fmt: skip
         if batch:
             from eval_suite.batched_executor import BatchedExecutor
-            from eval_suite.session_runner import model_from_args
 
-            lm, tokenizer = model_from_args(model_args)
             executor = BatchedExecutor(
                 lm, tokenizer, batch=batch, capacity=capacity, temperature=temperature, top_p=top_p,
                 use_kernel=use_kernel, cuda_graphs=cuda_graphs if run_device.startswith("cuda") else False,
@@ -558,7 +522,7 @@ def evaluate(
             )  # fmt: skip
         else:
             factory = build_policy_factory(
-                model_args, temperature=temperature, top_p=top_p, use_kernel=use_kernel, droidspeak_layers=layers
+                lm, tokenizer, temperature=temperature, top_p=top_p, use_kernel=use_kernel, droidspeak_layers=layers
             )
             executor = SequentialExecutor(factory)
         records = run_episodes(

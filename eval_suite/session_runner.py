@@ -1,4 +1,4 @@
-"""`python cli.py session`: a fixed multi-agent schedule on a real HotpotQA question under one sharing scheme.
+"""`lragent session`: a fixed multi-agent schedule on a real HotpotQA question under one sharing scheme.
 
 The trajectory starts with the AutoAct HotpotQA prompt and a development question; the agents then take turns
 (plan, plan, action per cycle, with one of the question's own Wikipedia paragraphs appended as the observation
@@ -8,41 +8,21 @@ The result JSON is rewritten after every step, so an interrupted run keeps what 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-import torch
-
-from lragent.adapters_io import adapter_config_of, load_adapter_dir
-from lragent.lora_model import MultiLoraModel
+from eval_suite.report import check_writable
+from lragent.agents.prompts import HOTPOTQA, RESPONSE, initial_text
+from lragent.command import on_interrupt
+from lragent.loading import check_model_args, load_lora_model, resolve_device
 from lragent.memory_plan import check_session
-from lragent.models import NAMED_ARCHITECTURES, load_model, parse_dtype
-from lragent.multi_lora import MultiLoraConfig
+from lragent.paths import DATA_DIR
 from lragent.provenance import provenance
-from lragent.schemes import SCHEMES, Scheme
+from lragent.report_io import write_json
+from lragent.roles import DEFAULT_ROLES
+from lragent.schemes import Scheme
 from lragent.session import MultiAgentSession
-
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-HOTPOT_PROMPT = (
-    "I want you to be a good multi-hop question answerer ,solving a question answering task with interleaving "
-    "Thought, Action, Observation steps. Thought can reason about the current situation, and Action can be five "
-    "types :\n(1) BingSearch[query], which search the exact detailed query on the Internet and returns the relevant "
-    "information to the query. Be specific and precise with your query to increase the chances of getting relevant "
-    'results. For example, instead of searching for "dogs," you can search for "popular dog breeds in the United '
-    'States."For example, BingSearch[Which type of computer networking technology, developed in the 1970s, allows '
-    "devices to communicate over a shared network]\n(2) Retrieve[entity], which retrieve the exact entity on "
-    "Wikipedia and returns the first paragraph if it exists. If not, it will return some similar entities to "
-    "retrieve. For example, Retrieve[Milhouse]\n(3) Lookup[keyword], which returns the next sentence containing "
-    "keyword in the last passage successfully found by Retrieve or BingSearch. For example, Lookup[river]\n"
-    "(4) Finish[answer], which returns a definite answer. For example, Finish[Richard Nixon] (If it is a judgement "
-    "question, please Finish[yes] or Finish[no])\n(5) Reflect[right/wrong], which reflects the answer right or wrong "
-    "based on the context history. For example, Reflect[right]\nNote that Reflect must be the next Action after "
-    "Finish. You may take as many steps as necessary.\n"
-)
-RESPONSE = "\n### Response:\n"
 
 
 def _load_question(index: int) -> dict:
@@ -66,7 +46,7 @@ def build_schedule(name: str, question: dict) -> list[tuple[str, str]]:
         f"{t}: {''.join(s).strip()}"
         for t, s in zip(question["context"]["title"], question["context"]["sentences"], strict=True)
     ]
-    head = HOTPOT_PROMPT + "Question:" + question["question"].strip() + "\nThought: " + RESPONSE
+    head = initial_text(HOTPOTQA, question["question"].strip())
     if name == "agent":
         steps: list[tuple[str, str]] = []
         for c in range(5):
@@ -99,89 +79,69 @@ def build_schedule(name: str, question: dict) -> list[tuple[str, str]]:
 SCHEDULES = ("agent", "short", "roles")
 
 
-def build_model(args: argparse.Namespace) -> tuple[MultiLoraModel, object]:
-    """The base model with adapters: loaded from ``--adapters`` or initialised by ``--adapter-init``."""
-    if args.adapters:
-        lora_cfg = adapter_config_of(args.adapters)
-    else:
-        lora_cfg = MultiLoraConfig(rank=args.rank, alpha=args.alpha, dropout=0.0, shared_a=not args.independent_a)
-    hf, tokenizer = load_model(args.model, dtype=parse_dtype(args.dtype), device=args.device)
-    if tokenizer is None:
-        raise ValueError(f"model {args.model!r} has random weights and no tokenizer: the session job needs text")
-    model = MultiLoraModel(hf, lora_cfg)
-    if args.adapters:
-        load_adapter_dir(model, args.adapters)
-    else:
-        model.init_adapters(args.adapter_init, seed=args.seed)
-    return model.eval(), tokenizer
-
-
-def model_from_args(args: argparse.Namespace) -> tuple[MultiLoraModel, object]:
-    """:func:`build_model` for any command's arguments (``model``, ``adapters``, ``adapter_init``, ``seed``, ``rank``,
-    ``alpha``, ``dtype``, ``device``; ``device`` None picks CUDA when there is one)."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r} but CUDA is not available: allowed cpu")
-    ns = argparse.Namespace(
-        adapters=args.adapters,
-        rank=args.rank,
-        alpha=args.alpha,
-        independent_a=getattr(args, "independent_a", False),
-        model=args.model,
-        dtype=args.dtype,
-        device=device,
-        adapter_init=args.adapter_init,
-        seed=args.seed,
-    )
-    return build_model(ns)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def run(args: argparse.Namespace) -> dict:
-    """Runs the schedule and writes ``args.out``; returns the result."""
-    question = _load_question(args.question)
-    steps = build_schedule(args.schedule, question)
-    text_bytes = sum(len(text.encode()) for _, text in steps) + len(steps) * (args.max_new_tokens + 1)
-    check_session(args.model, args.scheme, text_bytes, dtype=args.dtype, device=args.device, rank=args.rank,
-                  shared_a=not args.independent_a, droidspeak_layers=args.droidspeak_layers)  # fmt: skip
-    model, tokenizer = build_model(args)
-    session = MultiAgentSession(
-        model,
-        args.scheme,
+def run(
+    *,
+    scheme: Scheme,
+    model: str,
+    adapters: str | None,
+    adapter_init: str | None,
+    rank: int,
+    alpha: float,
+    independent_a: bool,
+    schedule: str,
+    question: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    droidspeak_layers: list[int] | None,
+    dtype: str,
+    device: str,
+    use_kernel: bool,
+    cuda_graphs: bool,
+    out: str,
+    quiet: bool,
+) -> dict:
+    """Runs the schedule and writes ``out`` after every step; returns the result (arguments as :func:`session`)."""
+    record = _load_question(question)
+    steps = build_schedule(schedule, record)
+    text_bytes = sum(len(text.encode()) for _, text in steps) + len(steps) * (max_new_tokens + 1)
+    check_session(model, scheme, text_bytes, dtype=dtype, device=device, rank=rank, shared_a=not independent_a,
+                  droidspeak_layers=droidspeak_layers)  # fmt: skip
+    lm, tokenizer = load_lora_model(
+        model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, shared_a=not independent_a,
+        seed=seed, dtype=dtype, device=device,
+    )  # fmt: skip
+    sess = MultiAgentSession(
+        lm,
+        scheme,
         tokenizer=tokenizer,
-        seed=args.seed,
-        use_kernel=not args.no_kernel,
-        droidspeak_layers=args.droidspeak_layers,
-        cuda_graphs=False if args.no_graphs else None,
+        seed=seed,
+        use_kernel=use_kernel,
+        droidspeak_layers=droidspeak_layers,
+        cuda_graphs=None if cuda_graphs else False,
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out_path = Path(out)
     result = {
-        "scheme": session.scheme.value,
-        "model": args.model,
-        "schedule": args.schedule,
-        "adapters": args.adapters or f"init:{args.adapter_init}",
-        "seed": args.seed,
-        "question_id": question["id"],
+        "scheme": sess.scheme.value,
+        "model": model,
+        "schedule": schedule,
+        "adapters": adapters or f"init:{adapter_init}",
+        "seed": seed,
+        "question_id": record["id"],
         "steps": [],
         "cache_bytes": {},
         "peak_cache_bytes": 0,
-        "provenance": provenance(dtype=args.dtype, device=args.device),
+        "provenance": provenance(dtype=dtype, device=device),
     }
     for i, (role, text) in enumerate(steps):
-        session.append_text(text)
-        step = session.step(role, max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=["\n"])
+        sess.append_text(text)
+        step = sess.step(role, max_new_tokens=max_new_tokens, temperature=temperature, stop=["\n"])
         result["steps"].append(step.to_dict())
-        result["cache_bytes"] = session.cache_bytes()
-        result["peak_cache_bytes"] = session.peak_cache_bytes
-        result["num_tokens"] = session.num_tokens
-        _write_json(out, result)
-        if not args.quiet:
+        result["cache_bytes"] = sess.cache_bytes()
+        result["peak_cache_bytes"] = sess.peak_cache_bytes
+        result["num_tokens"] = sess.num_tokens
+        write_json(out_path, result)
+        if not quiet:
             print(
                 f"[{i + 1:2d}/{len(steps)}] {role:8s} prefill {step.prefill_tokens:5d} tok {step.prefill_s:6.3f}s "
                 f"decode {len(step.generated_ids):3d} tok {step.decode_s:6.3f}s | {step.text[:60]!r}",
@@ -190,94 +150,82 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def add_model_args(p: argparse.ArgumentParser, adapter_init: str | None = None) -> None:
-    """The model and adapter options every command that runs agents shares (read by :func:`model_from_args`)."""
-    p.add_argument("--model", default="default", help="default (embedded SmolLM2-135M-Instruct), a hub name or dir")
-    p.add_argument("--adapters", default=None, help="adapter directory (native checkpoint or PEFT role dirs)")
-    p.add_argument("--adapter-init", default=adapter_init, help="zero (untrained) or random (demo), without --adapters")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank for --adapter-init")
-    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha for --adapter-init")
+def session(
+    scheme: str = "base_lr_shared",
+    model: str = "default",
+    adapters: str | None = None,
+    adapter_init: str | None = None,
+    rank: int = 8,
+    alpha: float = 16.0,
+    independent_a: bool = False,
+    schedule: str = "agent",
+    question: int = 0,
+    max_new_tokens: int = 24,
+    temperature: float = 0.0,
+    seed: int = 0,
+    droidspeak_layers: list[int] | None = None,
+    dtype: str = "float32",
+    device: str | None = None,
+    use_kernel: bool = True,
+    cuda_graphs: bool = True,
+    out: str = "result.json",
+    quiet: bool = False,
+) -> int:
+    """A fixed multi-agent schedule on a real HotpotQA question under one sharing scheme.
 
+    Every step goes through one MultiAgentSession; the result JSON (per-step prefill/decode tokens and times, cache
+    bytes, peak cache) is rewritten after every step, so an interrupted run keeps what it did.
 
-def validate_model_args(args: argparse.Namespace, exactly_one: bool = False) -> None:
-    """Checks the options of :func:`add_model_args`; ``exactly_one``: one of --adapters, --adapter-init is required."""
-    if exactly_one and bool(args.adapters) == bool(args.adapter_init):
-        raise ValueError("give exactly one of --adapters DIR and --adapter-init {zero,random}")
-    if args.adapter_init not in (None, "zero", "random"):
-        raise ValueError(f"--adapter-init {args.adapter_init!r} not supported: allowed zero, random")
-    if args.adapters and not Path(args.adapters).is_dir():
-        raise FileNotFoundError(f"--adapters {args.adapters!r}: no such directory")
+    Args:
+        scheme: non_shared, full_shared, droidspeak, base_shared or base_lr_shared.
+        model: base model: default (embedded SmolLM2-135M-Instruct), a hub name or a local directory.
+        adapters: adapter directory (native checkpoint or PEFT role directories).
+        adapter_init: zero (untrained) or random (demo) adapters instead of --adapters (default random).
+        rank: LoRA rank for --adapter_init.
+        alpha: LoRA alpha for --adapter_init.
+        independent_a: one A per role (conventional multi-LoRA) for --adapter_init.
+        schedule: agent (17 steps), short (plan, action, reflect) or roles (each role twice).
+        question: index of the HotpotQA (easy) dev question.
+        max_new_tokens: generation budget of each step (>= 1).
+        temperature: sampling temperature (0: greedy).
+        seed: adapter init and sampling seed.
+        droidspeak_layers: layers DroidSpeak recomputes, e.g. [10,11,12] (default: the middle third).
+        dtype: compute dtype (float32, bfloat16, float16).
+        device: cpu, cuda, cuda:N or mps (default cuda when available).
+        use_kernel: the fused Flash-LoRA-Attention kernel on CUDA (false: the PyTorch attention path).
+        cuda_graphs: decode with CUDA graphs on CUDA (false: eager, for debugging).
+        out: result JSON file.
+        quiet: no per-step lines.
 
-
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cli.py session", description=__doc__.splitlines()[0])
-    p.add_argument("--scheme", default="base_lr_shared", help=f"one of {', '.join(SCHEMES)}")
-    add_model_args(p, adapter_init="random")
-    p.add_argument("--independent-a", action="store_true", help="one A per role (conventional multi-LoRA)")
-    p.add_argument("--schedule", default="agent", help=f"one of {', '.join(SCHEDULES)}")
-    p.add_argument("--question", type=int, default=0, help="index of the HotpotQA (easy) dev question")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--droidspeak-layers",
-        type=lambda s: [int(x) for x in s.split(",") if x],
-        default=None,
-        help="comma-separated layers DroidSpeak recomputes",
-    )
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--no-kernel", action="store_true", help="use the PyTorch attention path even on CUDA")
-    p.add_argument("--no-graphs", action="store_true", help="decode eagerly on CUDA (no CUDA graphs), for debugging")
-    p.add_argument("--out", default="result.json")
-    p.add_argument("--quiet", action="store_true")
-    return p
-
-
-def validate(args: argparse.Namespace) -> None:
-    """Checks arguments up front; raises ValueError / FileNotFoundError with one-line messages."""
-    Scheme.parse(args.scheme)
-    if args.schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {args.schedule!r}: allowed {', '.join(SCHEDULES)}")
-    validate_model_args(args)
-    if args.rank <= 0:
-        raise ValueError(f"--rank must be a positive integer, got {args.rank}")
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.scheme == "base_lr_shared" and args.independent_a and not args.adapters:
-        raise ValueError("--scheme base_lr_shared needs shared A: drop --independent-a or use base_shared")
-    if args.model.lower() in NAMED_ARCHITECTURES:
-        raise ValueError(f"--model {args.model!r} has random weights and no tokenizer: the session job needs text")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device!r} but CUDA is not available: allowed cpu")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from lragent.command import parse_with_config
-
-    args = parse_with_config(make_parser(), argv)
-    if isinstance(args, int):  # --print_config done (0), or a bad --config (2)
-        return args
-    try:
-        validate(args)
-        from eval_suite.report import check_writable
-
-        check_writable(args.out, is_dir=False)
-        result = run(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a hub name that is neither local nor reachable
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: could not load model {args.model!r}: {first}", file=sys.stderr)
-        return 2
+    Returns:
+        0 on success.
+    """
+    parsed = Scheme.parse(scheme)  # the one parse of --scheme: the session and the engine take the Scheme
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: allowed {', '.join(SCHEDULES)}")
+    if adapters is None and adapter_init is None:
+        adapter_init = "random"
+    check_model_args(
+        model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, dtype=dtype,
+        device=device, roles=DEFAULT_ROLES, needs_text=True,
+    )  # fmt: skip
+    if max_new_tokens < 1:
+        raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    if scheme == "base_lr_shared" and independent_a and not adapters:
+        raise ValueError("--scheme base_lr_shared needs shared A: drop --independent_a or use base_shared")
+    _load_question(question)
+    check_writable(out, is_dir=False)
+    device = resolve_device(device)
+    on_interrupt(f"the steps done so far are in {out}")
+    result = run(
+        scheme=parsed, model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha,
+        independent_a=independent_a, schedule=schedule, question=question, max_new_tokens=max_new_tokens,
+        temperature=temperature, seed=seed, droidspeak_layers=droidspeak_layers, dtype=dtype, device=device,
+        use_kernel=use_kernel, cuda_graphs=cuda_graphs, out=out, quiet=quiet,
+    )  # fmt: skip
     total = sum(s["prefill_tokens"] + len(s["generated_ids"]) for s in result["steps"])
     print(
         f"{result['scheme']}: {len(result['steps'])} steps, {total} processed tokens, "
-        f"peak cache {result['peak_cache_bytes'] / 2**20:.2f} MiB -> {args.out}"
+        f"peak cache {result['peak_cache_bytes'] / 2**20:.2f} MiB -> {out}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -68,9 +68,9 @@ import torch
 
 from eval_suite.report import write_json
 from lragent.lora_model import MultiLoraModel
-from lragent.multi_lora import MultiLoraLinear
+from lragent.multi_lora import MultiLoraConfig, MultiLoraLinear
+from lragent.paths import DATA_DIR
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BENCHMARKS: tuple[str, ...] = ("hotpotqa", "scienceqa")
 ADAPTER_INITS: tuple[str, ...] = ("zero", "random")
 PAIR_METRICS: tuple[str, ...] = ("full", "base", "adapter", "lr", "k", "hidden")
@@ -489,26 +489,18 @@ def _build_model(
     dtype: str,
     device: str,
 ) -> tuple[MultiLoraModel, Any]:
-    from lragent.adapters_io import adapter_config_of, load_adapter_dir
-    from lragent.models import load_model
-    from lragent.multi_lora import MultiLoraConfig
+    from lragent.adapters_io import adapter_config_of
+    from lragent.loading import load_lora_model
 
-    if adapters is not None:
-        cfg = adapter_config_of(adapters)
-        cfg = MultiLoraConfig(cfg.roles, cfg.rank, cfg.alpha, 0.0, cfg.targets, cfg.shared_a)
-    else:
-        if rank < 1:
-            raise ValueError(f"--rank must be >= 1, got {rank}")
-        cfg = MultiLoraConfig(rank=rank, alpha=alpha, dropout=0.0, shared_a=not independent_a)
-    if "v_proj" not in cfg.targets:
-        raise ValueError(f"the adapters target {list(cfg.targets)}: the similarity report needs a LoRA on v_proj")
-    hf, tokenizer = load_model(model_name, dtype=dtype, device=device)
-    model = MultiLoraModel(hf, cfg)
-    if adapters is not None:
-        load_adapter_dir(model, adapters)
-    else:
-        model.init_adapters(adapter_init, seed=seed)
-    return model.eval(), tokenizer
+    if rank < 1:
+        raise ValueError(f"--rank must be >= 1, got {rank}")
+    targets = adapter_config_of(adapters).targets if adapters is not None else MultiLoraConfig().targets
+    if "v_proj" not in targets:
+        raise ValueError(f"the adapters target {list(targets)}: the similarity report needs a LoRA on v_proj")
+    return load_lora_model(
+        model=model_name, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha,
+        shared_a=not independent_a, seed=seed, dtype=dtype, device=device, needs_text=False,
+    )  # fmt: skip
 
 
 def similarity(

@@ -39,11 +39,12 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from eval_suite.study_jobs import Job, is_done
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS: tuple[str, ...] = ("scienceqa", "hotpotqa")
@@ -59,31 +60,6 @@ eval at the batch sizes below, capacity 8192)."""
 EVAL_BATCH = {"non_shared": 32, "droidspeak": 48}
 """Rows per eval process (``--batch``); other schemes: :data:`DEFAULT_BATCH`. non_shared keeps 3 caches per row."""
 DEFAULT_BATCH = 64
-
-
-@dataclass(frozen=True)
-class Job:
-    """One command of the study.
-
-    Attributes:
-        name: unique name, also its directory under the root (``train/<set>``, ``eval/<set>/<scheme>``, ...).
-        kind: ``train``, ``eval`` or ``fidelity``.
-        cmd: the command line (run from the repository root).
-        done_file: the file whose existence marks the job done (relative to the root).
-        deps: names of the jobs that must be done first.
-        gb: estimated GPU memory.
-        priority: launch order among ready jobs (lower first).
-        meta: what the report needs (benchmark, adapter set, λ, scheme, ...).
-    """
-
-    name: str
-    kind: str
-    cmd: list[str]
-    done_file: str
-    deps: tuple[str, ...] = ()
-    gb: float = 10.0
-    priority: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 def set_name(benchmark: str, lam: float | None, scheme: str = "base_lr_shared", shared_a: bool = True) -> str:
@@ -175,7 +151,7 @@ def build_plan(
                 jobs.append(Job(
                     name=fname, kind="fidelity",
                     cmd=[python, "cli.py", "fidelity", "--benchmark", bench, *adapters, "--pool", "val",
-                         "--limit", "100000", "--dtype", "bfloat16", "--out", f"{{root}}/{fname}", "--quiet"],
+                         "--limit", "100000", "--dtype", "bfloat16", "--out", f"{{root}}/{fname}", "--quiet", "true"],
                     done_file=f"{fname}/fidelity.json", deps=deps, gb=GB["fidelity"],
                     priority=200 + bi * 10 + si * 0.1, meta=meta,
                 ))  # fmt: skip
@@ -183,21 +159,6 @@ def build_plan(
 
 
 # ------------------------------------------------------------------------------------------------------------ state
-def is_done(job: Job, root: Path) -> bool:
-    """Whether the job's result exists (an eval must also have every run of every question in its summary)."""
-    path = root / job.done_file
-    if not path.is_file():
-        return False
-    if job.kind == "eval":
-        try:
-            summary = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return False
-        runs = summary.get("episodes", {}).get(job.meta["scheme"], {})
-        return len(runs) >= job.meta["runs"]
-    return True
-
-
 def job_state(job: Job, root: Path, running: set[str], jobs: dict[str, Job]) -> str:
     """``done``, ``running``, ``failed`` (the last attempt exited non-zero), ``ready`` or ``waiting``.
 

@@ -28,7 +28,7 @@ from eval_suite.episode_log import EPISODES_FILE, read_episodes
 from eval_suite.eval_report import summarize
 from eval_suite.paired import bootstrap_mean_interval
 from eval_suite.report import fmt_mean_std, markdown_table, write_json, write_text
-from eval_suite.study import Job, is_done
+from eval_suite.study_jobs import Job, is_done
 from lragent.provenance import provenance, provenance_footer
 
 SCHEME_ORDER = ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak")

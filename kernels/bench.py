@@ -358,8 +358,8 @@ def _targets(decode: list[dict], prefill: list[dict]) -> list[dict]:
 
 
 def _markdown(result: dict) -> str:
-    from eval_suite.report import markdown_table
     from lragent.provenance import provenance_footer
+    from lragent.report_io import markdown_table
 
     s = result["shapes"]
     lines = [
@@ -480,8 +480,8 @@ def bench_kernel(
     from kernels.flash_lora_attention import set_autotune
 
     set_autotune(True)  # prefill timings: tuned configs
-    from eval_suite.report import write_json, write_text
     from lragent.provenance import provenance
+    from lragent.report_io import write_json, write_text
 
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
     out_dir = Path(out)

@@ -1,17 +1,16 @@
 """Lightning CLI for training: ``fit`` / ``validate`` / ``test`` over YAML configs, and ``export``.
 
-The project's ``cli.py`` dispatches ``fit``/``validate``/``test`` to :func:`run_lightning_cli` and ``export`` to
-:func:`export_main`. Examples (from the repository root)::
+The ``lragent`` command (:mod:`lragent.cli_main`) dispatches ``fit``/``validate``/``test`` to
+:func:`run_lightning_cli` and ``export`` to :func:`export`. Examples (from the repository root)::
 
-    python cli.py fit --config configs/smoke.yaml
-    python cli.py fit --config configs/hotpotqa.yaml --ckpt_path last      # resume the last checkpoint
-    python cli.py fit --config configs/hotpotqa.yaml --print_config         # the full resolved config
-    python cli.py export --ckpt runs/hotpotqa/checkpoints/last.ckpt --out adapters/hotpotqa
+    lragent fit --config configs/smoke.yaml
+    lragent fit --config configs/hotpotqa.yaml --ckpt_path last      # resume the last checkpoint
+    lragent fit --config configs/hotpotqa.yaml --print_config         # the full resolved config
+    lragent export --ckpt runs/hotpotqa/checkpoints/last.ckpt --out adapters/hotpotqa
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,43 +64,35 @@ def run_lightning_cli(args: list[str]) -> None:
         raise SystemExit(2) from None
 
 
-def export_main(argv: Sequence[str] | None = None) -> int:
-    """``export --ckpt CKPT --out DIR``: writes one PEFT LoRA directory per role, the native checkpoint and the
-    training config from a Lightning checkpoint. Returns the exit status."""
-    parser = argparse.ArgumentParser(prog="cli.py export", description=export_main.__doc__)
-    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint written by fit (e.g. .../last.ckpt)")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the stored adapter tensors (bfloat16 halves the size; default: float32)",
-    )
-    from lragent.command import parse_with_config
+def export(ckpt: str, out: str, dtype: str | None = None) -> int:
+    """Writes one PEFT LoRA directory per role, the native checkpoint and the training config from a checkpoint.
 
-    args = parse_with_config(parser, argv)
-    if isinstance(args, int):  # --print_config done (0), or a bad --config (2)
-        return args
+    Args:
+        ckpt: Lightning checkpoint written by fit (e.g. runs/hotpotqa/checkpoints/last.ckpt).
+        out: output directory.
+        dtype: dtype of the stored adapter tensors: float32, bfloat16 (half the size) or float16 (default: float32).
+
+    Returns:
+        0 on success.
+    """
+    import torch
+
+    from lit_modules.export import checkpoint_source, export_adapters
+
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype {dtype!r} not supported: allowed float32, bfloat16, float16")
+    ckpt_path = Path(ckpt)
+    if not ckpt_path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
     try:
-        import torch
-
-        from lit_modules.export import checkpoint_source, export_adapters
-
-        ckpt_path = Path(args.ckpt)
-        if not ckpt_path.is_file():
-            raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
-        try:
-            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-            if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
-                raise ValueError("no state_dict and hyper_parameters")
-        except Exception as exc:  # unpickling errors come in many types; any of them means "not a checkpoint"
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"{ckpt_path} is not a Lightning checkpoint written by fit ({first[:200]})") from None
-        module = MultiLoraModule.load_from_checkpoint(ckpt_path, map_location="cpu")
-        source = checkpoint_source(ckpt, ckpt_path)
-        paths = export_adapters(module, args.out, ckpt.get("datamodule_hyper_parameters"), args.dtype, source)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {', '.join(paths)} to {args.out}")
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if not isinstance(state, dict) or "state_dict" not in state or "hyper_parameters" not in state:
+            raise ValueError("no state_dict and hyper_parameters")
+    except Exception as exc:  # unpickling errors come in many types; any of them means "not a checkpoint"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{ckpt_path} is not a Lightning checkpoint written by fit ({first[:200]})") from None
+    module = MultiLoraModule.load_from_checkpoint(ckpt_path, map_location="cpu")
+    source = checkpoint_source(state, ckpt_path)
+    paths = export_adapters(module, out, state.get("datamodule_hyper_parameters"), dtype, source)
+    print(f"exported {', '.join(paths)} to {out}")
     return 0

@@ -11,7 +11,7 @@ The native checkpoint (``lragent_adapters.safetensors``) keeps A once and every 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -109,6 +109,31 @@ def _readable(path: str | Path) -> Iterator[None]:
         raise ValueError(f"{path} is not a readable adapter weights file ({what})") from None
 
 
+def read_peft_config(path: str | Path) -> dict:
+    """A PEFT ``adapter_config.json``, checked: a JSON mapping with a positive integer ``r``, a positive
+    ``lora_alpha`` and a non-empty list of ``target_modules``.
+
+    Raises:
+        ValueError: one line naming the file and what is wrong with it.
+    """
+    path = Path(path)
+    try:
+        pc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path} is not a readable PEFT adapter config ({what})") from None
+    if not isinstance(pc, dict):
+        raise ValueError(f"{path} is not a PEFT adapter config: a JSON mapping is needed, got {type(pc).__name__}")
+    r, alpha, targets = pc.get("r"), pc.get("lora_alpha"), pc.get("target_modules")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{path}: r must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise ValueError(f"{path}: lora_alpha must be a positive number, got {alpha!r}")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"{path}: target_modules must be a non-empty list of module names, got {targets!r}")
+    return pc
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     """``dst.copy_(src)`` that refuses a shape mismatch with one line (a config that disagrees with its tensors)."""
     if tuple(dst.shape) != tuple(src.shape):
@@ -161,7 +186,7 @@ def load_peft_role(model: MultiLoraModel, peft_dir: str | Path, role: str) -> No
     cfg_path = peft_dir / PEFT_CONFIG
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{peft_dir} is not a PEFT adapter directory (no {PEFT_CONFIG})")
-    pc = json.loads(cfg_path.read_text())
+    pc = read_peft_config(cfg_path)
     mine = model.lora_config
     if int(pc["r"]) != mine.rank or float(pc["lora_alpha"]) != float(mine.alpha):
         raise ValueError(
@@ -203,23 +228,58 @@ def load_adapter_dir(model: MultiLoraModel, adapter_dir: str | Path) -> None:
         load_peft_role(model, d / role, role)
 
 
-def adapter_config_of(adapter_dir: str | Path) -> MultiLoraConfig:
-    """The adapter layout stored in an adapter directory (native checkpoint, else the PEFT configs)."""
+def adapter_config_of(adapter_dir: str | Path, roles: Sequence[str] = ()) -> MultiLoraConfig:
+    """The adapter layout stored in an adapter directory (native checkpoint, else the PEFT configs), checked
+    without building a model: the native checkpoint's header, or every PEFT role's config and weights (readable,
+    rank as configured). Cheap next to loading a model, so commands call it before they load one.
+
+    Args:
+        adapter_dir: a directory written by ``export`` (or by PEFT, one directory per role).
+        roles: roles the caller needs (e.g. the agents' plan, action, reflect); each must be in the set.
+
+    Raises:
+        FileNotFoundError: the directory, or any adapter in it, is missing (naming the missing roles).
+        ValueError: a damaged or inconsistent file (one line naming it).
+    """
     d = Path(adapter_dir)
     if not d.is_dir():
         raise FileNotFoundError(f"adapter directory {d} does not exist")
     if (d / NATIVE_FILE).is_file():
-        return read_native_config(d / NATIVE_FILE)
-    roles = sorted(p.parent.name for p in d.glob(f"*/{PEFT_CONFIG}"))
-    if not roles:
+        cfg = read_native_config(d / NATIVE_FILE)
+        missing = [r for r in roles if r not in cfg.roles]
+        if missing:
+            raise FileNotFoundError(f"adapter checkpoint {d / NATIVE_FILE} has no adapter for roles {missing}")
+        return cfg
+    found = sorted(p.parent.name for p in d.glob(f"*/{PEFT_CONFIG}"))
+    if not found:
         raise FileNotFoundError(f"adapter directory {d} has neither {NATIVE_FILE} nor PEFT role directories")
+    missing = [r for r in roles if r not in found]
+    if missing:
+        raise FileNotFoundError(f"adapter directory {d} has no {NATIVE_FILE} and no PEFT directory for {missing}")
     from safetensors.torch import load_file
 
-    pc = json.loads((d / roles[0] / PEFT_CONFIG).read_text())
-    known = [r for r in ("plan", "action", "reflect") if r in roles]
-    order = known + [r for r in roles if r not in known]
+    configs = {r: read_peft_config(d / r / PEFT_CONFIG) for r in found}
+    pc = configs[found[0]]
+    for r, other in configs.items():
+        if (other["r"], other["lora_alpha"], sorted(other["target_modules"])) != (
+            pc["r"], pc["lora_alpha"], sorted(pc["target_modules"])
+        ):  # fmt: skip
+            raise ValueError(f"{d / r / PEFT_CONFIG}: r, lora_alpha or target_modules differ from {found[0]}'s")
+    known = [r for r in ("plan", "action", "reflect") if r in found]
+    order = known + [r for r in found if r not in known]
+    a_sets = []
+    for r in order:
+        weights_path = d / r / PEFT_WEIGHTS
+        if not weights_path.is_file():
+            raise FileNotFoundError(f"PEFT adapter directory {d / r} has no {PEFT_WEIGHTS}")
+        with _readable(weights_path):
+            weights = load_file(str(weights_path))
+        for key, t in weights.items():
+            rank_dim = 0 if ".lora_A." in key else 1 if ".lora_B." in key else None
+            if rank_dim is not None and (t.dim() != 2 or t.shape[rank_dim] != pc["r"]):
+                raise ValueError(f"{weights_path}: {key} has shape {tuple(t.shape)}, not rank r={pc['r']}")
+        a_sets.append({k: v for k, v in weights.items() if ".lora_A." in k})
     # Shared A exactly when every role directory carries the same A tensors.
-    a_sets = [{k: v for k, v in load_file(str(d / r / PEFT_WEIGHTS)).items() if ".lora_A." in k} for r in order]
     shared = all(a.keys() == a_sets[0].keys() and all(torch.equal(a[k], a_sets[0][k]) for k in a) for a in a_sets)
     return MultiLoraConfig(
         roles=tuple(order),

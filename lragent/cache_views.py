@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention
-from lragent.decoder import rope_store_unfused
+from lragent.rope import rope_store_unfused
 from lragent.static_cache import StaticCachePool
 
 
@@ -65,14 +65,11 @@ def decode_attention_reference(
 
 
 def _fused_decode():
-    """The fused decode kernel, or None where it cannot run (no CUDA/Triton, or not built yet)."""
+    """The fused decode kernel, or None where it cannot be imported (no Triton)."""
     try:
         from kernels.flash_lora_decode import flash_lora_decode
     except ImportError:
-        try:
-            from kernels.flash_lora_attention import flash_lora_decode  # type: ignore[attr-defined]
-        except ImportError:
-            return None
+        return None
     return flash_lora_decode
 
 

@@ -1,17 +1,7 @@
-"""lragent's single entry point: the ``lragent`` console command, and ``python cli.py`` (a thin alias).
+"""lragent's entry point: the ``lragent`` console command (``python cli.py`` is an alias).
 
-    python cli.py fit|validate|test --config configs/<name>.yaml   # training (LightningCLI)
-    python cli.py export --ckpt CKPT --out DIR                     # adapters out of a checkpoint
-    python cli.py session --scheme S --out result.json             # one multi-agent schedule under a scheme
-    python cli.py eval --benchmark hotpotqa --scheme all --runs 3         # agents on HotpotQA / ScienceQA
-    python cli.py fidelity --benchmark hotpotqa --adapters DIR            # KL / top-1 agreement vs non_shared
-    python cli.py droidspeak-select --benchmark hotpotqa --adapters DIR   # DroidSpeak recompute layers
-    python cli.py similarity --adapters DIR --benchmark hotpotqa           # cache similarity across agents
-    python cli.py bench kernel                                      # Flash-LoRA-Attention micro-benchmark
-    python cli.py bench train --model llama-3.1-8b                  # training steps: lragent vs a PEFT loop
-    python cli.py data-stats --out DIR                              # role data token lengths and batches
-
-This file only wires: each command lives in its own module and is imported when it is used.
+Every command but the Lightning ones is a typed, documented function that :func:`lragent.command.run_command` turns
+into a command line; ``fit``/``validate``/``test`` are LightningCLI's. Commands are imported when they are used.
 """
 
 from __future__ import annotations
@@ -20,16 +10,15 @@ import importlib
 import sys
 from pathlib import Path
 
-# command -> (module, function). A function named ``main`` takes argv and returns an exit code (older commands);
-# any other name is a typed, documented function that lragent.command turns into a command line (--config,
-# --print_config, --help from its docstring).
+# command -> (module, typed function); lragent.command turns each function into a command line (--help from its
+# docstring, --config, --print_config).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "session": ("eval_suite.session_runner", "main"),
-    "export": ("lit_modules.cli", "export_main"),
+    "session": ("eval_suite.session_runner", "session"),
+    "export": ("lit_modules.cli", "export"),
     "eval": ("eval_suite.run_eval", "evaluate"),
-    "fidelity": ("eval_suite.fidelity", "main"),
+    "fidelity": ("eval_suite.fidelity_command", "fidelity"),
     "similarity": ("eval_suite.similarity", "similarity"),
-    "droidspeak-select": ("eval_suite.droidspeak_select", "main"),
+    "droidspeak-select": ("eval_suite.droidspeak_select", "droidspeak_select"),
     "data-stats": ("eval_suite.data_stats", "data_stats"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
@@ -47,7 +36,21 @@ def _prog() -> str:
     return "lragent" if name == "lragent" else "cli.py"
 
 
-def _call(target: tuple[str, str], argv: list[str], prog: str = "cli.py") -> int:
+USAGE = """usage: lragent COMMAND [options]    (lragent COMMAND --help for a command's options)
+
+  fit | validate | test --config configs/NAME.yaml   train / check multi-LoRA role adapters (LightningCLI)
+  export --ckpt CKPT --out DIR                       adapters out of a checkpoint (PEFT role dirs + native file)
+  session --scheme S --out result.json               one multi-agent schedule under a sharing scheme
+  eval --benchmark hotpotqa --scheme all             agent accuracy on HotpotQA / ScienceQA per sharing scheme
+  fidelity --benchmark hotpotqa --adapters DIR       KL / top-1 agreement of each scheme against non_shared
+  droidspeak-select --benchmark hotpotqa --adapters DIR   which layers DroidSpeak recomputes
+  similarity --adapters DIR --benchmark hotpotqa     cache similarity across agents
+  bench kernel | decode | trace                      kernel, decode and trace benchmarks
+  data-stats --out DIR                               role data token lengths and batches
+"""
+
+
+def _call(target: tuple[str, str], argv: list[str], prog: str) -> int:
     module_name, func = target
     try:
         module = importlib.import_module(module_name)
@@ -56,12 +59,9 @@ def _call(target: tuple[str, str], argv: list[str], prog: str = "cli.py") -> int
             print(f"error: this checkout has no {module_name} yet", file=sys.stderr)
             return 2
         raise
-    fn = getattr(module, func)
-    if func in ("main", "export_main"):
-        return int(fn(argv) or 0)
     from lragent.command import run_command
 
-    return run_command(fn, argv, prog)
+    return run_command(getattr(module, func), argv, prog)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     prog = _prog()
     allowed = ", ".join([*LIGHTNING, *COMMANDS, "bench"])
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(USAGE)
         print(f"commands: {allowed}")
         return 0
     cmd, rest = argv[0], argv[1:]
@@ -82,8 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in COMMANDS:
         return _call(COMMANDS[cmd], rest, f"{prog} {cmd}")
     if cmd == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(
+                f"usage: {prog} bench {{{','.join(BENCHES)}}} [options]    ({prog} bench NAME --help for its options)"
+            )
+            print(f"benches: {', '.join(BENCHES)}")
+            return 0
         if not rest or rest[0] not in BENCHES:
-            got = rest[0] if rest else "nothing"
+            got = repr(rest[0]) if rest else "nothing"
             print(f"error: bench needs one of {', '.join(BENCHES)}, got {got}", file=sys.stderr)
             return 2
         return _call(BENCHES[rest[0]], rest[1:], f"{prog} bench {rest[0]}")

@@ -24,31 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lragent.multi_lora import MultiLoraLinear
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Applies RoPE to ``x`` ``(B, H, T, D)`` with ``cos``/``sin`` ``(B, T, D)``."""
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-def rope_store_unfused(
-    view: CacheView,
-    layer: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    v_lr: torch.Tensor | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    """:meth:`CacheView.rope_store` with PyTorch ops and the view's own ``store`` (shapes as there)."""
-    view.store(layer, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2), v_lr)
-    return apply_rope(q.transpose(1, 2), cos, sin)
+from lragent.rope import apply_rope, rope_store_unfused
 
 
 def _with_lora(

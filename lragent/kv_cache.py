@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from lragent.attention import decomposed_attention, plain_attention
+from lragent.rope import rope_store_unfused
 
 
 class GrowableBuffer:
@@ -211,8 +212,6 @@ class GrowableView:
             cache.v_lr.write(self.start, v_lr)
 
     def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
-        from lragent.decoder import rope_store_unfused
-
         return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
 
     def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:

@@ -282,6 +282,10 @@ def check_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device {device!r} is not a device: allowed cpu, cuda, cuda:N, mps") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but this machine has no CUDA GPU: use cpu")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} asked for, but this machine has no MPS (Apple GPU) device: use cpu")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {device!r} is not supported: allowed cpu, cuda, cuda:N, mps")
     return dev
 
 

@@ -81,11 +81,15 @@ def provenance(
     Args:
         dtype: compute dtype of the run (``torch.bfloat16`` or a name); recorded as a string.
         device: ``cpu`` / ``cuda`` (default: CUDA when available).
-        command: the command line (default: this process's ``sys.argv``).
+        command: the command line (default: the running command's, else this process's ``sys.argv``).
 
     Returns:
         ``{"command", "device", "dtype", "versions", "git_commit", "git_dirty", "host", "utc"}``.
     """
+    if command is None:
+        from lragent.command import command_line
+
+        command = command_line()
     if command is None:
         command = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
     cmd = command if isinstance(command, str) else shlex.join(str(c) for c in command)

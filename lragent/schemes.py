@@ -40,3 +40,12 @@ class Scheme(str, Enum):
 
 
 SCHEMES: tuple[str, ...] = tuple(s.value for s in Scheme)
+
+
+def parse_schemes(spec: str) -> list[str]:
+    """``all`` or a comma list of scheme names, checked: the schemes a command runs, in the order given."""
+    names = list(SCHEMES) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [s for s in names if s not in SCHEMES]
+    if bad or not names:
+        raise ValueError(f"--scheme {spec!r}: unknown {bad or 'nothing'}; allowed {', '.join(SCHEMES)} or all")
+    return names

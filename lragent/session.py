@@ -56,7 +56,7 @@ class MultiAgentSession:
         self.seed = seed
         self.engine = Engine(
             model,
-            self.scheme.value,
+            self.scheme,  # parsed once, here: the engine and make_scheme take the Scheme as it is
             rows=1,
             capacity=capacity,
             tokenizer=tokenizer,

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRATCH = "/tmp/lragent_plant_copy"
+SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
 BUGS = {
     "catch-up as the wrong role": (
@@ -74,8 +74,8 @@ BUGS = {
     ),
     "PEFT import puts each role's B in the next role": (
         "lragent/adapters_io.py",
-        "        module.lora_B[rid].copy_(b)",
-        "        module.lora_B[(rid + 1) % len(module.lora_B)].copy_(b)",
+        '        _copy(module.lora_B[rid], b, f"{peft_dir}: {name} lora_B")',
+        '        _copy(module.lora_B[(rid + 1) % len(module.lora_B)], b, f"{peft_dir}: {name} lora_B")',
         "tests/test_shipped_adapters.py",
     ),
     "finished rows keep counting between host checks (graph replay)": (
@@ -134,8 +134,8 @@ BUGS = {
     ),
     "GPU: prefill kernel switched off": (
         "lragent/attention.py",
-        "    if use_kernel and key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES and kernel_available():",
-        "    if False:",
+        "        use_kernel\n        and not per_query",
+        "        False\n        and not per_query",
         "tests/test_engine_gpu.py -k kernel_is_used",
     ),
     "GPU: capture as before issue 18 (warm-up and capture on two streams, pool handle kept after its graphs)": (
@@ -194,13 +194,13 @@ BUGS = {
     ),
     "any letter counts as a valid answer": (
         "eval_suite/paired.py",
-        "    return bool(m) and ord(m.group(1).upper()) - ord(\"A\") < n_choices",
+        '    return bool(m) and ord(m.group(1).upper()) - ord("A") < n_choices',
         "    return bool(m)",
         "tests/test_paired.py",
     ),
     "study: an eval missing runs counts as done": (
-        "eval_suite/study.py",
-        "        return len(runs) >= job.meta[\"runs\"]",
+        "eval_suite/study_jobs.py",
+        '        return len(runs) >= job.meta["runs"]',
         "        return True",
         "tests/test_study.py -k resumed",
     ),
@@ -212,9 +212,45 @@ BUGS = {
     ),
     "study: dependencies ignored": (
         "eval_suite/study.py",
-        "    return \"ready\" if all(is_done(jobs[d], root) for d in job.deps) else \"waiting\"",
-        "    return \"ready\"",
+        '    return "ready" if all(is_done(jobs[d], root) for d in job.deps) else "waiting"',
+        '    return "ready"',
         "tests/test_study.py -k resumed",
+    ),
+    "kernels import the evaluation suite (upward import)": (
+        "kernels/bench.py",
+        "    from lragent.report_io import markdown_table",
+        "    from eval_suite.report import markdown_table",
+        "tests/test_import_graph.py",
+    ),
+    "kv_cache imports the decoder back (import cycle)": (
+        "lragent/kv_cache.py",
+        "from lragent.rope import rope_store_unfused\n",
+        "from lragent.rope import rope_store_unfused\nfrom lragent.decoder import apply_rope  # noqa: F401\n",
+        "tests/test_import_graph.py",
+    ),
+    "a command imports another command": (
+        "eval_suite/droidspeak_select.py",
+        "from eval_suite.report import check_writable, write_json\n",
+        "from eval_suite.report import check_writable, write_json\nfrom eval_suite.fidelity_command import fidelity  # noqa: F401\n",
+        "tests/test_import_graph.py",
+    ),
+    "session accepts --max_new_tokens 0": (
+        "eval_suite/session_runner.py",
+        "    if max_new_tokens < 1:",
+        "    if max_new_tokens < 0:",
+        "tests/test_memory_and_cli.py -k zero-new-tokens",
+    ),
+    "a PEFT adapter set without a role passes the up-front check": (
+        "lragent/adapters_io.py",
+        "    missing = [r for r in roles if r not in found]",
+        "    missing = []",
+        "tests/test_memory_and_cli.py -k peft-no-reflect",
+    ),
+    "a PEFT config that is not a mapping is read as one": (
+        "lragent/adapters_io.py",
+        "    if not isinstance(pc, dict):",
+        "    if False:",
+        "tests/test_memory_and_cli.py -k peft-list",
     ),
 }
 only = sys.argv[1:]

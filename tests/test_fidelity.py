@@ -20,7 +20,7 @@ from eval_suite.fidelity import (
     scheme_logits,
 )
 from eval_suite.report import write_json
-from eval_suite.run_eval import load_droidspeak_config
+from lragent.loading import read_droidspeak_config as load_droidspeak_config
 from lragent.schemes import SCHEMES
 from lragent.session import MultiAgentSession
 from tests.conftest import tiny_multi_lora
@@ -189,12 +189,18 @@ def test_droidspeak_selection_covers_a_third_in_contiguous_groups(tmp_path, n_la
     assert [list(g) for g in s.engine.scheme.groups] == groups
 
 
+def _fidelity(argv: list[str]) -> int:
+    from lragent.cli_main import main
+
+    return main(["fidelity", *argv])
+
+
 def test_cli_errors(capsys):
-    assert fidelity.main(["--adapter-init", "bogus"]) == 2
+    assert _fidelity(["--adapter_init", "bogus"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --adapter-init 'bogus'") and err.count("\n") == 1
-    assert fidelity.main(["--adapter-init", "random", "--shared-split", "middle"]) == 2
-    assert fidelity.main(["--adapter-init", "random", "--scheme", "nope"]) == 2
+    assert err.startswith("error: --adapter_init 'bogus'") and err.count("\n") == 1
+    assert _fidelity(["--adapter_init", "random", "--shared_split", "middle"]) == 2
+    assert _fidelity(["--adapter_init", "random", "--scheme", "nope"]) == 2
     assert "unknown" in capsys.readouterr().err
 
 
@@ -204,9 +210,9 @@ def test_cli_writes_results_with_provenance(tmp_path):
     import json
 
     out = tmp_path / "fid"
-    argv = ["--adapter-init", "random", "--limit", "1", "--max-context-tokens", "48",
+    argv = ["--adapter_init", "random", "--limit", "1", "--max_context_tokens", "48",
             "--device", "cpu", "--out", str(out)]  # fmt: skip
-    assert fidelity.main(argv) == 0
+    assert _fidelity(argv) == 0
     prov = json.loads((out / "fidelity.json").read_text())["provenance"]
     assert {"command", "device", "dtype", "versions", "git_commit", "utc"} <= set(prov)
     assert "--limit 1" in prov["command"]

@@ -52,7 +52,7 @@ def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
         (["--rank", "0"], "--rank must be a positive integer, got 0"),
         (["--rank", "-2"], "--rank must be a positive integer, got -2"),
         (["--schedule", "long"], "unknown schedule 'long': allowed agent, short, roles"),
-        (["--adapter-init", "ones"], "--adapter-init 'ones' not supported: allowed zero, random"),
+        (["--adapter_init", "ones"], "--adapter_init 'ones' not supported: allowed zero, random"),
     ],
 )
 def test_session_cli_bad_input(args, needle, tmp_path):
@@ -74,15 +74,16 @@ def test_session_cli_writes_result(tmp_path):
         "session",
         "--scheme",
         "base_lr_shared",
-        "--adapter-init",
+        "--adapter_init",
         "random",
         "--seed",
         "0",
         "--schedule",
         "short",
-        "--max-new-tokens",
+        "--max_new_tokens",
         "4",
         "--quiet",
+        "true",
         "--out",
         str(out),
     )
@@ -114,9 +115,9 @@ def test_console_command_is_installed_and_is_cli_py():
 @pytest.mark.parametrize(
     "command",
     [
-        ["session", "--scheme", "base_lr_shared", "--adapter-init", "random"],
-        ["fidelity", "--adapter-init", "random"],
-        ["droidspeak-select", "--adapter-init", "random"],
+        ["session", "--scheme", "base_lr_shared", "--adapter_init", "random"],
+        ["fidelity", "--adapter_init", "random"],
+        ["droidspeak-select", "--adapter_init", "random"],
     ],
 )
 def test_unwritable_out_is_refused_before_any_work(tmp_path, command):
@@ -138,70 +139,114 @@ def test_unwritable_out_is_refused_before_any_work(tmp_path, command):
 
 def _damaged_adapters(tmp_path, kind: str):
     """A copy of a shipped adapter set, damaged: ``truncated`` weights files, or ``rank`` (PEFT config r=8, tensors
-    of rank 4, no native checkpoint)."""
+    of rank 4, no native checkpoint); the ``peft-*`` kinds drop the native checkpoint and damage the PEFT role
+    directories: ``peft-no-r`` (plan's adapter_config.json lacks ``r``), ``peft-list`` (every adapter_config.json is
+    a JSON list), ``peft-truncated`` (every adapter_model.safetensors cut in half), ``peft-no-reflect`` (no reflect
+    directory)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     d = tmp_path / kind
     shutil.copytree(ROOT / "data" / "adapters" / "hotpotqa_sharedA", d)
+    roles = ("plan", "action", "reflect")
     if kind == "truncated":
         for f in d.rglob("*.safetensors"):
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    else:
-        (d / "lragent_adapters.safetensors").unlink()
-        for role in ("plan", "action", "reflect"):
+        return d
+    (d / "lragent_adapters.safetensors").unlink()
+    if kind == "rank":
+        for role in roles:
             f = d / role / "adapter_model.safetensors"
             w = load_file(str(f))
             save_file({k: (v[:4] if "lora_A" in k else v[:, :4]).contiguous() for k, v in w.items()}, str(f))
+    elif kind == "peft-no-r":
+        cfg = json.loads((d / "plan" / "adapter_config.json").read_text())
+        del cfg["r"]
+        (d / "plan" / "adapter_config.json").write_text(json.dumps(cfg))
+    elif kind == "peft-list":
+        for role in roles:
+            (d / role / "adapter_config.json").write_text("[1, 2]")
+    elif kind == "peft-truncated":
+        for role in roles:
+            f = d / role / "adapter_model.safetensors"
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif kind == "peft-no-reflect":
+        shutil.rmtree(d / "reflect")
+    else:
+        raise AssertionError(kind)
     return d
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["truncated-session", "truncated-eval", "rank-session", "missing-model-eval", "missing-model-fidelity",
-     "bogus-device", "not-a-checkpoint"],
-)  # fmt: skip
-def test_bad_input_table_one_line_exit_2(tmp_path, case):
-    """Inputs a new user gave that once ended in tracebacks: one stderr line naming the bad value, exit 2."""
+def _adapter_case(tmp_path, kind: str, cmd: str) -> tuple[list[str], str]:
+    d = _damaged_adapters(tmp_path, kind)
+    if cmd == "session":
+        out = str(tmp_path / "r.json")
+        return ["session", "--scheme", "base_lr_shared", "--adapters", str(d), "--out", out], str(d)
+    return ["eval", "--adapters", str(d), "--limit", "1", "--out", str(tmp_path / "out")], str(d)
+
+
+def _bad_input_case(tmp_path, case: str) -> tuple[list[str], str]:
+    """The command line of a bad-input case and a string its one error line must contain."""
     out = tmp_path / "out"
-    if case.startswith(("truncated", "rank")):
-        d = _damaged_adapters(tmp_path, case.split("-")[0])
-        if case.endswith("session"):
-            args = ["session", "--scheme", "base_lr_shared", "--adapters", str(d), "--out", str(out / "r.json")]
-        else:
-            args = ["eval", "--adapters", str(d), "--limit", "1", "--out", str(out)]
-        want = str(d)
-    elif case.startswith("missing-model"):
-        cmd = case.split("-")[-1]
-        init = "--adapter_init" if cmd == "eval" else "--adapter-init"
-        args = [cmd, "--model", str(tmp_path / "no" / "such" / "dir"), init, "zero", "--out", str(out)]
-        want = "does not exist"
-    elif case == "bogus-device":
-        args = ["session", "--adapter-init", "random", "--device", "bogus", "--out", str(out / "r.json")]
-        want = "'bogus'"
-    else:
-        ckpt = tmp_path / "x.ckpt"
-        ckpt.write_text("not a checkpoint")
-        args = ["export", "--ckpt", str(ckpt), "--out", str(out)]
-        want = "is not a Lightning checkpoint"
-    r = _cli(*args, timeout=300)
+    kind, _, cmd = case.partition(":")
+    if kind in ("truncated", "rank", "peft-no-r", "peft-list", "peft-truncated"):
+        return _adapter_case(tmp_path, kind, cmd)
+    if kind == "peft-no-reflect":
+        args, _ = _adapter_case(tmp_path, kind, cmd)
+        return args, "'reflect'"
+    if kind == "missing-model":
+        missing = str(tmp_path / "no" / "such" / "dir")
+        return [cmd, "--model", missing, "--adapter_init", "zero", "--out", str(out)], "does not exist"
+    if kind == "out-is-file":
+        blocker = tmp_path / "a_file"
+        blocker.write_text("x")
+        extra = ["--adapter_init", "zero", "--limit", "1"] if cmd == "eval" else []
+        return [cmd, *extra, "--out", str(blocker)], str(blocker)
+    if case == "bogus-device":
+        return ["session", "--adapter_init", "random", "--device", "bogus", "--out", str(out / "r.json")], "'bogus'"
+    if case == "mps-device":
+        return ["session", "--adapter_init", "random", "--device", "mps", "--out", str(out / "r.json")], "'mps'"
+    if case == "zero-new-tokens":
+        return ["session", "--adapter_init", "random", "--max_new_tokens", "0", "--out", str(out / "r.json")], "got 0"
+    assert case == "not-a-checkpoint", case
+    ckpt = tmp_path / "x.ckpt"
+    ckpt.write_text("not a checkpoint")
+    return ["export", "--ckpt", str(ckpt), "--out", str(out)], "is not a Lightning checkpoint"
+
+
+BAD_INPUT_CASES = [  # kind:command
+    "truncated:session", "truncated:eval", "rank:session", "missing-model:eval", "missing-model:fidelity",
+    "bogus-device", "not-a-checkpoint",
+    # issue 20: seven tracebacks and two wrong acceptances
+    "out-is-file:eval", "out-is-file:data-stats", "peft-no-r:eval", "peft-no-r:session", "peft-list:eval",
+    "peft-list:session", "peft-truncated:eval", "mps-device", "peft-no-reflect:eval", "zero-new-tokens",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_INPUT_CASES)
+def test_bad_input_table_one_line_exit_2(tmp_path, case):
+    """Inputs a new user gave that once ended in tracebacks or ran on regardless: one stderr line naming the bad
+    value, exit 2, before the model is loaded."""
+    args, want = _bad_input_case(tmp_path, case)
+    r = _cli(*args, timeout=180)
     errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:") or "Traceback" in ln]
     assert r.returncode == 2, r.stderr[-800:]
     assert len(errors) == 1 and errors[0].startswith("error:") and want in errors[0], r.stderr[-800:]
     assert "Traceback" not in r.stderr
+    assert "Loading weights" not in r.stderr, "the error came after the model was loaded"
 
 
 @pytest.mark.parametrize(
     "command",
     [
-        ["session", "--adapter-init", "random", "--schedule", "short", "--max-new-tokens", "2"],
-        ["fidelity", "--adapter-init", "random", "--limit", "1"],
-        ["droidspeak-select", "--adapter-init", "random", "--limit", "1"],
+        ["session", "--adapter_init", "random", "--schedule", "short", "--max_new_tokens", "2"],
+        ["fidelity", "--adapter_init", "random", "--limit", "1"],
+        ["droidspeak-select", "--adapter_init", "random", "--limit", "1"],
         ["export", "--ckpt", "some.ckpt", "--out", "adapters_out"],
     ],
 )
-def test_argparse_commands_print_a_config_that_round_trips(tmp_path, command):
+def test_commands_print_a_config_that_round_trips(tmp_path, command):
     """--print_config of session/fidelity/droidspeak-select/export prints every option; --config with that file
     gives the same options (and the command line still overrides it); a bad key is one line, exit 2."""
     import yaml
@@ -224,7 +269,7 @@ def test_argparse_commands_print_a_config_that_round_trips(tmp_path, command):
 @pytest.mark.model
 def test_session_runs_unchanged_from_its_printed_config(tmp_path):
     out = tmp_path / "r.json"
-    args = ["session", "--adapter-init", "random", "--schedule", "short", "--max-new-tokens", "2", "--out", str(out)]
+    args = ["session", "--adapter_init", "random", "--schedule", "short", "--max_new_tokens", "2", "--out", str(out)]
     cfg = tmp_path / "c.yaml"
     cfg.write_text(_cli(*args, "--print_config").stdout)
     r = _cli("session", "--config", str(cfg), timeout=300)
@@ -233,3 +278,18 @@ def test_session_runs_unchanged_from_its_printed_config(tmp_path):
 
     result = json.loads(out.read_text())
     assert result["scheme"] == "base_lr_shared" and result["steps"]
+
+
+def test_help_is_about_lragent_and_bench_has_help(capsys):
+    """`lragent --help` shows the commands as the user types them (no `python cli.py`, no notes on the code);
+    `lragent bench --help` prints help, exit 0."""
+    from lragent.cli_main import BENCHES, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "lragent COMMAND" in out and "python cli.py" not in out and "only wires" not in out
+    for flag in ("--help", "-h"):
+        assert main(["bench", flag]) == 0
+        out = capsys.readouterr().out
+        assert all(name in out for name in BENCHES) and "usage:" in out
+    assert main(["bench"]) == 2 and "error: bench needs one of" in capsys.readouterr().err

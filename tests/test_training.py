@@ -13,10 +13,11 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from datamodules import BYTE_VOCAB_SIZE, RoleExampleDataModule, byte_tokenizer, collate_examples
 from lit_modules import ExportAdapters, MultiLoraModule
-from lit_modules.cli import LRAgentCLI, export_main, run_lightning_cli
+from lit_modules.cli import LRAgentCLI, run_lightning_cli
 from lit_modules.multi_lora_module import token_loss, warmup_cosine
 from lit_modules.run_status import RunStatus
 from lit_modules.time_budget import TimeBudget
+from lragent.cli_main import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -330,7 +331,7 @@ def test_export_writes_peft_dirs_that_match_the_model(tmp_path: Path) -> None:
     m.lora_model.init_adapters("random", seed=5, b_std=0.5)  # distinct, non-zero B per role
     trainer.save_checkpoint(tmp_path / "model.ckpt")
     assert (tmp_path / "fit_adapters" / "plan" / "adapter_config.json").is_file()  # written at the end of fit
-    assert export_main(["--ckpt", str(tmp_path / "model.ckpt"), "--out", str(tmp_path / "out")]) == 0
+    assert cli_main(["export", "--ckpt", str(tmp_path / "model.ckpt"), "--out", str(tmp_path / "out")]) == 0
     out = tmp_path / "out"
     config = json.loads((out / "train_config.json").read_text())
     assert config["model"]["model_name"] == "tiny-llama" and config["lora_config"]["roles"] == ROLES
@@ -345,7 +346,7 @@ def test_export_writes_peft_dirs_that_match_the_model(tmp_path: Path) -> None:
         with torch.no_grad():
             expected = m(ids, torch.tensor([rid]))
             assert torch.allclose(peft_model(ids).logits, expected, atol=1e-5, rtol=0), role
-    assert export_main(["--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(out)]) == 2
+    assert cli_main(["export", "--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(out)]) == 2
 
 
 # --------------------------------------------------------------------------------------------------- tiny fit

@@ -56,6 +56,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lragent.prompt_pieces import RESPONSE_MARKER, last_piece_start  # noqa: F401  (re-exported)
+
 RESPONSE = "\n### Response:\n"
 """The instruction-tuning marker after which an adapter generates."""
 
@@ -227,22 +229,3 @@ def observation_text(observation: str, *, closing: str = "") -> str:
         closing: ``"]"`` after a tool argument, ``""`` after a reflect action.
     """
     return f"{closing}{OBSERVATION_PREFIX}{observation}\n{THOUGHT_MARKER}"
-
-
-RESPONSE_MARKER = "### Response:\n"
-
-
-def last_piece_start(text: str, marker: str = RESPONSE_MARKER) -> int:
-    """Character index where the text appended after the previous model output starts (0: there is none).
-
-    In the agent loop every model call follows a response marker and stops at a newline, and the runtime then
-    appends a new piece (observation, next marker) that the *next* caller prefills itself; everything before that
-    piece is already in the shared cache. For ``"...### Response:\nprevious output\nAction: \n### Response:\n"``
-    the piece is ``"\nAction: \n### Response:\n"``. Training (the shared-loss split) and fidelity use this rule.
-    """
-    end = len(text) - len(marker) if text.endswith(marker) else len(text)
-    prev = text.rfind(marker, 0, end)
-    if prev < 0:
-        return 0
-    newline = text.find("\n", prev + len(marker))
-    return len(text) if newline < 0 else newline
