@@ -100,12 +100,12 @@ def test_session_capacity_follows_the_engine_growth():
 def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys, free, monkeypatch):
     """``eval --batch 96`` with too little free memory: one line naming the need and what is free, exit 2, and the
     model is never loaded; ``--batch auto`` picks the batch that fits and hands it to the executor."""
-    import eval_suite.session_runner as sr
+    import eval_suite.run_eval as re_
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(sr, "model_from_args", no_load)
+    monkeypatch.setattr(re_, "load_lora_model", no_load)
     free(_need("non_shared", 12, 4096) + GIB // 100)
     argv = ["eval", "--adapter_init", "zero", "--limit", "20", "--dtype", "bfloat16", "--device", "cpu"]
     argv += ["--capacity", "4096", "--quiet", "true"]
@@ -126,7 +126,7 @@ def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys,
 
     import eval_suite.batched_executor as be
 
-    monkeypatch.setattr(sr, "model_from_args", lambda args: (None, None))
+    monkeypatch.setattr(re_, "load_lora_model", lambda **kwargs: (None, None))
     monkeypatch.setattr(be, "BatchedExecutor", fake_executor)
     with pytest.raises(Stop):
         cli.main([*argv, "--batch", "auto", "--out", str(tmp_path / "b")])
