@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None) -> str:
@@ -37,6 +38,13 @@ def fmt_mean_std(mean: float | None, std: float | None, scale: float = 100.0, di
     if std is not None and not math.isnan(std):
         s += f" ± {std * scale:.{digits}f}"
     return s
+
+
+def fmt_over_runs(cell: Mapping[str, Any], scale: float = 100.0, digits: int = 1) -> str:
+    """A ``{"mean", "std", "runs"}`` cell: ``"45.3 ± 1.2"`` over several runs, the value alone (``"45.3"``) for one
+    run, where a spread would mean nothing; ``"–"`` for a missing or NaN mean."""
+    std = cell.get("std") if (cell.get("runs") or 0) > 1 else None
+    return fmt_mean_std(cell.get("mean"), std, scale, digits)
 
 
 def fmt_signed(value: float | None, scale: float = 100.0, digits: int = 1) -> str:
