@@ -33,7 +33,7 @@ from eval_suite.metrics import (
     mean_interval,
 )
 from eval_suite.paired import paired_difference, validity
-from eval_suite.report import fmt_mean_std, fmt_signed, markdown_table, write_json, write_text
+from eval_suite.report import fmt_over_runs, fmt_signed, markdown_table, write_json, write_text
 from lragent.agents.loop import ROLES
 from lragent.provenance import provenance_footer
 
@@ -59,6 +59,8 @@ def protocol_of(rec: dict) -> dict:
 
 
 def _over_runs(values: Sequence[float]) -> dict[str, Any]:
+    if not values:  # e.g. a level that one merged row did not run: nothing to compute
+        return {"mean": float("nan"), "std": float("nan"), "runs": 0, "ci95": None}
     m = RunMeanStd()
     for v in values:
         m.update(v)
@@ -210,7 +212,8 @@ def render_markdown(summary: dict) -> str:
     level_cols = [lv.capitalize() if summary["benchmark"] == "hotpotqa" else f"Grade {lv}" for lv in levels]
     parts = [f"# {summary['benchmark']} evaluation\n"]
     parts.append(
-        "Mean ± std over runs, in %; 95% CI: Student-t interval of the mean over runs (– with one run). "
+        "Mean ± std over runs, in % (the value alone for one run); 95% CI: Student-t interval of the mean over "
+        "runs (– with one run). "
         "Each row is one protocol:\n\n"
     )
     body = []
@@ -224,7 +227,7 @@ def render_markdown(summary: dict) -> str:
         body = []
         for row in rows:
             cell = summary["accuracy"][m][row]
-            vals = [fmt_mean_std(cell[lv]["mean"], cell[lv]["std"]) for lv in [*levels, "avg"]]
+            vals = [fmt_over_runs(cell[lv]) for lv in [*levels, "avg"]]
             body.append([row, *vals, _fmt_interval(cell["avg"]["ci95"]), fmt_signed(cell["diff_vs_non_shared"])])
         parts.append(markdown_table(["Scheme", *level_cols, "Avg", "Avg 95% CI", "Δ vs non_shared"], body))
     paired = summary.get("paired_vs_non_shared") or {}
@@ -259,13 +262,12 @@ def render_markdown(summary: dict) -> str:
     body = []
     for row in rows:
         cell = summary["oof"][row]
-        body.append([row, *[fmt_mean_std(cell[lv]["mean"], cell[lv]["std"]) for lv in [*levels, "avg"]]])
+        body.append([row, *[fmt_over_runs(cell[lv]) for lv in [*levels, "avg"]]])
     parts.append(markdown_table(["Scheme", *level_cols, "Avg"], body))
     parts.append("\n## Per question: sequence length and steps, Table 15 layout\n\n")
     eff = summary["efficiency"]
     body = [
-        [row, fmt_mean_std(eff[row]["num_tokens"]["mean"], eff[row]["num_tokens"]["std"], 1.0),
-         fmt_mean_std(eff[row]["steps"]["mean"], eff[row]["steps"]["std"], 1.0, 2)]
+        [row, fmt_over_runs(eff[row]["num_tokens"], 1.0), fmt_over_runs(eff[row]["steps"], 1.0, 2)]
         for row in rows
     ]  # fmt: skip
     parts.append(markdown_table(["Scheme", "Sequence length (tokens)", "Cycles"], body))
@@ -289,7 +291,8 @@ def write_summary(records: Iterable[dict], out_dir: str | Path, provenance: dict
     Args:
         records: episode records.
         out_dir: output directory (created).
-        provenance: this process's :func:`lragent.provenance.provenance` record (default: made here).
+        provenance: this process's :func:`lragent.provenance.provenance` record (default: made here). Without a
+            dtype (a merge) it takes the dtype(s) the episodes recorded.
 
     Returns:
         the summary (without the provenance, which differs between processes that agree on every number).
@@ -298,8 +301,12 @@ def write_summary(records: Iterable[dict], out_dir: str | Path, provenance: dict
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    records = list(records)
     summary = summarize(records)
-    prov = provenance or make_provenance()
+    prov = dict(provenance or make_provenance())
+    if prov.get("dtype") is None:  # a merge: the dtype is the one the episodes ran in
+        dtypes = sorted({str(r["provenance"]["dtype"]) for r in records if (r.get("provenance") or {}).get("dtype")})
+        prov["dtype"] = ", ".join(dtypes) or None
     write_json(out / "summary.json", {**summary, "provenance": prov})
     write_text(out / "report.md", render_markdown(summary) + provenance_footer(prov))
     return summary

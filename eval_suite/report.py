@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from lragent.report_io import markdown_table, write_json, write_text  # noqa: F401  (re-exported)
 
@@ -17,6 +19,13 @@ def fmt_mean_std(mean: float | None, std: float | None, scale: float = 100.0, di
     if std is not None and not math.isnan(std):
         s += f" ± {std * scale:.{digits}f}"
     return s
+
+
+def fmt_over_runs(cell: Mapping[str, Any], scale: float = 100.0, digits: int = 1) -> str:
+    """A ``{"mean", "std", "runs"}`` cell: ``"45.3 ± 1.2"`` over several runs, the value alone (``"45.3"``) for one
+    run, where a spread would mean nothing; ``"–"`` for a missing or NaN mean."""
+    std = cell.get("std") if (cell.get("runs") or 0) > 1 else None
+    return fmt_mean_std(cell.get("mean"), std, scale, digits)
 
 
 def fmt_signed(value: float | None, scale: float = 100.0, digits: int = 1) -> str:

@@ -45,7 +45,7 @@ from eval_suite.dir_lock import DirectoryLock
 from eval_suite.episode_log import EPISODES_FILE, UNTRAINED, EpisodeLog, read_episodes, record_key
 from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
-from eval_suite.report import fmt_mean_std, write_json
+from eval_suite.report import fmt_over_runs, write_json
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
 from lragent.loading import check_model_args, load_lora_model, resolve_device
@@ -539,5 +539,5 @@ def _print_summary(summary: dict, out_dir: Path) -> None:
     m = summary["metrics"][0]
     for row in summary["rows"]:
         acc, oof = summary["accuracy"][m][row]["avg"], summary["oof"][row]["avg"]
-        print(f"{row}: {m} {fmt_mean_std(acc['mean'], acc['std'])} OOF {fmt_mean_std(oof['mean'], oof['std'])}")
+        print(f"{row}: {m} {fmt_over_runs(acc)} OOF {fmt_over_runs(oof)}")
     print(f"-> {out_dir / 'summary.json'}, {out_dir / 'report.md'}")

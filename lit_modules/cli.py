@@ -16,10 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks.progress import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from datamodules.role_examples import RoleExampleDataModule
 from lit_modules.multi_lora_module import MultiLoraModule
+from lit_modules.progress import RunProgressBar
 from lragent.roles import DEFAULT_ROLES
 
 
@@ -35,7 +38,9 @@ class LRAgentCLI(LightningCLI):
     """``LightningCLI`` over :class:`MultiLoraModule` and :class:`RoleExampleDataModule`.
 
     Linked values (set on the model side only): ``model.roles`` -> ``data.roles`` (role ids must mean the same on
-    both sides) and ``model.tokenizer_name`` (else ``model.model_name``) -> ``data.tokenizer``.
+    both sides) and ``model.tokenizer_name`` (else ``model.model_name``) -> ``data.tokenizer``. A config that names
+    no progress bar gets :class:`~lit_modules.progress.RunProgressBar` (its training total is what the run will
+    take) instead of Lightning's default one.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -48,6 +53,14 @@ class LRAgentCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.link_arguments("model.roles", "data.roles", compute_fn=_roles_or_default)
         parser.link_arguments(("model.model_name", "model.tokenizer_name"), "data.tokenizer", compute_fn=_tokenizer_of)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        # LightningCLI's hook that puts the config's and the extra callbacks together (lightning is pinned).
+        named = config.get("callbacks") or []
+        configured = [*(named if isinstance(named, list) else [named]), *callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in configured):
+            callbacks = [*callbacks, RunProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
 
 
 def run_lightning_cli(args: list[str]) -> None:

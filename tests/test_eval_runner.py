@@ -238,16 +238,21 @@ def test_markdown_tables_match_the_jsonl(tmp_path, questions, reference):
         ref_avg = _expected(records, "non_shared", key, levels)["avg"][0]
         for cells in body:
             exp = _expected(records, cells[0], key, levels)
-            want = [f"{100 * m:.1f} ± {100 * s:.1f}" for m, s in (exp[k] for k in [*levels, "avg"])]
+            runs = len({r["run"] for r in records if r["row"] == cells[0]})
+            # one run: the value alone (no spread to show)
+            want = [
+                f"{100 * m:.1f}" + (f" ± {100 * s:.1f}" if runs > 1 else "")
+                for m, s in (exp[k] for k in [*levels, "avg"])
+            ]
             if key != "oof":
-                runs = len({r["run"] for r in records if r["row"] == cells[0]})
                 mean, std = exp["avg"]
                 # two runs: t_{0.975, 1} = tan(0.475 pi) (the Cauchy quantile)
                 half = math.tan(0.475 * math.pi) * std / math.sqrt(2)
                 want.append(f"[{100 * (mean - half):.1f}, {100 * (mean + half):.1f}]" if runs == 2 else "–")
                 want.append(f"{100 * (exp['avg'][0] - ref_avg):+.1f}")
             assert cells[1:] == want, (title, cells)
-    assert "± 0.0" in _table(md, "Accuracy (exact match)")[1][0][1]  # one run: std 0
+    assert "±" not in _table(md, "Accuracy (exact match)")[1][0][1]  # one run (untrained): no spread shown
+    assert "±" in _table(md, "Accuracy (exact match)")[1][1][1]  # two runs
     header, body = _table(md, "Per question: sequence length")
     assert header == ["Scheme", "Sequence length (tokens)", "Cycles"] and len(body) == 3
     header, body = _table(md, "Per question and role")
@@ -307,6 +312,26 @@ def test_cli_errors_and_merge(tmp_path, capsys, reference):
     twice = json.loads((tmp_path / "m2" / "summary.json").read_text())
     twice.pop("provenance")
     assert twice.pop("duplicates") == 36 and twice == {k: v for k, v in written.items() if k != "duplicates"}
+
+
+def test_merge_of_rows_with_other_levels_and_one_run(tmp_path, questions, recwarn):
+    """A merged row that lacks a level shows "–" there (no metric is computed on nothing, so no torchmetrics
+    warning); one run prints its value without a "± 0.0" spread; the merge's dtype is the episodes' own."""
+    _run(tmp_path / "a", questions[:2], runs=1, schemes=["non_shared"], provenance={"dtype": "float32"})
+    _run(tmp_path / "b", questions[:1], runs=1, schemes=["non_shared"], adapters="init:zero")
+    levels = [q.level for q in questions[:2]]
+    assert len(set(levels)) == 2  # the second directory lacks the second question's level
+    assert cli.main(["eval", "--merge", f"[{tmp_path / 'a'},{tmp_path / 'b'}]", "--out", str(tmp_path / "m")]) == 0
+    assert not [w for w in recwarn if "before the ``update``" in str(w.message)]
+    summary = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert summary["accuracy"]["em"]["untrained"][levels[1]]["runs"] == 0
+    assert summary["provenance"]["dtype"] == "float32"
+    md = (tmp_path / "m" / "report.md").read_text()
+    header, body = _table(md, "Accuracy (exact match)")
+    cells = dict(zip(header, body[0], strict=True))  # the untrained row
+    assert body[0][0] == "untrained" and cells[levels[1].capitalize()] == "–"
+    assert all("±" not in c for row in body for c in row)
+    assert "dtype float32" in md
 
 
 def test_resume_refuses_other_settings(tmp_path):
