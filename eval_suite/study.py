@@ -87,7 +87,7 @@ def train_config(benchmark: str, lam: float, scheme: str, shared_a: bool, run_di
     for cb in tr.get("callbacks") or []:
         kind = cb["class_path"].rsplit(".", 1)[-1]
         args = cb.setdefault("init_args", {})
-        if kind in ("EarlyStopping", "TQDMProgressBar", "TimeBudget"):
+        if kind in ("EarlyStopping", "TimeBudget") or kind.endswith("ProgressBar"):
             continue  # equal optimiser steps for every λ
         if kind == "ModelCheckpoint":
             args.update(dirpath=str(run_dir / "checkpoints"), save_top_k=0, save_last=True, monitor=None)

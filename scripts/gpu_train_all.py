@@ -44,7 +44,7 @@ def make_config(name: str, ds: str, shared: bool, lam: float, epochs: int, max_t
     for cb in tr["callbacks"]:
         if cb["class_path"].endswith("ModelCheckpoint"):
             cb["init_args"]["dirpath"] = str(out / "checkpoints")
-        if cb["class_path"].endswith("TQDMProgressBar"):
+        if cb["class_path"].endswith("ProgressBar"):
             cb["init_args"]["refresh_rate"] = 50
     for lg in tr["logger"]:
         lg["init_args"]["save_dir"] = str(out)

@@ -179,7 +179,7 @@ def fit_config(
     for cb in _callbacks(cfg):
         kind = cb["class_path"].rsplit(".", 1)[-1]
         args = cb.setdefault("init_args", {})
-        if kind == "TQDMProgressBar":
+        if kind.endswith("ProgressBar"):  # no bar in a sweep process (enable_progress_bar is off)
             continue
         if kind == "ModelCheckpoint":
             args["dirpath"] = str(run_dir / "checkpoints")

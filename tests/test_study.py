@@ -114,6 +114,7 @@ def test_training_recipe_is_equal_across_lambda(tmp_path: Path) -> None:
     for cfg in (*cfgs.values(), full):
         kinds = [cb["class_path"].rsplit(".", 1)[-1] for cb in cfg["trainer"]["callbacks"]]
         assert "EarlyStopping" not in kinds and "ExportAdapters" in kinds
+        assert not any(k.endswith("ProgressBar") for k in kinds)  # the fit runs with enable_progress_bar off
         export = next(cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("ExportAdapters"))
         assert export["init_args"]["best"] is False
         assert cfg["data"]["pack_prefixes"] is False and cfg["trainer"]["max_epochs"] == 2
