@@ -24,6 +24,10 @@ from lragent.engine import Engine, GenerationRequest, StepResult
 from lragent.lora_model import MultiLoraModel
 
 
+PREFILL_IN_DECODE = 128
+"""On CUDA, agent calls that append up to this many tokens are fed through the batched decode graph."""
+
+
 @dataclass
 class _Row:
     task: object
@@ -46,6 +50,9 @@ class BatchedExecutor:
         cuda_graphs: CUDA-graph decoding (default: on CUDA).
         droidspeak_layers: DroidSpeak's recompute layers.
         eos_token_ids: tokens that end a generation (default: the model's generation config).
+        prefill_in_decode: steps that append at most this many tokens feed them through the batched decode step
+            instead of an eager prefill of their row (:class:`~lragent.engine.Engine`); default
+            :data:`PREFILL_IN_DECODE` on CUDA, 0 (off) elsewhere, where eager decode steps gain nothing.
     """
 
     def __init__(
@@ -61,9 +68,14 @@ class BatchedExecutor:
         cuda_graphs: bool | None = None,
         droidspeak_layers: list[int] | None = None,
         eos_token_ids: list[int] | None = None,
+        prefill_in_decode: int | None = None,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
+        if prefill_in_decode is None:
+            on_cuda = next(model.model.parameters()).device.type == "cuda"
+            prefill_in_decode = PREFILL_IN_DECODE if on_cuda else 0
+        self.prefill_in_decode = prefill_in_decode
         self.model = model
         self.tokenizer = tokenizer
         self.batch = batch
@@ -87,6 +99,7 @@ class BatchedExecutor:
             droidspeak_layers=self.droidspeak_layers if scheme == "droidspeak" else None,
             use_kernel=self.use_kernel,
             cuda_graphs=self.cuda_graphs,
+            prefill_in_decode=self.prefill_in_decode,
         )
 
     def _encode(self, text: str) -> list[int]:

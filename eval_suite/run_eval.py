@@ -345,6 +345,7 @@ def evaluate(
     batch: int | Literal["auto"] = 0,
     capacity: int = 8192,
     cuda_graphs: bool = True,
+    prefill_in_decode: int | None = None,
     devices: int = 1,
     quiet: bool = False,
 ) -> int:
@@ -393,6 +394,9 @@ def evaluate(
         capacity: cache positions per episode with --batch (episodes stop as out of function before they outgrow
             it: --max_context_tokens defaults to capacity - 2048 there).
         cuda_graphs: decode with CUDA graphs on a GPU (false: eager, for debugging).
+        prefill_in_decode: with --batch, agent calls that append at most this many tokens feed them through the
+            batched decode step (all rows together) instead of prefilling their row alone; default 128 on a GPU,
+            0 (off) on the CPU.
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
             --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT.
         quiet: no progress bar.
@@ -437,6 +441,8 @@ def evaluate(
         raise ValueError(f"--limit must be >= 1, got {limit}")
     if max_context_tokens is not None and max_context_tokens < 1:
         raise ValueError(f"--max_context_tokens must be >= 1, got {max_context_tokens}")
+    if prefill_in_decode is not None and (isinstance(prefill_in_decode, bool) or prefill_in_decode < 0):
+        raise ValueError(f"--prefill_in_decode must be >= 0 (0: off), got {prefill_in_decode}")
     if batch != "auto" and batch < 0:
         raise ValueError(f"--batch must be >= 0 (0: one episode at a time), got {batch}")
     if batch and capacity < 4096:
@@ -518,7 +524,7 @@ def evaluate(
             executor = BatchedExecutor(
                 lm, tokenizer, batch=batch, capacity=capacity, temperature=temperature, top_p=top_p,
                 use_kernel=use_kernel, cuda_graphs=cuda_graphs if run_device.startswith("cuda") else False,
-                droidspeak_layers=layers,
+                droidspeak_layers=layers, prefill_in_decode=prefill_in_decode,
             )  # fmt: skip
         else:
             factory = build_policy_factory(

@@ -208,6 +208,11 @@ class Engine:
             batched engine raises :class:`CapacityError` instead.
         fuse_ops: fused weights (one GEMM for q/k/v and for gate/up) and fused elementwise kernels; default: on
             CUDA in fp16/bf16 with ``use_kernel``. On the CPU the fused path runs with PyTorch fallbacks (tests).
+        prefill_in_decode: a step whose plan is one forward of at most this many tokens (no catch-up, no logits
+            asked) feeds those tokens through the batched decode step, teacher-forced, one per step and all rows
+            together, instead of an eager prefill of its row alone. Agent calls append a few dozen tokens each, so
+            with many rows the eager prefills, one row at a time, would cost more than the decoding; long prompts
+            still prefill eagerly. 0 turns it off.
     """
 
     def __init__(
@@ -225,11 +230,15 @@ class Engine:
         sync_every: int = 8,
         growable: bool = False,
         fuse_ops: bool | None = None,
+        prefill_in_decode: int = 0,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if isinstance(prefill_in_decode, bool) or prefill_in_decode < 0:
+            raise ValueError(f"prefill_in_decode must be an int >= 0 (0: off), got {prefill_in_decode!r}")
+        self.prefill_in_decode = int(prefill_in_decode)
         self.model = model
         self.dec = model.engine
         self.tokenizer = tokenizer
@@ -296,6 +305,10 @@ class Engine:
         self.d_top_p = torch.ones(r, dtype=torch.float32, device=dev)
         self.d_seed = torch.zeros(r, **long)
         self.d_gen = torch.zeros(r, pool.capacity, **long)
+        # teacher-forced tokens a row feeds before it samples (prefill_in_decode); width 1 when the feature is off
+        self.d_forced = torch.zeros(r, max(self.prefill_in_decode, 1), **long)
+        self.d_forced_len = torch.zeros(r, **long)
+        self.d_forced_count = torch.zeros(r, **long)
         self.d_stop = torch.zeros(r, v, dtype=torch.bool, device=dev)
         self.d_logits = torch.zeros(r, v, dtype=torch.float32, device=dev)
         eos = torch.zeros(v, dtype=torch.bool)
@@ -494,6 +507,9 @@ class Engine:
         if not traj.ids:
             raise ValueError("the trajectory is empty: append tokens before a step")
         self._ensure_capacity(len(traj.ids) + request.max_new_tokens + 1)
+        fed = self._fed_forward(row, request)
+        if fed is not None:
+            return self._start_fed(row, request, fed)
         self._sync()
         t0 = time.perf_counter()
         logits, positions, total, recomputed = self.prefill(row, request.role, request.return_logits)
@@ -506,10 +522,44 @@ class Engine:
         if request.max_new_tokens == 0:
             return self._finish(row, pend, [])
         # load the row into the decode state
-        role = request.role
-        sch, pool = self.scheme, self.pool
         self.d_logits[row] = logits[-1].float()
-        self.d_pos[row] = len(traj.ids)
+        self._load_row(row, request, pos=len(traj.ids))
+        self.d_forced_len[row] = 0
+        self.d_forced_count[row] = 0
+        self.d_active[row] = True
+        self._pending[row] = pend
+        return None
+
+    def _fed_forward(self, row: int, request: GenerationRequest) -> Forward | None:
+        """The plan's forward when the step can feed it through the decode step (see ``prefill_in_decode``)."""
+        if not self.prefill_in_decode or request.return_logits or request.max_new_tokens == 0:
+            return None
+        ops = self.scheme.plan(self.traj[row], request.role)
+        if len(ops) != 1 or not isinstance(ops[0], Forward):
+            return None  # a catch-up (base_shared, DroidSpeak) runs eagerly, with the forward in the same pass
+        op = ops[0]
+        return op if 0 < op.end - op.start <= self.prefill_in_decode else None
+
+    def _start_fed(self, row: int, request: GenerationRequest, op: Forward) -> None:
+        """Enters ``row`` into decoding with ``op``'s tokens to feed first (the row samples once they are in)."""
+        traj = self.traj[row]
+        n = op.end - op.start
+        self.d_forced[row, :n] = torch.tensor(traj.ids[op.start : op.end], dtype=torch.long)
+        self.d_forced_len[row] = n
+        self.d_forced_count[row] = 0
+        self._load_row(row, request, pos=op.start)
+        # The forward is recorded now: the row's caches hold [start, end) once its first token is sampled, before
+        # anything can read them (the row is busy until its result is collected).
+        self.scheme.record(traj, request.role, op)
+        self.d_active[row] = True
+        self._pending[row] = _Pending(request, len(traj.ids), n, 0, 0.0, time.perf_counter())
+        self._note_peak()
+        return None
+
+    def _load_row(self, row: int, request: GenerationRequest, pos: int) -> None:
+        """Loads ``row``'s request into the decode state; its next fed token goes to position ``pos``."""
+        role, sch, pool = request.role, self.scheme, self.pool
+        self.d_pos[row] = pos
         self.d_role[row] = role
         self.d_kv_slot[row] = sch.kv_slot(row, role)
         self.d_lr_slot[row] = sch.lr_slot(row, role) if pool.layout.decomposed else pool.scratch_lr
@@ -523,9 +573,6 @@ class Engine:
             self.d_stop[row] = self.stop_index.mask(request.stop).to(self.device)
         else:
             self.d_stop[row] = False
-        self.d_active[row] = True
-        self._pending[row] = pend
-        return None
 
     def _release(self, row: int) -> None:
         """Points an idle row at the scratch slots so graph steps for other rows cannot touch its caches."""
@@ -534,22 +581,30 @@ class Engine:
         self.d_lr_slot[row] = self.pool.scratch_lr
         self.d_hid_slot[row] = self.pool.scratch_hidden
         self.d_pos[row] = 0
+        self.d_forced_len[row] = 0
 
     def _decode_step(self, b: int, sampling: bool, max_len: int | None) -> None:
-        """One decode step for batch rows ``[0, b)``: sample from the pending logits, record, stop, forward."""
+        """One decode step for batch rows ``[0, b)``: sample from the pending logits (or take the row's next
+        teacher-forced token), record, stop, forward."""
         act = self.d_active[:b]
         count = self.d_count[:b]
         tok = sample_next(
             self.d_logits[:b], self.d_temp[:b], self.d_top_p[:b], self.d_seed[:b], count, sampling=sampling
         )
         rows = torch.arange(b, device=self.device)
+        fcount = self.d_forced_count[:b]
+        forcing = act & (fcount < self.d_forced_len[:b])
+        forced = self.d_forced[rows, fcount.clamp(max=self.d_forced.shape[1] - 1)]
+        tok = torch.where(forcing, forced, tok)
+        fcount.add_(forcing.long())
+        gen = act & ~forcing  # a sampled token: recorded, counted, checked for a stop
         slot = count.clamp(max=self.d_gen.shape[1] - 1)
-        self.d_gen[rows, slot] = torch.where(act, tok, self.d_gen[rows, slot])
-        step = act.long()
+        self.d_gen[rows, slot] = torch.where(gen, tok, self.d_gen[rows, slot])
+        step = gen.long()
         count.add_(step)
         self.d_remaining[:b].sub_(step)
         hit = self.d_stop[:b].gather(1, tok[:, None])[:, 0] | self.d_eos[tok]
-        done = act & (hit | (self.d_remaining[:b] <= 0))
+        done = gen & (hit | (self.d_remaining[:b] <= 0))
         self.d_active[:b] = act & ~done
         pos = self.d_pos[:b]
         view = DecodeView(
@@ -566,7 +621,7 @@ class Engine:
         rotary = (cos_t[pos][:, None], sin_t[pos][:, None])
         h = self.dec.run_view(self.dec.embed(tok[:, None]), rotary, self.d_role[:b], view)
         self.d_logits[:b] = self.dec.logits(h, fused=view.fused)[:, 0].float()
-        pos.add_(step)
+        pos.add_(act.long())
 
     def _bucket(self) -> int:
         top = max(self._pending) + 1
@@ -585,7 +640,10 @@ class Engine:
         key = (b, sampling)
         if key in self._graphs:
             return self._graphs[key]
-        state = [self.d_tok, self.d_pos, self.d_active, self.d_remaining, self.d_count, self.d_gen, self.d_logits]
+        state = [
+            self.d_tok, self.d_pos, self.d_active, self.d_remaining, self.d_count, self.d_gen, self.d_logits,
+            self.d_forced_count,
+        ]  # fmt: skip
         saved = [t.clone() for t in state]
         stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
