@@ -37,10 +37,16 @@ def _tasks(spec, cfg, n: int, scheme: str, constrained: bool) -> list[EpisodeTas
 
 
 @pytest.mark.parametrize(
-    ("scheme", "temperature", "constrained"),
-    [("base_lr_shared", 0.0, False), ("non_shared", 0.9, False), ("droidspeak", 0.9, True)],
+    ("scheme", "temperature", "constrained", "fed"),
+    [
+        ("base_lr_shared", 0.0, False, 0),
+        ("non_shared", 0.9, False, 0),
+        ("droidspeak", 0.9, True, 0),
+        ("non_shared", 0.9, False, 32),  # agent calls' new tokens fed through the decode step (GPU default)
+        ("base_lr_shared", 0.9, True, 32),
+    ],
 )
-def test_batched_equals_sequential(scheme, temperature, constrained):
+def test_batched_equals_sequential(scheme, temperature, constrained, fed):
     model = tiny_multi_lora("tiny-llama", b_std=0.3)
     tok = ByteTokenizer()
     spec = get_spec("hotpotqa")
@@ -54,7 +60,7 @@ def test_batched_equals_sequential(scheme, temperature, constrained):
 
     seq = {t.key: r for t, r in SequentialExecutor(factory).run(_tasks(spec, cfg, 5, scheme, constrained))}
     batched_ex = BatchedExecutor(model, tok, batch=3, capacity=4096, temperature=temperature, top_p=0.75,
-                                 droidspeak_layers=[1, 2], eos_token_ids=[])  # fmt: skip
+                                 droidspeak_layers=[1, 2], eos_token_ids=[], prefill_in_decode=fed)  # fmt: skip
     bat = {t.key: r for t, r in batched_ex.run(_tasks(spec, cfg, 5, scheme, constrained))}
     assert seq.keys() == bat.keys()
     for key in seq:

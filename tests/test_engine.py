@@ -358,14 +358,16 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics):
     """Feeding a step's new tokens through the batched decode step (teacher-forced, ``prefill_in_decode``) gives
     the same sampled tokens as prefilling the row eagerly, for eight rows with different roles, lengths and seeds,
     and leaves the same caches: a last step of every row through the eager path (logits asked) gives the same logits.
-    A forced token written to the wrong slot or position, sampled from, counted as generated or checked for a stop
+    Some fed tokens are end-of-sequence ids. A forced token written to the wrong slot or position, sampled from, counted as generated or checked for a stop
     would change one of them."""
     model = model_for("tiny-llama")
     rows = 8
     schedules = [_row_schedule(300 + r) for r in range(rows)]
+    # end-of-sequence ids that the fed tokens contain: a forced token must never end a turn
+    eos = sorted({ids[0] for sched in schedules for _, ids, _ in sched})[:6]
 
     def run(fed: int) -> tuple[list, list, int]:
-        eng = Engine(model, scheme, rows=rows, capacity=64, eos_token_ids=[], droidspeak_layers=[1, 2],
+        eng = Engine(model, scheme, rows=rows, capacity=64, eos_token_ids=eos, droidspeak_layers=[1, 2],
                      prefill_in_decode=fed)  # fmt: skip
         if graph_semantics:
             eng.cuda_graphs = True
