@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
 BUGS = {
+    "fed prefill token goes one position too far": (
+        "lragent/engine.py",
+        "self._load_row(row, request, pos=op.start)",
+        "self._load_row(row, request, pos=op.start + 1)",
+        "tests/test_engine.py -k prefill_in_decode",
+    ),
+    "fed prefill tokens counted as generated": (
+        "lragent/engine.py",
+        "gen = act & ~forcing  #",
+        "gen = act  #",
+        "tests/test_engine.py tests/test_batched_executor.py -k 'prefill_in_decode or 32'",
+    ),
+    "fed prefill forward not recorded": (
+        "lragent/engine.py",
+        "        self.scheme.record(traj, request.role, op)\n        self.d_active[row] = True",
+        "        self.d_active[row] = True",
+        "tests/test_engine.py -k prefill_in_decode",
+    ),
+    "a fed end-of-sequence token ends the turn": (
+        "lragent/engine.py",
+        "done = gen & (hit |",
+        "done = act & (hit |",
+        "tests/test_engine.py -k prefill_in_decode",
+    ),
     "catch-up as the wrong role": (
         "lragent/engine.py",
         "        role_t = torch.tensor([role], device=self.device)\n        if isinstance(op, Recompute):",
