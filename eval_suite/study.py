@@ -144,13 +144,14 @@ def build_plan(
                     done_file=f"{ename}/summary.json", deps=deps,
                     gb=GB["eval_non_shared" if sch == "non_shared" else "eval"],
                     priority=100 + bi * 10 + si * 0.1 + ci * 0.01 + (0 if sch in LAMBDA_SCHEMES else 5),
-                    meta={**meta, "scheme": sch, "runs": runs},
+                    meta={**meta, "scheme": sch, "runs": runs, "row": "untrained" if lam is None else sch},
                 ))  # fmt: skip
             if lam is not None:
                 fname = f"fidelity/{name}"
                 jobs.append(Job(
                     name=fname, kind="fidelity",
                     cmd=[python, "cli.py", "fidelity", "--benchmark", bench, *adapters, "--pool", "val",
+                         "--scheme", ",".join(FIVE if shared_a else INDEP_SCHEMES),
                          "--limit", "100000", "--dtype", "bfloat16", "--out", f"{{root}}/{fname}", "--quiet", "true"],
                     done_file=f"{fname}/fidelity.json", deps=deps, gb=GB["fidelity"],
                     priority=200 + bi * 10 + si * 0.1, meta=meta,

@@ -44,6 +44,7 @@ def is_done(job: Job, root: Path) -> bool:
             summary = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return False
-        runs = summary.get("episodes", {}).get(job.meta["scheme"], {})
+        # the eval names a row by its scheme, except the untrained row (--adapter_init zero)
+        runs = summary.get("episodes", {}).get(job.meta.get("row", job.meta["scheme"]), {})
         return len(runs) >= job.meta["runs"]
     return True

@@ -69,7 +69,7 @@ def test_kernel_is_used_on_cuda(model, monkeypatch):
 
     import kernels.flash_lora_attention as fla
 
-    monkeypatch.setitem(fla._AUTOTUNE, 0, False)  # autotuning would run the prefill kernel once per config
+    monkeypatch.setattr(fla, "_AUTOTUNE", [False])  # autotuning would run the prefill kernel once per config
     n_layers = model.n_layers
     launches = watch_launches(monkeypatch)
     decode_steps = []
@@ -190,3 +190,55 @@ def test_capture_in_a_fresh_process():
     script = _FRESH.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+# ---- prompt tokens fed through the captured decode step -------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ["non_shared", "base_lr_shared", "full_shared", "droidspeak"])
+def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme):
+    """Batched eval's GPU default: a step's new tokens fed through the captured decode graph (``prefill_in_decode``)
+    give the same tokens as prefilling each row eagerly, for eight rows joining and leaving with different roles and
+    prompt lengths (some above the fed limit), and leave the same caches (a last eager step with logits agrees).
+    fp32 (4 layers, SmolLM2 shapes), so that the two orders of summation cannot part at a bf16 near-tie."""
+    from lragent.lora_model import MultiLoraModel
+    from lragent.models import load_model
+    from lragent.multi_lora import MultiLoraConfig
+
+    hf, _ = load_model("smollm2-135m", dtype=torch.float32, device="cuda", overrides={"num_hidden_layers": 4})
+    model = MultiLoraModel(hf, MultiLoraConfig(dropout=0.0))
+    model.init_adapters("random", seed=0, b_std=0.05)
+    model.eval()
+    rows = 8
+
+    def run(fed: int) -> tuple[list, list]:
+        eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, prefill_in_decode=fed)
+        out: list[list] = [[] for _ in range(rows)]
+        nxt = [0] * rows
+
+        def launch(r: int) -> None:
+            n = 6 + 9 * ((r + nxt[r]) % 4)  # 6..33 new tokens: above the limit of 24 now and then
+            eng.append(r, _prompt(1000 * r + nxt[r], n))
+            eng.start(r, GenerationRequest(role=(r + nxt[r]) % 3, max_new_tokens=4 + r % 3, temperature=0.9 * (r % 2),
+                                           seed=r))  # fmt: skip
+            nxt[r] += 1
+
+        for r in range(rows):
+            launch(r)
+        while eng._pending:
+            for res in eng.advance():
+                out[res.row].append(res.generated_ids)
+                if nxt[res.row] < 4:
+                    launch(res.row)
+        last = []
+        for r in range(rows):
+            eng.append(r, [11, 12])
+            eng.start(r, GenerationRequest(role=(r + 1) % 3, max_new_tokens=1, return_logits=True))
+            while eng._pending:
+                last.extend(res.logits for res in eng.advance())
+        torch.cuda.synchronize()
+        return out, last
+
+    eager_out, eager_last = run(0)
+    fed_out, fed_last = run(24)
+    assert fed_out == eager_out, scheme
+    for a, b in zip(eager_last, fed_last, strict=True):
+        assert (a - b).abs().max() <= 1e-3, (scheme, float((a - b).abs().max()))

@@ -34,7 +34,8 @@ if os.environ.get("FAIL_JOB") == name:
     sys.exit(3)
 path = os.path.join(root, done)
 os.makedirs(os.path.dirname(path), exist_ok=True)
-body = {"episodes": {name.rsplit("/", 1)[-1]: {"0": 1, "1": 1, "2": 1}}} if done.endswith("summary.json") else {}
+row = "untrained" if "_untrained/" in name else name.rsplit("/", 1)[-1]  # as the eval names its rows
+body = {"episodes": {row: {"0": 1, "1": 1, "2": 1}}} if done.endswith("summary.json") else {}
 open(path, "w").write(json.dumps(body))
 with open(log, "a") as f:
     f.write(json.dumps({"job": name, "end": time.time()}) + "\n")
@@ -243,3 +244,31 @@ def test_reset_failed_keeps_successes(tmp_path: Path) -> None:
     assert reset_failed(tmp_path) == ["eval/a/non_shared"]
     assert not (tmp_path / "eval/a/non_shared/attempts.jsonl").exists()
     assert (tmp_path / "train/b/attempts.jsonl").exists()
+
+
+def test_every_planned_scheme_is_valid_for_its_adapter_set() -> None:
+    """Each eval and fidelity job names only schemes its adapters can run: one A per role (the independent-A set)
+    cannot serve base_lr_shared (the fidelity job of that set failed on the GPU for asking it)."""
+    from lragent.schemes import parse_schemes
+    from lragent.sharing import make_scheme
+
+    for job in build_plan(("scienceqa", "hotpotqa"), (0.0, 0.5), runs=3):
+        if job.kind == "train":
+            continue
+        schemes = parse_schemes(job.cmd[job.cmd.index("--scheme") + 1])
+        for s in schemes:
+            make_scheme(s, 3, 1, shared_a=job.meta["shared_a"], n_layers=4)  # raises on an impossible pair
+        if job.kind == "fidelity":
+            assert len(schemes) == (5 if job.meta["shared_a"] else 4), job.name
+
+
+def test_untrained_eval_counts_as_done_under_its_row_name(tmp_path: Path) -> None:
+    """The eval names the --adapter_init zero row "untrained", not by its scheme: its finished summary is done (the
+    job was relaunched three times on the GPU and recorded as failed)."""
+    job = next(j for j in build_plan(("hotpotqa",), (0.0,), runs=3) if j.name == "eval/hotpotqa_untrained/non_shared")
+    path = tmp_path / job.done_file
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rows": ["untrained"], "episodes": {"untrained": {"0": 1, "1": 1}}}))
+    assert not is_done(job, tmp_path)  # two of three runs
+    path.write_text(json.dumps({"rows": ["untrained"], "episodes": {"untrained": {"0": 1, "1": 1, "2": 1}}}))
+    assert is_done(job, tmp_path)
