@@ -486,6 +486,9 @@ class RoleExampleDataModule(LightningDataModule):
             variant with each of these option counts (e.g. ``[2, 3]``): distractors dropped, gold letters balanced,
             every ``Finish`` letter re-lettered (:mod:`datamodules.option_variants`). Validation stays as read.
             ``None``: the data as read.
+        answer_thoughts: for multiple-choice data, every training thought that is followed by ``Finish[X]`` also
+            names option X's text (``... So the answer is <text>.``), applied after the option-count variants
+            (:mod:`datamodules.answer_thoughts`). Validation stays as read.
     """
 
     def __init__(
@@ -504,6 +507,7 @@ class RoleExampleDataModule(LightningDataModule):
         max_tokens: int | None = None,
         pin_memory: bool | None = None,
         option_variants: list[int] | None = None,
+        answer_thoughts: bool = False,
     ) -> None:
         super().__init__()
         if not data_files:
@@ -555,6 +559,8 @@ class RoleExampleDataModule(LightningDataModule):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.option_variants = list(option_variants) if option_variants else None
         self.variant_stats: dict[str, int] = {}
+        self.answer_thoughts = bool(answer_thoughts)
+        self.answer_thought_stats: dict[str, int] = {}
         self.train_set: RoleExampleDataset | None = None
         self.val_set: RoleExampleDataset | None = None
 
@@ -586,6 +592,10 @@ class RoleExampleDataModule(LightningDataModule):
             from datamodules.option_variants import option_count_variants
 
             train_records, self.variant_stats = option_count_variants(train_records, self.option_variants, self.seed)
+        if self.answer_thoughts:
+            from datamodules.answer_thoughts import add_answer_thoughts
+
+            train_records, self.answer_thought_stats = add_answer_thoughts(train_records)
         train, val = [], []
         for role_id, role in enumerate(self.roles):
             train += [tokenize_example(self.tokenizer, rec, role_id, self.max_length) for rec in train_records[role]]

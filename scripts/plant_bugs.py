@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
 BUGS = {
+    "answer sentence names the wrong option": (
+        "datamodules/answer_thoughts.py",
+        "        i = LETTERS.index(letter)",
+        "        i = (LETTERS.index(letter) + 1) % 2",
+        "tests/test_answer_thoughts.py",
+    ),
+    "plan thought examples keep the bare thought": (
+        "datamodules/answer_thoughts.py",
+        "    if new_input.endswith(THOUGHT) and new_output in letter_of",
+        "    if False and new_output in letter_of",
+        "tests/test_answer_thoughts.py",
+    ),
+    "answer sentence appended twice": (
+        "datamodules/answer_thoughts.py",
+        "    return thought if thought.endswith(sentence) else thought + sentence",
+        "    return thought + sentence",
+        "tests/test_answer_thoughts.py",
+    ),
+    "plan action-type example reads the bare thought": (
+        "datamodules/answer_thoughts.py",
+        '    if new_input.endswith(_PLAN_ACTION) and new_output.strip().startswith("Finish"):',
+        "    if False:",
+        "tests/test_answer_thoughts.py",
+    ),
     "fed prefill token goes one position too far": (
         "lragent/engine.py",
         "self._load_row(row, request, pos=op.start)",
