@@ -23,7 +23,6 @@ from lragent.agents.requests import Choose, Generate, Reply, StepStats
 from lragent.engine import Engine, GenerationRequest, StepResult
 from lragent.lora_model import MultiLoraModel
 
-
 PREFILL_IN_DECODE = 128
 """On CUDA, agent calls that append up to this many tokens are fed through the batched decode graph."""
 

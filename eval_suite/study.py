@@ -60,6 +60,8 @@ eval at the batch sizes below, capacity 8192)."""
 EVAL_BATCH = {"non_shared": 32, "droidspeak": 48}
 """Rows per eval process (``--batch``); other schemes: :data:`DEFAULT_BATCH`. non_shared keeps 3 caches per row."""
 DEFAULT_BATCH = 64
+ANSWER_THOUGHT_LAMBDAS: tuple[float, ...] = (0.0, 0.5)
+"""λ values of the ScienceQA sets trained with answer-naming thoughts (``data.answer_thoughts``)."""
 
 
 def set_name(benchmark: str, lam: float | None, scheme: str = "base_lr_shared", shared_a: bool = True) -> str:
@@ -73,8 +75,17 @@ def set_name(benchmark: str, lam: float | None, scheme: str = "base_lr_shared", 
     return f"{benchmark}_lam{lam:g}{suffix}"
 
 
-def train_config(benchmark: str, lam: float, scheme: str, shared_a: bool, run_dir: Path, epochs: int) -> dict:
-    """The ``cli.py fit`` config of one study set: the embedded recipe, unpacked, ``epochs`` epochs, last weights."""
+def train_config(
+    benchmark: str,
+    lam: float,
+    scheme: str,
+    shared_a: bool,
+    run_dir: Path,
+    epochs: int,
+    data_overrides: dict | None = None,
+) -> dict:
+    """The ``cli.py fit`` config of one study set: the embedded recipe, unpacked, ``epochs`` epochs, last weights;
+    ``data_overrides`` overrides data settings (a recipe variant such as ``answer_thoughts``)."""
     base = yaml.safe_load((ROOT / "configs" / f"embedded_{benchmark}.yaml").read_text())
     cfg = json.loads(json.dumps(base))
     tr, model, data = cfg["trainer"], cfg["model"], cfg["data"]
@@ -99,6 +110,7 @@ def train_config(benchmark: str, lam: float, scheme: str, shared_a: bool, run_di
     tr["callbacks"] = callbacks
     model.update(lambda_shared=float(lam), shared_scheme=scheme, shared_a=shared_a, val_schemes=[])
     data["pack_prefixes"] = False
+    data.update(data_overrides or {})
     return cfg
 
 
@@ -108,18 +120,25 @@ def build_plan(
     runs: int = 3,
     epochs: int = 2,
     python: str = "python3",
+    answer_thought_lambdas: tuple[float, ...] = ANSWER_THOUGHT_LAMBDAS,
 ) -> list[Job]:
-    """Every job of the study, in priority order (see the module docstring)."""
+    """Every job of the study, in priority order (see the module docstring). ``answer_thought_lambdas``: ScienceQA
+    sets trained with ``data.answer_thoughts`` at these λ (named ``scienceqa_at_lam<λ>``)."""
     jobs: list[Job] = []
     for bi, bench in enumerate(benchmarks):
-        sets: list[tuple[str, float | None, str, bool, tuple[str, ...]]] = []
+        sets: list[tuple[str, float | None, str, bool, tuple[str, ...], dict]] = []
         for lam in lambdas:
-            sets.append((set_name(bench, lam), lam, "base_lr_shared", True, FIVE if lam == 0 else LAMBDA_SCHEMES))
-        sets.append((set_name(bench, 1.0, "full_shared"), 1.0, "full_shared", True, LAMBDA_SCHEMES))
-        sets.append((set_name(bench, 0.0, shared_a=False), 0.0, "base_lr_shared", False, INDEP_SCHEMES))
-        sets.append((set_name(bench, None), None, "", True, ("non_shared",)))
-        for si, (name, lam, scheme, shared_a, schemes) in enumerate(sets):
-            meta = {"benchmark": bench, "set": name, "lambda": lam, "train_scheme": scheme, "shared_a": shared_a}
+            sets.append((set_name(bench, lam), lam, "base_lr_shared", True, FIVE if lam == 0 else LAMBDA_SCHEMES, {}))
+        sets.append((set_name(bench, 1.0, "full_shared"), 1.0, "full_shared", True, LAMBDA_SCHEMES, {}))
+        sets.append((set_name(bench, 0.0, shared_a=False), 0.0, "base_lr_shared", False, INDEP_SCHEMES, {}))
+        sets.append((set_name(bench, None), None, "", True, ("non_shared",), {}))
+        if bench == "scienceqa":  # a recipe variant: the thought before Finish names the option's text
+            for lam in answer_thought_lambdas:
+                sets.append((f"{bench}_at_lam{lam:g}", lam, "base_lr_shared", True, LAMBDA_SCHEMES,
+                             {"answer_thoughts": True}))  # fmt: skip
+        for si, (name, lam, scheme, shared_a, schemes, data_over) in enumerate(sets):
+            meta = {"benchmark": bench, "set": name, "lambda": lam, "train_scheme": scheme, "shared_a": shared_a,
+                    "data": data_over}  # fmt: skip
             deps: tuple[str, ...] = ()
             adapters: list[str]
             if lam is None:
@@ -199,7 +218,7 @@ def prepare(job: Job, root: Path) -> list[str]:
     cmd = [c.replace("{root}", str(root)) for c in job.cmd]
     if job.kind == "train":
         m = job.meta
-        cfg = train_config(m["benchmark"], m["lambda"], m["train_scheme"], m["shared_a"], d, m["epochs"])
+        cfg = train_config(m["benchmark"], m["lambda"], m["train_scheme"], m["shared_a"], d, m["epochs"], m.get("data"))
         (d / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         if (d / "checkpoints" / "last.ckpt").is_file():
             cmd += ["--ckpt_path", str(d / "checkpoints" / "last.ckpt")]

@@ -76,8 +76,8 @@ def collect(root: Path, plan: Sequence[Job], partial: bool = False) -> dict[str,
     for job in plan:
         meta = job.meta
         keys = ("benchmark", "set", "lambda", "train_scheme", "shared_a")
-        fresh = {"meta": {k: meta[k] for k in keys}, "records": [], "missing": [], "partial": {}, "fidelity": None,
-                 "train": None}  # fmt: skip
+        fresh = {"meta": {**{k: meta[k] for k in keys}, "data": meta.get("data") or {}}, "records": [], "missing": [],
+                 "partial": {}, "fidelity": None, "train": None}  # fmt: skip
         entry = sets.setdefault(meta["set"], fresh)
         if job.kind == "eval":
             episodes = root / job.name / EPISODES_FILE
@@ -209,6 +209,7 @@ def plot(sets: dict[str, dict], out: Path) -> list[str]:
             pts = sorted(
                 (e["meta"]["lambda"], e) for e in sets.values()
                 if e["meta"]["benchmark"] == bench and e["meta"]["shared_a"] and e["meta"]["lambda"] is not None
+                and not e["meta"]["data"]  # recipe variants are table rows, not points of the λ curves
                 and (e["meta"]["lambda"] == 0 or e["meta"]["train_scheme"] == term)
             )  # fmt: skip
             if len(pts) < 1:

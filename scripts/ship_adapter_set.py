@@ -3,7 +3,8 @@
 The study packs only the native checkpoint of each set (``eval_suite/study.py``); this re-creates the PEFT directories
 from it on the embedded model, so that ``data/adapters/<name>`` has the layout ``lragent export`` writes.
 
-    python scripts/ship_adapter_set.py results/study/root/train/scienceqa_lam0.5/adapters data/adapters/scienceqa_sharedA
+    python scripts/ship_adapter_set.py results/study/root/train/scienceqa_lam0.5/adapters \
+        data/adapters/scienceqa_sharedA
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from datamodules.role_examples import read_records
 DATA = Path(__file__).resolve().parent.parent / "data" / "trajectories" / "scienceqa"
 ROLES = ("plan", "action", "reflect")
 _BEFORE_FINISH = re.compile(
-    r"Thought: \n### Response:\n([^\n]*)\n(?:Action: \n### Response:\nFinish\[([A-J])\]|Aciton: Finish\[\n### Response:\n([A-J])\])"
+    r"Thought: \n### Response:\n([^\n]*)\n"
+    r"(?:Action: \n### Response:\nFinish\[([A-J])\]|Aciton: Finish\[\n### Response:\n([A-J])\])"
 )
 
 

@@ -358,8 +358,8 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics):
     """Feeding a step's new tokens through the batched decode step (teacher-forced, ``prefill_in_decode``) gives
     the same sampled tokens as prefilling the row eagerly, for eight rows with different roles, lengths and seeds,
     and leaves the same caches: a last step of every row through the eager path (logits asked) gives the same logits.
-    Some fed tokens are end-of-sequence ids. A forced token written to the wrong slot or position, sampled from, counted as generated or checked for a stop
-    would change one of them."""
+    Some fed tokens are end-of-sequence ids. A forced token written to the wrong slot or position, sampled from,
+    counted as generated or checked for a stop would change one of them."""
     model = model_for("tiny-llama")
     rows = 8
     schedules = [_row_schedule(300 + r) for r in range(rows)]

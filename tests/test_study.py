@@ -272,3 +272,15 @@ def test_untrained_eval_counts_as_done_under_its_row_name(tmp_path: Path) -> Non
     assert not is_done(job, tmp_path)  # two of three runs
     path.write_text(json.dumps({"rows": ["untrained"], "episodes": {"untrained": {"0": 1, "1": 1, "2": 1}}}))
     assert is_done(job, tmp_path)
+
+
+def test_answer_thought_sets_train_with_the_recipe_variant(tmp_path: Path) -> None:
+    """The ScienceQA answer-thought sets differ from their λ's plain set in data.answer_thoughts only."""
+    plan = {j.name: j for j in build_plan(("scienceqa",), (0.0, 0.5), runs=3)}
+    for lam in ("0", "0.5"):
+        at, plain = plan[f"train/scienceqa_at_lam{lam}"].meta, plan[f"train/scienceqa_lam{lam}"].meta
+        cfgs = [train_config(m["benchmark"], m["lambda"], m["train_scheme"], m["shared_a"], tmp_path, 2, m["data"])
+                for m in (at, plain)]  # fmt: skip
+        assert cfgs[0]["data"].pop("answer_thoughts") is True and cfgs[1]["data"].pop("answer_thoughts") is False
+        assert cfgs[0] == cfgs[1]
+    assert not any("_at_" in j.name for j in build_plan(("hotpotqa",), (0.0,)))
