@@ -61,6 +61,9 @@ EVAL_BATCH = {"non_shared": 32, "droidspeak": 48}
 """Rows per eval process (``--batch``); other schemes: :data:`DEFAULT_BATCH`. non_shared keeps 3 caches per row."""
 DEFAULT_BATCH = 64
 ANSWER_THOUGHT_LAMBDAS: tuple[float, ...] = (0.0, 0.5)
+SHIPPED_STUDY_SET: dict[str, float] = {"scienceqa": 0.5}
+"""Benchmarks whose bundled shared-A set (``data/adapters/<bench>_sharedA``) is a study set, and its λ; the others'
+bundled sets are evaluated as shipped (set ``<bench>_shipped``)."""
 """λ values of the ScienceQA sets trained with answer-naming thoughts (``data.answer_thoughts``)."""
 
 
@@ -128,7 +131,11 @@ def build_plan(
     for bi, bench in enumerate(benchmarks):
         sets: list[tuple[str, float | None, str, bool, tuple[str, ...], dict]] = []
         for lam in lambdas:
-            sets.append((set_name(bench, lam), lam, "base_lr_shared", True, FIVE if lam == 0 else LAMBDA_SCHEMES, {}))
+            every = lam == 0 or SHIPPED_STUDY_SET.get(bench) == lam  # the shipped set gets all five schemes
+            sets.append((set_name(bench, lam), lam, "base_lr_shared", True, FIVE if every else LAMBDA_SCHEMES, {}))
+        if bench not in SHIPPED_STUDY_SET:  # the bundled set is not one of the study's: evaluate it as shipped
+            sets.append((f"{bench}_shipped", 0.0, "base_lr_shared", True, FIVE,
+                         {"shipped": f"data/adapters/{bench}_sharedA"}))  # fmt: skip
         sets.append((set_name(bench, 1.0, "full_shared"), 1.0, "full_shared", True, LAMBDA_SCHEMES, {}))
         sets.append((set_name(bench, 0.0, shared_a=False), 0.0, "base_lr_shared", False, INDEP_SCHEMES, {}))
         sets.append((set_name(bench, None), None, "", True, ("non_shared",), {}))
@@ -143,6 +150,8 @@ def build_plan(
             adapters: list[str]
             if lam is None:
                 adapters = ["--adapter_init", "zero"]
+            elif "shipped" in data_over:
+                adapters = ["--adapters", data_over["shipped"]]  # jobs run in the repository root
             else:
                 tname = f"train/{name}"
                 jobs.append(Job(

@@ -284,3 +284,14 @@ def test_answer_thought_sets_train_with_the_recipe_variant(tmp_path: Path) -> No
         assert cfgs[0]["data"].pop("answer_thoughts") is True and cfgs[1]["data"].pop("answer_thoughts") is False
         assert cfgs[0] == cfgs[1]
     assert not any("_at_" in j.name for j in build_plan(("hotpotqa",), (0.0,)))
+
+
+def test_shipped_sets_have_every_scheme() -> None:
+    """The bundled shared-A sets get all five schemes at 3 runs: ScienceQA's is the study's λ = 0.5 set, HotpotQA's
+    is evaluated as shipped (no training job; its adapters from data/adapters)."""
+    plan = {j.name: j for j in build_plan(("scienceqa", "hotpotqa"), (0.0, 0.5), runs=3)}
+    for s in ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak"):
+        assert f"eval/scienceqa_lam0.5/{s}" in plan
+        job = plan[f"eval/hotpotqa_shipped/{s}"]
+        assert job.cmd[job.cmd.index("--adapters") + 1] == "data/adapters/hotpotqa_sharedA" and not job.deps
+    assert "train/hotpotqa_shipped" not in plan and "eval/scienceqa_shipped/non_shared" not in plan
