@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -237,7 +238,7 @@ def _embedded_converted_dir() -> Path:
         return target
     log.info("converting the embedded GGUF %s (first use only)", gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = _tokenizer_from(gguf.parent, gguf_file=gguf.name)
     # transformers' GGUF conversion gives the tokenizer <|im_start|> as EOS; the model (and the GGUF's own
     # eos_token_id) end a turn with <|im_end|>. Use the model's.
     eos_id = model.generation_config.eos_token_id
@@ -261,12 +262,27 @@ def _embedded_converted_dir() -> Path:
     return target
 
 
+def _tokenizer_from(source: str | Path, **kwargs: Any) -> object:
+    """``AutoTokenizer.from_pretrained(source)``, with the space clean-up switched off where transformers ignores it.
+
+    transformers skips ``clean_up_tokenization_spaces`` for BPE tokenizers (it would strip spaces before
+    punctuation) and warns about it at the first decode of every process. Setting it to False on a BPE tokenizer
+    decodes exactly the same text without the warning; other tokenizers keep their setting.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    is_bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
+    if is_bpe and getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
 def load_tokenizer(name: str = "default") -> object:
     """The tokenizer of ``name`` (the embedded model, a hub name or a local directory)."""
     if name.lower() in NAMED_ARCHITECTURES:
         raise ValueError(f"{name!r} is a random-weight architecture without a tokenizer")
     source = _embedded_converted_dir() if name.lower() in EMBEDDED_NAMES else name
-    return AutoTokenizer.from_pretrained(source)
+    return _tokenizer_from(source)
 
 
 def _looks_like_path(name: str) -> bool:
@@ -342,5 +358,5 @@ def load_model(
         check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     check_supported(model.config)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = _tokenizer_from(source)
     return model.to(device).eval(), tokenizer

@@ -56,3 +56,20 @@ def test_bad_dtype():
 def test_embedded_gguf_is_installed():
     path = embedded_gguf_path()
     assert path.suffix == ".gguf" and path.stat().st_size > 90_000_000
+
+
+@pytest.mark.model
+def test_embedded_tokenizer_turns_off_the_bpe_space_clean_up():
+    """transformers ignores ``clean_up_tokenization_spaces=True`` on a BPE tokenizer and warns at the first decode of
+    every process; the loaded tokenizer carries False (same text, no warning), both through ``load_tokenizer`` and
+    ``load_model``."""
+    from lragent.models import embedded_model_missing, load_tokenizer
+
+    missing = embedded_model_missing()
+    if missing is not None:
+        pytest.skip(f"needs the embedded model: {missing}")
+    text = "Hello , world . It 's a test ?"
+    for tokenizer in (load_tokenizer("default"), load_model("default")[1]):
+        assert tokenizer.clean_up_tokenization_spaces is False
+        ids = tokenizer(text)["input_ids"]
+        assert tokenizer.decode(ids) == text  # spaces before punctuation kept: the BPE decode is unchanged
