@@ -62,6 +62,8 @@ IDENTITY_FIELDS: tuple[str, ...] = (
 )  # fmt: skip
 UPSTREAM_TEMPERATURE = 0.9
 UPSTREAM_TOP_P = 0.75
+# The scheme of ``eval --limit N`` without --scheme: a quick look runs LRAgent's own scheme, not all five.
+DEFAULT_QUICK_SCHEME = "base_lr_shared"
 
 
 def _cli_value(value: Any) -> str:
@@ -317,7 +319,7 @@ def build_policy_factory(
 
 def evaluate(
     benchmark: str = "hotpotqa",
-    scheme: str = "all",
+    scheme: str | None = None,
     levels: list[str] | str | None = None,
     limit: int | None = None,
     runs: int = 3,
@@ -359,7 +361,8 @@ def evaluate(
     Args:
         benchmark: hotpotqa or scienceqa.
         scheme: a sharing scheme (non_shared, full_shared, droidspeak, base_shared, base_lr_shared), a comma list,
-            or all.
+            or all. Default: all (the five rows of the paper's table); with --limit (a quick look) base_lr_shared
+            only, LRAgent's scheme, so --limit N runs N x runs episodes, not five times that.
         levels: levels to run: easy, medium, hard (HotpotQA) or 1-4, 5-8, 9-12 (ScienceQA); a comma list or
             [a,b]; default all three.
         limit: run only the first LIMIT questions of the interleaved level order.
@@ -426,6 +429,9 @@ def evaluate(
     # ---- every check before anything is loaded or written
     bench = get_benchmark(benchmark)
     level_list = [bench.parse_level(lv) for lv in _as_list(levels)] or None
+    scheme_given = scheme is not None
+    if not scheme_given:
+        scheme = "all" if limit is None or adapter_init == "zero" else DEFAULT_QUICK_SCHEME
     schemes = parse_schemes(scheme)
     cons = parse_constraints(constrain)
     check_sampling(temperature, top_p)
@@ -480,6 +486,8 @@ def evaluate(
         if not Path(f).is_file():
             raise FileNotFoundError(f"--corpus {f}: no such file")
     questions = bench.load_questions(level_list, limit)[i::n]
+    if not scheme_given and scheme != "all":
+        print(f"eval: --limit without --scheme runs {scheme} only (--scheme all: the five schemes)", file=sys.stderr)
     agent = AgentConfig(
         max_steps=max_steps,
         thought_tokens=thought_tokens,

@@ -554,3 +554,38 @@ def test_devices_shards_equal_one_process(tmp_path):
     assert len(one) == 4 and one == two
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["episodes"]["non_shared"] == {"0": 4}
+
+
+class _Stop(Exception):
+    pass
+
+
+FIVE = ["non_shared", "full_shared", "droidspeak", "base_shared", "base_lr_shared"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "schemes", "note"),
+    [
+        ({"limit": 2, "adapter_init": "random"}, ["base_lr_shared"], True),  # a quick look: one scheme
+        ({"adapter_init": "random"}, FIVE, False),  # the whole benchmark: the paper's five rows
+        ({"limit": 2, "adapter_init": "random", "scheme": "all"}, FIVE, False),
+        ({"limit": 2, "adapter_init": "random", "scheme": "non_shared"}, ["non_shared"], False),
+        ({"limit": 2, "adapter_init": "zero"}, ["non_shared"], False),  # the untrained row is one row
+    ],
+)
+def test_default_scheme_follows_limit(kwargs, schemes, note, tmp_path, monkeypatch, capsys):
+    """``eval --limit N`` without --scheme runs base_lr_shared only (and says so); without --limit, or with
+    --scheme all, the five schemes run. Nothing is loaded: the run stops where the episodes would start."""
+    seen = {}
+
+    def stop(questions, schemes, runs, *args, **kw):
+        seen["schemes"] = list(schemes)
+        raise _Stop
+
+    monkeypatch.setattr(run_eval, "load_lora_model", lambda **kw: (None, None))
+    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: None)
+    monkeypatch.setattr(run_eval, "run_episodes", stop)
+    with pytest.raises(_Stop):
+        run_eval.evaluate(**kwargs, out=str(tmp_path / "o"), device="cpu", quiet=True)
+    assert seen["schemes"] == schemes
+    assert ("--limit without --scheme runs base_lr_shared only" in capsys.readouterr().err) == note
