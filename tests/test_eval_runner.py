@@ -539,8 +539,10 @@ def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
 def test_devices_shards_equal_one_process(tmp_path):
     """eval --devices 2 (two shard processes, merged) gives the same episodes as one process: same questions, same
     seeds, same predictions and lengths."""
-    base = ["eval", "--benchmark", "hotpotqa", "--scheme", "non_shared", "--limit", "4", "--max_steps", "2",
-            "--runs", "1", "--device", "cpu", "--quiet", "true"]  # fmt: skip
+    # Short episodes (one cycle, few tokens): what is pinned is which questions and seeds each shard runs.
+    base = ["eval", "--benchmark", "hotpotqa", "--scheme", "non_shared", "--limit", "4", "--max_steps", "1",
+            "--thought_tokens", "12", "--argument_tokens", "6", "--runs", "1", "--device", "cpu",
+            "--quiet", "true"]  # fmt: skip
     assert cli.main([*base, "--out", str(tmp_path / "one")]) == 0
     assert cli.main([*base, "--devices", "2", "--out", str(tmp_path / "two")]) == 0
 
