@@ -535,13 +535,30 @@ def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
     assert len(read_episodes(out / EPISODES_FILE)) == 1
 
 
+def _tiny_model_with_embedded_tokenizer(directory: Path) -> Path:
+    """A 2-layer random llama (hidden 64) with the embedded model's tokenizer, saved as a local model directory: the
+    agent loop runs its real prompts through it in milliseconds (near-uniform logits, so every sampled token depends
+    on the episode's seed)."""
+    from lragent.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    overrides = {"vocab_size": len(tokenizer), "num_hidden_layers": 2, "max_position_embeddings": 8192}
+    model, _ = load_model("tiny-llama", seed=0, overrides=overrides)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.mark.model
 def test_devices_shards_equal_one_process(tmp_path):
     """eval --devices 2 (two shard processes, merged) gives the same episodes as one process: same questions, same
-    seeds, same predictions and lengths."""
-    # Short episodes (one cycle, few tokens): what is pinned is which questions and seeds each shard runs.
+    seeds, same predictions and lengths. A tiny random model with the embedded tokenizer: what is pinned is which
+    questions and seeds each shard runs, not the model."""
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
     base = ["eval", "--benchmark", "hotpotqa", "--scheme", "non_shared", "--limit", "4", "--max_steps", "1",
-            "--thought_tokens", "12", "--argument_tokens", "6", "--runs", "1", "--device", "cpu",
+            "--thought_tokens", "4", "--argument_tokens", "3", "--model", str(tiny), "--adapter_init", "random",
+            "--runs", "1", "--device", "cpu",
             "--quiet", "true"]  # fmt: skip
     assert cli.main([*base, "--out", str(tmp_path / "one")]) == 0
     assert cli.main([*base, "--devices", "2", "--out", str(tmp_path / "two")]) == 0
@@ -550,7 +567,8 @@ def test_devices_shards_equal_one_process(tmp_path):
         rows = []
         for f in sorted(d.rglob("episodes.jsonl")):
             rows += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
-        return sorted((r["qid"], r["prediction"], r["num_tokens"], r["steps"]) for r in rows)
+        # the seed and the sampled actions (a random model's tokens differ with the seed), answers and lengths
+        return sorted((r["qid"], r["seed"], r["actions"], r["prediction"], r["num_tokens"], r["steps"]) for r in rows)
 
     one, two = episodes(tmp_path / "one"), episodes(tmp_path / "two")
     assert len(one) == 4 and one == two
