@@ -54,7 +54,7 @@ from lragent.loading import read_droidspeak_config as load_droidspeak_config
 from lragent.lora_model import MultiLoraModel
 from lragent.memory_plan import MAX_AUTO_BATCH, choose_batch
 from lragent.roles import DEFAULT_ROLES
-from lragent.schemes import parse_schemes
+from lragent.schemes import Scheme, parse_schemes
 
 # Settings that must not change when a run is resumed into the same directory.
 IDENTITY_FIELDS: tuple[str, ...] = (
@@ -167,7 +167,7 @@ def episode_record(
         "qid": q.qid,
         "level": q.level,
         "row": row,
-        "scheme": task.scheme,
+        "scheme": str(task.scheme),
         "adapters": adapters,
         "run": run,
         "seed": task.seed,
@@ -246,7 +246,7 @@ def run_episodes(
     loop = AgentLoop(None, bench.spec, agent_config or AgentConfig())
     base_row = UNTRAINED if adapters == "init:zero" else None
     protocol = {"temperature": temperature, "top_p": top_p, "constraints": list(cons)}
-    grid = [(row_name(base_row or s, cons), s, run, q) for s in schemes for run in range(runs) for q in questions]
+    grid = [(row_name(base_row or str(s), cons), s, run, q) for s in schemes for run in range(runs) for q in questions]
     keys = {(row, run, q.qid) for row, _, run, q in grid}
     with EpisodeLog(path) as log:
         done = {record_key(r): bool(r["oof"]) for r in log.records if record_key(r) in keys}
@@ -428,7 +428,7 @@ class EvalPlan:
 
     bench: Benchmark
     questions: list[Question]
-    schemes: list[str]
+    schemes: list[Scheme]
     constraints: list[str]
     levels: list[str] | None
     agent: AgentConfig
@@ -497,7 +497,7 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
     if adapter_init == "zero":
         if a["scheme"] not in ("all", "non_shared"):
             raise ValueError("--adapter_init zero is the untrained row: B = 0 makes every scheme equal non_shared")
-        schemes = ["non_shared"]
+        schemes = [Scheme.NON_SHARED]
     layers = load_droidspeak_config(a["droidspeak_config"]) if a["droidspeak_config"] else None
     corpus_files = _as_list(a["corpus"])
     for f in corpus_files:
