@@ -1,7 +1,7 @@
 # ruff: noqa: E501
 """Plants each bug a test guards against in a scratch copy of the repo and runs the tests that must catch it.
 
-python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: eval_suite/results/planted_bugs.json
+python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: results/planted_bugs.json
                                                         # (or $LRAGENT_PLANTED_RESULTS)
 
 An entry is (file, old, new, tests); old and new may be tuples of strings replaced pairwise (a bug planted in several
@@ -16,7 +16,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
-RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
+RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
     "answer sentence names the wrong option": (
         "datamodules/answer_thoughts.py",
