@@ -332,6 +332,10 @@ BUGS = {
     ),
 }
 only = sys.argv[1:]
+if any(a in ("-h", "--help") for a in only):
+    print(__doc__.strip())
+    print("\nentries:\n  " + "\n  ".join(BUGS))
+    sys.exit(0)
 results = {}
 for name, (path, old, new, tests) in BUGS.items():
     if only and not any(o in name for o in only):
