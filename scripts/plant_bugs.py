@@ -86,8 +86,8 @@ BUGS = {
     ),
     "catch-up RoPE positions restart at 0": (
         "lragent/engine.py",
-        "        positions = torch.arange(start, end, device=self.device)\n",
-        "        positions = torch.arange(start, end, device=self.device) - (0 if isinstance(op, Forward) else start)\n",
+        "        rotary = (cos_t[positions][None], sin_t[positions][None])\n        role_t = torch.tensor([role], device=self.device)\n",
+        "        positions = positions - (0 if isinstance(op, Forward) else start)\n        rotary = (cos_t[positions][None], sin_t[positions][None])\n        role_t = torch.tensor([role], device=self.device)\n",
         "tests/test_engine.py -k reference",
     ),
     "seen not clipped by a truncation": (
