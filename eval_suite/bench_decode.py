@@ -155,7 +155,7 @@ def decode(
     from lragent.multi_lora import MultiLoraConfig
     from lragent.schemes import Scheme
 
-    schemes = [Scheme.parse(s).value for s in (schemes or ["full_shared", "base_lr_shared"])]
+    schemes = [Scheme.parse(s) for s in (schemes or ["full_shared", "base_lr_shared"])]  # parsed once
     batches = list(batches or [1, 32])
     if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
         raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")

@@ -124,7 +124,7 @@ def trace(
     from lragent.multi_lora import MultiLoraConfig
     from lragent.schemes import SCHEMES, Scheme
 
-    schemes = [Scheme.parse(s).value for s in (schemes or SCHEMES)]
+    schemes = [Scheme.parse(s) for s in (schemes or SCHEMES)]  # parsed once
     contexts = list(contexts or [256, 512, 1024, 2048, 4096, 8192, 16384])
     if any(c < 1 for c in contexts):
         raise ValueError(f"contexts must be >= 1 token, got {contexts}")

@@ -16,7 +16,7 @@ from eval_suite.fidelity import (
 from eval_suite.report import check_writable, write_json, write_text
 from lragent.loading import check_model_args, load_lora_model, read_droidspeak_config
 from lragent.provenance import provenance
-from lragent.schemes import parse_schemes
+from lragent.schemes import Scheme, parse_schemes
 
 
 def fidelity(
@@ -81,7 +81,7 @@ def fidelity(
         raise ValueError(f"--pool {pool!r} unknown: allowed {', '.join(POOLS)}")
     schemes = parse_schemes(scheme)
     if "non_shared" not in schemes:
-        schemes = ["non_shared", *schemes]
+        schemes = [Scheme.NON_SHARED, *schemes]
     layers = read_droidspeak_config(droidspeak_config) if droidspeak_config else None
     out_dir = check_writable(out, is_dir=True)
     lm, tokenizer = load_lora_model(

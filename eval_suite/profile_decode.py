@@ -249,7 +249,7 @@ def profile_decode(
     from lragent.multi_lora import MultiLoraConfig
     from lragent.schemes import Scheme
 
-    scheme = Scheme.parse(scheme).value
+    scheme = Scheme.parse(scheme)  # parsed once
     batches = list(batches or [1, 32])
     if any(b < 1 for b in batches) or context < 1 or steps < 1:
         raise ValueError(f"batches, context and steps must be >= 1, got {batches}, {context}, {steps}")

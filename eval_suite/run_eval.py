@@ -30,6 +30,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -53,7 +54,7 @@ from lragent.loading import read_droidspeak_config as load_droidspeak_config
 from lragent.lora_model import MultiLoraModel
 from lragent.memory_plan import MAX_AUTO_BATCH, choose_batch
 from lragent.roles import DEFAULT_ROLES
-from lragent.schemes import parse_schemes
+from lragent.schemes import Scheme, parse_schemes
 
 # Settings that must not change when a run is resumed into the same directory.
 IDENTITY_FIELDS: tuple[str, ...] = (
@@ -74,7 +75,7 @@ def _cli_value(value: Any) -> str:
     return str(value)
 
 
-def _run_on_devices(call: dict[str, Any], n: int, out_dir: Path) -> int:
+def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
     """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
     ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
     every shard (their episode logs are resumable)."""
@@ -168,7 +169,7 @@ def episode_record(
         "qid": q.qid,
         "level": q.level,
         "row": row,
-        "scheme": task.scheme,
+        "scheme": str(task.scheme),
         "adapters": adapters,
         "run": run,
         "seed": task.seed,
@@ -247,7 +248,7 @@ def run_episodes(
     loop = AgentLoop(None, bench.spec, agent_config or AgentConfig())
     base_row = UNTRAINED if adapters == "init:zero" else None
     protocol = {"temperature": temperature, "top_p": top_p, "constraints": list(cons)}
-    grid = [(row_name(base_row or s, cons), s, run, q) for s in schemes for run in range(runs) for q in questions]
+    grid = [(row_name(base_row or str(s), cons), s, run, q) for s in schemes for run in range(runs) for q in questions]
     keys = {(row, run, q.qid) for row, _, run, q in grid}
     with EpisodeLog(path) as log:
         done = {record_key(r): bool(r["oof"]) for r in log.records if record_key(r) in keys}
@@ -408,60 +409,87 @@ def evaluate(
         0 on success.
     """
     call = dict(locals())  # the command's arguments, before any local variable: --devices re-issues them per shard
-    from lragent.command import on_interrupt
-    from lragent.provenance import provenance
+    out_dir = _check_out(out)
+    if merge is not None:
+        return merge_outputs(_as_list(merge), out_dir)
+    plan = check_eval_args(call)
+    if devices > 1:
+        return fan_out(call, devices, out_dir)
+    return run_plan(plan)
 
+
+# Lower bounds of the integer options (None: the option is unset), checked in one place by check_eval_args.
+_AT_LEAST: dict[str, int] = {
+    "runs": 1, "max_steps": 1, "thought_tokens": 1, "argument_tokens": 1, "limit": 1, "max_context_tokens": 1,
+    "devices": 1, "prefill_in_decode": 0,
+}  # fmt: skip
+
+
+@dataclass
+class EvalPlan:
+    """What one eval process runs: the command's arguments after :func:`check_eval_args` (checked, resolved)."""
+
+    bench: Benchmark
+    questions: list[Question]
+    schemes: list[Scheme]
+    constraints: list[str]
+    levels: list[str] | None
+    agent: AgentConfig
+    droidspeak_layers: list[int] | None
+    corpus_files: list[str]
+    adapters: str | None
+    out_dir: Path
+    temperature: float
+    top_p: float
+    max_context_tokens: int | None
+    args: dict[str, Any]  # the command's other arguments, as given
+
+
+def _check_out(out: str) -> Path:
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():  # checked before anything is written (the lock creates it)
         raise ValueError(f"--out {out_dir} is an existing file; give a directory")
-    merge_list = _as_list(merge) if merge is not None else None
-    if merge_list is not None:
-        if not merge_list:
-            raise ValueError("--merge needs at least one output directory")
-        for d in merge_list:
-            if not (Path(d) / EPISODES_FILE).is_file():
-                raise FileNotFoundError(f"--merge {d}: no {EPISODES_FILE} there")
-        with DirectoryLock(out_dir):
-            summary = merge_dirs(merge_list, out_dir, provenance())
-        _print_summary(summary, out_dir)
-        return 0
+    return out_dir
 
-    # ---- every check before anything is loaded or written
-    bench = get_benchmark(benchmark)
-    level_list = [bench.parse_level(lv) for lv in _as_list(levels)] or None
-    scheme_given = scheme is not None
-    if not scheme_given:
-        scheme = "all" if limit is None or adapter_init == "zero" else DEFAULT_QUICK_SCHEME
+
+def check_eval_args(call: dict[str, Any]) -> EvalPlan:
+    """Every check of :func:`evaluate`'s arguments, before anything is loaded or written; returns the plan.
+
+    Options whose values another module owns are checked there: schemes (:func:`~lragent.schemes.parse_schemes`),
+    levels and constraints (:mod:`eval_suite.benchmarks`), sampling (:func:`~lragent.agents.policies.check_sampling`),
+    model, adapters, rank, dtype and device (:func:`~lragent.loading.check_model_args`).
+    """
+    a = call
+    for name, low in _AT_LEAST.items():
+        value = a[name]
+        if value is not None and (isinstance(value, bool) or value < low):
+            raise ValueError(f"--{name} must be >= {low}, got {value}")
+    bench = get_benchmark(a["benchmark"])
+    levels = [bench.parse_level(lv) for lv in _as_list(a["levels"])] or None
+    scheme = a["scheme"]
+    if scheme is None:  # a quick look (--limit) runs one scheme; the whole benchmark (or the untrained row) all
+        scheme = "all" if a["limit"] is None or a["adapter_init"] == "zero" else DEFAULT_QUICK_SCHEME
+        if scheme != "all":
+            print(
+                f"eval: --limit without --scheme runs {scheme} only (--scheme all: the five schemes)", file=sys.stderr
+            )
     schemes = parse_schemes(scheme)
-    cons = parse_constraints(constrain)
-    check_sampling(temperature, top_p)
-    if temperature == 0:
-        top_p = 1.0  # greedy: nucleus mass means nothing; recorded as 1
-    for name, value in (("runs", runs), ("max_steps", max_steps), ("thought_tokens", thought_tokens)):
-        if value < 1:
-            raise ValueError(f"--{name} must be >= 1, got {value}")
-    for name, value in (("argument_tokens", argument_tokens), ("rank", rank)):
-        if value < 1:
-            raise ValueError(f"--{name} must be >= 1, got {value}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {limit}")
-    if max_context_tokens is not None and max_context_tokens < 1:
-        raise ValueError(f"--max_context_tokens must be >= 1, got {max_context_tokens}")
-    if prefill_in_decode is not None and (isinstance(prefill_in_decode, bool) or prefill_in_decode < 0):
-        raise ValueError(f"--prefill_in_decode must be >= 0 (0: off), got {prefill_in_decode}")
+    cons = parse_constraints(a["constrain"])
+    check_sampling(a["temperature"], a["top_p"])
+    top_p = 1.0 if a["temperature"] == 0 else a["top_p"]  # greedy: nucleus mass means nothing; recorded as 1
+    batch, capacity, max_context = a["batch"], a["capacity"], a["max_context_tokens"]
     if batch != "auto" and batch < 0:
         raise ValueError(f"--batch must be >= 0 (0: one episode at a time), got {batch}")
     if batch and capacity < 4096:
         raise ValueError(f"--capacity must be >= 4096 positions per episode, got {capacity}")
-    if batch and max_context_tokens is None:
-        max_context_tokens = capacity - 2048
-    if batch and max_context_tokens > capacity - 2048:
-        raise ValueError(
-            f"--max_context_tokens {max_context_tokens} leaves no room for a cycle: allowed <= capacity - 2048"
-        )
-    i, n = parse_shard(shard)
-    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r}: allowed cpu or cuda")
+    if batch and max_context is None:
+        max_context = capacity - 2048
+    if batch and max_context > capacity - 2048:
+        raise ValueError(f"--max_context_tokens {max_context} leaves no room for a cycle: allowed <= capacity - 2048")
+    i, n = parse_shard(a["shard"])
+    if a["devices"] > 1 and a["shard"] != "0/1":
+        raise ValueError("--devices N runs its own shards: give --devices or --shard, not both")
+    adapters, adapter_init = a["adapters"], a["adapter_init"]
     if adapters is None and adapter_init is None:
         default = default_adapters(bench.name)
         if not default.is_dir():
@@ -473,76 +501,96 @@ def evaluate(
         adapters = str(default)
         print(f"eval: using the trained shared-A adapters {default} (no --adapters given)", file=sys.stderr)
     check_model_args(  # damaged or incomplete adapter sets fail here, not mid-run
-        model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, dtype=dtype,
-        device=device, roles=DEFAULT_ROLES, needs_text=True,
+        model=a["model"], adapters=adapters, adapter_init=adapter_init, rank=a["rank"], alpha=a["alpha"],
+        dtype=a["dtype"], device=a["device"], roles=DEFAULT_ROLES, needs_text=True,
     )  # fmt: skip
     if adapter_init == "zero":
         if scheme not in ("all", "non_shared"):
             raise ValueError("--adapter_init zero is the untrained row: B = 0 makes every scheme equal non_shared")
-        schemes = ["non_shared"]
-    layers = load_droidspeak_config(droidspeak_config) if droidspeak_config else None
-    corpus_files = _as_list(corpus)
+        schemes = [Scheme.NON_SHARED]
+    layers = load_droidspeak_config(a["droidspeak_config"]) if a["droidspeak_config"] else None
+    corpus_files = _as_list(a["corpus"])
     for f in corpus_files:
         if not Path(f).is_file():
             raise FileNotFoundError(f"--corpus {f}: no such file")
-    questions = bench.load_questions(level_list, limit)[i::n]
-    if not scheme_given and scheme != "all":
-        print(f"eval: --limit without --scheme runs {scheme} only (--scheme all: the five schemes)", file=sys.stderr)
     agent = AgentConfig(
-        max_steps=max_steps,
-        thought_tokens=thought_tokens,
-        argument_tokens=argument_tokens,
-        max_context_tokens=max_context_tokens,
-    )
+        max_steps=a["max_steps"], thought_tokens=a["thought_tokens"], argument_tokens=a["argument_tokens"],
+        max_context_tokens=max_context,
+    )  # fmt: skip
+    return EvalPlan(
+        bench=bench, questions=bench.load_questions(levels, a["limit"])[i::n], schemes=schemes, constraints=cons,
+        levels=levels, agent=agent, droidspeak_layers=layers, corpus_files=corpus_files, adapters=adapters,
+        out_dir=Path(a["out"]), temperature=a["temperature"], top_p=top_p, max_context_tokens=max_context, args=a,
+    )  # fmt: skip
 
-    if devices < 1:
-        raise ValueError(f"--devices must be >= 1, got {devices}")
-    if devices > 1:
-        if shard != "0/1":
-            raise ValueError("--devices N runs its own shards: give --devices or --shard, not both")
-        return _run_on_devices(call, devices, out_dir)
-    run_device = resolve_device(device)
-    adapters_label = str(Path(adapters).resolve()) if adapters else f"init:{adapter_init}"
-    if batch:  # before the model loads: refuse a batch that does not fit in free memory, or size --batch auto
-        most = min(MAX_AUTO_BATCH, len(questions) * runs) or 1
-        batch = choose_batch(model, schemes, batch, capacity, dtype=dtype, device=run_device, rank=rank,
-                             droidspeak_layers=layers, max_batch=most)  # fmt: skip
 
-    # ---- the run
+def merge_outputs(dirs: list[str], out_dir: Path) -> int:
+    """``eval --merge``: summarises several output directories together into ``out_dir`` (nothing is run)."""
+    from lragent.provenance import provenance
+
+    if not dirs:
+        raise ValueError("--merge needs at least one output directory")
+    for d in dirs:
+        if not (Path(d) / EPISODES_FILE).is_file():
+            raise FileNotFoundError(f"--merge {d}: no {EPISODES_FILE} there")
     with DirectoryLock(out_dir):
-        toolbox_factory, corpus_desc = bench.toolbox_factory(corpus_files)
+        summary = merge_dirs(dirs, out_dir, provenance())
+    _print_summary(summary, out_dir)
+    return 0
+
+
+def run_plan(plan: EvalPlan) -> int:
+    """One eval process: sizes the batch (before the model loads), then runs every missing episode of the plan
+    into its output directory and writes the summary."""
+    from lragent.command import on_interrupt
+    from lragent.provenance import provenance
+
+    a, out_dir, bench = plan.args, plan.out_dir, plan.bench
+    run_device = resolve_device(a["device"])
+    adapters_label = str(Path(plan.adapters).resolve()) if plan.adapters else f"init:{a['adapter_init']}"
+    batch = a["batch"]
+    if batch:  # before the model loads: refuse a batch that does not fit in free memory, or size --batch auto
+        most = min(MAX_AUTO_BATCH, len(plan.questions) * a["runs"]) or 1
+        batch = choose_batch(a["model"], plan.schemes, batch, a["capacity"], dtype=a["dtype"], device=run_device,
+                             rank=a["rank"], droidspeak_layers=plan.droidspeak_layers, max_batch=most)  # fmt: skip
+
+    with DirectoryLock(out_dir):
+        toolbox_factory, corpus_desc = bench.toolbox_factory(plan.corpus_files)
         print(f"eval: {bench.name} search corpus: {json.dumps(corpus_desc)}", file=sys.stderr)
-        prov = provenance(dtype=dtype, device=run_device)
+        prov = provenance(dtype=a["dtype"], device=run_device)
         config = {
-            "benchmark": bench.name, "model": model, "adapters": adapters_label, "dtype": dtype,
-            "temperature": temperature, "top_p": top_p, "constraints": list(cons), "corpus_files": corpus_files,
-            "seed": seed, "agent": vars(agent), "droidspeak_layers": layers, "schemes": schemes, "runs": runs,
-            "levels": level_list, "limit": limit, "shard": shard, "questions": len(questions),
+            "benchmark": bench.name, "model": a["model"], "adapters": adapters_label, "dtype": a["dtype"],
+            "temperature": plan.temperature, "top_p": plan.top_p, "constraints": list(plan.constraints),
+            "corpus_files": plan.corpus_files, "seed": a["seed"], "agent": vars(plan.agent),
+            "droidspeak_layers": plan.droidspeak_layers, "schemes": plan.schemes, "runs": a["runs"],
+            "levels": plan.levels, "limit": a["limit"], "shard": a["shard"], "questions": len(plan.questions),
             "corpus": corpus_desc, "provenance": prov,
         }  # fmt: skip
         check_run_config(out_dir, config)
         on_interrupt(f"finished episodes are in {out_dir / EPISODES_FILE}; rerun the same command to resume")
         lm, tokenizer = load_lora_model(
-            model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha, seed=seed,
-            dtype=dtype, device=run_device,
+            model=a["model"], adapters=plan.adapters, adapter_init=a["adapter_init"], rank=a["rank"],
+            alpha=a["alpha"], seed=a["seed"], dtype=a["dtype"], device=run_device,
         )  # fmt: skip
         if batch:
             from eval_suite.batched_executor import BatchedExecutor
 
             executor = BatchedExecutor(
-                lm, tokenizer, batch=batch, capacity=capacity, temperature=temperature, top_p=top_p,
-                use_kernel=use_kernel, cuda_graphs=cuda_graphs if run_device.startswith("cuda") else False,
-                droidspeak_layers=layers, prefill_in_decode=prefill_in_decode,
+                lm, tokenizer, batch=batch, capacity=a["capacity"], temperature=plan.temperature, top_p=plan.top_p,
+                use_kernel=a["use_kernel"], cuda_graphs=a["cuda_graphs"] if run_device.startswith("cuda") else False,
+                droidspeak_layers=plan.droidspeak_layers, prefill_in_decode=a["prefill_in_decode"],
             )  # fmt: skip
         else:
             factory = build_policy_factory(
-                lm, tokenizer, temperature=temperature, top_p=top_p, use_kernel=use_kernel, droidspeak_layers=layers
-            )
+                lm, tokenizer, temperature=plan.temperature, top_p=plan.top_p, use_kernel=a["use_kernel"],
+                droidspeak_layers=plan.droidspeak_layers,
+            )  # fmt: skip
             executor = SequentialExecutor(factory)
         records = run_episodes(
-            questions, schemes, runs, executor, out_dir, benchmark=bench.name,
-            adapters=adapters_label, seed=seed, agent_config=agent, toolbox_factory=toolbox_factory,
-            constraints=cons, temperature=temperature, top_p=top_p, progress=not quiet, provenance=prov,
+            plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
+            adapters=adapters_label, seed=a["seed"], agent_config=plan.agent, toolbox_factory=toolbox_factory,
+            constraints=plan.constraints, temperature=plan.temperature, top_p=plan.top_p, progress=not a["quiet"],
+            provenance=prov,
         )  # fmt: skip
         summary = write_summary(records, out_dir, prov)
     _print_summary(summary, out_dir)

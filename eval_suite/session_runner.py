@@ -211,7 +211,7 @@ def session(
     )  # fmt: skip
     if max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
-    if scheme == "base_lr_shared" and independent_a and not adapters:
+    if parsed is Scheme.BASE_LR_SHARED and independent_a and not adapters:
         raise ValueError("--scheme base_lr_shared needs shared A: drop --independent_a or use base_shared")
     _load_question(question)
     check_writable(out, is_dir=False)

@@ -23,7 +23,7 @@ finished job is never launched again (``tests/test_study.py``).
     python -m eval_suite.study plan   --root runs/study                      # the jobs and their state
     python -m eval_suite.study run    --root runs/study --reset-failed      # until every job is done
     python -m eval_suite.study pack   --root runs/study --out OUT            # <= 8 files for the device tool
-    python -m eval_suite.study report --root runs/study --out eval_suite/results/study
+    python -m eval_suite.study report --root runs/study --out results/study
 
 ``scripts/gpu_study.sh`` is the device driver: it starts ``run`` in the background once per machine and packs
 while it works; a new machine starts from the study committed in ``results/study/root`` (unpack a pack there).

@@ -1,6 +1,6 @@
 """Builds the training results table from Lightning CSV logs (``metrics.csv`` per run).
 
-    python -m eval_suite.training_report eval_suite/results/training_h200 > eval_suite/results/training_h200/README.md
+    python -m eval_suite.training_report results/training_h200 > results/training_h200/README.md
 
 For every run directory: the last validation row (val every half epoch), per role: plain loss / token accuracy and
 the same through each shared-cache scheme that was validated, plus the step and epoch it was taken at.
@@ -52,7 +52,7 @@ def table(root: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    root = Path(argv[0] if argv else "eval_suite/results/training_h200")
+    root = Path(argv[0] if argv else "results/training_h200")
     print(table(root))
     return 0
 

@@ -1,4 +1,11 @@
-"""Cache views over a static pool (:mod:`lragent.static_cache`): where a forward's new positions go.
+"""Cache views: where a forward's new positions go and what they attend to, every kind in this module.
+
+A decoder layer (:mod:`lragent.decoder`) reads and writes its cache only through a view (:class:`CacheView`):
+
+- :class:`GrowableView`: growable per-layer buffers (:mod:`lragent.kv_cache`; training through the cache, autograd);
+- :class:`ReplayView`: wraps a view for one activation-checkpointed layer (the recomputation writes nothing);
+
+and over a static pool (:mod:`lragent.static_cache`), for inference:
 
 - :class:`PrefillView`: ``T`` contiguous positions ``[start, start + T)`` of one trajectory, in its slots; queries
   attend causally over ``[0, start + T)`` (bottom-right aligned).
@@ -12,12 +19,59 @@ On CUDA the decomposed prefill uses the fused Flash-LoRA-Attention kernel, and d
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention
+from lragent.kv_cache import GrowableBuffer, LayerCache, ModelCache
 from lragent.rope import rope_store_unfused
 from lragent.static_cache import StaticCachePool
+
+
+class CacheView(Protocol):
+    """Where one forward's new positions are stored and what they attend to (per layer).
+
+    Attributes:
+        decomposed: V is stored as V_base plus the low-rank cache V_lr.
+    """
+
+    decomposed: bool
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        """Writes keys ``(B, H_kv, T, D)`` (RoPE applied), values or V_base ``(B, H_kv, T, D)``, V_lr ``(B, T, r)``."""
+        ...
+
+    def rope_store(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        v_lr: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Applies RoPE to queries ``(B, T, H_q, D)`` and keys ``(B, T, H_kv, D)``, stores keys, values
+        ``(B, T, H_kv, D)`` and V_lr ``(B, T, r)``; returns the rotated queries ``(B, H_q, T, D)``."""
+        ...
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        """Writes only V_lr ``(B, T, r)`` (``base_shared``'s LR prefill: K and V_base are already cached)."""
+        ...
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        """Receives the hidden states ``(B, T, hidden)`` entering ``layer`` (kept only where the view wants them)."""
+        ...
+
+    def attend(
+        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of queries ``(B, H_q, T, D)`` over the visible cached keys; returns ``(B, H_q, T, D)``.
+
+        ``lora_b`` is the stacked ``(n_roles, H_kv·D, r)`` up-projection of ``v_proj`` for decomposed views."""
+        ...
 
 
 def decode_attention_reference(
@@ -246,3 +300,100 @@ class DecodeView:
         v_lr = p.v_lr[layer][:, :n][self.lr_slot] if self.decomposed else None  # (B, n, r)
         out = decode_attention_reference(q1, k, v, self.kv_lens, v_lr, lora_b, scaling, role_ids)
         return out[:, :, None]
+
+
+class GrowableView:
+    """Cache view (:class:`CacheView`) over growable per-layer caches.
+
+    The new ``T`` positions are written at ``start`` in every layer's buffers and attend over positions
+    ``[0, start + T)`` with an optional padding mask.
+
+    Args:
+        caches: one :class:`LayerCache` per model layer (a :class:`ModelCache` or a list).
+        start: cache position of the first new position.
+        key_mask: ``(B, >= start + T)`` 1 for real tokens, 0 for padding, or ``None``.
+        capture: layer index -> buffer ``[B, S, hidden]`` receiving the hidden states entering that layer.
+        use_kernel: allow the fused kernel on CUDA.
+    """
+
+    def __init__(
+        self,
+        caches: ModelCache | list[LayerCache],
+        start: int,
+        key_mask: torch.Tensor | None = None,
+        capture: dict[int, GrowableBuffer] | None = None,
+        use_kernel: bool = True,
+    ) -> None:
+        self.caches = caches
+        self.start = start
+        self.key_mask = key_mask
+        self.capture_buffers = capture or {}
+        self.use_kernel = use_kernel
+        self.decomposed = bool(caches[0].v_is_base)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        cache = self.caches[layer]
+        cache.k.write(self.start, k)
+        cache.v.write(self.start, v)
+        if v_lr is not None:
+            cache.v_lr.write(self.start, v_lr)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        self.caches[layer].v_lr.write(self.start, v_lr)
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        if layer in self.capture_buffers:
+            self.capture_buffers[layer].write(self.start, h.detach())
+
+    def attend(
+        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
+    ) -> torch.Tensor:
+        cache = self.caches[layer]
+        end = self.start + q.shape[2]
+        km = None if self.key_mask is None else self.key_mask[:, :end]
+        if self.decomposed:
+            return decomposed_attention(
+                q,
+                cache.k.view(end),
+                cache.v.view(end),
+                cache.v_lr.view(end),
+                lora_b,
+                scaling,
+                role_ids,
+                key_mask=km,
+                use_kernel=self.use_kernel,
+            )
+        return plain_attention(q, cache.k.view(end), cache.v.view(end), km)
+
+
+class ReplayView:
+    """A cache view for one checkpointed layer: the first call goes through ``view``; the recomputation in backward
+    writes nothing (the cache already holds these positions, and other forwards may have appended after them) and
+    attends to what the first call wrote, which has the same values.
+    """
+
+    def __init__(self, view: CacheView) -> None:
+        self.view = view
+        self.decomposed = view.decomposed
+        self.replay = False
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        if not self.replay:
+            self.view.store(layer, k, v, v_lr)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+        return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
+
+    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
+        if not self.replay:
+            self.view.store_lr(layer, v_lr)
+
+    def capture(self, layer: int, h: torch.Tensor) -> None:
+        if not self.replay:
+            self.view.capture(layer, h)
+
+    def attend(self, layer, q, lora_b, scaling, role_ids) -> torch.Tensor:
+        return self.view.attend(layer, q, lora_b, scaling, role_ids)

@@ -4,10 +4,10 @@ transformers' own forward cannot route a role per sequence or keep V as V_base +
 model's own modules (norms, projections, rotary embedding, MLP) with those two changes. It matches transformers'
 forward to float rounding: the tests pin that against a merged-weights transformers model.
 
-Every layer reads and writes its cache through a **cache view** (:class:`CacheView`): the view knows where the new
-positions go and which keys they attend to. Three views exist:
+Every layer reads and writes its cache through a **cache view** (:class:`~lragent.cache_views.CacheView`): the view
+knows where the new positions go and which keys they attend to. Every view lives in :mod:`lragent.cache_views`:
 
-- :class:`~lragent.kv_cache.GrowableView` over growable per-layer buffers (training through the cache, autograd);
+- :class:`~lragent.cache_views.GrowableView` over growable per-layer buffers (training through the cache, autograd);
 - :class:`~lragent.cache_views.PrefillView`: one trajectory's contiguous positions in a static pool slot;
 - :class:`~lragent.cache_views.DecodeView`: one new token per batch row, each row its own slot, position and
   length (what a CUDA graph captures).
@@ -16,15 +16,16 @@ positions go and which keys they attend to. Three views exist:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from lragent.cache_views import CacheView, GrowableView, ReplayView
+from lragent.kv_cache import ModelCache
 from lragent.multi_lora import MultiLoraLinear
-from lragent.rope import apply_rope, rope_store_unfused
+from lragent.rope import apply_rope
 
 
 def _with_lora(
@@ -40,50 +41,6 @@ def _proj(module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> 
     if isinstance(module, MultiLoraLinear):
         return module(x, role_ids)
     return module(x)
-
-
-class CacheView(Protocol):
-    """Where one forward's new positions are stored and what they attend to (per layer).
-
-    Attributes:
-        decomposed: V is stored as V_base plus the low-rank cache V_lr.
-    """
-
-    decomposed: bool
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
-        """Writes keys ``(B, H_kv, T, D)`` (RoPE applied), values or V_base ``(B, H_kv, T, D)``, V_lr ``(B, T, r)``."""
-        ...
-
-    def rope_store(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        v_lr: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """Applies RoPE to queries ``(B, T, H_q, D)`` and keys ``(B, T, H_kv, D)``, stores keys, values
-        ``(B, T, H_kv, D)`` and V_lr ``(B, T, r)``; returns the rotated queries ``(B, H_q, T, D)``."""
-        ...
-
-    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
-        """Writes only V_lr ``(B, T, r)`` (``base_shared``'s LR prefill: K and V_base are already cached)."""
-        ...
-
-    def capture(self, layer: int, h: torch.Tensor) -> None:
-        """Receives the hidden states ``(B, T, hidden)`` entering ``layer`` (kept only where the view wants them)."""
-        ...
-
-    def attend(
-        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention of queries ``(B, H_q, T, D)`` over the visible cached keys; returns ``(B, H_q, T, D)``.
-
-        ``lora_b`` is the stacked ``(n_roles, H_kv·D, r)`` up-projection of ``v_proj`` for decomposed views."""
-        ...
 
 
 class DecoderEngine:
@@ -281,10 +238,8 @@ class DecoderEngine:
 
         With ``write_kv=False`` (LR prefill) the last layer only writes V_lr; with ``kv_only_last`` it only writes
         its K/V (the caller reads the cache, not the output). With :attr:`gradient_checkpointing` set and autograd
-        on, every full layer over a :class:`~lragent.kv_cache.GrowableView` runs under activation checkpointing.
+        on, every full layer over a :class:`~lragent.cache_views.GrowableView` runs under activation checkpointing.
         """
-        from lragent.kv_cache import GrowableView
-
         order = list(range(self.n_layers) if layers is None else layers)
         ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and isinstance(view, GrowableView)
         for i in order:
@@ -326,8 +281,6 @@ class DecoderEngine:
         Returns:
             ``(B, T, hidden)`` after the last layer run.
         """
-        from lragent.kv_cache import GrowableView
-
         view = GrowableView(caches, start, key_mask=key_mask, use_kernel=use_kernel)
         return self.run_view(h, self.rotary(h, positions), role_ids, view, layers, write_kv, kv_only_last=kv_only_last)
 
@@ -357,8 +310,6 @@ class DecoderEngine:
         Returns:
             logits ``(B, T, vocab)`` (``(B, 1, vocab)`` with ``last_only``).
         """
-        from lragent.kv_cache import ModelCache
-
         if caches is None:
             caches = ModelCache(self.n_layers)
         if start is None:
@@ -372,36 +323,6 @@ class DecoderEngine:
         if last_only:
             h = h[:, -1:]
         return self.logits(h)
-
-
-class _ReplayView:
-    """A cache view for one checkpointed layer: the first call goes through ``view``; the recomputation in backward
-    writes nothing (the cache already holds these positions, and other forwards may have appended after them) and
-    attends to what the first call wrote, which has the same values.
-    """
-
-    def __init__(self, view: CacheView) -> None:
-        self.view = view
-        self.decomposed = view.decomposed
-        self.replay = False
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
-        if not self.replay:
-            self.view.store(layer, k, v, v_lr)
-
-    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
-        return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
-
-    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
-        if not self.replay:
-            self.view.store_lr(layer, v_lr)
-
-    def capture(self, layer: int, h: torch.Tensor) -> None:
-        if not self.replay:
-            self.view.capture(layer, h)
-
-    def attend(self, layer, q, lora_b, scaling, role_ids) -> torch.Tensor:
-        return self.view.attend(layer, q, lora_b, scaling, role_ids)
 
 
 def _checkpointed_layer(
@@ -421,7 +342,7 @@ def _checkpointed_layer(
     """
     from torch.utils.checkpoint import checkpoint
 
-    replay = _ReplayView(view)
+    replay = ReplayView(view)
     calls = [0]
 
     def run(x: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ Per decoder layer a :class:`LayerCache` holds
   (decomposed schemes only).
 
 These growable caches serve training through the cache (the cache-sharing-aware loss) and other batched teacher-forced
-forwards; inference uses the static pools of :mod:`lragent.static_cache`. :class:`GrowableView` is the cache view
-(:class:`lragent.decoder.CacheView`) over them.
+forwards; inference uses the static pools of :mod:`lragent.static_cache`. Their cache view is
+:class:`lragent.cache_views.GrowableView`.
 
 What is shared across agents, and whether that is exact, is the scheme's business (:mod:`lragent.sharing`): K and
 V_base depend on the adapters only through the hidden states, so an agent reading another agent's K/V_base sees
@@ -27,9 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from lragent.attention import decomposed_attention, plain_attention
-from lragent.rope import rope_store_unfused
 
 
 class GrowableBuffer:
@@ -173,70 +170,3 @@ class ModelCache:
             for name, n in layer.component_bytes().items():
                 total[name] = total.get(name, 0) + n
         return total
-
-
-class GrowableView:
-    """Cache view (:class:`lragent.decoder.CacheView`) over growable per-layer caches.
-
-    The new ``T`` positions are written at ``start`` in every layer's buffers and attend over positions
-    ``[0, start + T)`` with an optional padding mask.
-
-    Args:
-        caches: one :class:`LayerCache` per model layer (a :class:`ModelCache` or a list).
-        start: cache position of the first new position.
-        key_mask: ``(B, >= start + T)`` 1 for real tokens, 0 for padding, or ``None``.
-        capture: layer index -> buffer ``[B, S, hidden]`` receiving the hidden states entering that layer.
-        use_kernel: allow the fused kernel on CUDA.
-    """
-
-    def __init__(
-        self,
-        caches: ModelCache | list[LayerCache],
-        start: int,
-        key_mask: torch.Tensor | None = None,
-        capture: dict[int, GrowableBuffer] | None = None,
-        use_kernel: bool = True,
-    ) -> None:
-        self.caches = caches
-        self.start = start
-        self.key_mask = key_mask
-        self.capture_buffers = capture or {}
-        self.use_kernel = use_kernel
-        self.decomposed = bool(caches[0].v_is_base)
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
-        cache = self.caches[layer]
-        cache.k.write(self.start, k)
-        cache.v.write(self.start, v)
-        if v_lr is not None:
-            cache.v_lr.write(self.start, v_lr)
-
-    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
-        return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
-
-    def store_lr(self, layer: int, v_lr: torch.Tensor) -> None:
-        self.caches[layer].v_lr.write(self.start, v_lr)
-
-    def capture(self, layer: int, h: torch.Tensor) -> None:
-        if layer in self.capture_buffers:
-            self.capture_buffers[layer].write(self.start, h.detach())
-
-    def attend(
-        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
-    ) -> torch.Tensor:
-        cache = self.caches[layer]
-        end = self.start + q.shape[2]
-        km = None if self.key_mask is None else self.key_mask[:, :end]
-        if self.decomposed:
-            return decomposed_attention(
-                q,
-                cache.k.view(end),
-                cache.v.view(end),
-                cache.v_lr.view(end),
-                lora_b,
-                scaling,
-                role_ids,
-                key_mask=km,
-                use_kernel=self.use_kernel,
-            )
-        return plain_attention(q, cache.k.view(end), cache.v.view(end), km)

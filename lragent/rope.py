@@ -35,7 +35,7 @@ def rope_store_unfused(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> torch.Tensor:
-    """:meth:`~lragent.decoder.CacheView.rope_store` with PyTorch ops and the view's own ``store``.
+    """:meth:`~lragent.cache_views.CacheView.rope_store` with PyTorch ops and the view's own ``store``.
 
     Args:
         view: the cache view (anything with ``store(layer, k, v, v_lr)``).

@@ -33,6 +33,12 @@ class Scheme(str, Enum):
         except ValueError:
             raise ValueError(f"unknown scheme {name!r}: allowed {', '.join(SCHEMES)}") from None
 
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)  # f"{scheme}" is the name on every Python (3.11 prints Scheme.X)
+
     @property
     def decomposed(self) -> bool:
         """True where V is stored as V_base plus the low-rank cache V_lr."""
@@ -42,10 +48,14 @@ class Scheme(str, Enum):
 SCHEMES: tuple[str, ...] = tuple(s.value for s in Scheme)
 
 
-def parse_schemes(spec: str) -> list[str]:
-    """``all`` or a comma list of scheme names, checked: the schemes a command runs, in the order given."""
+def parse_schemes(spec: str) -> list[Scheme]:
+    """``all`` or a comma list of scheme names: the schemes a command runs, in the order given.
+
+    This is where a command's ``--scheme`` is parsed, once: what it returns goes down to the session, the engine and
+    :func:`~lragent.sharing.make_scheme` as it is (:meth:`Scheme.parse` hands a ``Scheme`` back untouched).
+    """
     names = list(SCHEMES) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     bad = [s for s in names if s not in SCHEMES]
     if bad or not names:
         raise ValueError(f"--scheme {spec!r}: unknown {bad or 'nothing'}; allowed {', '.join(SCHEMES)} or all")
-    return names
+    return [Scheme.parse(s) for s in names]

@@ -3,7 +3,7 @@
 # "GPU:" entries: each must make its test fail), then run 2 if the time budget leaves room for it. Writes to
 # $OUT/gpu_tests/ (default ./gpu_tests_out): run1.{log,xml,seconds,rc}, run2.*, planted_bugs_gpu.json and the record
 # gpu_tests_<device>_<date>.{json,md} (pass/fail counts with provenance: device, torch/triton/CUDA versions, commit,
-# source hash, command) to copy into eval_suite/results/gpu_tests/.
+# source hash, command) to copy into results/gpu_tests/.
 #
 # Usage (device machine, repo root):   LRAGENT_COMMIT=<sha> bash scripts/gpu_tests.sh
 #   GPU_TESTS_BUDGET   seconds for the whole script (default 450); run 1 gets what is left minus the planted bugs'

@@ -3,7 +3,7 @@
 python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [--planted FILE.json]
 
 Reads ``OUT_DIR/run*.xml`` (and ``run*.seconds`` / ``run*.rc``), writes ``OUT_DIR/gpu_tests_<device>_<date>.json``
-and ``.md`` (the files to copy into ``eval_suite/results/gpu_tests/``) and prints the markdown.
+and ``.md`` (the files to copy into ``results/gpu_tests/``) and prints the markdown.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 # ruff: noqa: E501
 """Plants each bug a test guards against in a scratch copy of the repo and runs the tests that must catch it.
 
-python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: eval_suite/results/planted_bugs.json
+python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: results/planted_bugs.json
                                                         # (or $LRAGENT_PLANTED_RESULTS)
 
 An entry is (file, old, new, tests); old and new may be tuples of strings replaced pairwise (a bug planted in several
@@ -16,7 +16,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
-RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "eval_suite", "results", "planted_bugs.json")
+RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
     "answer sentence names the wrong option": (
         "datamodules/answer_thoughts.py",
@@ -86,8 +86,8 @@ BUGS = {
     ),
     "catch-up RoPE positions restart at 0": (
         "lragent/engine.py",
-        "        positions = torch.arange(start, end, device=self.device)\n",
-        "        positions = torch.arange(start, end, device=self.device) - (0 if isinstance(op, Forward) else start)\n",
+        "        rotary = (cos_t[positions][None], sin_t[positions][None])\n        role_t = torch.tensor([role], device=self.device)\n",
+        "        positions = positions - (0 if isinstance(op, Forward) else start)\n        rotary = (cos_t[positions][None], sin_t[positions][None])\n        role_t = torch.tensor([role], device=self.device)\n",
         "tests/test_engine.py -k reference",
     ),
     "seen not clipped by a truncation": (
@@ -272,9 +272,39 @@ BUGS = {
     ),
     "kv_cache imports the decoder back (import cycle)": (
         "lragent/kv_cache.py",
-        "from lragent.rope import rope_store_unfused\n",
-        "from lragent.rope import rope_store_unfused\nfrom lragent.decoder import apply_rope  # noqa: F401\n",
+        "from dataclasses import dataclass\n",
+        "from dataclasses import dataclass\n\nfrom lragent.decoder import apply_rope  # noqa: F401\n",
         "tests/test_import_graph.py",
+    ),
+    "cache views import the decoder back (import cycle)": (
+        "lragent/cache_views.py",
+        "from lragent.rope import rope_store_unfused\n",
+        "from lragent.rope import rope_store_unfused\nfrom lragent.decoder import DecoderEngine  # noqa: F401\n",
+        "tests/test_import_graph.py",
+    ),
+    "the session parses a Scheme's name again": (
+        "lragent/session.py",
+        "        self.scheme = Scheme.parse(scheme)\n",
+        "        self.scheme = Scheme.parse(str(scheme))\n",
+        "tests/test_scheme_parse_once.py",
+    ),
+    "SessionPolicy hands the session the scheme's name": (
+        "lragent/agents/policies.py",
+        "        self.scheme = scheme\n",
+        "        self.scheme = str(scheme)\n",
+        "tests/test_scheme_parse_once.py",
+    ),
+    "the session command passes the raw --scheme name down": (
+        "eval_suite/session_runner.py",
+        "        scheme=parsed, model=model,",
+        "        scheme=scheme, model=model,",
+        "tests/test_scheme_parse_once.py",
+    ),
+    "eval: a bound of the integer options dropped": (
+        "eval_suite/run_eval.py",
+        '"runs": 1, "max_steps": 1,',
+        '"max_steps": 1,',
+        "tests/test_eval_runner.py -k checks_before_writing",
     ),
     "a command imports another command": (
         "eval_suite/droidspeak_select.py",
@@ -302,6 +332,10 @@ BUGS = {
     ),
 }
 only = sys.argv[1:]
+if any(a in ("-h", "--help") for a in only):
+    print(__doc__.strip())
+    print("\nentries:\n  " + "\n  ".join(BUGS))
+    sys.exit(0)
 results = {}
 for name, (path, old, new, tests) in BUGS.items():
     if only and not any(o in name for o in only):

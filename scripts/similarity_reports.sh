@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Regenerates eval_suite/results/similarity/: the cache-similarity reports (`cli.py similarity`) of the trained
+# Regenerates results/similarity/: the cache-similarity reports (`cli.py similarity`) of the trained
 # lambda = 0 adapter sets of both benchmarks (shared A and independent A) and of the untrained controls (B = 0, shared
 # and independent A), then the cross-run summary (summary.md, summary.json). About 1-2 minutes per run on 2 CPU cores.
 #
 #   bash scripts/similarity_reports.sh [ADAPTERS_ROOT] [OUT]
 #
 # ADAPTERS_ROOT holds {hotpotqa,scienceqa}_{sharedA,indepA}/ (default data/adapters); OUT defaults to
-# eval_suite/results/similarity. SAMPLES (16), MAX_TOKENS (2048) and DEVICE (cpu) may be set in the environment.
+# results/similarity. SAMPLES (16), MAX_TOKENS (2048) and DEVICE (cpu) may be set in the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${1:-data/adapters}
-OUT=${2:-eval_suite/results/similarity}
+OUT=${2:-results/similarity}
 COMMON=(--samples "${SAMPLES:-16}" --max_tokens "${MAX_TOKENS:-2048}" --device "${DEVICE:-cpu}")
 runs=()
 for bench in hotpotqa scienceqa; do

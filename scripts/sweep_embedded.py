@@ -14,7 +14,7 @@ grid); alpha = 2 x rank (the paper's scaling alpha / r = 2); every other setting
     python scripts/sweep_embedded.py run --stage 1 --parallel 6 --budget 540     # rerun to continue (resumes)
     python scripts/sweep_embedded.py run --stage 2 --parallel 4 --budget 540     # --pick NAME to choose
     python scripts/sweep_embedded.py status                                      # one line per run
-    python scripts/sweep_embedded.py table --out eval_suite/results/sweep_embedded
+    python scripts/sweep_embedded.py table --out results/sweep_embedded
     python scripts/sweep_embedded.py pack OUT                                    # <= 8 files of <= 15.5 MB
     python scripts/sweep_embedded.py install --to data/adapters                  # stage 2 -> {ds}_{sharedA,indepA}
 

@@ -1,0 +1,77 @@
+"""``--scheme`` is parsed once: the name becomes a :class:`~lragent.schemes.Scheme` where the command reads it, and
+that object goes down to the session, the engine and the scheme object unparsed."""
+
+from __future__ import annotations
+
+import pytest
+
+from lragent.schemes import Scheme, parse_schemes
+from tests.conftest import tiny_multi_lora
+
+
+@pytest.fixture()
+def parses(monkeypatch):
+    """Every name (a string that is not yet a Scheme) given to ``Scheme.parse``, in order."""
+    seen: list[str] = []
+    original = Scheme.parse.__func__
+
+    def counting(cls, name):
+        if not isinstance(name, Scheme):
+            seen.append(str(name))
+        return original(cls, name)
+
+    monkeypatch.setattr(Scheme, "parse", classmethod(counting))
+    return seen
+
+
+@pytest.mark.parametrize("spec", ["droidspeak", "base_shared,base_lr_shared"])
+def test_eval_path_parses_each_name_once(parses, spec):
+    """eval: parse_schemes -> the policy factory -> SessionPolicy -> MultiAgentSession -> Engine -> make_scheme."""
+    from eval_suite.run_eval import build_policy_factory
+
+    model = tiny_multi_lora(seed=5)
+    schemes = parse_schemes(spec)
+    assert parses == spec.split(",") and all(isinstance(s, Scheme) for s in schemes)
+    factory = build_policy_factory(model, None, temperature=0.0, top_p=1.0, use_kernel=False, droidspeak_layers=None)
+    for s in schemes:
+        policy = factory(s, 0)
+        policy.reset()
+        policy.session.append([3, 4, 5, 6])
+        policy.session.step("plan", max_new_tokens=2)
+        policy.session.step("action", max_new_tokens=2)
+        assert policy.session.engine.scheme.scheme is s
+    assert parses == spec.split(","), f"a scheme name was parsed again downstream: {parses}"
+
+
+def test_session_command_parses_once(parses, tmp_path, monkeypatch):
+    """session: the command's one Scheme.parse, then run() -> MultiAgentSession -> Engine -> make_scheme."""
+    import eval_suite.session_runner as sr
+
+    model = tiny_multi_lora(seed=6)
+    seen_scheme = []
+
+    class Tok:  # the session runner tokenizes the question text: one id per character, in the tiny vocabulary
+        eos_token_id = None
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [3 + ord(c) % 50 for c in text]}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    def fake_load(**kwargs):
+        return model, Tok()
+
+    monkeypatch.setattr(sr, "load_lora_model", fake_load)
+    real_session = sr.MultiAgentSession
+
+    def spy(*args, **kwargs):
+        sess = real_session(*args, **kwargs)
+        seen_scheme.append(sess.engine.scheme.scheme)
+        return sess
+
+    monkeypatch.setattr(sr, "MultiAgentSession", spy)
+    rc = sr.session(scheme="full_shared", adapter_init="random", schedule="short", max_new_tokens=1, device="cpu",
+                    out=str(tmp_path / "r.json"), quiet=True)  # fmt: skip
+    assert rc in (0, None) and seen_scheme == [Scheme.FULL_SHARED]
+    assert parses == ["full_shared"], f"--scheme parsed {len(parses)} times: {parses}"
