@@ -9,6 +9,9 @@
 #   GPU_TESTS_BUDGET   seconds for the whole script (default 450); run 1 gets what is left minus the planted bugs'
 #                      share, run 2 runs only if it fits in what remains after the planted bugs.
 #   GPU_TESTS_PLANT    0 to skip the planted bugs.
+#   GPU_TESTS_WORKERS  pytest-xdist workers sharing the GPU (default 1: one process); N > 1 runs the tests on N
+#                      workers (--dist load: module fixtures are built once per worker). Triton compiles on the CPU,
+#                      so workers shorten the suite where the host has cores to spare.
 # The embedded model is not on the device by default: its tests (marker `model`) skip cleanly unless
 # LRAGENT_EMBEDDED_GGUF names the GGUF (scripts/device_model.sh joins carried .gguf*/part* into one and sets it).
 # Here (no GPU):   bash scripts/gpu_tests.sh --hash    prints the source hash the record names, to compare.
@@ -24,7 +27,9 @@ BUDGET=${GPU_TESTS_BUDGET:-450}
 OUTDIR=${OUT:-./gpu_tests_out}/gpu_tests
 mkdir -p "$OUTDIR"
 PY=$(command -v python3 || command -v python)
-CMD="LRAGENT_COMMIT=${LRAGENT_COMMIT:-} GPU_TESTS_BUDGET=$BUDGET bash scripts/gpu_tests.sh"
+WORKERS=${GPU_TESTS_WORKERS:-1}
+XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS --dist load"
+CMD="LRAGENT_COMMIT=${LRAGENT_COMMIT:-} GPU_TESTS_BUDGET=$BUDGET GPU_TESTS_WORKERS=$WORKERS bash scripts/gpu_tests.sh"
 source_hash > "$OUTDIR/source.sha256"
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > "$OUTDIR/device_model.log" 2>&1
 set +u
@@ -36,7 +41,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee
 
 run_suite() {  # $1 = run name, $2 = seconds allowed (at least 30)
   local t=$(date +%s) allowed=$(( $2 > 30 ? $2 : 30 ))
-  timeout -s INT -k 30 "$allowed" "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 \
+  timeout -s INT -k 30 "$allowed" "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 $XDIST \
     --junitxml="$OUTDIR/$1.xml" tests > "$OUTDIR/$1.log" 2>&1
   echo $? > "$OUTDIR/$1.rc"
   echo $(( $(date +%s) - t )) > "$OUTDIR/$1.seconds"
