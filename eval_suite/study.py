@@ -361,7 +361,7 @@ def pack(root: Path, out: Path, piece_bytes: int = 15_500_000) -> list[Path]:
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         parts = Path(info.name).parts
-        if any(p in PACK_EXCLUDE for p in parts) or info.name.endswith((".ckpt", ".tmp")):
+        if any(p in PACK_EXCLUDE for p in parts) or info.name.endswith((".ckpt", ".tmp", ".eval.lock")):
             return None
         if "adapters" in parts and len(parts) > parts.index("adapters") + 2:
             return None  # the native checkpoint only; the PEFT directories are re-made by `lragent export`
@@ -391,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2, help="training epochs of every set (equal steps for every λ)")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU memory to fill (default: 90%% of GPU 0's)")
     p.add_argument("--retries", type=int, default=2, help="relaunches of a failed job")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs to spread the jobs over (default: all)")
+    p.add_argument(
+        "--gpus", type=int, default=None, help="how many GPUs to spread the jobs over, GPUs 0..N-1 (default: all)"
+    )
     p.add_argument("--reset-failed", action="store_true", help="run: forget earlier failed attempts first")
     p.add_argument("--partial", action="store_true", help="report: include unfinished evaluations (interim page)")
     p.add_argument("--out", default=None, help="pack / report: output directory")
@@ -406,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--lambdas {args.lambdas!r}: values in [0, 1]")
         if args.runs < 1 or args.epochs < 1:
             raise ValueError(f"--runs and --epochs must be >= 1, got {args.runs}, {args.epochs}")
+        if args.gpus is not None and args.gpus < 1:  # a count, not an index: 0 once meant "all" silently
+            raise ValueError(f"--gpus {args.gpus}: the number of GPUs to use (GPUs 0..N-1), at least 1")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -32,6 +32,9 @@ from eval_suite.study_jobs import Job, is_done
 from lragent.provenance import provenance, provenance_footer
 
 SCHEME_ORDER = ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak")
+ROW_ORDER = (*SCHEME_ORDER, "untrained")
+"""Rows of the every-row table; ``untrained`` is the eval's name for ``--adapter_init zero`` (run under non_shared)."""
+NON_SHARED_ROWS = ("non_shared", "untrained")
 
 
 def _pct(x: float | None, signed: bool = False) -> str:
@@ -50,17 +53,18 @@ def _paired_cell(cell: dict | None) -> str:
 def chance_gap(records: Sequence[dict], seed: int = 0) -> dict[str, Any] | None:
     """``non_shared`` accuracy minus the chance rate, paired by question (ScienceQA), with a 95% bootstrap interval.
 
-    Per question: the mean over runs of ``correct - 1/#options``.
+    Per question: the mean over runs of ``correct - 1/#options``. The untrained set's row (``untrained``, run under
+    ``non_shared``) counts as its ``non_shared`` row.
     """
     per_q: dict[str, list[float]] = defaultdict(list)
     for r in records:
-        if r["row"] == "non_shared":
+        if r["row"] in NON_SHARED_ROWS:
             per_q[str(r["qid"])].append(float(r["correct"]) - 1.0 / len(r["choices"]))
     if not per_q:
         return None
     values = [sum(v) / len(v) for v in per_q.values()]
     mean, lo, hi = bootstrap_mean_interval(values, seed=seed)
-    chance = {str(r["qid"]): 1.0 / len(r["choices"]) for r in records if r["row"] == "non_shared"}
+    chance = {str(r["qid"]): 1.0 / len(r["choices"]) for r in records if r["row"] in NON_SHARED_ROWS}
     return {"mean": mean, "ci95": [lo, hi], "chance": sum(chance.values()) / len(chance), "questions": len(values)}
 
 
@@ -165,7 +169,7 @@ def rows_table(sets: dict[str, dict], bench: str) -> str:
         s = e["summary"]
         if e["meta"]["benchmark"] != bench or not s:
             continue
-        for row in [r for r in SCHEME_ORDER if r in s["rows"]]:
+        for row in [r for r in ROW_ORDER if r in s["rows"]]:
             cell = s["accuracy"][metric][row]["avg"]
             ci = cell["ci95"]
             oof = s["oof"][row]["avg"]

@@ -142,6 +142,8 @@ def test_plan_rows_and_cli_errors(capsys) -> None:
     assert main(["plan", "--lambdas", "0,2"]) == 2
     assert "--lambdas" in capsys.readouterr().err
     assert main(["plan", "--benchmarks", "mmlu"]) == 2
+    assert main(["run", "--gpus", "0"]) == 2  # a count: 0 must not mean "all GPUs"
+    assert "--gpus 0" in capsys.readouterr().err
 
 
 def _episode(row: str, qid: str, run: int, correct: bool, n: int) -> dict:
@@ -167,24 +169,27 @@ def test_report_from_job_outputs(tmp_path: Path) -> None:
     root = tmp_path / "study"
     plan = build_plan(("scienceqa",), (0.0, 0.5), runs=2)
     for j in plan:
-        if j.kind != "eval" or "lam" not in j.name:
+        if j.kind != "eval" or ("lam" not in j.name and "untrained" not in j.name):
             continue
-        scheme = j.meta["scheme"]
+        row = j.meta["row"]  # the untrained set's eval names its row "untrained"
         d = root / j.name
         d.mkdir(parents=True)
-        recs = [
-            _episode(scheme, f"q{q}", r, q % 2 == 0 or scheme == "non_shared", 2) for q in range(6) for r in range(2)
-        ]
+        if row == "untrained":  # right on q0 and q3 only: 1/3 against a chance rate of 1/2
+            recs = [_episode(row, f"q{q}", r, q % 3 == 0, 2) for q in range(6) for r in range(2)]
+        else:
+            recs = [_episode(row, f"q{q}", r, q % 2 == 0 or row == "non_shared", 2) for q in range(6) for r in range(2)]
         (d / "episodes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
-        (d / "summary.json").write_text(json.dumps({"episodes": {scheme: {"0": 6, "1": 6}}}))
+        (d / "summary.json").write_text(json.dumps({"episodes": {row: {"0": 6, "1": 6}}}))
     data = write_report(root, plan, tmp_path / "out")
     md = (tmp_path / "out" / "study.md").read_text()
     s = data["scienceqa_lam0.5"]["summary"]
     assert s["paired_vs_non_shared"]["accuracy"]["base_lr_shared"]["mean"] == pytest.approx(-0.5)
     assert "-50.0 [" in md and "λ study" in md and "above chance" in md
+    assert "| scienceqa_untrained | untrained | 33.3 ± 0.0 |" in md  # the untrained row is a row of the tables
+    assert data["scienceqa_untrained"]["chance"]["mean"] == pytest.approx(1 / 3 - 1 / 2)
     assert (tmp_path / "out" / "study.html").read_text().count("<table>") >= 3
     assert (tmp_path / "out" / "lambda_scienceqa.png").stat().st_size > 1000
-    assert "missing" in md  # the untrained and independent-A rows never ran
+    assert "missing" in md  # the independent-A rows never ran
 
 
 def test_pack_leaves_checkpoints_out(tmp_path: Path) -> None:
