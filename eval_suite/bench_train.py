@@ -253,13 +253,17 @@ class FitSpeed(Callback):
         self.stats: dict[str, Any] = {}
         self.t_start = 0.0
         self.t_fit = 0.0
+        self.device = torch.device("cpu")
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.t_fit = time.perf_counter()
+        self.device = pl_module.device
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # The device the steps ran on: by on_fit_end Lightning's teardown has moved the module to the CPU.
+        self.device = pl_module.device
         _sync(pl_module.device)
         self.stats = _batch_stats(batch)
         self.t_start = time.perf_counter()
@@ -269,7 +273,7 @@ class FitSpeed(Callback):
         self.records.append({**self.stats, "seconds": time.perf_counter() - self.t_start})
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        dev = pl_module.device
+        dev = self.device  # not pl_module.device: the module is back on the CPU here
         rank = pl_module.lora_config.rank
         shape = ModelShape.from_config(pl_module.lora_model.model.config, rank, pl_module.lora_config.targets)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

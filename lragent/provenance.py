@@ -2,7 +2,8 @@
 
 Every JSON or Markdown result the toolkit writes carries :func:`provenance` (as a ``"provenance"`` key) or its
 :func:`provenance_footer`. On machines where the checkout has no ``.git`` (a copy of the working tree sent to a GPU
-machine), the commit comes from ``$LRAGENT_GIT_COMMIT`` / ``$LRAGENT_GIT_DIRTY``, set by whoever sent the copy.
+machine, or one whose ``.git`` is a stale snapshot), the commit comes from ``$LRAGENT_GIT_COMMIT`` (or
+``$LRAGENT_COMMIT``, the name the GPU scripts take) / ``$LRAGENT_GIT_DIRTY``, set by whoever sent the copy.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _version(name: str) -> str | None:
 @lru_cache(maxsize=1)
 def _git() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the checkout, or the values handed over in the environment."""
-    env_commit = os.environ.get("LRAGENT_GIT_COMMIT")
+    env_commit = os.environ.get("LRAGENT_GIT_COMMIT") or os.environ.get("LRAGENT_COMMIT")
     if env_commit:
         return env_commit, os.environ.get("LRAGENT_GIT_DIRTY", "0") not in ("", "0", "false", "False")
     try:

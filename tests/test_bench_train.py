@@ -271,3 +271,42 @@ def test_an_out_of_memory_setting_is_a_row_not_the_end() -> None:
         "warmup_steps": 1,
     }  # fmt: skip
     assert "| lragent | 0.5 | off | no | out of memory |" in render_markdown(result)
+
+
+def test_fit_speed_reports_the_device_it_trained_on(tmp_path: Path, monkeypatch) -> None:
+    """Lightning moves the module back to the CPU before ``on_fit_end``: peak memory, MFU and the provenance must
+    still describe the GPU the steps ran on (an H200 fit once reported device cpu, no peak memory and no MFU)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    import eval_suite.bench_train as bt
+
+    seen: dict[str, str] = {}
+    monkeypatch.setattr(bt, "_sync", lambda device: None)
+    monkeypatch.setattr(bt, "_batch_stats", lambda batch: {"lengths": [64], "n_scored": 16, "padded": 64,
+                                                            "n_examples": 1})  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2**31)
+    monkeypatch.setattr(bt, "provenance", lambda device=None, **kw: seen.setdefault("device", device))
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=258)  # fmt: skip
+    module = SimpleNamespace(
+        device=torch.device("cuda", 0),
+        lora_config=SimpleNamespace(rank=4, targets=("q_proj", "v_proj")),
+        lora_model=SimpleNamespace(model=SimpleNamespace(config=config)),
+        train_config=SimpleNamespace(lambda_shared=0.0),
+    )
+    cb = bt.FitSpeed(str(tmp_path / "speed.json"), warmup=0)
+    cb.on_fit_start(None, module)
+    for i in range(2):
+        cb.on_train_batch_start(None, module, None, i)
+        cb.on_train_batch_end(None, module, None, None, i)
+    module.device = torch.device("cpu")  # Lightning's teardown
+    cb.on_fit_end(SimpleNamespace(global_step=2), module)
+    out = json.loads((tmp_path / "speed.json").read_text())
+    assert out["peak_memory_gib"] == 1.0 and out["peak_reserved_gib"] == 2.0
+    assert out["mfu"] is not None and out["mfu"] > 0
+    assert seen["device"] == "cuda"
