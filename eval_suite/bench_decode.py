@@ -77,7 +77,7 @@ def time_engine(
         cuda_graphs=graphs,
         sync_every=32,
     )
-    prompts = _rows_prompt(model.engine.vocab_size, batch, context, seed=batch)
+    prompts = _rows_prompt(model.decoder.vocab_size, batch, context, seed=batch)
     result = {}
     for _ in range(2):  # the first round captures graphs and compiles kernels
         for r in range(batch):

@@ -59,7 +59,7 @@ def run_trace(engine, model, l_ctx: int, seed: int) -> dict:
     from lragent.engine import GenerationRequest
 
     g = torch.Generator().manual_seed(seed)
-    vocab = model.engine.vocab_size
+    vocab = model.decoder.vocab_size
     engine.reset(0)
     steps = []
     total_len_sum = 0

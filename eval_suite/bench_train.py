@@ -345,7 +345,7 @@ def time_lragent(
     module.train_config.lambda_shared = lam
     module.hparams.lambda_shared = lam
     if module.lora_model is not None:
-        module.lora_model.engine.gradient_checkpointing = checkpointing
+        module.lora_model.decoder.gradient_checkpointing = checkpointing
     module.hparams.gradient_checkpointing = checkpointing
     timer = _StepTimer(device, warmup)
     trainer = Trainer(

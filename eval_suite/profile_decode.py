@@ -164,7 +164,7 @@ def profile_batch(lm, scheme: str, batch: int, context: int, steps: int, device:
     warm = 2 * 32  # graph capture and kernel compilation happen here, outside the timings
     capacity = context + warm + 3 * steps + 8
     g = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, lm.engine.vocab_size, (batch, context), generator=g).tolist()
+    prompts = torch.randint(0, lm.decoder.vocab_size, (batch, context), generator=g).tolist()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     result: dict = {"batch": batch}
 

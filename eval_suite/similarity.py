@@ -251,7 +251,7 @@ def capture_projections(model: MultiLoraModel) -> Iterator[dict[int, dict[str, t
 def _forward_roles(model: MultiLoraModel, ids: torch.Tensor, role_ids: torch.Tensor) -> None:
     """One plain forward of the rows of ``ids`` ``(R, T)``, row ``i`` as role ``role_ids[i]``, with a fresh plain
     cache (the only place that drives the runtime; logits of the last position only)."""
-    model.engine.forward(ids, role_ids, last_only=True)
+    model.decoder.forward(ids, role_ids, last_only=True)
 
 
 @torch.no_grad()

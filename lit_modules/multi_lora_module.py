@@ -352,7 +352,7 @@ class MultiLoraModule(LightningModule):
             for p in self.lora_model.lora_parameters():  # the trained weights stay float32 under a low-precision base
                 p.data = p.data.float()
             self.lora_model.init_adapters("zero", seed=self.hparams.adapter_seed)
-        self.lora_model.engine.gradient_checkpointing = bool(self.hparams.get("gradient_checkpointing", False))
+        self.lora_model.decoder.gradient_checkpointing = bool(self.hparams.get("gradient_checkpointing", False))
         if self.hparams.adapters_path is not None:
             from lragent.adapters_io import load_adapter_dir
 

@@ -240,7 +240,7 @@ class Engine:
             raise ValueError(f"prefill_in_decode must be an int >= 0 (0: off), got {prefill_in_decode!r}")
         self.prefill_in_decode = int(prefill_in_decode)
         self.model = model
-        self.dec = model.engine
+        self.dec = model.decoder  # the per-layer DecoderEngine of the model (not a batched Engine)
         self.tokenizer = tokenizer
         self.rows = rows
         self.use_kernel = use_kernel

@@ -58,12 +58,12 @@ class MultiLoraModel(nn.Module):
         for p in model.parameters():
             p.requires_grad_(False)
         self._lora = _inject(model, config)
-        self.engine = DecoderEngine(model)
+        self.decoder = DecoderEngine(model)
 
     # ---- parameters ---------------------------------------------------------------------------------------------
     @property
     def n_layers(self) -> int:
-        return self.engine.n_layers
+        return self.decoder.n_layers
 
     def lora_modules(self) -> dict[str, MultiLoraLinear]:
         """The injected layers by module path (``model.layers.{i}.self_attn.q_proj`` ...)."""
@@ -160,14 +160,14 @@ class MultiLoraModel(nn.Module):
             # causal attention (flash kernels) gives the same outputs at every real position.
             attention_mask = None
         if output_index is None:
-            return self.engine.forward(input_ids, role_ids, positions=position_ids, key_mask=attention_mask)
+            return self.decoder.forward(input_ids, role_ids, positions=position_ids, key_mask=attention_mask)
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
-        h = self.engine.run_layers(
-            self.engine.embed(input_ids), position_ids, role_ids, ModelCache(self.n_layers), 0, key_mask=attention_mask
+        h = self.decoder.run_layers(
+            self.decoder.embed(input_ids), position_ids, role_ids, ModelCache(self.n_layers), 0, key_mask=attention_mask
         )  # (B, T, hidden)
         # index_select: its backward is an index_add (no sort, no host sync)
-        return self.engine.logits(h.flatten(0, 1).index_select(0, output_index))  # (N, vocab)
+        return self.decoder.logits(h.flatten(0, 1).index_select(0, output_index))  # (N, vocab)
 
     def shared_context_forward(
         self,
@@ -217,14 +217,14 @@ class MultiLoraModel(nn.Module):
         ctx_pos = (context_mask.long().cumsum(-1) - 1).clamp_min(0)
         key_mask = torch.cat([context_mask, target_mask], dim=1)
         # the producer's outputs are not scored, only its cache is used: its last layer stops after writing K/V
-        self.engine.run_layers(
-            self.engine.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask, kv_only_last=True
+        self.decoder.run_layers(
+            self.decoder.embed(context_ids), ctx_pos, producer, cache, 0, key_mask=key_mask, kv_only_last=True
         )
         tgt_pos = context_mask.long().sum(-1, keepdim=True) + (target_mask.long().cumsum(-1) - 1).clamp_min(0)
-        h = self.engine.run_layers(self.engine.embed(target_ids), tgt_pos, consumer, cache, tc, key_mask=key_mask)
+        h = self.decoder.run_layers(self.decoder.embed(target_ids), tgt_pos, consumer, cache, tc, key_mask=key_mask)
         if output_index is not None:
             h = h.flatten(0, 1).index_select(0, output_index)  # (N, hidden)
-        return self.engine.logits(h)
+        return self.decoder.logits(h)
 
     def shared_sequence_forward(
         self,
@@ -272,10 +272,10 @@ class MultiLoraModel(nn.Module):
         roles = torch.where(pos < split.to(dev)[:, None], producer[:, None], consumer[:, None])  # (B, T)
         cache = ModelCache(self.n_layers, decomposed=layout.decomposed)
         # use_kernel=False: the fused attention kernel has no backward, and this forward trains
-        h = self.engine.run_layers(self.engine.embed(input_ids), pos, roles, cache, 0, use_kernel=False)
+        h = self.decoder.run_layers(self.decoder.embed(input_ids), pos, roles, cache, 0, use_kernel=False)
         if output_index is not None:
             h = h.flatten(0, 1).index_select(0, output_index)  # (N, hidden)
-        return self.engine.logits(h)
+        return self.decoder.logits(h)
 
     # ---- comparison helpers -------------------------------------------------------------------------------------
     @torch.no_grad()

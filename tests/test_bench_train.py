@@ -111,13 +111,13 @@ def test_checkpointing_gives_the_same_loss_and_gradients(tmp_path: Path, scheme:
         saved.append(t.numel())
         return t
 
-    m.lora_model.engine.gradient_checkpointing = True
+    m.lora_model.decoder.gradient_checkpointing = True
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss1, grads1 = _loss_and_grads(m, batch, seed=7)
     assert torch.allclose(loss0, loss1, atol=1e-6, rtol=0)
     for g0, g1 in zip(grads0, grads1, strict=True):
         assert torch.allclose(g0, g1, atol=1e-6, rtol=1e-5)
-    m.lora_model.engine.gradient_checkpointing = False
+    m.lora_model.decoder.gradient_checkpointing = False
     saved_plain: list[int] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_plain.append(t.numel()) or t, lambda t: t):
         _loss_and_grads(m, batch, seed=7)
@@ -126,7 +126,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(tmp_path: Path, scheme:
 
 def test_module_sets_checkpointing_and_bfloat16_base_with_float32_adapters(tmp_path: Path) -> None:
     m = tiny_module(model_dtype="bfloat16", gradient_checkpointing=True, lambda_shared=0.5)
-    assert m.lora_model.engine.gradient_checkpointing
+    assert m.lora_model.decoder.gradient_checkpointing
     assert m.lora_model.model.lm_head.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in m.lora_model.lora_parameters())
     m.lora_model.init_adapters("random", seed=1, b_std=0.5)

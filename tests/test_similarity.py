@@ -180,7 +180,7 @@ def test_measurement_matches_a_hand_computation_on_merged_transformers_models(ar
             rot = []
             for r in (i, j):
                 k = ks[(r, li)].double()  # (T, H_kv * D)
-                head_dim = model.engine.head_dim
+                head_dim = model.decoder.head_dim
                 k4 = k.view(1, len(ids), -1, head_dim).transpose(1, 2)  # (1, H_kv, T, D)
                 c, s = rotary(k4.float(), pos)
                 rot.append(
