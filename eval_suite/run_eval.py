@@ -184,6 +184,7 @@ def episode_record(
         "steps": result.cycles,
         "constrained_calls": result.constrained_calls,
         "actions": [f"{st.action_type}[{st.argument}]" for st in result.steps],
+        "thoughts": [st.thought.strip() for st in result.steps],  # what each cycle reasoned, to read why it acted
         "num_tokens": result.num_tokens,
         "wall_s": result.wall_s,
         "roles": {r: {k: getattr(s, k) for k in ROLE_FIELDS} for r, s in result.role_stats.items()},

@@ -140,6 +140,9 @@ def test_records_hold_scores_and_costs(reference):
     r = recs[0]
     assert {"qid", "level", "scheme", "run", "seed", "prediction", "gold", "em", "f1", "oof", "steps"} <= set(r)
     assert {"num_tokens", "stop_reason", "wall_s"} <= set(r)
+    # one thought per cycle, beside its action (the thoughts say why an agent answered what it did)
+    assert all(len(x["thoughts"]) == len(x["actions"]) == x["steps"] for x in recs)
+    assert any(t for x in recs for t in x["thoughts"]) and all(isinstance(t, str) for x in recs for t in x["thoughts"])
     assert set(r["roles"]) == {"plan", "action", "reflect"}
     assert {"prefill_s", "decode_s", "prefill_tokens", "decode_tokens"} <= set(r["roles"]["plan"])
     # the fake's three outcomes all occur: right, wrong, OOF
