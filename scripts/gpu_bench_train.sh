@@ -13,7 +13,8 @@
 #   peft_check.json              the PEFT directories loaded back into transformers + peft: equal logits per role
 #   timings.txt                  wall seconds of each phase;  nvidia-smi.txt
 #
-# Run (the lead, on the device machine):  bash scripts/gpu_bench_train.sh
+# Run (the lead, on the device machine):  LRAGENT_COMMIT=<sha> bash scripts/gpu_bench_train.sh
+#   (LRAGENT_COMMIT: the commit the provenance names; the device copy's .git can be a stale snapshot)
 # CPU check of the commands (tiny model, seconds):
 #   OUT=/tmp/gbt LRAGENT_MODEL=tiny-llama LRAGENT_OVERRIDES='{"vocab_size": 258, "num_hidden_layers": 2}' \
 #     LRAGENT_SEQ=128 LRAGENT_FIT_LEN=128 LRAGENT_BENCH_STEPS=1 bash scripts/gpu_bench_train.sh
