@@ -15,7 +15,7 @@ ROOT=/tmp/study
 if [ ! -d $ROOT ] && [ -d results/study/root ]; then cp -r results/study/root $ROOT; fi
 mkdir -p $ROOT
 python3 -c "from lragent.models import load_model; load_model('default')" 2>&1 | tail -1   # GGUF -> safetensors, once
-if ! pgrep -f "eval_suite.study run" >/dev/null; then
+if ! pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run" >/dev/null; then  # the driver itself, not any command line that names it
   setsid nohup python3 -m eval_suite.study run --root $ROOT --reset-failed "$@" >> $ROOT/driver.log 2>&1 < /dev/null &
   sleep 5
 fi
