@@ -54,13 +54,28 @@ def attention_mask(q_len: int, k_len: int, key_mask: torch.Tensor | None, device
     return mask
 
 
+def flash_takes_wide_values(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when FlashAttention can run Q/K zero-padded to V's head width (``(B, H, L, D)`` each): half precision
+    and a width of at most 256 that is a multiple of 8 (its kernels' limits)."""
+    width = v.shape[-1]
+    return q.dtype in _KERNEL_DTYPES and v.dtype == q.dtype and width <= 256 and width % 8 == 0
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
     q_len, k_len = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if key_mask is None and q_len == k_len:
+        if q.is_cuda and v.shape[-1] != q.shape[-1] and flash_takes_wide_values(q, v):
+            # [V_base | V_lr] is wider than Q and K, and FlashAttention wants one head width: Q and K get zero
+            # columns (Q Kᵀ unchanged, the scale stays 1/sqrt(D)) and FlashAttention runs with GQA, no expanded KV
+            # heads. The training step's shared pass (λ > 0) spends its attention here.
+            pad = v.shape[-1] - q.shape[-1]
+            scale = q.shape[-1] ** -0.5
+            q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         if gqa and q.is_cuda and v.shape[-1] != q.shape[-1]:
-            # [V_base | V_lr] is wider than Q: FlashAttention cannot take it and GQA would fall to the math kernel;
-            # expanded KV heads take the memory-efficient kernel (as the masked case below). Same values.
+            # float32 (no FlashAttention): GQA would fall to the math kernel; expanded KV heads take the
+            # memory-efficient kernel (as the masked case below). Same values.
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
