@@ -58,7 +58,15 @@ def flash_takes_wide_values(q: torch.Tensor, v: torch.Tensor) -> bool:
     """True when FlashAttention can run Q/K zero-padded to V's head width (``(B, H, L, D)`` each): half precision
     and a width of at most 256 that is a multiple of 8 (its kernels' limits)."""
     width = v.shape[-1]
-    return q.dtype in _KERNEL_DTYPES and v.dtype == q.dtype and width <= 256 and width % 8 == 0
+    return compute_dtype(q) in _KERNEL_DTYPES and width <= 256 and width % 8 == 0
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA computes ``t`` in: autocast's on CUDA when it is on (training: RoPE leaves Q in float32 and
+    autocast casts it at the SDPA call), else ``t``'s own."""
+    if t.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return t.dtype
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -71,7 +79,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             # heads. The training step's shared pass (λ > 0) spends its attention here.
             pad = v.shape[-1] - q.shape[-1]
             scale = q.shape[-1] ** -0.5
-            q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
+            dt = compute_dtype(q)
+            q, k, v = F.pad(q.to(dt), (0, pad)), F.pad(k.to(dt), (0, pad)), v.to(dt)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         if gqa and q.is_cuda and v.shape[-1] != q.shape[-1]:
             # float32 (no FlashAttention): GQA would fall to the math kernel; expanded KV heads take the
@@ -80,10 +89,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if key_mask is None and q.is_cuda and q.dtype in _KERNEL_DTYPES:
+    if key_mask is None and q.is_cuda and compute_dtype(q) in _KERNEL_DTYPES:
         # A chunk at the end of the keys: FlashAttention's bottom-right causal variant, no mask tensor.
         from torch.nn.attention.bias import causal_lower_right
 
+        # the causal-bias dispatch checks dtypes before autocast casts them (RoPE leaves Q/K in float32)
+        dt = compute_dtype(q)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), enable_gqa=gqa)
     mask = attention_mask(q_len, k_len, key_mask, q.device)
     if gqa and mask is not None and q.is_cuda:
