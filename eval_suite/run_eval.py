@@ -554,6 +554,8 @@ def run_plan(plan: EvalPlan) -> int:
         most = min(MAX_AUTO_BATCH, len(plan.questions) * a["runs"]) or 1
         batch = choose_batch(a["model"], plan.schemes, batch, a["capacity"], dtype=a["dtype"], device=run_device,
                              rank=a["rank"], droidspeak_layers=plan.droidspeak_layers, max_batch=most)  # fmt: skip
+        if a["batch"] == "auto":
+            print(f"eval: --batch auto: {batch} episodes at once (what fits; at most {most})", file=sys.stderr)
 
     with DirectoryLock(out_dir):
         toolbox_factory, corpus_desc = bench.toolbox_factory(plan.corpus_files)

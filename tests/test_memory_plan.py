@@ -131,3 +131,4 @@ def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys,
     with pytest.raises(Stop):
         cli.main([*argv, "--batch", "auto", "--out", str(tmp_path / "b")])
     assert chosen == {"batch": 12}
+    assert "eval: --batch auto: 12 episodes at once" in capsys.readouterr().err  # the user sees what was chosen
