@@ -2,9 +2,9 @@
 
 A task is one episode as a request generator (:meth:`lragent.agents.AgentLoop.episode`) plus what the runner
 needs to file its result. :class:`SequentialExecutor` runs one task at a time with a fresh policy each (the eval
-command's: a :class:`~lragent.agents.SessionPolicy` over a ``MultiAgentSession``); a batched executor may hold many episodes at
-once, answer their requests together and hand results back as episodes end. The runner appends each result to the
-episode log as soon as it arrives, so any order is safe.
+command's: a :class:`~lragent.agents.SessionPolicy` over a ``MultiAgentSession``); a batched executor may hold many
+episodes at once, answer their requests together and hand results back as episodes end. The runner appends each
+result to the episode log as soon as it arrives, so any order is safe.
 """
 
 from __future__ import annotations

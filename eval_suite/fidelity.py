@@ -41,10 +41,10 @@ import torch.nn.functional as F
 
 from eval_suite.report import markdown_table
 from lragent.agents.prompts import last_piece_start
+from lragent.engine import Engine, GenerationRequest
 from lragent.lora_model import MultiLoraModel
 from lragent.paths import DATA_DIR
 from lragent.schemes import SCHEMES, Scheme
-from lragent.engine import Engine, GenerationRequest
 
 SHARED_SPLITS: tuple[str, ...] = ("last", "piece")
 POOLS: tuple[str, ...] = ("heldout", "dev", "val")

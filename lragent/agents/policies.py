@@ -2,8 +2,9 @@
 
 * :class:`ScriptedPolicy` plays canned outputs (tests).
 * :class:`SessionPolicy` runs every call through a ``lragent.session.MultiAgentSession`` its caller opens (one
-  shared KV cache per episode, under the caller's sharing scheme), sampling as LRAgent's evaluation does (temperature and nucleus top-p) or
-  greedily (temperature 0), and answers :class:`~lragent.agents.requests.Choose` requests by teacher forcing.
+  shared KV cache per episode, under the caller's sharing scheme), sampling as LRAgent's evaluation does
+  (temperature and nucleus top-p) or greedily (temperature 0), and answers
+  :class:`~lragent.agents.requests.Choose` requests by teacher forcing.
 
 :func:`lragent.agents.loop.drive` answers an episode's requests with a policy; a batched engine replaces both.
 """
