@@ -227,8 +227,8 @@ def test_session_chain(tmp_path, monkeypatch, capsys):
 
     model = tiny_multi_lora(seed=4)
     monkeypatch.setattr(sr, "load_lora_model", lambda **kw: (model, Tok()))
-    argv = ["session", "--scheme", "droidspeak", "--adapter_init", "random", "--schedule", "short",
-            "--max_new_tokens", "1", "--device", "cpu", "--out", str(tmp_path / "r.json"), "--quiet", "true"]  # fmt: skip
+    argv = ["session", "--scheme", "droidspeak", "--adapter_init", "random", "--schedule", "short", "--max_new_tokens",
+            "1", "--device", "cpu", "--out", str(tmp_path / "r.json"), "--quiet", "true"]  # fmt: skip
     with SchemeTrail(sr.session, "droidspeak") as trail:
         assert main(argv) == 0, capsys.readouterr().err
     _check(
