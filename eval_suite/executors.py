@@ -1,10 +1,10 @@
 """How episodes are run: an executor takes episode tasks and gives back their results, in any order.
 
 A task is one episode as a request generator (:meth:`lragent.agents.AgentLoop.episode`) plus what the runner
-needs to file its result. :class:`SequentialExecutor` runs one task at a time with a fresh policy each
-(:class:`~lragent.agents.SessionPolicy` over ``MultiAgentSession``); a batched executor may hold many episodes at
-once, answer their requests together and hand results back as episodes end. The runner appends each result to the
-episode log as soon as it arrives, so any order is safe.
+needs to file its result. :class:`SequentialExecutor` runs one task at a time with a fresh policy each (the eval
+command's: a :class:`~lragent.agents.SessionPolicy` over a ``MultiAgentSession``); a batched executor may hold many
+episodes at once, answer their requests together and hand results back as episodes end. The runner appends each
+result to the episode log as soon as it arrives, so any order is safe.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from eval_suite.benchmarks import Question
 from lragent.agents import EpisodeResult, Policy, drive
+from lragent.schemes import Scheme
 
 
 @dataclass
@@ -23,14 +24,14 @@ class EpisodeTask:
 
     Attributes:
         key: ``(row, run, question id)``: the episode-log key of its record.
-        scheme: the cache sharing scheme to run it under.
+        scheme: the cache sharing scheme to run it under (parsed by the command: a ``Scheme``).
         seed: the episode's sampling seed (a function of base seed, run and question: the same for every scheme).
         question: the question.
         episode: the request generator; its first request starts a fresh trajectory.
     """
 
     key: tuple[str, int, str]
-    scheme: str
+    scheme: Scheme
     seed: int
     question: Question
     episode: Generator
@@ -46,18 +47,21 @@ class EpisodeExecutor(Protocol):
 
 
 class SequentialExecutor:
-    """Runs tasks one after the other, each with a fresh policy from ``policy_factory(scheme, seed)``.
+    """Runs tasks one after the other, each with a fresh policy from ``policy_factory(task)``.
+
+    The executor does not look inside the task: the factory reads its scheme and seed (the eval command's factory
+    opens a ``MultiAgentSession`` under ``task.scheme``).
 
     Args:
-        policy_factory: ``(scheme, episode seed) -> Policy``; called once per episode.
+        policy_factory: ``task -> Policy``; called once per episode.
     """
 
-    def __init__(self, policy_factory: Callable[[str, int], Policy]) -> None:
+    def __init__(self, policy_factory: Callable[[EpisodeTask], Policy]) -> None:
         self.policy_factory = policy_factory
 
     def run(self, tasks: Iterable[EpisodeTask]) -> Iterator[tuple[EpisodeTask, EpisodeResult]]:
         """Runs each task to its end (``policy.reset()``, then :func:`lragent.agents.drive`) and yields it."""
         for task in tasks:
-            policy = self.policy_factory(task.scheme, task.seed)
+            policy = self.policy_factory(task)
             policy.reset()
             yield task, drive(task.episode, policy)

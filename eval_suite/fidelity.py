@@ -2,10 +2,11 @@
 
 For a held-out role example (``{"input", "output"}`` of a consumer role), the trajectory is ``input + output + EOS``.
 A **producer** role encodes the context into the scheme's cache, then the **consumer** (the example's own role)
-processes the rest, teacher-forced, through :class:`~lragent.session.MultiAgentSession`::
+processes the rest, teacher-forced, on row 0 of a one-row :class:`~lragent.engine.Engine` (what a
+``MultiAgentSession`` step runs)::
 
-    session.append(ids[:split]); session.step(producer, max_new_tokens=0)
-    session.append(ids[split:]); session.step(consumer, max_new_tokens=0, return_logits=True)
+    engine.append(0, ids[:split]); engine.generate(0, GenerationRequest(producer, max_new_tokens=0))
+    engine.append(0, ids[split:]); engine.generate(0, GenerationRequest(consumer, max_new_tokens=0, return_logits=True))
 
 ``split`` is where the shared cache ends, as in the cache-sharing-aware training loss (``--shared_split``): ``last``
 (default: everything but the last context token, so the consumer's logits cover every output token, the first one
@@ -40,10 +41,10 @@ import torch.nn.functional as F
 
 from eval_suite.report import markdown_table
 from lragent.agents.prompts import last_piece_start
+from lragent.engine import Engine, GenerationRequest
 from lragent.lora_model import MultiLoraModel
 from lragent.paths import DATA_DIR
-from lragent.schemes import SCHEMES
-from lragent.session import MultiAgentSession
+from lragent.schemes import SCHEMES, Scheme
 
 SHARED_SPLITS: tuple[str, ...] = ("last", "piece")
 POOLS: tuple[str, ...] = ("heldout", "dev", "val")
@@ -186,7 +187,7 @@ def producer_for(roles: Sequence[str], consumer: str, producer: str) -> str:
 @torch.no_grad()
 def scheme_logits(
     model: MultiLoraModel,
-    scheme: str,
+    scheme: str | Scheme,
     example: FidelityExample,
     producer: str,
     *,
@@ -202,12 +203,14 @@ def scheme_logits(
     """
     ids = list(example.ids)
     split = example.split(shared_split)
-    session = MultiAgentSession(model, scheme, droidspeak_layers=droidspeak_layers, use_kernel=use_kernel)
+    # one trajectory, grown as needed: the engine a MultiAgentSession would open (capacity 1024, growable)
+    engine = Engine(model, scheme, capacity=1024, growable=True, droidspeak_layers=droidspeak_layers,
+                    use_kernel=use_kernel)  # fmt: skip
     if split > 0:
-        session.append(ids[:split])
-        session.step(producer, max_new_tokens=0)
-    session.append(ids[split:])
-    res = session.step(example.role, max_new_tokens=0, return_logits=True)
+        engine.append(0, ids[:split])
+        engine.generate(0, GenerationRequest(model.router.id(producer), max_new_tokens=0))
+    engine.append(0, ids[split:])
+    res = engine.generate(0, GenerationRequest(model.router.id(example.role), max_new_tokens=0, return_logits=True))
     first = res.logit_positions[0]
     start, end = example.context_len - 1, len(ids) - 1
     assert first <= start and res.logit_positions[-1] >= end - 1, (first, start, res.logit_positions[-1])

@@ -194,7 +194,7 @@ def episode_record(
 
 def run_episodes(
     questions: Sequence[Question],
-    schemes: Sequence[str],
+    schemes: Sequence[Scheme],
     runs: int,
     executor: EpisodeExecutor,
     out_dir: str | Path,
@@ -220,7 +220,8 @@ def run_episodes(
         questions: the questions (already limited / sharded).
         schemes: sharing schemes to run.
         runs: repetitions per question.
-        executor: runs the episodes (e.g. ``SequentialExecutor(policy_factory)``); results may come in any order.
+        executor: runs the episodes (e.g. ``SequentialExecutor(build_policy_factory(...))``); results may come in any
+            order.
         out_dir: output directory (created).
         benchmark: ``hotpotqa`` or ``scienceqa``.
         adapters: where the adapters came from (``DIR``, ``init:random``; ``init:zero`` makes the row ``untrained``).
@@ -304,17 +305,22 @@ def build_policy_factory(
     top_p: float,
     use_kernel: bool,
     droidspeak_layers: list[int] | None,
-) -> Callable[[str, int], Policy]:
-    """``(scheme, seed) -> SessionPolicy`` over one model with its adapters (loaded once by the caller)."""
+) -> Callable[[EpisodeTask], Policy]:
+    """``task -> SessionPolicy`` over one model with its adapters (loaded once by the caller): each episode runs on a
+    fresh :class:`~lragent.session.MultiAgentSession` under the task's scheme (the ``Scheme`` parsed from
+    ``--scheme``), opened here, so the scheme goes from this command to the session directly."""
     from lragent.agents import SessionPolicy
+    from lragent.session import MultiAgentSession
 
-    def factory(scheme: str, seed: int) -> Policy:
-        kwargs: dict[str, Any] = {"use_kernel": use_kernel}
-        if scheme == "droidspeak" and droidspeak_layers is not None:
-            kwargs["droidspeak_layers"] = droidspeak_layers
-        return SessionPolicy(
-            model, tokenizer, scheme=scheme, temperature=temperature, top_p=top_p, seed=seed, session_kwargs=kwargs
-        )
+    def factory(task: EpisodeTask) -> Policy:
+        scheme = task.scheme
+
+        def new_session() -> MultiAgentSession:
+            return MultiAgentSession(
+                model, scheme, tokenizer=tokenizer, use_kernel=use_kernel, droidspeak_layers=droidspeak_layers
+            )
+
+        return SessionPolicy(new_session, temperature=temperature, top_p=top_p, seed=task.seed)
 
     return factory
 

@@ -30,6 +30,7 @@ import torch
 from lragent.cache_views import DecodeView, PrefillView
 from lragent.lora_model import MultiLoraModel
 from lragent.sampling import check_sampling, sample_next
+from lragent.schemes import Scheme
 from lragent.sharing import Forward, LRPrefill, PlanOp, Recompute, Trajectory, make_scheme
 from lragent.static_cache import StaticCachePool
 
@@ -195,7 +196,9 @@ class Engine:
 
     Args:
         model: the multi-LoRA model (its device and dtype are the engine's).
-        scheme: sharing scheme name.
+        scheme: the sharing scheme: a :class:`~lragent.schemes.Scheme` (as a command parsed it; taken as it is) or its
+            name. The engine builds the scheme object (:func:`~lragent.sharing.make_scheme`) for this model and
+            ``rows``, and its plan is what the engine runs through the decoder.
         rows: number of independent trajectories.
         capacity: positions per trajectory slot; the pool is allocated once to it.
         tokenizer: needed for stop strings, text and :meth:`append_text`.
@@ -218,7 +221,7 @@ class Engine:
     def __init__(
         self,
         model: MultiLoraModel,
-        scheme: str,
+        scheme: str | Scheme,
         *,
         rows: int = 1,
         capacity: int = 4096,

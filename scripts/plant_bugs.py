@@ -288,11 +288,23 @@ BUGS = {
         "        self.scheme = Scheme.parse(str(scheme))\n",
         "tests/test_scheme_parse_once.py",
     ),
-    "SessionPolicy hands the session the scheme's name": (
-        "lragent/agents/policies.py",
-        "        self.scheme = scheme\n",
-        "        self.scheme = str(scheme)\n",
-        "tests/test_scheme_parse_once.py",
+    "the eval factory hands the session the scheme's name (a second parse)": (
+        "eval_suite/run_eval.py",
+        "                model, scheme, tokenizer=tokenizer,",
+        "                model, str(scheme), tokenizer=tokenizer,",
+        "tests/test_scheme_parse_once.py tests/test_scheme_chain.py -k eval",
+    ),
+    "SessionPolicy carries the scheme again (a sixth file on eval's chain)": (
+        "eval_suite/run_eval.py",
+        "        return SessionPolicy(new_session, temperature=temperature, top_p=top_p, seed=task.seed)\n",
+        "        policy = SessionPolicy(new_session, temperature=temperature, top_p=top_p, seed=task.seed)\n        policy.scheme = scheme\n        return policy\n",
+        "tests/test_scheme_chain.py -k eval",
+    ),
+    "fidelity goes through the session again (a sixth file on fidelity's chain)": (
+        "eval_suite/fidelity.py",
+        "    engine = Engine(model, scheme, capacity=1024, growable=True, droidspeak_layers=droidspeak_layers,\n                    use_kernel=use_kernel)  # fmt: skip\n",
+        "    from lragent.session import MultiAgentSession\n\n    engine = MultiAgentSession(model, scheme, droidspeak_layers=droidspeak_layers, use_kernel=use_kernel).engine\n",
+        "tests/test_scheme_chain.py -k fidelity",
     ),
     "the session command passes the raw --scheme name down": (
         "eval_suite/session_runner.py",

@@ -367,11 +367,11 @@ class _FakeSession:
 def test_session_policy_drives_session_api() -> None:
     sessions: list[_FakeSession] = []
 
-    def factory(model: object, **kw: object) -> _FakeSession:
-        sessions.append(_FakeSession(model, **kw))
+    def new_session() -> _FakeSession:
+        sessions.append(_FakeSession(object(), scheme="full_shared", tokenizer=object()))
         return sessions[-1]
 
-    policy = SessionPolicy(object(), object(), scheme="full_shared", seed=7, session_factory=factory)
+    policy = SessionPolicy(new_session, seed=7)
     res = run_episode(policy, HOTPOTQA, "q", lambda a, b: "o")
     s = sessions[-1]
     assert s.scheme == "full_shared" and res.answer == "Paris"

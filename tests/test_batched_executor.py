@@ -14,6 +14,7 @@ from eval_suite.batched_executor import BatchedExecutor
 from eval_suite.executors import EpisodeTask, SequentialExecutor
 from lragent.agents import AgentConfig, AgentLoop, SessionPolicy, get_spec
 from lragent.agents.constraints import YES_NO
+from lragent.session import MultiAgentSession
 
 
 class ByteTokenizer:
@@ -52,11 +53,11 @@ def test_batched_equals_sequential(scheme, temperature, constrained, fed):
     spec = get_spec("hotpotqa")
     cfg = AgentConfig(max_steps=3, thought_tokens=6, action_type_tokens=3, argument_tokens=4, reflect_tokens=3)
 
-    def factory(s: str, seed: int):
-        return SessionPolicy(
-            model, tok, scheme=s, temperature=temperature, top_p=0.75, seed=seed,
-            session_kwargs={"eos_token_ids": [], "droidspeak_layers": [1, 2]},
-        )  # fmt: skip
+    def factory(task: EpisodeTask):
+        def new_session():
+            return MultiAgentSession(model, task.scheme, tokenizer=tok, eos_token_ids=[], droidspeak_layers=[1, 2])
+
+        return SessionPolicy(new_session, temperature=temperature, top_p=0.75, seed=task.seed)
 
     seq = {t.key: r for t, r in SequentialExecutor(factory).run(_tasks(spec, cfg, 5, scheme, constrained))}
     batched_ex = BatchedExecutor(model, tok, batch=3, capacity=4096, temperature=temperature, top_p=0.75,

@@ -90,9 +90,9 @@ class Factory:
         }  # ScienceQA: the gold letter
         self.calls = 0
 
-    def __call__(self, scheme: str, seed: int) -> FakePolicy:
+    def __call__(self, task) -> FakePolicy:
         self.calls += 1
-        return FakePolicy(scheme, seed, self.answers)
+        return FakePolicy(task.scheme, task.seed, self.answers)
 
 
 def _tools(q):
@@ -400,7 +400,7 @@ class ReversedExecutor:
         pending = list(tasks)
         before = len(read_episodes(self.log_path))
         for k, task in enumerate(reversed(pending)):
-            policy = self.factory(task.scheme, task.seed)
+            policy = self.factory(task)
             policy.reset()
             self.order.append(task.key)
             yield task, drive(task.episode, policy)

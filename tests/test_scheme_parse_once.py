@@ -26,7 +26,9 @@ def parses(monkeypatch):
 
 @pytest.mark.parametrize("spec", ["droidspeak", "base_shared,base_lr_shared"])
 def test_eval_path_parses_each_name_once(parses, spec):
-    """eval: parse_schemes -> the policy factory -> SessionPolicy -> MultiAgentSession -> Engine -> make_scheme."""
+    """eval: parse_schemes -> the command's policy factory opens MultiAgentSession -> Engine -> make_scheme (the
+    SessionPolicy is handed the session opener and never sees the scheme; test_scheme_chain.py follows every file)."""
+    from eval_suite.executors import EpisodeTask
     from eval_suite.run_eval import build_policy_factory
 
     model = tiny_multi_lora(seed=5)
@@ -34,7 +36,8 @@ def test_eval_path_parses_each_name_once(parses, spec):
     assert parses == spec.split(",") and all(isinstance(s, Scheme) for s in schemes)
     factory = build_policy_factory(model, None, temperature=0.0, top_p=1.0, use_kernel=False, droidspeak_layers=None)
     for s in schemes:
-        policy = factory(s, 0)
+        policy = factory(EpisodeTask(key=(str(s), 0, "q"), scheme=s, seed=0, question=None, episode=None))
+        assert "scheme" not in vars(policy)
         policy.reset()
         policy.session.append([3, 4, 5, 6])
         policy.session.step("plan", max_new_tokens=2)

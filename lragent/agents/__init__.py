@@ -1,6 +1,6 @@
 """AutoAct agents on a shared trajectory: prompts, offline tools and the plan/action/reflect loop.
 
-Nothing here imports torch; :class:`~lragent.agents.loop.SessionPolicy` imports the session lazily.
+Nothing here imports torch: :class:`~lragent.agents.policies.SessionPolicy` is handed a function that opens a session.
 """
 
 from lragent.agents.constraints import action_type_options, answer_options, is_judgement_question

@@ -1,9 +1,10 @@
 """The model side of the agent loop, one request at a time: the :class:`Policy` protocol and two policies.
 
 * :class:`ScriptedPolicy` plays canned outputs (tests).
-* :class:`SessionPolicy` runs every call through ``lragent.session.MultiAgentSession`` (one shared KV cache per
-  episode, under a sharing scheme), sampling as LRAgent's evaluation does (temperature and nucleus top-p) or
-  greedily (temperature 0), and answers :class:`~lragent.agents.requests.Choose` requests by teacher forcing.
+* :class:`SessionPolicy` runs every call through a ``lragent.session.MultiAgentSession`` its caller opens (one
+  shared KV cache per episode, under the caller's sharing scheme), sampling as LRAgent's evaluation does
+  (temperature and nucleus top-p) or greedily (temperature 0), and answers
+  :class:`~lragent.agents.requests.Choose` requests by teacher forcing.
 
 :func:`lragent.agents.loop.drive` answers an episode's requests with a policy; a batched engine replaces both.
 """
@@ -179,29 +180,29 @@ def check_sampling(temperature: float, top_p: float) -> None:
 
 
 class SessionPolicy:
-    """A :class:`Policy` over ``lragent.session.MultiAgentSession`` (one shared KV cache per episode).
+    """A :class:`Policy` over a ``lragent.session.MultiAgentSession`` (one shared KV cache per episode).
 
-    Each :meth:`reset` opens a new session; :meth:`generate` appends ``new_text`` with ``session.append_text``
-    and runs ``session.step(role, ...)``. The session keeps the generated text's tokens and drops the stop
-    string's, matching what the loop expects. :meth:`choose` scores options by teacher forcing through the
-    same session (``append``, ``step(max_new_tokens=0, return_logits=True)``, ``truncate``), so each option is
-    scored exactly as the scheme's cache lets ``role`` see the trajectory.
+    Each :meth:`reset` opens a new session with ``new_session()``; :meth:`generate` appends ``new_text`` with
+    ``session.append_text`` and runs ``session.step(role, ...)``. The session keeps the generated text's tokens and
+    drops the stop string's, matching what the loop expects. :meth:`choose` scores options by teacher forcing through
+    the same session (``append``, ``step(max_new_tokens=0, return_logits=True)``, ``truncate``), so each option is
+    scored exactly as the session's sharing scheme lets ``role`` see the trajectory.
+
+    The policy never sees the model or the scheme: whoever builds ``new_session`` chooses them (the eval command
+    builds it with the episode's scheme), so the scheme goes from the command to the session directly.
 
     Tokenisation: text appended in pieces may tokenise slightly differently from the whole string at once.
     The loop appends at natural boundaries (pieces that end with a newline, or ``[\\n### Response:\\n``),
-    which keeps the difference to the junction tokens. An option is tokenised on its own, like every piece.
+    which keeps the difference to the junction tokens. An option is tokenised on its own (with the session's
+    tokenizer), like every piece.
 
     Args:
-        model: the ``lragent`` MultiLoraModel.
-        tokenizer: its tokenizer.
-        scheme: cache sharing scheme (``non_shared``, ``full_shared``, ``droidspeak``, ``base_shared``,
-            ``base_lr_shared``).
+        new_session: opens a fresh, empty session, e.g.
+            ``lambda: MultiAgentSession(model, Scheme.BASE_LR_SHARED, tokenizer=tok)``; called by every
+            :meth:`reset`.
         temperature: sampling temperature (0 = greedy; LRAgent's evaluation samples at 0.9).
         top_p: nucleus mass for sampling, in (0, 1] (LRAgent: 0.75; ignored when greedy).
         seed: base seed; generate call ``i`` of an episode uses ``seed + i`` (None: no seeding).
-        session_factory: builds a session from ``(model, scheme=..., tokenizer=...)``; defaults to
-            ``lragent.session.MultiAgentSession`` (imported on first use).
-        session_kwargs: extra keyword arguments for the session.
 
     Attributes:
         last_scores: the option scores (summed token log-probs) of the latest :meth:`choose` call.
@@ -209,25 +210,19 @@ class SessionPolicy:
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        new_session: Callable[[], Any],
         *,
-        scheme: str = "base_lr_shared",
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
-        session_factory: Callable[..., Any] | None = None,
-        session_kwargs: dict[str, Any] | None = None,
     ) -> None:
         check_sampling(temperature, top_p)
-        self.model = model
-        self.tokenizer = tokenizer
-        self.scheme = scheme
+        if not callable(new_session):
+            raise ValueError(f"new_session must be a callable that opens a session, got {type(new_session).__name__}")
         self.temperature = temperature
         self.top_p = top_p
         self.seed = seed
-        self._factory = session_factory
-        self._session_kwargs = dict(session_kwargs or {})
+        self._new_session = new_session
         self.session: Any = None
         self.last_stats: StepStats | None = None
         self.last_scores: list[float] = []
@@ -235,12 +230,7 @@ class SessionPolicy:
 
     def reset(self) -> None:
         """Opens a new, empty session."""
-        factory = self._factory
-        if factory is None:
-            from lragent.session import MultiAgentSession  # torch-heavy; imported only when used
-
-            factory = MultiAgentSession
-        self.session = factory(self.model, scheme=self.scheme, tokenizer=self.tokenizer, **self._session_kwargs)
+        self.session = self._new_session()
         self.last_stats = None
         self.last_scores = []
         self._calls = 0
@@ -301,7 +291,8 @@ class SessionPolicy:
             self.reset()
         if new_text:
             self.session.append_text(new_text)
-        token_lists = [list(self.tokenizer(o, add_special_tokens=False)["input_ids"]) for o in options]
+        tokenizer = self.session.tokenizer
+        token_lists = [list(tokenizer(o, add_special_tokens=False)["input_ids"]) for o in options]
         empty = [o for o, ids in zip(options, token_lists, strict=True) if not ids]
         if empty:
             raise ValueError(f"options {empty!r} tokenise to nothing")
