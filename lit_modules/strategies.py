@@ -158,7 +158,7 @@ class LoraFSDPStrategy(FSDPStrategy):
         """Loads the plain optimizer states (FSDPStrategy's own method does nothing)."""
         from lightning.fabric.utilities.optimizer import _optimizer_to_device
 
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
             optimizer.load_state_dict(state)
             _optimizer_to_device(optimizer, self.root_device)
 
