@@ -6,28 +6,31 @@ LoRA adapters needs:
 - **Wrap units = frozen leaf modules.** :class:`~lragent.decoder.DecoderEngine` calls the leaf modules (each
   ``nn.Linear`` base, the norms, the embedding, the LM head) itself and never a decoder layer's ``forward``, so a
   decoder layer cannot be an FSDP unit (its parameters would never be gathered). Every module that owns frozen
-  parameters is its own unit: its weights are sharded and gathered around its call, and it holds no gradient. The
-  adapters stay in the root unit (one flat parameter, float32, a few MB even at 8B), gathered for the whole step.
+  parameters is its own unit, sharded with the configured ``sharding_strategy`` (``FULL_SHARD``): its weights are
+  gathered around its call and it holds no gradient.
+- **The adapters are replicated.** They stay in the root unit, which is ``NO_SHARD``: a few MB even at 8B, their
+  gradients all-reduced (averaged) like DDP's, their optimizer state a plain one-device state on every rank.
 - **Tied weights stay in the root.** A weight that two modules share (SmolLM2's input embedding = LM head) cannot
-  be split over two units; both modules stay in the root, whose flat parameter must then have one dtype: a tied
-  ``bfloat16`` base next to float32 adapters is refused with a clear error. Use DDP for such small models
-  (``configs/ddp.yaml``); FSDP is for models that do not fit one GPU (``configs/fsdp_8b.yaml``, untied LLaMA-3.1-8B).
+  be split over two units; both modules stay in the (replicated) root, whose flat parameter must then have one
+  dtype: a tied ``bfloat16`` base next to float32 adapters is refused with a clear error. Use DDP for such small
+  models (``configs/ddp.yaml``); FSDP is for models that do not fit one GPU (``configs/fsdp_8b.yaml``, the untied
+  LLaMA-3.1-8B shapes).
 - **No FSDP casting by default.** Lightning's FSDP mixed precision for ``bf16-mixed`` would cast every buffer (the
   RoPE frequencies) and reduce the gradients in bfloat16. Here ``mixed_precision`` defaults to no parameter or
   buffer cast and float32 gradient reduction; the precision plugin's autocast does the bfloat16 compute, as under
   DDP, so DDP and FSDP train the same numbers.
-- **Adapter-only checkpoints.** ``state_dict_type: full`` would gather the whole 16 GB base to rank 0 at every
-  checkpoint and then drop it (:meth:`~lit_modules.multi_lora_module.MultiLoraModule.on_save_checkpoint` keeps the
-  adapters only). :meth:`LoraFSDPStrategy.lightning_module_state_dict` gathers the root unit only (the adapters),
-  and :meth:`LoraFSDPStrategy.load_checkpoint` writes them back into it: the checkpoint file has the layout of a
-  one-device run, so ``--ckpt_path last`` resumes and ``export`` reads it the same way.
+- **Checkpoints in the one-device layout.** ``state_dict_type: full`` would gather the whole 16 GB base to rank 0 at
+  every checkpoint only for :meth:`~lit_modules.multi_lora_module.MultiLoraModule.on_save_checkpoint` to drop it.
+  Here the state dict is the (replicated) adapters and the optimizer state the optimizer's own: the checkpoint file
+  is the one a single device writes, so ``--ckpt_path last`` resumes under any strategy and ``export`` reads it.
 
 Use: ``trainer.strategy: {class_path: lit_modules.strategies.LoraFSDPStrategy}`` (``configs/fsdp_8b.yaml``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +101,13 @@ class LoraFSDPStrategy(FSDPStrategy):
                 f"{kwargs['state_dict_type']!r}"
             )
         super().__init__(mixed_precision=mixed_precision or _no_cast_mixed_precision(), **kwargs)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``configure_model`` builds the base on this rank's device (an 8B random base: seconds on a GPU, minutes on
+        the CPU); every rank builds the same seeded weights, and wrapping then keeps each rank's shards only."""
+        with torch.device(self.root_device), self.precision_plugin.tensor_init_context():
+            yield
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         from lightning.pytorch.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
