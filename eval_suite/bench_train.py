@@ -280,7 +280,7 @@ class FitSpeed(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         # every rank's totals, gathered while the process group is up (Lightning's teardown precedes on_fit_end)
-        if trainer.world_size <= 1:
+        if getattr(trainer, "world_size", 1) <= 1:
             return
         timed = self.records[self.warmup :]
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else -1.0
@@ -319,7 +319,7 @@ class FitSpeed(Callback):
             provenance=provenance(device=dev.type),
         )
         Path(self.out).parent.mkdir(parents=True, exist_ok=True)
-        if trainer.world_size <= 1:
+        if getattr(trainer, "world_size", 1) <= 1:
             write_json(self.out, result)
             return
         rank = trainer.global_rank
