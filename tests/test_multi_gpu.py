@@ -139,7 +139,7 @@ def test_fsdp_wraps_frozen_leaves_and_keeps_adapters_and_tied_weights_in_the_roo
 # --------------------------------------------------------------------------------------- two CPU processes
 
 
-def _config(tmp_path: Path, name: str, files: dict[str, str]) -> Path:
+def _config(tmp_path: Path, name: str, files: dict[str, str], callbacks: list[dict] | None = None) -> Path:
     run = tmp_path / name
     cfg = {
         "seed_everything": 0,
@@ -167,6 +167,7 @@ def _config(tmp_path: Path, name: str, files: dict[str, str]) -> Path:
                     "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                     "init_args": {"dirpath": f"{run}/checkpoints", "save_top_k": -1, "every_n_epochs": 1},
                 },
+                *(callbacks or []),
             ],
         },
         "model": {
@@ -210,9 +211,19 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_as_one_process(tmp_path: Path) 
     FSDP resumed from the one-process epoch-0 checkpoint (the layouts are one). Adapters, validation losses (every
     held-out example once: 3 validation batches over 2 ranks need a filler) and checkpoints agree."""
     files = write_roles(tmp_path)  # 24 training examples = 12 batches of 2 per epoch; 6 held out = 3 batches
-    one, ddp, fsdp = (_config(tmp_path, n, files) for n in ("one", "ddp", "fsdp"))
+    one, fsdp = (_config(tmp_path, n, files) for n in ("one", "fsdp"))
     _fit(one, "--trainer.accumulate_grad_batches", "2")
+    # FitSpeed under DDP: one file per rank, the job's rate on rank 0
+    speed = {"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{tmp_path}/fs.json"}}
+    ddp = _config(tmp_path, "ddp", files, [speed])
     _fit(ddp, "--config", str(REPO / "configs" / "ddp.yaml"))
+    fs = json.loads((tmp_path / "fs.json").read_text())
+    per_rank = [json.loads((tmp_path / f"fs.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in per_rank] == [0, 1] and fs["world_size"] == 2
+    assert [r["tokens"] for r in fs["ranks"]] == [r["tokens"] for r in per_rank] and per_rank[0]["tokens"] > 0
+    assert per_rank[0]["tokens"] != per_rank[1]["tokens"]  # each rank timed its own batches
+    assert fs["global_tokens"] == sum(r["tokens"] for r in per_rank)
+    assert fs["global_tokens_per_s"] == pytest.approx(fs["global_tokens"] / max(r["seconds"] for r in fs["ranks"]))
     fsdp_overlay = tmp_path / "fsdp_overlay.yaml"
     fsdp_overlay.write_text(
         yaml.safe_dump(
