@@ -131,7 +131,8 @@ def test_fsdp_wraps_frozen_leaves_and_keeps_adapters_and_tied_weights_in_the_roo
     policy = FrozenLeafPolicy(tied)
     layer = hf.model.layers[0]
     assert policy(layer.self_attn.q_proj.base) and policy(layer.self_attn.k_proj) and policy(layer.input_layernorm)
-    assert not policy(layer.self_attn.q_proj)  # holds the adapters: root unit
+    q = layer.self_attn.q_proj
+    assert not policy(q) and not policy(q.lora_A) and not policy(q.lora_B)  # the adapters: root unit
     assert not policy(layer) and not policy(hf.model.embed_tokens) and not policy(hf.lm_head)
     assert id(hf.lm_head.weight) in tied
 
