@@ -15,6 +15,9 @@ LoRA adapters needs:
   dtype: a tied ``bfloat16`` base next to float32 adapters is refused with a clear error. Use DDP for such small
   models (``configs/ddp.yaml``); FSDP is for models that do not fit one GPU (``configs/fsdp_8b.yaml``, the untied
   LLaMA-3.1-8B shapes).
+- **Norm clipping.** The recipes clip the gradient norm at 1.0, which Lightning refuses under FSDP (a shard's norm is
+  not the global one); the only gradients here are the replicated adapters', so :class:`LoraFSDPPrecision` clips
+  them as one device would.
 - **No FSDP casting by default.** Lightning's FSDP mixed precision for ``bf16-mixed`` would cast every buffer (the
   RoPE frequencies) and reduce the gradients in bfloat16. Here ``mixed_precision`` defaults to no parameter or
   buffer cast and float32 gradient reduction; the precision plugin's autocast does the bfloat16 compute, as under
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
@@ -81,6 +85,18 @@ def _no_cast_mixed_precision() -> Any:
     return MixedPrecision(param_dtype=None, reduce_dtype=torch.float32, buffer_dtype=None)
 
 
+class LoraFSDPPrecision(FSDPPrecision):
+    """Lightning's ``FSDPPrecision`` with ``gradient_clip_algorithm: norm`` (the recipes clip at 1.0).
+
+    Lightning refuses norm clipping under FSDP because a sharded gradient's local norm is not the global one. Under
+    :class:`LoraFSDPStrategy` the only gradients are the adapters', replicated and already averaged over the ranks:
+    torch's ``clip_grad_norm_`` over them is the global norm, the same clipping as under DDP or on one device.
+    """
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        Precision.clip_grad_by_norm(self, optimizer, clip_val)
+
+
 class LoraFSDPStrategy(FSDPStrategy):
     """Lightning's ``FSDPStrategy`` for a frozen base with LoRA adapters (module docstring).
 
@@ -101,6 +117,17 @@ class LoraFSDPStrategy(FSDPStrategy):
                 f"{kwargs['state_dict_type']!r}"
             )
         super().__init__(mixed_precision=mixed_precision or _no_cast_mixed_precision(), **kwargs)
+
+    @property
+    def precision_plugin(self) -> FSDPPrecision:
+        """The precision plugin (a :class:`LoraFSDPPrecision`)."""
+        return FSDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if type(plugin) is FSDPPrecision:  # the one Lightning's connector makes: norm clipping allowed
+            plugin = LoraFSDPPrecision(plugin.precision, plugin.scaler)
+        FSDPStrategy.precision_plugin.fset(self, plugin)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:

@@ -38,7 +38,7 @@ if [ -n "$CPU" ]; then  # tiny sizes; the same commands
   EMB=(--trainer.accelerator cpu --trainer.precision 32-true --model.model_name tiny-llama --model.tokenizer_name byte
     --model.model_overrides "$TINY" --data.max_length 512 --data.max_tokens 2048 --data.val_max_per_role 4)
   BIG=(--trainer.accelerator cpu --trainer.precision 32-true --model.model_name tiny-llama --model.model_overrides "$TINY"
-    --model.model_dtype float32 --data.max_length 256)
+    --model.model_dtype float32 --data.max_length 1024)
   EV=(--device cpu --model default --max_steps 1 --thought_tokens 4 --argument_tokens 3)
   EXPORT_DEVICE=cpu
 else
