@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 if [ -n "$CPU" ]; then  # tiny sizes; the same commands
-  EMB_EPOCHS=${EMB_EPOCHS:-1}; EMB_LIMIT1=8; EMB_LIMIT2=4; B_STEPS1=${B_STEPS1:-2}; B_STEPS2=${B_STEPS2:-4}; EV_LIMIT=${EV_LIMIT:-2}
+  EMB_EPOCHS=${EMB_EPOCHS:-1}; EMB_LIMIT1=8; EMB_LIMIT2=4; B_STEPS1=${B_STEPS1:-3}; B_STEPS2=${B_STEPS2:-5}; EV_LIMIT=${EV_LIMIT:-2}
   TINY='{"vocab_size": 258, "num_hidden_layers": 2}'
   EMB=(--trainer.accelerator cpu --trainer.precision 32-true --model.model_name tiny-llama --model.tokenizer_name byte
     --model.model_overrides "$TINY" --data.max_length 512 --data.max_tokens 2048 --data.val_max_per_role 4)
@@ -42,7 +42,7 @@ if [ -n "$CPU" ]; then  # tiny sizes; the same commands
   EV=(--device cpu --model default --max_steps 1 --thought_tokens 4 --argument_tokens 3)
   EXPORT_DEVICE=cpu
 else
-  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=1.0; EMB_LIMIT2=1.0; B_STEPS1=${B_STEPS1:-3}; B_STEPS2=${B_STEPS2:-6}; EV_LIMIT=${EV_LIMIT:-24}
+  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=1.0; EMB_LIMIT2=1.0; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}; EV_LIMIT=${EV_LIMIT:-24}
   EMB=(); BIG=(--data.max_length "${B_LEN:-2048}"); EV=(--device cuda --dtype bfloat16); EXPORT_DEVICE=cuda
 fi
 
@@ -68,13 +68,13 @@ run, out = sys.argv[1], sys.argv[2]
 drop = ("EarlyStopping", "TimeBudget", "ProgressBar", "RunStatus", "ModelCheckpoint", "ExportAdapters")
 
 
-def derive(base: str, name: str, ckpt_every: int | None) -> None:
+def derive(base: str, name: str, ckpt_every: int | None, warmup: int = 2) -> None:
     cfg = yaml.safe_load(open(base))
     tr = cfg["trainer"]
     tr["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
                      "init_args": {"save_dir": f"{run}/{name}", "name": "csv", "version": 0}}]
     cbs = [cb for cb in tr["callbacks"] if not any(d in cb["class_path"] for d in drop)]
-    cbs.append({"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/{name}_speed.json"}})
+    cbs.append({"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup}})
     cbs.append({"class_path": "lit_modules.export.ExportAdapters",
                 "init_args": {"out_dir": f"{out}/{name}_export", "best": False}})
     if ckpt_every:
@@ -88,9 +88,9 @@ def derive(base: str, name: str, ckpt_every: int | None) -> None:
 
 for name in ("emb1", "emb1s", "emb2"):
     derive("configs/embedded_hotpotqa.yaml", name, None)
-derive("configs/hotpotqa.yaml", "b1", None)
+derive("configs/hotpotqa.yaml", "b1", None, warmup=1)  # few micro-batches: only the first is not timed
 for name in ("f1", "f2"):
-    derive("configs/hotpotqa.yaml", name, 1)
+    derive("configs/hotpotqa.yaml", name, 1, warmup=1)
 EOF
 
 # 1-3. embedded model: one GPU with accumulation 2 (twice: adapter seeds 0 and 1) and DDP on two GPUs, $EMB_EPOCHS
