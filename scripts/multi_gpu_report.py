@@ -86,7 +86,9 @@ def export_layout(directory: Path) -> dict[str, Any] | None:
     for name in files:
         if name.endswith("adapter_config.json"):
             cfg = json.loads((directory / name).read_text())
-            configs[name] = {k: cfg.get(k) for k in ("r", "lora_alpha", "target_modules", "peft_type")}
+            configs[name] = {k: cfg.get(k) for k in ("r", "lora_alpha", "peft_type")}
+            # peft keeps target_modules as a set: the saved order follows the process's string hashing
+            configs[name]["target_modules"] = sorted(cfg.get("target_modules") or [])
     return {"files": files, "tensors": tensors, "peft_configs": configs}
 
 
