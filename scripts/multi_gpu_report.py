@@ -191,6 +191,7 @@ def _fmt(x: Any, digits: int = 4) -> str:
 def markdown(res: dict[str, Any]) -> str:
     prov = res["provenance"]
     d, f, e = res["ddp_embedded"], res["fsdp_8b"], res["eval_devices"]
+    tiny = "tiny random LLaMA (CPU check)" if prov["cpu_check"] else ""
     tps1, tps2 = (_fmt((d[k] or {}).get("tokens_per_s"), 0) for k in ("speed_1gpu", "speed_ddp2"))
     where = "CPU check (2 gloo processes, tiny random models; no GPU figure)" if prov["cpu_check"] else ", ".join(
         prov.get("gpus") or ["?"]
@@ -200,7 +201,7 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Devices: {where}.",
         "",
-        "## DDP, embedded SmolLM2-135M, same global batch",
+        f"## DDP, {tiny or 'embedded SmolLM2-135M'}, same global batch",
         "",
         "| run | val/loss per epoch | tokens/s |",
         "|---|---|---|",
@@ -211,7 +212,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"DDP - 1 device: {_fmt(d.get('ddp_minus_1gpu'), 6)}; seed noise: {_fmt(d.get('seed_noise'), 6)}; "
         f"within noise: {_fmt(d.get('within_noise'))}; speed-up: {_fmt(d.get('speedup_tokens_per_s'), 2)}x.",
         "",
-        "## FSDP, LLaMA-3.1-8B shapes",
+        f"## FSDP, {tiny or 'LLaMA-3.1-8B shapes'}",
         "",
         "| run | tokens/s | peak memory per device (GiB) | steps |",
         "|---|---|---|---|",
