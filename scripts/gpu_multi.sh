@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Several GPUs (issue 21), one device call on a 2-GPU machine (~8 minutes on H200s). Writes under $OUT:
+# Several GPUs (issue 21), one device call on a 2-GPU machine (meant to fit 9 minutes; not run on GPUs yet). Writes
+# under $OUT:
 #
 #   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate 2,
 #                                    $EMB_EPOCHS epochs, validation after each: val loss, tokens/s
