@@ -268,3 +268,17 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_as_one_process(tmp_path: Path) 
     e = load_file(str(tmp_path / "exported" / "lragent_adapters.safetensors"))
     for k in a:
         torch.testing.assert_close(e[k], a[k], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "--device 'tpu' not supported: allowed cpu, cuda, cuda:N"),
+        ("cuda", "--device cuda: no CUDA device here"),
+    ],
+)
+def test_export_device_is_checked_first(device: str, message: str, tmp_path: Path) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        export_command(str(tmp_path / "missing.ckpt"), str(tmp_path / "out"), device=device)
