@@ -24,6 +24,7 @@ import json
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -214,8 +215,18 @@ def tokenize_example(tokenizer: Any, record: RoleRecord, role_id: int, max_lengt
     )
 
 
+FILLER_SOURCE = "<filler>"
+"""``source`` of a filler example (:class:`RoleExampleDataset`): it scores nothing."""
+
+
 class RoleExampleDataset(Dataset):
-    """Tokenised role examples (a list of :class:`TokenizedExample`)."""
+    """Tokenised role examples (a list of :class:`TokenizedExample`).
+
+    Index ``len(self) + i`` is a *filler*: example ``i`` with no supervised token (its whole sequence counts as
+    context, ``source`` is :data:`FILLER_SOURCE`). :class:`LengthBucketBatchSampler` hands one to a rank that has
+    no real validation batch left, so that every rank runs the same number of steps (a forward under FSDP is a
+    collective) while the loss sums see every real example exactly once.
+    """
 
     def __init__(self, examples: Sequence[TokenizedExample]) -> None:
         self.examples = list(examples)
@@ -224,7 +235,10 @@ class RoleExampleDataset(Dataset):
         return len(self.examples)
 
     def __getitem__(self, i: int) -> TokenizedExample:
-        return self.examples[i]
+        if i < len(self.examples):
+            return self.examples[i]
+        e = self.examples[i - len(self.examples)]
+        return replace(e, context_len=len(e.input_ids), segments=(), source=FILLER_SOURCE)
 
     @property
     def lengths(self) -> list[int]:
@@ -244,8 +258,8 @@ def collate_examples(examples: Sequence[TokenizedExample], pad_id: int) -> dict[
         ``role_ids`` (B,) long; ``context_len`` (B,) long, input tokens of each example (output tokens are
         ``context_len <= t < lengths``); ``prefix_len`` (B,) long, leading tokens before the input's last prompt
         piece (what other agents put in the shared cache at inference); ``lengths`` (B,) long, real tokens of each
-        example; ``n_tokens`` and ``n_examples`` (Python ints): real tokens and role examples in the batch, known
-        on the host without a device sync.
+        example; ``n_tokens`` and ``n_examples`` (Python ints): real tokens and role examples in the batch (a filler
+        example counts as none), known on the host without a device sync.
     """
     lengths = torch.tensor([len(e.input_ids) for e in examples], dtype=torch.long)
     b, t = len(examples), int(lengths.max())
@@ -272,7 +286,7 @@ def collate_examples(examples: Sequence[TokenizedExample], pad_id: int) -> dict[
         "prefix_len": torch.tensor([e.prefix_len for e in examples], dtype=torch.long),
         "lengths": lengths,
         "n_tokens": int(lengths.sum()),
-        "n_examples": sum(e.n_examples for e in examples),
+        "n_examples": sum(e.n_examples for e in examples if e.source != FILLER_SOURCE),
     }
 
 
@@ -304,8 +318,11 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
 
     With ``shuffle`` the order is drawn from ``seed + epoch`` (call :meth:`set_epoch`; the sampler exposes itself as
     ``sampler`` so Lightning's per-epoch ``set_epoch`` reaches it). Without, batches are in descending length order
-    (validation). With ``num_replicas > 1`` each rank takes every ``num_replicas``-th batch of the same global order
-    (the count is cut to be equal on every rank).
+    (validation). With ``num_replicas > 1`` each rank takes every ``num_replicas``-th batch of the same global order:
+    one optimizer step of ``num_replicas`` ranks sees the batches that one process with ``accumulate_grad_batches =
+    num_replicas`` sees in one step (the same global batch). The count is equal on every rank (collectives need it):
+    the batches left over are dropped, or, with ``fill``, every one of them is kept and the ranks short of a batch get
+    a filler (validation: every example is scored once, on some rank).
 
     Args:
         lengths: token count of every example.
@@ -317,6 +334,8 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         num_replicas: data-parallel world size.
         rank: this process's rank.
         max_tokens: padded-token budget per batch; ``None``: fixed-size batches.
+        fill: keep the batches left over by ``num_replicas`` and give the ranks short of one a filler batch: the
+            shortest example at index ``len(lengths) + i``, which :class:`RoleExampleDataset` returns unsupervised.
     """
 
     def __init__(
@@ -331,6 +350,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         num_replicas: int = 1,
         rank: int = 0,
         max_tokens: int | None = None,
+        fill: bool = False,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -338,6 +358,8 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             raise ValueError(f"pool_batches must be > 0, got {pool_batches}")
         if max_tokens is not None and max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 or null, got {max_tokens}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -348,6 +370,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.num_replicas = num_replicas
         self.rank = rank
         self.max_tokens = max_tokens
+        self.fill = fill
         self.epoch = 0
         self.sampler = self
         self._budget_batches = self._token_budget_batches() if max_tokens is not None else None
@@ -390,10 +413,17 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             batches = [b for b in batches if len(b) == self.batch_size]
         return batches
 
+    def _per_rank(self, total: int) -> int:
+        return -(-total // self.num_replicas) if self.fill else total // self.num_replicas
+
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._global_batches()
-        per_rank = len(batches) // self.num_replicas if self.num_replicas > 1 else len(batches)
-        yield from batches[self.rank :: self.num_replicas][:per_rank]
+        mine = batches[self.rank :: self.num_replicas]
+        per_rank = self._per_rank(len(batches))
+        if len(mine) < per_rank:  # fill: a filler batch (the shortest example, unsupervised)
+            n = len(self.lengths)
+            mine.append([n + min(range(n), key=lambda i: (self.lengths[i], i))])
+        yield from mine[:per_rank]
 
     def __len__(self) -> int:
         if self._budget_batches is not None:
@@ -404,7 +434,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
             # Pools are sorted and cut independently, so count the batches of every pool.
             sizes = [min(pool, n - s) for s in range(0, n, pool)] if self.shuffle else [n]
             total = sum(m // bs if self.drop_last else math.ceil(m / bs) for m in sizes)
-        return total // self.num_replicas if self.num_replicas > 1 else total
+        return self._per_rank(total)
 
     def padding_fraction(self) -> float:
         """Share of the padded tokens (``sum(rows x longest)``) of one epoch that are padding."""
@@ -607,6 +637,14 @@ class RoleExampleDataModule(LightningDataModule):
     def _loader(self, dataset: RoleExampleDataset, shuffle: bool) -> DataLoader:
         trainer = getattr(self, "trainer", None)
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        connector = getattr(trainer, "_accelerator_connector", None)
+        if world > 1 and getattr(connector, "use_distributed_sampler", False):
+            # Lightning would rebuild our batch sampler around a DistributedSampler (as if it were its `lengths`)
+            raise ValueError(
+                "trainer.use_distributed_sampler must be false with several processes: the data module shards its "
+                "length-bucketed batches by rank itself (add --config configs/ddp.yaml, or "
+                "--trainer.use_distributed_sampler false)"
+            )
         sampler = LengthBucketBatchSampler(
             dataset.lengths,
             self.batch_size,
@@ -616,6 +654,7 @@ class RoleExampleDataModule(LightningDataModule):
             num_replicas=world,
             rank=rank,
             max_tokens=self.max_tokens,
+            fill=not shuffle,
         )
         return DataLoader(
             dataset,
@@ -632,7 +671,8 @@ class RoleExampleDataModule(LightningDataModule):
         return self._loader(self.train_set, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        """Held-out batches of every role, longest first."""
+        """Held-out batches of every role, longest first (with several processes: every batch on some rank, and
+        a filler on the ranks short of one)."""
         self.setup("validate")
         return self._loader(self.val_set, shuffle=False)
 

@@ -241,6 +241,11 @@ class FitSpeed(Callback):
     loading, validation and checkpointing are outside the micro-batches: ``other_seconds`` reports them. In the JSON,
     ``steps`` / ``ms_per_step`` count timed micro-batches (an optimizer step is ``accumulate_grad_batches`` of them).
 
+    With several processes (DDP, FSDP) every rank times its own micro-batches and writes ``<out stem>.rank<k>.json``;
+    rank 0 also writes ``out``: its own figures plus ``world_size``, ``ranks`` (tokens, seconds, tokens/s and peak
+    memory of every rank) and ``global_tokens_per_s`` (the tokens of all ranks over the slowest rank's timed
+    seconds: the ranks step together, so that is the job's rate).
+
     Args:
         out: JSON file to write.
         warmup: micro-batches not timed at the start of the run.
@@ -254,6 +259,7 @@ class FitSpeed(Callback):
         self.t_start = 0.0
         self.t_fit = 0.0
         self.device = torch.device("cpu")
+        self.ranks: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.t_fit = time.perf_counter()
@@ -272,6 +278,30 @@ class FitSpeed(Callback):
         _sync(pl_module.device)
         self.records.append({**self.stats, "seconds": time.perf_counter() - self.t_start})
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # every rank's totals, gathered while the process group is up (Lightning's teardown precedes on_fit_end)
+        if getattr(trainer, "world_size", 1) <= 1:
+            return
+        timed = self.records[self.warmup :]
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else -1.0
+        local = torch.tensor(
+            [sum(sum(r["lengths"]) for r in timed), sum(r["seconds"] for r in timed), peak, len(timed)],
+            dtype=torch.float64,
+            device=pl_module.device,
+        )
+        rows = trainer.strategy.all_gather(local).reshape(trainer.world_size, -1).cpu().tolist()
+        self.ranks = [
+            {
+                "rank": k,
+                "tokens": int(tok),
+                "seconds": sec,
+                "tokens_per_s": tok / sec if sec else None,
+                "peak_memory_gib": mem if mem >= 0 else None,
+                "steps": int(n),
+            }
+            for k, (tok, sec, mem, n) in enumerate(rows)
+        ]
+
     def on_fit_end(self, trainer, pl_module) -> None:
         dev = self.device  # not pl_module.device: the module is back on the CPU here
         rank = pl_module.lora_config.rank
@@ -289,7 +319,21 @@ class FitSpeed(Callback):
             provenance=provenance(device=dev.type),
         )
         Path(self.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.out, result)
+        if getattr(trainer, "world_size", 1) <= 1:
+            write_json(self.out, result)
+            return
+        rank = trainer.global_rank
+        out = Path(self.out)
+        write_json(out.with_name(f"{out.stem}.rank{rank}{out.suffix}"), {**result, "rank": rank})
+        if rank == 0:
+            slowest = max((r["seconds"] for r in self.ranks), default=0.0)
+            result.update(
+                world_size=trainer.world_size,
+                ranks=self.ranks,
+                global_tokens=sum(r["tokens"] for r in self.ranks),
+                global_tokens_per_s=sum(r["tokens"] for r in self.ranks) / slowest if slowest else None,
+            )
+            write_json(out, result)
 
 
 def _summarise(

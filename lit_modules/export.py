@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 
 TRAIN_CONFIG_FILE = "train_config.json"
 
@@ -131,6 +131,11 @@ def best_checkpoint(trainer: Trainer) -> str | None:
 class ExportAdapters(Callback):
     """Exports the adapters when ``fit`` ends (on rank 0): those of the best checkpoint by default.
 
+    Under FSDP (:class:`~lit_modules.strategies.LoraFSDPStrategy`) each rank holds a shard of the adapters (and
+    Lightning's teardown, before ``on_fit_end``, leaves them so): the export then happens at ``on_train_end``, with
+    the adapters' unit gathered on every rank (a collective) and rank 0 writing. The files are those of a one-device
+    run.
+
     Args:
         out_dir: target directory; ``None``: ``<trainer.log_dir>/adapters``.
         best: export the weights of the best checkpoint of the monitoring ``ModelCheckpoint`` (lowest
@@ -146,9 +151,29 @@ class ExportAdapters(Callback):
         self.out_dir = out_dir
         self.best = best
         self.dtype = dtype
+        self._exported = False
 
-    @rank_zero_only
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._exported = False
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if not isinstance(trainer.strategy, FSDPStrategy):
+            return
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # the root unit holds the adapters (LoraFSDPStrategy); gathered on every rank, never written back
+        with FSDP.summon_full_params(trainer.strategy.model, recurse=False, writeback=False):
+            if trainer.is_global_zero:
+                self._export(trainer, pl_module)
+        self._exported = True
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._exported and trainer.is_global_zero:
+            self._export(trainer, pl_module)
+
+    def _export(self, trainer: Trainer, pl_module: LightningModule) -> None:
         out = Path(self.out_dir) if self.out_dir else Path(trainer.log_dir or trainer.default_root_dir) / "adapters"
         dm = trainer.datamodule
         hparams = dict(dm.hparams) if dm is not None else None

@@ -342,6 +342,72 @@ BUGS = {
         "    if False:",
         "tests/test_memory_and_cli.py -k peft-list",
     ),
+    "multi-gpu: every rank trains on every batch (sampler)": (
+        "datamodules/role_examples.py",
+        "        mine = batches[self.rank :: self.num_replicas]",
+        "        mine = list(batches)",
+        "tests/test_multi_gpu.py -k rank_batches",
+    ),
+    "multi-gpu: every rank trains on every batch (two processes)": (
+        "datamodules/role_examples.py",
+        "        mine = batches[self.rank :: self.num_replicas]",
+        "        mine = list(batches)",
+        "tests/test_multi_gpu.py -k two_cpu",
+    ),
+    "multi-gpu: validation leftovers dropped, not filled": (
+        "datamodules/role_examples.py",
+        "            fill=not shuffle,",
+        "            fill=False,",
+        "tests/test_multi_gpu.py -k two_cpu",
+    ),
+    "multi-gpu: rank 1 skips its last validation batch": (
+        "datamodules/role_examples.py",
+        "        yield from mine[:per_rank]",
+        "        yield from mine[: per_rank - int(self.rank == 1 and self.fill)]",
+        "tests/test_multi_gpu.py -k validation_shards",
+    ),
+    "multi-gpu: a filler example is scored": (
+        "datamodules/role_examples.py",
+        "        return replace(e, context_len=len(e.input_ids), segments=(), source=FILLER_SOURCE)",
+        "        return replace(e, source=FILLER_SOURCE)",
+        "tests/test_multi_gpu.py -k filler",
+    ),
+    "multi-gpu: Lightning's DistributedSampler injection let through": (
+        "datamodules/role_examples.py",
+        '        if world > 1 and getattr(connector, "use_distributed_sampler", False):',
+        "        if False:",
+        "tests/test_multi_gpu.py -k distributed_sampler",
+    ),
+    "multi-gpu: FSDP resume drops the optimizer state": (
+        "lit_modules/strategies.py",
+        "            optimizer.load_state_dict(state)\n",
+        "",
+        "tests/test_multi_gpu.py -k two_cpu",
+    ),
+    "multi-gpu: FSDP wraps the adapters' modules as frozen units": (
+        "lit_modules/strategies.py",
+        "not any(p.requires_grad or id(p) in self.tied for p in own)",
+        "not any(id(p) in self.tied for p in own)",
+        "tests/test_multi_gpu.py -k wraps_frozen",
+    ),
+    "multi-gpu: FitSpeed ranks write one file": (
+        "eval_suite/bench_train.py",
+        'write_json(out.with_name(f"{out.stem}.rank{rank}{out.suffix}"), {**result, "rank": rank})',
+        'write_json(out, {**result, "rank": rank})',
+        "tests/test_multi_gpu.py -k two_cpu",
+    ),
+    "multi-gpu: FSDP clips nothing": (
+        "lit_modules/strategies.py",
+        "        Precision.clip_grad_by_norm(self, optimizer, clip_val)",
+        "        return None",
+        "tests/test_multi_gpu.py -k two_cpu",
+    ),
+    "multi-gpu: ExportAdapters under FSDP without the gather (CPU cannot show it: the adapters are replicated)": (
+        "lit_modules/export.py",
+        "        if not isinstance(trainer.strategy, FSDPStrategy):",
+        "        if True:",
+        "tests/test_multi_gpu.py -k two_cpu",
+    ),
 }
 only = sys.argv[1:]
 if any(a in ("-h", "--help") for a in only):

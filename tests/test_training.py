@@ -20,7 +20,8 @@ from lit_modules.time_budget import TimeBudget
 from lragent.cli_main import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+OVERLAYS = ("ddp", "fsdp_8b")  # strategy overlays, parsed over their base configs in tests/test_multi_gpu.py
+CONFIGS = sorted(c for c in (REPO / "configs").glob("*.yaml") if c.stem not in OVERLAYS)
 ROLES = ["plan", "action", "reflect"]
 TINY = {"vocab_size": BYTE_VOCAB_SIZE, "num_hidden_layers": 2}
 

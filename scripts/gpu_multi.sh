@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Several GPUs (issue 21), one device call on a 2-GPU machine (meant to fit 9 minutes; not run on GPUs yet). Writes
+# under $OUT:
+#
+#   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate 2,
+#                                    $EMB_EPOCHS epochs, validation after each: val loss, tokens/s
+#   emb1s.log, emb1s_speed.json      the same with another adapter init (model.adapter_seed 1): run-to-run noise
+#   emb2.log, emb2_speed*.json       DDP on 2 GPUs (configs/ddp.yaml), accumulate 1: the same global batch, the same
+#                                    batches per optimizer step as emb1; per-rank and global tokens/s
+#   b1.log, b1_speed.json, b1_export/    8B shapes (configs/hotpotqa.yaml + configs/fsdp_8b.yaml's model), 1 GPU,
+#                                    accumulate 2, $B_STEPS1 steps: the one-GPU export (format reference)
+#   f1.log, f1_speed*.json           FSDP (configs/fsdp_8b.yaml) on 2 GPUs, $B_STEPS1 steps, checkpoint: peak memory
+#                                    per GPU, tokens/s
+#   f2.log, f2_speed*.json, f2_export/   resumed with --ckpt_path last to $B_STEPS2 steps; ExportAdapters' export
+#   fx.log, fx_export/               cli.py export --device cuda of the FSDP run's last checkpoint
+#   ev1.log, ev1/ ; ev2.log, ev2/    eval --devices 1 and --devices 2 (HotpotQA, shipped adapters, $EV_LIMIT questions)
+#   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
+#   multi_gpu.json, multi_gpu.md     scripts/multi_gpu_report.py: the figures and checks, with provenance
+#
+# Run (on the device machine):  OUT=$OUT LRAGENT_COMMIT=<sha> bash scripts/gpu_multi.sh
+# CPU check of every phase (gloo, tiny random models, 2 CPU processes; a few minutes):
+#   OUT=/tmp/gm LRAGENT_MULTI_CPU=1 bash scripts/gpu_multi.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_out/gpu_multi}
+RUN=${LRAGENT_RUN_DIR:-runs/gpu_multi}  # checkpoints stay out of $OUT (their size)
+PY=${PYTHON:-python3}
+CPU=${LRAGENT_MULTI_CPU:-}
+mkdir -p "$OUT" "$RUN"
+rm -rf "${RUN:?}"/*
+: > "$OUT/timings.txt"
+(nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1) || true
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+
+if [ -n "$CPU" ]; then  # tiny sizes; the same commands
+  EMB_EPOCHS=${EMB_EPOCHS:-1}; EMB_LIMIT1=8; EMB_LIMIT2=4; B_STEPS1=${B_STEPS1:-3}; B_STEPS2=${B_STEPS2:-5}; EV_LIMIT=${EV_LIMIT:-2}
+  TINY='{"vocab_size": 258, "num_hidden_layers": 2}'
+  EMB=(--trainer.accelerator cpu --trainer.precision 32-true --model.model_name tiny-llama --model.tokenizer_name byte
+    --model.model_overrides "$TINY" --data.max_length 512 --data.max_tokens 2048 --data.val_max_per_role 4)
+  BIG=(--trainer.accelerator cpu --trainer.precision 32-true --model.model_name tiny-llama --model.model_overrides "$TINY"
+    --model.model_dtype float32 --data.max_length 1024)
+  EV=(--device cpu --model default --max_steps 1 --thought_tokens 4 --argument_tokens 3)
+  EXPORT_DEVICE=cpu
+else
+  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=1.0; EMB_LIMIT2=1.0; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}; EV_LIMIT=${EV_LIMIT:-24}
+  EMB=(); BIG=(--data.max_length "${B_LEN:-2048}"); EV=(--device cuda --dtype bfloat16); EXPORT_DEVICE=cuda
+fi
+
+phase() {  # phase NAME command...: runs into $OUT/NAME.log, records wall seconds and status; later phases still run
+  local name=$1
+  shift
+  local t0=$SECONDS rc=0
+  echo "== $name: $*" | tee "$OUT/$name.log"
+  "$@" >> "$OUT/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$OUT/timings.txt"
+  tail -n 5 "$OUT/$name.log"
+  return 0
+}
+
+# Derived configs: no early stopping, time budget or progress bar; a FitSpeed and an ExportAdapters (last weights)
+# per run; checkpoints every few steps for the 8B runs; CSV logs under $RUN.
+"$PY" - "$RUN" "$OUT" <<'EOF'
+import sys
+
+import yaml
+
+run, out = sys.argv[1], sys.argv[2]
+drop = ("EarlyStopping", "TimeBudget", "ProgressBar", "RunStatus", "ModelCheckpoint", "ExportAdapters")
+
+
+def derive(base: str, name: str, ckpt_every: int | None, warmup: int = 2) -> None:
+    cfg = yaml.safe_load(open(base))
+    tr = cfg["trainer"]
+    tr["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                     "init_args": {"save_dir": f"{run}/{name}", "name": "csv", "version": 0}}]
+    cbs = [cb for cb in tr["callbacks"] if not any(d in cb["class_path"] for d in drop)]
+    cbs.append({"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup}})
+    cbs.append({"class_path": "lit_modules.export.ExportAdapters",
+                "init_args": {"out_dir": f"{out}/{name}_export", "best": False}})
+    if ckpt_every:
+        cbs.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": f"{run}/fsdp/checkpoints", "save_last": True,
+                                  "every_n_train_steps": ckpt_every, "monitor": None}})
+    tr.update(callbacks=cbs, enable_progress_bar=False, enable_checkpointing=bool(ckpt_every), default_root_dir=run,
+              num_sanity_val_steps=0, log_every_n_steps=1)
+    open(f"{out}/{name}_config.yaml", "w").write(yaml.safe_dump(cfg, sort_keys=False))
+
+
+for name in ("emb1", "emb1s", "emb2"):
+    derive("configs/embedded_hotpotqa.yaml", name, None)
+derive("configs/hotpotqa.yaml", "b1", None, warmup=1)  # few micro-batches: only the first is not timed
+for name in ("f1", "f2"):
+    derive("configs/hotpotqa.yaml", name, 1, warmup=1)
+EOF
+
+# 1-3. embedded model: one GPU with accumulation 2 (twice: adapter seeds 0 and 1) and DDP on two GPUs, $EMB_EPOCHS
+# epochs (42 token-budget batches each: 21 optimizer steps either way), validation on the whole held-out set after
+# each epoch. On the CPU the epoch is cut to the first 8 global batches (limit_train_batches counts a rank's batches).
+E=(--trainer.max_epochs "$EMB_EPOCHS" --trainer.max_steps -1 --trainer.val_check_interval 1.0 "${EMB[@]}")
+phase emb1 "$PY" cli.py fit --config "$OUT/emb1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches 2 \
+  --trainer.limit_train_batches "$EMB_LIMIT1"
+phase emb1s "$PY" cli.py fit --config "$OUT/emb1s_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches 2 \
+  --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed 1
+phase emb2 "$PY" cli.py fit --config "$OUT/emb2_config.yaml" --config configs/ddp.yaml "${E[@]}" \
+  --trainer.accumulate_grad_batches 1 --trainer.limit_train_batches "$EMB_LIMIT2"
+
+# 4-7. 8B shapes (random weights, byte tokens): one GPU (accumulate 2) for the export format; FSDP on two GPUs
+# (accumulate 1: the same global batch) with a checkpoint each step, resumed; the export command on its checkpoint
+B=(--config configs/fsdp_8b.yaml --trainer.limit_val_batches 0 --trainer.max_epochs -1 "${BIG[@]}")
+phase b1 "$PY" cli.py fit --config "$OUT/b1_config.yaml" "${B[@]}" --trainer.devices 1 --trainer.strategy auto \
+  --trainer.accumulate_grad_batches 2 --trainer.max_steps "$B_STEPS1"
+phase f1 "$PY" cli.py fit --config "$OUT/f1_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
+  --trainer.max_steps "$B_STEPS1"
+phase f2 "$PY" cli.py fit --config "$OUT/f2_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
+  --trainer.max_steps "$B_STEPS2" --ckpt_path last
+phase fx "$PY" cli.py export --ckpt "$RUN/fsdp/checkpoints/last.ckpt" --out "$OUT/fx_export" --device "$EXPORT_DEVICE"
+
+# 8-9. evaluation: one process, then two shard processes (one per GPU) merged
+V=(--benchmark hotpotqa --scheme base_lr_shared --limit "$EV_LIMIT" --runs 1 --quiet true "${EV[@]}")
+phase ev1 "$PY" cli.py eval "${V[@]}" --devices 1 --out "$OUT/ev1"
+phase ev2 "$PY" cli.py eval "${V[@]}" --devices 2 --out "$OUT/ev2"
+
+cp -r "$RUN"/*/csv "$OUT/" 2>/dev/null || true
+for r in emb1 emb1s emb2; do cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true; done
+"$PY" scripts/multi_gpu_report.py --out "$OUT" --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU bash scripts/gpu_multi.sh" \
+  2>&1 | tee "$OUT/report.log"
+cat "$OUT/timings.txt"
