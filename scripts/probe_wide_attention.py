@@ -1,0 +1,149 @@
+"""Which attention kernel serves the λ term's shared pass fastest: causal GQA attention whose values are
+``[V_base | V_lr]`` (head width D + r) while queries and keys have width D (issue 19).
+
+The shared pass's attention (``lragent.attention._sdpa``) pads Q and K with zero columns to D + r so that
+FlashAttention takes it; at LLaMA-3.1-8B shapes (D = 128, r = 8) the backward then runs a wider tile than a plain
+pass's. This probe times forward + backward of each candidate that computes the same values, side by side in one
+process, against the plain D-wide attention of a λ = 0 step, and checks each against the current path's output.
+
+    python scripts/probe_wide_attention.py --out probe.json      # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lragent.provenance import provenance
+
+
+def _timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="probe_wide_attention.json")
+    a = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    b, hq, hkv, t, d, r = a.batch, a.heads, a.kv_heads, a.seq, a.dim, a.rank
+    q = torch.randn(b, hq, t, d, device=dev, dtype=dt, generator=g).requires_grad_()
+    k = torch.randn(b, hkv, t, d, device=dev, dtype=dt, generator=g).requires_grad_()
+    v = torch.randn(b, hkv, t, d + r, device=dev, dtype=dt, generator=g).requires_grad_()
+    grad = torch.randn(b, hq, t, d + r, device=dev, dtype=dt, generator=g)
+    scale = d**-0.5
+    group = hq // hkv
+
+    def padded(backend):
+        def f():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(
+                    F.pad(q, (0, r)), F.pad(k, (0, r)), v, is_causal=True, enable_gqa=True, scale=scale
+                )
+
+        return f
+
+    def unpadded(backend, gqa=True):
+        def f():
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa, scale=scale)
+
+        return f
+
+    def split_lr():  # the base columns by FlashAttention at width D; the r low-rank columns by a second pass
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            o_base = F.scaled_dot_product_attention(q, k, v[..., :d], is_causal=True, enable_gqa=True, scale=scale)
+            vlr = F.pad(v[..., d:], (0, d - r))
+            o_lr = F.scaled_dot_product_attention(q, k, vlr, is_causal=True, enable_gqa=True, scale=scale)
+        return torch.cat([o_base, o_lr[..., :r]], -1)
+
+    candidates = {
+        "padded_flash (current)": padded(SDPBackend.FLASH_ATTENTION),
+        "padded_cudnn": padded(SDPBackend.CUDNN_ATTENTION),
+        "padded_default": None,
+        "unpadded_cudnn_dv": unpadded(SDPBackend.CUDNN_ATTENTION),
+        "unpadded_efficient_dv_gqa": unpadded(SDPBackend.EFFICIENT_ATTENTION),
+        "unpadded_efficient_dv_expanded": unpadded(SDPBackend.EFFICIENT_ATTENTION, gqa=False),
+        "two_flash_passes": split_lr,
+    }
+
+    def padded_default():
+        return F.scaled_dot_product_attention(
+            F.pad(q, (0, r)), F.pad(k, (0, r)), v, is_causal=True, enable_gqa=True, scale=scale
+        )
+
+    candidates["padded_default"] = padded_default
+    with torch.no_grad():
+        ref = candidates["padded_flash (current)"]().float()
+    rows = {}
+
+    def plain():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v[..., :d], is_causal=True, enable_gqa=True, scale=scale)
+
+    plain_grad = grad[..., :d].contiguous()
+    rows["plain width D (λ = 0 step)"] = {
+        "fwd_ms": _timed(lambda: plain(), a.iters),
+        "fwd_bwd_ms": _timed(lambda: torch.autograd.backward(plain(), plain_grad), a.iters),
+        "max_abs_diff": None,
+    }
+    for name, fn in candidates.items():
+        try:
+            with torch.no_grad():
+                diff = (fn().float() - ref).abs().max().item()
+            row = {
+                "fwd_ms": _timed(lambda fn=fn: fn(), a.iters),
+                "fwd_bwd_ms": _timed(lambda fn=fn: torch.autograd.backward(fn(), grad), a.iters),
+                "max_abs_diff": diff,
+            }
+        except Exception as e:  # a backend that refuses these shapes: recorded, not fatal
+            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        rows[name] = row
+        print(name, row, flush=True)
+    base = rows["plain width D (λ = 0 step)"]["fwd_bwd_ms"]
+    for row in rows.values():
+        if "fwd_bwd_ms" in row:
+            row["vs_plain"] = round(row["fwd_bwd_ms"] / base, 3)
+    result = {
+        "shapes": {"batch": b, "heads": hq, "kv_heads": hkv, "seq": t, "dim": d, "rank": r, "dtype": "bfloat16"},
+        "rows": rows,
+        "provenance": provenance(device="cuda", dtype=dt),
+    }
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for name, row in rows.items():
+        print(
+            f"{name:34s} "
+            + (
+                f"fwd {row['fwd_ms']:.3f} ms  fwd+bwd {row['fwd_bwd_ms']:.3f} ms  ×{row['vs_plain']}"
+                f"  maxdiff {row['max_abs_diff']}"
+                if "fwd_ms" in row
+                else row["error"]
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
