@@ -16,6 +16,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from lragent.two_role_attention import two_role_attention, two_role_split, varlen_available
+
 log = logging.getLogger(__name__)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's dtypes; fp32 takes the PyTorch path
@@ -171,6 +173,18 @@ def decomposed_attention(
         from kernels.flash_lora_attention import flash_lora_attention
 
         return flash_lora_attention(q, k, v_base, v_lr, b_heads, scaling, role_ids=role_ids)
+    if (
+        per_query
+        and key_mask is None
+        and q_len == k.shape[2]
+        and q.is_cuda
+        and compute_dtype(q) in _KERNEL_DTYPES
+        and varlen_available()
+    ):
+        # The λ term's shared pass: two roles per sequence attend at head width D in one varlen call
+        parts = two_role_split(role_ids)
+        if parts is not None:
+            return two_role_attention(q, k, v_base, v_lr, b_heads, scaling, *parts, dtype=compute_dtype(q))
     r = v_lr.shape[-1]
     # One SDPA over [V_base | V_lr]: the low-rank columns share the softmax with the base columns.
     v_cat = torch.cat([v_base, v_lr[:, None].expand(b, h_kv, v_lr.shape[1], r)], dim=-1)  # (B, H_kv, L, D + r)

@@ -95,6 +95,28 @@ def main() -> None:
         )
 
     candidates["padded_default"] = padded_default
+
+    # The whole decomposed attention of the shared pass (values per query role, B applied), both paths
+    import os
+
+    from lragent.attention import decomposed_attention
+
+    v_base = v[..., :d].detach().clone().requires_grad_()
+    v_lr = v[:, 0, :, d:].detach().clone().requires_grad_()
+    lora_b = (torch.randn(3, hkv * d, r, device=dev, generator=g) / r).to(dt).requires_grad_()
+    roles = torch.where(torch.arange(t, device=dev)[None, :] < t // 2, 2, 1).expand(b, t)
+    grad_d = grad[..., :d].contiguous()
+
+    def decomposed(two_role: str):
+        def f():
+            os.environ["LRAGENT_TWO_ROLE_ATTENTION"] = two_role
+            return decomposed_attention(q, k, v_base, v_lr, lora_b, 2.0, roles, use_kernel=False)
+
+        return f
+
+    extra = {"decomposed wide path (before)": decomposed("0"), "decomposed two-role varlen": decomposed("1")}
+    with torch.no_grad():
+        ref_dec = extra["decomposed wide path (before)"]().float()
     with torch.no_grad():
         ref = candidates["padded_flash (current)"]().float()
     rows = {}
@@ -122,6 +144,27 @@ def main() -> None:
             row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         rows[name] = row
         print(name, row, flush=True)
+    for name, fn in extra.items():
+        try:
+            with torch.no_grad():
+                diff = (fn().float() - ref_dec).abs().max().item()
+            row = {
+                "fwd_ms": _timed(lambda fn=fn: fn(), a.iters),
+                "fwd_bwd_ms": _timed(lambda fn=fn: torch.autograd.backward(fn(), grad_d), a.iters),
+                "max_abs_diff": diff,
+            }
+        except Exception as e:
+            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        rows[name] = row
+        print(name, row, flush=True)
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        varlen_sig = str(inspect.signature(varlen_attn))
+    except ImportError as e:
+        varlen_sig = f"unavailable: {e}"
     base = rows["plain width D (λ = 0 step)"]["fwd_bwd_ms"]
     for row in rows.values():
         if "fwd_bwd_ms" in row:
@@ -129,6 +172,7 @@ def main() -> None:
     result = {
         "shapes": {"batch": b, "heads": hq, "kv_heads": hkv, "seq": t, "dim": d, "rank": r, "dtype": "bfloat16"},
         "rows": rows,
+        "varlen_attn_signature": varlen_sig,
         "provenance": provenance(device="cuda", dtype=dt),
     }
     with open(a.out, "w") as f:
