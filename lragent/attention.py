@@ -12,11 +12,11 @@ Queries are the last ``Lq`` of the ``L`` keys (causal, aligned bottom-right).
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
-
-from lragent.two_role_attention import two_role_attention, two_role_split, varlen_available
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,14 @@ def flash_takes_wide_values(q: torch.Tensor, v: torch.Tensor) -> bool:
     return compute_dtype(q) in _KERNEL_DTYPES and width <= 256 and width % 8 == 0
 
 
+_CUDNN_WIDE_VALUES = {"ok": True}
+
+
+def _cudnn_wide_values_ok() -> bool:
+    """cuDNN is tried for values wider than Q/K until it refuses once; ``LRAGENT_WIDE_CUDNN=0`` skips it."""
+    return _CUDNN_WIDE_VALUES["ok"] and os.environ.get("LRAGENT_WIDE_CUDNN", "1") != "0"
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype SDPA computes ``t`` in: autocast's on CUDA when it is on (training: RoPE leaves Q in float32 and
     autocast casts it at the SDPA call), else ``t``'s own."""
@@ -79,10 +87,20 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             # [V_base | V_lr] is wider than Q and K, and FlashAttention wants one head width: Q and K get zero
             # columns (Q Kᵀ unchanged, the scale stays 1/sqrt(D)) and FlashAttention runs with GQA, no expanded KV
             # heads. The training step's shared pass (λ > 0) spends its attention here.
-            pad = v.shape[-1] - q.shape[-1]
             scale = q.shape[-1] ** -0.5
             dt = compute_dtype(q)
-            q, k, v = F.pad(q.to(dt), (0, pad)), F.pad(k.to(dt), (0, pad)), v.to(dt)
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
+            if _cudnn_wide_values_ok():
+                # cuDNN takes values wider than Q and K as they are (no zero columns): the fastest of the exact
+                # candidates at 8B shapes on an H200 (scripts/probe_wide_attention.py)
+                try:
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+                except RuntimeError as exc:  # no cuDNN kernel for these shapes/GPU: the padded flash path
+                    _CUDNN_WIDE_VALUES["ok"] = False
+                    log.info("cuDNN attention refused values wider than Q/K (%s); padding Q/K", exc)
+            pad = v.shape[-1] - q.shape[-1]
+            q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         if gqa and q.is_cuda and v.shape[-1] != q.shape[-1]:
             # float32 (no FlashAttention): GQA would fall to the math kernel; expanded KV heads take the
@@ -173,18 +191,6 @@ def decomposed_attention(
         from kernels.flash_lora_attention import flash_lora_attention
 
         return flash_lora_attention(q, k, v_base, v_lr, b_heads, scaling, role_ids=role_ids)
-    if (
-        per_query
-        and key_mask is None
-        and q_len == k.shape[2]
-        and q.is_cuda
-        and compute_dtype(q) in _KERNEL_DTYPES
-        and varlen_available()
-    ):
-        # The λ term's shared pass: two roles per sequence attend at head width D in one varlen call
-        parts = two_role_split(role_ids)
-        if parts is not None:
-            return two_role_attention(q, k, v_base, v_lr, b_heads, scaling, *parts, dtype=compute_dtype(q))
     r = v_lr.shape[-1]
     # One SDPA over [V_base | V_lr]: the low-rank columns share the softmax with the base columns.
     v_cat = torch.cat([v_base, v_lr[:, None].expand(b, h_kv, v_lr.shape[1], r)], dim=-1)  # (B, H_kv, L, D + r)

@@ -18,34 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
-    "two-role attention: the consumer reads the producer's values": (
-        "lragent/two_role_attention.py",
-        "            v_idx.append(torch.arange(b * t + row, b * t + row + t))",
-        "            v_idx.append(torch.arange(row, row + t))",
-        "tests/test_two_role_attention.py",
-    ),
-    "two-role attention: the producer sees one key too many": (
-        "lragent/two_role_attention.py",
-        (
-            "            cu_k.append(cu_k[-1] + s)\n            k_idx.append(torch.arange(row, row + s))\n            v_idx.append(torch.arange(row, row + s))",
-        ),
-        (
-            "            cu_k.append(cu_k[-1] + s + 1)\n            k_idx.append(torch.arange(row, row + s + 1))\n            v_idx.append(torch.arange(row, row + s + 1))",
-        ),
-        "tests/test_two_role_attention.py",
-    ),
-    "two-role attention: split read one token late": (
-        "lragent/two_role_attention.py",
-        "changed.int().argmax(1), torch.full_like",
-        "changed.int().argmax(1) + 1, torch.full_like",
-        "tests/test_two_role_attention.py",
-    ),
-    "two-role attention: values without the LoRA scaling": (
-        "lragent/two_role_attention.py",
-        "        return v_base.transpose(1, 2).to(dtype) + up * scaling",
-        "        return v_base.transpose(1, 2).to(dtype) + up",
-        "tests/test_two_role_attention.py",
-    ),
     "answer sentence names the wrong option": (
         "datamodules/answer_thoughts.py",
         "        i = LETTERS.index(letter)",
