@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The λ term's cost at 8B shapes with the wide-value attention on cuDNN and on padded FlashAttention, side by side in one device call (issue 19).
+# The λ term's cost at 8B shapes, wide-value attention on cuDNN vs padded FlashAttention, side by side (issue 19).
 # Writes under $OUT/lambda_cost/: probe_wide_attention.{json,log} (the shared pass's attention candidates, forward +
-# backward, against the plain pass's), tests.log (the shared-pass GPU tests), bench_wide_cudnn_{1,0}/bench_train.* (bench
-# train λ 0 / 0.5, checkpointing on and off; 1 = two-role varlen attention, 0 = LRAGENT_TWO_ROLE_ATTENTION=0, the wide
-# path). Byte tokens and random weights: no model file needed.
+# backward, against the plain pass's), tests.log (the shared-pass GPU tests), bench_wide_cudnn_{1,0}/bench_train.*
+# (bench train λ 0 / 0.5, checkpointing on and off; 1 = cuDNN with values wider than Q/K, 0 = LRAGENT_WIDE_CUDNN=0:
+# Q/K padded for FlashAttention). Byte tokens and random weights: no model file needed.
 # Usage (device, repo root): LRAGENT_COMMIT=<sha> bash scripts/gpu_lambda_cost.sh
 set -uo pipefail
 D=${OUT:-./lambda_cost_out}/lambda_cost

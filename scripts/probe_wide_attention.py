@@ -109,14 +109,14 @@ def main() -> None:
 
     def decomposed(two_role: str):
         def f():
-            os.environ["LRAGENT_TWO_ROLE_ATTENTION"] = two_role
+            os.environ["LRAGENT_WIDE_CUDNN"] = two_role
             return decomposed_attention(q, k, v_base, v_lr, lora_b, 2.0, roles, use_kernel=False)
 
         return f
 
-    extra = {"decomposed wide path (before)": decomposed("0"), "decomposed two-role varlen": decomposed("1")}
+    extra = {"decomposed, Q/K padded (before)": decomposed("0"), "decomposed, cuDNN wide values": decomposed("1")}
     with torch.no_grad():
-        ref_dec = extra["decomposed wide path (before)"]().float()
+        ref_dec = extra["decomposed, Q/K padded (before)"]().float()
     with torch.no_grad():
         ref = candidates["padded_flash (current)"]().float()
     rows = {}
