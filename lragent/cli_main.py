@@ -45,7 +45,7 @@ USAGE = """usage: lragent COMMAND [options]    (lragent COMMAND --help for a com
   fidelity --benchmark hotpotqa --adapters DIR       KL / top-1 agreement of each scheme against non_shared
   droidspeak-select --benchmark hotpotqa --adapters DIR   which layers DroidSpeak recomputes
   similarity --adapters DIR --benchmark hotpotqa     cache similarity across agents
-  bench kernel | decode | trace                      kernel, decode and trace benchmarks
+  bench kernel | decode | trace | train              kernel, decode, trace and training-step benchmarks
   data-stats --out DIR                               role data token lengths and batches
 """
 
