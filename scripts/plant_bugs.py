@@ -410,8 +410,8 @@ BUGS = {
     ),
     "fused LoRA: the role-masked A columns read one column off (last V column + A minus its last row)": (
         "lragent/decoder.py",
-        "masked = role_masked(y[..., sum(group.sizes[:n]) :], mask, rank)",
-        "masked = role_masked(y[..., sum(group.sizes[:n]) - 1 : -1], mask, rank)",
+        "masked = role_masked(y[..., sum(group.sizes[:n]) :], mask(), rank)",
+        "masked = role_masked(y[..., sum(group.sizes[:n]) - 1 : -1], mask(), rank)",
         "tests/test_decode_fusion.py -k 'module_path or on_and_off'",
     ),
     "fused LoRA: appended A rows addressed one row low (a_offset + 1)": (
