@@ -94,6 +94,7 @@ def time_engine(
         result = {"seconds": seconds, "ms_per_token": 1e3 * seconds / new_tokens}
     result["tokens_per_s"] = batch * new_tokens / result["seconds"]
     result["cache_bytes_read_per_step"] = sum(eng.cache_bytes().values())
+    result["fuse_lora"] = eng.fuse_lora  # LRAGENT_FUSE_LORA=0: the previous path (A GEMMs, per-layer B gather)
     del eng
     torch.cuda.empty_cache()
     return result
@@ -224,7 +225,9 @@ def decode(
     md = (
         f"# Decode latency ({prov['device']['name']})\n\n"
         f"{model} (random weights), {dtype}, context {context} tokens per row, {new_tokens} tokens timed per row, "
-        f"LoRA rank {rank} on q/v (B != 0). Measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"LoRA rank {rank} on q/v (B != 0); fused LoRA path (A in the fused GEMMs, B through the role mask): "
+        f"{'on' if any(r.get('fuse_lora') for r in rows) else 'off'}. "
+        f"Measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
         f"weights {w_bytes / 1e9:.2f} GB ({w_bytes_lora / 1e9:.2f} GB with adapters). floor = (weights + the rows' "
         "cache at this context) / bandwidth, per step.\n\n"
         + markdown_table(

@@ -61,6 +61,7 @@ def _labelled(cls: str, fn):
 def labelled_regions() -> Iterator[None]:
     """Wraps the engine's per-class calls in ``record_function`` labels for the duration (restored after)."""
     import kernels.fused_ops as fused_ops
+    import lragent.decoder as decoder
     import lragent.engine as engine
     from lragent.cache_views import DecodeView
     from lragent.decoder import DecoderEngine as Decoder
@@ -69,6 +70,9 @@ def labelled_regions() -> Iterator[None]:
     targets = [
         (MultiLoraLinear, "lora_input", "LoRA"),
         (MultiLoraLinear, "_add_lora", "LoRA"),
+        (MultiLoraLinear, "add_lora_masked", "LoRA"),  # the fused path's B (its X·A is in the base GEMM)
+        (decoder, "role_masked", "LoRA"),
+        (Decoder, "role_mask_for", "LoRA"),
         (DecodeView, "attend", "attention kernel"),
         (DecodeView, "rope_store", "norms/RoPE/SiLU"),
         (fused_ops, "silu_mul", "norms/RoPE/SiLU"),
@@ -170,6 +174,7 @@ def profile_batch(lm, scheme: str, batch: int, context: int, steps: int, device:
 
     # eager, labelled: per-class time
     eng = _engine(lm, scheme, batch, capacity, False, prompts, warm + 3 * steps)
+    result["fuse_lora"] = eng.fuse_lora  # LRAGENT_FUSE_LORA=0: the previous path (A GEMMs, per-layer B gather)
     eng.advance(max_steps=4)
     _sync(device)
     with labelled_regions(), profile(activities=activities) as prof:
@@ -295,7 +300,8 @@ def _markdown(result: dict) -> str:
         f"# Decode step profile: {result['model']} (random weights), {result['scheme']}, "
         f"context {result['context']}, {result['steps']} steps",
         "",
-        "Eager decoding with labelled regions: kernel time per class (CPU op time on the CPU).",
+        "Eager decoding with labelled regions: kernel time per class (CPU op time on the CPU). Fused LoRA path "
+        f"(A in the fused GEMMs, B through the role mask): {'on' if result['rows'][0].get('fuse_lora') else 'off'}.",
         "",
         markdown_table(head, table),
     ]

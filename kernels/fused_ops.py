@@ -96,14 +96,16 @@ if triton is not None:
 
     @triton.jit
     def _rope_store_kernel(
-        Q, K, V, VLR, COS, SIN, QOUT, KP, VP, LRP, KV_SLOT, LR_SLOT, POS,
+        Q, K, V, VLR, COS, SIN, QOUT, KP, VP, LRP, KV_SLOT, LR_SLOT, POS, QLR, QB, ROLE,
         stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_lrn,
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
-        n_q_heads, n_kv_heads, rank,
-        HALF: tl.constexpr, HAS_LR: tl.constexpr, R_PAD: tl.constexpr,
+        stride_qlrn, stride_qbr, stride_qbo, n_q_heads, n_kv_heads, rank, q_rank, q_scaling,
+        HALF: tl.constexpr, HAS_LR: tl.constexpr, R_PAD: tl.constexpr, HAS_QLORA: tl.constexpr,
+        QR_PAD: tl.constexpr,
     ):  # fmt: skip
-        """Grid (N tokens, Hq + Hkv): program (n, h) ropes query head h, or ropes and stores key head h - Hq and
-        stores its value head (and, for the first key head, the token's low-rank values)."""
+        """Grid (N tokens, Hq + Hkv): program (n, h) ropes query head h (after adding its LoRA term
+        ``s · lr_q · B_roleᵀ`` with ``HAS_QLORA``, rounded to q's dtype first, as a GEMM's epilogue rounds), or ropes
+        and stores key head h - Hq and stores its value head (and, for the first key head, the low-rank values)."""
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -113,7 +115,19 @@ if triton is not None:
         s2 = tl.load(SIN + n * 2 * HALF + HALF + d)
         if h < n_q_heads:
             base = Q + n * stride_qn + h * stride_qh
-            o1, o2 = _rope_half(tl.load(base + d), tl.load(base + HALF + d), c1, c2, s1, s2)
+            x1 = tl.load(base + d)
+            x2 = tl.load(base + HALF + d)
+            if HAS_QLORA:
+                role = tl.load(ROLE + n).to(tl.int64)
+                rr = tl.arange(0, QR_PAD)
+                rm = rr < q_rank
+                lq = tl.load(QLR + n * stride_qlrn + rr, mask=rm, other=0.0).to(tl.float32)
+                bp = QB + role * stride_qbr + (h * 2 * HALF + d)[:, None] * stride_qbo + rr[None, :]
+                b1 = tl.load(bp, mask=rm[None, :], other=0.0).to(tl.float32)
+                b2 = tl.load(bp + HALF * stride_qbo, mask=rm[None, :], other=0.0).to(tl.float32)
+                x1 = (x1.to(tl.float32) + q_scaling * tl.sum(b1 * lq[None, :], axis=1)).to(x1.dtype)
+                x2 = (x2.to(tl.float32) + q_scaling * tl.sum(b2 * lq[None, :], axis=1)).to(x2.dtype)
+            o1, o2 = _rope_half(x1, x2, c1, c2, s1, s2)
             out = QOUT + (n * n_q_heads + h) * 2 * HALF
             tl.store(out + d, o1)
             tl.store(out + HALF + d, o2)
@@ -189,6 +203,7 @@ def rope_store(
     kv_slot: Tensor,
     lr_slot: Tensor | None,
     pos: Tensor,
+    q_lora: tuple[Tensor, Tensor, float, Tensor] | None = None,
 ) -> Tensor:
     """RoPE on queries and keys, and keys/values/low-rank values written into static pools, in one launch.
 
@@ -202,6 +217,11 @@ def rope_store(
         lr_pool: ``(S_lr, C, r)`` low-rank pool or ``None``.
         kv_slot: ``(N,)`` slot of each token; ``lr_slot`` ``(N,)`` its low-rank slot.
         pos: ``(N,)`` position of each token.
+        q_lora: the queries' LoRA term, added before RoPE (q_proj's B applied here instead of by a GEMM of its own):
+            ``(lr, b, s, role)`` with ``lr`` ``(N, r_q)`` each token's X·A (last dim contiguous), ``b``
+            ``(n_roles, H_q·D, r_q)`` every role's B (contiguous), ``s`` the scaling and ``role`` ``(N,)`` each
+            token's role. ``q + s · lr · B_roleᵀ`` is computed in float32 and rounded to q's dtype, as the
+            multiply-add it replaces rounds.
 
     Returns:
         ``(N, H_q, D)`` rotated queries (contiguous).
@@ -209,7 +229,13 @@ def rope_store(
     n, hq, d = q.shape
     hkv = k.shape[1]
     usable = kernels_usable(q) and d % 2 == 0 and (d & (d - 1)) == 0 and q.stride(-1) == 1 and k.stride(-1) == 1
+    if q_lora is not None:
+        q_lr, q_b, q_s, q_role = q_lora
+        usable = usable and q_lr.stride(-1) == 1 and q_b.is_contiguous() and q_b.dtype == q.dtype
     if not usable or v.stride(-1) != 1 or (v_lr is not None and v_lr.stride(-1) != 1):
+        if q_lora is not None:
+            term = torch.einsum("nr,nor->no", q_lr.float(), q_b[q_role].float()).view(n, hq, d)
+            q = (q.float() + q_s * term).to(q.dtype)
         k_rot = rope_reference(k, cos, sin)
         k_pool[kv_slot, :, pos] = k_rot
         v_pool[kv_slot, :, pos] = v
@@ -223,13 +249,21 @@ def rope_store(
     lrp = lr_pool if has_lr else k_pool
     rank = v_lr.shape[-1] if has_lr else 1
     lr_strides = (lrp.stride(0), lrp.stride(1)) if has_lr else (0, 0)
+    has_ql = q_lora is not None
+    if has_ql:
+        ql_args, q_rank = (q_lr, q_b, q_role), q_lr.shape[-1]
+        ql_strides, q_s = (q_lr.stride(0), q_b.stride(0), q_b.stride(1)), float(q_s)
+    else:
+        ql_args, q_rank, ql_strides, q_s = (q, q, pos), 1, (0, 0, 0), 0.0
     _rope_store_kernel[(n, hq + hkv)](
         q, k, v, lr_arg, cos_c, sin_c, q_out, k_pool, v_pool, lrp, kv_slot, lr_slot if has_lr else kv_slot, pos,
+        *ql_args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         lr_arg.stride(0) if has_lr else 0,
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        *lr_strides, hq, hkv, rank,
-        HALF=d // 2, HAS_LR=has_lr, R_PAD=max(2, triton.next_power_of_2(rank)), num_warps=1,
+        *lr_strides, *ql_strides, hq, hkv, rank, q_rank, q_s,
+        HALF=d // 2, HAS_LR=has_lr, R_PAD=max(2, triton.next_power_of_2(rank)), HAS_QLORA=has_ql,
+        QR_PAD=max(2, triton.next_power_of_2(q_rank)), num_warps=1,
     )  # fmt: skip
     return q_out
 

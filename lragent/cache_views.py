@@ -247,15 +247,26 @@ class DecodeView:
             self.kv_slot32 = kv_slot.to(torch.int32)
             self.lr_slot32 = lr_slot.to(torch.int32)
 
-    def rope_store(self, layer, q, k, v, v_lr, cos, sin) -> torch.Tensor:
+    @property
+    def folds_q_lora(self) -> bool:
+        """:meth:`rope_store` takes q_proj's LoRA term (``q_lora``) into its launch (the fused path)."""
+        return bool(self.fused)
+
+    def rope_store(self, layer, q, k, v, v_lr, cos, sin, q_lora=None) -> torch.Tensor:
+        """RoPE and cache stores; with ``q_lora`` ``(lr (B, 1, r), b (n_roles, H_q·D, r), s, role (B,))`` the
+        queries first get ``s · lr · B_roleᵀ`` (``kernels.fused_ops.rope_store``; fused views only)."""
         if not self.fused:
+            if q_lora is not None:
+                raise ValueError("q_lora needs a fused view")
             return rope_store_unfused(self, layer, q, k, v, v_lr, cos, sin)
         from kernels.fused_ops import rope_store
 
         p = self.pool
+        ql = None if q_lora is None else (q_lora[0][:, 0], *q_lora[1:])
         q_out = rope_store(
             q[:, 0], k[:, 0], v[:, 0], None if v_lr is None else v_lr[:, 0], cos[:, 0], sin[:, 0],
             p.k[layer], p.v[layer], p.v_lr[layer] if v_lr is not None else None, self.kv_slot, self.lr_slot, self.pos,
+            q_lora=ql,
         )  # fmt: skip
         return q_out[:, :, None]  # (B, H_q, 1, D)
 

@@ -15,7 +15,8 @@ knows where the new positions go and which keys they attend to. Every view lives
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,24 +24,95 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from lragent.cache_views import CacheView, GrowableView, ReplayView
+from lragent.fused_weights import FusedGroup
 from lragent.kv_cache import ModelCache
-from lragent.multi_lora import MultiLoraLinear
+from lragent.multi_lora import MultiLoraLinear, role_mask, role_masked
 from lragent.rope import apply_rope
-
-
-def _with_lora(
-    module: nn.Module, base_out: torch.Tensor, x: torch.Tensor, role_ids: torch.Tensor | None
-) -> torch.Tensor:
-    """``base_out`` (the module's base projection of ``x``) plus its LoRA term, if the module has one."""
-    if isinstance(module, MultiLoraLinear):
-        return module._add_lora(base_out, module.lora_input(x, role_ids), role_ids)
-    return base_out
 
 
 def _proj(module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
     if isinstance(module, MultiLoraLinear):
         return module(x, role_ids)
     return module(x)
+
+
+def _roles(role_ids: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+    """``role_ids``, or zeros ``(batch,)`` (one role)."""
+    return torch.zeros(batch, dtype=torch.long, device=device) if role_ids is None else role_ids
+
+
+MaskFn = Callable[[], torch.Tensor]
+"""Gives the ``(B, n_roles)`` role mask of the fused LoRA path (made on first call, once per decode step)."""
+
+
+def _proj_masked(
+    module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None, mask: MaskFn | None
+) -> torch.Tensor:
+    """:func:`_proj`, with a LoRA's B applied through the role mask (:meth:`MultiLoraLinear.add_lora_masked`)
+    when ``mask`` is given (the fused inference path) instead of gathering every row's B."""
+    if mask is None or not isinstance(module, MultiLoraLinear):
+        return _proj(module, x, role_ids)
+    lr = module.lora_input(x, role_ids)
+    return module.add_lora_masked(module.base(x), role_masked(lr, mask(), module.rank)[:, :, 0])
+
+
+def _group_forward(
+    group: FusedGroup,
+    x: torch.Tensor,
+    role_ids: torch.Tensor | None,
+    mask: MaskFn | None,
+    no_b: tuple[int, ...] = (),
+) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """The fused modules' outputs for ``x``: one GEMM, then every adapter's B.
+
+    Args:
+        group: the fused projections (:class:`~lragent.fused_weights.FusedGroup`); when it carries the shared A
+            rows, the GEMM's last columns are the adapters' X·A.
+        x: ``(B, T, d_in)``.
+        role_ids: ``(B,)``.
+        mask: gives the ``(B, n_roles)`` role mask: B applied by one GEMM over all roles' B
+            (:meth:`MultiLoraLinear.add_lora_masked`); ``None``: each row's B gathered
+            (:meth:`MultiLoraLinear._add_lora`).
+        no_b: module indices whose B is not applied here (``v_proj`` of a decomposed cache: the attention applies
+            it).
+
+    Returns:
+        ``(outputs, lrs)``: each module's ``(B, T, d_out)`` output (base + LoRA, except ``no_b``: base only) and
+        each adapted module's ``(B, T, r)`` X·A, by module index.
+    """
+    if group.lora and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        group.refresh()  # eager: the A rows follow the adapters (graph replays: the engine refreshes them)
+    y = F.linear(x, group.weight, group.bias)
+    parts = y.split(group.sizes, dim=-1)
+    n = group.n_base
+    outs = list(parts[:n])
+    lrs: dict[int, torch.Tensor] = {}
+    for j, i in enumerate(group.lora):
+        m = group.modules[i]
+        if not m.training or isinstance(m.dropout, nn.Identity):  # the GEMM's X·A has no dropout
+            lrs[i] = parts[n + j]
+    from_gemm = len(lrs) == len(group.lora)
+    for i, m in enumerate(group.modules):
+        if isinstance(m, MultiLoraLinear) and i not in lrs:
+            lrs[i] = m.lora_input(x, role_ids)
+    todo = [i for i in sorted(lrs) if i not in no_b]
+    if not todo:
+        return outs, lrs
+    if mask is None:
+        for i in todo:
+            outs[i] = group.modules[i]._add_lora(outs[i], lrs[i], role_ids)
+        return outs, lrs
+    if from_gemm and group.lora:  # one mask launch for all the group's A columns
+        rank = group.modules[group.lora[0]].rank
+        masked = role_masked(y[..., sum(group.sizes[:n]) :], mask(), rank)
+        cols = {i: masked[:, :, j] for j, i in enumerate(group.lora)}
+    else:
+        cols = {}
+    for i in todo:
+        m = group.modules[i]
+        lm = cols[i] if i in cols else role_masked(lrs[i], mask(), m.rank)[:, :, 0]
+        outs[i] = m.add_lora_masked(outs[i], lm)
+    return outs, lrs
 
 
 class DecoderEngine:
@@ -63,6 +135,11 @@ class DecoderEngine:
         self.vocab_size = cfg.vocab_size
         self._silu = getattr(cfg, "hidden_act", "silu") == "silu"
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fuse_lora = False
+        """On the fused inference path (a view with ``fused``, no autograd), take each adapter's X·A from the fused
+        GEMM's A columns (:func:`~lragent.fused_weights.fuse_base_weights` with ``lora=True``) and apply every row's B
+        through a role mask instead of gathering each row's B per layer (set by the engine)."""
+        self._n_roles: int | None = None
         self.gradient_checkpointing = False
         """Recompute each layer's activations in backward instead of keeping them (training through growable
         caches: :meth:`run_view`). Same values and gradients; memory per layer drops to its input and its K/V."""
@@ -91,7 +168,12 @@ class DecoderEngine:
         return self.model.lm_head(self._norm(self.inner.norm, h, fused))
 
     def _mlp(
-        self, layer: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None, fused: bool = False
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        role_ids: torch.Tensor | None,
+        fused: bool = False,
+        mask: MaskFn | None = None,
     ) -> torch.Tensor:
         mlp = layer.mlp
         if not fused and not any(
@@ -100,15 +182,41 @@ class DecoderEngine:
             return mlp(x)
         gu = mlp.__dict__.get("_lragent_gu") if fused else None
         if gu is not None:
-            gate, up = F.linear(x, gu[0], gu[1]).split(gu[2], dim=-1)
-            gate, up = _with_lora(mlp.gate_proj, gate, x, role_ids), _with_lora(mlp.up_proj, up, x, role_ids)
+            (gate, up), _ = _group_forward(gu, x, role_ids, mask)
         else:
-            gate, up = _proj(mlp.gate_proj, x, role_ids), _proj(mlp.up_proj, x, role_ids)
+            gate, up = _proj_masked(mlp.gate_proj, x, role_ids, mask), _proj_masked(mlp.up_proj, x, role_ids, mask)
         if fused and self._silu:
             from kernels.fused_ops import silu_mul
 
-            return _proj(mlp.down_proj, silu_mul(gate, up), role_ids)
-        return _proj(mlp.down_proj, mlp.act_fn(gate) * up, role_ids)
+            return _proj_masked(mlp.down_proj, silu_mul(gate, up), role_ids, mask)
+        return _proj_masked(mlp.down_proj, mlp.act_fn(gate) * up, role_ids, mask)
+
+    def role_mask_for(self, view: CacheView, role_ids: torch.Tensor | None, h: torch.Tensor) -> MaskFn | None:
+        """The fused LoRA path (:attr:`fuse_lora`) for this view: a function giving the ``(B, n_roles)`` role mask,
+        made on first use once per view (once per decode step) and kept on it; ``None`` where that path is off (no
+        fused view, autograd on, a role per token)."""
+        if not (self.fuse_lora and getattr(view, "fused", False)) or torch.is_grad_enabled():
+            return None
+        if role_ids is not None and role_ids.dim() != 1:
+            return None
+        return functools.partial(self._role_mask, view, role_ids, h)
+
+    def _role_mask(self, view: CacheView, role_ids: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+        cached = getattr(view, "_lragent_role_mask", None)
+        dtype = h.dtype
+        if cached is not None and cached[0] is role_ids and cached[1].dtype == dtype:
+            return cached[1]
+        if self._n_roles is None:
+            lora = [m for m in self.model.modules() if isinstance(m, MultiLoraLinear)]
+            self._n_roles = lora[0].n_roles if lora else 1
+        if role_ids is None:
+            if self._n_roles != 1:
+                raise ValueError(f"role_ids is required: the adapters serve {self._n_roles} roles")
+            mask = torch.ones(h.shape[0], 1, dtype=dtype, device=h.device)
+        else:
+            mask = role_mask(role_ids, self._n_roles, dtype)
+        view._lragent_role_mask = (role_ids, mask)
+        return mask
 
     # ---- one layer ----------------------------------------------------------------------------------------------
     def layer_forward(
@@ -159,6 +267,7 @@ class DecoderEngine:
         if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
         qkv = attn.__dict__.get("_lragent_qkv") if fused else None
+        mask = self.role_mask_for(view, role_ids, h) if fused else None
         if write_kv and kv_from > 0:
             v_lr = v_mod.lora_input(x, role_ids)  # (B, T, r): every position gets this role's V_lr
             view.sub(0, kv_from).store_lr(index, v_lr[:, :kv_from])
@@ -173,16 +282,22 @@ class DecoderEngine:
             )
             q = torch.cat([q_head, q_tail], dim=2)  # (B, H_q, T, D)
         elif write_kv and qkv is not None:
-            # one GEMM for the three base projections; each LoRA term added to its slice
-            q, k, v = F.linear(x, qkv[0], qkv[1]).split(qkv[2], dim=-1)
-            q, k = _with_lora(attn.q_proj, q, x, role_ids), _with_lora(attn.k_proj, k, x, role_ids)
-            if low_rank:
-                v_lr = v_mod.lora_input(x, role_ids)
-            else:
-                v, v_lr = _with_lora(v_mod, v, x, role_ids), None
+            # one GEMM for the three base projections (and, with fuse_lora, their adapters' X·A); each LoRA term
+            # added to its slice; a decomposed cache stores v_proj's X·A as V_lr and the attention applies its B;
+            # a decode view adds q_proj's LoRA term inside its RoPE-and-store launch
+            q_mod = attn.q_proj
+            fold_q = mask is not None and isinstance(q_mod, MultiLoraLinear) and getattr(view, "folds_q_lora", False)
+            no_b = (0,) * fold_q + (2,) * low_rank
+            (q, k, v), lrs = _group_forward(qkv, x, role_ids, mask, no_b=no_b)
+            v_lr = lrs[2] if low_rank else None
             q = q.view(b, t, -1, self.head_dim)
             k = k.view(b, t, -1, self.head_dim)
-            q = view.rope_store(index, q, k, v.view(b, t, -1, self.head_dim), v_lr, cos, sin)  # (B, H_q, T, D)
+            v = v.view(b, t, -1, self.head_dim)
+            if fold_q:
+                q_lora = (lrs[0], q_mod.stacked_b(), q_mod.scaling, _roles(role_ids, b, h.device))
+                q = view.rope_store(index, q, k, v, v_lr, cos, sin, q_lora=q_lora)  # (B, H_q, T, D)
+            else:
+                q = view.rope_store(index, q, k, v, v_lr, cos, sin)  # (B, H_q, T, D)
         elif write_kv:
             k = _proj(attn.k_proj, x, role_ids).view(b, t, -1, self.head_dim)
             if low_rank:
@@ -203,7 +318,7 @@ class DecoderEngine:
         if role_ids is None:
             role_ids = torch.zeros(b, dtype=torch.long, device=h.device)
         o = view.attend(index, q, v_mod.stacked_b() if low_rank else None, v_mod.scaling if low_rank else 1.0, role_ids)
-        o = _proj(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids)
+        o = _proj_masked(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids, mask)
         if fused:
             from kernels.fused_ops import rms_norm
 
@@ -212,7 +327,7 @@ class DecoderEngine:
         else:
             h = h + o
             x2 = layer.post_attention_layernorm(h)
-        return h + self._mlp(layer, x2, role_ids, fused)
+        return h + self._mlp(layer, x2, role_ids, fused, mask)
 
     @staticmethod
     def _norm(norm: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:

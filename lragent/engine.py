@@ -21,6 +21,7 @@ the same tokens.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lragent.cache_views import DecodeView, PrefillView
+from lragent.fused_weights import refresh_fused_lora
 from lragent.lora_model import MultiLoraModel
 from lragent.sampling import check_sampling, sample_next
 from lragent.schemes import Scheme
@@ -211,6 +213,10 @@ class Engine:
             batched engine raises :class:`CapacityError` instead.
         fuse_ops: fused weights (one GEMM for q/k/v and for gate/up) and fused elementwise kernels; default: on
             CUDA in fp16/bf16 with ``use_kernel``. On the CPU the fused path runs with PyTorch fallbacks (tests).
+        fuse_lora: with ``fuse_ops``, also append each adapter's shared A to its fused GEMM (one GEMM gives X·W0
+            and X·A; V_lr is taken from it) and apply every row's B through a role mask, one GEMM over all roles' B,
+            instead of gathering each row's B in every layer (:attr:`DecoderEngine.fuse_lora`). Default: on, unless
+            the environment sets ``LRAGENT_FUSE_LORA=0`` (side-by-side timings of the previous path).
         prefill_in_decode: a step whose plan is one forward of at most this many tokens (no catch-up, no logits
             asked) feeds those tokens through the batched decode step, teacher-forced, one per step and all rows
             together, instead of an eager prefill of its row alone. Agent calls append a few dozen tokens each, so
@@ -234,6 +240,7 @@ class Engine:
         growable: bool = False,
         fuse_ops: bool | None = None,
         prefill_in_decode: int = 0,
+        fuse_lora: bool | None = None,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -254,10 +261,14 @@ class Engine:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         gpu_ok = use_kernel and self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         self.fuse_ops = gpu_ok if fuse_ops is None else bool(fuse_ops)
+        if fuse_lora is None:
+            fuse_lora = os.environ.get("LRAGENT_FUSE_LORA", "1") != "0"
+        self.fuse_lora = self.fuse_ops and bool(fuse_lora)
+        self.dec.fuse_lora = self.fuse_lora
         if self.fuse_ops:
             from lragent.fused_weights import fuse_base_weights
 
-            fuse_base_weights(model.model)
+            fuse_base_weights(model.model, lora=self.fuse_lora)
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         cfg = model.lora_config
@@ -677,6 +688,10 @@ class Engine:
             self._alloc_decode_state()
         for module in self._lora_modules:  # bring the cached stacked B up to date (graphs read it in place)
             module.stacked_b()
+            if self.fuse_lora:
+                module.cat_b_cached(self.dtype)
+        if self.fuse_lora:  # and the A rows of the fused GEMMs
+            refresh_fused_lora(self.model.model)
         finished: list[StepResult] = []
         steps = 0
         eager_logits = any(p.request.return_logits for p in self._pending.values())

@@ -182,6 +182,51 @@ class MultiLoraLinear(nn.Module):
         """``(d_out, n_roles·r)``: every role's B side by side (role-major columns)."""
         return torch.cat(list(self.lora_B), dim=1)
 
+    @torch.no_grad()
+    def cat_b_cached(self, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`cat_b` in ``dtype`` as one cached tensor, refreshed in place whenever a B changed (inference).
+
+        Like :meth:`stacked_b`'s cache, its address never moves: a captured CUDA graph reads it as an input, and
+        whoever replays the graph calls this method first to bring it up to date.
+
+        Returns:
+            ``(d_out, n_roles·r)``.
+        """
+        versions = tuple((b.data_ptr(), b._version) for b in self.lora_B)
+        cache = self.__dict__.get("_cb_cache")
+        ref = self.lora_B[0]
+        if cache is None or cache.device != ref.device or cache.dtype != dtype:
+            self.__dict__["_cb_cache"] = self.cat_b().detach().to(dtype)
+        elif versions != self.__dict__.get("_cb_versions"):
+            cache.copy_(self.cat_b())
+        self.__dict__["_cb_versions"] = versions
+        return self.__dict__["_cb_cache"]
+
+    def add_lora_masked(self, base: torch.Tensor, lr_masked: torch.Tensor) -> torch.Tensor:
+        """``base + s · lr_masked · cat_bᵀ``: every row's own B applied by one GEMM over all roles' B, no gather.
+
+        ``lr_masked`` holds each row's ``X·A`` in the r columns of its role and zeros elsewhere
+        (:func:`role_masked`), so the GEMM adds exactly ``s · X·A · B_roleᵀ`` (the zero columns contribute exact
+        zeros). Inference only (no autograd). Adds in place into ``base`` when it can be viewed as a matrix (a
+        slice of a fused GEMM's output), which spares the copy an out-of-place ``addmm`` makes.
+
+        Args:
+            base: ``(B, T, d_out)`` base output (may be a column slice of a wider output).
+            lr_masked: ``(B, T, n_roles·r)``.
+
+        Returns:
+            ``(B, T, d_out)``: ``base`` itself when added in place.
+        """
+        d_out = base.shape[-1]
+        w = self.cat_b_cached(base.dtype).t()
+        lr2 = lr_masked.reshape(-1, lr_masked.shape[-1]).to(base.dtype)
+        try:
+            b2 = base.view(-1, d_out)
+        except RuntimeError:
+            return torch.addmm(base.reshape(-1, d_out), lr2, w, alpha=self.scaling).view(base.shape)
+        b2.addmm_(lr2, w, alpha=self.scaling)
+        return base
+
     def lora_input(self, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
         """The low-rank activation ``drop(x) A_roleᵀ`` (what V_lr stores for ``v_proj``).
 
@@ -250,3 +295,28 @@ class MultiLoraLinear(nn.Module):
             f"in={self.in_features}, out={self.out_features}, roles={self.n_roles}, r={self.rank}, "
             f"scaling={self.scaling:g}, shared_a={self.shared_a}"
         )
+
+
+def role_mask(role_ids: torch.Tensor, n_roles: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, n_roles)`` one-hot of each row's role in ``dtype`` (no host sync: CUDA-graph capturable).
+
+    Args:
+        role_ids: ``(B,)`` role of each row, in ``[0, n_roles)``.
+    """
+    return (role_ids[:, None] == torch.arange(n_roles, device=role_ids.device)).to(dtype)
+
+
+def role_masked(lr: torch.Tensor, mask: torch.Tensor, rank: int) -> torch.Tensor:
+    """Each row's low-rank activations in the r columns of its role, zeros elsewhere (one elementwise launch).
+
+    Args:
+        lr: ``(B, T, k·r)``: the X·A of ``k`` adapters of rank ``rank`` side by side (e.g. a slice of a fused GEMM).
+        mask: ``(B, n_roles)`` from :func:`role_mask`.
+        rank: r.
+
+    Returns:
+        ``(B, T, k, n_roles·r)``; ``[:, :, j]`` is adapter j's input to :meth:`MultiLoraLinear.add_lora_masked`.
+    """
+    lr = lr.unflatten(-1, (-1, 1, rank))  # (B, T, k, 1, r)
+    out = lr * mask[:, None, None, :, None].to(lr.dtype)  # (B, T, k, n_roles, r)
+    return out.flatten(-2)

@@ -408,6 +408,72 @@ BUGS = {
         "        if True:",
         "tests/test_multi_gpu.py -k two_cpu",
     ),
+    "fused LoRA: the role-masked A columns read one column off (last V column + A minus its last row)": (
+        "lragent/decoder.py",
+        "masked = role_masked(y[..., sum(group.sizes[:n]) :], mask(), rank)",
+        "masked = role_masked(y[..., sum(group.sizes[:n]) - 1 : -1], mask(), rank)",
+        "tests/test_decode_fusion.py -k 'module_path or on_and_off'",
+    ),
+    "fused LoRA: appended A rows addressed one row low (a_offset + 1)": (
+        "lragent/fused_weights.py",
+        "        return sum(self.sizes[: self.n_base + j])",
+        "        return sum(self.sizes[: self.n_base + j]) + 1",
+        "tests/test_decode_fusion.py -k 'layout or changed'",
+    ),
+    "fused LoRA: V_lr cached from q_proj's X·A columns": (
+        "lragent/decoder.py",
+        "            v_lr = lrs[2] if low_rank else None",
+        "            v_lr = lrs[0] if low_rank else None",
+        "tests/test_decode_fusion.py -k 'module_path or on_and_off'",
+    ),
+    "fused LoRA: every row gets the next role's B (role mask rolled)": (
+        "lragent/multi_lora.py",
+        "    return (role_ids[:, None] == torch.arange(n_roles, device=role_ids.device)).to(dtype)",
+        "    return (role_ids[:, None] == torch.arange(n_roles, device=role_ids.device).roll(1)).to(dtype)",
+        "tests/test_decode_fusion.py -k 'module_path or on_and_off or role_mask'",
+    ),
+    "fused LoRA: B term computed out of place and dropped": (
+        "lragent/multi_lora.py",
+        "        b2.addmm_(lr2, w, alpha=self.scaling)",
+        "        torch.addmm(b2, lr2, w, alpha=self.scaling)",
+        "tests/test_decode_fusion.py -k 'module_path or on_and_off'",
+    ),
+    "fused LoRA: A rows never refreshed after the adapters change": (
+        "lragent/fused_weights.py",
+        "            if self._a_keys[j] != key:",
+        "            if self._a_keys[j] is None and False:",
+        "tests/test_decode_fusion.py -k changed",
+    ),
+    "fused LoRA: cached B matrix never refreshed after a B changes": (
+        "lragent/multi_lora.py",
+        '        elif versions != self.__dict__.get("_cb_versions"):\n            cache.copy_(self.cat_b())',
+        "        elif False:\n            cache.copy_(self.cat_b())",
+        "tests/test_decode_fusion.py -k changed",
+    ),
+    "fused LoRA: rope kernel adds role 0's B to every row's queries": (
+        "kernels/fused_ops.py",
+        "                bp = QB + role * stride_qbr",
+        "                bp = QB + 0 * role * stride_qbr",
+        "tests/test_fused_ops.py -k interpreter",
+    ),
+    "fused LoRA: rope kernel reads the next head's B rows": (
+        "kernels/fused_ops.py",
+        "(h * 2 * HALF + d)[:, None] * stride_qbo",
+        "((h + 1) % n_q_heads * 2 * HALF + d)[:, None] * stride_qbo",
+        "tests/test_fused_ops.py -k interpreter",
+    ),
+    "fused LoRA: rope fallback adds the next role's B to the queries": (
+        "kernels/fused_ops.py",
+        "q_b[q_role].float()",
+        "q_b[(q_role + 1) % q_b.shape[0]].float()",
+        "tests/test_decode_fusion.py -k 'module_path or on_and_off'",
+    ),
+    "fused LoRA: q's B applied twice (in the rope launch and by the masked GEMM)": (
+        "lragent/decoder.py",
+        "no_b = (0,) * fold_q + (2,) * low_rank",
+        "no_b = (2,) * low_rank",
+        "tests/test_decode_fusion.py -k 'module_path or on_and_off'",
+    ),
 }
 only = sys.argv[1:]
 if any(a in ("-h", "--help") for a in only):

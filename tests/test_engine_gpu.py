@@ -247,3 +247,69 @@ def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme):
     assert fed_out == eager_out, scheme
     for a, b in zip(eager_last, fed_last, strict=True):
         assert (a - b).abs().max() <= 1e-3, (scheme, float((a - b).abs().max()))
+
+
+# ---- the fused LoRA path (issue 18: shared A in the fused GEMMs, B through the role mask) -------------------------
+def _fused_lora_rows(model, scheme: str, fuse_lora: bool, rows: int = 8) -> list[list[list[int]]]:
+    """Every row's generated ids, rows joining and leaving with different roles, decoded by CUDA-graph replay."""
+    eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, fuse_ops=fuse_lora,
+                 fuse_lora=fuse_lora, droidspeak_layers=[1, 2])  # fmt: skip
+    out: list[list] = [[] for _ in range(rows)]
+    nxt = [0] * rows
+
+    def launch(r: int) -> None:
+        eng.append(r, _prompt(77 * r + nxt[r], 5 + 7 * ((r + nxt[r]) % 3)))
+        eng.start(r, GenerationRequest(role=(r + nxt[r]) % 3, max_new_tokens=5 + r % 4))
+        nxt[r] += 1
+
+    for r in range(rows):
+        launch(r)
+    while eng._pending:
+        for res in eng.advance():
+            out[res.row].append(res.generated_ids)
+            if nxt[res.row] < 3:
+                launch(res.row)
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_lora_graphs_equal_plain_path_fp32(scheme):
+    """fp32 (no bf16 near-ties), 4 layers of SmolLM2 shapes, eight rows of mixed roles: graph-replayed decoding with
+    the fused LoRA path gives the tokens of the plain module-by-module path."""
+    from lragent.lora_model import MultiLoraModel
+    from lragent.models import load_model
+    from lragent.multi_lora import MultiLoraConfig
+
+    hf, _ = load_model("smollm2-135m", dtype=torch.float32, device="cuda", overrides={"num_hidden_layers": 4})
+    model = MultiLoraModel(hf, MultiLoraConfig(dropout=0.0)).eval()
+    model.init_adapters("random", seed=0, b_std=0.05)
+    plain = _fused_lora_rows(model, scheme, fuse_lora=False)
+    fused = _fused_lora_rows(model, scheme, fuse_lora=True)
+    assert fused == plain
+
+
+def test_fused_lora_graph_launches_fewer_kernels(model):
+    """bf16 decode step (one row, base_lr_shared, q/v adapters): with the fused LoRA path a replayed graph runs no
+    LoRA kernel of its own (X·A of q and v come out of the QKV GEMM, q's B is added inside the RoPE-and-store kernel,
+    v's inside the attention kernel), where the previous path runs four per layer (two X·A GEMMs, the gather of q's
+    B, its multiply-add): at least three per layer fewer, and fewer index kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    steps = 8  # one replay burst (sync_every)
+    for on in (False, True):
+        eng = Engine(model, "base_lr_shared", rows=1, capacity=256, eos_token_ids=[], cuda_graphs=True, fuse_lora=on)
+        assert eng.fuse_ops and eng.fuse_lora == on
+        eng.append(0, _prompt(5, 20))
+        eng.start(0, GenerationRequest(role=1, max_new_tokens=200))
+        eng.advance(max_steps=16)  # captured
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.advance(max_steps=steps)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts[on] = (len(names), sum("index" in n for n in names))
+        del eng
+    n_layers = model.decoder.n_layers
+    assert counts[True][0] <= counts[False][0] - 3 * n_layers * steps, counts
+    assert counts[True][1] < counts[False][1], counts

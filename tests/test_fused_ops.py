@@ -76,6 +76,17 @@ def _check_all(device: str, dtype: torch.dtype, hidden: int, n: int, hq: int, hk
     mask = torch.zeros(3, 40, dtype=torch.bool, device=device)
     mask[slot, pos] = True
     assert not pools[0].permute(0, 2, 1, 3)[~mask].any()
+    # the queries' LoRA term in the same launch: q + s·lr·B_roleᵀ, rounded to the dtype, then RoPE
+    q_lr, q_b = rnd(n, r), rnd(3, hq * d, r)
+    role = torch.randint(0, 3, (n,), generator=g).to(device)
+    again = [torch.zeros_like(p) for p in pools]
+    got = F.rope_store(q, k, v, lr, cos, sin, *again, torch.zeros_like(lr_pool), slot, lslot, pos,
+                       q_lora=(q_lr, q_b, 0.5, role))  # fmt: skip
+    qa = q.double() + 0.5 * torch.einsum("nr,nor->no", q_lr.double(), q_b[role].double()).view(n, hq, d)
+    truth, scale = _rope64(qa.to(dtype), cos, sin)
+    _ulp_close(got, truth, 2 * scale, dtype)  # two roundings (the multiply-add, RoPE) before the compare
+    assert float((truth - _rope64(q, cos, sin)[0]).abs().max()) > 0.5  # the term is not negligible
+    assert torch.equal(again[0], pools[0]) and torch.equal(again[1], pools[1])
 
 
 def test_fused_ops_under_the_interpreter():
