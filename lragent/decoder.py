@@ -174,7 +174,10 @@ class DecoderEngine:
         role_ids: torch.Tensor | None,
         fused: bool = False,
         mask: MaskFn | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The MLP of ``layer`` on ``x`` ``(B, T, hidden)``; with ``residual`` (the fused path) ``residual + MLP(x)``,
+        the add done by the down projection's GEMM where it is a plain bias-free linear (one kernel less per layer)."""
         mlp = layer.mlp
         if not fused and not any(
             isinstance(getattr(mlp, n), MultiLoraLinear) for n in ("gate_proj", "up_proj", "down_proj")
@@ -188,8 +191,16 @@ class DecoderEngine:
         if fused and self._silu:
             from kernels.fused_ops import silu_mul
 
-            return _proj_masked(mlp.down_proj, silu_mul(gate, up), role_ids, mask)
-        return _proj_masked(mlp.down_proj, mlp.act_fn(gate) * up, role_ids, mask)
+            act = silu_mul(gate, up)
+        else:
+            act = mlp.act_fn(gate) * up
+        down = mlp.down_proj
+        if residual is not None and type(down) is nn.Linear and down.bias is None and act.dtype == residual.dtype:
+            # residual + act·Wᵀ in the GEMM's epilogue (rounded once, where h + (act·Wᵀ) rounds twice)
+            flat = torch.addmm(residual.flatten(0, -2), act.flatten(0, -2), down.weight.t())
+            return flat.view_as(residual)
+        out = _proj_masked(down, act, role_ids, mask)
+        return out if residual is None else residual + out
 
     def role_mask_for(self, view: CacheView, role_ids: torch.Tensor | None, h: torch.Tensor) -> MaskFn | None:
         """The fused LoRA path (:attr:`fuse_lora`) for this view: a function giving the ``(B, n_roles)`` role mask,
@@ -324,9 +335,9 @@ class DecoderEngine:
 
             norm = layer.post_attention_layernorm
             x2, h = rms_norm(o, norm.weight, norm.variance_epsilon, residual=h)
-        else:
-            h = h + o
-            x2 = layer.post_attention_layernorm(h)
+            return self._mlp(layer, x2, role_ids, fused, mask, residual=h)
+        h = h + o
+        x2 = layer.post_attention_layernorm(h)
         return h + self._mlp(layer, x2, role_ids, fused, mask)
 
     @staticmethod

@@ -18,6 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "decode: the MLP's residual dropped by the down projection's GEMM": (
+        "lragent/decoder.py",
+        "flat = torch.addmm(residual.flatten(0, -2), act.flatten(0, -2), down.weight.t())",
+        "flat = torch.addmm(residual.flatten(0, -2), act.flatten(0, -2), down.weight.t(), beta=0)",
+        "tests/test_decode_fusion.py",
+    ),
     "answer sentence names the wrong option": (
         "datamodules/answer_thoughts.py",
         "        i = LETTERS.index(letter)",
