@@ -86,7 +86,13 @@ def _check_all(device: str, dtype: torch.dtype, hidden: int, n: int, hq: int, hk
     truth, scale = _rope64(qa.to(dtype), cos, sin)
     _ulp_close(got, truth, 2 * scale, dtype)  # two roundings (the multiply-add, RoPE) before the compare
     assert float((truth - _rope64(q, cos, sin)[0]).abs().max()) > 0.5  # the term is not negligible
-    assert torch.equal(again[0], pools[0]) and torch.equal(again[1], pools[1])
+    # keys and values are stored as without the term: the values are copies; the keys the same RoPE, within its
+    # rounding bound (this kernel variant may contract the multiply-adds differently: seen 1-ulp differences on an
+    # H200 at head dim 128), and nothing else is written
+    truth_k, scale_k = _rope64(k, cos, sin)
+    _ulp_close(again[0][slot, :, pos], truth_k, scale_k, dtype)
+    assert torch.equal(again[1], pools[1])
+    assert not again[0].permute(0, 2, 1, 3)[~mask].any()
 
 
 def test_fused_ops_under_the_interpreter():
