@@ -236,8 +236,8 @@ def _bad_input_case(tmp_path, case: str) -> tuple[list[str], str]:
     if case == "mps-device":
         return ["session", "--adapter_init", "random", "--device", "mps", "--out", str(out / "r.json")], "'mps'"
     if case == "answer-text-hotpotqa":  # option texts to score: ScienceQA only
-        return ["eval", "--benchmark", "hotpotqa", "--constrain", "answer_text", "--adapter_init", "zero", "--limit", "1",
-                "--out", str(out)], "'answer_text'"  # fmt: skip
+        return ["eval", "--benchmark", "hotpotqa", "--constrain", "answer_text", "--adapter_init", "zero",
+                "--limit", "1", "--out", str(out)], "'answer_text'"  # fmt: skip
     if case == "zero-new-tokens":
         return ["session", "--adapter_init", "random", "--max_new_tokens", "0", "--out", str(out / "r.json")], "got 0"
     assert case == "not-a-checkpoint", case
