@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lragent.agents import EpisodeResult
-from lragent.agents.requests import Choose, Generate, Reply, StepStats
+from lragent.agents.requests import Choose, Generate, Reply, StepStats, best_option
 from lragent.engine import Engine, GenerationRequest, StepResult
 from lragent.lora_model import MultiLoraModel
 
@@ -142,8 +142,8 @@ class BatchedExecutor:
                         options = [self._encode(o) for o in request.options]
                         role = self.model.router.id(request.role)
                         scores = eng.score(row, role, options)
-                        best = max(range(len(scores)), key=lambda i: scores[i])
-                        eng.append(row, options[best])
+                        best = best_option(scores, [len(o) for o in options], request.score)
+                        eng.append(row, self._encode(request.appended(best)))
                         stats = StepStats(
                             prefill_tokens=sum(len(o) for o in options), trajectory_tokens=len(eng.ids(row))
                         )

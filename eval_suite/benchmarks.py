@@ -14,7 +14,8 @@ benchmark       levels                      search corpus (offline tools)       
 Both take extra ``{"title", "text"}`` JSONL corpora (``--corpus FILE``), indexed after their own passages.
 With constraints on (:mod:`lragent.agents.constraints`) the action type is chosen among the benchmark's tools plus
 ``Finish`` and the ``Finish`` argument among the question's option letters (ScienceQA) or ``yes``/``no`` for a
-judgement question (HotpotQA, recognised from the question text only).
+judgement question (HotpotQA, recognised from the question text only). The ``answer_text`` constraint (ScienceQA
+only) chooses the ``Finish`` letter by scoring each option's text instead of the letter.
 """
 
 from __future__ import annotations
@@ -33,13 +34,20 @@ from eval_suite.metrics import (
     parse_choice,
 )
 from lragent.agents import BenchmarkSpec, format_question, get_spec
-from lragent.agents.constraints import action_type_options, answer_options
+from lragent.agents.constraints import ANSWER_TEXT_SCORE, action_type_options, answer_options, answer_texts
 from lragent.agents.tools import Passage, iter_corpus_passages, iter_hotpotqa_passages
 from lragent.paths import DATA_DIR
 
-CONSTRAINTS: tuple[str, ...] = ("action_type", "answer")
-"""Constrained-choice options: ``action_type`` (choose the action type among the valid ones) and ``answer``
-(choose the ``Finish`` argument among the question's options / yes-no)."""
+CONSTRAINTS: tuple[str, ...] = ("action_type", "answer", "answer_text")
+"""Constrained-choice options: ``action_type`` (choose the action type among the valid ones), ``answer`` (choose the
+``Finish`` argument among the question's options / yes-no) and ``answer_text`` (ScienceQA: choose the ``Finish``
+letter by scoring each option's text, :data:`~lragent.agents.constraints.ANSWER_TEXT_SCORE`; never with
+``answer``)."""
+
+ALL_CONSTRAINTS: tuple[str, ...] = ("action_type", "answer")
+"""What ``--constrain all`` means (rows named ``scheme+constrained``); ``answer_text`` is asked for by name."""
+
+TEXT_CONSTRAINT = "answer_text"
 
 
 @dataclass(frozen=True)
@@ -208,10 +216,29 @@ class Benchmark:
     def constraint_options(
         self, q: Question, constraints: Sequence[str]
     ) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
-        """``(action_types, answer_options)`` for :meth:`lragent.agents.AgentLoop.episode` under ``constraints``."""
+        """``(action_types, answer_options)`` for :meth:`lragent.agents.AgentLoop.episode` under ``constraints``
+        (``answer_text``: the option letters, which :meth:`answer_texts` scores by their texts)."""
+        self.check_constraints(constraints)
         types = action_type_options(self.spec) if "action_type" in constraints else None
-        answers = answer_options(self.spec, q.text, q.choices) if "answer" in constraints else None
+        letters = "answer" in constraints or TEXT_CONSTRAINT in constraints
+        answers = answer_options(self.spec, q.text, q.choices) if letters else None
         return types, answers
+
+    def answer_texts(self, q: Question, constraints: Sequence[str]) -> tuple[str, ...] | None:
+        """Under ``answer_text``: the option texts scored for the letters (:func:`~lragent.agents.constraints.
+        answer_texts`), for :meth:`lragent.agents.AgentLoop.episode`'s ``answer_texts``; None otherwise."""
+        self.check_constraints(constraints)
+        return answer_texts(q.choices) if TEXT_CONSTRAINT in constraints else None
+
+    def check_constraints(self, constraints: Sequence[str]) -> None:
+        """Raises ``ValueError`` for a constraint this benchmark cannot apply (``answer_text`` needs option texts:
+        ScienceQA only), naming what is allowed."""
+        if TEXT_CONSTRAINT in constraints and self.name != "scienceqa":
+            allowed = ", ".join(c for c in CONSTRAINTS if c != TEXT_CONSTRAINT)
+            raise ValueError(
+                f"--constrain {TEXT_CONSTRAINT!r} scores the options' texts and {self.name} questions have none: "
+                f"allowed on {self.name} none, all or a comma list of {allowed}"
+            )
 
 
 HOTPOTQA = Benchmark(
@@ -271,17 +298,33 @@ def parse_constraints(spec: str | Sequence[str] | None) -> tuple[str, ...]:
     if items in (["none"], []):
         return ()
     if items == ["all"]:
-        return CONSTRAINTS
+        return ALL_CONSTRAINTS
     bad = [s for s in items if s not in CONSTRAINTS]
     if bad:
         raise ValueError(f"--constrain {spec!r}: unknown {bad}; allowed none, all or a comma list of {CONSTRAINTS}")
+    if "answer" in items and TEXT_CONSTRAINT in items:
+        raise ValueError(
+            f"--constrain {spec!r}: answer and answer_text both choose the Finish argument; allowed one of them"
+        )
     return tuple(c for c in CONSTRAINTS if c in items)
+
+
+def answer_score(constraints: Sequence[str]) -> str | None:
+    """The option-text ranking (``sum``/``mean``) that ``constraints`` use: :data:`~lragent.agents.constraints.
+    ANSWER_TEXT_SCORE` under ``answer_text``, None otherwise (the letter choice ranks by the sum, as always)."""
+    return ANSWER_TEXT_SCORE if TEXT_CONSTRAINT in parse_constraints(list(constraints)) else None
 
 
 def row_name(scheme_or_row: str, constraints: Sequence[str]) -> str:
     """The report row of a scheme under constraints: ``base_lr_shared``, ``base_lr_shared+constrained`` (all),
-    ``base_lr_shared+constrained:answer`` (some); unconstrained rows keep the plain name."""
+    ``base_lr_shared+constrained:answer`` (some); with ``answer_text`` the suffix is the constraint list itself,
+    ``base_lr_shared+answer_text`` or ``base_lr_shared+action_type,answer_text``, so option-text rows never mix with
+    letter-constrained ones; unconstrained rows keep the plain name."""
     cons = parse_constraints(list(constraints))
     if not cons:
         return scheme_or_row
-    return f"{scheme_or_row}+constrained" if cons == CONSTRAINTS else f"{scheme_or_row}+constrained:{','.join(cons)}"
+    if TEXT_CONSTRAINT in cons:
+        return f"{scheme_or_row}+{','.join(cons)}"
+    if cons == ALL_CONSTRAINTS:
+        return f"{scheme_or_row}+constrained"
+    return f"{scheme_or_row}+constrained:{','.join(cons)}"

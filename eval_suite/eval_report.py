@@ -49,13 +49,17 @@ _MAKERS = {
 
 
 def protocol_of(rec: dict) -> dict:
-    """The decoding protocol of a record: ``{"temperature", "top_p", "constraints"}`` (None where not recorded)."""
+    """The decoding protocol of a record: ``{"temperature", "top_p", "constraints"}`` (None where not recorded), plus
+    ``answer_score`` (``sum``/``mean``) where the record has one (the ``answer_text`` constraint)."""
     p = rec.get("protocol") or {}
-    return {
+    out = {
         "temperature": p.get("temperature"),
         "top_p": p.get("top_p"),
         "constraints": list(p.get("constraints") or []),
     }
+    if p.get("answer_score") is not None:
+        out["answer_score"] = p["answer_score"]
+    return out
 
 
 def _over_runs(values: Sequence[float]) -> dict[str, Any]:
@@ -75,7 +79,8 @@ def _over_runs(values: Sequence[float]) -> dict[str, Any]:
 
 
 def _reference_row(row: str) -> str:
-    """``non_shared`` of the same protocol variant (``x+constrained`` -> ``non_shared+constrained``)."""
+    """``non_shared`` of the same protocol variant (``x+constrained`` -> ``non_shared+constrained``,
+    ``x+answer_text`` -> ``non_shared+answer_text``)."""
     _, plus, variant = row.partition("+")
     return "non_shared" + plus + variant
 
@@ -203,6 +208,8 @@ def _fmt_protocol(p: dict) -> str:
     else:
         decoding = f"sampling T={temp:g}, top-p={p.get('top_p', 1.0):g}"
     cons = ", ".join(p.get("constraints") or []) or "none"
+    if p.get("answer_score"):
+        cons += f" (option texts by {p['answer_score']} log-prob)"
     return f"{decoding}; constraints: {cons}"
 
 

@@ -4,7 +4,8 @@ For every (row, run, question) one AutoAct episode runs (:class:`~lragent.agents
 two-stage reflect, offline tools) through an :class:`~eval_suite.executors.EpisodeExecutor`, and its record is
 appended to ``OUT/episodes.jsonl`` as soon as it comes back (:mod:`eval_suite.episode_log`). A row is a scheme, or
 ``untrained`` for the base model (``--adapter_init zero``: B = 0, so every scheme is the base model and one row is
-enough); with ``--constrain`` the rows are named ``scheme+constrained`` and never mix with unconstrained ones.
+enough); with ``--constrain`` the rows are named ``scheme+constrained`` (``scheme+answer_text`` for the option-text
+choice of ScienceQA's ``Finish``) and never mix with unconstrained ones.
 
 **Protocol** (as LRAgent's evaluation): sampling at temperature 0.9 with nucleus top-p 0.75, three runs, one seed
 per run: episode seeds are a function of (base seed, run, question), the same for every scheme (paired). Greedy
@@ -38,6 +39,7 @@ from eval_suite.benchmarks import (
     DATA_DIR,
     Benchmark,
     Question,
+    answer_score,
     get_benchmark,
     parse_constraints,
     row_name,
@@ -58,8 +60,8 @@ from lragent.schemes import Scheme, parse_schemes
 
 # Settings that must not change when a run is resumed into the same directory.
 IDENTITY_FIELDS: tuple[str, ...] = (
-    "benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints", "corpus_files", "seed", "agent",
-    "droidspeak_layers",
+    "benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints", "answer_score", "corpus_files",
+    "seed", "agent", "droidspeak_layers",
 )  # fmt: skip
 UPSTREAM_TEMPERATURE = 0.9
 UPSTREAM_TOP_P = 0.75
@@ -230,7 +232,8 @@ def run_episodes(
         toolbox_factory: a fresh tool executor per question; default the benchmark's
             (:meth:`~eval_suite.benchmarks.Benchmark.toolbox_factory`).
         constraints: constrained choices (:data:`~eval_suite.benchmarks.CONSTRAINTS`); rows get a ``+constrained``
-            suffix.
+            suffix (``+answer_text`` with the option-text choice, whose ranking is recorded as the protocol's
+            ``answer_score``).
         temperature: decoding temperature the executor's policies use (recorded in every record).
         top_p: nucleus mass they use (recorded).
         max_episodes: stop after this many new episodes (None: all); for tests of resuming.
@@ -244,12 +247,16 @@ def run_episodes(
 
     bench = get_benchmark(benchmark)
     cons = parse_constraints(list(constraints))
+    bench.check_constraints(cons)
+    text_score = answer_score(cons)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / EPISODES_FILE
     loop = AgentLoop(None, bench.spec, agent_config or AgentConfig())
     base_row = UNTRAINED if adapters == "init:zero" else None
     protocol = {"temperature": temperature, "top_p": top_p, "constraints": list(cons)}
+    if text_score is not None:  # recorded only where it applies: letter-constrained records stay as they were
+        protocol["answer_score"] = text_score
     grid = [(row_name(base_row or str(s), cons), s, run, q) for s in schemes for run in range(runs) for q in questions]
     keys = {(row, run, q.qid) for row, _, run, q in grid}
     with EpisodeLog(path) as log:
@@ -264,7 +271,12 @@ def run_episodes(
             for row, scheme, run, q in todo:
                 action_types, answer_options = bench.constraint_options(q, cons)
                 episode = loop.episode(
-                    q.text, toolbox_factory(q), action_types=action_types, answer_options=answer_options
+                    q.text,
+                    toolbox_factory(q),
+                    action_types=action_types,
+                    answer_options=answer_options,
+                    answer_texts=bench.answer_texts(q, cons),
+                    answer_score=text_score or "sum",
                 )
                 yield EpisodeTask((row, run, q.qid), scheme, episode_seed(seed, run, q.qid), q, episode)
 
@@ -380,7 +392,10 @@ def evaluate(
         seed: base seed: adapter init and the per-episode sampling seeds (a function of seed, run and question).
         constrain: constrained choices, off by default: none, all, or a comma list of action_type (choose the
             action type among the valid ones) and answer (choose the Finish argument among the option letters on
-            ScienceQA, yes/no for HotpotQA judgement questions). Constrained rows are named scheme+constrained.
+            ScienceQA, yes/no for HotpotQA judgement questions), or answer_text instead of answer (ScienceQA only:
+            the Finish letter chosen by scoring each option's text, by mean token log-prob; the letter is the
+            answer). Constrained rows are named scheme+constrained (all), scheme+constrained:LIST (some), or
+            scheme+answer_text (scheme+action_type,answer_text with action_type).
         corpus: extra JSONL corpus file(s) of {"title", "text"} passages the search tools also index.
         model: base model: default (embedded SmolLM2-135M-Instruct), a hub name or a local directory.
         adapters: adapter directory (native checkpoint or PEFT role directories); default
@@ -482,6 +497,7 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
             )
     schemes = parse_schemes(scheme)
     cons = parse_constraints(a["constrain"])
+    bench.check_constraints(cons)  # answer_text on HotpotQA: refused here, before anything loads
     check_sampling(a["temperature"], a["top_p"])
     top_p = 1.0 if a["temperature"] == 0 else a["top_p"]  # greedy: nucleus mass means nothing; recorded as 1
     batch, capacity, max_context = a["batch"], a["capacity"], a["max_context_tokens"]
@@ -570,10 +586,10 @@ def run_plan(plan: EvalPlan) -> int:
         config = {
             "benchmark": bench.name, "model": a["model"], "adapters": adapters_label, "dtype": a["dtype"],
             "temperature": plan.temperature, "top_p": plan.top_p, "constraints": list(plan.constraints),
-            "corpus_files": plan.corpus_files, "seed": a["seed"], "agent": vars(plan.agent),
-            "droidspeak_layers": plan.droidspeak_layers, "schemes": plan.schemes, "runs": a["runs"],
-            "levels": plan.levels, "limit": a["limit"], "shard": a["shard"], "questions": len(plan.questions),
-            "corpus": corpus_desc, "provenance": prov,
+            "answer_score": answer_score(plan.constraints), "corpus_files": plan.corpus_files, "seed": a["seed"],
+            "agent": vars(plan.agent), "droidspeak_layers": plan.droidspeak_layers, "schemes": plan.schemes,
+            "runs": a["runs"], "levels": plan.levels, "limit": a["limit"], "shard": a["shard"],
+            "questions": len(plan.questions), "corpus": corpus_desc, "provenance": prov,
         }  # fmt: skip
         check_run_config(out_dir, config)
         on_interrupt(f"finished episodes are in {out_dir / EPISODES_FILE}; rerun the same command to resume")

@@ -483,6 +483,54 @@ BUGS = {
         "no_b = (2,) * low_rank",
         "tests/test_decode_fusion.py -k 'module_path or on_and_off'",
     ),
+    "answer_text: the chosen option text maps to the wrong letter": (
+        "lragent/agents/loop.py",
+        'argument = yield from pick("action", answer_scored, answer_score, choose_answers)',
+        'argument = yield from pick("action", answer_scored, answer_score, choose_answers[1:] + choose_answers[:1])',
+        "tests/test_answer_text.py",
+    ),
+    "answer_text: the batched executor ignores Choose.score": (
+        "eval_suite/batched_executor.py",
+        "best = best_option(scores, [len(o) for o in options], request.score)",
+        "best = best_option(scores, [len(o) for o in options])",
+        "tests/test_answer_text.py -k sequential_equals_batched",
+    ),
+    "answer_text: the sequential policy ignores score": (
+        "lragent/agents/policies.py",
+        "best = best_option(scores, lengths, score)",
+        "best = best_option(scores, lengths)",
+        "tests/test_answer_text.py -k disagree",
+    ),
+    "answer_text: the session gets the option text, not the letter": (
+        "lragent/agents/policies.py",
+        "            self.session.append_text(appends[best])",
+        "            self.session.append(token_lists[best])",
+        "tests/test_answer_text.py -k disagree",
+    ),
+    "answer_text: mean divides by the wrong length": (
+        "lragent/agents/requests.py",
+        "ranked = [s / n for s, n in zip(sums, lengths, strict=True)]",
+        "ranked = [s / max(lengths) for s, n in zip(sums, lengths, strict=True)]",
+        "tests/test_answer_text.py",
+    ),
+    "answer_text: rows named like letter-constrained rows": (
+        "eval_suite/benchmarks.py",
+        "return f\"{scheme_or_row}+{','.join(cons)}\"",
+        'return f"{scheme_or_row}+constrained"',
+        "tests/test_answer_text.py -k rows",
+    ),
+    "answer_text: protocol lacks the normalisation": (
+        "eval_suite/run_eval.py",
+        '        protocol["answer_score"] = text_score',
+        "        pass",
+        "tests/test_answer_text.py -k protocol",
+    ),
+    "answer_text: HotpotQA refused only after the model loads": (
+        "eval_suite/run_eval.py",
+        "    bench.check_constraints(cons)  # answer_text on HotpotQA: refused here, before anything loads",
+        "",
+        "tests/test_memory_and_cli.py -k answer-text-hotpotqa",
+    ),
 }
 only = sys.argv[1:]
 if any(a in ("-h", "--help") for a in only):

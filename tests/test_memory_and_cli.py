@@ -235,6 +235,9 @@ def _bad_input_case(tmp_path, case: str) -> tuple[list[str], str]:
         return ["session", "--adapter_init", "random", "--device", "bogus", "--out", str(out / "r.json")], "'bogus'"
     if case == "mps-device":
         return ["session", "--adapter_init", "random", "--device", "mps", "--out", str(out / "r.json")], "'mps'"
+    if case == "answer-text-hotpotqa":  # option texts to score: ScienceQA only
+        return ["eval", "--benchmark", "hotpotqa", "--constrain", "answer_text", "--adapter_init", "zero",
+                "--limit", "1", "--out", str(out)], "'answer_text'"  # fmt: skip
     if case == "zero-new-tokens":
         return ["session", "--adapter_init", "random", "--max_new_tokens", "0", "--out", str(out / "r.json")], "got 0"
     assert case == "not-a-checkpoint", case
@@ -249,6 +252,7 @@ BAD_INPUT_CASES = [  # kind:command
     # issue 20: seven tracebacks and two wrong acceptances
     "out-is-file:eval", "out-is-file:data-stats", "peft-no-r:eval", "peft-no-r:session", "peft-list:eval",
     "peft-list:session", "peft-truncated:eval", "mps-device", "peft-no-reflect:eval", "zero-new-tokens",
+    "answer-text-hotpotqa",
 ]  # fmt: skip
 
 

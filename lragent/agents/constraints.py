@@ -7,7 +7,11 @@ With constraints on, the agent loop replaces a generation by a :class:`~lragent.
 * the **Finish argument** (:func:`answer_options`): on ScienceQA the letters of the question's options (the action
   role's training outputs after ``Finish[`` are such letters, e.g. ``C``); on HotpotQA ``yes``/``no`` for a
   judgement question, recognised from the question text alone (:func:`is_judgement_question`), and free
-  generation otherwise.
+  generation otherwise;
+* the **Finish argument by option text** (ScienceQA only, :func:`answer_texts`): the same choice among the option
+  letters, but each letter is scored by its option's **text** (as the ``Options:`` line shows it, without the
+  letter) as the continuation of ``Finish[``, ranked by :data:`ANSWER_TEXT_SCORE`; the chosen option's letter is
+  what the trajectory gets and what the episode answers.
 
 Nothing here looks at a gold answer or at a benchmark's answer-type field.
 """
@@ -18,6 +22,16 @@ import re
 from collections.abc import Sequence
 
 from lragent.agents.prompts import OPTION_LETTERS, BenchmarkSpec
+
+ANSWER_TEXT_SCORE = "mean"
+"""How the ``answer_text`` constraint ranks option texts: ``mean`` token log-prob (``sum`` favours short options).
+
+Measured with ``scripts/answer_text_score_cpu.py`` (embedded SmolLM2-135M base model, no adapters, CPU fp32, the 90
+ScienceQA dev questions, chance = mean 1/#options = 41.1%), option text as the continuation of a prompt ending with
+the question and its options: sum 50.0%, mean 51.1% (picks differ on 16 questions: right 5 by sum, 6 by mean; the
+sum picks the fewest-token option 55 times, the mean 43); after the agent's own prompt up to ``Finish[``: sum 48.9%,
+mean 51.1%. A difference of 1-2 questions: the mean is kept because it is never worse here and has no length bias.
+"""
 
 YES_NO: tuple[str, str] = ("yes", "no")
 """The ``Finish`` arguments of a HotpotQA judgement question, as the system prompt asks for them."""
@@ -82,3 +96,20 @@ def answer_options(spec: BenchmarkSpec, question: str, choices: Sequence[str] = 
     if spec.name == "hotpotqa" and is_judgement_question(question):
         return YES_NO
     return None
+
+
+def answer_texts(choices: Sequence[str]) -> tuple[str, ...]:
+    """The texts the ``answer_text`` constraint scores, one per option letter: each option as the question's
+    ``Options:`` line shows it after its ``(X)`` (stripped).
+
+    Args:
+        choices: the question's answer options (ScienceQA), in letter order.
+
+    Raises:
+        ValueError: no options, more than there are letters, or an option that is empty once stripped.
+    """
+    texts = tuple(str(c).strip() for c in choices)
+    option_letters(len(texts))  # 1..10 options, as format_question allows
+    if any(not t for t in texts):
+        raise ValueError(f"answer_text needs a non-empty text for every option, got {list(choices)!r}")
+    return texts

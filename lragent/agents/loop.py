@@ -34,8 +34,11 @@ engine backed by a shared KV cache prefills just that. :func:`drive` answers the
 **Constrained choices** (off by default; LRAgent's protocol generates freely): with ``action_types`` the plan's
 action type is a :class:`Choose` among them instead of a generation, and with ``answer_options`` the action
 role's ``Finish`` argument is a :class:`Choose` among them (ScienceQA option letters, ``yes``/``no`` for a
-HotpotQA judgement question). The loop never forces an answer: an episode that does not ``Finish`` in time is
-OOF whatever the constraints.
+HotpotQA judgement question). With ``answer_texts`` as well (ScienceQA's ``answer_text`` constraint) the
+:class:`Choose` scores those texts instead (option ``i``'s text stands for answer ``answer_options[i]``, ranked by
+``answer_score``: ``sum`` or ``mean`` token log-prob) and the trajectory and the answer get the chosen
+``answer_options`` entry (the letter), exactly as if the letter had been chosen. The loop never forces an answer:
+an episode that does not ``Finish`` in time is OOF whatever the constraints.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from lragent.agents.prompts import (
     initial_text,
     observation_text,
 )
-from lragent.agents.requests import Choose, Generate, Reply, StepStats
+from lragent.agents.requests import Choose, Generate, Reply, StepStats, check_choice_score
 
 if TYPE_CHECKING:
     from lragent.agents.tools import Toolbox
@@ -234,6 +237,8 @@ class AgentLoop:
         *,
         action_types: Sequence[str] | None = None,
         answer_options: Sequence[str] | None = None,
+        answer_texts: Sequence[str] | None = None,
+        answer_score: str = "sum",
     ) -> Episode:
         """One episode as a generator of model requests.
 
@@ -248,6 +253,10 @@ class AgentLoop:
                 :class:`Choose` among these (e.g. the benchmark's tools plus ``Finish``).
             answer_options: None (default): action generates the ``Finish`` argument. Otherwise, after the action
                 type ``Finish``, the argument is a :class:`Choose` among these.
+            answer_texts: None (default): the :class:`Choose` scores ``answer_options`` themselves. Otherwise one
+                text per answer option, scored in its place (e.g. a ScienceQA option's text for its letter); the
+                chosen answer option is what the trajectory gets and what the episode answers.
+            answer_score: how the answer :class:`Choose` ranks its options, ``sum`` or ``mean`` token log-prob.
 
         Yields:
             :class:`Generate` / :class:`Choose` requests; each must be answered with a :class:`Reply` through
@@ -261,6 +270,10 @@ class AgentLoop:
         """
         choose_types = _options("action_types", action_types)
         choose_answers = _options("answer_options", answer_options)
+        answer_scored = _options("answer_texts", answer_texts)
+        check_choice_score(answer_score)
+        if answer_scored is not None and (choose_answers is None or len(answer_scored) != len(choose_answers)):
+            raise ValueError(f"answer_texts needs one text per answer option: {answer_texts!r} for {answer_options!r}")
         cfg, spec = self.config, self.spec
         t0 = time.perf_counter()
         stats = {r: RoleStats() for r in ROLES}
@@ -289,15 +302,19 @@ class AgentLoop:
             take(role, reply, new_text, reply.text)
             return reply.text
 
-        def pick(role: str, options: tuple[str, ...]) -> Generator[Request, Reply, str]:
+        def pick(
+            role: str, options: tuple[str, ...], score: str = "sum", appends: tuple[str, ...] | None = None
+        ) -> Generator[Request, Reply, str]:
             nonlocal pending, constrained
             new_text, pending = pending, ""
-            reply = yield Choose(role, new_text, options)
+            request = Choose(role, new_text, options, score=score, appends=appends)
+            reply = yield request
             if not isinstance(reply.choice, int) or not 0 <= reply.choice < len(options):
                 raise ValueError(f"a Choose among {len(options)} options got choice {reply.choice!r}")
             constrained += 1
-            take(role, reply, new_text, options[reply.choice])
-            return options[reply.choice]
+            chosen = request.appended(reply.choice)
+            take(role, reply, new_text, chosen)
+            return chosen
 
         for _ in range(cfg.max_steps):
             if cfg.max_context_tokens is not None and tokens > cfg.max_context_tokens:
@@ -328,8 +345,10 @@ class AgentLoop:
             else:
                 action_type = (yield from call("plan", cfg.action_type_tokens, ("[", "\n"))).strip()
             pending = ARGUMENT_MARKER
-            if action_type == "Finish" and choose_answers is not None:
-                argument = yield from pick("action", choose_answers)
+            if action_type == "Finish" and answer_scored is not None:
+                argument = yield from pick("action", answer_scored, answer_score, choose_answers)
+            elif action_type == "Finish" and choose_answers is not None:
+                argument = yield from pick("action", choose_answers, answer_score)
             else:
                 argument = yield from call("action", cfg.argument_tokens, ("]", "\n"))
             arg = argument.strip()
@@ -372,6 +391,8 @@ class AgentLoop:
         *,
         action_types: Sequence[str] | None = None,
         answer_options: Sequence[str] | None = None,
+        answer_texts: Sequence[str] | None = None,
+        answer_score: str = "sum",
     ) -> EpisodeResult:
         """Runs one episode with this loop's policy: ``policy.reset()``, then :func:`drive` over :meth:`episode`.
 
@@ -380,6 +401,8 @@ class AgentLoop:
             toolbox: executes tool actions (see :meth:`episode`).
             action_types: constrained action types (see :meth:`episode`; None: generated).
             answer_options: constrained ``Finish`` arguments (see :meth:`episode`; None: generated).
+            answer_texts: texts scored in place of ``answer_options`` (see :meth:`episode`).
+            answer_score: ``sum`` or ``mean`` (see :meth:`episode`).
 
         Returns:
             The :class:`EpisodeResult`.
@@ -387,7 +410,14 @@ class AgentLoop:
         if self.policy is None:
             raise ValueError("AgentLoop.run needs a policy; drive AgentLoop.episode with an engine instead")
         self.policy.reset()
-        episode = self.episode(question_text, toolbox, action_types=action_types, answer_options=answer_options)
+        episode = self.episode(
+            question_text,
+            toolbox,
+            action_types=action_types,
+            answer_options=answer_options,
+            answer_texts=answer_texts,
+            answer_score=answer_score,
+        )
         return drive(episode, self.policy)
 
 
@@ -403,6 +433,7 @@ def _options(name: str, options: Sequence[str] | None) -> tuple[str, ...] | None
 def answer_request(policy: Policy, request: Request) -> Reply:
     """Answers one request with a policy (``generate`` or ``choose``) and attaches the call's stats.
 
+    A :class:`Choose` passes ``score`` and ``appends`` on only where they differ from a plain choice (``sum``, None).
     The stats are the policy's ``last_stats`` (copied); when the policy reports ``num_tokens`` and the stats do not
     say the trajectory length, it is filled in from there.
     """
@@ -413,7 +444,12 @@ def answer_request(policy: Policy, request: Request) -> Reply:
             )
         )
     elif isinstance(request, Choose):
-        index = policy.choose(request.role, request.new_text, request.options)
+        extra: dict[str, Any] = {}  # only what differs from a plain choice: policies written before these keep working
+        if request.score != "sum":
+            extra["score"] = request.score
+        if request.appends is not None:
+            extra["appends"] = request.appends
+        index = policy.choose(request.role, request.new_text, request.options, **extra)
         text = request.options[index] if isinstance(index, int) and 0 <= index < len(request.options) else ""
         reply = Reply(text=text, choice=index)
     else:

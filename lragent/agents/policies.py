@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from lragent.agents.requests import StepStats
+from lragent.agents.requests import StepStats, best_option, check_choice_score
 
 
 @runtime_checkable
@@ -47,16 +47,28 @@ class Policy(Protocol):
         """
         ...
 
-    def choose(self, role: str, new_text: str, options: Sequence[str]) -> int:
+    def choose(
+        self,
+        role: str,
+        new_text: str,
+        options: Sequence[str],
+        *,
+        score: str = "sum",
+        appends: Sequence[str] | None = None,
+    ) -> int:
         """Appends ``new_text``, lets ``role`` score every option as a continuation, appends the best one.
 
         Args:
             role: ``plan``, ``action`` or ``reflect``.
             new_text: text appended to the shared trajectory since the previous call (may be empty).
-            options: the allowed continuations (non-empty strings).
+            options: the continuations scored (non-empty strings).
+            score: ``sum`` or ``mean`` of each option's token log-probs
+                (:func:`~lragent.agents.requests.best_option`).
+            appends: None, or what the trajectory gets for each option in place of the option's own text.
 
         Returns:
-            The index of the chosen option; the trajectory now ends with that option's text.
+            The index of the chosen option; the trajectory now ends with that option's text (or its ``appends``
+            entry).
         """
         ...
 
@@ -161,12 +173,22 @@ class ScriptedPolicy:
         self._record(role, new_text, stop, out)
         return out
 
-    def choose(self, role: str, new_text: str, options: Sequence[str]) -> int:
-        """Picks the option the next canned output names (:func:`closest_option`; see :class:`Policy`)."""
+    def choose(
+        self,
+        role: str,
+        new_text: str,
+        options: Sequence[str],
+        *,
+        score: str = "sum",
+        appends: Sequence[str] | None = None,
+    ) -> int:
+        """Picks the option the next canned output names (:func:`closest_option`; see :class:`Policy`); ``score``
+        plays no part (nothing is scored)."""
         if not options:
             raise ValueError("choose needs at least one option")
+        check_choice_score(score)
         index = closest_option(self._next(role, new_text), options)
-        self._record(role, new_text, [], options[index])
+        self._record(role, new_text, [], options[index] if appends is None else appends[index])
         self.choices.append((role, tuple(options), index))
         return index
 
@@ -205,7 +227,8 @@ class SessionPolicy:
         seed: base seed; generate call ``i`` of an episode uses ``seed + i`` (None: no seeding).
 
     Attributes:
-        last_scores: the option scores (summed token log-probs) of the latest :meth:`choose` call.
+        last_scores: the option scores of the latest :meth:`choose` call (summed token log-probs; divided by the
+            option's token count under ``score="mean"``).
     """
 
     def __init__(
@@ -271,14 +294,23 @@ class SessionPolicy:
         )
         return res.text
 
-    def choose(self, role: str, new_text: str, options: Sequence[str]) -> int:
+    def choose(
+        self,
+        role: str,
+        new_text: str,
+        options: Sequence[str],
+        *,
+        score: str = "sum",
+        appends: Sequence[str] | None = None,
+    ) -> int:
         """Appends ``new_text``, scores each option by teacher forcing as ``role``, keeps the best (:class:`Policy`).
 
         The score of an option with tokens ``t_1..t_m`` appended after trajectory position ``n - 1`` is
-        ``sum_j log p_role(t_j | trajectory, t_1..t_{j-1})``. One prefill-only step gives the next-token
-        distribution at position ``n - 1`` (which scores ``t_1`` of every option); each option with more than one
-        token is then appended, scored by one more prefill-only step and cut off again (``truncate``). The best
-        option (ties: the first) is appended at the end; the next step prefills it.
+        ``sum_j log p_role(t_j | trajectory, t_1..t_{j-1})`` (``score="mean"``: that over ``m``). One prefill-only
+        step gives the next-token distribution at position ``n - 1`` (which scores ``t_1`` of every option); each
+        option with more than one token is then appended, scored by one more prefill-only step and cut off again
+        (``truncate``). The best option (ties: the first; :func:`~lragent.agents.requests.best_option`) is appended
+        at the end, or its ``appends`` entry in its place; the next step prefills it.
 
         Returns:
             The index of the chosen option.
@@ -287,6 +319,9 @@ class SessionPolicy:
 
         if not options:
             raise ValueError("choose needs at least one option")
+        check_choice_score(score)
+        if appends is not None and len(appends) != len(options):
+            raise ValueError(f"appends has {len(appends)} entries for {len(options)} options")
         if self.session is None:
             self.reset()
         if new_text:
@@ -319,9 +354,13 @@ class SessionPolicy:
                 total += sum(float(logp[row[base + j - 1], ids[j]]) for j in range(1, len(ids)))
                 self.session.truncate(base)
             scores.append(total)
-        best = scores.index(max(scores))
-        self.session.append(token_lists[best])
+        lengths = [len(ids) for ids in token_lists]
+        best = best_option(scores, lengths, score)
+        if appends is None:
+            self.session.append(token_lists[best])
+        else:
+            self.session.append_text(appends[best])
         stats.trajectory_tokens = self.num_tokens
-        self.last_scores = scores
+        self.last_scores = [s / n for s, n in zip(scores, lengths, strict=True)] if score == "mean" else scores
         self.last_stats = stats
         return best
