@@ -97,6 +97,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
                 except RuntimeError as exc:  # no cuDNN kernel for these shapes/GPU: the padded flash path
+                    if isinstance(exc, torch.OutOfMemoryError):
+                        raise  # not a refusal of the shapes: padding would need more memory still
                     _CUDNN_WIDE_VALUES["ok"] = False
                     log.info("cuDNN attention refused values wider than Q/K (%s); padding Q/K", exc)
             pad = v.shape[-1] - q.shape[-1]

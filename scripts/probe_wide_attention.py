@@ -131,32 +131,25 @@ def main() -> None:
         "fwd_bwd_ms": _timed(lambda: torch.autograd.backward(plain(), plain_grad), a.iters),
         "max_abs_diff": None,
     }
-    for name, fn in candidates.items():
+
+    def measure(fn, ref: torch.Tensor, out_grad: torch.Tensor) -> dict:
+        """Forward and forward + backward time of ``fn`` and its largest difference to ``ref``; a backend that
+        refuses these shapes is recorded, not fatal."""
         try:
             with torch.no_grad():
                 diff = (fn().float() - ref).abs().max().item()
-            row = {
-                "fwd_ms": _timed(lambda fn=fn: fn(), a.iters),
-                "fwd_bwd_ms": _timed(lambda fn=fn: torch.autograd.backward(fn(), grad), a.iters),
-                "max_abs_diff": diff,
-            }
-        except Exception as e:  # a backend that refuses these shapes: recorded, not fatal
-            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-        rows[name] = row
-        print(name, row, flush=True)
-    for name, fn in extra.items():
-        try:
-            with torch.no_grad():
-                diff = (fn().float() - ref_dec).abs().max().item()
-            row = {
-                "fwd_ms": _timed(lambda fn=fn: fn(), a.iters),
-                "fwd_bwd_ms": _timed(lambda fn=fn: torch.autograd.backward(fn(), grad_d), a.iters),
+            return {
+                "fwd_ms": _timed(fn, a.iters),
+                "fwd_bwd_ms": _timed(lambda: torch.autograd.backward(fn(), out_grad), a.iters),
                 "max_abs_diff": diff,
             }
         except Exception as e:
-            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-        rows[name] = row
-        print(name, row, flush=True)
+            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+    for group, group_ref, group_grad in ((candidates, ref, grad), (extra, ref_dec, grad_d)):
+        for name, fn in group.items():
+            rows[name] = measure(fn, group_ref, group_grad)
+            print(name, rows[name], flush=True)
     try:
         import inspect
 

@@ -75,3 +75,24 @@ def tiny_multi_lora(
     model = MultiLoraModel(hf, MultiLoraConfig(roles=roles, rank=rank, dropout=0.0, shared_a=shared_a, targets=targets))
     model.init_adapters("random", seed=seed + 1, b_std=b_std)
     return model.eval()
+
+
+def drive_rows(eng, rows: int, launch, launches: int) -> list[list]:
+    """Runs a batched engine with continuous refill: ``launch(r, k)`` starts row ``r``'s ``k``-th request (it appends
+    the row's new tokens and calls ``eng.start``); every row starts once, then each row that finishes is relaunched
+    until it has run ``launches`` requests. Returns each row's results (``GenerationResult``) in order."""
+    count = [0] * rows
+    out: list[list] = [[] for _ in range(rows)]
+
+    def start(r: int) -> None:
+        launch(r, count[r])
+        count[r] += 1
+
+    for r in range(rows):
+        start(r)
+    while eng._pending:
+        for res in eng.advance():
+            out[res.row].append(res)
+            if count[res.row] < launches:
+                start(res.row)
+    return out

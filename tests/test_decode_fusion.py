@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_multi_lora
+from conftest import drive_rows, tiny_multi_lora
 
 from lragent.engine import Engine, GenerationRequest
 from lragent.fused_weights import fuse_base_weights
@@ -42,23 +42,13 @@ def _run_batched(model, scheme: str, fuse_ops: bool, fuse_lora: bool, rows: int 
     )
     assert eng.fuse_lora == (fuse_ops and fuse_lora)
     schedules = _schedules(7, rows)
-    nxt = [0] * rows
-    out: list[list] = [[] for _ in range(rows)]
 
-    def launch(r: int) -> None:
-        role, ids, n = schedules[r][nxt[r]]
-        nxt[r] += 1
+    def launch(r: int, k: int) -> None:
+        role, ids, n = schedules[r][k]
         eng.append(r, ids)
         eng.start(r, GenerationRequest(role=role, max_new_tokens=n, return_logits=True))
 
-    for r in range(rows):
-        launch(r)
-    while any(nxt[r] < 2 for r in range(rows)) or eng._pending:
-        for res in eng.advance():
-            out[res.row].append(res)
-            if nxt[res.row] < 2:
-                launch(res.row)
-    return out
+    return drive_rows(eng, rows, launch, 2)
 
 
 CASES = [(s, sa) for s in SCHEMES for sa in (True, False) if not (s == "base_lr_shared" and not sa)]

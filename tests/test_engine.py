@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_multi_lora
+from conftest import drive_rows, tiny_multi_lora
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheme_reference import ReferenceSession
@@ -133,22 +133,13 @@ def test_batch_of_eight_equals_each_alone(scheme):
         alone.append(res)
         alone_ids.append(list(s.ids))
     eng = Engine(model, scheme, rows=rows, capacity=64, eos_token_ids=[], droidspeak_layers=[1, 2])
-    nxt = [0] * rows
-    batched: list[list] = [[] for _ in range(rows)]
 
-    def launch(r: int) -> None:
-        role, ids, n = schedules[r][nxt[r]]
-        nxt[r] += 1
+    def launch(r: int, k: int) -> None:
+        role, ids, n = schedules[r][k]
         eng.append(r, ids)
         eng.start(r, GenerationRequest(role=role, max_new_tokens=n, return_logits=True))
 
-    for r in range(rows):
-        launch(r)
-    while any(nxt[r] < 3 for r in range(rows)) or eng._pending:
-        for res in eng.advance():
-            batched[res.row].append(res)
-            if nxt[res.row] < 3:
-                launch(res.row)
+    batched = drive_rows(eng, rows, launch, 3)
     for r in range(rows):
         for a, b in zip(alone[r], batched[r], strict=True):
             assert a.generated_ids == b.generated_ids, (scheme, r)

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from conftest import drive_rows
 
 from lragent.engine import Engine, GenerationRequest
 from lragent.schemes import SCHEMES
@@ -216,23 +217,14 @@ def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme):
 
     def run(fed: int) -> tuple[list, list]:
         eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, prefill_in_decode=fed)
-        out: list[list] = [[] for _ in range(rows)]
-        nxt = [0] * rows
 
-        def launch(r: int) -> None:
-            n = 6 + 9 * ((r + nxt[r]) % 4)  # 6..33 new tokens: above the limit of 24 now and then
-            eng.append(r, _prompt(1000 * r + nxt[r], n))
-            eng.start(r, GenerationRequest(role=(r + nxt[r]) % 3, max_new_tokens=4 + r % 3, temperature=0.9 * (r % 2),
+        def launch(r: int, k: int) -> None:
+            n = 6 + 9 * ((r + k) % 4)  # 6..33 new tokens: above the limit of 24 now and then
+            eng.append(r, _prompt(1000 * r + k, n))
+            eng.start(r, GenerationRequest(role=(r + k) % 3, max_new_tokens=4 + r % 3, temperature=0.9 * (r % 2),
                                            seed=r))  # fmt: skip
-            nxt[r] += 1
 
-        for r in range(rows):
-            launch(r)
-        while eng._pending:
-            for res in eng.advance():
-                out[res.row].append(res.generated_ids)
-                if nxt[res.row] < 4:
-                    launch(res.row)
+        out = [[res.generated_ids for res in row] for row in drive_rows(eng, rows, launch, 4)]
         last = []
         for r in range(rows):
             eng.append(r, [11, 12])
@@ -254,22 +246,12 @@ def _fused_lora_rows(model, scheme: str, fuse_lora: bool, rows: int = 8) -> list
     """Every row's generated ids, rows joining and leaving with different roles, decoded by CUDA-graph replay."""
     eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, fuse_ops=fuse_lora,
                  fuse_lora=fuse_lora, droidspeak_layers=[1, 2])  # fmt: skip
-    out: list[list] = [[] for _ in range(rows)]
-    nxt = [0] * rows
 
-    def launch(r: int) -> None:
-        eng.append(r, _prompt(77 * r + nxt[r], 5 + 7 * ((r + nxt[r]) % 3)))
-        eng.start(r, GenerationRequest(role=(r + nxt[r]) % 3, max_new_tokens=5 + r % 4))
-        nxt[r] += 1
+    def launch(r: int, k: int) -> None:
+        eng.append(r, _prompt(77 * r + k, 5 + 7 * ((r + k) % 3)))
+        eng.start(r, GenerationRequest(role=(r + k) % 3, max_new_tokens=5 + r % 4))
 
-    for r in range(rows):
-        launch(r)
-    while eng._pending:
-        for res in eng.advance():
-            out[res.row].append(res.generated_ids)
-            if nxt[res.row] < 3:
-                launch(res.row)
-    return out
+    return [[res.generated_ids for res in row] for row in drive_rows(eng, rows, launch, 3)]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
