@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +259,9 @@ def flash_lora_decode_reference(
 
 _PROGRAMS_PER_SM = 2  # grid: programs per SM when every row is at capacity (about the resident CTAs per SM)
 _MAX_SPLITS = 128
+# keys per split at least, in tiles: at batch 1 and a 2k cache, 4 tiles (9 splits) beat 1 tile (33 splits) by
+# 0.08 ms per 8B decode step on an H100 (scripts/sweep_decode_plan.py, results/engine_h100/decode_plan_sweep/)
+_MIN_SPLIT_TILES = 4
 
 
 @dataclass(frozen=True)
@@ -284,7 +288,7 @@ def _plan(
     sms: int,
     *,
     programs_per_sm: int = _PROGRAMS_PER_SM,
-    min_split_tiles: int = 1,
+    min_split_tiles: int = _MIN_SPLIT_TILES,
     block_n: int | None = None,
     num_warps: int = 2,
     num_stages: int | None = None,
@@ -501,6 +505,30 @@ if triton is not None:
 # --------------------------------------------------------------------------------------------------
 
 _PLANS: dict[tuple, _DecodePlan] = {}
+_PLAN_KNOBS = {"programs_per_sm": int, "min_split_tiles": int, "block_n": int, "num_warps": int, "num_stages": int}
+
+
+def plan_overrides() -> dict[str, int]:
+    """The rule's keyword arguments set in ``LRAGENT_DECODE_PLAN`` (``"min_split_tiles=4,num_warps=4"``), for
+    sweeps (``scripts/sweep_decode_plan.py``); empty when unset. Plans are cached per shape: clear ``_PLANS``
+    after changing it.
+
+    Raises:
+        ValueError: an unknown name or a value that is not a positive integer, naming it and what is allowed.
+    """
+    spec = os.environ.get("LRAGENT_DECODE_PLAN", "").strip()
+    out: dict[str, int] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in _PLAN_KNOBS:
+            raise ValueError(f"LRAGENT_DECODE_PLAN: unknown setting {name!r}; allowed: {', '.join(_PLAN_KNOBS)}")
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"LRAGENT_DECODE_PLAN: {name} must be a positive integer, got {value.strip()!r}")
+        out[name] = int(value)
+    return out
+
+
 _WORKSPACES: dict[tuple, list] = {}  # key -> [fp32 workspace, int32 counters, counters_need_zeroing]
 _FALLBACK_LOGGED: set[str] = set()
 
@@ -640,7 +668,7 @@ def flash_lora_decode(
     key = (bsz, hkv, hq // hkv, cap, d, q.device)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(bsz, hkv, hq // hkv, cap, d, _num_sms(q.device))
+        plan = _PLANS[key] = _plan(bsz, hkv, hq // hkv, cap, d, _num_sms(q.device), **plan_overrides())
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return _launch_decode(

@@ -246,8 +246,30 @@ INTERPRET_CASES = [
     # bsz, hq, hkv, cap, d, rank, kv_lens, role_ids, kv_slot, plan override (None = the public function's rule;
     # _plan keyword arguments or _DecodePlan fields). Splits: the rule gives 2 here (8 "SMs" on CPU).
     (3, 8, 2, 300, 32, 8, [300, 0, 1], [2, 0, 1], [2, 0, 3], None),  # merge, one-split row, idle row, slots
-    (3, 8, 2, 300, 32, 8, [17, 129, 300], [2, 0, 1], None, {"programs_per_sm": 8}),  # 5 splits, one merge step
-    (2, 4, 1, 520, 16, 3, [520, 64], [0, 2], None, {"programs_per_sm": 64, "block_n": 16, "s_chunk": 4}),  # steps
+    (
+        3,
+        8,
+        2,
+        300,
+        32,
+        8,
+        [17, 129, 300],
+        [2, 0, 1],
+        None,
+        {"programs_per_sm": 8, "min_split_tiles": 1},
+    ),  # 5 splits, one merge step
+    (
+        2,
+        4,
+        1,
+        520,
+        16,
+        3,
+        [520, 64],
+        [0, 2],
+        None,
+        {"programs_per_sm": 64, "block_n": 16, "s_chunk": 4, "min_split_tiles": 1},
+    ),
     (2, 6, 2, 150, 16, 5, [150, 77], [1, 2], None, {"programs_per_sm": 8, "block_n": 16}),  # G = 3: a padding row
     (2, 6, 3, 100, 16, None, [100, 5], None, [1, 0], {"programs_per_sm": 8}),  # plain cache
     (1, 32, 1, 64, 16, 2, [40], [1], None, {"block_n": 16, "block_m": 16, "rows": 16, "row_blocks": 2}),  # G = 32
@@ -268,3 +290,19 @@ def test_decode_kernel_under_interpreter():
         assert finite and zero_rows_zero, case
         assert err <= 2 * eager_err + 1e-3, (case, err, eager_err)
     assert [r[4] for r in results][:3] == [2, 5, 33] and results[2][5] == 4  # the paths meant: merge, steps
+
+
+def test_plan_overrides_from_the_environment(monkeypatch):
+    monkeypatch.setenv("LRAGENT_DECODE_PLAN", "min_split_tiles=4, programs_per_sm=1")
+    over = fld.plan_overrides()
+    assert over == {"min_split_tiles": 4, "programs_per_sm": 1}
+    plan = fld._plan(1, 8, 4, 2120, 128, 132, **over)
+    assert plan.min_split == 4 * plan.block_n and plan.n_splits == 9  # ceil(2120 / 256) splits of 4 tiles
+    monkeypatch.setenv("LRAGENT_DECODE_PLAN", "min_split=4")
+    with pytest.raises(ValueError, match="unknown setting 'min_split'.*min_split_tiles"):
+        fld.plan_overrides()
+    monkeypatch.setenv("LRAGENT_DECODE_PLAN", "num_warps=0")
+    with pytest.raises(ValueError, match="num_warps must be a positive integer, got '0'"):
+        fld.plan_overrides()
+    monkeypatch.delenv("LRAGENT_DECODE_PLAN")
+    assert fld.plan_overrides() == {}
