@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention
+from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention, two_piece_attention
 from lragent.kv_cache import GrowableBuffer, LayerCache, ModelCache
 from lragent.rope import rope_store_unfused
 from lragent.static_cache import StaticCachePool
@@ -365,6 +365,12 @@ class GrowableView:
         cache = self.caches[layer]
         end = self.start + q.shape[2]
         km = None if self.key_mask is None else self.key_mask[:, :end]
+        layout = getattr(self.caches, "role_split", None)
+        if self.decomposed and layout is not None and km is None and self.start == 0:
+            # the shared pass: a producer's prefix and a consumer's suffix per sequence (``role_ids`` per token
+            # says the same); two D-wide attentions instead of one over [V_base | V_lr]
+            v_lr = cache.v_lr.view(end)
+            return two_piece_attention(q, cache.k.view(end), cache.v.view(end), v_lr, lora_b, scaling, layout)
         if self.decomposed:
             return decomposed_attention(
                 q,
