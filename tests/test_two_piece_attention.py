@@ -43,9 +43,7 @@ def both(x: dict, split: list[int], producer: list[int], consumer: list[int], t:
     layout = RoleSplit.make(prod, cons, split_t, t, unit=UNIT)
     roles = torch.where(torch.arange(t)[None, :] < split_t[:, None], prod[:, None], cons[:, None])  # (B, T)
     ours = two_piece_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, layout)
-    ref = decomposed_attention(
-        x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, roles, use_kernel=False
-    )  # fmt: skip
+    ref = decomposed_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, roles, use_kernel=False)
     return ours, ref, layout
 
 
@@ -96,10 +94,8 @@ def test_row_range_rounds_outward_to_the_unit() -> None:
 def tiny_model(layers: int = 2):
     from lit_modules import MultiLoraModule
 
-    m = MultiLoraModule(
-        model_name="tiny-llama", tokenizer_name="byte", model_overrides={"vocab_size": 258, "num_hidden_layers": layers},
-        dropout=0.0,
-    )  # fmt: skip
+    tiny = {"vocab_size": 258, "num_hidden_layers": layers}
+    m = MultiLoraModule(model_name="tiny-llama", tokenizer_name="byte", model_overrides=tiny, dropout=0.0)
     m.configure_model()
     m.lora_model.init_adapters("random", seed=4, b_std=0.5)
     return m.lora_model
