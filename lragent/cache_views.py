@@ -317,7 +317,9 @@ class GrowableView:
     """Cache view (:class:`CacheView`) over growable per-layer caches.
 
     The new ``T`` positions are written at ``start`` in every layer's buffers and attend over positions
-    ``[0, start + T)`` with an optional padding mask.
+    ``[0, start + T)`` with an optional padding mask. A decomposed cache that carries a
+    :class:`~lragent.attention.RoleSplit` (``role_split``: the training step's shared pass, from position 0, no mask)
+    attends in two pieces (:func:`~lragent.attention.two_piece_attention`), whatever ``role_ids`` says.
 
     Args:
         caches: one :class:`LayerCache` per model layer (a :class:`ModelCache` or a list).
