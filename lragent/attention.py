@@ -7,12 +7,17 @@ without ever forming ``V_lr B`` for the cached keys. On CUDA it calls the fused 
 below, which is also the kernel's test oracle at the model level.
 
 Queries are the last ``Lq`` of the ``L`` keys (causal, aligned bottom-right).
+
+``two_piece_attention`` is the same quantity for the training step's shared pass (λ > 0) when each sequence is a
+producer's prefix and a consumer's suffix (:class:`RoleSplit`): two D-wide causal attentions over dense values
+``V_base + (V_lr B_role) s``, one per role, instead of one over ``[V_base | V_lr]`` (head width D + r).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -210,3 +215,124 @@ def decomposed_attention(
     b_sel = b_heads[role_ids]  # (B, H_kv, r, D)
     o_up = torch.einsum("bhgqr,bhrd->bhgqd", o_lr, b_sel.to(o_lr.dtype)).reshape(b, h_q, q_len, d)
     return o_base + o_up * scaling
+
+
+TWO_PIECE_UNIT = 128
+""":class:`RoleSplit` rounds its row range ``[lo, hi)`` to multiples of this: few distinct attention shapes (cuDNN
+builds a graph per shape)."""
+
+
+def two_piece_enabled() -> bool:
+    """The shared pass's two-piece attention (:func:`two_piece_attention`) is on; ``LRAGENT_TWO_PIECE=0`` gives the
+    per-query path over ``[V_base | V_lr]`` instead (side-by-side timing)."""
+    return os.environ.get("LRAGENT_TWO_PIECE", "1") != "0"
+
+
+@dataclass(frozen=True)
+class RoleSplit:
+    """Each sequence's first ``split[b]`` tokens belong to a producer role, the rest to a consumer role.
+
+    Attributes:
+        producer: ``(B,)`` role of each sequence's first ``split[b]`` tokens.
+        consumer: ``(B,)`` role of the remaining tokens.
+        split: ``(B,)`` long, tokens of each sequence written by the producer.
+        lo: ``min(split)`` rounded down to a multiple of the unit (capped at ``T``): rows below are all producer's.
+        hi: ``max(split)`` rounded up to a multiple of the unit (capped at ``T``): rows from here on are all the
+            consumer's.
+    """
+
+    producer: torch.Tensor
+    consumer: torch.Tensor
+    split: torch.Tensor
+    lo: int
+    hi: int
+
+    @classmethod
+    def make(
+        cls,
+        producer: torch.Tensor,
+        consumer: torch.Tensor,
+        split: torch.Tensor,
+        length: int,
+        unit: int | None = None,
+    ) -> RoleSplit:
+        """The layout of sequences of ``length`` tokens; reads ``min``/``max`` of ``split`` on the host (one
+        device-to-host sync: once per forward, not per layer).
+
+        Args:
+            producer: ``(B,)`` producer roles.
+            consumer: ``(B,)`` consumer roles.
+            split: ``(B,)`` producer tokens per sequence (clamped to ``[0, length]``).
+            length: tokens per sequence ``T``.
+            unit: rounding multiple of ``lo`` and ``hi`` (default :data:`TWO_PIECE_UNIT`).
+        """
+        unit = TWO_PIECE_UNIT if unit is None else unit
+        split = split.to(device=producer.device, dtype=torch.long).clamp(0, length)
+        smin, smax = torch.stack([split.min(), split.max()]).tolist() if split.numel() else (length, length)
+        lo = min(smin // unit * unit, length)
+        hi = min(-(-smax // unit) * unit, length)
+        return cls(producer, consumer, split, lo, hi)
+
+
+def _role_values(
+    v_base: torch.Tensor, v_lr: torch.Tensor, b_heads: torch.Tensor, roles: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """``V_base + (V_lr B_role) s`` per sequence: ``(B, H_kv, L, D)`` from V_base ``(B, H_kv, L, D)``, V_lr
+    ``(B, L, r)``, ``b_heads`` ``(n_roles, H_kv, r, D)`` and ``roles`` ``(B,)``."""
+    b_sel = b_heads[roles].to(v_lr.dtype)  # (B, H_kv, r, D)
+    return v_base + torch.einsum("blr,bhrd->bhld", v_lr, b_sel) * scaling
+
+
+def two_piece_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_base: torch.Tensor,
+    v_lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    layout: RoleSplit,
+) -> torch.Tensor:
+    """:func:`decomposed_attention` with per-query roles, for sequences that are a producer's prefix and a
+    consumer's suffix (the shared pass; no padding mask, queries = keys).
+
+    Causality leaves two value tensors per sequence: producer rows ``t < split[b]`` see only keys ``< split[b]``,
+    all with the producer's values; consumer rows see keys ``<= t`` with the consumer's values. So: ``P`` = causal
+    attention of rows ``[0, hi)`` over keys ``[0, hi)`` with the producer's values, ``C`` = rows ``[lo, T)`` over
+    all keys (bottom-right causal) with the consumer's; rows below ``lo`` from ``P``, rows from ``hi`` on from ``C``,
+    rows between by ``t < split[b]``. Both are D-wide (the plain pass's attention). ``P`` is skipped when
+    ``hi == 0``, ``C`` when ``lo >= T``.
+
+    Args:
+        q: ``(B, H_q, T, D)`` queries (RoPE applied; float32 under autocast is cast as SDPA would).
+        k: ``(B, H_kv, T, D)`` keys.
+        v_base: ``(B, H_kv, T, D)`` base values.
+        v_lr: ``(B, T, r)`` low-rank cache.
+        lora_b: ``(n_roles, H_kv·D, r)`` stacked up-projections of ``v_proj`` (PEFT layout).
+        scaling: LoRA scaling.
+        layout: the sequences' producer/consumer layout.
+
+    Returns:
+        ``(B, H_q, T, D)`` in the compute dtype (:func:`compute_dtype` of ``q``).
+    """
+    t = q.shape[2]
+    if k.shape[2] != t:
+        raise ValueError(f"two-piece attention needs as many queries as keys, got {t} and {k.shape[2]}")
+    lo, hi = layout.lo, layout.hi
+    b_heads = lora_b_per_head(lora_b, k.shape[1])  # (n_roles, H_kv, r, D)
+    dt = compute_dtype(q)
+    q, k = q.to(dt), k.to(dt)
+    p = c = None
+    if hi > 0:
+        v_prod = _role_values(v_base[:, :, :hi], v_lr[:, :hi], b_heads, layout.producer, scaling).to(dt)
+        p = _sdpa(q[:, :, :hi], k[:, :, :hi], v_prod, None)  # (B, H_q, hi, D)
+    if lo < t:
+        v_cons = _role_values(v_base, v_lr, b_heads, layout.consumer, scaling).to(dt)
+        c = _sdpa(q[:, :, lo:], k, v_cons, None)  # (B, H_q, T - lo, D), bottom-right causal
+    if c is None:
+        return p
+    if p is None:
+        return c
+    rows = torch.arange(lo, hi, device=q.device)
+    producer_row = (rows[None, :] < layout.split[:, None])[:, None, :, None]  # (B, 1, hi - lo, 1)
+    mid = torch.where(producer_row, p[:, :, lo:], c[:, :, : hi - lo])
+    return torch.cat([p[:, :, :lo], mid, c[:, :, hi - lo :]], dim=2)

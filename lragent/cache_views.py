@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention
+from lragent.attention import decomposed_attention, lora_b_per_head, plain_attention, two_piece_attention
 from lragent.kv_cache import GrowableBuffer, LayerCache, ModelCache
 from lragent.rope import rope_store_unfused
 from lragent.static_cache import StaticCachePool
@@ -317,7 +317,9 @@ class GrowableView:
     """Cache view (:class:`CacheView`) over growable per-layer caches.
 
     The new ``T`` positions are written at ``start`` in every layer's buffers and attend over positions
-    ``[0, start + T)`` with an optional padding mask.
+    ``[0, start + T)`` with an optional padding mask. A decomposed cache that carries a
+    :class:`~lragent.attention.RoleSplit` (``role_split``: the training step's shared pass, from position 0, no mask)
+    attends in two pieces (:func:`~lragent.attention.two_piece_attention`), whatever ``role_ids`` says.
 
     Args:
         caches: one :class:`LayerCache` per model layer (a :class:`ModelCache` or a list).
@@ -365,6 +367,12 @@ class GrowableView:
         cache = self.caches[layer]
         end = self.start + q.shape[2]
         km = None if self.key_mask is None else self.key_mask[:, :end]
+        layout = getattr(self.caches, "role_split", None)
+        if self.decomposed and layout is not None and km is None and self.start == 0:
+            # the shared pass: a producer's prefix and a consumer's suffix per sequence (``role_ids`` per token
+            # says the same); two D-wide attentions instead of one over [V_base | V_lr]
+            v_lr = cache.v_lr.view(end)
+            return two_piece_attention(q, cache.k.view(end), cache.v.view(end), v_lr, lora_b, scaling, layout)
         if self.decomposed:
             return decomposed_attention(
                 q,

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lragent.attention import RoleSplit
+
 
 class GrowableBuffer:
     """A tensor that grows along one dimension, with a valid length.
@@ -144,10 +146,15 @@ class ModelCache:
         n_layers: number of decoder layers.
         decomposed: store V_base (+ V_lr) instead of full V.
         with_lr: keep a V_lr buffer in each layer (decomposed only; ``base_shared`` keeps V_lr per agent).
+        role_split: each sequence a producer's prefix and a consumer's suffix (the training step's shared pass):
+            a decomposed cache's views attend in two pieces (:func:`~lragent.attention.two_piece_attention`).
     """
 
-    def __init__(self, n_layers: int, decomposed: bool = False, with_lr: bool = True) -> None:
+    def __init__(
+        self, n_layers: int, decomposed: bool = False, with_lr: bool = True, role_split: RoleSplit | None = None
+    ) -> None:
         self.decomposed = decomposed
+        self.role_split = role_split
         self.layers = [LayerCache.decomposed(with_lr) if decomposed else LayerCache.plain() for _ in range(n_layers)]
 
     def __getitem__(self, i: int) -> LayerCache:

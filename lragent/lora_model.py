@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from lragent.attention import RoleSplit, two_piece_enabled
 from lragent.decoder import DecoderEngine
 from lragent.kv_cache import ModelCache
 from lragent.models import check_supported
@@ -243,7 +244,10 @@ class MultiLoraModel(nn.Module):
         token attends only to context tokens, as the producer did; under ``full_shared`` every key carries the
         values its writer's adapter made; under ``base_lr_shared`` each query applies its own role's B to the
         shared V_lr. Here the sequences keep their right padding (no re-layout, no mask: causal attention over one
-        length), and the producer and consumer projections run as one batch.
+        length), and the producer and consumer projections run as one batch. Under ``base_lr_shared`` each layer's
+        attention runs in two D-wide pieces, the producer's and the consumer's values
+        (:func:`~lragent.attention.two_piece_attention`; ``LRAGENT_TWO_PIECE=0``: one attention over
+        ``[V_base | V_lr]`` with each query's B applied after); their row range costs one host sync per forward.
 
         Args:
             input_ids: ``(B, T)`` right-padded sequences.
@@ -270,7 +274,10 @@ class MultiLoraModel(nn.Module):
         consumer = self._role_tensor(consumer_ids, b, dev)
         pos = torch.arange(t, device=dev).expand(b, t)  # (B, T)
         roles = torch.where(pos < split.to(dev)[:, None], producer[:, None], consumer[:, None])  # (B, T)
-        cache = ModelCache(self.n_layers, decomposed=layout.decomposed)
+        role_split = None
+        if layout.decomposed and two_piece_enabled():  # one host sync here, not one per layer
+            role_split = RoleSplit.make(producer, consumer, split, t)
+        cache = ModelCache(self.n_layers, decomposed=layout.decomposed, role_split=role_split)
         # use_kernel=False: the fused attention kernel has no backward, and this forward trains
         h = self.decoder.run_layers(self.decoder.embed(input_ids), pos, roles, cache, 0, use_kernel=False)
         if output_index is not None:

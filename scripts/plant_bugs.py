@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "two-piece attention: rows in [lo, hi) from the producer's piece regardless of split": (
+        "lragent/attention.py",
+        "    mid = torch.where(producer_row, p[:, :, lo:], c[:, :, : hi - lo])",
+        "    mid = p[:, :, lo:]",
+        "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: the consumer's piece causal from the top left": (
+        "lragent/attention.py",
+        "        c = _sdpa(q[:, :, lo:], k, v_cons, None)",
+        "        c = F.scaled_dot_product_attention(q[:, :, lo:], k, v_cons, is_causal=True, enable_gqa=True)",
+        "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: the producer's values with the consumer's B": (
+        "lragent/attention.py",
+        "v_lr[:, :hi], b_heads, layout.producer, scaling)",
+        "v_lr[:, :hi], b_heads, layout.consumer, scaling)",
+        "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: lo rounded up instead of down": (
+        "lragent/attention.py",
+        "        lo = min(smin // unit * unit, length)",
+        "        lo = min(-(-smin // unit) * unit, length)",
+        "tests/test_two_piece_attention.py",
+    ),
     "decode: the MLP's residual dropped by the down projection's GEMM": (
         "lragent/decoder.py",
         "flat = torch.addmm(residual.flatten(0, -2), act.flatten(0, -2), down.weight.t())",

@@ -6,6 +6,12 @@ FlashAttention takes it; at LLaMA-3.1-8B shapes (D = 128, r = 8) the backward th
 pass's. This probe times forward + backward of each candidate that computes the same values, side by side in one
 process, against the plain D-wide attention of a λ = 0 step, and checks each against the current path's output.
 
+The whole decomposed attention of the shared pass is timed three ways at realistic splits (each sequence's producer
+prefix ends ``u`` tokens before the end, ``u`` drawn from 16..500 per row, seeded): the per-query path with Q/K
+padded, with cuDNN wide values (``LRAGENT_TWO_PIECE=0``), and the two-piece form (``two_piece_attention``, the
+default: two D-wide attentions, the layout made once outside the timing as the forward makes it once for all
+layers); the two-piece row also reports the largest gradient differences against the cuDNN wide-value path.
+
     python scripts/probe_wide_attention.py --out probe.json      # on a GPU
 """
 
@@ -99,12 +105,18 @@ def main() -> None:
     # The whole decomposed attention of the shared pass (values per query role, B applied), both paths
     import os
 
-    from lragent.attention import decomposed_attention
+    from lragent.attention import RoleSplit, decomposed_attention, two_piece_attention
 
     v_base = v[..., :d].detach().clone().requires_grad_()
     v_lr = v[:, 0, :, d:].detach().clone().requires_grad_()
     lora_b = (torch.randn(3, hkv * d, r, device=dev, generator=g) / r).to(dt).requires_grad_()
-    roles = torch.where(torch.arange(t, device=dev)[None, :] < t // 2, 2, 1).expand(b, t)
+    cpu_g = torch.Generator().manual_seed(0)
+    u = torch.randint(16, 501, (b,), generator=cpu_g)
+    split = (t - u).clamp(min=0).to(dev)  # (B,) producer tokens per sequence
+    producer = (torch.arange(b, device=dev) % 3 + 2) % 3  # 2, 0, 1, 2, ...
+    consumer = (producer + 1) % 3
+    roles = torch.where(torch.arange(t, device=dev)[None, :] < split[:, None], producer[:, None], consumer[:, None])
+    layout = RoleSplit.make(producer, consumer, split, t)
     grad_d = grad[..., :d].contiguous()
 
     def decomposed(two_role: str):
@@ -114,7 +126,14 @@ def main() -> None:
 
         return f
 
-    extra = {"decomposed, Q/K padded (before)": decomposed("0"), "decomposed, cuDNN wide values": decomposed("1")}
+    def two_piece():
+        return two_piece_attention(q, k, v_base, v_lr, lora_b, 2.0, layout)
+
+    extra = {
+        "decomposed, Q/K padded (before)": decomposed("0"),
+        "decomposed, cuDNN wide values": decomposed("1"),
+        "decomposed, two-piece": two_piece,
+    }
     with torch.no_grad():
         ref_dec = extra["decomposed, Q/K padded (before)"]().float()
     with torch.no_grad():
@@ -146,10 +165,25 @@ def main() -> None:
         except Exception as e:
             return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
 
-    for group, group_ref, group_grad in ((candidates, ref, grad), (extra, ref_dec, grad_d)):
-        for name, fn in group.items():
-            rows[name] = measure(fn, group_ref, group_grad)
+    # (not ``group``: the expanded-heads candidate reads that name, the GQA group size, when it runs)
+    for fns, fns_ref, fns_grad in ((candidates, ref, grad), (extra, ref_dec, grad_d)):
+        for name, fn in fns.items():
+            rows[name] = measure(fn, fns_ref, fns_grad)
             print(name, rows[name], flush=True)
+
+    def input_grads(fn) -> list[torch.Tensor]:
+        inputs = [q, k, v_base, v_lr, lora_b]
+        return [x.float() for x in torch.autograd.grad(fn(), inputs, grad_d)]
+
+    try:  # the two-piece form's gradients against the cuDNN wide-value path's, per input (largest |diff|, |grad|)
+        names = ("q", "k", "v_base", "v_lr", "lora_b")
+        wide, ours = input_grads(extra["decomposed, cuDNN wide values"]), input_grads(two_piece)
+        rows["decomposed, two-piece"]["grad_max_abs_diff"] = {
+            n: [(a - w).abs().max().item(), w.abs().max().item()] for n, a, w in zip(names, ours, wide, strict=True)
+        }
+        print("two-piece gradients", rows["decomposed, two-piece"]["grad_max_abs_diff"], flush=True)
+    except Exception as e:
+        rows["decomposed, two-piece"]["grad_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     try:
         import inspect
 
@@ -164,6 +198,7 @@ def main() -> None:
             row["vs_plain"] = round(row["fwd_bwd_ms"] / base, 3)
     result = {
         "shapes": {"batch": b, "heads": hq, "kv_heads": hkv, "seq": t, "dim": d, "rank": r, "dtype": "bfloat16"},
+        "split": {"per_row": split.tolist(), "lo": layout.lo, "hi": layout.hi},
         "rows": rows,
         "varlen_attn_signature": varlen_sig,
         "provenance": provenance(device="cuda", dtype=dt),

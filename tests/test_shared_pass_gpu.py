@@ -1,5 +1,7 @@
-"""GPU tests of the training step's shared pass (λ > 0): its attention over ``[V_base | V_lr]`` runs on cuDNN with
-values wider than Q/K, or (fallback, ``LRAGENT_WIDE_CUDNN=0``) on FlashAttention with Q/K padded.
+"""GPU tests of the training step's shared pass (λ > 0): its attention runs in two D-wide pieces, the producer's
+values and the consumer's (``two_piece_attention``, the default); with ``LRAGENT_TWO_PIECE=0`` over
+``[V_base | V_lr]`` on cuDNN with values wider than Q/K, or (fallback, ``LRAGENT_WIDE_CUDNN=0``) on FlashAttention
+with Q/K padded.
 
 The shared pass gives each query its own role's B, so it attends with values wider than the queries (``D + r``).
 SDPA took the memory-efficient kernel over expanded KV heads for them; Q and K padded with zero columns take a
@@ -14,7 +16,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lragent.attention import decomposed_attention
+from lragent.attention import RoleSplit, decomposed_attention, two_piece_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,8 +67,42 @@ def test_per_query_decomposed_attention_runs_on_flash_and_matches_float32(
         assert half[k].grad is not None and torch.isfinite(half[k].grad).all(), k
 
 
-def test_training_step_shared_pass_runs_on_flash() -> None:
-    """A λ = 1 training step of a tiny model (bf16 autocast), forward and backward with FlashAttention only."""
+@pytest.mark.parametrize("t,split", [(300, [280, 100, 150, 299]), (256, [0, 0, 0, 0]), (256, [256, 256, 256, 256])])
+def test_two_piece_attention_runs_on_flash_under_autocast_and_matches_float32(t: int, split: list[int]) -> None:
+    """The training step's inputs (queries float32 from RoPE, the rest bf16, B float32, autocast bf16) with
+    FlashAttention the only backend: both pieces run (the consumer's bottom-right causal), the values match the
+    per-query path in float32, and every input gets a finite gradient."""
+    x = inputs(b=4, t=t)
+    dev = {k: v.cuda() for k, v in x.items() if k != "role_ids"}
+    producer, consumer = torch.tensor([2, 0, 1, 2]).cuda(), torch.tensor([1, 1, 0, 0]).cuda()
+    split_t = torch.tensor(split).cuda()
+    layout = RoleSplit.make(producer, consumer, split_t, t)
+    roles = torch.where(torch.arange(t).cuda()[None, :] < split_t[:, None], producer[:, None], consumer[:, None])
+    half = {
+        "q": dev["q"].clone().requires_grad_(),
+        "k": dev["k"].bfloat16().requires_grad_(),
+        "v_base": dev["v_base"].bfloat16().requires_grad_(),
+        "v_lr": dev["v_lr"].bfloat16().requires_grad_(),
+        "lora_b": dev["lora_b"].clone().requires_grad_(),
+    }
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = two_piece_attention(scaling=2.0, layout=layout, **half)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out.float().square().sum().backward()
+    exact = decomposed_attention(scaling=2.0, role_ids=roles, use_kernel=False, **dev).float()
+    assert out.shape == x["q"].shape and out.dtype == torch.bfloat16
+    err = (out.float() - exact).abs().max().item()
+    scale = exact.abs().max().item()
+    assert err <= 0.02 * scale, f"two-piece path off by {err} (values up to {scale})"
+    for k, v in half.items():
+        assert v.grad is not None and torch.isfinite(v.grad).all(), k
+
+
+@pytest.mark.parametrize("two_piece", ["1", "0"])
+def test_training_step_shared_pass_runs_on_flash(two_piece: str, monkeypatch) -> None:
+    """A λ = 1 training step of a tiny model (bf16 autocast), forward and backward with FlashAttention only, the
+    two-piece attention on and off."""
+    monkeypatch.setenv("LRAGENT_TWO_PIECE", two_piece)
     import tempfile
     from pathlib import Path
 
