@@ -15,8 +15,12 @@ producer's prefix and a consumer's suffix (:class:`RoleSplit`): two D-wide causa
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -228,6 +232,48 @@ def two_piece_enabled() -> bool:
     return os.environ.get("LRAGENT_TWO_PIECE", "1") != "0"
 
 
+VarlenFn = Callable[..., torch.Tensor]
+"""``fn(q, k, v, cu_q, cu_k, max_q, max_k, scale)`` -> ``(Nq, H_q, D)``: causal attention of each packed query
+segment over its key segment, the queries aligned with the segment's *last* keys (bottom-right)."""
+
+
+@functools.cache
+def _torch_varlen() -> Callable[..., torch.Tensor] | None:
+    """torch's variable-length FlashAttention (``torch.nn.attention.varlen.varlen_attn``) or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """:data:`VarlenFn` by torch's variable-length FlashAttention (CUDA, half precision; GQA natively)."""
+    fn = _torch_varlen()
+    if fn is None:
+        raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch")
+    # window (everything before, nothing after): FlashAttention aligns it bottom-right when queries < keys
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """:data:`VarlenFn` segment by segment with masked SDPA (any device): the oracle of :func:`flash_varlen`'s
+    packing in CPU tests."""
+    outs = []
+    group = q.shape[1] // k.shape[1]
+    for i in range(cu_q.numel() - 1):
+        qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if qb == qa:
+            continue
+        qs = q[qa:qb].transpose(0, 1)[None]  # (1, H_q, Lq, D)
+        ks = k[ka:kb].transpose(0, 1).repeat_interleave(group, 0)[None]
+        vs = v[ka:kb].transpose(0, 1).repeat_interleave(group, 0)[None]
+        lq, lk = qb - qa, kb - ka
+        mask = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1))
+    return torch.cat(outs, 0)
+
+
 @dataclass(frozen=True)
 class RoleSplit:
     """Each sequence's first ``split[b]`` tokens belong to a producer role, the rest to a consumer role.
@@ -239,6 +285,12 @@ class RoleSplit:
         lo: ``min(split)`` rounded down to a multiple of the unit (capped at ``T``): rows below are all producer's.
         hi: ``max(split)`` rounded up to a multiple of the unit (capped at ``T``): rows from here on are all the
             consumer's.
+        length: tokens per sequence ``T``.
+        consumer_rows: ``(N_c,)`` long, flat positions ``b * T + t`` of the consumer rows (``t >= split[b]``),
+            sequence by sequence.
+        cu_q: ``(B + 1,)`` int32, where each sequence's consumer rows start in ``consumer_rows`` (and end).
+        cu_k: ``(B + 1,)`` int32, ``b * T``: each sequence's keys.
+        max_q: the most consumer rows of one sequence.
     """
 
     producer: torch.Tensor
@@ -246,6 +298,11 @@ class RoleSplit:
     split: torch.Tensor
     lo: int
     hi: int
+    length: int = 0
+    consumer_rows: torch.Tensor | None = None
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
 
     @classmethod
     def make(
@@ -256,8 +313,8 @@ class RoleSplit:
         length: int,
         unit: int | None = None,
     ) -> RoleSplit:
-        """The layout of sequences of ``length`` tokens; reads ``min``/``max`` of ``split`` on the host (one
-        device-to-host sync: once per forward, not per layer).
+        """The layout of sequences of ``length`` tokens; reads ``split`` on the host (one device-to-host sync:
+        once per forward, not per layer) and builds the consumer rows' packing once for every layer.
 
         Args:
             producer: ``(B,)`` producer roles.
@@ -267,20 +324,36 @@ class RoleSplit:
             unit: rounding multiple of ``lo`` and ``hi`` (default :data:`TWO_PIECE_UNIT`).
         """
         unit = TWO_PIECE_UNIT if unit is None else unit
-        split = split.to(device=producer.device, dtype=torch.long).clamp(0, length)
-        smin, smax = torch.stack([split.min(), split.max()]).tolist() if split.numel() else (length, length)
+        dev = producer.device
+        split = split.to(device=dev, dtype=torch.long).clamp(0, length)
+        splits = split.tolist()
+        smin, smax = (min(splits), max(splits)) if splits else (length, length)
         lo = min(smin // unit * unit, length)
         hi = min(-(-smax // unit) * unit, length)
-        return cls(producer, consumer, split, lo, hi)
+        counts = [length - s for s in splits]
+        rows = [torch.arange(i * length + s, (i + 1) * length) for i, s in enumerate(splits)]
+        consumer_rows = torch.cat(rows).to(dev, non_blocking=True) if rows else torch.zeros(0, dtype=torch.long)
+        cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32).to(dev, non_blocking=True)
+        cu_k = (torch.arange(len(splits) + 1, dtype=torch.int32) * length).to(dev, non_blocking=True)
+        return cls(producer, consumer, split, lo, hi, length, consumer_rows, cu_q, cu_k, max(counts, default=0))
 
 
 def _role_values(
-    v_base: torch.Tensor, v_lr: torch.Tensor, b_heads: torch.Tensor, roles: torch.Tensor, scaling: float
+    v_rows: torch.Tensor, v_lr: torch.Tensor, lora_b: torch.Tensor, roles: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """``V_base + (V_lr B_role) s`` per sequence: ``(B, H_kv, L, D)`` from V_base ``(B, H_kv, L, D)``, V_lr
-    ``(B, L, r)``, ``b_heads`` ``(n_roles, H_kv, r, D)`` and ``roles`` ``(B,)``."""
-    b_sel = b_heads[roles].to(v_lr.dtype)  # (B, H_kv, r, D)
-    return v_base + torch.einsum("blr,bhrd->bhld", v_lr, b_sel) * scaling
+    """``V_base + (V_lr B_role) s`` per sequence in one batched GEMM (its backward is two more, no elementwise
+    passes over the heads).
+
+    Args:
+        v_rows: ``(B, L, H_kv·D)`` base values, token-major.
+        v_lr: ``(B, L, r)``.
+        lora_b: ``(n_roles, H_kv·D, r)`` stacked up-projections (PEFT layout).
+        roles: ``(B,)``.
+
+    Returns:
+        ``(B, L, H_kv·D)``.
+    """
+    return torch.baddbmm(v_rows, v_lr, lora_b[roles].transpose(1, 2).to(v_lr.dtype), alpha=scaling)
 
 
 def two_piece_attention(
@@ -291,16 +364,17 @@ def two_piece_attention(
     lora_b: torch.Tensor,
     scaling: float,
     layout: RoleSplit,
+    varlen: VarlenFn | None = None,
 ) -> torch.Tensor:
     """:func:`decomposed_attention` with per-query roles, for sequences that are a producer's prefix and a
     consumer's suffix (the shared pass; no padding mask, queries = keys).
 
     Causality leaves two value tensors per sequence: producer rows ``t < split[b]`` see only keys ``< split[b]``,
-    all with the producer's values; consumer rows see keys ``<= t`` with the consumer's values. So: ``P`` = causal
-    attention of rows ``[0, hi)`` over keys ``[0, hi)`` with the producer's values, ``C`` = rows ``[lo, T)`` over
-    all keys (bottom-right causal) with the consumer's; rows below ``lo`` from ``P``, rows from ``hi`` on from ``C``,
-    rows between by ``t < split[b]``. Both are D-wide (the plain pass's attention). ``P`` is skipped when
-    ``hi == 0``, ``C`` when ``lo >= T``.
+    all with the producer's values; consumer rows see keys ``<= t`` with the consumer's values. So ``P`` = causal
+    attention of rows ``[0, hi)`` over keys ``[0, hi)`` with the producer's values (the plain pass's D-wide
+    attention), and the consumer rows over all keys with the consumer's values: exactly those rows through
+    variable-length FlashAttention (``varlen``; on CUDA in half precision by default), else the rows ``[lo, T)``
+    as one bottom-right causal call. Consumer rows replace ``P``'s rows.
 
     Args:
         q: ``(B, H_q, T, D)`` queries (RoPE applied; float32 under autocast is cast as SDPA would).
@@ -310,24 +384,59 @@ def two_piece_attention(
         lora_b: ``(n_roles, H_kv·D, r)`` stacked up-projections of ``v_proj`` (PEFT layout).
         scaling: LoRA scaling.
         layout: the sequences' producer/consumer layout.
+        varlen: the variable-length attention for the consumer rows (:func:`reference_varlen` in CPU tests);
+            ``None``: :func:`flash_varlen` where it runs, else the dense ``[lo, T)`` call.
 
     Returns:
-        ``(B, H_q, T, D)`` in the compute dtype (:func:`compute_dtype` of ``q``).
+        ``(B, H_q, T, D)`` in the compute dtype (:func:`compute_dtype` of ``q``), token-major underneath (the
+        output projection's reshape is a view).
     """
-    t = q.shape[2]
+    b, h_q, t, d = q.shape
+    h_kv = k.shape[1]
     if k.shape[2] != t:
         raise ValueError(f"two-piece attention needs as many queries as keys, got {t} and {k.shape[2]}")
-    lo, hi = layout.lo, layout.hi
-    b_heads = lora_b_per_head(lora_b, k.shape[1])  # (n_roles, H_kv, r, D)
+    hi = layout.hi
     dt = compute_dtype(q)
     q, k = q.to(dt), k.to(dt)
+    v_rows = v_base.transpose(1, 2).reshape(b, t, h_kv * d).to(dt)  # a view when V_base is token-major
+    lr = v_lr.to(dt)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # (B, L, H_kv·D) -> (B, H_kv, L, D), a view
+        return x.view(b, x.shape[1], h_kv, d).transpose(1, 2)
+
+    if varlen is None and q.is_cuda and dt in _KERNEL_DTYPES and _torch_varlen() is not None:
+        varlen = flash_varlen
+    n_c = 0 if layout.consumer_rows is None else layout.consumer_rows.numel()
+    if varlen is None or layout.consumer_rows is None or layout.length != t:
+        return _two_piece_dense(q, k, v_rows, lr, lora_b, scaling, layout, heads)
+    out = None
+    if hi > 0 and n_c < b * t:
+        v_prod = _role_values(v_rows[:, :hi], lr[:, :hi], lora_b, layout.producer, scaling)
+        out = _sdpa(q[:, :, :hi], k[:, :, :hi], heads(v_prod), None).transpose(1, 2)  # (B, hi, H_q, D)
+        if hi < t:
+            out = F.pad(out, (0, 0, 0, 0, 0, t - hi))  # rows from hi on are all the consumer's
+        out = out.reshape(b * t, h_q, d)
+    if n_c:
+        v_cons = _role_values(v_rows, lr, lora_b, layout.consumer, scaling).view(b * t, h_kv, d)
+        k_rows = k.transpose(1, 2).reshape(b * t, h_kv, d)
+        q_c = q.transpose(1, 2).reshape(b * t, h_q, d).index_select(0, layout.consumer_rows)  # (N_c, H_q, D)
+        o_c = varlen(q_c, k_rows, v_cons, layout.cu_q, layout.cu_k, layout.max_q, t, d**-0.5)
+        out = o_c if out is None and n_c == b * t else out.index_copy(0, layout.consumer_rows, o_c.to(out.dtype))
+    return out.view(b, t, h_q, d).transpose(1, 2)
+
+
+def _two_piece_dense(q, k, v_rows, lr, lora_b, scaling, layout, heads) -> torch.Tensor:
+    """:func:`two_piece_attention` with the consumer rows as one dense bottom-right causal call over rows
+    ``[lo, T)`` (no variable-length kernel here)."""
+    t = q.shape[2]
+    lo, hi = layout.lo, layout.hi
     p = c = None
     if hi > 0:
-        v_prod = _role_values(v_base[:, :, :hi], v_lr[:, :hi], b_heads, layout.producer, scaling).to(dt)
-        p = _sdpa(q[:, :, :hi], k[:, :, :hi], v_prod, None)  # (B, H_q, hi, D)
+        v_prod = _role_values(v_rows[:, :hi], lr[:, :hi], lora_b, layout.producer, scaling)
+        p = _sdpa(q[:, :, :hi], k[:, :, :hi], heads(v_prod), None)  # (B, H_q, hi, D)
     if lo < t:
-        v_cons = _role_values(v_base, v_lr, b_heads, layout.consumer, scaling).to(dt)
-        c = _sdpa(q[:, :, lo:], k, v_cons, None)  # (B, H_q, T - lo, D), bottom-right causal
+        v_cons = _role_values(v_rows, lr, lora_b, layout.consumer, scaling)
+        c = _sdpa(q[:, :, lo:], k, heads(v_cons), None)  # (B, H_q, T - lo, D), bottom-right causal
     if c is None:
         return p
     if p is None:

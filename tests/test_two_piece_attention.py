@@ -37,12 +37,13 @@ SPLITS = {
 }
 
 
-def both(x: dict, split: list[int], producer: list[int], consumer: list[int], t: int = T):
-    """(two-piece output, per-query output, their layout)."""
+def both(x: dict, split: list[int], producer: list[int], consumer: list[int], t: int = T, varlen=None):
+    """(two-piece output, per-query output, their layout); ``varlen``: the consumer rows packed through this
+    variable-length attention (the CUDA path's packing), ``None``: the dense ``[lo, T)`` call."""
     split_t, prod, cons = torch.tensor(split), torch.tensor(producer), torch.tensor(consumer)
     layout = RoleSplit.make(prod, cons, split_t, t, unit=UNIT)
     roles = torch.where(torch.arange(t)[None, :] < split_t[:, None], prod[:, None], cons[:, None])  # (B, T)
-    ours = two_piece_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, layout)
+    ours = two_piece_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, layout, varlen=varlen)
     ref = decomposed_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, roles, use_kernel=False)
     return ours, ref, layout
 
@@ -58,17 +59,32 @@ def assert_same_with_grads(x: dict, ours: torch.Tensor, ref: torch.Tensor, tol: 
         assert torch.allclose(a, w, atol=tol * 10, rtol=0), (n, (a - w).abs().max())
 
 
+CONSUMER_PATHS = {"dense [lo, T)": None, "packed rows (varlen)": attention.reference_varlen}
+
+
+@pytest.mark.parametrize("path", list(CONSUMER_PATHS))
 @pytest.mark.parametrize("split", list(SPLITS.values()), ids=list(SPLITS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_two_piece_equals_the_per_query_path(split: list[int], dtype: torch.dtype) -> None:
+def test_two_piece_equals_the_per_query_path(split: list[int], dtype: torch.dtype, path: str) -> None:
     x = inputs(dtype)
-    ours, ref, _ = both(x, split, producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1])
+    ours, ref, _ = both(x, split, producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1], varlen=CONSUMER_PATHS[path])
     assert_same_with_grads(x, ours, ref, 1e-10 if dtype == torch.float64 else 1e-5)
 
 
-def test_producer_equal_to_consumer_and_a_length_off_the_unit() -> None:
+def test_consumer_rows_are_packed_sequence_by_sequence() -> None:
+    r = torch.zeros(3, dtype=torch.long)
+    layout = RoleSplit.make(r, r, torch.tensor([7, 10, 4]), 10, unit=UNIT)
+    assert layout.consumer_rows.tolist() == [7, 8, 9, 24, 25, 26, 27, 28, 29]  # b * T + t for t >= split[b]
+    assert layout.cu_q.tolist() == [0, 3, 3, 9] and layout.cu_k.tolist() == [0, 10, 20, 30]
+    assert layout.max_q == 6 and layout.cu_q.dtype == torch.int32
+
+
+@pytest.mark.parametrize("path", list(CONSUMER_PATHS))
+def test_producer_equal_to_consumer_and_a_length_off_the_unit(path: str) -> None:
     x = inputs(torch.float64, t=37)
-    ours, ref, layout = both(x, [3, 37, 20, 30], producer=[1, 2, 0, 0], consumer=[1, 2, 0, 2], t=37)
+    ours, ref, layout = both(
+        x, [3, 37, 20, 30], producer=[1, 2, 0, 0], consumer=[1, 2, 0, 2], t=37, varlen=CONSUMER_PATHS[path]
+    )
     assert (layout.lo, layout.hi) == (0, 37)  # hi rounds up to 40, capped at T
     assert_same_with_grads(x, ours, ref, 1e-10)
 
