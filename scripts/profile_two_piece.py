@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
-from lragent.attention import RoleSplit, _role_values, _sdpa, lora_b_per_head, two_piece_attention  # noqa: E402
+from lragent.attention import RoleSplit, _role_values, _sdpa, two_piece_attention  # noqa: E402
 from lragent.provenance import provenance  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def timed(fn, iters: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--u_max", type=int, default=500)
+    ap.add_argument("--u_max", type=int, default=64)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,6 @@ def main() -> None:
         }
         print(f"{name:<48} fwd {rows[name]['fwd_ms']:.3f}  fwd+bwd {rows[name]['fwd_bwd_ms']:.3f} ms", flush=True)
 
-    b_heads = lora_b_per_head(lora_b, hkv)
     fb(
         "plain causal D=128 (default backend)",
         lambda: F.scaled_dot_product_attention(q, k, v_base, is_causal=True, enable_gqa=True),
@@ -85,9 +84,10 @@ def main() -> None:
         except RuntimeError as exc:
             rows[f"plain causal D=128 ({name})"] = {"error": str(exc)[:200]}
     fb("whole two_piece_attention", lambda: two_piece_attention(q, k, v_base, v_lr, lora_b, 2.0, layout))
-    fb("V_prod build", lambda: _role_values(v_base[:, :, :hi], v_lr[:, :hi], b_heads, producer, 2.0))
-    fb("V_cons build", lambda: _role_values(v_base, v_lr, b_heads, consumer, 2.0))
-    vc = _role_values(v_base, v_lr, b_heads, consumer, 2.0).detach().requires_grad_()
+    v_rows = v_base.detach().transpose(1, 2).reshape(b, t, hkv * d).requires_grad_()  # token-major, as in the model
+    fb("V_cons build (token-major)", lambda: _role_values(v_rows, v_lr, lora_b, consumer, 2.0))
+    vc = _role_values(v_rows, v_lr, lora_b, consumer, 2.0).view(b, t, hkv, d).transpose(1, 2)
+    vc = vc.detach().requires_grad_()
     fb("producer call (_sdpa rows [0,hi))", lambda: _sdpa(q[:, :, :hi], k[:, :, :hi], vc[:, :, :hi], None))
     fb(f"consumer call (_sdpa rows [{lo},T), lower-right)", lambda: _sdpa(q[:, :, lo:], k, vc, None))
     grp = hq // hkv
