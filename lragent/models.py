@@ -6,6 +6,7 @@ Supported families: LLaMA, Mistral and Qwen2 (Qwen2 has q/k/v biases). All share
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -230,35 +231,60 @@ def embedded_model_missing() -> str | None:
     return f"{gguf} is not converted yet and the gguf package that converts it is not installed"
 
 
+def _publish_converted(tmp: Path, target: Path) -> None:
+    """Moves a finished conversion ``tmp`` to ``target`` unless another process got there first.
+
+    A complete ``target`` is kept as it is (a process may be loading from it: removing it under that reader made a
+    GPU test fail with "no file named model.safetensors" when 12 test workers converted at once); an incomplete one
+    (a crash mid-copy) is replaced. ``tmp`` is gone afterwards either way.
+    """
+    try:
+        if _is_converted(target):
+            return
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not _is_converted(target):  # not a racing process's finished copy: a real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _embedded_converted_dir() -> Path:
-    """Dequantises the GGUF once (about 20 s) and keeps the fp32 weights as safetensors for later loads."""
+    """Dequantises the GGUF once (about 20 s) and keeps the fp32 weights as safetensors for later loads; processes
+    starting together convert once (a file lock) and never remove a copy another one may be reading."""
     gguf = embedded_gguf_path()
     target = _converted_target(gguf)
     if _is_converted(target):
         return target
-    log.info("converting the embedded GGUF %s (first use only)", gguf)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = _tokenizer_from(gguf.parent, gguf_file=gguf.name)
-    # transformers' GGUF conversion gives the tokenizer <|im_start|> as EOS; the model (and the GGUF's own
-    # eos_token_id) end a turn with <|im_end|>. Use the model's.
-    eos_id = model.generation_config.eos_token_id
-    if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
-    # The dequantised model is an ordinary fp32 model; drop the GGUF marker so it can be saved.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _is_converted(target):  # converted while this process waited
+            return target
+        log.info("converting the embedded GGUF %s (first use only)", gguf)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = _tokenizer_from(gguf.parent, gguf_file=gguf.name)
+        # transformers' GGUF conversion gives the tokenizer <|im_start|> as EOS; the model (and the GGUF's own
+        # eos_token_id) end a turn with <|im_end|>. Use the model's.
+        eos_id = model.generation_config.eos_token_id
+        if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+        # The dequantised model is an ordinary fp32 model; drop the GGUF marker so it can be saved.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _publish_converted(tmp, target)
     return target
 
 

@@ -26,15 +26,39 @@ BUGS = {
     ),
     "two-piece attention: the consumer's piece causal from the top left": (
         "lragent/attention.py",
-        "        c = _sdpa(q[:, :, lo:], k, v_cons, None)",
-        "        c = F.scaled_dot_product_attention(q[:, :, lo:], k, v_cons, is_causal=True, enable_gqa=True)",
+        "c = _sdpa(q[:, :, lo:], k, heads(v_cons), None)",
+        "c = F.scaled_dot_product_attention(q[:, :, lo:], k, heads(v_cons), is_causal=True, enable_gqa=True)",
         "tests/test_two_piece_attention.py",
     ),
-    "two-piece attention: the producer's values with the consumer's B": (
+    "two-piece attention: the producer's values with the consumer's B (dense consumer path)": (
         "lragent/attention.py",
-        "v_lr[:, :hi], b_heads, layout.producer, scaling)",
-        "v_lr[:, :hi], b_heads, layout.consumer, scaling)",
+        "layout.producer, scaling)\n        p = _sdpa(",
+        "layout.consumer, scaling)\n        p = _sdpa(",
         "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: the producer's values with the consumer's B (packed consumer rows)": (
+        "lragent/attention.py",
+        "layout.producer, scaling)\n        out = _sdpa(",
+        "layout.consumer, scaling)\n        out = _sdpa(",
+        "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: packed consumer rows read the keys of the sequence before": (
+        "lragent/attention.py",
+        "cu_k = (torch.arange(len(splits) + 1, dtype=torch.int32) * length)",
+        "cu_k = (torch.arange(len(splits) + 1, dtype=torch.int32) * length).roll(1)",
+        "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: packed consumer rows not written over the producer's piece": (
+        "lragent/attention.py",
+        "else out.index_copy(0, layout.consumer_rows, o_c.to(out.dtype))",
+        "else out",
+        "tests/test_two_piece_attention.py",
+    ),
+    "converted-model cache: a finished copy removed under a reader by a later conversion": (
+        "lragent/models.py",
+        "        if _is_converted(target):\n            return\n        if target.exists():",
+        "        if target.exists():",
+        "tests/test_converted_cache.py",
     ),
     "two-piece attention: lo rounded up instead of down": (
         "lragent/attention.py",
