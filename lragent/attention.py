@@ -425,7 +425,16 @@ def two_piece_attention(
     return out.view(b, t, h_q, d).transpose(1, 2)
 
 
-def _two_piece_dense(q, k, v_rows, lr, lora_b, scaling, layout, heads) -> torch.Tensor:
+def _two_piece_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_rows: torch.Tensor,
+    lr: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+    layout: RoleSplit,
+    heads: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """:func:`two_piece_attention` with the consumer rows as one dense bottom-right causal call over rows
     ``[lo, T)`` (no variable-length kernel here)."""
     t = q.shape[2]
