@@ -148,9 +148,14 @@ def pass_flops(shape: ModelShape, lengths: list[int], n_scored: int) -> float:
     return float(shape.n_layers * per_layer + head)
 
 
-def step_flops(shape: ModelShape, lengths: list[int], n_scored: int, lambda_shared: float) -> float:
-    """Model FLOPs of one training step: the plain pass (λ < 1) plus the shared-term pass (λ > 0)."""
+def step_flops(
+    shape: ModelShape, lengths: list[int], n_scored: int, lambda_shared: float, lambda_mode: str = "weight"
+) -> float:
+    """Model FLOPs of one training step: the plain pass (λ < 1) plus the shared-term pass (λ > 0); one pass with
+    ``lambda_mode: sample`` (either term costs one pass by this count)."""
     one = pass_flops(shape, lengths, n_scored)
+    if lambda_mode == "sample":
+        return one
     return one * ((lambda_shared < 1) + (lambda_shared > 0))
 
 
@@ -309,7 +314,8 @@ class FitSpeed(Callback):
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         peak = self.peak_tflops * 1e12 if self.peak_tflops else (peak_flops(name) if dev.type == "cuda" else None)
         timed = self.records[self.warmup :]
-        result = _summarise(timed, shape, float(pl_module.train_config.lambda_shared), peak, dev)
+        cfg = pl_module.train_config
+        result = _summarise(timed, shape, float(cfg.lambda_shared), peak, dev, cfg.lambda_mode)
         total = time.perf_counter() - self.t_fit
         result.update(
             micro_batches=len(self.records),
@@ -337,11 +343,16 @@ class FitSpeed(Callback):
 
 
 def _summarise(
-    steps: list[dict[str, Any]], shape: ModelShape, lam: float, peak: float | None, device: torch.device
+    steps: list[dict[str, Any]],
+    shape: ModelShape,
+    lam: float,
+    peak: float | None,
+    device: torch.device,
+    lambda_mode: str = "weight",
 ) -> dict[str, Any]:
     seconds = sum(s["seconds"] for s in steps)
     tokens = sum(sum(s["lengths"]) for s in steps)
-    flops = sum(step_flops(shape, s["lengths"], s["n_scored"], lam) for s in steps)
+    flops = sum(step_flops(shape, s["lengths"], s["n_scored"], lam, lambda_mode) for s in steps)
     out = {
         "steps": len(steps),
         "seconds": seconds,
@@ -382,12 +393,15 @@ def time_lragent(
     precision: str,
     device: torch.device,
     root: str,
+    lambda_mode: str = "weight",
 ) -> list[dict[str, Any]]:
     """Runs ``warmup + steps`` optimizer steps of ``module`` with a Lightning Trainer; returns every step's record."""
     from lightning.pytorch import Trainer
 
     module.train_config.lambda_shared = lam
     module.hparams.lambda_shared = lam
+    module.train_config.lambda_mode = lambda_mode
+    module.hparams.lambda_mode = lambda_mode
     if module.lora_model is not None:
         module.lora_model.decoder.gradient_checkpointing = checkpointing
     module.hparams.gradient_checkpointing = checkpointing
@@ -496,6 +510,7 @@ def train(
     steps: int = 5,
     warmup_steps: int = 2,
     lambdas: list[float] | None = None,
+    lambda_modes: list[str] | None = None,
     checkpointing: list[bool] | None = None,
     pack_prefixes: bool = True,
     peft_baseline: bool = True,
@@ -522,6 +537,8 @@ def train(
         steps: timed optimizer steps per setting.
         warmup_steps: untimed steps before them.
         lambdas: weights λ of the cache-sharing-aware term to time (0: plain multi-LoRA).
+        lambda_modes: how λ mixes the terms, each timed for every 0 < λ < 1: ``weight`` (both terms every step) and
+            / or ``sample`` (one term per step, the shared one with probability λ); default ``[weight]``.
         checkpointing: gradient checkpointing settings to time (e.g. ``[true, false]``).
         pack_prefixes: also time λ = 0 (and the PEFT loop) on prefix-packed sequences.
         peft_baseline: also time the plain transformers + peft loop.
@@ -547,6 +564,11 @@ def train(
         raise ValueError(f"lambdas must be values in [0, 1], got {lambdas}")
     if not checkpointing:
         raise ValueError("checkpointing: give at least one setting (true / false)")
+    from lit_modules.multi_lora_module import LAMBDA_MODES
+
+    lambda_modes = ["weight"] if lambda_modes is None else list(lambda_modes)
+    if not lambda_modes or any(m not in LAMBDA_MODES for m in lambda_modes):
+        raise ValueError(f"lambda_modes must be among {', '.join(LAMBDA_MODES)}, got {lambda_modes}")
     if steps < 1 or warmup_steps < 0 or batch_size < 1 or seq_len < 2:
         raise ValueError(
             f"steps >= 1, warmup_steps >= 0, batch_size >= 1, seq_len >= 2 needed, got {steps}, {warmup_steps}, "
@@ -598,18 +620,23 @@ def train(
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as root:
         for ckpt in checkpointing:
-            settings = [("lragent", lam, False) for lam in lambdas]
+            settings = [
+                ("lragent", lam, False, mode)
+                for lam in lambdas
+                for mode in (lambda_modes if 0 < lam < 1 else ["weight"])
+            ]
             if dm_packed is not None and 0.0 in lambdas:
-                settings.append(("lragent", 0.0, True))
-            for impl, lam, packed in settings:
+                settings.append(("lragent", 0.0, True, "weight"))
+            for impl, lam, packed, mode in settings:
                 _reset_memory(dev)
-                row = {"impl": impl, "lambda": lam, "checkpointing": ckpt, "packed": packed}
+                row = {"impl": impl, "lambda": lam, "lambda_mode": mode, "checkpointing": ckpt, "packed": packed}
                 row.update(
                     _measure(
-                        lambda lam=lam, packed=packed, ckpt=ckpt, module=module: time_lragent(
-                            module, dm_packed if packed else dm, lam, ckpt, steps, warmup_steps, precision, dev, root
+                        lambda lam=lam, packed=packed, ckpt=ckpt, mode=mode, module=module: time_lragent(
+                            module, dm_packed if packed else dm, lam, ckpt, steps, warmup_steps, precision, dev, root,
+                            mode,
                         ),
-                        warmup_steps, shape, lam, peak, dev,
+                        warmup_steps, shape, lam, peak, dev, mode,
                     )
                 )  # fmt: skip
                 rows.append(row)
@@ -623,7 +650,7 @@ def train(
             for packed in [False, True] if dm_packed is not None else [False]:
                 _reset_memory(dev)
                 loader = (dm_packed if packed else dm).train_dataloader()
-                row = {"impl": "peft", "lambda": 0.0, "checkpointing": ckpt, "packed": packed}
+                row = {"impl": "peft", "lambda": 0.0, "lambda_mode": "weight", "checkpointing": ckpt, "packed": packed}
                 row.update(
                     _measure(
                         lambda loader=loader, ckpt=ckpt: time_peft(
@@ -666,11 +693,13 @@ def train(
     return 0
 
 
-def _measure(run, warmup: int, shape: ModelShape, lam: float, peak: float | None, dev: torch.device) -> dict:
+def _measure(
+    run, warmup: int, shape: ModelShape, lam: float, peak: float | None, dev: torch.device, mode: str = "weight"
+) -> dict:
     """``run()``'s step records summarised; a CUDA out-of-memory error gives a row marked ``oom`` (with the memory
     allocated when it struck) instead of ending the benchmark."""
     try:
-        return {"oom": False, **_summarise(run()[warmup:], shape, lam, peak, dev)}
+        return {"oom": False, **_summarise(run()[warmup:], shape, lam, peak, dev, mode)}
     except torch.OutOfMemoryError:
         pass  # leave the except block first: its traceback holds the failed step's tensors
     gib = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
@@ -702,7 +731,7 @@ def _compare(rows: list[dict[str, Any]]) -> None:
     PEFT loop's on the same batches) to every row."""
     for r in rows:
         same = [x for x in rows if x["checkpointing"] == r["checkpointing"] and x["packed"] == r["packed"]]
-        zero = next((x for x in same if x["impl"] == "lragent" and x["lambda"] == 0.0), None)
+        zero = next((x for x in same if x["impl"] == "lragent" and x["lambda"] == 0.0), None)  # mode: weight
         peft = next((x for x in same if x["impl"] == "peft"), None)
         ok = not r["oom"] and r["impl"] == "lragent"
         r["vs_lambda0"] = r["ms_per_step"] / zero["ms_per_step"] if ok and zero and not zero["oom"] else None
@@ -719,7 +748,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     body = [
         [
             r["impl"],
-            f"{r['lambda']:g}",
+            f"{r['lambda']:g}" + (" (sample)" if r.get("lambda_mode") == "sample" else ""),
             "on" if r["checkpointing"] else "off",
             "yes" if r["packed"] else "no",
             "out of memory" if r["oom"] else f"{r['ms_per_step']:.1f}",
@@ -763,6 +792,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         "during the setting (weights included; for an out-of-memory row, when it failed). Model FLOPs per step "
         "(eval_suite/bench_train.py): per layer "
         "4·P·T (frozen projections, forward + input gradient) + 6·R·T (LoRA) + 12·H_q·D·Σ L(L+1)/2 (causal "
-        "attention), plus 4·d·V per scored position (LM head); the λ term counts as a second such pass; "
+        "attention), plus 4·d·V per scored position (LM head); the λ term counts as a second such pass (λ (sample): "
+        "one term per step, so one pass); "
         "recomputation under checkpointing is not counted.\n" + provenance_footer(prov)
     )

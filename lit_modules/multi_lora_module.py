@@ -48,6 +48,7 @@ SHARED_SCHEMES: tuple[str, ...] = (Scheme.BASE_LR_SHARED.value, Scheme.FULL_SHAR
 """Schemes the shared-cache forward (training term and validation) supports."""
 PRODUCER_MODES: tuple[str, ...] = ("random", "next")
 SPLIT_MODES: tuple[str, ...] = ("piece", "last_token")
+LAMBDA_MODES: tuple[str, ...] = ("weight", "sample")
 
 
 @dataclass
@@ -63,6 +64,9 @@ class TrainingConfig:
         warmup_ratio: share of the optimizer steps with linear warmup, in [0, 1).
         min_lr_ratio: cosine floor as a share of each group's peak lr, in [0, 1].
         lambda_shared: weight of the cache-sharing-aware term, in [0, 1].
+        lambda_mode: how λ mixes the terms (DESIGN §4, "with probability / weight λ"): ``weight``, every step
+            ``(1 - λ)·plain + λ·shared`` (two passes); ``sample``, one term per step, the shared one with probability
+            λ (the same loss in expectation at about one pass per step; a noisier gradient).
         shared_scheme: scheme of the shared term (``base_lr_shared`` or ``full_shared``).
         producer: how the producer role is drawn: ``random`` among the other roles, or ``next`` (role id + 1).
         shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece, as in the agent
@@ -78,6 +82,7 @@ class TrainingConfig:
     warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.0
     lambda_shared: float = 0.0
+    lambda_mode: str = "weight"
     shared_scheme: str = Scheme.BASE_LR_SHARED.value
     producer: str = "random"
     shared_split: str = "piece"
@@ -99,6 +104,8 @@ class TrainingConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if not 0 <= self.lambda_shared <= 1:
             raise ValueError(f"lambda_shared must be in [0, 1], got {self.lambda_shared!r}")
+        if self.lambda_mode not in LAMBDA_MODES:
+            raise ValueError(f"lambda_mode {self.lambda_mode!r} not supported: allowed {', '.join(LAMBDA_MODES)}")
         for scheme in (self.shared_scheme, *self.val_schemes):
             if Scheme.parse(scheme).value not in SHARED_SCHEMES:
                 raise ValueError(
@@ -223,6 +230,8 @@ class MultiLoraModule(LightningModule):
         warmup_ratio: share of the optimizer steps with linear warmup.
         min_lr_ratio: cosine floor as a share of the peak lr.
         lambda_shared: weight λ of the cache-sharing-aware term (0: plain multi-LoRA training).
+        lambda_mode: ``weight`` (both terms every step, weighted) or ``sample`` (one term per step, the shared one
+            with probability λ, drawn from the step number: the same draw on every rank and after a resume).
         shared_scheme: scheme of the shared term: ``base_lr_shared`` (needs shared A) or ``full_shared``.
         producer: ``random`` (among the other roles, seeded by the step) or ``next`` (role id + 1).
         shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece) or ``last_token``.
@@ -260,6 +269,7 @@ class MultiLoraModule(LightningModule):
         warmup_ratio: float = 0.05,
         min_lr_ratio: float = 0.0,
         lambda_shared: float = 0.0,
+        lambda_mode: str = "weight",
         shared_scheme: str = "base_lr_shared",
         producer: str = "random",
         shared_split: str = "piece",
@@ -295,6 +305,7 @@ class MultiLoraModule(LightningModule):
             warmup_ratio=warmup_ratio,
             min_lr_ratio=min_lr_ratio,
             lambda_shared=lambda_shared,
+            lambda_mode=lambda_mode,
             shared_scheme=shared_scheme,
             producer=producer,
             shared_split=shared_split,
@@ -431,12 +442,17 @@ class MultiLoraModule(LightningModule):
         )
 
     def compute_loss(self, batch: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
-        """``(1 - λ) · plain + λ · shared`` (terms with weight 0 are not computed).
+        """``(1 - λ) · plain + λ · shared`` (terms with weight 0 are not computed); with ``lambda_mode: sample``
+        one of the two per call, the shared one with probability λ (drawn from ``seed`` on the host: no device sync).
 
         Returns:
             ``loss`` and the terms that were computed (``plain``, ``shared``), all scalars.
         """
         lam = self.train_config.lambda_shared
+        if self.train_config.lambda_mode == "sample" and 0 < lam < 1:
+            # a stream apart from the producer draw's (same seed): the coin must not decide the producer
+            coin = torch.rand((), generator=torch.Generator().manual_seed(seed * 2 + 1)).item()
+            lam = 1.0 if coin < lam else 0.0
         out: dict[str, torch.Tensor] = {}
         loss = 0.0
         if lam < 1:

@@ -162,6 +162,33 @@ def test_shared_term_differs_across_roles_and_mixes_linearly(tmp_path: Path) -> 
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.lora_model.lora_parameters())
 
 
+def test_sample_mode_takes_one_term_per_step_the_shared_one_with_probability_lambda(tmp_path: Path) -> None:
+    """``lambda_mode: sample``: each step's loss is exactly the weighted mode's plain or shared term at that step
+    (only that one is computed), the shared one in a share λ of the steps (the same loss in expectation)."""
+    weighted = tiny_module(lambda_shared=0.25)
+    sampled = tiny_module(lambda_shared=0.25, lambda_mode="sample")
+    sampled.load_state_dict(weighted.state_dict())
+    dm = tiny_data(tmp_path)
+    batch = collate_examples([dm.train_set[i] for i in (0, 9, 17, 20)], pad_id=257)
+    n_shared, n_steps = 0, 24
+    with torch.no_grad():
+        for seed in range(n_steps):
+            both, one = weighted.compute_loss(batch, seed=seed), sampled.compute_loss(batch, seed=seed)
+            assert len(set(one) - {"loss"}) == 1  # one pass per step
+            term = "shared" if "shared" in one else "plain"
+            assert torch.allclose(one["loss"], both[term], atol=1e-6, rtol=0)
+            n_shared += term == "shared"
+    # 24 fair draws at λ = 0.25: 6 expected; [1, 12] holds with probability > 0.99 (and excludes 1 - λ's 18)
+    assert 1 <= n_shared <= 12, n_shared
+    draws = [  # the draw is a function of the step's seed: the same on every rank and after a resume
+        "shared" in sampled.compute_loss(batch, seed=s) for s in range(4)
+    ]
+    assert draws == ["shared" in sampled.compute_loss(batch, seed=s) for s in range(4)]
+    for lam in (0.0, 1.0):  # nothing to draw at the ends
+        m = tiny_module(lambda_shared=lam, lambda_mode="sample")
+        assert set(m.compute_loss(batch, seed=0)) == {"loss", "plain" if lam == 0 else "shared"}
+
+
 def test_producer_is_always_another_role() -> None:
     m = MultiLoraModule(model_name="tiny-llama")
     consumers = torch.tensor([0, 1, 2] * 50)
@@ -245,6 +272,7 @@ def test_every_config_parses(config: Path, monkeypatch: pytest.MonkeyPatch, tmp_
         (["--data.data_files.plan", "nope/plan.jsonl.gz"], "data file not found: nope/plan.jsonl.gz"),
         (["--model.targets", "[q_proj, w_proj]"], "targets ['w_proj'] not supported"),
         (["--model.lambda_shared", "1.5"], "lambda_shared must be in [0, 1], got 1.5"),
+        (["--model.lambda_mode", "probability"], "lambda_mode 'probability' not supported: allowed weight, sample"),
     ],
 )
 def test_bad_values_stop_before_training(override, message, monkeypatch, capsys, tmp_path) -> None:
