@@ -3,7 +3,7 @@
 # Writes under $OUT/lambda_cost/: probe_wide_attention.{json,log} (the shared pass's attention candidates, forward +
 # backward, against the plain pass's; the decomposed rows at realistic splits: per-query path with Q/K padded, with
 # cuDNN wide values, and two-piece), tests.log (the shared-pass GPU tests), bench_two_piece_{1,0}/bench_train.*
-# (bench train λ 0 / 0.5, checkpointing on and off; 1 = the two-piece attention (default), 0 = LRAGENT_TWO_PIECE=0:
+# (bench train λ 0 / 0.5 weighted and sampled (lambda_mode), checkpointing on and off; 1 = the two-piece attention (default), 0 = LRAGENT_TWO_PIECE=0:
 # one attention over [V_base | V_lr], cuDNN wide values). Byte tokens and random weights: no model file needed.
 # Usage (device, repo root): LRAGENT_COMMIT=<sha> bash scripts/gpu_lambda_cost.sh
 set -uo pipefail
@@ -21,7 +21,7 @@ tail -3 "$D/tests.log"
 for mode in 1 0; do
   t=$(date +%s)
   LRAGENT_TWO_PIECE=$mode "$PY" cli.py bench train --model llama-3.1-8b --data hotpotqa --seq_len 2048 \
-    --batch_size 4 --steps 4 --warmup_steps 2 --lambdas '[0, 0.5]' --checkpointing '[true, false]' \
+    --batch_size 4 --steps 8 --warmup_steps 2 --lambdas '[0, 0.5]' --lambda_modes '[weight, sample]' --checkpointing '[true, false]' \
     --pack_prefixes false --peft_baseline false --out "$D/bench_two_piece_$mode" > "$D/bench_two_piece_$mode.log" 2>&1
   echo "bench two_piece=$mode: exit $? in $(( $(date +%s) - t )) s"
   grep -E "^\|" "$D/bench_two_piece_$mode/bench_train.md" 2>/dev/null | head -12

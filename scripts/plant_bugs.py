@@ -54,6 +54,24 @@ BUGS = {
         "else out",
         "tests/test_two_piece_attention.py",
     ),
+    "lambda_mode sample: the shared term with probability 1 - λ": (
+        "lit_modules/multi_lora_module.py",
+        "            lam = 1.0 if coin < lam else 0.0",
+        "            lam = 1.0 if coin > lam else 0.0",
+        "tests/test_training.py -k sample_mode",
+    ),
+    "lambda_mode sample: ignored (both terms every step)": (
+        "lit_modules/multi_lora_module.py",
+        '        if self.train_config.lambda_mode == "sample" and 0 < lam < 1:',
+        "        if False:",
+        "tests/test_training.py -k sample_mode",
+    ),
+    "bench train: a sampled-λ step counted as two passes": (
+        "eval_suite/bench_train.py",
+        '    if lambda_mode == "sample":\n        return one\n',
+        "",
+        "tests/test_bench_train.py -k 'flop_count or runs_on_a_tiny'",
+    ),
     "converted-model cache: a finished copy removed under a reader by a later conversion": (
         "lragent/models.py",
         "        if _is_converted(target):\n            return\n        if target.exists():",

@@ -66,6 +66,7 @@ def test_flop_count_matches_a_hand_count_on_a_tiny_config() -> None:
     assert step_flops(shape, [5, 3], 4, lambda_shared=0.0) == 2827776
     assert step_flops(shape, [5, 3], 4, lambda_shared=0.5) == 2 * 2827776  # plain pass + shared-term pass
     assert step_flops(shape, [5, 3], 4, lambda_shared=1.0) == 2827776  # the plain term is not computed
+    assert step_flops(shape, [5, 3], 4, 0.5, lambda_mode="sample") == 2827776  # one term per step
 
 
 def test_flop_shape_is_the_real_models() -> None:
@@ -217,23 +218,29 @@ def test_bench_train_runs_on_a_tiny_model(tmp_path: Path) -> None:
     argv = [
         "bench", "train", "--model", "tiny-llama", "--model_overrides", json.dumps(TINY), "--data", str(data),
         "--seq_len", "96", "--batch_size", "4", "--steps", "1", "--warmup_steps", "0", "--lambdas", "[0, 0.5]",
-        "--checkpointing", "[true]", "--pack_prefixes", "false", "--precision", "32-true", "--out", str(out),
+        "--lambda_modes", "[weight, sample]", "--checkpointing", "[true]", "--pack_prefixes", "false",
+        "--precision", "32-true", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     result = json.loads((out / "bench_train.json").read_text())
-    rows = {(r["impl"], r["lambda"]): r for r in result["rows"]}
+    sampled = [r for r in result["rows"] if r["lambda_mode"] == "sample"]
+    assert [(r["impl"], r["lambda"]) for r in sampled] == [("lragent", 0.5)]  # λ 0 has nothing to sample
+    rows = {(r["impl"], r["lambda"]): r for r in result["rows"] if r["lambda_mode"] == "weight"}
     assert set(rows) == {("lragent", 0.0), ("lragent", 0.5), ("peft", 0.0)}
+    assert sampled[0]["model_flops"] == rows["lragent", 0.0]["model_flops"]  # one pass per step
     assert rows["lragent", 0.0]["tokens"] == rows["peft", 0.0]["tokens"] > 0  # the same batches
     assert rows["lragent", 0.5]["model_flops"] == 2 * rows["lragent", 0.0]["model_flops"]
     assert rows["lragent", 0.5]["vs_lambda0"] > 0 and rows["lragent", 0.0]["vs_peft"] > 0
     assert result["provenance"]["command"] and result["shape"]["n_layers"] == 2
-    assert "| lragent | 0.5 | on |" in (out / "bench_train.md").read_text()
+    md = (out / "bench_train.md").read_text()
+    assert "| lragent | 0.5 | on |" in md and "| lragent | 0.5 (sample) | on |" in md
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--lambdas", "[1.5]"], "lambdas must be values in [0, 1], got [1.5]"),
+        (["--lambda_modes", "[mixed]"], "lambda_modes must be among weight, sample, got ['mixed']"),
         (["--precision", "fp8"], "precision 'fp8' not supported: allowed bf16-mixed, 32-true, 32"),
         (["--data", "nowhere"], "data 'nowhere' is neither a directory nor a benchmark"),
     ],
