@@ -304,7 +304,7 @@ def test_fit_speed_reports_the_device_it_trained_on(tmp_path: Path, monkeypatch)
         device=torch.device("cuda", 0),
         lora_config=SimpleNamespace(rank=4, targets=("q_proj", "v_proj")),
         lora_model=SimpleNamespace(model=SimpleNamespace(config=config)),
-        train_config=SimpleNamespace(lambda_shared=0.0),
+        train_config=SimpleNamespace(lambda_shared=0.0, lambda_mode="weight"),
     )
     cb = bt.FitSpeed(str(tmp_path / "speed.json"), warmup=0)
     cb.on_fit_start(None, module)
