@@ -208,14 +208,34 @@ def _adapters(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "adapters" / "lragent_adapters.safetensors"))
 
 
-def test_ddp_and_fsdp_on_two_cpu_processes_train_as_one_process(tmp_path: Path) -> None:
-    """One process with accumulate_grad_batches 2 = two processes (gloo) at the same global batch: DDP from scratch,
-    FSDP resumed from the one-process epoch-0 checkpoint (the layouts are one). Adapters, validation losses (every
-    held-out example once: 3 validation batches over 2 ranks need a filler) and checkpoints agree."""
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The reference: one process with accumulate_grad_batches 2 (the two-process runs' global batch), 2 epochs.
+    Shared by the DDP and FSDP tests (each under a minute on two CPU cores; together they once took 77 s)."""
+    tmp_path = tmp_path_factory.mktemp("multi_cpu")
     files = write_roles(tmp_path)  # 24 training examples = 12 batches of 2 per epoch; 6 held out = 3 batches
-    one, fsdp = (_config(tmp_path, n, files) for n in ("one", "fsdp"))
-    _fit(one, "--trainer.accumulate_grad_batches", "2")
-    # FitSpeed under DDP: one file per rank, the job's rate on rank 0
+    _fit(_config(tmp_path, "one", files), "--trainer.accumulate_grad_batches", "2")
+    return tmp_path, files
+
+
+def _assert_same_adapters_as_one_process(tmp_path: Path, run: str) -> dict[str, torch.Tensor]:
+    """The export of a distributed run: the one-process run's files, keys, shapes and values."""
+    a, b = _adapters(tmp_path / "one"), _adapters(tmp_path / run)
+    assert max(float(a[k].abs().max()) for k in a) > 1e-3  # trained, not the B = 0 start
+    assert sorted(b) == sorted(a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
+    assert sorted(p.name for p in (tmp_path / run / "adapters").iterdir()) == sorted(
+        p.name for p in (tmp_path / "one" / "adapters").iterdir()
+    )
+    return a
+
+
+def test_ddp_on_two_cpu_processes_trains_as_one_process(one_process_run: tuple[Path, dict[str, str]]) -> None:
+    """Two processes (gloo, DDP from scratch) = one process at the same global batch: adapters and validation losses
+    (every held-out example once: 3 validation batches over 2 ranks need a filler); FitSpeed writes one file per rank
+    and the job's rate on rank 0."""
+    tmp_path, files = one_process_run
     speed = {"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{tmp_path}/fs.json"}}
     ddp = _config(tmp_path, "ddp", files, [speed])
     _fit(ddp, "--config", str(REPO / "configs" / "ddp.yaml"))
@@ -226,6 +246,17 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_as_one_process(tmp_path: Path) 
     assert per_rank[0]["tokens"] != per_rank[1]["tokens"]  # each rank timed its own batches
     assert fs["global_tokens"] == sum(r["tokens"] for r in per_rank)
     assert fs["global_tokens_per_s"] == pytest.approx(fs["global_tokens"] / max(r["seconds"] for r in fs["ranks"]))
+    ref = _val_losses(tmp_path / "one")
+    assert len(ref) == 2
+    assert _val_losses(tmp_path / "ddp") == pytest.approx(ref, abs=1e-5)
+    _assert_same_adapters_as_one_process(tmp_path, "ddp")
+
+
+def test_fsdp_on_two_cpu_processes_trains_as_one_process(one_process_run: tuple[Path, dict[str, str]]) -> None:
+    """FSDP on two processes, resumed from the one-process epoch-0 checkpoint (the layouts are one): validation
+    loss, adapters, the checkpoint (one-device layout, optimizer state) and its export agree with one process."""
+    tmp_path, files = one_process_run
+    fsdp = _config(tmp_path, "fsdp", files)
     fsdp_overlay = tmp_path / "fsdp_overlay.yaml"
     fsdp_overlay.write_text(
         yaml.safe_dump(
@@ -240,21 +271,9 @@ def test_ddp_and_fsdp_on_two_cpu_processes_train_as_one_process(tmp_path: Path) 
     )
     epoch0 = tmp_path / "one" / "checkpoints" / "epoch=0-step=6.ckpt"
     _fit(fsdp, "--config", str(fsdp_overlay), "--ckpt_path", str(epoch0))
-
     ref = _val_losses(tmp_path / "one")
-    assert len(ref) == 2
-    assert _val_losses(tmp_path / "ddp") == pytest.approx(ref, abs=1e-5)
     assert _val_losses(tmp_path / "fsdp") == pytest.approx(ref[1:], abs=1e-5)  # epoch 1, after the resume
-    a = _adapters(tmp_path / "one")
-    assert max(float(a[k].abs().max()) for k in a) > 1e-3  # trained, not the B = 0 start
-    for run in ("ddp", "fsdp"):  # the export of a distributed run: same files, keys, shapes and values
-        b = _adapters(tmp_path / run)
-        assert sorted(b) == sorted(a)
-        for k in a:
-            torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4)
-        assert sorted(p.name for p in (tmp_path / run / "adapters").iterdir()) == sorted(
-            p.name for p in (tmp_path / "one" / "adapters").iterdir()
-        )
+    a = _assert_same_adapters_as_one_process(tmp_path, "fsdp")
     # the FSDP checkpoint has the one-device layout: export reads it and gives the same adapters
     c1 = torch.load(tmp_path / "one" / "checkpoints" / "epoch=1-step=12.ckpt", weights_only=False)
     c2 = torch.load(tmp_path / "fsdp" / "checkpoints" / "epoch=1-step=12.ckpt", weights_only=False)

@@ -7,7 +7,6 @@ import csv
 import importlib.util
 import json
 import random
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -196,29 +195,43 @@ def test_pack_cuts_big_files_and_install_copies_the_stage2_sets(tmp_path: Path) 
 # ---------------------------------------------------------------------------------------------------- end to end
 
 
-def test_driver_runs_resumes_and_tabulates(tmp_path: Path) -> None:
+SWEEP_RUN = "hotpotqa_sharedA_lr0.02_qv_r4"
+
+
+@pytest.fixture(scope="module")
+def sweep_after_one_epoch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str], dict]:
+    """The driver's first launch (1 epoch) of one tiny run, shared by the two end-to-end tests below (each under a
+    minute on two CPU cores; as one test they took 60-69 s). Gives the root, the common arguments and the run's
+    summary after that epoch."""
+    tmp_path = tmp_path_factory.mktemp("sweep")
     configs, root = tiny_configs(tmp_path), tmp_path / "runs"
     common = ["--root", str(root), "--configs", str(configs), "--lrs", "2e-2", "--targets", "qv", "--ranks", "4",
               "--only", "lr0.02", "--budget", "300", "--min-launch", "10", "--poll", "0.5"]  # fmt: skip
     first = driver("run", "--stage", "1", "--max-epochs", "1", *common)
     assert first.returncode == 0, first.stdout + first.stderr
-    name = "hotpotqa_sharedA_lr0.02_qv_r4"
-    s1 = run_summary(root / name)
+    return root, common, run_summary(root / SWEEP_RUN)
+
+
+def test_driver_runs_a_job_and_does_not_relaunch_a_finished_one(sweep_after_one_epoch) -> None:
+    root, common, s1 = sweep_after_one_epoch
     assert (s1["status"], s1["stop_reason"], s1["epochs"]) == ("done", "max_epochs", 1)
-    assert (root / name / "adapters" / "lragent_adapters.safetensors").is_file()
+    assert (root / SWEEP_RUN / "adapters" / "lragent_adapters.safetensors").is_file()
     again = driver("run", "--stage", "1", "--max-epochs", "1", *common)  # finished: nothing to launch
     assert again.returncode == 0 and "launched" not in again.stdout
+    status = driver("status", "--root", str(root))
+    assert SWEEP_RUN in status.stdout and "done" in status.stdout
+
+
+def test_driver_resumes_a_run_to_a_higher_cap_and_tabulates(sweep_after_one_epoch) -> None:
+    root, common, s1 = sweep_after_one_epoch
     second = driver("run", "--stage", "1", "--max-epochs", "2", *common)  # a higher cap continues the run
     assert second.returncode == 0, second.stdout + second.stderr
-    assert "--ckpt_path" in (root / name / "fit.log").read_text()
-    s2 = run_summary(root / name)
+    assert "--ckpt_path" in (root / SWEEP_RUN / "fit.log").read_text()
+    s2 = run_summary(root / SWEEP_RUN)
     assert (s2["status"], s2["epochs"], s2["steps"]) == ("done", 2, 2 * s1["steps"])
-    assert len((root / name / "launches.jsonl").read_text().splitlines()) == 2
-    assert len(list((root / name / "csv").glob("version_*/metrics.csv"))) == 2  # one log per fit call
+    assert len((root / SWEEP_RUN / "launches.jsonl").read_text().splitlines()) == 2
+    assert len(list((root / SWEEP_RUN / "csv").glob("version_*/metrics.csv"))) == 2  # one log per fit call
     table = json.loads((root / "sweep_table.json").read_text())
     assert table["provenance"]["command"].startswith("sweep_embedded.py run --stage 1")
-    (row,) = [r for r in table["runs"] if r["name"] == name]
+    (row,) = [r for r in table["runs"] if r["name"] == SWEEP_RUN]
     assert row["best"] == s2["best"] and row["epochs"] == 2
-    status = driver("status", "--root", str(root))
-    assert name in status.stdout and "done" in status.stdout
-    shutil.rmtree(root)
