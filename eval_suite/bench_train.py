@@ -553,7 +553,7 @@ def train(
     """
     from datamodules.prefix_packing import pack_prefix_chains
     from datamodules.role_examples import RoleExampleDataModule, RoleExampleDataset
-    from lit_modules.multi_lora_module import MultiLoraModule
+    from lit_modules.multi_lora_module import LAMBDA_MODES, MultiLoraModule
     from lragent.models import NAMED_ARCHITECTURES, check_device
     from lragent.roles import DEFAULT_ROLES
 
@@ -564,8 +564,6 @@ def train(
         raise ValueError(f"lambdas must be values in [0, 1], got {lambdas}")
     if not checkpointing:
         raise ValueError("checkpointing: give at least one setting (true / false)")
-    from lit_modules.multi_lora_module import LAMBDA_MODES
-
     lambda_modes = ["weight"] if lambda_modes is None else list(lambda_modes)
     if not lambda_modes or any(m not in LAMBDA_MODES for m in lambda_modes):
         raise ValueError(f"lambda_modes must be among {', '.join(LAMBDA_MODES)}, got {lambda_modes}")

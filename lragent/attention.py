@@ -406,22 +406,24 @@ def two_piece_attention(
 
     if varlen is None and q.is_cuda and dt in _KERNEL_DTYPES and _torch_varlen() is not None:
         varlen = flash_varlen
-    n_c = 0 if layout.consumer_rows is None else layout.consumer_rows.numel()
-    if varlen is None or layout.consumer_rows is None or layout.length != t:
-        return _two_piece_dense(q, k, v_rows, lr, lora_b, scaling, layout, heads)
-    out = None
-    if hi > 0 and n_c < b * t:
+    p = None  # the producer's piece; hi == 0 only when every row is the consumer's
+    if hi > 0:
         v_prod = _role_values(v_rows[:, :hi], lr[:, :hi], lora_b, layout.producer, scaling)
-        out = _sdpa(q[:, :, :hi], k[:, :, :hi], heads(v_prod), None).transpose(1, 2)  # (B, hi, H_q, D)
+        p = _sdpa(q[:, :, :hi], k[:, :, :hi], heads(v_prod), None)  # (B, H_q, hi, D)
+    if varlen is None or layout.consumer_rows is None or layout.length != t:
+        return _two_piece_dense(q, k, v_rows, lr, lora_b, scaling, layout, heads, p)
+    out = None
+    if p is not None:
+        out = p.transpose(1, 2)  # (B, hi, H_q, D)
         if hi < t:
             out = F.pad(out, (0, 0, 0, 0, 0, t - hi))  # rows from hi on are all the consumer's
         out = out.reshape(b * t, h_q, d)
-    if n_c:
+    if layout.consumer_rows.numel():
         v_cons = _role_values(v_rows, lr, lora_b, layout.consumer, scaling).view(b * t, h_kv, d)
         k_rows = k.transpose(1, 2).reshape(b * t, h_kv, d)
         q_c = q.transpose(1, 2).reshape(b * t, h_q, d).index_select(0, layout.consumer_rows)  # (N_c, H_q, D)
         o_c = varlen(q_c, k_rows, v_cons, layout.cu_q, layout.cu_k, layout.max_q, t, d**-0.5)
-        out = o_c if out is None and n_c == b * t else out.index_copy(0, layout.consumer_rows, o_c.to(out.dtype))
+        out = o_c if out is None else out.index_copy(0, layout.consumer_rows, o_c.to(out.dtype))
     return out.view(b, t, h_q, d).transpose(1, 2)
 
 
@@ -434,15 +436,13 @@ def _two_piece_dense(
     scaling: float,
     layout: RoleSplit,
     heads: Callable[[torch.Tensor], torch.Tensor],
+    p: torch.Tensor | None,
 ) -> torch.Tensor:
-    """:func:`two_piece_attention` with the consumer rows as one dense bottom-right causal call over rows
-    ``[lo, T)`` (no variable-length kernel here)."""
+    """:func:`two_piece_attention`'s consumer rows as one dense bottom-right causal call over rows ``[lo, T)`` (no
+    variable-length kernel here), merged with the producer's piece ``p`` (``(B, H_q, hi, D)`` or None)."""
     t = q.shape[2]
     lo, hi = layout.lo, layout.hi
-    p = c = None
-    if hi > 0:
-        v_prod = _role_values(v_rows[:, :hi], lr[:, :hi], lora_b, layout.producer, scaling)
-        p = _sdpa(q[:, :, :hi], k[:, :, :hi], heads(v_prod), None)  # (B, H_q, hi, D)
+    c = None
     if lo < t:
         v_cons = _role_values(v_rows, lr, lora_b, layout.consumer, scaling)
         c = _sdpa(q[:, :, lo:], k, heads(v_cons), None)  # (B, H_q, T - lo, D), bottom-right causal

@@ -30,16 +30,10 @@ BUGS = {
         "c = F.scaled_dot_product_attention(q[:, :, lo:], k, heads(v_cons), is_causal=True, enable_gqa=True)",
         "tests/test_two_piece_attention.py",
     ),
-    "two-piece attention: the producer's values with the consumer's B (dense consumer path)": (
+    "two-piece attention: the producer's values with the consumer's B": (
         "lragent/attention.py",
         "layout.producer, scaling)\n        p = _sdpa(",
         "layout.consumer, scaling)\n        p = _sdpa(",
-        "tests/test_two_piece_attention.py",
-    ),
-    "two-piece attention: the producer's values with the consumer's B (packed consumer rows)": (
-        "lragent/attention.py",
-        "layout.producer, scaling)\n        out = _sdpa(",
-        "layout.consumer, scaling)\n        out = _sdpa(",
         "tests/test_two_piece_attention.py",
     ),
     "two-piece attention: packed consumer rows read the keys of the sequence before": (

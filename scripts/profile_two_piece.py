@@ -21,19 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from lragent.attention import RoleSplit, _role_values, _sdpa, two_piece_attention  # noqa: E402
 from lragent.provenance import provenance  # noqa: E402
-
-
-def timed(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+from scripts.probe_wide_attention import _timed as timed  # noqa: E402
 
 
 def main() -> None:
