@@ -260,7 +260,7 @@ def flash_lora_decode_reference(
 _PROGRAMS_PER_SM = 2  # grid: programs per SM when every row is at capacity (about the resident CTAs per SM)
 _MAX_SPLITS = 128
 # keys per split at least, in tiles: at batch 1 and a 2k cache, 4 tiles (9 splits) beat 1 tile (33 splits) by
-# 0.08 ms per 8B decode step on an H100 (scripts/sweep_decode_plan.py, results/engine_h100/decode_plan_sweep/)
+# 0.08 ms per 8B decode step on an H100 (scripts/sweep_decode_plan.py, results/engine_h100/decode_plan_2026-11-25/)
 _MIN_SPLIT_TILES = 4
 
 
@@ -505,7 +505,7 @@ if triton is not None:
 # --------------------------------------------------------------------------------------------------
 
 _PLANS: dict[tuple, _DecodePlan] = {}
-_PLAN_KNOBS = {"programs_per_sm": int, "min_split_tiles": int, "block_n": int, "num_warps": int, "num_stages": int}
+_PLAN_KNOBS = ("programs_per_sm", "min_split_tiles", "block_n", "num_warps", "num_stages")  # _plan's integer knobs
 
 
 def plan_overrides() -> dict[str, int]:
