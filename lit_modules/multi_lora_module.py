@@ -438,7 +438,13 @@ class MultiLoraModule(LightningModule):
             (``split < context_len``).
         """
         return self.lora_model.shared_sequence_forward(
-            batch["input_ids"], self.shared_split(batch), producers, batch["role_ids"], scheme, output_index
+            batch["input_ids"],
+            self.shared_split(batch),
+            producers,
+            batch["role_ids"],
+            scheme,
+            output_index,
+            batch.get("lengths"),
         )
 
     def compute_loss(self, batch: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:

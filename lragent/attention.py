@@ -9,23 +9,23 @@ below, which is also the kernel's test oracle at the model level.
 Queries are the last ``Lq`` of the ``L`` keys (causal, aligned bottom-right).
 
 ``two_piece_attention`` is the same quantity for the training step's shared pass (λ > 0) when each sequence is a
-producer's prefix and a consumer's suffix (:class:`RoleSplit`): two D-wide causal attentions over dense values
-``V_base + (V_lr B_role) s``, one per role, instead of one over ``[V_base | V_lr]`` (head width D + r).
+producer's prefix and a consumer's suffix (:class:`RoleSplit`): the plain D-wide causal attention over the
+producer's values ``V_base + (V_lr B_producer) s``, plus an r-wide correction of the consumer rows
+(:mod:`kernels.consumer_rows`), instead of one attention over ``[V_base | V_lr]`` (head width D + r).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels.consumer_rows import ConsumerRows, consumer_lr_backward, consumer_lr_forward, restore_rows
 
 log = logging.getLogger(__name__)
 
@@ -221,57 +221,10 @@ def decomposed_attention(
     return o_base + o_up * scaling
 
 
-TWO_PIECE_UNIT = 128
-""":class:`RoleSplit` rounds its row range ``[lo, hi)`` to multiples of this: few distinct attention shapes (cuDNN
-builds a graph per shape)."""
-
-
 def two_piece_enabled() -> bool:
     """The shared pass's two-piece attention (:func:`two_piece_attention`) is on; ``LRAGENT_TWO_PIECE=0`` gives the
     per-query path over ``[V_base | V_lr]`` instead (side-by-side timing)."""
     return os.environ.get("LRAGENT_TWO_PIECE", "1") != "0"
-
-
-VarlenFn = Callable[..., torch.Tensor]
-"""``fn(q, k, v, cu_q, cu_k, max_q, max_k, scale)`` -> ``(Nq, H_q, D)``: causal attention of each packed query
-segment over its key segment, the queries aligned with the segment's *last* keys (bottom-right)."""
-
-
-@functools.cache
-def _torch_varlen() -> Callable[..., torch.Tensor] | None:
-    """torch's variable-length FlashAttention (``torch.nn.attention.varlen.varlen_attn``) or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
-
-
-def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """:data:`VarlenFn` by torch's variable-length FlashAttention (CUDA, half precision; GQA natively)."""
-    fn = _torch_varlen()
-    if fn is None:
-        raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch")
-    # window (everything before, nothing after): FlashAttention aligns it bottom-right when queries < keys
-    return fn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
-
-
-def reference_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """:data:`VarlenFn` segment by segment with masked SDPA (any device): the oracle of :func:`flash_varlen`'s
-    packing in CPU tests."""
-    outs = []
-    group = q.shape[1] // k.shape[1]
-    for i in range(cu_q.numel() - 1):
-        qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        if qb == qa:
-            continue
-        qs = q[qa:qb].transpose(0, 1)[None]  # (1, H_q, Lq, D)
-        ks = k[ka:kb].transpose(0, 1).repeat_interleave(group, 0)[None]
-        vs = v[ka:kb].transpose(0, 1).repeat_interleave(group, 0)[None]
-        lq, lk = qb - qa, kb - ka
-        mask = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1))
-    return torch.cat(outs, 0)
 
 
 @dataclass(frozen=True)
@@ -282,27 +235,16 @@ class RoleSplit:
         producer: ``(B,)`` role of each sequence's first ``split[b]`` tokens.
         consumer: ``(B,)`` role of the remaining tokens.
         split: ``(B,)`` long, tokens of each sequence written by the producer.
-        lo: ``min(split)`` rounded down to a multiple of the unit (capped at ``T``): rows below are all producer's.
-        hi: ``max(split)`` rounded up to a multiple of the unit (capped at ``T``): rows from here on are all the
-            consumer's.
         length: tokens per sequence ``T``.
-        consumer_rows: ``(N_c,)`` long, flat positions ``b * T + t`` of the consumer rows (``t >= split[b]``),
-            sequence by sequence.
-        cu_q: ``(B + 1,)`` int32, where each sequence's consumer rows start in ``consumer_rows`` (and end).
-        cu_k: ``(B + 1,)`` int32, ``b * T``: each sequence's keys.
-        max_q: the most consumer rows of one sequence.
+        rows: the consumer rows that need their own values, ``split[b] <= t < ends[b]`` (packed sequence by
+            sequence; rows from ``ends[b]`` on are right padding: no real row reads them and none is scored).
     """
 
     producer: torch.Tensor
     consumer: torch.Tensor
     split: torch.Tensor
-    lo: int
-    hi: int
-    length: int = 0
-    consumer_rows: torch.Tensor | None = None
-    cu_q: torch.Tensor | None = None
-    cu_k: torch.Tensor | None = None
-    max_q: int = 0
+    length: int
+    rows: ConsumerRows
 
     @classmethod
     def make(
@@ -311,31 +253,41 @@ class RoleSplit:
         consumer: torch.Tensor,
         split: torch.Tensor,
         length: int,
-        unit: int | None = None,
+        ends: torch.Tensor | None = None,
     ) -> RoleSplit:
-        """The layout of sequences of ``length`` tokens; reads ``split`` on the host (one device-to-host sync:
-        once per forward, not per layer) and builds the consumer rows' packing once for every layer.
+        """The layout of sequences of ``length`` tokens; reads ``split`` (and ``ends``) on the host: one
+        device-to-host sync per forward, not per layer, and the packed rows are built once for every layer.
 
         Args:
             producer: ``(B,)`` producer roles.
             consumer: ``(B,)`` consumer roles.
             split: ``(B,)`` producer tokens per sequence (clamped to ``[0, length]``).
             length: tokens per sequence ``T``.
-            unit: rounding multiple of ``lo`` and ``hi`` (default :data:`TWO_PIECE_UNIT`).
+            ends: ``(B,)`` real tokens per sequence (the rest is padding); ``None``: ``length``.
         """
-        unit = TWO_PIECE_UNIT if unit is None else unit
         dev = producer.device
         split = split.to(device=dev, dtype=torch.long).clamp(0, length)
-        splits = split.tolist()
-        smin, smax = (min(splits), max(splits)) if splits else (length, length)
-        lo = min(smin // unit * unit, length)
-        hi = min(-(-smax // unit) * unit, length)
-        counts = [length - s for s in splits]
-        rows = [torch.arange(i * length + s, (i + 1) * length) for i, s in enumerate(splits)]
-        consumer_rows = torch.cat(rows).to(dev, non_blocking=True) if rows else torch.zeros(0, dtype=torch.long)
-        cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32).to(dev, non_blocking=True)
-        cu_k = (torch.arange(len(splits) + 1, dtype=torch.int32) * length).to(dev, non_blocking=True)
-        return cls(producer, consumer, split, lo, hi, length, consumer_rows, cu_q, cu_k, max(counts, default=0))
+        if ends is None:
+            starts, stops = split.tolist(), [length] * split.numel()
+        else:  # one transfer for both
+            starts, stops = torch.stack([split, ends.to(device=dev, dtype=torch.long).clamp(0, length)]).tolist()
+        counts = [max(0, e - s) for s, e in zip(starts, stops, strict=True)]
+        pos = [torch.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]
+        row_pos = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
+        row_seq = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+
+        def dev32(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int32).to(dev, non_blocking=True)
+
+        rows = ConsumerRows(
+            start=dev32(starts),
+            count=dev32(counts),
+            cu=dev32([0, *itertools.accumulate(counts)]),
+            row_seq=row_seq.to(dev, non_blocking=True),
+            row_pos=row_pos.to(dev, non_blocking=True),
+            max_count=max(counts, default=0),
+        )
+        return cls(producer, consumer, split, length, rows)
 
 
 def _role_values(
@@ -356,6 +308,93 @@ def _role_values(
     return torch.baddbmm(v_rows, v_lr, lora_b[roles].transpose(1, 2).to(v_lr.dtype), alpha=scaling)
 
 
+def _delta_b(lora_b: torch.Tensor, layout: RoleSplit, h_kv: int, scaling: float) -> torch.Tensor:
+    """``s · (B_consumer - B_producer)`` per sequence and KV head, ``(B, H_kv, r, D)`` float32 (float64 stays)."""
+    heads = lora_b_per_head(lora_b, h_kv)
+    dt = torch.float64 if lora_b.dtype == torch.float64 else torch.float32
+    return ((heads[layout.consumer] - heads[layout.producer]) * scaling).to(dt)
+
+
+class _GradRowsTap(torch.autograd.Function):
+    """Identity on the queries. Its backward adds the consumer correction's ``dq`` rows, which
+    :class:`_ConsumerCorrection`'s backward leaves in ``stash``, into the incoming gradient in place: the few rows
+    never become a full-size gradient to be summed with the attention's. The incoming gradient is the attention
+    backward's own ``dq`` (the tapped queries feed only the attention and the correction, which returns no ``dq``)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, stash: dict) -> torch.Tensor:  # type: ignore[override]
+        ctx.stash = stash
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        item = ctx.stash.pop("dq", None)
+        if item is not None:
+            rows, dq = item
+            grad.transpose(1, 2).index_put_((rows.row_seq, rows.row_pos), dq.to(grad.dtype), accumulate=True)
+        return grad, None
+
+
+class _ConsumerCorrection(torch.autograd.Function):
+    """``out[b, :, t] += (P_t V_lr) ΔB_b`` for the consumer rows, where ``out`` is the causal attention over the
+    producer's values ``V_prod`` (every row's softmax row ``P_t`` is the same whichever values it reads, so this
+    turns a consumer row's output into ``P_t (V_base + s V_lr B_consumer)``).
+
+    The update is written into ``out``'s storage without an autograd version bump, and the backward writes the
+    saved rows back before returning: the attention's backward then sees its own output (FlashAttention derives its
+    ``rowsum(dO ∘ O)`` from it), and the correction's share of every gradient is added here: through ``P``
+    (``dq``, ``dk``, ``dV_lr``: :func:`~kernels.consumer_rows.consumer_lr_backward`) and through ``ΔB`` (``+`` to
+    the consumer's B, ``-`` to the producer's).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v_lr: torch.Tensor,
+        lora_b: torch.Tensor,
+        scaling: float,
+        layout: RoleSplit,
+        stash: dict,
+        use_kernel: bool,
+    ) -> torch.Tensor:
+        with torch.autocast(q.device.type, enabled=False):
+            delta_b = _delta_b(lora_b.detach(), layout, k.shape[1], scaling)
+            lse, o_lr, saved = consumer_lr_forward(q, k, v_lr, delta_b, out, layout.rows, use_kernel)
+        ctx.save_for_backward(out, q, k, v_lr, lora_b, lse, o_lr, saved)
+        ctx.scaling, ctx.layout, ctx.stash, ctx.use_kernel = scaling, layout, stash, use_kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        out, q, k, v_lr, lora_b, lse, o_lr, saved = ctx.saved_tensors
+        layout, rows, s = ctx.layout, ctx.layout.rows, ctx.scaling
+        restore_rows(out, rows, saved)  # before the attention's backward reads its output
+        b, h_q, t, d = q.shape
+        h_kv, r, n = k.shape[1], v_lr.shape[-1], rows.n_rows
+        with torch.autocast(q.device.type, enabled=False):
+            delta_b = _delta_b(lora_b.detach(), layout, h_kv, s)[rows.row_seq]  # (N, H_kv, r, D)
+            d_out = grad.transpose(1, 2)[rows.row_seq, rows.row_pos].to(delta_b.dtype).view(n, h_kv, -1, d)
+            o_lr4 = o_lr.to(delta_b.dtype).view(n, h_kv, -1, r)
+            u = torch.einsum("nkgd,nkrd->nkgr", d_out, delta_b)  # dO ΔBᵀ: the r-wide gradient of O_lr
+            c = (u * o_lr4).sum(-1)  # rowsum(dO ∘ O_lr ΔB)
+            dq, dk, dlr = consumer_lr_backward(q, k, v_lr, rows, lse, u.reshape(n, h_q, r), c.reshape(n, h_q),
+                                               ctx.use_kernel)  # fmt: skip
+            if "tapped" in ctx.stash:
+                ctx.stash["dq"] = (rows, dq)
+            d_lora_b = None
+            if ctx.needs_input_grad[4]:
+                x = torch.einsum("nkgr,nkgd->nkrd", o_lr4, d_out) * s  # (N, H_kv, r, D)
+                per_seq = x.new_zeros(b, h_kv, r, d).index_add_(0, rows.row_seq, x)
+                per_role = x.new_zeros(lora_b.shape[0], h_kv, r, d)
+                per_role.index_add_(0, layout.consumer, per_seq).index_add_(0, layout.producer, -per_seq)
+                d_lora_b = per_role.transpose(-1, -2).reshape(lora_b.shape).to(lora_b.dtype)
+        dk = dk.to(k.dtype).transpose(1, 2)  # (B, H_kv, T, D), token-major underneath like k
+        return grad, None, dk, dlr.to(v_lr.dtype), d_lora_b, None, None, None, None
+
+
 def two_piece_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -364,17 +403,16 @@ def two_piece_attention(
     lora_b: torch.Tensor,
     scaling: float,
     layout: RoleSplit,
-    varlen: VarlenFn | None = None,
+    use_kernel: bool = True,
 ) -> torch.Tensor:
     """:func:`decomposed_attention` with per-query roles, for sequences that are a producer's prefix and a
     consumer's suffix (the shared pass; no padding mask, queries = keys).
 
-    Causality leaves two value tensors per sequence: producer rows ``t < split[b]`` see only keys ``< split[b]``,
-    all with the producer's values; consumer rows see keys ``<= t`` with the consumer's values. So ``P`` = causal
-    attention of rows ``[0, hi)`` over keys ``[0, hi)`` with the producer's values (the plain pass's D-wide
-    attention), and the consumer rows over all keys with the consumer's values: exactly those rows through
-    variable-length FlashAttention (``varlen``; on CUDA in half precision by default), else the rows ``[lo, T)``
-    as one bottom-right causal call. Consumer rows replace ``P``'s rows.
+    A row's softmax row ``P_t`` does not depend on the values it reads, so with ``V_prod = V_base + s V_lr
+    B_producer``: ``O_t = P_t V_prod`` for the producer's rows and ``O_t = P_t V_prod + (P_t V_lr) ΔB`` for the
+    consumer's, ``ΔB = s (B_consumer - B_producer)``. The first piece is the plain pass's D-wide causal attention
+    (same kernel, same cost); the second is an r-wide attention of the consumer rows only
+    (:mod:`kernels.consumer_rows`: Triton on CUDA in half precision, PyTorch elsewhere), added in place.
 
     Args:
         q: ``(B, H_q, T, D)`` queries (RoPE applied; float32 under autocast is cast as SDPA would).
@@ -384,73 +422,27 @@ def two_piece_attention(
         lora_b: ``(n_roles, H_kv·D, r)`` stacked up-projections of ``v_proj`` (PEFT layout).
         scaling: LoRA scaling.
         layout: the sequences' producer/consumer layout.
-        varlen: the variable-length attention for the consumer rows (:func:`reference_varlen` in CPU tests);
-            ``None``: :func:`flash_varlen` where it runs, else the dense ``[lo, T)`` call.
+        use_kernel: allow the Triton kernels for the consumer rows.
 
     Returns:
-        ``(B, H_q, T, D)`` in the compute dtype (:func:`compute_dtype` of ``q``), token-major underneath (the
-        output projection's reshape is a view).
+        ``(B, H_q, T, D)`` in the compute dtype (:func:`compute_dtype` of ``q``), token-major underneath where the
+        attention kernel makes it so (the output projection's reshape is then a view).
     """
     b, h_q, t, d = q.shape
     h_kv = k.shape[1]
-    if k.shape[2] != t:
-        raise ValueError(f"two-piece attention needs as many queries as keys, got {t} and {k.shape[2]}")
-    hi = layout.hi
+    if k.shape[2] != t or layout.length != t:
+        raise ValueError(f"two-piece attention needs as many queries as keys as the layout's length, got {t}, "
+                         f"{k.shape[2]} and {layout.length}")  # fmt: skip
     dt = compute_dtype(q)
     q, k = q.to(dt), k.to(dt)
     v_rows = v_base.transpose(1, 2).reshape(b, t, h_kv * d).to(dt)  # a view when V_base is token-major
     lr = v_lr.to(dt)
-
-    def heads(x: torch.Tensor) -> torch.Tensor:  # (B, L, H_kv·D) -> (B, H_kv, L, D), a view
-        return x.view(b, x.shape[1], h_kv, d).transpose(1, 2)
-
-    if varlen is None and q.is_cuda and dt in _KERNEL_DTYPES and _torch_varlen() is not None:
-        varlen = flash_varlen
-    p = None  # the producer's piece; hi == 0 only when every row is the consumer's
-    if hi > 0:
-        v_prod = _role_values(v_rows[:, :hi], lr[:, :hi], lora_b, layout.producer, scaling)
-        p = _sdpa(q[:, :, :hi], k[:, :, :hi], heads(v_prod), None)  # (B, H_q, hi, D)
-    if varlen is None or layout.consumer_rows is None or layout.length != t:
-        return _two_piece_dense(q, k, v_rows, lr, lora_b, scaling, layout, heads, p)
-    out = None
-    if p is not None:
-        out = p.transpose(1, 2)  # (B, hi, H_q, D)
-        if hi < t:
-            out = F.pad(out, (0, 0, 0, 0, 0, t - hi))  # rows from hi on are all the consumer's
-        out = out.reshape(b * t, h_q, d)
-    if layout.consumer_rows.numel():
-        v_cons = _role_values(v_rows, lr, lora_b, layout.consumer, scaling).view(b * t, h_kv, d)
-        k_rows = k.transpose(1, 2).reshape(b * t, h_kv, d)
-        q_c = q.transpose(1, 2).reshape(b * t, h_q, d).index_select(0, layout.consumer_rows)  # (N_c, H_q, D)
-        o_c = varlen(q_c, k_rows, v_cons, layout.cu_q, layout.cu_k, layout.max_q, t, d**-0.5)
-        out = o_c if out is None else out.index_copy(0, layout.consumer_rows, o_c.to(out.dtype))
-    return out.view(b, t, h_q, d).transpose(1, 2)
-
-
-def _two_piece_dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v_rows: torch.Tensor,
-    lr: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: float,
-    layout: RoleSplit,
-    heads: Callable[[torch.Tensor], torch.Tensor],
-    p: torch.Tensor | None,
-) -> torch.Tensor:
-    """:func:`two_piece_attention`'s consumer rows as one dense bottom-right causal call over rows ``[lo, T)`` (no
-    variable-length kernel here), merged with the producer's piece ``p`` (``(B, H_q, hi, D)`` or None)."""
-    t = q.shape[2]
-    lo, hi = layout.lo, layout.hi
-    c = None
-    if lo < t:
-        v_cons = _role_values(v_rows, lr, lora_b, layout.consumer, scaling)
-        c = _sdpa(q[:, :, lo:], k, heads(v_cons), None)  # (B, H_q, T - lo, D), bottom-right causal
-    if c is None:
-        return p
-    if p is None:
-        return c
-    rows = torch.arange(lo, hi, device=q.device)
-    producer_row = (rows[None, :] < layout.split[:, None])[:, None, :, None]  # (B, 1, hi - lo, 1)
-    mid = torch.where(producer_row, p[:, :, lo:], c[:, :, : hi - lo])
-    return torch.cat([p[:, :, :lo], mid, c[:, :, hi - lo :]], dim=2)
+    v_prod = _role_values(v_rows, lr, lora_b, layout.producer, scaling).view(b, t, h_kv, d).transpose(1, 2)
+    stash: dict = {}
+    if layout.rows.n_rows and torch.is_grad_enabled() and q.requires_grad:
+        q = _GradRowsTap.apply(q, stash)
+        stash["tapped"] = True
+    out = _sdpa(q, k, v_prod, None)  # (B, H_q, T, D): every row over the producer's values
+    if not layout.rows.n_rows:
+        return out
+    return _ConsumerCorrection.apply(out, q, k, lr, lora_b, scaling, layout, stash, use_kernel)

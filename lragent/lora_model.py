@@ -235,6 +235,7 @@ class MultiLoraModel(nn.Module):
         consumer_ids: torch.Tensor | list,
         scheme: str | Scheme = Scheme.BASE_LR_SHARED,
         output_index: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`shared_context_forward` in one pass over the unsplit sequences: the producer and the consumer
         batched token by token.
@@ -245,9 +246,9 @@ class MultiLoraModel(nn.Module):
         values its writer's adapter made; under ``base_lr_shared`` each query applies its own role's B to the
         shared V_lr. Here the sequences keep their right padding (no re-layout, no mask: causal attention over one
         length), and the producer and consumer projections run as one batch. Under ``base_lr_shared`` each layer's
-        attention runs in two D-wide pieces, the producer's and the consumer's values
-        (:func:`~lragent.attention.two_piece_attention`; ``LRAGENT_TWO_PIECE=0``: one attention over
-        ``[V_base | V_lr]`` with each query's B applied after); their row range costs one host sync per forward.
+        attention is the plain causal attention over the producer's values plus an r-wide correction of the consumer
+        rows (:func:`~lragent.attention.two_piece_attention`; ``LRAGENT_TWO_PIECE=0``: one attention over
+        ``[V_base | V_lr]`` with each query's B applied after); the consumer rows cost one host sync per forward.
 
         Args:
             input_ids: ``(B, T)`` right-padded sequences.
@@ -256,6 +257,8 @@ class MultiLoraModel(nn.Module):
             consumer_ids: ``(B,)`` role of the remaining tokens.
             scheme: ``base_lr_shared`` or ``full_shared``.
             output_index: ``(N,)`` flat positions ``b * T + t`` whose logits are wanted; ``None``: all.
+            lengths: ``(B,)`` real tokens per sequence (right padding after); ``None``: ``T``. Padding positions
+                (never read by a real one) then keep the producer's values in the two-piece attention.
 
         Returns:
             logits ``(B, T, vocab)``, or ``(N, vocab)`` with ``output_index``; the consumer's positions are those of
@@ -276,7 +279,7 @@ class MultiLoraModel(nn.Module):
         roles = torch.where(pos < split.to(dev)[:, None], producer[:, None], consumer[:, None])  # (B, T)
         role_split = None
         if layout.decomposed and two_piece_enabled():  # one host sync here, not one per layer
-            role_split = RoleSplit.make(producer, consumer, split, t)
+            role_split = RoleSplit.make(producer, consumer, split, t, lengths)
         cache = ModelCache(self.n_layers, decomposed=layout.decomposed, role_split=role_split)
         # use_kernel=False: the fused attention kernel has no backward, and this forward trains
         h = self.decoder.run_layers(self.decoder.embed(input_ids), pos, roles, cache, 0, use_kernel=False)

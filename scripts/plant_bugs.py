@@ -18,35 +18,65 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
-    "two-piece attention: rows in [lo, hi) from the producer's piece regardless of split": (
-        "lragent/attention.py",
-        "    mid = torch.where(producer_row, p[:, :, lo:], c[:, :, : hi - lo])",
-        "    mid = p[:, :, lo:]",
-        "tests/test_two_piece_attention.py",
-    ),
-    "two-piece attention: the consumer's piece causal from the top left": (
-        "lragent/attention.py",
-        "c = _sdpa(q[:, :, lo:], k, heads(v_cons), None)",
-        "c = F.scaled_dot_product_attention(q[:, :, lo:], k, heads(v_cons), is_causal=True, enable_gqa=True)",
-        "tests/test_two_piece_attention.py",
-    ),
     "two-piece attention: the producer's values with the consumer's B": (
         "lragent/attention.py",
-        "layout.producer, scaling)\n        p = _sdpa(",
-        "layout.consumer, scaling)\n        p = _sdpa(",
+        "v_prod = _role_values(v_rows, lr, lora_b, layout.producer, scaling)",
+        "v_prod = _role_values(v_rows, lr, lora_b, layout.consumer, scaling)",
         "tests/test_two_piece_attention.py",
     ),
-    "two-piece attention: packed consumer rows read the keys of the sequence before": (
+    "two-piece attention: ΔB with the producer and consumer swapped": (
         "lragent/attention.py",
-        "cu_k = (torch.arange(len(splits) + 1, dtype=torch.int32) * length)",
-        "cu_k = (torch.arange(len(splits) + 1, dtype=torch.int32) * length).roll(1)",
+        "return ((heads[layout.consumer] - heads[layout.producer]) * scaling).to(dt)",
+        "return ((heads[layout.producer] - heads[layout.consumer]) * scaling).to(dt)",
         "tests/test_two_piece_attention.py",
     ),
-    "two-piece attention: packed consumer rows not written over the producer's piece": (
+    "two-piece attention: the attention's output not restored before its backward": (
         "lragent/attention.py",
-        "else out.index_copy(0, layout.consumer_rows, o_c.to(out.dtype))",
-        "else out",
+        "        restore_rows(out, rows, saved)  # before",
+        "        pass  # before",
+        "tests/test_two_piece_attention.py -k 'own_output or (equals_the_per_query and float32)'",
+    ),
+    "two-piece attention: the correction's dq rows never added": (
+        "lragent/attention.py",
+        "            grad.transpose(1, 2).index_put_((rows.row_seq, rows.row_pos), dq.to(grad.dtype), accumulate=True)",
+        "            pass",
         "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: B's gradient from the correction given to the consumer only": (
+        "lragent/attention.py",
+        ".index_add_(0, layout.producer, -per_seq)",
+        "",
+        "tests/test_two_piece_attention.py",
+    ),
+    "two-piece attention: padding rows past the end corrected like consumer rows": (
+        "lragent/attention.py",
+        "            starts, stops = torch.stack([split, ends.to(device=dev, dtype=torch.long).clamp(0, length)]).tolist()",
+        "            starts, stops = split.tolist(), [length] * split.numel()",
+        "tests/test_two_piece_attention.py -k 'packed or padding'",
+    ),
+    "consumer-row kernel: a row's own key masked out": (
+        "kernels/consumer_rows.py",
+        'qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))',
+        'qk = tl.where(n[None, :] < pos[:, None] + (pos[:, None] == 0), qk, float("-inf"))',
+        "tests/test_two_piece_attention.py -k interpreter",
+    ),
+    "consumer-row kernel: dK skips the first row block that sees the tile": (
+        "kernels/consumer_rows.py",
+        "for m0 in range((first // BLOCK_M) * BLOCK_M, GROUP * count, BLOCK_M):",
+        "for m0 in range((first // BLOCK_M) * BLOCK_M + BLOCK_M, GROUP * count, BLOCK_M):",
+        "tests/test_two_piece_attention.py -k interpreter",
+    ),
+    "consumer-row kernel: ΔB of the next KV head": (
+        "kernels/consumer_rows.py",
+        "+ g.to(tl.int64) * stride_db_h",
+        "+ ((g + 1) % n_kv_heads).to(tl.int64) * stride_db_h",
+        "tests/test_two_piece_attention.py -k interpreter",
+    ),
+    "consumer-row kernel: dV_lr without the causal mask": (
+        "kernels/consumer_rows.py",
+        "p = tl.where((n[None, :] <= pos[:, None]) & row_ok[:, None], p, 0.0)",
+        "p = tl.where(row_ok[:, None], p, 0.0)",
+        "tests/test_two_piece_attention.py -k interpreter",
     ),
     "lambda_mode sample: the shared term with probability 1 - λ": (
         "lit_modules/multi_lora_module.py",
@@ -71,12 +101,6 @@ BUGS = {
         "        if _is_converted(target):\n            return\n        if target.exists():",
         "        if target.exists():",
         "tests/test_converted_cache.py",
-    ),
-    "two-piece attention: lo rounded up instead of down": (
-        "lragent/attention.py",
-        "        lo = min(smin // unit * unit, length)",
-        "        lo = min(-(-smin // unit) * unit, length)",
-        "tests/test_two_piece_attention.py",
     ),
     "decode: the MLP's residual dropped by the down projection's GEMM": (
         "lragent/decoder.py",

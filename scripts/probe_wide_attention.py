@@ -198,7 +198,7 @@ def main() -> None:
             row["vs_plain"] = round(row["fwd_bwd_ms"] / base, 3)
     result = {
         "shapes": {"batch": b, "heads": hq, "kv_heads": hkv, "seq": t, "dim": d, "rank": r, "dtype": "bfloat16"},
-        "split": {"per_row": split.tolist(), "lo": layout.lo, "hi": layout.hi},
+        "split": {"per_row": split.tolist(), "consumer_rows": layout.rows.n_rows},
         "rows": rows,
         "varlen_attn_signature": varlen_sig,
         "provenance": provenance(device="cuda", dtype=dt),

@@ -1,17 +1,25 @@
-"""The shared pass's two-piece attention (issue 19): a producer's prefix and a consumer's suffix per sequence attend
-as two D-wide causal attentions over dense per-role values, equal (values and gradients) to the per-query
-decomposed attention over ``[V_base | V_lr]``; and the shared-sequence forward gives the same logits and gradients
-with the path on and off (``LRAGENT_TWO_PIECE=0``)."""
+"""The shared pass's two-piece attention (issue 19): each sequence a producer's prefix and a consumer's suffix attends
+as the plain causal attention over the producer's values plus an r-wide correction of the consumer rows, equal
+(values and gradients) to the per-query decomposed attention over ``[V_base | V_lr]``; the consumer-row kernels
+(Triton, run here under ``TRITON_INTERPRET=1``) equal their PyTorch implementation; and the shared-sequence forward
+gives the same logits and gradients with the path on and off (``LRAGENT_TWO_PIECE=0``)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from lragent import attention, cache_views
+from lragent import cache_views
 from lragent.attention import RoleSplit, decomposed_attention, two_piece_attention
 
-T, UNIT = 40, 8  # a small rounding unit: [lo, hi) ranges inside T
+REPO = Path(__file__).resolve().parents[1]
+T = 40
 
 
 def inputs(dtype: torch.dtype, b: int = 4, t: int = T, h_q: int = 4, h_kv: int = 2, d: int = 8, r: int = 3, seed=0):
@@ -29,29 +37,32 @@ def inputs(dtype: torch.dtype, b: int = 4, t: int = T, h_q: int = 4, h_kv: int =
 SPLITS = {
     "mixed rows, one at T": [5, 17, 23, 40],
     "0-ish and T-ish": [0, 1, 39, 40],
-    "on the unit boundaries": [8, 16, 16, 24],
-    "straddling boundaries (lo 8, hi 24)": [9, 15, 17, 23],
     "all 0 (consumer only)": [0, 0, 0, 0],
     "all T (producer only)": [40, 40, 40, 40],
-    "one split, lo == hi": [16, 16, 16, 16],
+    "one split": [16, 16, 16, 16],
 }
 
 
-def both(x: dict, split: list[int], producer: list[int], consumer: list[int], t: int = T, varlen=None):
-    """(two-piece output, per-query output, their layout); ``varlen``: the consumer rows packed through this
-    variable-length attention (the CUDA path's packing), ``None``: the dense ``[lo, T)`` call."""
+def both(x: dict, split: list[int], producer: list[int], consumer: list[int], t: int = T, ends=None):
+    """(two-piece output, per-query output, layout)."""
     split_t, prod, cons = torch.tensor(split), torch.tensor(producer), torch.tensor(consumer)
-    layout = RoleSplit.make(prod, cons, split_t, t, unit=UNIT)
+    layout = RoleSplit.make(prod, cons, split_t, t, None if ends is None else torch.tensor(ends))
     roles = torch.where(torch.arange(t)[None, :] < split_t[:, None], prod[:, None], cons[:, None])  # (B, T)
-    ours = two_piece_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, layout, varlen=varlen)
+    ours = two_piece_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, layout)
     ref = decomposed_attention(x["q"], x["k"], x["v_base"], x["v_lr"], x["lora_b"], 0.7, roles, use_kernel=False)
     return ours, ref, layout
 
 
-def assert_same_with_grads(x: dict, ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+def assert_same_with_grads(x: dict, ours: torch.Tensor, ref: torch.Tensor, tol: float, real=None) -> None:
+    """Equal outputs and input gradients; ``real`` ``(B, T)`` bool: compare (and weight the loss on) those rows."""
     assert ours.shape == ref.shape
-    assert torch.allclose(ours, ref, atol=tol, rtol=0), (ours - ref).abs().max()
     g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=ref.dtype)
+    if real is not None:
+        g = g * real[:, None, :, None]
+        ours_v, ref_v = ours.transpose(1, 2)[real], ref.transpose(1, 2)[real]
+    else:
+        ours_v, ref_v = ours, ref
+    assert torch.allclose(ours_v, ref_v, atol=tol, rtol=0), (ours_v - ref_v).abs().max()
     names = list(x)
     got = torch.autograd.grad(ours, [x[n] for n in names], g)
     want = torch.autograd.grad(ref, [x[n] for n in names], g)
@@ -59,51 +70,108 @@ def assert_same_with_grads(x: dict, ours: torch.Tensor, ref: torch.Tensor, tol: 
         assert torch.allclose(a, w, atol=tol * 10, rtol=0), (n, (a - w).abs().max())
 
 
-CONSUMER_PATHS = {"dense [lo, T)": None, "packed rows (varlen)": attention.reference_varlen}
-
-
-@pytest.mark.parametrize("path", list(CONSUMER_PATHS))
 @pytest.mark.parametrize("split", list(SPLITS.values()), ids=list(SPLITS))
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_two_piece_equals_the_per_query_path(split: list[int], dtype: torch.dtype, path: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_two_piece_equals_the_per_query_path(split: list[int], dtype: torch.dtype) -> None:
     x = inputs(dtype)
-    ours, ref, _ = both(x, split, producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1], varlen=CONSUMER_PATHS[path])
+    ours, ref, _ = both(x, split, producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1])
     assert_same_with_grads(x, ours, ref, 1e-10 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_padding_rows_change_no_real_row(dtype: torch.dtype) -> None:
+    """With ``ends`` the rows past a sequence's end keep the producer's values (no correction): every real row and
+    every gradient of a loss over real rows is unchanged."""
+    x = inputs(dtype)
+    ends = [30, 40, 23, 12]
+    ours, ref, layout = both(x, [5, 17, 23, 40], producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1], ends=ends)
+    assert layout.rows.n_rows == 25 + 23 + 0 + 0
+    real = torch.arange(T)[None, :] < torch.tensor(ends)[:, None]
+    assert_same_with_grads(x, ours, ref, 1e-10 if dtype == torch.float64 else 1e-5, real=real)
+
+
+def test_producer_equal_to_consumer_adds_nothing() -> None:
+    x = inputs(torch.float64, t=37)
+    ours, ref, layout = both(x, [3, 37, 20, 30], producer=[1, 2, 0, 0], consumer=[1, 2, 0, 2], t=37)
+    assert layout.rows.n_rows == 34 + 0 + 17 + 7
+    assert_same_with_grads(x, ours, ref, 1e-10)
 
 
 def test_consumer_rows_are_packed_sequence_by_sequence() -> None:
     r = torch.zeros(3, dtype=torch.long)
-    layout = RoleSplit.make(r, r, torch.tensor([7, 10, 4]), 10, unit=UNIT)
-    assert layout.consumer_rows.tolist() == [7, 8, 9, 24, 25, 26, 27, 28, 29]  # b * T + t for t >= split[b]
-    assert layout.cu_q.tolist() == [0, 3, 3, 9] and layout.cu_k.tolist() == [0, 10, 20, 30]
-    assert layout.max_q == 6 and layout.cu_q.dtype == torch.int32
+    rows = RoleSplit.make(r, r, torch.tensor([7, 10, 4]), 10).rows
+    assert rows.row_pos.tolist() == [7, 8, 9, 4, 5, 6, 7, 8, 9] and rows.row_seq.tolist() == [0, 0, 0, 2, 2, 2, 2, 2, 2]
+    assert rows.cu.tolist() == [0, 3, 3, 9] and rows.start.tolist() == [7, 10, 4] and rows.count.tolist() == [3, 0, 6]
+    assert rows.max_count == 6 and rows.cu.dtype == rows.start.dtype == torch.int32
+    ended = RoleSplit.make(r, r, torch.tensor([7, 12, 4]), 10, torch.tensor([9, 10, 3])).rows  # split past T: T
+    assert ended.count.tolist() == [2, 0, 0] and ended.row_pos.tolist() == [7, 8] and ended.max_count == 2
 
 
-@pytest.mark.parametrize("path", list(CONSUMER_PATHS))
-def test_producer_equal_to_consumer_and_a_length_off_the_unit(path: str) -> None:
-    x = inputs(torch.float64, t=37)
-    ours, ref, layout = both(
-        x, [3, 37, 20, 30], producer=[1, 2, 0, 0], consumer=[1, 2, 0, 2], t=37, varlen=CONSUMER_PATHS[path]
+def test_attention_backward_sees_its_own_output(monkeypatch) -> None:
+    """The correction writes into the attention's output buffer; the backward must write the saved rows back before
+    the attention's backward reads that buffer (CPU FlashAttention derives rowsum(dO ∘ O) from it, as CUDA's does)."""
+    x = inputs(torch.float32)
+    ours, ref, _ = both(x, [5, 17, 23, 40], producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1])
+    assert_same_with_grads(x, ours, ref, 1e-5)
+    monkeypatch.setattr("lragent.attention.restore_rows", lambda *a: None)  # the bug this test pins
+    x = inputs(torch.float32)
+    ours, ref, _ = both(x, [5, 17, 23, 40], producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1])
+    with pytest.raises(AssertionError):
+        assert_same_with_grads(x, ours, ref, 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ Triton kernels
+_INTERPRET_SCRIPT = """
+import json, torch
+from lragent.attention import RoleSplit
+from kernels.consumer_rows import consumer_lr_forward, consumer_lr_backward
+res = []
+for (b, h_q, h_kv, t, d, r, split, ends) in CASES:
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(b, t, h_q, d, generator=g).half().transpose(1, 2)  # token-major underneath, as in the model
+    k = torch.randn(b, t, h_kv, d, generator=g).half().transpose(1, 2)
+    lr = torch.randn(b, t, r, generator=g).half()
+    db = torch.randn(b, h_kv, r, d, generator=g) * 0.5
+    out0 = torch.randn(b, t, h_q, d, generator=g).half().transpose(1, 2)
+    z = torch.zeros(b, dtype=torch.long)
+    rows = RoleSplit.make(z, z, torch.tensor(split), t, torch.tensor(ends)).rows
+    n = rows.n_rows
+    u = torch.randn(n, h_q, r, generator=g)
+    c = torch.randn(n, h_q, generator=g)
+    got, want = {}, {}
+    for use_kernel, store in ((True, got), (False, want)):
+        out = out0.clone()
+        lse, o_lr, saved = consumer_lr_forward(q, k, lr, db, out, rows, use_kernel=use_kernel)
+        dq, dk, dlr = consumer_lr_backward(q, k, lr, rows, lse.float(), u, c, use_kernel=use_kernel)
+        store.update(lse=lse, o_lr=o_lr, saved=saved, out=out, dq=dq, dk=dk, dlr=dlr)
+    res.append({name: [(got[name].float() - want[name].float()).abs().max().item() if n else 0.0,
+                       want[name].float().abs().max().item() if n else 0.0] for name in got})
+print(json.dumps(res))
+"""
+
+INTERPRET_CASES = [
+    # b, h_q, h_kv, t, d, r, split, ends: GQA 2 (32 rows of a block per 64), 2 row blocks, 2 key tiles, a sequence
+    # without consumer rows, one from position 0, rank 3 -> R_PAD 16
+    (3, 4, 2, 70, 16, 3, [20, 70, 0], [70, 70, 45]),
+    (2, 2, 2, 33, 32, 8, [31, 1], [33, 33]),
+    (1, 8, 2, 130, 16, 16, [60], [129]),
+]
+
+
+def test_consumer_row_kernels_under_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    script = f"CASES = {INTERPRET_CASES!r}\n" + _INTERPRET_SCRIPT
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
-    assert (layout.lo, layout.hi) == (0, 37)  # hi rounds up to 40, capped at T
-    assert_same_with_grads(x, ours, ref, 1e-10)
-
-
-def test_row_range_rounds_outward_to_the_unit() -> None:
-    r = torch.zeros(4, dtype=torch.long)
-
-    def lo_hi(split: list[int], t: int = T) -> tuple[int, int]:
-        layout = RoleSplit.make(r, r, torch.tensor(split), t, unit=UNIT)
-        return layout.lo, layout.hi
-
-    assert lo_hi([9, 15, 17, 23]) == (8, 24)
-    assert lo_hi([8, 16, 16, 24]) == (8, 24)
-    assert lo_hi([0, 0, 0, 0]) == (0, 0)
-    assert lo_hi([40, 40, 40, 40]) == (40, 40)
-    assert lo_hi([39, 39, 39, 39]) == (32, 40)
-    assert lo_hi([50, 60, 39, 45], t=41) == (32, 41)  # splits past T count as T
-    assert RoleSplit.make(r, r, torch.tensor([130, 300, 129, 256]), 512).lo == 128  # the default unit
-    assert RoleSplit.make(r, r, torch.tensor([130, 300, 129, 256]), 512).hi == 384
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(errors) == len(INTERPRET_CASES)
+    for case, err in zip(INTERPRET_CASES, errors, strict=True):
+        for name, (diff, scale) in err.items():
+            # fp16 inputs; the kernels round P to fp16 for the V_lr product (as FlashAttention does) and dS for dK
+            assert diff <= 2e-3 * max(scale, 1.0), (case, name, diff, scale)
+        assert err["saved"][0] == 0.0 and err["lse"][1] > 0  # the saved rows are copies; something was computed
 
 
 # ------------------------------------------------------------------------------------------------ whole model
@@ -117,27 +185,28 @@ def tiny_model(layers: int = 2):
     return m.lora_model
 
 
-def run_shared(model, checkpointing: bool, scheme: str = "base_lr_shared"):
+OUT_INDEX = torch.tensor([0, 8, 12, 30, 41, 55, 64, 79, 100, 135, 150, 159])  # producer and consumer rows
+
+
+def run_shared(model, checkpointing: bool, scheme: str = "base_lr_shared", lengths=None, index=OUT_INDEX):
     """Logits at some positions and the adapters' gradients of a loss over them."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 258, (4, T), generator=g)
-    split = torch.tensor([9, 15, 17, 23])  # lo 8, hi 24 at UNIT 8: all three row ranges
-    out_index = torch.tensor([0, 8, 12, 30, 41, 55, 64, 79, 100, 135, 150, 159])  # producer and consumer rows
+    split = torch.tensor([9, 15, 17, 23])
     model.decoder.gradient_checkpointing = checkpointing
     for p in model.lora_parameters():
         p.grad = None
-    logits = model.shared_sequence_forward(ids, split, [1, 2, 0, 2], [0, 0, 1, 1], scheme, out_index)
+    logits = model.shared_sequence_forward(ids, split, [1, 2, 0, 2], [0, 0, 1, 1], scheme, index, lengths)
     logits.square().mean().backward()
     return logits.detach(), [p.grad.clone() for p in model.lora_parameters()]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_shared_sequence_forward_two_piece_on_equals_off(monkeypatch, checkpointing: bool) -> None:
-    monkeypatch.setattr(attention, "TWO_PIECE_UNIT", UNIT)
     calls: list[RoleSplit] = []
 
     def counted(*args, **kwargs):
-        calls.append(args[-1])
+        calls.append(args[6])
         return two_piece_attention(*args, **kwargs)
 
     monkeypatch.setattr(cache_views, "two_piece_attention", counted)
@@ -149,11 +218,24 @@ def test_shared_sequence_forward_two_piece_on_equals_off(monkeypatch, checkpoint
     logits, grads = run_shared(model, checkpointing)
     # every layer (and its recomputation under checkpointing) attended in two pieces, one layout for the forward
     assert len(calls) == model.n_layers * (2 if checkpointing else 1)
-    assert all(c is calls[0] for c in calls) and (calls[0].lo, calls[0].hi) == (8, 24)
+    assert all(c is calls[0] for c in calls) and calls[0].rows.n_rows == 4 * T - (9 + 15 + 17 + 23)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0), (logits - ref_logits).abs().max()
     for a, w in zip(grads, ref_grads, strict=True):
         assert torch.allclose(a, w, atol=1e-5, rtol=1e-4), (a - w).abs().max()
     assert any(a.abs().max() > 0 for a in grads)
+
+
+def test_shared_sequence_forward_lengths_leave_real_rows_alone() -> None:
+    """``lengths`` drops the padding rows from the correction; logits and gradients of real rows do not move."""
+    model = tiny_model()
+    index = torch.tensor([0, 8, 12, 30, 41, 55, 64, 100, 135])  # all before each sequence's end below
+    lengths = torch.tensor([32, 40, 30, 20])
+    assert all(int(i) % T < int(lengths[int(i) // T]) for i in index)
+    ref_logits, ref_grads = run_shared(model, False, index=index)
+    logits, grads = run_shared(model, False, lengths=lengths, index=index)
+    assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
+    for a, w in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(a, w, atol=1e-5, rtol=1e-4), (a - w).abs().max()
 
 
 def test_full_shared_keeps_its_path(monkeypatch) -> None:
