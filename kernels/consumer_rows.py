@@ -40,7 +40,14 @@ except ImportError:  # pragma: no cover - platforms without Triton: the torch im
     triton = None
     tl = None
 
-__all__ = ["ConsumerRows", "consumer_lr_backward", "consumer_lr_forward", "kernels_usable", "restore_rows"]
+__all__ = [
+    "ConsumerRows",
+    "consumer_lr_backward",
+    "consumer_lr_forward",
+    "kernels_usable",
+    "read_rows",
+    "restore_rows",
+]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -59,6 +66,7 @@ class ConsumerRows:
         row_seq: ``(N,)`` long, each packed row's sequence.
         row_pos: ``(N,)`` long, each packed row's position.
         max_count: ``max(count)`` (host int: the launch grid).
+        max_end: ``max(start + count)``, the keys any row reads (host int: the key splits).
     """
 
     start: Tensor
@@ -67,6 +75,7 @@ class ConsumerRows:
     row_seq: Tensor
     row_pos: Tensor
     max_count: int
+    max_end: int = 0
 
     @property
     def n_rows(self) -> int:
@@ -157,13 +166,15 @@ def _torch_backward(q, k, v_lr, rows: ConsumerRows, lse, u, c, sm_scale: float) 
 # --------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------
+# A few rows over every key, like decoding: the forward and dQ split the key range over programs (fp32 partials, then
+# a merge), and dK/dV_lr run one program per key tile over the (few) row blocks that see it.
 
 if triton is not None:
 
     @triton.jit
     def _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
         """Block pid_m of sequence b's consumer rows for KV head g: row i = query head g*GROUP + i % GROUP at
-        consumer row i // GROUP. Returns (row_ok, head, packed row, position, count, start)."""
+        consumer row i // GROUP. Returns (row_ok, head, packed row, position, count)."""
         start = tl.load(START + b)
         count = tl.load(COUNT + b)
         base = tl.load(CU + b)
@@ -171,7 +182,7 @@ if triton is not None:
         row_ok = rows < GROUP * count
         head = g * GROUP + rows % GROUP
         i = tl.minimum(rows // GROUP, tl.maximum(count - 1, 0))
-        return row_ok, head, base + i, start + i, count, start
+        return row_ok, head, base + i, start + i, count
 
     @triton.jit
     def _load_q_rows(Q, b64, head, pos, row_ok, stride_qb, stride_qh, stride_ql, stride_qd, HEAD_DIM: tl.constexpr):
@@ -181,49 +192,50 @@ if triton is not None:
         return tl.load(ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
 
     @triton.jit
+    def _key_tile(K, LR, b64, g64, n, n_ok, stride_kb, stride_kh, stride_kl, stride_kd, stride_lrb, stride_lrl,
+                  stride_lrr, rank, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr):  # fmt: skip
+        """Keys (D, N) and low-rank values (N, R_PAD) of one tile; keys off the tile and columns past r are zeros."""
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_r = tl.arange(0, R_PAD)
+        k_ptrs = (
+            K + b64 * stride_kb + g64 * stride_kh + n[None, :].to(tl.int64) * stride_kl + offs_d[:, None] * stride_kd
+        )
+        kt = tl.load(k_ptrs, mask=n_ok[None, :], other=0.0)
+        lr_ptrs = LR + b64 * stride_lrb + n[:, None].to(tl.int64) * stride_lrl + offs_r[None, :] * stride_lrr
+        lr = tl.load(lr_ptrs, mask=n_ok[:, None] & (offs_r < rank)[None, :], other=0.0)
+        return kt, lr
+
+    @triton.jit
     def _consumer_fwd_kernel(
-        Q, K, LR, DB, START, COUNT, CU, OUT, O_SAVE, O_LR, LSE,
+        Q, K, LR, START, COUNT, CU, WS_M, WS_L, WS_ACC,
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_lrb, stride_lrl, stride_lrr,
-        stride_db_b, stride_db_h, stride_db_r, stride_db_d,
-        stride_ob, stride_oh, stride_ol, stride_od,
-        qk_scale, n_kv_heads, n_q_heads, rank,
+        qk_scale, n_kv_heads, n_q_heads, rank, split_len, n_row_heads,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """Grid (row blocks, B * H_kv): online softmax over keys [0, pos] with r-wide values V_lr; then
-        O[pos, head] += O_lr ΔB (ΔB of the sequence, fp32) in place, the old rows saved to O_SAVE."""
+        """Grid (row blocks, B * H_kv, splits): the online-softmax partials (m, l, P V_lr) of one key split with
+        r-wide values V_lr, causal (key <= row position), in the log2 domain. Empty splits write neutral partials."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        pid_s = tl.program_id(2)
         b = pid_bh // n_kv_heads
         g = pid_bh % n_kv_heads
-        row_ok, head, prow, pos, count, start = _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP, BLOCK_M)
+        row_ok, head, prow, pos, count = _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP, BLOCK_M)
         if pid_m * BLOCK_M < GROUP * count:
             b64 = b.to(tl.int64)
-            offs_d = tl.arange(0, HEAD_DIM)
-            offs_r = tl.arange(0, R_PAD)
-            offs_n = tl.arange(0, BLOCK_N)
-            r_ok = offs_r < rank
             q = _load_q_rows(Q, b64, head, pos, row_ok, stride_qb, stride_qh, stride_ql, stride_qd, HEAD_DIM)
-            k_base = K + b64 * stride_kb + g.to(tl.int64) * stride_kh
-            lr_base = LR + b64 * stride_lrb
-            hi = tl.max(tl.where(row_ok, pos, 0), 0) + 1
+            lo = pid_s * split_len
+            hi = tl.minimum(lo + split_len, tl.max(tl.where(row_ok, pos, 0), 0) + 1)
             m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
-            for n0 in range(0, hi, BLOCK_N):
-                n = n0 + offs_n
-                n_ok = n < hi
-                kt = tl.load(
-                    k_base + n[None, :] * stride_kl + offs_d[:, None] * stride_kd, mask=n_ok[None, :], other=0.0
-                )  # (D, N)
-                lr = tl.load(
-                    lr_base + n[:, None] * stride_lrl + offs_r[None, :] * stride_lrr,
-                    mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0,
-                )  # (N, R_PAD)
-                qk = tl.dot(q, kt) * qk_scale  # log2 domain
+            for n0 in range(lo, hi, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                kt, lr = _key_tile(K, LR, b64, g.to(tl.int64), n, n < hi, stride_kb, stride_kh, stride_kl,
+                                   stride_kd, stride_lrb, stride_lrl, stride_lrr, rank, HEAD_DIM, R_PAD)  # fmt: skip
+                qk = tl.dot(q, kt) * qk_scale
                 qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(qk, 1))
                 p = tl.math.exp2(qk - m_new[:, None])
@@ -231,39 +243,73 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(lr.dtype), lr)
                 m_i = m_new
-            o_lr = acc / l_i[:, None]
-            row64 = prow.to(tl.int64) * n_q_heads + head  # packed (row, head)
-            tl.store(LSE + row64, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+            ws = pid_s.to(tl.int64) * n_row_heads + prow.to(tl.int64) * n_q_heads + head
+            tl.store(WS_M + ws, m_i, mask=row_ok)
+            tl.store(WS_L + ws, l_i, mask=row_ok)
+            tl.store(WS_ACC + ws[:, None] * R_PAD + tl.arange(0, R_PAD)[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _consumer_merge_kernel(
+        DB, START, COUNT, CU, WS_M, WS_L, WS_ACC, OUT, O_SAVE, O_LR, LSE,
+        stride_db_b, stride_db_h, stride_db_r, stride_db_d,
+        stride_ob, stride_oh, stride_ol, stride_od,
+        n_kv_heads, n_q_heads, rank, n_splits, n_row_heads,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (row blocks, B * H_kv): merge the splits' partials into lse and O_lr, then O[pos, head] += O_lr ΔB
+        (ΔB of the sequence, fp32) in place, the old rows saved to O_SAVE."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // n_kv_heads
+        g = pid_bh % n_kv_heads
+        row_ok, head, prow, pos, count = _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP, BLOCK_M)
+        if pid_m * BLOCK_M < GROUP * count:
+            b64 = b.to(tl.int64)
+            offs_d = tl.arange(0, HEAD_DIM)
+            offs_r = tl.arange(0, R_PAD)
+            r_ok = offs_r < rank
+            row64 = prow.to(tl.int64) * n_q_heads + head
+            m_all = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+            for s in range(0, n_splits):
+                m_all = tl.maximum(m_all, tl.load(WS_M + s * n_row_heads + row64, mask=row_ok, other=-1.0e30))
+            l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
+            for s in range(0, n_splits):
+                ws = s * n_row_heads + row64
+                w = tl.math.exp2(tl.load(WS_M + ws, mask=row_ok, other=-1.0e30) - m_all)
+                l_all += w * tl.load(WS_L + ws, mask=row_ok, other=0.0)
+                part = tl.load(WS_ACC + ws[:, None] * R_PAD + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+                acc += w[:, None] * part
+            l_all = tl.where(row_ok, l_all, 1.0)
+            o_lr = acc / l_all[:, None]
+            tl.store(LSE + row64, (m_all + tl.math.log2(l_all)) * 0.6931471805599453, mask=row_ok)
             tl.store(O_LR + row64[:, None] * rank + offs_r[None, :], o_lr, mask=row_ok[:, None] & r_ok[None, :])
-            db = tl.load(
-                DB
-                + b64 * stride_db_b
-                + g.to(tl.int64) * stride_db_h
-                + offs_r[:, None] * stride_db_r
-                + offs_d[None, :] * stride_db_d,
-                mask=r_ok[:, None],
-                other=0.0,
-            )  # (R_PAD, D) fp32
-            delta = tl.dot(o_lr, db, input_precision="ieee")  # (M, D)
-            o_ptrs = (
-                OUT
-                + b64 * stride_ob
-                + head[:, None].to(tl.int64) * stride_oh
-                + pos[:, None].to(tl.int64) * stride_ol
-                + offs_d[None, :] * stride_od
-            )
+            db_ptrs = (DB + b64 * stride_db_b + g.to(tl.int64) * stride_db_h + offs_r[:, None] * stride_db_r
+                       + offs_d[None, :] * stride_db_d)  # fmt: skip
+            db = tl.load(db_ptrs, mask=r_ok[:, None], other=0.0)  # (R_PAD, D) fp32
+            delta = tl.dot(o_lr, db, input_precision="ieee")  # (M, D), once per block
+            o_ptrs = (OUT + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
+                      + pos[:, None].to(tl.int64) * stride_ol + offs_d[None, :] * stride_od)  # fmt: skip
             o_old = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
             tl.store(O_SAVE + row64[:, None] * HEAD_DIM + offs_d[None, :], o_old, mask=row_ok[:, None])
             tl.store(o_ptrs, (o_old.to(tl.float32) + delta).to(o_old.dtype), mask=row_ok[:, None])
 
     @triton.jit
     def _softmax_grad_tile(q, kt, lr, lse2, u, c, pos, row_ok, n, qk_scale):
-        """P and dS = P ∘ (u V_lrᵀ - c) of one (rows, keys) tile (fp32)."""
+        """P (fp32) and dS = P ∘ (u V_lrᵀ - c) of one (rows, keys) tile; u in V_lr's dtype."""
         qk = tl.dot(q, kt) * qk_scale
         p = tl.math.exp2(qk - lse2[:, None])
         p = tl.where((n[None, :] <= pos[:, None]) & row_ok[:, None], p, 0.0)
-        dp = tl.dot(u, tl.trans(lr.to(tl.float32)), input_precision="ieee")
+        dp = tl.dot(u, tl.trans(lr))
         return p, p * (dp - c[:, None])
+
+    @triton.jit
+    def _load_row_grads(LSE, U, C, row64, row_ok, R_PAD: tl.constexpr):
+        """lse (log2 domain), u (M, R_PAD) and c of the block's rows."""
+        lse2 = tl.load(LSE + row64, mask=row_ok, other=0.0) * 1.4426950408889634
+        u = tl.load(U + row64[:, None] * R_PAD + tl.arange(0, R_PAD)[None, :], mask=row_ok[:, None], other=0.0)
+        c = tl.load(C + row64, mask=row_ok, other=0.0)
+        return lse2, u, c
 
     @triton.jit
     def _consumer_dk_kernel(
@@ -290,78 +336,67 @@ if triton is not None:
         n0 = pid_n * BLOCK_N
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < seq_len
-        r_ok = offs_r < rank
-        k_base = K + b64 * stride_kb + g64 * stride_kh
-        kt = tl.load(k_base + n[None, :] * stride_kl + offs_d[:, None] * stride_kd, mask=n_ok[None, :], other=0.0)
-        lr = tl.load(
-            LR + b64 * stride_lrb + n[:, None] * stride_lrl + offs_r[None, :] * stride_lrr,
-            mask=n_ok[:, None] & r_ok[None, :],
-            other=0.0,
-        )  # (N, R_PAD)
+        kt, lr = _key_tile(K, LR, b64, g64, n, n_ok, stride_kb, stride_kh, stride_kl, stride_kd, stride_lrb,
+                           stride_lrl, stride_lrr, rank, HEAD_DIM, R_PAD)  # fmt: skip
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dlr = tl.zeros([BLOCK_N, R_PAD], dtype=tl.float32)
         first = tl.maximum(n0 - start, 0) * GROUP  # rows before this see none of the tile
         for m0 in range((first // BLOCK_M) * BLOCK_M, GROUP * count, BLOCK_M):
-            row_ok, head, prow, pos, _, _ = _rows_of_block(START, COUNT, CU, b, g, m0 // BLOCK_M, GROUP, BLOCK_M)
+            row_ok, head, prow, pos, _ = _rows_of_block(START, COUNT, CU, b, g, m0 // BLOCK_M, GROUP, BLOCK_M)
             q = _load_q_rows(Q, b64, head, pos, row_ok, stride_qb, stride_qh, stride_ql, stride_qd, HEAD_DIM)
-            row64 = prow.to(tl.int64) * n_q_heads + head
-            lse2 = tl.load(LSE + row64, mask=row_ok, other=0.0) * 1.4426950408889634
-            u = tl.load(U + row64[:, None] * R_PAD + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-            c = tl.load(C + row64, mask=row_ok, other=0.0)
+            lse2, u, c = _load_row_grads(LSE, U, C, prow.to(tl.int64) * n_q_heads + head, row_ok, R_PAD)
             p, ds = _softmax_grad_tile(q, kt, lr, lse2, u, c, pos, row_ok, n, qk_scale)
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            dlr += tl.dot(tl.trans(p), u, input_precision="ieee")
+            dlr += tl.dot(tl.trans(p.to(u.dtype)), u)
         dk_ptrs = DK + ((b64 * seq_len + n[:, None]) * n_kv_heads + g64) * HEAD_DIM + offs_d[None, :]
         tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok[:, None])
-        tl.store(
-            DLR + ((b64 * n_kv_heads + g64) * seq_len + n[:, None]) * R_PAD + offs_r[None, :], dlr, mask=n_ok[:, None]
-        )
+        dlr_ptrs = DLR + ((b64 * n_kv_heads + g64) * seq_len + n[:, None]) * R_PAD + offs_r[None, :]
+        tl.store(dlr_ptrs, dlr, mask=n_ok[:, None])
 
     @triton.jit
     def _consumer_dq_kernel(
-        Q, K, LR, START, COUNT, CU, LSE, U, C, DQ,
+        Q, K, LR, START, COUNT, CU, LSE, U, C, WS_DQ,
         stride_qb, stride_qh, stride_ql, stride_qd,
         stride_kb, stride_kh, stride_kl, stride_kd,
         stride_lrb, stride_lrl, stride_lrr,
-        qk_scale, sm_scale, n_kv_heads, n_q_heads, rank,
+        qk_scale, sm_scale, n_kv_heads, n_q_heads, rank, split_len, n_row_heads,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """Grid (row blocks, B * H_kv): dQ (N, H_q, D) of the packed rows, over keys [0, pos]."""
+        """Grid (row blocks, B * H_kv, splits): one key split's share of dQ (splits, N * H_q, D), fp32."""
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        pid_s = tl.program_id(2)
         b = pid_bh // n_kv_heads
         g = pid_bh % n_kv_heads
-        row_ok, head, prow, pos, count, start = _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP, BLOCK_M)
+        row_ok, head, prow, pos, count = _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP, BLOCK_M)
         if pid_m * BLOCK_M < GROUP * count:
             b64 = b.to(tl.int64)
-            offs_d = tl.arange(0, HEAD_DIM)
-            offs_r = tl.arange(0, R_PAD)
-            offs_n = tl.arange(0, BLOCK_N)
-            r_ok = offs_r < rank
             q = _load_q_rows(Q, b64, head, pos, row_ok, stride_qb, stride_qh, stride_ql, stride_qd, HEAD_DIM)
             row64 = prow.to(tl.int64) * n_q_heads + head
-            lse2 = tl.load(LSE + row64, mask=row_ok, other=0.0) * 1.4426950408889634
-            u = tl.load(U + row64[:, None] * R_PAD + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-            c = tl.load(C + row64, mask=row_ok, other=0.0)
-            k_base = K + b64 * stride_kb + g.to(tl.int64) * stride_kh
-            lr_base = LR + b64 * stride_lrb
-            hi = tl.max(tl.where(row_ok, pos, 0), 0) + 1
+            lse2, u, c = _load_row_grads(LSE, U, C, row64, row_ok, R_PAD)
+            lo = pid_s * split_len
+            hi = tl.minimum(lo + split_len, tl.max(tl.where(row_ok, pos, 0), 0) + 1)
             dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for n0 in range(0, hi, BLOCK_N):
-                n = n0 + offs_n
-                n_ok = n < hi
-                kt = tl.load(
-                    k_base + n[None, :] * stride_kl + offs_d[:, None] * stride_kd, mask=n_ok[None, :], other=0.0
-                )  # (D, N)
-                lr = tl.load(
-                    lr_base + n[:, None] * stride_lrl + offs_r[None, :] * stride_lrr,
-                    mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0,
-                )
+            for n0 in range(lo, hi, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                kt, lr = _key_tile(K, LR, b64, g.to(tl.int64), n, n < hi, stride_kb, stride_kh, stride_kl,
+                                   stride_kd, stride_lrb, stride_lrl, stride_lrr, rank, HEAD_DIM, R_PAD)  # fmt: skip
                 _, ds = _softmax_grad_tile(q, kt, lr, lse2, u, c, pos, row_ok, n, qk_scale)
                 dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
-            tl.store(DQ + row64[:, None] * HEAD_DIM + offs_d[None, :], dq * sm_scale, mask=row_ok[:, None])
+            ws = pid_s.to(tl.int64) * n_row_heads + row64
+            tl.store(WS_DQ + ws[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], dq * sm_scale,
+                     mask=row_ok[:, None])  # fmt: skip
+
+
+_SPLIT_LEN = 256  # keys per program in the forward and dQ (4 tiles): ~8 splits at 2k keys
+
+
+def _launch_shape(q: Tensor, k: Tensor, rows: ConsumerRows) -> tuple[int, int, int]:
+    """(row blocks, B * H_kv, key splits) of the split launches."""
+    b, h_q = q.shape[:2]
+    h_kv = k.shape[1]
+    return triton.cdiv((h_q // h_kv) * rows.max_count, _BLOCK_M), b * h_kv, triton.cdiv(rows.max_end, _SPLIT_LEN)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,7 +419,7 @@ def consumer_lr_forward(
         delta_b: ``(B, H_kv, r, D)`` float32 ``s · (B_consumer - B_producer)`` per sequence and KV head.
         out: ``(B, H_q, T, D)`` the attention output over the producer's values; its consumer rows are updated.
         rows: the consumer rows.
-        use_kernel: use the Triton kernel where it runs (:func:`kernels_usable`).
+        use_kernel: use the Triton kernels where they run (:func:`kernels_usable`).
 
     Returns:
         ``(lse, o_lr, saved)``: ``(N, H_q)`` float32 (natural log), ``(N, H_q, r)`` float32 and the overwritten rows
@@ -395,17 +430,27 @@ def consumer_lr_forward(
     n = rows.n_rows
     sm_scale = d**-0.5
     if use_kernel and kernels_usable(q):
-        lse = torch.empty(n, h_q, device=q.device, dtype=torch.float32)
-        o_lr = torch.empty(n, h_q, rank, device=q.device, dtype=torch.float32)
-        saved = torch.empty(n, h_q, d, device=q.device, dtype=out.dtype)
+        dev = q.device
+        lse = torch.empty(n, h_q, device=dev, dtype=torch.float32)
+        o_lr = torch.empty(n, h_q, rank, device=dev, dtype=torch.float32)
+        saved = torch.empty(n, h_q, d, device=dev, dtype=out.dtype)
         if n:
-            grid = (triton.cdiv((h_q // h_kv) * rows.max_count, _BLOCK_M), b * h_kv)
+            r_pad = _r_pad(rank)
+            grid = _launch_shape(q, k, rows)
+            ws_m = torch.empty(grid[2], n * h_q, device=dev, dtype=torch.float32)
+            ws_l = torch.empty_like(ws_m)
+            ws_acc = torch.empty(grid[2], n * h_q, r_pad, device=dev, dtype=torch.float32)
+            flags = {"GROUP": h_q // h_kv, "HEAD_DIM": d, "R_PAD": r_pad, "BLOCK_M": _BLOCK_M}
             _consumer_fwd_kernel[grid](
-                q, k, v_lr, delta_b, rows.start, rows.count, rows.cu, out, saved, o_lr, lse,
-                *q.stride(), *k.stride(), *v_lr.stride(), *delta_b.stride(), *out.stride(),
-                sm_scale * _LOG2E, h_kv, h_q, rank,
-                GROUP=h_q // h_kv, HEAD_DIM=d, R_PAD=_r_pad(rank), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-                num_warps=4, num_stages=2,
+                q, k, v_lr, rows.start, rows.count, rows.cu, ws_m, ws_l, ws_acc,
+                *q.stride(), *k.stride(), *v_lr.stride(),
+                sm_scale * _LOG2E, h_kv, h_q, rank, _SPLIT_LEN, n * h_q,
+                **flags, BLOCK_N=_BLOCK_N, num_warps=4, num_stages=2,
+            )  # fmt: skip
+            _consumer_merge_kernel[grid[:2]](
+                delta_b, rows.start, rows.count, rows.cu, ws_m, ws_l, ws_acc, out, saved, o_lr, lse,
+                *delta_b.stride(), *out.stride(), h_kv, h_q, rank, grid[2], n * h_q,
+                **flags, num_warps=4, num_stages=1,
             )  # fmt: skip
         return lse, o_lr, saved
     lse, o_lr = _torch_forward(q, k, v_lr, rows, sm_scale)
@@ -417,8 +462,14 @@ def consumer_lr_forward(
     return lse, o_lr, saved
 
 
+def read_rows(out: Tensor, rows: ConsumerRows) -> Tensor:
+    """The consumer rows of ``out`` ``(B, H_q, T, D)``, packed: ``(N, H_q, D)`` (a copy)."""
+    return out.data.transpose(1, 2)[rows.row_seq, rows.row_pos]
+
+
 def restore_rows(out: Tensor, rows: ConsumerRows, saved: Tensor) -> None:
-    """Write the saved rows back into ``out``'s storage (untracked), undoing :func:`consumer_lr_forward`'s update."""
+    """Write packed rows ``saved`` ``(N, H_q, D)`` into ``out``'s storage (untracked): undoes
+    :func:`consumer_lr_forward`'s update with its saved rows, or redoes it with the updated rows."""
     if rows.n_rows:
         out.data.transpose(1, 2)[rows.row_seq, rows.row_pos] = saved
 
@@ -450,25 +501,26 @@ def consumer_lr_backward(
     n = rows.n_rows
     sm_scale = d**-0.5
     if not (use_kernel and kernels_usable(q)):
-        dq, dk, dv_lr = _torch_backward(q, k, v_lr, rows, lse, u, c, sm_scale)
-        return dq, dk, dv_lr
+        return _torch_backward(q, k, v_lr, rows, lse, u, c, sm_scale)
+    dev = q.device
     r_pad = _r_pad(rank)
-    u_pad = torch.zeros(n, h_q, r_pad, device=q.device, dtype=torch.float32)
-    u_pad[..., :rank] = u
+    u_pad = torch.nn.functional.pad(u.to(v_lr.dtype), (0, r_pad - rank))  # the kernels' r-wide products in V_lr's dtype
     lse, c = lse.float().contiguous(), c.float().contiguous()
-    dq = torch.empty(n, h_q, d, device=q.device, dtype=torch.float32)
-    dk = torch.empty(b, t, h_kv, d, device=q.device, dtype=k.dtype)
-    dlr = torch.empty(b, h_kv, t, r_pad, device=q.device, dtype=torch.float32)
+    dk = torch.empty(b, t, h_kv, d, device=dev, dtype=k.dtype)
+    dlr = torch.empty(b, h_kv, t, r_pad, device=dev, dtype=torch.float32)
     flags = {"GROUP": h_q // h_kv, "HEAD_DIM": d, "R_PAD": r_pad, "BLOCK_M": _BLOCK_M, "BLOCK_N": _BLOCK_N}
     common = (*q.stride(), *k.stride(), *v_lr.stride())
     _consumer_dk_kernel[(triton.cdiv(t, _BLOCK_N), b * h_kv)](
         q, k, v_lr, rows.start, rows.count, rows.cu, lse, u_pad, c, dk, dlr, *common,
-        sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, t, **flags, num_warps=4, num_stages=2,
+        sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, t, **flags, num_warps=8, num_stages=1,
     )  # fmt: skip
+    dq = torch.zeros(n, h_q, d, device=dev, dtype=torch.float32)
     if n:
-        grid = (triton.cdiv((h_q // h_kv) * rows.max_count, _BLOCK_M), b * h_kv)
+        grid = _launch_shape(q, k, rows)
+        ws = torch.empty(grid[2], n * h_q, d, device=dev, dtype=torch.float32)
         _consumer_dq_kernel[grid](
-            q, k, v_lr, rows.start, rows.count, rows.cu, lse, u_pad, c, dq, *common,
-            sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, **flags, num_warps=4, num_stages=2,
+            q, k, v_lr, rows.start, rows.count, rows.cu, lse, u_pad, c, ws, *common,
+            sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, _SPLIT_LEN, n * h_q, **flags, num_warps=4, num_stages=2,
         )  # fmt: skip
+        dq = ws.sum(0).view(n, h_q, d)
     return dq, dk, dlr[..., :rank].sum(1)

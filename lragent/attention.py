@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.consumer_rows import ConsumerRows, consumer_lr_backward, consumer_lr_forward, restore_rows
+from kernels.consumer_rows import ConsumerRows, consumer_lr_backward, consumer_lr_forward, read_rows, restore_rows
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +286,7 @@ class RoleSplit:
             row_seq=row_seq.to(dev, non_blocking=True),
             row_pos=row_pos.to(dev, non_blocking=True),
             max_count=max(counts, default=0),
+            max_end=max((s + c for s, c in zip(starts, counts, strict=True) if c), default=0),
         )
         return cls(producer, consumer, split, length, rows)
 
@@ -315,24 +316,29 @@ def _delta_b(lora_b: torch.Tensor, layout: RoleSplit, h_kv: int, scaling: float)
     return ((heads[layout.consumer] - heads[layout.producer]) * scaling).to(dt)
 
 
-class _GradRowsTap(torch.autograd.Function):
-    """Identity on the queries. Its backward adds the consumer correction's ``dq`` rows, which
-    :class:`_ConsumerCorrection`'s backward leaves in ``stash``, into the incoming gradient in place: the few rows
-    never become a full-size gradient to be summed with the attention's. The incoming gradient is the attention
-    backward's own ``dq`` (the tapped queries feed only the attention and the correction, which returns no ``dq``)."""
+class _InputsTap(torch.autograd.Function):
+    """Identity on the plain piece's inputs (queries, keys, values). Its backward runs right after that attention's
+    backward and finishes :class:`_ConsumerCorrection`'s, from what it left in ``stash``: the correction's ``dq`` rows
+    go into the attention's ``dq`` in place (the few rows never become a full-size gradient to be summed), and the
+    corrected output rows go back into the output buffer, which the correction had restored for the attention's
+    backward (so the output a caller holds does not change under a backward). The incoming ``dq`` is the attention
+    backward's own (the tapped queries feed only the attention and the correction, which returns no ``dq``)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, stash: dict) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stash: dict):  # type: ignore[override]
         ctx.stash = stash
-        return q.view_as(q)
+        return q.view_as(q), k.view_as(k), v.view_as(v)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, gq, gk, gv):  # type: ignore[override]
+        redo = ctx.stash.pop("redo", None)
+        if redo is not None:
+            restore_rows(*redo)
         item = ctx.stash.pop("dq", None)
-        if item is not None:
+        if item is not None and gq is not None:
             rows, dq = item
-            grad.transpose(1, 2).index_put_((rows.row_seq, rows.row_pos), dq.to(grad.dtype), accumulate=True)
-        return grad, None
+            gq.transpose(1, 2).index_put_((rows.row_seq, rows.row_pos), dq.to(gq.dtype), accumulate=True)
+        return gq, gk, gv, None
 
 
 class _ConsumerCorrection(torch.autograd.Function):
@@ -340,11 +346,11 @@ class _ConsumerCorrection(torch.autograd.Function):
     producer's values ``V_prod`` (every row's softmax row ``P_t`` is the same whichever values it reads, so this
     turns a consumer row's output into ``P_t (V_base + s V_lr B_consumer)``).
 
-    The update is written into ``out``'s storage without an autograd version bump, and the backward writes the
-    saved rows back before returning: the attention's backward then sees its own output (FlashAttention derives its
-    ``rowsum(dO ∘ O)`` from it), and the correction's share of every gradient is added here: through ``P``
-    (``dq``, ``dk``, ``dV_lr``: :func:`~kernels.consumer_rows.consumer_lr_backward`) and through ``ΔB`` (``+`` to
-    the consumer's B, ``-`` to the producer's).
+    The update is written into ``out``'s storage without an autograd version bump. The backward writes the saved
+    rows back before the attention's backward reads its output (FlashAttention derives ``rowsum(dO ∘ O)`` from it;
+    :class:`_InputsTap` puts the corrected rows back after), and adds the correction's share of every gradient:
+    through ``P`` (``dq``, ``dk``, ``dV_lr``: :func:`~kernels.consumer_rows.consumer_lr_backward`) and through ``ΔB``
+    (``+`` to the consumer's B, ``-`` to the producer's).
     """
 
     @staticmethod
@@ -363,34 +369,37 @@ class _ConsumerCorrection(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             delta_b = _delta_b(lora_b.detach(), layout, k.shape[1], scaling)
             lse, o_lr, saved = consumer_lr_forward(q, k, v_lr, delta_b, out, layout.rows, use_kernel)
-        ctx.save_for_backward(out, q, k, v_lr, lora_b, lse, o_lr, saved)
+        ctx.save_for_backward(out, q, k, v_lr, delta_b, lse, o_lr, saved)
         ctx.scaling, ctx.layout, ctx.stash, ctx.use_kernel = scaling, layout, stash, use_kernel
+        ctx.lora_b_shape, ctx.lora_b_dtype = lora_b.shape, lora_b.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        out, q, k, v_lr, lora_b, lse, o_lr, saved = ctx.saved_tensors
-        layout, rows, s = ctx.layout, ctx.layout.rows, ctx.scaling
-        restore_rows(out, rows, saved)  # before the attention's backward reads its output
+        out, q, k, v_lr, delta_b, lse, o_lr, saved = ctx.saved_tensors
+        layout, rows, s, stash = ctx.layout, ctx.layout.rows, ctx.scaling, ctx.stash
+        if "tapped" in stash:  # the attention has a backward: it must see its own output
+            stash["redo"] = (out, rows, read_rows(out, rows))
+            restore_rows(out, rows, saved)
         b, h_q, t, d = q.shape
         h_kv, r, n = k.shape[1], v_lr.shape[-1], rows.n_rows
         with torch.autocast(q.device.type, enabled=False):
-            delta_b = _delta_b(lora_b.detach(), layout, h_kv, s)[rows.row_seq]  # (N, H_kv, r, D)
+            db_rows = delta_b[rows.row_seq]  # (N, H_kv, r, D)
             d_out = grad.transpose(1, 2)[rows.row_seq, rows.row_pos].to(delta_b.dtype).view(n, h_kv, -1, d)
             o_lr4 = o_lr.to(delta_b.dtype).view(n, h_kv, -1, r)
-            u = torch.einsum("nkgd,nkrd->nkgr", d_out, delta_b)  # dO ΔBᵀ: the r-wide gradient of O_lr
+            u = torch.einsum("nkgd,nkrd->nkgr", d_out, db_rows)  # dO ΔBᵀ: the r-wide gradient of O_lr
             c = (u * o_lr4).sum(-1)  # rowsum(dO ∘ O_lr ΔB)
             dq, dk, dlr = consumer_lr_backward(q, k, v_lr, rows, lse, u.reshape(n, h_q, r), c.reshape(n, h_q),
                                                ctx.use_kernel)  # fmt: skip
-            if "tapped" in ctx.stash:
-                ctx.stash["dq"] = (rows, dq)
+            if "tapped" in stash:
+                stash["dq"] = (rows, dq)
             d_lora_b = None
             if ctx.needs_input_grad[4]:
                 x = torch.einsum("nkgr,nkgd->nkrd", o_lr4, d_out) * s  # (N, H_kv, r, D)
                 per_seq = x.new_zeros(b, h_kv, r, d).index_add_(0, rows.row_seq, x)
-                per_role = x.new_zeros(lora_b.shape[0], h_kv, r, d)
+                per_role = x.new_zeros(ctx.lora_b_shape[0], h_kv, r, d)
                 per_role.index_add_(0, layout.consumer, per_seq).index_add_(0, layout.producer, -per_seq)
-                d_lora_b = per_role.transpose(-1, -2).reshape(lora_b.shape).to(lora_b.dtype)
+                d_lora_b = per_role.transpose(-1, -2).reshape(ctx.lora_b_shape).to(ctx.lora_b_dtype)
         dk = dk.to(k.dtype).transpose(1, 2)  # (B, H_kv, T, D), token-major underneath like k
         return grad, None, dk, dlr.to(v_lr.dtype), d_lora_b, None, None, None, None
 
@@ -439,8 +448,8 @@ def two_piece_attention(
     lr = v_lr.to(dt)
     v_prod = _role_values(v_rows, lr, lora_b, layout.producer, scaling).view(b, t, h_kv, d).transpose(1, 2)
     stash: dict = {}
-    if layout.rows.n_rows and torch.is_grad_enabled() and q.requires_grad:
-        q = _GradRowsTap.apply(q, stash)
+    if layout.rows.n_rows and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v_prod.requires_grad):
+        q, k, v_prod = _InputsTap.apply(q, k, v_prod, stash)
         stash["tapped"] = True
     out = _sdpa(q, k, v_prod, None)  # (B, H_q, T, D): every row over the producer's values
     if not layout.rows.n_rows:

@@ -3,6 +3,7 @@
 #   tests.log              the shared-pass GPU tests (two-piece values and gradients against float32, each SDPA
 #                          backend, kernels against their PyTorch implementation) and the training-recipe GPU tests
 #   profile_two_piece.*    the shared pass's attention forward + backward against the plain pass's (8B shapes)
+#   profile_train_step*    an 8-layer step's kernels: plain, shared, and the weighted λ 0.5 step (one backward)
 #   bench_two_piece_M/     bench train λ 0 / 0.5 (weighted and sampled: lambda_mode), checkpointing on and off, with
 #                          LRAGENT_TWO_PIECE=M for each M in $MODES (1: two-piece attention, the default; 0: one
 #                          attention over [V_base | V_lr] on cuDNN with wide values, the path before)
@@ -24,6 +25,10 @@ tail -3 "$D/tests.log"; echo "tests $(( $(date +%s) - t )) s"
 t=$(date +%s)
 "$PY" scripts/profile_two_piece.py --out "$D" > "$D/profile_two_piece.log" 2>&1
 head -8 "$D/profile_two_piece.log"; echo "profile $(( $(date +%s) - t )) s"
+t=$(date +%s)
+"$PY" scripts/profile_train_step.py --layers 8 --scored 32 --out "$D/profile_train_step_8layers_scored32.json" \
+  > "$D/profile_train_step.log" 2>&1
+grep -E "^== " "$D/profile_train_step.log"; echo "profile step $(( $(date +%s) - t )) s"
 if [ "${PROBE:-0}" = 1 ]; then
   "$PY" scripts/probe_wide_attention.py --out "$D/probe_wide_attention.json" > "$D/probe_wide_attention.log" 2>&1
   tail -13 "$D/probe_wide_attention.log"

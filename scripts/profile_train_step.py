@@ -50,18 +50,25 @@ def main() -> None:
     index = (torch.arange(b, device=dev)[:, None] * t + torch.arange(t - args.scored, t, device=dev)).flatten()
     targets = torch.randint(0, hf.config.vocab_size, (index.numel(),), generator=g).to(dev)
 
-    passes = {
-        "plain": lambda: lm(ids, roles, None, output_index=index),
-        "shared_base_lr": lambda: lm.shared_sequence_forward(ids, split, producers, roles, "base_lr_shared", index),
-        "shared_full": lambda: lm.shared_sequence_forward(ids, split, producers, roles, "full_shared", index),
+    def plain():
+        return [lm(ids, roles, None, output_index=index)]
+
+    def shared(scheme: str = "base_lr_shared"):
+        return [lm.shared_sequence_forward(ids, split, producers, roles, scheme, index)]
+
+    passes = {  # each returns the logits of its terms; the loss is their mean cross-entropy (λ 0.5 for two)
+        "plain": plain,
+        "shared_base_lr": shared,
+        "shared_full": lambda: shared("full_shared"),
+        "weighted_lambda_0.5": lambda: plain() + shared(),  # the λ 0.5 step: both passes, one backward
     }
     result: dict = {"args": vars(args), "passes": {}}
     for name, fwd in passes.items():
 
         def step(fwd=fwd) -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = fwd()
-            torch.nn.functional.cross_entropy(logits.float(), targets).backward()
+                terms = fwd()
+            sum(torch.nn.functional.cross_entropy(t.float(), targets) for t in terms).div(len(terms)).backward()
             for p in lm.lora_parameters():
                 p.grad = None
 

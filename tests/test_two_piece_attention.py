@@ -120,6 +120,16 @@ def test_attention_backward_sees_its_own_output(monkeypatch) -> None:
         assert_same_with_grads(x, ours, ref, 1e-5)
 
 
+def test_output_does_not_change_under_backward() -> None:
+    """The backward restores the attention's own rows in the shared buffer for that attention's backward, then puts
+    the corrected rows back: the output a caller holds is the same before and after ``backward()``."""
+    x = inputs(torch.float32)
+    ours, _, _ = both(x, [5, 17, 23, 40], producer=[1, 2, 0, 2], consumer=[0, 0, 1, 1])
+    before = ours.detach().clone()
+    ours.square().sum().backward()
+    assert torch.equal(ours.detach(), before)
+
+
 # ------------------------------------------------------------------------------------------------ Triton kernels
 _INTERPRET_SCRIPT = """
 import json, torch
@@ -155,6 +165,7 @@ INTERPRET_CASES = [
     (3, 4, 2, 70, 16, 3, [20, 70, 0], [70, 70, 45]),
     (2, 2, 2, 33, 32, 8, [31, 1], [33, 33]),
     (1, 8, 2, 130, 16, 16, [60], [129]),
+    (2, 4, 2, 600, 16, 8, [300, 590], [600, 598]),  # 3 key splits of 256, 10 row blocks
 ]
 
 
