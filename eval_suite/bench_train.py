@@ -521,6 +521,7 @@ def train(
     precision: str = "bf16-mixed",
     device: str = "auto",
     peak_tflops: float | None = None,
+    rounds: int = 1,
     out: str = "bench_out/train",
 ) -> int:
     """Training-step speed of lragent's multi-LoRA LightningModule vs a plain transformers + peft loop.
@@ -549,6 +550,9 @@ def train(
         precision: ``bf16-mixed`` (bfloat16 frozen base, float32 adapters, autocast) or ``32-true``.
         device: ``auto`` (CUDA when available), ``cuda`` or ``cpu``.
         peak_tflops: the device's peak TFLOP/s for MFU; ``None``: the dense bf16 peak of a known GPU.
+        rounds: times every lragent setting is measured, the settings taking turns round by round (a GPU's clock
+            drifting over the run then moves every setting alike); a row pools its rounds, and its step time over
+            λ = 0's is also given per round (each round's pair measured minutes apart at most).
         out: output directory.
     """
     from datamodules.prefix_packing import pack_prefix_chains
@@ -572,6 +576,8 @@ def train(
             f"steps >= 1, warmup_steps >= 0, batch_size >= 1, seq_len >= 2 needed, got {steps}, {warmup_steps}, "
             f"{batch_size}, {seq_len}"
         )
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} not supported: allowed {', '.join(PRECISIONS)}")
     if device == "auto":
@@ -625,20 +631,28 @@ def train(
             ]
             if dm_packed is not None and 0.0 in lambdas:
                 settings.append(("lragent", 0.0, True, "weight"))
-            for impl, lam, packed, mode in settings:
-                _reset_memory(dev)
-                row = {"impl": impl, "lambda": lam, "lambda_mode": mode, "checkpointing": ckpt, "packed": packed}
-                row.update(
-                    _measure(
-                        lambda lam=lam, packed=packed, ckpt=ckpt, mode=mode, module=module: time_lragent(
-                            module, dm_packed if packed else dm, lam, ckpt, steps, warmup_steps, precision, dev, root,
-                            mode,
-                        ),
-                        warmup_steps, shape, lam, peak, dev, mode,
-                    )
-                )  # fmt: skip
-                rows.append(row)
-                _print_row(row)
+            measured: list[list[dict[str, Any]]] = []
+            for rnd in range(rounds):
+                this_round = []
+                for impl, lam, packed, mode in settings:
+                    _reset_memory(dev)
+                    row = {"impl": impl, "lambda": lam, "lambda_mode": mode, "checkpointing": ckpt, "packed": packed}
+                    row.update(
+                        _measure(
+                            lambda lam=lam, packed=packed, ckpt=ckpt, mode=mode, module=module: time_lragent(
+                                module, dm_packed if packed else dm, lam, ckpt, steps, warmup_steps, precision, dev,
+                                root, mode,
+                            ),
+                            warmup_steps, shape, lam, peak, dev, mode,
+                        )
+                    )  # fmt: skip
+                    if rounds > 1:
+                        print(f"round {rnd + 1}/{rounds}: ", end="")
+                    _print_row(row)
+                    this_round.append(row)
+                _compare(this_round)
+                measured.append(this_round)
+            rows.extend(_pool_rounds(measured, peak))
     del module
     _reset_memory(dev)
     if peft_baseline:
@@ -671,6 +685,7 @@ def train(
         "seq_len": seq_len,
         "batch_size": batch_size,
         "steps": steps,
+        "rounds": rounds,
         "warmup_steps": warmup_steps,
         "precision": precision,
         "rank": rank,
@@ -711,6 +726,44 @@ def _measure(
     }
 
 
+def _max_or_none(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
+def _pool_rounds(measured: list[list[dict[str, Any]]], peak: float | None) -> list[dict[str, Any]]:
+    """One row per setting from its rounds (``measured[round][setting]``): steps, seconds, tokens and FLOPs summed,
+    peak memory the largest, and ``round_ms_per_step`` / ``round_vs_lambda0`` (each round's own λ = 0 pair)."""
+    if len(measured) == 1:
+        return measured[0]
+    pooled = []
+    for per_round in zip(*measured, strict=True):
+        first = per_round[0]
+        row = {k: first[k] for k in ("impl", "lambda", "lambda_mode", "checkpointing", "packed")}
+        row["rounds"] = len(per_round)
+        row["round_ms_per_step"] = [r["ms_per_step"] for r in per_round]
+        row["round_vs_lambda0"] = [r["vs_lambda0"] for r in per_round]
+        if any(r["oom"] for r in per_round):
+            pooled.append({**first, **row, "oom": True})
+            continue
+        seconds = sum(r["seconds"] for r in per_round)
+        flops = sum(r["model_flops"] for r in per_round)
+        steps = sum(r["steps"] for r in per_round)
+        tokens = sum(r["tokens"] for r in per_round)
+        row.update(
+            oom=False, steps=steps, seconds=seconds, ms_per_step=1e3 * seconds / max(1, steps), tokens=tokens,
+            padded_tokens=sum(r["padded_tokens"] for r in per_round), examples=sum(r["examples"] for r in per_round),
+            tokens_per_s=tokens / seconds if seconds else None, model_flops=flops,
+            tflops_per_s=flops / seconds / 1e12 if seconds else None,
+            mfu=flops / seconds / peak if seconds and peak else None,
+            step_seconds=[x for r in per_round for x in r["step_seconds"]],
+            peak_memory_gib=_max_or_none(r["peak_memory_gib"] for r in per_round),
+            peak_reserved_gib=_max_or_none(r["peak_reserved_gib"] for r in per_round),
+        )  # fmt: skip
+        pooled.append(row)
+    return pooled
+
+
 def _print_row(row: dict[str, Any]) -> None:
     if row["oom"]:
         print(f"{row['impl']} λ={row['lambda']} ckpt={row['checkpointing']}: out of memory", flush=True)
@@ -736,6 +789,14 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         r["vs_peft"] = r["tokens_per_s"] / peft["tokens_per_s"] if ok and peft and not peft["oom"] else None
 
 
+def _round_range(row: dict[str, Any]) -> str:
+    """`` (1.97–1.99 in 3 rounds)``: the per-round ratios' range, where a row has rounds."""
+    ratios = [x for x in row.get("round_vs_lambda0") or [] if x is not None]
+    if len(ratios) < 2:
+        return ""
+    return f" ({min(ratios):.3f}–{max(ratios):.3f} in {len(ratios)} rounds)"
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """The result as a Markdown report (table, FLOP count, provenance)."""
     prov = result["provenance"]
@@ -754,7 +815,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             f(r["tflops_per_s"], ".1f"),
             f(None if r["mfu"] is None else 100 * r["mfu"], ".1f"),
             f(r["peak_memory_gib"], ".1f"),
-            f(r["vs_lambda0"], ".2f"),
+            f(r["vs_lambda0"], ".3f") + _round_range(r),
             f(r["vs_peft"], ".2f"),
         ]
         for r in result["rows"]
@@ -768,7 +829,14 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"({result['tokenizer'] or 'the model'} tokenizer), examples cut to {result['seq_len']} tokens, batch "
         f"{result['batch_size']} sequences, LoRA r={result['rank']} alpha={result['alpha']:g} dropout "
         f"{result['dropout']:g} on {', '.join(result['targets'])}; {result['steps']} timed steps after "
-        f"{result['warmup_steps']} warm-up steps, the same batches for every row with the same packing. "
+        f"{result['warmup_steps']} warm-up steps"
+        + (
+            f" per round, {result['rounds']} rounds taking turns over the lragent settings (pooled; the ratio's "
+            "per-round range beside it)"
+            if result.get("rounds", 1) > 1
+            else ""
+        )
+        + ", the same batches for every row with the same packing. "
         f"MFU against {f(None if peak is None else peak / 1e12, '.1f')} TFLOP/s (dense bf16 peak).\n\n"
         + markdown_table(
             [

@@ -42,7 +42,9 @@ except ImportError:  # pragma: no cover - platforms without Triton: the torch im
 
 __all__ = [
     "ConsumerRows",
-    "consumer_lr_backward",
+    "ConsumerGrads",
+    "add_dq_rows",
+    "consumer_backward",
     "consumer_lr_forward",
     "kernels_usable",
     "read_rows",
@@ -206,6 +208,14 @@ if triton is not None:
         return kt, lr
 
     @triton.jit
+    def _load_delta_b(DB, b64, g, stride_db_b, stride_db_h, stride_db_r, stride_db_d, rank,
+                      HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr):  # fmt: skip
+        """ΔB of sequence b and KV head g, (R_PAD, D) fp32 (rows past r are zeros)."""
+        offs_r = tl.arange(0, R_PAD)
+        ptrs = DB + b64 * stride_db_b + g.to(tl.int64) * stride_db_h + offs_r[:, None] * stride_db_r
+        return tl.load(ptrs + tl.arange(0, HEAD_DIM)[None, :] * stride_db_d, mask=(offs_r < rank)[:, None], other=0.0)
+
+    @triton.jit
     def _consumer_fwd_kernel(
         Q, K, LR, START, COUNT, CU, WS_M, WS_L, WS_ACC,
         stride_qb, stride_qh, stride_ql, stride_qd,
@@ -284,9 +294,7 @@ if triton is not None:
             o_lr = acc / l_all[:, None]
             tl.store(LSE + row64, (m_all + tl.math.log2(l_all)) * 0.6931471805599453, mask=row_ok)
             tl.store(O_LR + row64[:, None] * rank + offs_r[None, :], o_lr, mask=row_ok[:, None] & r_ok[None, :])
-            db_ptrs = (DB + b64 * stride_db_b + g.to(tl.int64) * stride_db_h + offs_r[:, None] * stride_db_r
-                       + offs_d[None, :] * stride_db_d)  # fmt: skip
-            db = tl.load(db_ptrs, mask=r_ok[:, None], other=0.0)  # (R_PAD, D) fp32
+            db = _load_delta_b(DB, b64, g, stride_db_b, stride_db_h, stride_db_r, stride_db_d, rank, HEAD_DIM, R_PAD)
             delta = tl.dot(o_lr, db, input_precision="ieee")  # (M, D), once per block
             o_ptrs = (OUT + b64 * stride_ob + head[:, None].to(tl.int64) * stride_oh
                       + pos[:, None].to(tl.int64) * stride_ol + offs_d[None, :] * stride_od)  # fmt: skip
@@ -388,8 +396,68 @@ if triton is not None:
             tl.store(WS_DQ + ws[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], dq * sm_scale,
                      mask=row_ok[:, None])  # fmt: skip
 
+    @triton.jit
+    def _consumer_prep_kernel(
+        G, O_LR, DB, START, COUNT, CU, U, C, WS_X,
+        stride_gb, stride_gh, stride_gl, stride_gd,
+        stride_db_b, stride_db_h, stride_db_r, stride_db_d,
+        n_kv_heads, n_q_heads, rank, n_blocks,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (row blocks, B * H_kv): from the output gradient's rows dO: u = dO ΔBᵀ (r-wide, stored in U's
+        dtype), c = rowsum(u ∘ O_lr), and this block's share of O_lrᵀ dO (R_PAD, D) for ΔB's gradient (WS_X,
+        zeros for blocks without rows)."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // n_kv_heads
+        g = pid_bh % n_kv_heads
+        b64 = b.to(tl.int64)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_r = tl.arange(0, R_PAD)
+        r_ok = offs_r < rank
+        row_ok, head, prow, pos, count = _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP, BLOCK_M)
+        d_out = _load_q_rows(G, b64, head, pos, row_ok, stride_gb, stride_gh, stride_gl, stride_gd, HEAD_DIM)
+        d_out = d_out.to(tl.float32)
+        row64 = prow.to(tl.int64) * n_q_heads + head
+        o_lr = tl.load(O_LR + row64[:, None] * rank + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        db = _load_delta_b(DB, b64, g, stride_db_b, stride_db_h, stride_db_r, stride_db_d, rank, HEAD_DIM, R_PAD)
+        u = tl.dot(d_out, tl.trans(db), input_precision="ieee")  # (M, R_PAD)
+        c = tl.sum(u * o_lr, 1)
+        tl.store(U + row64[:, None] * R_PAD + offs_r[None, :], u.to(U.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(C + row64, c, mask=row_ok)
+        x = tl.dot(tl.trans(o_lr), d_out, input_precision="ieee")  # (R_PAD, D); rows off the block are zeros
+        ws = (pid_bh.to(tl.int64) * n_blocks + pid_m) * R_PAD
+        tl.store(WS_X + (ws + offs_r[:, None]) * HEAD_DIM + offs_d[None, :], x)
+
+    @triton.jit
+    def _add_dq_rows_kernel(
+        GQ, WS_DQ, START, COUNT, CU,
+        stride_gb, stride_gh, stride_gl, stride_gd,
+        n_kv_heads, n_q_heads, n_splits, n_row_heads,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (row blocks, B * H_kv): GQ[b, head, pos] += Σ_splits WS_DQ[split, row, head] in place (each
+        (row, head) belongs to one program: no atomics, no sort)."""
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // n_kv_heads
+        g = pid_bh % n_kv_heads
+        row_ok, head, prow, pos, count = _rows_of_block(START, COUNT, CU, b, g, pid_m, GROUP, BLOCK_M)
+        if pid_m * BLOCK_M < GROUP * count:
+            offs_d = tl.arange(0, HEAD_DIM)
+            row64 = prow.to(tl.int64) * n_q_heads + head
+            dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for s in range(0, n_splits):
+                ws = s * n_row_heads + row64
+                dq += tl.load(WS_DQ + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            ptrs = (GQ + b.to(tl.int64) * stride_gb + head[:, None].to(tl.int64) * stride_gh
+                    + pos[:, None].to(tl.int64) * stride_gl + offs_d[None, :] * stride_gd)  # fmt: skip
+            old = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+            tl.store(ptrs, (old.to(tl.float32) + dq).to(old.dtype), mask=row_ok[:, None])
+
 
 _SPLIT_LEN = 256  # keys per program in the forward and dQ (4 tiles): ~8 splits at 2k keys
+_BLOCK_N_DK = 128  # keys per program of dK / dV_lr
 
 
 def _launch_shape(q: Tensor, k: Tensor, rows: ConsumerRows) -> tuple[int, int, int]:
@@ -474,53 +542,112 @@ def restore_rows(out: Tensor, rows: ConsumerRows, saved: Tensor) -> None:
         out.data.transpose(1, 2)[rows.row_seq, rows.row_pos] = saved
 
 
-def consumer_lr_backward(
+@dataclass
+class ConsumerGrads:
+    """The correction's gradients (:func:`consumer_backward`).
+
+    Attributes:
+        dq_parts: ``(S, N * H_q, D)`` float32 per key split (summed: ``dQ`` of the packed rows); added into the
+            queries' gradient by :func:`add_dq_rows`.
+        dk: ``(B, T, H_kv, D)`` in k's dtype (float32/float64 from the PyTorch implementation).
+        dv_lr: ``(B, T, r)`` float32.
+        x: ``(B, H_kv, r, D)`` ``Σ_rows O_lrᵀ dO`` per sequence and KV head (times ``s``: ΔB's gradient).
+    """
+
+    dq_parts: Tensor
+    dk: Tensor
+    dv_lr: Tensor
+    x: Tensor
+
+
+def consumer_backward(
+    grad: Tensor,
     q: Tensor,
     k: Tensor,
     v_lr: Tensor,
+    delta_b: Tensor,
     rows: ConsumerRows,
     lse: Tensor,
-    u: Tensor,
-    c: Tensor,
+    o_lr: Tensor,
     use_kernel: bool = True,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the correction through ``P``: ``dS = P ∘ (u V_lrᵀ - c)`` per consumer row and key.
+) -> ConsumerGrads:
+    """Gradients of the correction ``O_lr ΔB`` of the consumer rows, from the output gradient ``grad``.
+
+    With ``u = dO ΔBᵀ`` and ``c = rowsum(u ∘ O_lr)`` per row (r-wide), ``dS = P ∘ (u V_lrᵀ - c)`` gives ``dq``,
+    ``dk`` and ``dV_lr = Pᵀ u``; ``ΔB`` gets ``O_lrᵀ dO``.
 
     Args:
-        q, k, v_lr, rows: as in :func:`consumer_lr_forward`.
-        lse: ``(N, H_q)`` from the forward.
-        u: ``(N, H_q, r)`` ``dO ΔBᵀ`` per row.
-        c: ``(N, H_q)`` ``rowsum(dO ∘ O_lr ΔB)`` per row.
-
-    Returns:
-        ``(dq, dk, dv_lr)``: ``(N, H_q, D)`` float32 (packed rows), ``(B, T, H_kv, D)`` in k's dtype (float32 or
-        float64 from the PyTorch implementation) and ``(B, T, r)`` float32.
+        grad: ``(B, H_q, T, D)`` gradient of the output (any strides).
+        q, k, v_lr, delta_b, rows: as in :func:`consumer_lr_forward`.
+        lse: ``(N, H_q)`` and ``o_lr`` ``(N, H_q, r)`` from :func:`consumer_lr_forward`.
+        use_kernel: use the Triton kernels where they run.
     """
     b, h_q, t, d = q.shape
     h_kv, rank = k.shape[1], v_lr.shape[-1]
     n = rows.n_rows
     sm_scale = d**-0.5
     if not (use_kernel and kernels_usable(q)):
-        return _torch_backward(q, k, v_lr, rows, lse, u, c, sm_scale)
+        db_rows = delta_b[rows.row_seq]  # (N, H_kv, r, D)
+        d_out = grad.transpose(1, 2)[rows.row_seq, rows.row_pos].to(delta_b.dtype).view(n, h_kv, -1, d)
+        o_lr4 = o_lr.to(delta_b.dtype).view(n, h_kv, -1, rank)
+        u = torch.einsum("nkgd,nkrd->nkgr", d_out, db_rows)
+        c = (u * o_lr4).sum(-1)
+        dq, dk, dv_lr = _torch_backward(q, k, v_lr, rows, lse, u.reshape(n, h_q, rank), c.reshape(n, h_q), sm_scale)
+        x_rows = torch.einsum("nkgr,nkgd->nkrd", o_lr4, d_out)
+        x = x_rows.new_zeros(b, h_kv, rank, d).index_add_(0, rows.row_seq, x_rows)
+        return ConsumerGrads(dq.reshape(1, n * h_q, d), dk, dv_lr, x)
     dev = q.device
     r_pad = _r_pad(rank)
-    u_pad = torch.nn.functional.pad(u.to(v_lr.dtype), (0, r_pad - rank))  # the kernels' r-wide products in V_lr's dtype
-    lse, c = lse.float().contiguous(), c.float().contiguous()
+    blocks, bh, splits = _launch_shape(q, k, rows)
+    flags = {"GROUP": h_q // h_kv, "HEAD_DIM": d, "R_PAD": r_pad, "BLOCK_M": _BLOCK_M}
+    u = torch.empty(n, h_q, r_pad, device=dev, dtype=v_lr.dtype)  # the r-wide products run in V_lr's dtype
+    c = torch.empty(n, h_q, device=dev, dtype=torch.float32)
+    ws_x = torch.empty(bh, max(blocks, 1), r_pad, d, device=dev, dtype=torch.float32)
+    if n:
+        _consumer_prep_kernel[(blocks, bh)](
+            grad, o_lr, delta_b, rows.start, rows.count, rows.cu, u, c, ws_x, *grad.stride(), *delta_b.stride(),
+            h_kv, h_q, rank, blocks, **flags, num_warps=4, num_stages=1,
+        )  # fmt: skip
+    else:
+        ws_x.zero_()
+    x = ws_x.sum(1)[:, :rank].view(b, h_kv, rank, d)
+    lse = lse.float().contiguous()
     dk = torch.empty(b, t, h_kv, d, device=dev, dtype=k.dtype)
     dlr = torch.empty(b, h_kv, t, r_pad, device=dev, dtype=torch.float32)
-    flags = {"GROUP": h_q // h_kv, "HEAD_DIM": d, "R_PAD": r_pad, "BLOCK_M": _BLOCK_M, "BLOCK_N": _BLOCK_N}
     common = (*q.stride(), *k.stride(), *v_lr.stride())
-    _consumer_dk_kernel[(triton.cdiv(t, _BLOCK_N), b * h_kv)](
-        q, k, v_lr, rows.start, rows.count, rows.cu, lse, u_pad, c, dk, dlr, *common,
-        sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, t, **flags, num_warps=8, num_stages=1,
+    _consumer_dk_kernel[(triton.cdiv(t, _BLOCK_N_DK), bh)](
+        q, k, v_lr, rows.start, rows.count, rows.cu, lse, u, c, dk, dlr, *common,
+        sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, t, **flags, BLOCK_N=_BLOCK_N_DK, num_warps=8, num_stages=2,
     )  # fmt: skip
-    dq = torch.zeros(n, h_q, d, device=dev, dtype=torch.float32)
+    ws_dq = torch.empty(max(splits, 1), n * h_q, d, device=dev, dtype=torch.float32)
     if n:
-        grid = _launch_shape(q, k, rows)
-        ws = torch.empty(grid[2], n * h_q, d, device=dev, dtype=torch.float32)
-        _consumer_dq_kernel[grid](
-            q, k, v_lr, rows.start, rows.count, rows.cu, lse, u_pad, c, ws, *common,
-            sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, _SPLIT_LEN, n * h_q, **flags, num_warps=4, num_stages=2,
+        _consumer_dq_kernel[(blocks, bh, splits)](
+            q, k, v_lr, rows.start, rows.count, rows.cu, lse, u, c, ws_dq, *common,
+            sm_scale * _LOG2E, sm_scale, h_kv, h_q, rank, _SPLIT_LEN, n * h_q, **flags, BLOCK_N=_BLOCK_N,
+            num_warps=4, num_stages=2,
         )  # fmt: skip
-        dq = ws.sum(0).view(n, h_q, d)
-    return dq, dk, dlr[..., :rank].sum(1)
+    return ConsumerGrads(ws_dq, dk, dlr[..., :rank].sum(1), x)
+
+
+def add_dq_rows(gq: Tensor, rows: ConsumerRows, dq_parts: Tensor, h_kv: int, use_kernel: bool = True) -> None:
+    """``gq[b, :, pos] += Σ dq_parts`` for the packed rows, in place.
+
+    Args:
+        gq: ``(B, H_q, T, D)`` the queries' gradient (any strides).
+        rows: the consumer rows.
+        dq_parts: ``(S, N * H_q, D)`` from :func:`consumer_backward`.
+        h_kv: KV heads.
+    """
+    n = rows.n_rows
+    if not n:
+        return
+    b, h_q, _, d = gq.shape
+    if use_kernel and kernels_usable(gq):
+        grid = (triton.cdiv((h_q // h_kv) * rows.max_count, _BLOCK_M), b * h_kv)
+        _add_dq_rows_kernel[grid](
+            gq, dq_parts, rows.start, rows.count, rows.cu, *gq.stride(), h_kv, h_q, dq_parts.shape[0], n * h_q,
+            GROUP=h_q // h_kv, HEAD_DIM=d, BLOCK_M=_BLOCK_M, num_warps=4, num_stages=1,
+        )  # fmt: skip
+        return
+    dq = dq_parts.sum(0).view(n, h_q, d)
+    gq.transpose(1, 2).index_put_((rows.row_seq, rows.row_pos), dq.to(gq.dtype), accumulate=True)

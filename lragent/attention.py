@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels.consumer_rows import ConsumerRows, consumer_lr_backward, consumer_lr_forward, read_rows, restore_rows
+from kernels.consumer_rows import (
+    ConsumerRows,
+    add_dq_rows,
+    consumer_backward,
+    consumer_lr_forward,
+    read_rows,
+    restore_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -336,8 +343,7 @@ class _InputsTap(torch.autograd.Function):
             restore_rows(*redo)
         item = ctx.stash.pop("dq", None)
         if item is not None and gq is not None:
-            rows, dq = item
-            gq.transpose(1, 2).index_put_((rows.row_seq, rows.row_pos), dq.to(gq.dtype), accumulate=True)
+            add_dq_rows(gq, *item)
         return gq, gk, gv, None
 
 
@@ -381,27 +387,18 @@ class _ConsumerCorrection(torch.autograd.Function):
         if "tapped" in stash:  # the attention has a backward: it must see its own output
             stash["redo"] = (out, rows, read_rows(out, rows))
             restore_rows(out, rows, saved)
-        b, h_q, t, d = q.shape
-        h_kv, r, n = k.shape[1], v_lr.shape[-1], rows.n_rows
         with torch.autocast(q.device.type, enabled=False):
-            db_rows = delta_b[rows.row_seq]  # (N, H_kv, r, D)
-            d_out = grad.transpose(1, 2)[rows.row_seq, rows.row_pos].to(delta_b.dtype).view(n, h_kv, -1, d)
-            o_lr4 = o_lr.to(delta_b.dtype).view(n, h_kv, -1, r)
-            u = torch.einsum("nkgd,nkrd->nkgr", d_out, db_rows)  # dO ΔBᵀ: the r-wide gradient of O_lr
-            c = (u * o_lr4).sum(-1)  # rowsum(dO ∘ O_lr ΔB)
-            dq, dk, dlr = consumer_lr_backward(q, k, v_lr, rows, lse, u.reshape(n, h_q, r), c.reshape(n, h_q),
-                                               ctx.use_kernel)  # fmt: skip
+            g = consumer_backward(grad, q, k, v_lr, delta_b, rows, lse, o_lr, ctx.use_kernel)
             if "tapped" in stash:
-                stash["dq"] = (rows, dq)
+                stash["dq"] = (rows, g.dq_parts, k.shape[1], ctx.use_kernel)
             d_lora_b = None
-            if ctx.needs_input_grad[4]:
-                x = torch.einsum("nkgr,nkgd->nkrd", o_lr4, d_out) * s  # (N, H_kv, r, D)
-                per_seq = x.new_zeros(b, h_kv, r, d).index_add_(0, rows.row_seq, x)
-                per_role = x.new_zeros(ctx.lora_b_shape[0], h_kv, r, d)
-                per_role.index_add_(0, layout.consumer, per_seq).index_add_(0, layout.producer, -per_seq)
-                d_lora_b = per_role.transpose(-1, -2).reshape(ctx.lora_b_shape).to(ctx.lora_b_dtype)
-        dk = dk.to(k.dtype).transpose(1, 2)  # (B, H_kv, T, D), token-major underneath like k
-        return grad, None, dk, dlr.to(v_lr.dtype), d_lora_b, None, None, None, None
+            if ctx.needs_input_grad[4]:  # ΔB = s (B_consumer - B_producer): + to the consumer's B, - to the producer's
+                x = g.x * s
+                heads = x.new_zeros(ctx.lora_b_shape[0], *x.shape[1:])
+                heads.index_add_(0, layout.consumer, x).index_add_(0, layout.producer, -x)
+                d_lora_b = heads.transpose(-1, -2).reshape(ctx.lora_b_shape).to(ctx.lora_b_dtype)
+        dk = g.dk.to(k.dtype).transpose(1, 2)  # (B, H_kv, T, D), token-major underneath like k
+        return grad, None, dk, g.dv_lr.to(v_lr.dtype), d_lora_b, None, None, None, None
 
 
 def two_piece_attention(

@@ -9,7 +9,7 @@
 #                          attention over [V_base | V_lr] on cuDNN with wide values, the path before)
 #   probe_wide_attention.* only with PROBE=1 (the attention candidates side by side)
 # Byte tokens and random weights: no model file needed. Needs ~100 GiB with checkpointing off: an H200.
-# Usage (device, repo root): LRAGENT_COMMIT=<sha> [MODES="1 0"] [STEPS=8] [PROBE=0] bash scripts/gpu_lambda_cost.sh
+# Usage (device, repo root): LRAGENT_COMMIT=<sha> [MODES="1 0"] [STEPS=8] [ROUNDS=1] [PROBE=0] bash scripts/gpu_lambda_cost.sh
 set -uo pipefail
 D=${OUT:-./lambda_cost_out}/lambda_cost
 mkdir -p "$D"
@@ -37,7 +37,7 @@ for mode in $MODES; do
   t=$(date +%s)
   LRAGENT_TWO_PIECE=$mode "$PY" cli.py bench train --model llama-3.1-8b --data hotpotqa --seq_len 2048 \
     --batch_size 4 --steps "$STEPS" --warmup_steps 2 --lambdas '[0, 0.5]' --lambda_modes '[weight, sample]' \
-    --checkpointing '[true, false]' --pack_prefixes false --peft_baseline false --out "$D/bench_two_piece_$mode" \
+    --checkpointing '[true, false]' --pack_prefixes false --peft_baseline false --rounds "${ROUNDS:-1}" --out "$D/bench_two_piece_$mode" \
     > "$D/bench_two_piece_$mode.log" 2>&1
   echo "bench two_piece=$mode: exit $? in $(( $(date +%s) - t )) s"
   grep -E "^\|" "$D/bench_two_piece_$mode/bench_train.md" 2>/dev/null | head -12

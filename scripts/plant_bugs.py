@@ -44,13 +44,13 @@ BUGS = {
     ),
     "two-piece attention: the correction's dq rows never added": (
         "lragent/attention.py",
-        "            gq.transpose(1, 2).index_put_((rows.row_seq, rows.row_pos), dq.to(gq.dtype), accumulate=True)",
+        "            add_dq_rows(gq, *item)",
         "            pass",
         "tests/test_two_piece_attention.py",
     ),
     "two-piece attention: B's gradient from the correction given to the consumer only": (
         "lragent/attention.py",
-        ".index_add_(0, layout.producer, -per_seq)",
+        ".index_add_(0, layout.producer, -x)",
         "",
         "tests/test_two_piece_attention.py",
     ),
@@ -72,16 +72,28 @@ BUGS = {
         "for m0 in range((first // BLOCK_M) * BLOCK_M + BLOCK_M, GROUP * count, BLOCK_M):",
         "tests/test_two_piece_attention.py -k interpreter",
     ),
-    "consumer-row kernel: ΔB of the next KV head": (
+    "consumer-row kernel: ΔB of the other KV head": (
         "kernels/consumer_rows.py",
-        "+ g.to(tl.int64) * stride_db_h",
-        "+ ((g + 1) % n_kv_heads).to(tl.int64) * stride_db_h",
+        "ptrs = DB + b64 * stride_db_b + g.to(tl.int64) * stride_db_h",
+        "ptrs = DB + b64 * stride_db_b + ((g + 1) % 2).to(tl.int64) * stride_db_h",
         "tests/test_two_piece_attention.py -k interpreter",
     ),
     "consumer-row kernel: the forward's merge weights the key splits' sums without their max": (
         "kernels/consumer_rows.py",
         "                w = tl.math.exp2(tl.load(WS_M + ws, mask=row_ok, other=-1.0e30) - m_all)",
         "                w = 1.0",
+        "tests/test_two_piece_attention.py -k interpreter",
+    ),
+    "consumer-row kernel: the split dQ added into the queries' gradient without its last split": (
+        "kernels/consumer_rows.py",
+        "            for s in range(0, n_splits):\n                ws = s * n_row_heads + row64\n                dq +=",
+        "            for s in range(0, n_splits - 1):\n                ws = s * n_row_heads + row64\n                dq +=",
+        "tests/test_two_piece_attention.py -k interpreter",
+    ),
+    "consumer-row kernel: c = rowsum(u ∘ O_lr) halved": (
+        "kernels/consumer_rows.py",
+        "        c = tl.sum(u * o_lr, 1)",
+        "        c = tl.sum(u * o_lr, 1) * 0.5",
         "tests/test_two_piece_attention.py -k interpreter",
     ),
     "consumer-row kernel: dV_lr without the causal mask": (

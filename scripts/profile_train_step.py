@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--scored", type=int, default=256, help="supervised positions per sequence (at the end)")
     ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds, the passes taking turns")
     ap.add_argument("--out", default="prof_train_step.json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -63,23 +64,31 @@ def main() -> None:
         "weighted_lambda_0.5": lambda: plain() + shared(),  # the λ 0.5 step: both passes, one backward
     }
     result: dict = {"args": vars(args), "passes": {}}
-    for name, fwd in passes.items():
 
-        def step(fwd=fwd) -> None:
+    def make_step(fwd):
+        def step() -> None:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 terms = fwd()
             sum(torch.nn.functional.cross_entropy(t.float(), targets) for t in terms).div(len(terms)).backward()
             for p in lm.lora_parameters():
                 p.grad = None
 
+        return step
+
+    steps = {name: make_step(fwd) for name, fwd in passes.items()}
+    for step in steps.values():
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / 5 * 1e3
+    timings: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds):  # the passes take turns: a drifting clock moves them alike
+        for name, step in steps.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            timings[name].append((time.perf_counter() - t0) / 5 * 1e3)
+    for name, step in steps.items():
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
@@ -88,12 +97,15 @@ def main() -> None:
             if ev.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[ev.name[:90]] += ev.device_time_total / 1e3  # ms
         total = sum(kernels.values())
+        ms = sum(timings[name]) / len(timings[name])
         result["passes"][name] = {
             "ms_per_step": ms,
+            "round_ms_per_step": timings[name],
             "kernel_ms": total,
             "top": [[k, v] for k, v in kernels.most_common(25)],
         }
-        print(f"== {name}: {ms:.2f} ms/step (kernels {total:.2f} ms)")
+        rounds = ", ".join(f"{x:.2f}" for x in timings[name])
+        print(f"== {name}: {ms:.2f} ms/step (rounds {rounds}; kernels {total:.2f} ms)")
         for k, v in kernels.most_common(18):
             print(f"  {v:8.3f}  {k}")
     result["provenance"] = provenance(dtype="bfloat16", device="cuda")

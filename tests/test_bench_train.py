@@ -243,12 +243,43 @@ def test_bench_train_runs_on_a_tiny_model(tmp_path: Path) -> None:
         (["--lambda_modes", "[mixed]"], "lambda_modes must be among weight, sample, got ['mixed']"),
         (["--precision", "fp8"], "precision 'fp8' not supported: allowed bf16-mixed, 32-true, 32"),
         (["--data", "nowhere"], "data 'nowhere' is neither a directory nor a benchmark"),
+        (["--rounds", "0"], "rounds must be at least 1, got 0"),
     ],
 )
 def test_bench_train_bad_values_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "train", "--model", "tiny-llama", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_rounds_pool_their_steps_and_keep_each_rounds_own_ratio() -> None:
+    """Two rounds of (λ 0, λ 0.5): the pooled row sums steps and seconds; the per-round ratio pairs each round's λ 0.5
+    with that round's λ 0 (not the pooled λ 0)."""
+    from eval_suite.bench_train import _compare, _measure, _pool_rounds
+
+    shape = ModelShape(1, 8, 2, 1, 4, 16, 10, 2, ("q_proj",))
+    dev = torch.device("cpu")
+
+    def steps(seconds: float):
+        return lambda: [{"lengths": [3], "padded": 4, "n_scored": 1, "n_examples": 1, "seconds": seconds}] * 3
+
+    measured = []
+    for zero, half in ((0.100, 0.200), (0.110, 0.209)):
+        rnd = [
+            {"impl": "lragent", "lambda": lam, "lambda_mode": "weight", "checkpointing": False, "packed": False,
+             **_measure(steps(sec), 1, shape, lam, None, dev)}
+            for lam, sec in ((0.0, zero), (0.5, half))
+        ]  # fmt: skip
+        _compare(rnd)
+        measured.append(rnd)
+    pooled = _pool_rounds(measured, None)
+    _compare(pooled)
+    zero, half = pooled
+    assert zero["steps"] == half["steps"] == 4 and zero["rounds"] == 2
+    assert half["round_ms_per_step"] == pytest.approx([200.0, 209.0])
+    assert half["round_vs_lambda0"] == pytest.approx([2.0, 1.9])
+    assert half["vs_lambda0"] == pytest.approx(409 / 210)
+    assert half["tokens"] == 2 * measured[0][1]["tokens"]
 
 
 def test_an_out_of_memory_setting_is_a_row_not_the_end() -> None:

@@ -134,7 +134,7 @@ def test_output_does_not_change_under_backward() -> None:
 _INTERPRET_SCRIPT = """
 import json, torch
 from lragent.attention import RoleSplit
-from kernels.consumer_rows import consumer_lr_forward, consumer_lr_backward
+from kernels.consumer_rows import add_dq_rows, consumer_backward, consumer_lr_forward
 res = []
 for (b, h_q, h_kv, t, d, r, split, ends) in CASES:
     g = torch.Generator().manual_seed(t)
@@ -143,17 +143,19 @@ for (b, h_q, h_kv, t, d, r, split, ends) in CASES:
     lr = torch.randn(b, t, r, generator=g).half()
     db = torch.randn(b, h_kv, r, d, generator=g) * 0.5
     out0 = torch.randn(b, t, h_q, d, generator=g).half().transpose(1, 2)
+    grad = torch.randn(b, t, h_q, d, generator=g).half().transpose(1, 2)
+    gq0 = torch.randn(b, t, h_q, d, generator=g).half().transpose(1, 2)
     z = torch.zeros(b, dtype=torch.long)
     rows = RoleSplit.make(z, z, torch.tensor(split), t, torch.tensor(ends)).rows
     n = rows.n_rows
-    u = torch.randn(n, h_q, r, generator=g)
-    c = torch.randn(n, h_q, generator=g)
     got, want = {}, {}
     for use_kernel, store in ((True, got), (False, want)):
         out = out0.clone()
         lse, o_lr, saved = consumer_lr_forward(q, k, lr, db, out, rows, use_kernel=use_kernel)
-        dq, dk, dlr = consumer_lr_backward(q, k, lr, rows, lse.float(), u, c, use_kernel=use_kernel)
-        store.update(lse=lse, o_lr=o_lr, saved=saved, out=out, dq=dq, dk=dk, dlr=dlr)
+        gr = consumer_backward(grad, q, k, lr, db, rows, lse.float(), o_lr.float(), use_kernel=use_kernel)
+        gq = gq0.clone()
+        add_dq_rows(gq, rows, gr.dq_parts, h_kv, use_kernel=use_kernel)
+        store.update(lse=lse, o_lr=o_lr, saved=saved, out=out, dq=gq, dk=gr.dk, dlr=gr.dv_lr, x=gr.x)
     res.append({name: [(got[name].float() - want[name].float()).abs().max().item() if n else 0.0,
                        want[name].float().abs().max().item() if n else 0.0] for name in got})
 print(json.dumps(res))
