@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.consumer_rows import consumer_lr_backward, consumer_lr_forward  # noqa: E402
+from kernels.consumer_rows import consumer_backward, consumer_lr_forward  # noqa: E402
 from lragent.attention import RoleSplit, _delta_b, decomposed_attention, two_piece_attention  # noqa: E402
 from lragent.provenance import provenance  # noqa: E402
 from scripts.probe_wide_attention import _timed  # noqa: E402
@@ -71,10 +71,10 @@ def main() -> None:
         o = torch.zeros(b, t, hq, d, device=dev, dtype=dt).transpose(1, 2)
         lse, o_lr, _ = consumer_lr_forward(qq, kk, lr, db, o, layout.rows)
         n = layout.rows.n_rows
-        uu, cc = torch.randn(n, hq, r, device=dev), torch.randn(n, hq, device=dev)
+        grad = torch.randn_like(o)
         rows["consumer kernels alone"] = {
             "fwd_ms": _timed(lambda: consumer_lr_forward(qq, kk, lr, db, o, layout.rows), a.iters),
-            "bwd_ms": _timed(lambda: consumer_lr_backward(qq, kk, lr, layout.rows, lse, uu, cc), a.iters),
+            "bwd_ms": _timed(lambda: consumer_backward(grad, qq, kk, lr, db, layout.rows, lse, o_lr), a.iters),
             "rows": n,
         }
     print("consumer kernels alone", rows["consumer kernels alone"], flush=True)
