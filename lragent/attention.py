@@ -268,16 +268,18 @@ class RoleSplit:
         Args:
             producer: ``(B,)`` producer roles.
             consumer: ``(B,)`` consumer roles.
-            split: ``(B,)`` producer tokens per sequence (clamped to ``[0, length]``).
+            split: ``(B,)`` producer tokens per sequence (clamped to ``[0, length]``); on the host, no sync.
             length: tokens per sequence ``T``.
-            ends: ``(B,)`` real tokens per sequence (the rest is padding); ``None``: ``length``.
+            ends: ``(B,)`` real tokens per sequence (the rest is padding), on split's device; ``None``: ``length``.
         """
         dev = producer.device
-        split = split.to(device=dev, dtype=torch.long).clamp(0, length)
         if ends is None:
             starts, stops = split.tolist(), [length] * split.numel()
-        else:  # one transfer for both
-            starts, stops = torch.stack([split, ends.to(device=dev, dtype=torch.long).clamp(0, length)]).tolist()
+        else:  # one transfer for both (none when they are on the host: the training step passes host copies)
+            starts, stops = torch.stack([split.long(), ends.to(split.device, torch.long)]).tolist()
+        starts = [min(max(int(x), 0), length) for x in starts]
+        stops = [min(max(int(x), 0), length) for x in stops]
+        split = torch.tensor(starts, dtype=torch.long).to(dev, non_blocking=True)
         counts = [max(0, e - s) for s, e in zip(starts, stops, strict=True)]
         pos = [torch.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]
         row_pos = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)

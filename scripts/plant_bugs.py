@@ -56,9 +56,15 @@ BUGS = {
     ),
     "two-piece attention: padding rows past the end corrected like consumer rows": (
         "lragent/attention.py",
-        "            starts, stops = torch.stack([split, ends.to(device=dev, dtype=torch.long).clamp(0, length)]).tolist()",
+        "            starts, stops = torch.stack([split.long(), ends.to(split.device, torch.long)]).tolist()",
         "            starts, stops = split.tolist(), [length] * split.numel()",
         "tests/test_two_piece_attention.py -k 'packed or padding'",
+    ),
+    "training step: the shared pass laid out from the device tensors (a device sync per step)": (
+        "lit_modules/multi_lora_module.py",
+        "        return torch.tensor(host[key], dtype=torch.long) if key in host else batch.get(key)",
+        "        return batch.get(key)",
+        "tests/test_two_piece_attention.py -k host_copies",
     ),
     "consumer-row kernel: a row's own key masked out": (
         "kernels/consumer_rows.py",

@@ -46,7 +46,7 @@ def main() -> None:
     ids = torch.randint(0, hf.config.vocab_size, (b, t), generator=g).to(dev)
     roles = torch.tensor([i % 3 for i in range(b)], device=dev)
     producers = (roles + 1) % 3
-    split = torch.full((b,), t - args.scored - 1, device=dev)
+    split = torch.full((b,), t - args.scored - 1)  # on the host, as the training step passes it (no sync)
     index = (torch.arange(b, device=dev)[:, None] * t + torch.arange(t - args.scored, t, device=dev)).flatten()
     targets = torch.randint(0, hf.config.vocab_size, (index.numel(),), generator=g).to(dev)
     passes = {

@@ -256,3 +256,25 @@ def test_full_shared_keeps_its_path(monkeypatch) -> None:
     monkeypatch.setattr(cache_views, "two_piece_attention", lambda *a, **k: pytest.fail("two-piece under full_shared"))
     monkeypatch.setattr(RoleSplit, "make", lambda *a, **k: pytest.fail("layout made under full_shared"))
     run_shared(tiny_model(), checkpointing=False, scheme="full_shared")
+
+
+def test_training_step_lays_out_the_shared_pass_from_host_copies(tmp_path: Path) -> None:
+    """The module keeps host copies of the per-sequence lengths before the batch moves, and the shared pass reads
+    only those: the batch's own length tensors may sit where the host cannot read them (``meta`` here; the GPU in
+    training, where reading them is a device sync), and the loss is unchanged."""
+    from datamodules import collate_examples
+    from tests.test_training_recipe import data, module
+
+    dm = data(tmp_path, pack_prefixes=False)
+    dm.setup()
+    batch = collate_examples(dm.train_set.examples[:4], pad_id=257)
+    m = module(lambda_shared=0.5, val_schemes=[])
+    m.configure_model()
+    want = m.compute_loss(batch, seed=3)
+    moved = m.on_before_batch_transfer(dict(batch), 0)
+    assert moved["host"]["context_len"] == batch["context_len"].tolist()
+    assert moved["host"]["lengths"] == batch["lengths"].tolist()
+    for key in ("context_len", "prefix_len", "lengths"):
+        moved[key] = torch.empty(moved[key].shape, dtype=torch.long, device="meta")
+    got = m.compute_loss(moved, seed=3)
+    assert torch.equal(got["loss"], want["loss"]) and torch.equal(got["shared"], want["shared"])
