@@ -278,3 +278,41 @@ def test_training_step_lays_out_the_shared_pass_from_host_copies(tmp_path: Path)
         moved[key] = torch.empty(moved[key].shape, dtype=torch.long, device="meta")
     got = m.compute_loss(moved, seed=3)
     assert torch.equal(got["loss"], want["loss"]) and torch.equal(got["shared"], want["shared"])
+
+
+@pytest.mark.parametrize("scheme", ["base_lr_shared", "full_shared"])
+def test_fused_passes_equal_the_two_passes(tmp_path: Path, monkeypatch, scheme: str) -> None:
+    """λ 0.5 under ``weight``: the plain and shared passes as one batch of twice the sequences give the same terms and
+    the same adapter gradients as the two passes one after the other (dropout off: the masks would differ)."""
+    from datamodules import collate_examples
+    from tests.test_training_recipe import data, module
+
+    dm = data(tmp_path, pack_prefixes=False)
+    dm.setup()
+    batch = collate_examples(dm.train_set.examples[:4], pad_id=257)
+    m = module(lambda_shared=0.5, val_schemes=[], dropout=0.0, shared_scheme=scheme)
+    m.configure_model()
+    m.lora_model.init_adapters("random", seed=2, b_std=0.5)
+    calls = []
+    real = m.lora_model.shared_sequence_forward
+    monkeypatch.setattr(
+        m.lora_model, "shared_sequence_forward", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
+    )
+
+    def run(fused: str):
+        monkeypatch.setenv("LRAGENT_FUSED_PASSES", fused)
+        for p in m.lora_model.lora_parameters():
+            p.grad = None
+        out = m.compute_loss(m.on_before_batch_transfer(dict(batch), 0), seed=5)
+        out["loss"].backward()
+        return out, [p.grad.clone() for p in m.lora_model.lora_parameters()]
+
+    two, two_grads = run("0")
+    assert calls == [batch["input_ids"].shape]  # the shared pass alone; the plain one went through forward()
+    one, one_grads = run("1")
+    assert calls[1] == (8, batch["input_ids"].shape[1])  # one pass over both copies
+    for key in ("plain", "shared", "loss"):
+        assert torch.allclose(one[key], two[key], atol=1e-5, rtol=1e-5), (key, one[key], two[key])
+    for a, w in zip(one_grads, two_grads, strict=True):
+        assert torch.allclose(a, w, atol=1e-6, rtol=1e-4), (a - w).abs().max()
+    assert any(g.abs().max() > 0 for g in one_grads)
