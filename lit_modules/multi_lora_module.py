@@ -28,7 +28,6 @@ adapters, optimizer and schedule state are.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,9 +67,6 @@ class TrainingConfig:
         lambda_mode: how λ mixes the terms (DESIGN §4, "with probability / weight λ"): ``weight``, every step
             ``(1 - λ)·plain + λ·shared`` (two passes); ``sample``, one term per step, the shared one with probability
             λ (the same loss in expectation at about one pass per step; a noisier gradient).
-        fuse_passes: under ``weight`` with 0 < λ < 1, run the plain and the shared pass as one batch of twice the
-            sequences (the plain ones as shared-pass sequences whose every token is the consumer's: the same
-            computation; larger matrix products, half the launches). ``LRAGENT_FUSED_PASSES=0`` turns it off.
         shared_scheme: scheme of the shared term (``base_lr_shared`` or ``full_shared``).
         producer: how the producer role is drawn: ``random`` among the other roles, or ``next`` (role id + 1).
         shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece, as in the agent
@@ -87,7 +83,6 @@ class TrainingConfig:
     min_lr_ratio: float = 0.0
     lambda_shared: float = 0.0
     lambda_mode: str = "weight"
-    fuse_passes: bool = True
     shared_scheme: str = Scheme.BASE_LR_SHARED.value
     producer: str = "random"
     shared_split: str = "piece"
@@ -275,7 +270,6 @@ class MultiLoraModule(LightningModule):
         min_lr_ratio: float = 0.0,
         lambda_shared: float = 0.0,
         lambda_mode: str = "weight",
-        fuse_passes: bool = True,
         shared_scheme: str = "base_lr_shared",
         producer: str = "random",
         shared_split: str = "piece",
@@ -312,7 +306,6 @@ class MultiLoraModule(LightningModule):
             min_lr_ratio=min_lr_ratio,
             lambda_shared=lambda_shared,
             lambda_mode=lambda_mode,
-            fuse_passes=fuse_passes,
             shared_scheme=shared_scheme,
             producer=producer,
             shared_split=shared_split,
@@ -469,33 +462,6 @@ class MultiLoraModule(LightningModule):
             self._per_sequence(batch, "lengths"),
         )
 
-    def fuses_passes(self) -> bool:
-        """The weighted λ step runs its two passes as one batch (``fuse_passes``, ``LRAGENT_FUSED_PASSES``)."""
-        return self.train_config.fuse_passes and os.environ.get("LRAGENT_FUSED_PASSES", "1") != "0"
-
-    def fused_logits(self, batch: dict[str, Any], producers: torch.Tensor) -> torch.Tensor:
-        """The plain and the shared term's logits from one forward over the batch twice: the first copy as
-        shared-pass sequences whose every token is the consumer's (producer = consumer, split = T: exactly the plain
-        forward), the second as the shared term's (:meth:`shared_logits`).
-
-        Returns:
-            ``(2N, V)``: the N supervised predictions of the plain term (``loss_index`` order), then the shared term's.
-        """
-        ids = batch["input_ids"]
-        b, t = ids.shape
-        split = self.shared_split(batch)
-        lengths = self._per_sequence(batch, "lengths")
-        roles = batch["role_ids"]
-        return self.lora_model.shared_sequence_forward(
-            torch.cat([ids, ids]),
-            torch.cat([torch.full_like(split, t), split]),
-            torch.cat([roles, producers.to(roles.device)]),
-            torch.cat([roles, roles]),
-            self.train_config.shared_scheme,
-            torch.cat([batch["loss_index"], batch["loss_index"] + b * t]),
-            None if lengths is None else torch.cat([lengths, lengths]),
-        )
-
     def compute_loss(self, batch: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
         """``(1 - λ) · plain + λ · shared`` (terms with weight 0 are not computed); with ``lambda_mode: sample``
         one of the two per call, the shared one with probability λ (drawn from ``seed`` on the host: no device sync).
@@ -510,15 +476,6 @@ class MultiLoraModule(LightningModule):
             lam = 1.0 if coin < lam else 0.0
         out: dict[str, torch.Tensor] = {}
         loss = 0.0
-        if 0 < lam < 1 and self.fuses_passes():
-            producers = self.draw_producers(batch["role_ids"], seed)
-            logits = self.fused_logits(batch, producers)  # (2N, V): the plain term's rows, then the shared term's
-            n_sup = batch["loss_index"].numel()
-            n = max(1, n_sup)
-            out["plain"] = F.cross_entropy(logits[:n_sup].float(), batch["loss_targets"], reduction="sum") / n
-            out["shared"] = F.cross_entropy(logits[n_sup:].float(), batch["loss_targets"], reduction="sum") / n
-            out["loss"] = (1 - lam) * out["plain"] + lam * out["shared"]
-            return out
         if lam < 1:
             logits = self.plain_logits(batch)  # (N, V)
             n = max(1, batch["loss_index"].numel())

@@ -66,18 +66,6 @@ BUGS = {
         "        return batch.get(key)",
         "tests/test_two_piece_attention.py -k host_copies",
     ),
-    "fused λ passes: the plain copy encoded by the producers": (
-        "lit_modules/multi_lora_module.py",
-        "            torch.cat([roles, producers.to(roles.device)]),",
-        "            torch.cat([producers.to(roles.device), producers.to(roles.device)]),",
-        "tests/test_two_piece_attention.py -k fused",
-    ),
-    "fused λ passes: the shared copy's supervised rows read from the plain copy": (
-        "lit_modules/multi_lora_module.py",
-        "            torch.cat([batch[\"loss_index\"], batch[\"loss_index\"] + b * t]),",
-        "            torch.cat([batch[\"loss_index\"], batch[\"loss_index\"]]),",
-        "tests/test_two_piece_attention.py -k fused",
-    ),
     "consumer-row kernel: a row's own key masked out": (
         "kernels/consumer_rows.py",
         'qk = tl.where(n[None, :] <= pos[:, None], qk, float("-inf"))',
