@@ -315,7 +315,8 @@ def _role_values(
     Returns:
         ``(B, L, H_kv·D)``.
     """
-    return torch.baddbmm(v_rows, v_lr, lora_b[roles].transpose(1, 2).to(v_lr.dtype), alpha=scaling)
+    # B scaled first (r x D per sequence): no alpha pass over the (B, L, H_kv·D) product, forward or backward
+    return torch.baddbmm(v_rows, v_lr, (lora_b[roles].transpose(1, 2) * scaling).to(v_lr.dtype))
 
 
 def _delta_b(lora_b: torch.Tensor, layout: RoleSplit, h_kv: int, scaling: float) -> torch.Tensor:
