@@ -18,6 +18,13 @@
 #   multi_gpu.json, multi_gpu.md     scripts/multi_gpu_report.py: the figures and checks, with provenance
 #
 # Run (on the device machine):  OUT=$OUT LRAGENT_COMMIT=<sha> bash scripts/gpu_multi.sh
+# Options (environment): PHASES="f1 f2 emb1+b1 emb2" runs only those phases, in that order, "a+b" side by side on
+#   one GPU each (default: all nine, one after the other, as above);
+#   BUDGET_S stops the phases at that many seconds (the one running is killed, the rest skipped; the report follows);
+#   EMB_MODEL=random trains the DDP phases on random weights with the embedded model's shapes (smollm2-135m, byte
+#   tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1/EMB_LIMIT2 (batches
+#   per epoch on one GPU / per rank under DDP), VAL_MAX (held-out examples per role), EMB_EPOCHS, B_STEPS1/B_STEPS2,
+#   EV_LIMIT shorten a call. The report states which model the DDP phases used ($OUT/emb_model.txt).
 # CPU check of every phase (gloo, tiny random models, 2 CPU processes; a few minutes):
 #   OUT=/tmp/gm LRAGENT_MULTI_CPU=1 bash scripts/gpu_multi.sh
 set -uo pipefail
@@ -43,16 +50,25 @@ if [ -n "$CPU" ]; then  # tiny sizes; the same commands
   EV=(--device cpu --model default --max_steps 1 --thought_tokens 4 --argument_tokens 3)
   EXPORT_DEVICE=cpu
 else
-  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=1.0; EMB_LIMIT2=1.0; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}; EV_LIMIT=${EV_LIMIT:-24}
+  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=${EMB_LIMIT1:-1.0}; EMB_LIMIT2=${EMB_LIMIT2:-1.0}; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}; EV_LIMIT=${EV_LIMIT:-24}
   EMB=(); BIG=(--data.max_length "${B_LEN:-2048}"); EV=(--device cuda --dtype bfloat16); EXPORT_DEVICE=cuda
+  if [ "${EMB_MODEL:-embedded}" = random ]; then
+    EMB=(--model.model_name smollm2-135m --model.tokenizer_name byte)
+    echo "random weights with the embedded model's shapes (smollm2-135m), byte tokens" > "$OUT/emb_model.txt"
+  fi
 fi
+[ -n "$CPU" ] && echo "tiny random LLaMA (CPU check)" > "$OUT/emb_model.txt"
+[ -n "${VAL_MAX:-}" ] && EMB+=(--data.val_max_per_role "$VAL_MAX")
+PHASES=${PHASES:-"emb1 emb1s emb2 b1 f1 f2 fx ev1 ev2"}
+DEADLINE=$((SECONDS + ${BUDGET_S:-100000}))  # a phase still running at the deadline is stopped (exit 124)
 
 phase() {  # phase NAME command...: runs into $OUT/NAME.log, records wall seconds and status; later phases still run
   local name=$1
   shift
-  local t0=$SECONDS rc=0
+  local t0=$SECONDS rc=0 left=$((DEADLINE - SECONDS))
+  if [ "$left" -le 10 ]; then echo "$name rc=skipped seconds=0" | tee -a "$OUT/timings.txt"; return 0; fi
   echo "== $name: $*" | tee "$OUT/$name.log"
-  "$@" >> "$OUT/$name.log" 2>&1 || rc=$?
+  timeout -k 10 "$left" "$@" >> "$OUT/$name.log" 2>&1 || rc=$?
   echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$OUT/timings.txt"
   tail -n 5 "$OUT/$name.log"
   return 0
@@ -98,31 +114,49 @@ EOF
 # epochs (42 token-budget batches each: 21 optimizer steps either way), validation on the whole held-out set after
 # each epoch. On the CPU the epoch is cut to the first 8 global batches (limit_train_batches counts a rank's batches).
 E=(--trainer.max_epochs "$EMB_EPOCHS" --trainer.max_steps -1 --trainer.val_check_interval 1.0 "${EMB[@]}")
-phase emb1 "$PY" cli.py fit --config "$OUT/emb1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches 2 \
-  --trainer.limit_train_batches "$EMB_LIMIT1"
-phase emb1s "$PY" cli.py fit --config "$OUT/emb1s_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches 2 \
-  --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed 1
-phase emb2 "$PY" cli.py fit --config "$OUT/emb2_config.yaml" --config configs/ddp.yaml "${E[@]}" \
-  --trainer.accumulate_grad_batches 1 --trainer.limit_train_batches "$EMB_LIMIT2"
-
 # 4-7. 8B shapes (random weights, byte tokens): one GPU (accumulate 2) for the export format; FSDP on two GPUs
 # (accumulate 1: the same global batch) with a checkpoint each step, resumed; the export command on its checkpoint
 B=(--config configs/fsdp_8b.yaml --trainer.limit_val_batches 0 --trainer.max_epochs -1 "${BIG[@]}")
-phase b1 "$PY" cli.py fit --config "$OUT/b1_config.yaml" "${B[@]}" --trainer.devices 1 --trainer.strategy auto \
-  --trainer.accumulate_grad_batches 2 --trainer.max_steps "$B_STEPS1"
-phase f1 "$PY" cli.py fit --config "$OUT/f1_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
-  --trainer.max_steps "$B_STEPS1"
-phase f2 "$PY" cli.py fit --config "$OUT/f2_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
-  --trainer.max_steps "$B_STEPS2" --ckpt_path last
-phase fx "$PY" cli.py export --ckpt "$RUN/fsdp/checkpoints/last.ckpt" --out "$OUT/fx_export" --device "$EXPORT_DEVICE"
-
 # 8-9. evaluation: one process, then two shard processes (one per GPU) merged
 V=(--benchmark hotpotqa --scheme base_lr_shared --limit "$EV_LIMIT" --runs 1 --quiet true "${EV[@]}")
-phase ev1 "$PY" cli.py eval "${V[@]}" --devices 1 --out "$OUT/ev1"
-phase ev2 "$PY" cli.py eval "${V[@]}" --devices 2 --out "$OUT/ev2"
+
+run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
+  case $1 in
+    emb1) phase emb1 "$PY" cli.py fit --config "$OUT/emb1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches 2 \
+            --trainer.limit_train_batches "$EMB_LIMIT1" ;;
+    emb1s) phase emb1s "$PY" cli.py fit --config "$OUT/emb1s_config.yaml" "${E[@]}" \
+             --trainer.accumulate_grad_batches 2 --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed 1 ;;
+    emb2) phase emb2 "$PY" cli.py fit --config "$OUT/emb2_config.yaml" --config configs/ddp.yaml "${E[@]}" \
+            --trainer.accumulate_grad_batches 1 --trainer.limit_train_batches "$EMB_LIMIT2" ;;
+    b1) phase b1 "$PY" cli.py fit --config "$OUT/b1_config.yaml" "${B[@]}" --trainer.devices 1 --trainer.strategy auto \
+          --trainer.accumulate_grad_batches 2 --trainer.max_steps "$B_STEPS1" ;;
+    f1) phase f1 "$PY" cli.py fit --config "$OUT/f1_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
+          --trainer.max_steps "$B_STEPS1" ;;
+    f2) phase f2 "$PY" cli.py fit --config "$OUT/f2_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
+          --trainer.max_steps "$B_STEPS2" --ckpt_path last ;;
+    fx) phase fx "$PY" cli.py export --ckpt "$RUN/fsdp/checkpoints/last.ckpt" --out "$OUT/fx_export" \
+          --device "$EXPORT_DEVICE" ;;
+    ev1) phase ev1 "$PY" cli.py eval "${V[@]}" --devices 1 --out "$OUT/ev1" ;;
+    ev2) phase ev2 "$PY" cli.py eval "${V[@]}" --devices 2 --out "$OUT/ev2" ;;
+    *) echo "unknown phase $1: allowed emb1 emb1s emb2 b1 f1 f2 fx ev1 ev2" >&2; exit 2 ;;
+  esac
+}
+for group in $PHASES; do  # "a+b": a on the first GPU and b on the second, at the same time (one-GPU phases only)
+  if [[ $group == *+* ]]; then
+    i=0
+    for name in ${group//+/ }; do
+      if [ -n "$CPU" ]; then run_phase "$name" & else CUDA_VISIBLE_DEVICES=$i run_phase "$name" & fi
+      i=$((i + 1))
+    done
+    wait
+  else
+    run_phase "$group"
+  fi
+done
 
 cp -r "$RUN"/*/csv "$OUT/" 2>/dev/null || true
 for r in emb1 emb1s emb2; do cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true; done
-"$PY" scripts/multi_gpu_report.py --out "$OUT" --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU bash scripts/gpu_multi.sh" \
+"$PY" scripts/multi_gpu_report.py --out "$OUT" \
+  --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} PHASES='$PHASES' bash scripts/gpu_multi.sh" \
   2>&1 | tee "$OUT/report.log"
 cat "$OUT/timings.txt"

@@ -31,13 +31,14 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 
 def timings(out: Path) -> dict[str, dict[str, int]]:
-    """``{phase: {"rc", "seconds"}}`` from ``timings.txt``."""
+    """``{phase: {"rc", "seconds"}}`` from ``timings.txt`` (``rc`` an exit status or ``"skipped"``)."""
     rows: dict[str, dict[str, int]] = {}
     path = out / "timings.txt"
     for line in path.read_text().splitlines() if path.is_file() else []:
         parts = line.split()
         if len(parts) == 3 and parts[1].startswith("rc=") and parts[2].startswith("seconds="):
-            rows[parts[0]] = {"rc": int(parts[1][3:]), "seconds": int(parts[2][8:])}
+            rc = parts[1][3:]  # an exit status, or "skipped" (past gpu_multi.sh's BUDGET_S)
+            rows[parts[0]] = {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "seconds": int(parts[2][8:])}
     return rows
 
 
@@ -174,6 +175,8 @@ def collect(out: Path, command: str | None) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - provenance must not fail the report
         prov["gpus"] = []
     prov["cpu_check"] = cpu
+    label = out / "emb_model.txt"
+    res["ddp_model"] = label.read_text().strip() if label.is_file() else "embedded SmolLM2-135M-Instruct"
     res["provenance"] = prov
     return res
 
@@ -192,6 +195,7 @@ def markdown(res: dict[str, Any]) -> str:
     prov = res["provenance"]
     d, f, e = res["ddp_embedded"], res["fsdp_8b"], res["eval_devices"]
     tiny = "tiny random LLaMA (CPU check)" if prov["cpu_check"] else ""
+    ddp_model = res.get("ddp_model") or tiny or "embedded SmolLM2-135M-Instruct"
     tps1, tps2 = (_fmt((d[k] or {}).get("tokens_per_s"), 0) for k in ("speed_1gpu", "speed_ddp2"))
     where = "CPU check (2 gloo processes, tiny random models; no GPU figure)" if prov["cpu_check"] else ", ".join(
         prov.get("gpus") or ["?"]
@@ -201,7 +205,7 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Devices: {where}.",
         "",
-        f"## DDP, {tiny or 'embedded SmolLM2-135M'}, same global batch",
+        f"## DDP, {ddp_model}, same global batch",
         "",
         "| run | val/loss per epoch | tokens/s |",
         "|---|---|---|",
