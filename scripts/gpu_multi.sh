@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Several GPUs (issue 21), one device call on a 2-GPU machine (meant to fit 9 minutes; not run on GPUs yet). Writes
+# Several GPUs (issue 21), one device call on a 2-GPU machine (all ten phases: about 9 minutes; first run on two
+# H100s, cut to five phases, in results/multi_gpu_h100x2_2026-11-25/). Writes
 # under $OUT:
 #
 #   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate 2,
@@ -12,6 +13,8 @@
 #   f1.log, f1_speed*.json           FSDP (configs/fsdp_8b.yaml) on 2 GPUs, $B_STEPS1 steps, checkpoint: peak memory
 #                                    per GPU, tokens/s
 #   f2.log, f2_speed*.json, f2_export/   resumed with --ckpt_path last to $B_STEPS2 steps; ExportAdapters' export
+#   d8.log, d8_speed*.json           DDP on 2 GPUs at 8B shapes (the whole base on each GPU), $B_STEPS1 steps: the
+#                                    strategy to compare FSDP with where the base fits one GPU
 #   fx.log, fx_export/               cli.py export --device cuda of the FSDP run's last checkpoint
 #   ev1.log, ev1/ ; ev2.log, ev2/    eval --devices 1 and --devices 2 (HotpotQA, shipped adapters, $EV_LIMIT questions)
 #   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
@@ -19,7 +22,7 @@
 #
 # Run (on the device machine):  OUT=$OUT LRAGENT_COMMIT=<sha> bash scripts/gpu_multi.sh
 # Options (environment): PHASES="f1 f2 emb1+b1 emb2" runs only those phases, in that order, "a+b" side by side on
-#   one GPU each (default: all nine, one after the other, as above);
+#   one GPU each (default: all ten, one after the other, as above);
 #   BUDGET_S stops the phases at that many seconds (the one running is killed, the rest skipped; the report follows);
 #   EMB_MODEL=random trains the DDP phases on random weights with the embedded model's shapes (smollm2-135m, byte
 #   tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1/EMB_LIMIT2 (batches
@@ -59,7 +62,7 @@ else
 fi
 [ -n "$CPU" ] && echo "tiny random LLaMA (CPU check)" > "$OUT/emb_model.txt"
 [ -n "${VAL_MAX:-}" ] && EMB+=(--data.val_max_per_role "$VAL_MAX")
-PHASES=${PHASES:-"emb1 emb1s emb2 b1 f1 f2 fx ev1 ev2"}
+PHASES=${PHASES:-"emb1 emb1s emb2 b1 f1 f2 d8 fx ev1 ev2"}
 DEADLINE=$((SECONDS + ${BUDGET_S:-100000}))  # a phase still running at the deadline is stopped (exit 124)
 
 phase() {  # phase NAME command...: runs into $OUT/NAME.log, records wall seconds and status; later phases still run
@@ -106,6 +109,7 @@ def derive(base: str, name: str, ckpt_every: int | None, warmup: int = 2) -> Non
 for name in ("emb1", "emb1s", "emb2"):
     derive("configs/embedded_hotpotqa.yaml", name, None)
 derive("configs/hotpotqa.yaml", "b1", None, warmup=1)  # few micro-batches: only the first is not timed
+derive("configs/hotpotqa.yaml", "d8", None, warmup=1)
 for name in ("f1", "f2"):
     derive("configs/hotpotqa.yaml", name, 1, warmup=1)
 EOF
@@ -134,11 +138,13 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           --trainer.max_steps "$B_STEPS1" ;;
     f2) phase f2 "$PY" cli.py fit --config "$OUT/f2_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
           --trainer.max_steps "$B_STEPS2" --ckpt_path last ;;
+    d8) phase d8 "$PY" cli.py fit --config "$OUT/d8_config.yaml" "${B[@]}" --trainer.strategy ddp --trainer.devices 2 \
+          --trainer.accumulate_grad_batches 1 --trainer.max_steps "$B_STEPS1" ;;
     fx) phase fx "$PY" cli.py export --ckpt "$RUN/fsdp/checkpoints/last.ckpt" --out "$OUT/fx_export" \
           --device "$EXPORT_DEVICE" ;;
     ev1) phase ev1 "$PY" cli.py eval "${V[@]}" --devices 1 --out "$OUT/ev1" ;;
     ev2) phase ev2 "$PY" cli.py eval "${V[@]}" --devices 2 --out "$OUT/ev2" ;;
-    *) echo "unknown phase $1: allowed emb1 emb1s emb2 b1 f1 f2 fx ev1 ev2" >&2; exit 2 ;;
+    *) echo "unknown phase $1: allowed emb1 emb1s emb2 b1 f1 f2 d8 fx ev1 ev2" >&2; exit 2 ;;
   esac
 }
 for group in $PHASES; do  # "a+b": a on the first GPU and b on the second, at the same time (one-GPU phases only)

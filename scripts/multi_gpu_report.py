@@ -122,7 +122,8 @@ def episodes(directory: Path) -> list[tuple] | None:
 
 def collect(out: Path, command: str | None) -> dict[str, Any]:
     t = timings(out)
-    cpu = (_json(out / "emb1_speed.json") or {}).get("provenance", {}).get("device", {}).get("type") == "cpu"
+    speeds = [_json(f) or {} for f in sorted(out.glob("*_speed.json"))]  # the device any run reported
+    cpu = any(s.get("provenance", {}).get("device", {}).get("type") == "cpu" for s in speeds)
     res: dict[str, Any] = {"phases": t}
 
     # embedded model: DDP vs one GPU at the same global batch, and the noise between two adapter seeds
@@ -144,7 +145,11 @@ def collect(out: Path, command: str | None) -> dict[str, Any]:
     layouts = {n: export_layout(out / f"{n}_export") for n in ("b1", "f1", "f2", "fx")}
     ref = layouts["b1"]
     fsdp: dict[str, Any] = {"speed_1gpu": speed(out, "b1"), "speed_fsdp2": speed(out, "f1"),
-                            "speed_fsdp2_resumed": speed(out, "f2")}  # fmt: skip
+                            "speed_fsdp2_resumed": speed(out, "f2"), "speed_ddp2": speed(out, "d8")}  # fmt: skip
+    for key in ("speed_fsdp2", "speed_ddp2"):
+        one, two = fsdp["speed_1gpu"], fsdp[key]
+        if one and two and one["tokens_per_s"] and two["tokens_per_s"]:
+            fsdp[f"{key}_speedup_tokens_per_s"] = two["tokens_per_s"] / one["tokens_per_s"]
     f2 = fsdp["speed_fsdp2_resumed"]
     fsdp["resumed_to_step"] = f2["global_step"] if f2 else None
     fsdp["resume_log_line"] = next(
@@ -222,13 +227,17 @@ def markdown(res: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for label, key in (("1 device, accumulate 2", "speed_1gpu"), ("FSDP, 2 devices", "speed_fsdp2"),
-                       ("FSDP resumed (--ckpt_path last)", "speed_fsdp2_resumed")):  # fmt: skip
+                       ("FSDP resumed (--ckpt_path last)", "speed_fsdp2_resumed"),
+                       ("DDP, 2 devices (the whole base on each)", "speed_ddp2")):  # fmt: skip
         s = f[key] or {}
         lines.append(
             f"| {label} | {_fmt(s.get('tokens_per_s'), 0)} | {_fmt(s.get('peak_memory_gib_per_rank'), 2)} | "
             f"{_fmt(s.get('global_step'))} |"
         )
     lines += [
+        "",
+        f"Speed-up over one device: FSDP {_fmt(f.get('speed_fsdp2_speedup_tokens_per_s'), 2)}x, DDP "
+        f"{_fmt(f.get('speed_ddp2_speedup_tokens_per_s'), 2)}x.",
         "",
         f"Resumed to step {_fmt(f['resumed_to_step'])} ({_fmt(f['resume_log_line'])}). Export format equal to the "
         f"1-device export: fit's export {_fmt(f['export_f2_same_format_as_1gpu'])}, `export --device` "
