@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "several-GPU report: a distributed run's tokens/s taken from rank 0 alone": (
+        "scripts/multi_gpu_report.py",
+        '"tokens_per_s": s.get("global_tokens_per_s", s.get("tokens_per_s")),',
+        '"tokens_per_s": s.get("tokens_per_s"),',
+        "tests/test_multi_gpu_report.py",
+    ),
+    "several-GPU report: the speed-up inverted": (
+        "scripts/multi_gpu_report.py",
+        'fsdp[f"{key}_speedup_tokens_per_s"] = two["tokens_per_s"] / one["tokens_per_s"]',
+        'fsdp[f"{key}_speedup_tokens_per_s"] = one["tokens_per_s"] / two["tokens_per_s"]',
+        "tests/test_multi_gpu_report.py",
+    ),
+    "several-GPU report: a phase skipped at the deadline breaks the report": (
+        "scripts/multi_gpu_report.py",
+        '"rc": int(rc) if rc.lstrip("-").isdigit() else rc,',
+        '"rc": int(rc),',
+        "tests/test_multi_gpu_report.py",
+    ),
     "two-piece attention: the producer's values with the consumer's B": (
         "lragent/attention.py",
         "v_prod = _role_values(v_rows, lr, lora_b, layout.producer, scaling)",
