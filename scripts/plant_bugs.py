@@ -18,6 +18,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "prefix reuse share: an example of the same role counted as reusable": (
+        "scripts/prefix_reuse_share.py",
+        "if roles and roles - {role}:",
+        "if roles:",
+        "tests/test_prefix_reuse_share.py",
+    ),
+    "prefix reuse share: the consumer's split ignored": (
+        "scripts/prefix_reuse_share.py",
+        ("h = prefix_hashes(ids[:split])", "if n > split:"),
+        ("h = prefix_hashes(ids)", "if n > len(ids):"),
+        "tests/test_prefix_reuse_share.py",
+    ),
     "several-GPU report: a distributed run's tokens/s taken from rank 0 alone": (
         "scripts/multi_gpu_report.py",
         '"tokens_per_s": s.get("global_tokens_per_s", s.get("tokens_per_s")),',
