@@ -27,7 +27,8 @@
 #   EMB_MODEL=random trains the DDP phases on random weights with the embedded model's shapes (smollm2-135m, byte
 #   tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1/EMB_LIMIT2 (batches
 #   per epoch on one GPU / per rank under DDP), VAL_MAX (held-out examples per role), EMB_EPOCHS, B_STEPS1/B_STEPS2,
-#   EV_LIMIT shorten a call. The report states which model the DDP phases used ($OUT/emb_model.txt).
+#   EV_LIMIT shorten a call; APPEND=1 goes on from an earlier call in the same $OUT and $RUN (its checkpoints and
+#   timings kept). The report states which model the DDP phases used ($OUT/emb_model.txt).
 # CPU check of every phase (gloo, tiny random models, 2 CPU processes; a few minutes):
 #   OUT=/tmp/gm LRAGENT_MULTI_CPU=1 bash scripts/gpu_multi.sh
 set -uo pipefail
@@ -37,8 +38,10 @@ RUN=${LRAGENT_RUN_DIR:-runs/gpu_multi}  # checkpoints stay out of $OUT (their si
 PY=${PYTHON:-python3}
 CPU=${LRAGENT_MULTI_CPU:-}
 mkdir -p "$OUT" "$RUN"
-rm -rf "${RUN:?}"/*
-: > "$OUT/timings.txt"
+if [ -z "${APPEND:-}" ]; then  # APPEND=1: a second call goes on in the same $OUT and $RUN (checkpoints, timings)
+  rm -rf "${RUN:?}"/*
+  : > "$OUT/timings.txt"
+fi
 (nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1) || true
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
@@ -55,6 +58,7 @@ if [ -n "$CPU" ]; then  # tiny sizes; the same commands
 else
   EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=${EMB_LIMIT1:-1.0}; EMB_LIMIT2=${EMB_LIMIT2:-1.0}; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}; EV_LIMIT=${EV_LIMIT:-24}
   EMB=(); BIG=(--data.max_length "${B_LEN:-2048}"); EV=(--device cuda --dtype bfloat16); EXPORT_DEVICE=cuda
+  rm -f "$OUT/emb_model.txt"  # the embedded model unless EMB_MODEL=random says otherwise
   if [ "${EMB_MODEL:-embedded}" = random ]; then
     EMB=(--model.model_name smollm2-135m --model.tokenizer_name byte)
     echo "random weights with the embedded model's shapes (smollm2-135m), byte tokens" > "$OUT/emb_model.txt"
