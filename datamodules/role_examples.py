@@ -293,11 +293,17 @@ def collate_examples(examples: Sequence[TokenizedExample], pad_id: int) -> dict[
 class _Collator:
     """Picklable collate function (DataLoader workers)."""
 
-    def __init__(self, pad_id: int) -> None:
+    def __init__(self, pad_id: int, prefix_sources: bool = False) -> None:
         self.pad_id = pad_id
+        self.prefix_sources = prefix_sources
 
     def __call__(self, examples: Sequence[TokenizedExample]) -> dict[str, Any]:
-        return collate_examples(examples, self.pad_id)
+        batch = collate_examples(examples, self.pad_id)
+        if self.prefix_sources:  # a list (stays on the host): which rows start with another row's whole example
+            from datamodules.cross_role_prefixes import prefix_sources
+
+            batch["prefix_sources"] = prefix_sources(examples)
+        return batch
 
 
 # ---------------------------------------------------------------------------------------------------------- batching
@@ -336,6 +342,10 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         max_tokens: padded-token budget per batch; ``None``: fixed-size batches.
         fill: keep the batches left over by ``num_replicas`` and give the ranks short of one a filler batch: the
             shortest example at index ``len(lengths) + i``, which :class:`RoleExampleDataset` returns unsupervised.
+        groups: examples that must share a batch (e.g. :func:`~datamodules.cross_role_prefixes.cross_role_groups`),
+            every index in exactly one group. A group is never split. The composition is then fixed for the run, as
+            with ``max_tokens``: the groups are shuffled once (``seed``), sorted by length within pools and cut into
+            batches of at most ``batch_size`` examples (or by ``max_tokens``); only the batch order changes per epoch.
     """
 
     def __init__(
@@ -351,6 +361,7 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         max_tokens: int | None = None,
         fill: bool = False,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -373,7 +384,19 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
         self.fill = fill
         self.epoch = 0
         self.sampler = self
-        self._budget_batches = self._token_budget_batches() if max_tokens is not None else None
+        if groups is not None:
+            flat = sorted(i for g in groups for i in g)
+            if flat != list(range(len(self.lengths))) or any(not g for g in groups):
+                raise ValueError(f"groups must hold every example index 0..{len(self.lengths) - 1} exactly once")
+            if max_tokens is None and batch_size < max(len(g) for g in groups):
+                raise ValueError(
+                    f"batch_size {batch_size} is smaller than a group of {max(len(g) for g in groups)} examples"
+                )
+            if drop_last:
+                raise ValueError("drop_last is not supported with groups (their batches differ in size)")
+            self._budget_batches = self._grouped_batches([list(g) for g in groups])
+        else:
+            self._budget_batches = self._token_budget_batches() if max_tokens is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the order of ``epoch``."""
@@ -388,6 +411,37 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
                 batches[-1].append(i)
             else:
                 batches.append([i])
+        return batches
+
+    def _grouped_batches(self, groups: list[list[int]]) -> list[list[int]]:
+        """A fixed composition that keeps every group in one batch (``groups`` in the class docstring)."""
+        size = {id(g): max(self.lengths[i] for i in g) for g in groups}
+        if self.max_tokens is not None:
+            order = sorted(groups, key=lambda g: (-size[id(g)], g[0]))
+            batches: list[list[int]] = []
+            longest = 0
+            for g in order:  # longest first: a batch's first group sets its padded length
+                if batches and (len(batches[-1]) + len(g)) * longest <= self.max_tokens:
+                    batches[-1] += g
+                else:
+                    batches.append(list(g))
+                    longest = size[id(g)]
+            return batches
+        g = torch.Generator().manual_seed(self.seed)
+        order = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
+        pool = self.batch_size * self.pool_batches
+        batches, start = [], 0
+        while start < len(order):
+            chunk, n = [], 0
+            while start < len(order) and n < pool:
+                chunk.append(order[start])
+                n += len(order[start])
+                start += 1
+            batches.append([])
+            for grp in sorted(chunk, key=lambda x: -size[id(x)]):
+                if len(batches[-1]) + len(grp) > self.batch_size:
+                    batches.append([])
+                batches[-1] += grp
         return batches
 
     def _global_batches(self) -> list[list[int]]:
@@ -519,6 +573,12 @@ class RoleExampleDataModule(LightningDataModule):
         answer_thoughts: for multiple-choice data, every training thought that is followed by ``Finish[X]`` also
             names option X's text (``... So the answer is <text>.``), applied after the option-count variants
             (:mod:`datamodules.answer_thoughts`). Validation stays as read.
+        cross_role_batches: keep each training example in one batch with the example of another role whose whole
+            text starts its context (:func:`~datamodules.cross_role_prefixes.cross_role_groups`), and list such
+            rows in every batch (``prefix_sources``). With ``model.lambda_shared`` in (0, 1) and ``lambda_mode:
+            weight``, the module then scores such an example's plain term inside the shared pass that starts with
+            it, when its role is the drawn producer (``model.producer: prefix`` makes it the producer): exact, one
+            sequence fewer in the plain pass. The batch composition is fixed for the run.
     """
 
     def __init__(
@@ -538,6 +598,7 @@ class RoleExampleDataModule(LightningDataModule):
         pin_memory: bool | None = None,
         option_variants: list[int] | None = None,
         answer_thoughts: bool = False,
+        cross_role_batches: bool = False,
     ) -> None:
         super().__init__()
         if not data_files:
@@ -572,7 +633,14 @@ class RoleExampleDataModule(LightningDataModule):
                 raise ValueError(
                     f"option_variants must be a non-empty list of option counts in 2..10, got {option_variants}"
                 )
+        if cross_role_batches and pack_prefixes:
+            raise ValueError(
+                "cross_role_batches and pack_prefixes cannot be combined: cross-role batches serve the "
+                "cache-sharing loss, which needs one example per sequence (set data.pack_prefixes false)"
+            )
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
+        self.cross_role_batches = bool(cross_role_batches)
+        self.train_groups: list[list[int]] | None = None
         self.data_files = {r: str(data_files[r]) for r in roles}
         self.roles = roles
         self._tokenizer_spec = tokenizer
@@ -632,6 +700,10 @@ class RoleExampleDataModule(LightningDataModule):
             val += [tokenize_example(self.tokenizer, rec, role_id, self.max_length) for rec in val_records[role]]
         if self.pack_prefixes:
             train = pack_prefix_chains(train)
+        if self.cross_role_batches:
+            from datamodules.cross_role_prefixes import cross_role_groups
+
+            self.train_groups = cross_role_groups(train)
         self.train_set, self.val_set = RoleExampleDataset(train), RoleExampleDataset(val)
 
     def _loader(self, dataset: RoleExampleDataset, shuffle: bool) -> DataLoader:
@@ -655,11 +727,12 @@ class RoleExampleDataModule(LightningDataModule):
             rank=rank,
             max_tokens=self.max_tokens,
             fill=not shuffle,
+            groups=self.train_groups if shuffle else None,
         )
         return DataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=_Collator(self.pad_id),
+            collate_fn=_Collator(self.pad_id, prefix_sources=shuffle and self.cross_role_batches),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,

@@ -46,7 +46,7 @@ PAPER_ROLE_LR: dict[str, float] = {"plan": 5e-5, "action": 6e-5, "reflect": 6e-5
 """Per-role learning rates of the paper."""
 SHARED_SCHEMES: tuple[str, ...] = (Scheme.BASE_LR_SHARED.value, Scheme.FULL_SHARED.value)
 """Schemes the shared-cache forward (training term and validation) supports."""
-PRODUCER_MODES: tuple[str, ...] = ("random", "next")
+PRODUCER_MODES: tuple[str, ...] = ("random", "next", "prefix")
 SPLIT_MODES: tuple[str, ...] = ("piece", "last_token")
 LAMBDA_MODES: tuple[str, ...] = ("weight", "sample")
 
@@ -68,7 +68,9 @@ class TrainingConfig:
             ``(1 - λ)·plain + λ·shared`` (two passes); ``sample``, one term per step, the shared one with probability
             λ (the same loss in expectation at about one pass per step; a noisier gradient).
         shared_scheme: scheme of the shared term (``base_lr_shared`` or ``full_shared``).
-        producer: how the producer role is drawn: ``random`` among the other roles, or ``next`` (role id + 1).
+        producer: how the producer role is drawn: ``random`` among the other roles, ``next`` (role id + 1), or
+            ``prefix``: the role of the batch's example whose whole text starts the context (as at inference, where
+            that agent put it in the cache; needs ``data.cross_role_batches``), else ``random``.
         shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece, as in the agent
             loop) or ``last_token`` (only the last input token).
         val_schemes: schemes evaluated through the shared-cache path during validation.
@@ -177,6 +179,15 @@ def split_for_sharing(batch: dict[str, torch.Tensor], split: torch.Tensor, pad_i
     }
 
 
+def _host_to(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host values as a long tensor on ``device``; to a GPU from page-locked memory without waiting (a plain copy
+    from pageable memory would make the host wait for the device)."""
+    t = values if torch.is_tensor(values) else torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class RoleSums(Metric):
     """Per-role sums of token-level values, accumulated on the device without host syncs.
 
@@ -233,7 +244,9 @@ class MultiLoraModule(LightningModule):
         lambda_mode: ``weight`` (both terms every step, weighted) or ``sample`` (one term per step, the shared one
             with probability λ, drawn from the step number: the same draw on every rank and after a resume).
         shared_scheme: scheme of the shared term: ``base_lr_shared`` (needs shared A) or ``full_shared``.
-        producer: ``random`` (among the other roles, seeded by the step) or ``next`` (role id + 1).
+        producer: ``random`` (among the other roles, seeded by the step), ``next`` (role id + 1), or ``prefix`` (the
+            role of the batch's example whose whole text starts the context, else ``random``; with
+            ``data.cross_role_batches``).
         shared_split: what the consumer encodes itself: ``piece`` (the input's last prompt piece) or ``last_token``.
         val_schemes: schemes validated through the shared-cache path; ``None``: ``base_lr_shared`` (with shared
             A) and ``full_shared``; ``[]``: the plain forward only (fast validation for sweeps).
@@ -399,23 +412,53 @@ class MultiLoraModule(LightningModule):
         return self(batch["input_ids"], batch["role_ids"], None, output_index=batch["loss_index"])
 
     # ---- losses ---------------------------------------------------------------------------------------------------
-    def draw_producers(self, consumers: torch.Tensor, seed: int) -> torch.Tensor:
-        """A producer role for every consumer ``(B,)``: a different role (the same one when there is only one)."""
+    def draw_producers(self, consumers: torch.Tensor, seed: int, batch: dict[str, Any] | None = None) -> torch.Tensor:
+        """A producer role for every consumer ``(B,)``: a different role (the same one when there is only one).
+
+        Drawn on the host from the batch's host copies when it has them (:meth:`host_producers`), else from
+        ``consumers``; both give the same roles.
+        """
+        if batch is not None and "role_ids" in (batch.get("host") or {}):
+            return _host_to(self.host_producers(batch, seed), consumers.device)
         n = len(self.roles)
         if n == 1:
             return consumers.clone()
         if self.train_config.producer == "next":
             return (consumers + 1) % n
         g = torch.Generator().manual_seed(seed)
-        offset = torch.randint(1, n, consumers.shape, generator=g).to(consumers.device)
-        return (consumers + offset) % n
+        offset = torch.randint(1, n, consumers.shape, generator=g)
+        return (consumers + _host_to(offset, consumers.device)) % n
+
+    def host_producers(self, batch: dict[str, Any], seed: int) -> list[int]:
+        """The producer of every row, from the host copy of the roles (``batch["host"]["role_ids"]``).
+
+        ``random``: another role, seeded by ``seed``; ``next``: role id + 1. ``prefix``: where the batch lists
+        ``prefix_sources`` (``data.cross_role_batches``), a row whose context starts with another row's whole example
+        within the shared split gets that row's role (the longest such example); the other rows as ``random``.
+        """
+        roles = list(batch["host"]["role_ids"])
+        n = len(self.roles)
+        if n == 1:
+            return roles
+        if self.train_config.producer == "next":
+            return [(r + 1) % n for r in roles]
+        g = torch.Generator().manual_seed(seed)
+        offset = torch.randint(1, n, (len(roles),), generator=g).tolist()
+        drawn = [(r + o) % n for r, o in zip(roles, offset, strict=True)]
+        if self.train_config.producer == "prefix" and batch.get("prefix_sources"):
+            split = self.shared_split(batch).tolist()
+            for b, found in enumerate(batch["prefix_sources"]):
+                fits = [j for j, k in found if k <= split[b]]
+                if fits:
+                    drawn[b] = roles[fits[0]]
+        return drawn
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Keeps host copies of the per-sequence lengths (``batch["host"]``, lists: Lightning moves only tensors): the
         shared pass lays out its producer and consumer rows from them without a device-to-host sync, which would
         leave the GPU idle while the host catches up (3.5 ms per step at 8B shapes on an H200)."""
         if isinstance(batch, dict) and "context_len" in batch and "host" not in batch:
-            keys = ("context_len", "prefix_len", "lengths")
+            keys = ("context_len", "prefix_len", "lengths", "role_ids")
             batch = {**batch, "host": {k: batch[k].tolist() for k in keys if torch.is_tensor(batch.get(k))}}
         return batch
 
@@ -475,6 +518,11 @@ class MultiLoraModule(LightningModule):
             coin = torch.rand((), generator=torch.Generator().manual_seed(seed * 2 + 1)).item()
             lam = 1.0 if coin < lam else 0.0
         out: dict[str, torch.Tensor] = {}
+        if 0 < lam < 1 and batch.get("prefix_sources") and "role_ids" in (batch.get("host") or {}):
+            prod = self.host_producers(batch, seed)
+            plan = self.absorption_plan(batch, prod)
+            if plan is not None:
+                return self._weighted_loss_absorbed(batch, _host_to(prod, batch["role_ids"].device), plan, lam)
         loss = 0.0
         if lam < 1:
             logits = self.plain_logits(batch)  # (N, V)
@@ -482,13 +530,75 @@ class MultiLoraModule(LightningModule):
             out["plain"] = F.cross_entropy(logits.float(), batch["loss_targets"], reduction="sum") / n
             loss = loss + (1 - lam) * out["plain"]
         if lam > 0:
-            producers = self.draw_producers(batch["role_ids"], seed)
+            producers = self.draw_producers(batch["role_ids"], seed, batch)
             # one pass over the unsplit sequences, the LM head at the supervised positions only
             logits = self.shared_logits(batch, producers, self.train_config.shared_scheme, batch["loss_index"])
             n = max(1, batch["loss_index"].numel())
             out["shared"] = F.cross_entropy(logits.float(), batch["loss_targets"], reduction="sum") / n
             loss = loss + lam * out["shared"]
         out["loss"] = loss
+        return out
+
+    def absorption_plan(self, batch: dict[str, Any], producers: list[int]) -> dict[int, int] | None:
+        """Which rows' plain terms the shared pass can score (``data.cross_role_batches``): ``{j: b}`` when row
+        ``j``'s whole example starts row ``b``'s context within the shared split and ``j``'s role is ``b``'s producer.
+
+        Then the shared pass's rows ``[0, k)`` of ``b`` are exactly row ``j``'s plain pass (causal attention, the
+        same tokens and role), so ``j``'s plain predictions are read there and ``j`` leaves the plain pass. Each
+        ``j`` goes to one ``b``. ``None`` when nothing is absorbed, or the batch lacks the host copies or has packed
+        rows. Decided on the host from ``producers`` (:meth:`host_producers`): no device read.
+        """
+        sources = batch.get("prefix_sources")
+        host = batch.get("host") or {}
+        if not sources or not all(k in host for k in ("role_ids", "context_len", "lengths")):
+            return None
+        roles, ctx, lengths = host["role_ids"], host["context_len"], host["lengths"]
+        if sum(n - c for n, c in zip(lengths, ctx, strict=True)) != batch["loss_index"].numel():
+            return None  # packed segments: the rows' supervised positions are not one span each
+        split = self.shared_split(batch).tolist()
+        plan: dict[int, int] = {}
+        for b, found in enumerate(sources):
+            for j, k in found:
+                if j not in plan and roles[j] == producers[b] and k <= split[b]:
+                    plan[j] = b
+                    break
+        return plan or None
+
+    def _weighted_loss_absorbed(
+        self, batch: dict[str, Any], producers: torch.Tensor, plan: dict[int, int], lam: float
+    ) -> dict[str, torch.Tensor]:
+        """``(1 - λ)·plain + λ·shared`` with the plain terms of ``plan``'s rows scored in the shared pass (equal to
+        :meth:`compute_loss`'s two passes up to the LoRA dropout masks, which those rows then share)."""
+        host = batch["host"]
+        ctx, lengths = host["context_len"], host["lengths"]
+        ids, targets = batch["input_ids"], batch["loss_targets"]
+        t = ids.shape[1]
+        offsets = [0]
+        for n_r, c_r in zip(lengths, ctx, strict=True):
+            offsets.append(offsets[-1] + n_r - c_r)
+        keep = [r for r in range(len(lengths)) if r not in plan]
+        t_keep = max((lengths[r] for r in keep), default=1)
+        plain_index = [i * t_keep + p for i, r in enumerate(keep) for p in range(ctx[r] - 1, lengths[r] - 1)]
+        plain_targets = [q for r in keep for q in range(offsets[r], offsets[r + 1])]
+        moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j] - 1, lengths[j] - 1)]
+        moved_targets = [q for j in plan for q in range(offsets[j], offsets[j + 1])]
+        dev = ids.device
+        n = max(1, targets.numel())
+        plain_sum = targets.new_zeros((), dtype=torch.float32)
+        if keep:
+            rows = _host_to(keep, dev)
+            logits = self(ids[rows, :t_keep], batch["role_ids"][rows], None, output_index=_host_to(plain_index, dev))
+            plain_sum = F.cross_entropy(logits.float(), targets[_host_to(plain_targets, dev)], reduction="sum")
+        index = torch.cat([batch["loss_index"], _host_to(moved_index, dev)])
+        logits = self.shared_logits(batch, producers, self.train_config.shared_scheme, index)  # (N + M, V)
+        n_shared = targets.numel()
+        moved = F.cross_entropy(logits[n_shared:].float(), targets[_host_to(moved_targets, dev)], reduction="sum")
+        out = {
+            "plain": (plain_sum + moved) / n,
+            "shared": F.cross_entropy(logits[:n_shared].float(), targets, reduction="sum") / n,
+        }
+        out["loss"] = (1 - lam) * out["plain"] + lam * out["shared"]
+        out["absorbed_rows"] = torch.tensor(float(len(plan)))
         return out
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -498,6 +608,8 @@ class MultiLoraModule(LightningModule):
         for name in ("plain", "shared"):
             if name in out:
                 self.log(f"train/{name}_loss", out[name], batch_size=bs)
+        if "absorbed_rows" in out:  # rows whose plain term the shared pass scored (data.cross_role_batches)
+            self.log("train/absorbed_rows", out["absorbed_rows"], batch_size=bs)
         return out["loss"]
 
     # ---- validation -----------------------------------------------------------------------------------------------
@@ -513,7 +625,9 @@ class MultiLoraModule(LightningModule):
         self.val_sums["plain"].update(torch.stack([nll, correct, zeros, ones], -1), role)
         if not self.train_config.val_schemes:
             return
-        producers = self.draw_producers(batch["role_ids"], seed=self.hparams.producer_seed * 1_000_003 + batch_idx)
+        producers = self.draw_producers(
+            batch["role_ids"], seed=self.hparams.producer_seed * 1_000_003 + batch_idx, batch=batch
+        )
         for scheme in self.train_config.val_schemes:
             # examples are not packed in validation: every supervised prediction lies in the consumer's part
             logp_s = self.shared_logits(batch, producers, scheme, index).float().log_softmax(-1)  # (N, V)

@@ -18,6 +18,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "cross-role batches: an absorbed row's plain predictions read one position late": (
+        "lit_modules/multi_lora_module.py",
+        "moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j] - 1, lengths[j] - 1)]",
+        "moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j], lengths[j])]",
+        "tests/test_cross_role_batches.py",
+    ),
+    "cross-role batches: a row absorbed into a sequence whose producer is not its role": (
+        "lit_modules/multi_lora_module.py",
+        "if j not in plan and roles[j] == producers[b] and k <= split[b]:",
+        "if j not in plan and k <= split[b]:",
+        "tests/test_cross_role_batches.py -k absorbed",
+    ),
+    "cross-role batches: a row absorbed past the consumer's split": (
+        "lit_modules/multi_lora_module.py",
+        "if j not in plan and roles[j] == producers[b] and k <= split[b]:",
+        "if j not in plan and roles[j] == producers[b]:",
+        "tests/test_cross_role_batches.py -k absorbed",
+    ),
+    "cross-role batches: the plain pass keeps the absorbed rows' targets in order of the batch, not of the kept rows": (
+        "lit_modules/multi_lora_module.py",
+        "plain_targets = [q for r in keep for q in range(offsets[r], offsets[r + 1])]",
+        "plain_targets = [q for r in range(len(lengths)) for q in range(offsets[r], offsets[r + 1])][: len(plain_index)]",
+        "tests/test_cross_role_batches.py -k absorbed",
+    ),
+    "cross-role batches: a group split over two batches": (
+        "datamodules/role_examples.py",
+        "                if len(batches[-1]) + len(grp) > self.batch_size:\n                    batches.append([])\n                batches[-1] += grp",
+        "                for i in grp:\n                    if len(batches[-1]) >= self.batch_size:\n                        batches.append([])\n                    batches[-1].append(i)",
+        "tests/test_cross_role_batches.py -k groups",
+    ),
+    "cross-role batches: a source of the consumer's own role": (
+        "datamodules/cross_role_prefixes.py",
+        "if j == b or ej.role_id == eb.role_id or not _can_source(ej) or k >= eb.context_len:",
+        "if j == b or not _can_source(ej) or k >= eb.context_len:",
+        "tests/test_cross_role_batches.py",
+    ),
+    "cross-role batches: the prefix producer ignores the split": (
+        "lit_modules/multi_lora_module.py",
+        "                fits = [j for j, k in found if k <= split[b]]\n                if fits:\n                    drawn[b] = roles[fits[0]]",
+        "                fits = [j for j, k in found]\n                if fits:\n                    drawn[b] = roles[fits[0]]",
+        "tests/test_cross_role_batches.py -k producer",
+    ),
     "prefix reuse share: an example of the same role counted as reusable": (
         "scripts/prefix_reuse_share.py",
         "if roles and roles - {role}:",

@@ -22,20 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from datamodules.cross_role_prefixes import prefix_hashes  # noqa: E402
 from datamodules.role_examples import read_local_records, resolve_tokenizer, tokenize_example  # noqa: E402
 from lragent.provenance import provenance  # noqa: E402
 from lragent.roles import DEFAULT_ROLES  # noqa: E402
-
-_MOD = (1 << 61) - 1
-_BASE = 1_000_003
-
-
-def prefix_hashes(ids: list[int]) -> list[int]:
-    """``h[l]``: a polynomial hash of ``ids[:l]`` for every ``l`` in ``0..len(ids)``."""
-    h = [0]
-    for t in ids:
-        h.append((h[-1] * _BASE + t + 1) % _MOD)
-    return h
 
 
 def reusable_lengths(examples: list[tuple[int, list[int], int]]) -> list[int]:

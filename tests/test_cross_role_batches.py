@@ -1,0 +1,191 @@
+"""Cross-role batches: an example whose context starts with another role's whole example shares its batch with it,
+and the weighted λ step scores that example's plain term inside the shared pass (exact, one sequence fewer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from datamodules import RoleExampleDataModule, byte_tokenizer
+from datamodules.cross_role_prefixes import prefix_sources
+from datamodules.records import TokenizedExample
+from datamodules.role_examples import LengthBucketBatchSampler
+from tests.test_training_recipe import module
+
+ROLES = ["plan", "action", "reflect"]
+
+
+def write_chained(tmp_path: Path, n: int = 6, steps: int = 2) -> dict[str, str]:
+    """Trajectories as the bundled ones: the action's input starts with the plan's input and output, the reflect's
+    with the action's."""
+    rows: dict[str, list[dict[str, str]]] = {r: [] for r in ROLES}
+    for i in range(n):
+        history = f"Solve task {i} with care.\n"
+        for k in range(steps):
+            plan_in = history + "Thought: \n### Response:\n"
+            plan_out = f"think about {i} at {k}"
+            act_in = plan_in + plan_out + "\nAction: \n### Response:\n"
+            act_out = f"Search[{i}-{k}]"
+            ref_in = act_in + act_out + "\nObs: done\nReflect: \n### Response:\n"
+            ref_out = f"ok {i}"
+            rows["plan"].append({"input": plan_in, "output": plan_out})
+            rows["action"].append({"input": act_in, "output": act_out})
+            rows["reflect"].append({"input": ref_in, "output": ref_out})
+            history = act_in + act_out + "\nObs: done\n"
+    files = {}
+    for role in ROLES:
+        path = tmp_path / f"{role}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in rows[role]))
+        files[role] = str(path)
+    return files
+
+
+def data(tmp_path: Path, **kwargs) -> RoleExampleDataModule:
+    args = dict(tokenizer=byte_tokenizer(), max_length=512, val_fraction=0.0, batch_size=4, cross_role_batches=True)
+    dm = RoleExampleDataModule(write_chained(tmp_path), roles=ROLES, **{**args, **kwargs})
+    dm.setup()
+    return dm
+
+
+def ex(ids: list[int], ctx: int, role: int) -> TokenizedExample:
+    return TokenizedExample(input_ids=ids, context_len=ctx, prefix_len=0, role_id=role, source="t")
+
+
+def test_prefix_sources_by_hand() -> None:
+    eos = 0
+    batch = [
+        ex([5, 6, 7, eos], 2, 0),  # plan, whole example 5 6 7; its context (2 tokens) has room for no one's example
+        ex([5, 6, 7, 8, 9, eos], 4, 1),  # action: context 5 6 7 8 starts with row 0's and row 4's examples
+        ex([5, 6, 7, 8, 1, eos], 3, 1),  # action: context 5 6 7 *is* row 0's example (k must be < context): row 4
+        ex([5, 6, 7, 8, 9, 2, eos], 5, 0),  # plan: row 1's example needs 5 < 5 tokens; row 0 has its own role
+        ex([5, 6, eos], 1, 2),  # reflect: context of 1 token
+    ]
+    assert prefix_sources(batch) == [[], [(0, 3), (4, 2)], [(4, 2)], [(4, 2)], []]
+
+
+def test_groups_keep_pairs_in_one_batch(tmp_path: Path) -> None:
+    dm = data(tmp_path)
+    examples = dm.train_set.examples
+    groups = dm.train_groups
+    assert sorted(i for g in groups for i in g) == list(range(len(examples)))
+    pairs = [g for g in groups if len(g) == 2]
+    assert len(pairs) >= len(examples) // 3  # every action and reflect example has a source in this data
+    for j, c in pairs:
+        k = len(examples[j].input_ids) - 1
+        assert examples[j].role_id != examples[c].role_id and examples[c].input_ids[:k] == examples[j].input_ids[:k]
+    # 3 a batch: pairs and single examples do not tile it, so a group would be cut if the sampler allowed it
+    sampler = LengthBucketBatchSampler(dm.train_set.lengths, 3, shuffle=True, seed=2, pool_batches=2, groups=groups)
+    seen = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler) and all(len(b) <= 3 for b in batches)
+        where = {i: n for n, b in enumerate(batches) for i in b}
+        assert sorted(where) == list(range(len(examples)))  # each example once per epoch
+        assert all(where[j] == where[c] for j, c in pairs)
+        seen.append(batches)
+    assert seen[0] != seen[1] and sorted(map(sorted, seen[0])) == sorted(map(sorted, seen[1]))  # order only
+    budget = LengthBucketBatchSampler(dm.train_set.lengths, 4, max_tokens=1024, groups=groups)
+    for b in budget:
+        assert len(b) * max(dm.train_set.lengths[i] for i in b) <= 1024 or len(b) <= 2
+        assert all((j in b) == (c in b) for j, c in pairs)
+
+
+def test_bad_groups_are_refused() -> None:
+    with pytest.raises(ValueError, match="exactly once"):
+        LengthBucketBatchSampler([3, 4, 5], 2, groups=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="smaller than a group"):
+        LengthBucketBatchSampler([3, 4, 5], 1, groups=[[0, 1], [2]])
+    with pytest.raises(ValueError, match="pack_prefixes"):
+        RoleExampleDataModule({"plan": "x"}, tokenizer=byte_tokenizer(), cross_role_batches=True, pack_prefixes=True)
+
+
+def lower_split(batch: dict) -> int:
+    """Moves the shared split of the first row with a source to one token before the source ends (the source's rows
+    then reach into the consumer's part); returns that row."""
+    b = next(i for i, found in enumerate(batch["prefix_sources"]) if found)
+    k = batch["prefix_sources"][b][0][1]
+    batch["host"]["prefix_len"][b] = k - 1
+    batch["prefix_len"][b] = k - 1
+    return b
+
+
+@pytest.mark.parametrize(
+    ("scheme", "producer", "cut"),
+    [("base_lr_shared", "prefix", False), ("full_shared", "prefix", False), ("base_lr_shared", "random", False),
+     ("base_lr_shared", "prefix", True)],
+)  # fmt: skip
+def test_absorbed_plain_terms_equal_the_two_passes(tmp_path: Path, scheme: str, producer: str, cut: bool) -> None:
+    """The weighted λ step with the sources' plain terms scored in the shared pass gives the loss, both terms and
+    every adapter gradient of the two separate passes (dropout 0; float32). With random producers some rows' producer
+    is not their source's role, and with ``cut`` one source reaches past its consumer's split: neither may be
+    absorbed."""
+    dm = data(tmp_path)
+    loader = iter(dm.train_dataloader())
+    batches = [next(loader) for _ in range(3)]
+    assert all(any(b["prefix_sources"]) for b in batches)
+    m = module(lambda_shared=0.5, producer=producer, shared_scheme=scheme, adapter_seed=1)
+    m.configure_model()
+    with torch.no_grad():  # B away from zero: the roles must differ for the test to mean anything
+        for p in m.lora_model.lora_parameters():
+            p.normal_(0, 0.05)
+
+    def run(batch: dict, seed: int, absorb: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        m.zero_grad(set_to_none=True)
+        orig = m.absorption_plan
+        if not absorb:
+            m.absorption_plan = lambda *a, **k: None
+        try:
+            out = m.compute_loss(batch, seed=seed)
+        finally:
+            m.absorption_plan = orig
+        out["loss"].backward()
+        return out, [p.grad.clone() for p in m.lora_model.lora_parameters()]
+
+    absorbed = skipped = 0
+    for batch in batches:
+        batch = m.on_before_batch_transfer(batch, 0)
+        if cut:
+            lower_split(batch)
+        split = m.shared_split(batch).tolist()
+        for seed in range(4):
+            prod = m.host_producers(batch, seed)
+            for b, found in enumerate(batch["prefix_sources"]):
+                for j, k in found:
+                    skipped += batch["host"]["role_ids"][j] != prod[b] or k > split[b]
+            got, g_got = run(batch, seed, True)
+            want, g_want = run(batch, seed, False)
+            absorbed += int(got.get("absorbed_rows", torch.tensor(0.0)).item())
+            assert "absorbed_rows" not in want
+            for key in ("loss", "plain", "shared"):
+                torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+            for a, b in zip(g_got, g_want, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert absorbed >= 1
+    if producer == "random" or cut:
+        assert skipped >= 1  # the case that must not be absorbed occurred
+
+
+def test_prefix_producer_is_the_source_role(tmp_path: Path) -> None:
+    """``producer: prefix`` gives a row the role of its longest source within the split, and the rows without one the
+    ``random`` draw of the same seed (the cut row among them)."""
+    dm = data(tmp_path)
+    batch = next(iter(dm.train_dataloader()))
+    m = module(lambda_shared=0.5, producer="prefix")
+    rand = module(lambda_shared=0.5, producer="random")
+    batch = m.on_before_batch_transfer(batch, 0)
+    cut = lower_split(batch)  # this row's source no longer fits its split
+    roles, split = batch["host"]["role_ids"], m.shared_split(batch).tolist()
+    assert not [j for j, k in batch["prefix_sources"][cut] if k <= split[cut]]
+    n_set = 0
+    for seed in range(8):
+        prod, drawn = m.host_producers(batch, seed), rand.host_producers(batch, seed)
+        for b, found in enumerate(batch["prefix_sources"]):
+            fits = [j for j, k in found if k <= split[b]]
+            assert prod[b] == (roles[fits[0]] if fits else drawn[b])
+            n_set += bool(fits)
+        assert torch.equal(m.draw_producers(batch["role_ids"], seed, batch), torch.tensor(prod))
+    assert n_set >= 1
