@@ -229,10 +229,12 @@ class _StepTimer:
 def _lightning_timer(timer: _StepTimer) -> Callback:
     class StepTimerCallback(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            timer.begin(_batch_stats(batch))
+            timer.begin({**_batch_stats(batch), "absorbed_before": getattr(pl_module, "absorbed_rows_seen", 0)})
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             timer.end()
+            step = timer.steps[-1]  # rows whose plain term the shared pass scored (cross-role batches)
+            step["absorbed"] = getattr(pl_module, "absorbed_rows_seen", 0) - step.pop("absorbed_before")
 
     return StepTimerCallback()
 
@@ -365,6 +367,7 @@ def _summarise(
         "tflops_per_s": flops / seconds / 1e12 if seconds else None,
         "mfu": flops / seconds / peak if seconds and peak else None,
         "step_seconds": [s["seconds"] for s in steps],
+        "absorbed_rows": sum(s.get("absorbed", 0) for s in steps),
     }
     if device.type == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -522,6 +525,8 @@ def train(
     device: str = "auto",
     peak_tflops: float | None = None,
     rounds: int = 1,
+    cross_role_batches: bool = False,
+    producer: str = "random",
     out: str = "bench_out/train",
 ) -> int:
     """Training-step speed of lragent's multi-LoRA LightningModule vs a plain transformers + peft loop.
@@ -553,11 +558,16 @@ def train(
         rounds: times every lragent setting is measured, the settings taking turns round by round (a GPU's clock
             drifting over the run then moves every setting alike); a row pools its rounds, and its step time over
             λ = 0's is also given per round (each round's pair measured minutes apart at most).
+        cross_role_batches: batch each example with the other role's example that starts its context
+            (``data.cross_role_batches``): every setting runs on those batches, and the weighted λ step scores such
+            examples' plain terms inside the shared pass when the producer is their role. The λ > 0 rows still count
+            the FLOPs of two whole passes, so their MFU is then an effective figure (the work is less).
+        producer: the shared term's producer (``random``, ``next``, ``prefix``; ``model.producer``).
         out: output directory.
     """
     from datamodules.prefix_packing import pack_prefix_chains
     from datamodules.role_examples import RoleExampleDataModule, RoleExampleDataset
-    from lit_modules.multi_lora_module import LAMBDA_MODES, MultiLoraModule
+    from lit_modules.multi_lora_module import LAMBDA_MODES, PRODUCER_MODES, MultiLoraModule
     from lragent.models import NAMED_ARCHITECTURES, check_device
     from lragent.roles import DEFAULT_ROLES
 
@@ -578,6 +588,8 @@ def train(
         )
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if producer not in PRODUCER_MODES:
+        raise ValueError(f"producer {producer!r} not supported: allowed {', '.join(PRODUCER_MODES)}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} not supported: allowed {', '.join(PRECISIONS)}")
     if device == "auto":
@@ -595,8 +607,9 @@ def train(
 
     t0 = time.perf_counter()
     dm = RoleExampleDataModule(
-        files, roles=roles, tokenizer=tokenizer or model, max_length=seq_len, batch_size=batch_size, val_fraction=0.0
-    )
+        files, roles=roles, tokenizer=tokenizer or model, max_length=seq_len, batch_size=batch_size, val_fraction=0.0,
+        cross_role_batches=cross_role_batches,
+    )  # fmt: skip
     dm.setup("fit")
     dm_packed = None
     if pack_prefixes:
@@ -611,7 +624,7 @@ def train(
 
     module = MultiLoraModule(
         model_name=model, tokenizer_name=tokenizer, model_overrides=model_overrides, roles=roles, rank=rank,
-        alpha=alpha, dropout=dropout, targets=targets, val_schemes=[], model_dtype=base_dtype,
+        alpha=alpha, dropout=dropout, targets=targets, val_schemes=[], model_dtype=base_dtype, producer=producer,
     )  # fmt: skip
     t0 = time.perf_counter()
     with dev:  # build the model where it trains (what Lightning's init context does in fit)
@@ -686,6 +699,9 @@ def train(
         "batch_size": batch_size,
         "steps": steps,
         "rounds": rounds,
+        "cross_role_batches": cross_role_batches,
+        "producer": producer,
+        "cross_role_pairs": sum(len(g) == 2 for g in dm.train_groups) if dm.train_groups else 0,
         "warmup_steps": warmup_steps,
         "precision": precision,
         "rank": rank,
@@ -757,6 +773,7 @@ def _pool_rounds(measured: list[list[dict[str, Any]]], peak: float | None) -> li
             tflops_per_s=flops / seconds / 1e12 if seconds else None,
             mfu=flops / seconds / peak if seconds and peak else None,
             step_seconds=[x for r in per_round for x in r["step_seconds"]],
+            absorbed_rows=sum(r.get("absorbed_rows", 0) for r in per_round),
             peak_memory_gib=_max_or_none(r["peak_memory_gib"] for r in per_round),
             peak_reserved_gib=_max_or_none(r["peak_reserved_gib"] for r in per_round),
         )  # fmt: skip
@@ -836,7 +853,20 @@ def render_markdown(result: dict[str, Any]) -> str:
             if result.get("rounds", 1) > 1
             else ""
         )
-        + ", the same batches for every row with the same packing. "
+        + ", the same batches for every row with the same packing"
+        + (
+            f"; cross-role batches ({result.get('cross_role_pairs', 0)} pairs kept together, producer "
+            f"{result.get('producer')}): absorbed rows (plain terms scored in the shared pass) per λ > 0 row: "
+            + ", ".join(
+                f"{r['absorbed_rows']} in {r['steps']} steps"
+                for r in result["rows"]
+                if r["impl"] == "lragent" and r["lambda"] > 0 and not r["oom"]
+            )
+            + " (their MFU counts two whole passes: an effective figure)"
+            if result.get("cross_role_batches")
+            else ""
+        )
+        + ". "
         f"MFU against {f(None if peak is None else peak / 1e12, '.1f')} TFLOP/s (dense bf16 peak).\n\n"
         + markdown_table(
             [

@@ -599,6 +599,7 @@ class MultiLoraModule(LightningModule):
         }
         out["loss"] = (1 - lam) * out["plain"] + lam * out["shared"]
         out["absorbed_rows"] = torch.tensor(float(len(plan)))
+        self.absorbed_rows_seen = getattr(self, "absorbed_rows_seen", 0) + len(plan)  # host count (bench train)
         return out
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

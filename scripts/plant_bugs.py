@@ -18,6 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "bench train: absorbed rows never counted": (
+        "lit_modules/multi_lora_module.py",
+        'self.absorbed_rows_seen = getattr(self, "absorbed_rows_seen", 0) + len(plan)',
+        'self.absorbed_rows_seen = getattr(self, "absorbed_rows_seen", 0)',
+        "tests/test_bench_train.py -k absorbed",
+    ),
     "cross-role batches: an absorbed row's plain predictions read one position late": (
         "lit_modules/multi_lora_module.py",
         "moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j] - 1, lengths[j] - 1)]",

@@ -236,6 +236,29 @@ def test_bench_train_runs_on_a_tiny_model(tmp_path: Path) -> None:
     assert "| lragent | 0.5 | on |" in md and "| lragent | 0.5 (sample) | on |" in md
 
 
+def test_bench_train_counts_absorbed_rows_with_cross_role_batches(tmp_path: Path) -> None:
+    """With cross-role batches and the prefix producer, the weighted λ step scores some plain terms in the shared
+    pass (counted per row), λ = 0 none, and the report says so."""
+    from tests.test_cross_role_batches import write_chained
+
+    (tmp_path / "data").mkdir()
+    write_chained(tmp_path / "data")
+    out = tmp_path / "out"
+    argv = [
+        "bench", "train", "--model", "tiny-llama", "--model_overrides", json.dumps(TINY), "--data",
+        str(tmp_path / "data"), "--seq_len", "512", "--batch_size", "4", "--steps", "2", "--warmup_steps", "0",
+        "--lambdas", "[0, 0.5]", "--checkpointing", "[false]", "--pack_prefixes", "false", "--peft_baseline", "false",
+        "--precision", "32-true", "--cross_role_batches", "true", "--producer", "prefix", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((out / "bench_train.json").read_text())
+    rows = {r["lambda"]: r for r in result["rows"]}
+    assert rows[0.5]["absorbed_rows"] >= 2 and rows[0.0]["absorbed_rows"] == 0
+    assert result["cross_role_pairs"] > 0 and result["producer"] == "prefix"
+    md = (out / "bench_train.md").read_text()
+    assert f"absorbed rows (plain terms scored in the shared pass) per λ > 0 row: {rows[0.5]['absorbed_rows']} in" in md
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -244,6 +267,7 @@ def test_bench_train_runs_on_a_tiny_model(tmp_path: Path) -> None:
         (["--precision", "fp8"], "precision 'fp8' not supported: allowed bf16-mixed, 32-true, 32"),
         (["--data", "nowhere"], "data 'nowhere' is neither a directory nor a benchmark"),
         (["--rounds", "0"], "rounds must be at least 1, got 0"),
+        (["--producer", "first"], "producer 'first' not supported: allowed random, next, prefix"),
     ],
 )
 def test_bench_train_bad_values_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
