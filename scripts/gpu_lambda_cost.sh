@@ -8,8 +8,14 @@
 #                          LRAGENT_TWO_PIECE=M for each M in $MODES (1: two-piece attention, the default; 0: one
 #                          attention over [V_base | V_lr] on cuDNN with wide values, the path before)
 #   probe_wide_attention.* only with PROBE=1 (the attention candidates side by side)
+#   bench_cross_<tok>_<producer>/  only with CROSS=1: bench train λ 0 / 0.5 (weighted) on cross-role batches
+#                          (--cross_role_batches: the sources' plain terms scored in the shared pass), checkpointing
+#                          on, $CROSS_LEN tokens (default 4096), producers "prefix" and "random", byte tokens and, when
+#                          the folder .tok is carried (the embedded tokenizer's files), those tokens too. CROSS=only
+#                          runs these alone (no tests, profiles or the two-piece benches).
 # Byte tokens and random weights: no model file needed. Needs ~100 GiB with checkpointing off: an H200.
-# Usage (device, repo root): LRAGENT_COMMIT=<sha> [MODES="1 0"] [STEPS=8] [ROUNDS=1] [PROBE=0] bash scripts/gpu_lambda_cost.sh
+# Usage (device, repo root): LRAGENT_COMMIT=<sha> [MODES="1 0"] [STEPS=8] [ROUNDS=1] [PROBE=0] [CROSS=0|1|only]
+#   bash scripts/gpu_lambda_cost.sh
 set -uo pipefail
 D=${OUT:-./lambda_cost_out}/lambda_cost
 mkdir -p "$D"
@@ -18,9 +24,29 @@ PY=$(command -v python3 || command -v python)
 MODES=${MODES:-1 0}
 STEPS=${STEPS:-8}
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > /dev/null
+cross_benches() {  # the cross-role batches' λ cost (see the header)
+  local toks=(byte) tok producer t
+  [ -f .tok/tokenizer.json ] && toks+=(.tok)
+  for tok in "${toks[@]}"; do
+    for producer in prefix random; do
+      t=$(date +%s)
+      local name="bench_cross_$(basename "$tok" | tr -d .)_$producer"
+      "$PY" cli.py bench train --model llama-3.1-8b --data hotpotqa --tokenizer "$tok" --seq_len "${CROSS_LEN:-4096}" \
+        --batch_size 4 --steps "$STEPS" --warmup_steps 2 --lambdas '[0, 0.5]' --checkpointing '[true]' \
+        --pack_prefixes false --peft_baseline false --rounds "${ROUNDS:-1}" --cross_role_batches true \
+        --producer "$producer" --out "$D/$name" > "$D/$name.log" 2>&1
+      echo "$name: exit $? in $(( $(date +%s) - t )) s"
+      grep -E "^\|" "$D/$name/bench_train.md" 2>/dev/null | head -5
+    done
+  done
+}
+if [ "${CROSS:-0}" = only ]; then
+  cross_benches
+  exit 0
+fi
 t=$(date +%s)
 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_shared_pass_gpu.py \
-  tests/test_training_recipe.py > "$D/tests.log" 2>&1
+  tests/test_training_recipe.py tests/test_cross_role_batches.py > "$D/tests.log" 2>&1
 tail -3 "$D/tests.log"; echo "tests $(( $(date +%s) - t )) s"
 t=$(date +%s)
 "$PY" scripts/profile_two_piece.py --out "$D" > "$D/profile_two_piece.log" 2>&1
@@ -42,3 +68,4 @@ for mode in $MODES; do
   echo "bench two_piece=$mode: exit $? in $(( $(date +%s) - t )) s"
   grep -E "^\|" "$D/bench_two_piece_$mode/bench_train.md" 2>/dev/null | head -12
 done
+[ "${CROSS:-0}" = 1 ] && cross_benches
