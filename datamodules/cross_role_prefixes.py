@@ -8,8 +8,8 @@ the shared pass instead of in a sequence of its own
 (:meth:`~lit_modules.multi_lora_module.MultiLoraModule.compute_loss`).
 
 - :func:`prefix_sources`: within one batch, for each row, the other rows whose whole example starts it.
-- :func:`cross_role_groups`: over a data set, pairs (source, consumer) to keep in one batch
-  (:class:`~datamodules.role_examples.LengthBucketBatchSampler`'s ``groups``).
+- :func:`cross_role_groups`: over a data set, chains (source, its consumer, that one's consumer ...) to keep in one
+  batch (:class:`~datamodules.role_examples.LengthBucketBatchSampler`'s ``groups``).
 """
 
 from __future__ import annotations
@@ -70,41 +70,66 @@ def prefix_sources(examples: Sequence[_Example]) -> list[list[tuple[int, int]]]:
     return out
 
 
-def cross_role_groups(examples: Sequence[_Example]) -> list[list[int]]:
-    """Pairs ``[source, consumer]`` of a data set to batch together, each example in at most one pair.
+def cross_role_groups(examples: Sequence[_Example], max_group: int = 2) -> list[list[int]]:
+    """Chains of examples to batch together: each example's longest unused source (an example of another role whose
+    whole text starts its context, :func:`prefix_sources`' condition), so that the shared pass of each one can score
+    the plain term of the one before it.
 
-    Consumers are taken longest first; each gets the longest unused example of another role whose whole example
-    starts its context (:func:`prefix_sources`' condition). The examples left over are groups of one.
+    Consumers are taken longest first. An example is the source of at most one consumer and has at most one source,
+    so the links form chains (a source is shorter than its consumer: no cycle); a link that would make a chain longer
+    than ``max_group`` is not made. The examples left over are groups of one.
+
+    Args:
+        examples: the data set's examples.
+        max_group: most examples in a chain (at most the batch size).
 
     Returns:
-        Groups of indices into ``examples`` (every index exactly once), pairs as ``[source, consumer]``.
+        Groups of indices into ``examples`` (every index exactly once), each chain from its first source to its last
+        consumer.
     """
+    if max_group < 1:
+        raise ValueError(f"max_group must be >= 1, got {max_group}")
     by_key: dict[tuple[int, int], list[int]] = {}  # (length, hash) of a whole example -> its indices
     for j, e in enumerate(examples):
         if _can_source(e):
             k = whole_length(e)
             by_key.setdefault((k, prefix_hashes(e.input_ids[:k])[-1]), []).append(j)
     lengths = sorted({k for k, _ in by_key})
-    used: set[int] = set()
-    groups: list[list[int]] = []
-    for c in sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i)):
-        if c in used:
-            continue
+    source_of: dict[int, int] = {}
+    consumer_of: dict[int, int] = {}
+    chain = list(range(len(examples)))  # union-find parent: each example's chain
+    size = [1] * len(examples)
+
+    def root(i: int) -> int:
+        while chain[i] != i:
+            chain[i] = chain[chain[i]]
+            i = chain[i]
+        return i
+
+    for c in sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i)) if max_group > 1 else ():
         e = examples[c]
         h = prefix_hashes(e.input_ids[: e.context_len])
-        pick = None
         for k in reversed([n for n in lengths if n < e.context_len]):
             cands = [
                 j
                 for j in by_key.get((k, h[k]), ())
-                if j != c and j not in used and examples[j].role_id != e.role_id
+                if j != c and j not in consumer_of and examples[j].role_id != e.role_id
+                and size[root(j)] + size[root(c)] <= max_group
                 and list(examples[j].input_ids[:k]) == list(e.input_ids[:k])  # no hash collision
             ]  # fmt: skip
             if cands:
-                pick = cands[0]
+                j = cands[0]
+                source_of[c], consumer_of[j] = j, c
+                rj, rc = root(j), root(c)
+                chain[rj] = rc
+                size[rc] += size[rj]
                 break
-        if pick is not None:
-            used.update((pick, c))
-            groups.append([pick, c])
-    groups += [[i] for i in range(len(examples)) if i not in used]
+    groups: list[list[int]] = []
+    for head in range(len(examples)):
+        if head in source_of:
+            continue  # not the start of its chain
+        group = [head]
+        while group[-1] in consumer_of:
+            group.append(consumer_of[group[-1]])
+        groups.append(group)
     return groups

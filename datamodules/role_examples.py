@@ -574,8 +574,9 @@ class RoleExampleDataModule(LightningDataModule):
             names option X's text (``... So the answer is <text>.``), applied after the option-count variants
             (:mod:`datamodules.answer_thoughts`). Validation stays as read.
         cross_role_batches: keep each training example in one batch with the example of another role whose whole
-            text starts its context (:func:`~datamodules.cross_role_prefixes.cross_role_groups`), and list such
-            rows in every batch (``prefix_sources``). With ``model.lambda_shared`` in (0, 1) and ``lambda_mode:
+            text starts its context, in chains of up to ``batch_size`` examples (4 with ``max_tokens``;
+            :func:`~datamodules.cross_role_prefixes.cross_role_groups`), and list such rows in every batch
+            (``prefix_sources``). With ``model.lambda_shared`` in (0, 1) and ``lambda_mode:
             weight``, the module then scores such an example's plain term inside the shared pass that starts with
             it, when its role is the drawn producer (``model.producer: prefix`` makes it the producer): exact, one
             sequence fewer in the plain pass. The batch composition is fixed for the run.
@@ -703,7 +704,8 @@ class RoleExampleDataModule(LightningDataModule):
         if self.cross_role_batches:
             from datamodules.cross_role_prefixes import cross_role_groups
 
-            self.train_groups = cross_role_groups(train)
+            # chains up to a batch (a token-budget batch: 4, the longest chains in the bundled data)
+            self.train_groups = cross_role_groups(train, self.batch_size if self.max_tokens is None else 4)
         self.train_set, self.val_set = RoleExampleDataset(train), RoleExampleDataset(val)
 
     def _loader(self, dataset: RoleExampleDataset, shuffle: bool) -> DataLoader:

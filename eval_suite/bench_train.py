@@ -701,7 +701,7 @@ def train(
         "rounds": rounds,
         "cross_role_batches": cross_role_batches,
         "producer": producer,
-        "cross_role_pairs": sum(len(g) == 2 for g in dm.train_groups) if dm.train_groups else 0,
+        "cross_role_links": sum(len(g) - 1 for g in dm.train_groups) if dm.train_groups else 0,
         "warmup_steps": warmup_steps,
         "precision": precision,
         "rank": rank,
@@ -855,8 +855,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         )
         + ", the same batches for every row with the same packing"
         + (
-            f"; cross-role batches ({result.get('cross_role_pairs', 0)} pairs kept together, producer "
-            f"{result.get('producer')}): absorbed rows (plain terms scored in the shared pass) per λ > 0 row: "
+            f"; cross-role batches ({result.get('cross_role_links', 0)} source-consumer links kept in one batch, "
+            f"producer {result.get('producer')}): absorbed rows (plain terms scored in the shared pass) per λ > 0 row: "
             + ", ".join(
                 f"{r['absorbed_rows']} in {r['steps']} steps"
                 for r in result["rows"]

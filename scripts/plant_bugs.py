@@ -18,6 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "cross-role batches: chains longer than the batch": (
+        "datamodules/cross_role_prefixes.py",
+        "and size[root(j)] + size[root(c)] <= max_group",
+        "",
+        "tests/test_cross_role_batches.py -k groups",
+    ),
     "bench train: absorbed rows never counted": (
         "lit_modules/multi_lora_module.py",
         'self.absorbed_rows_seen = getattr(self, "absorbed_rows_seen", 0) + len(plan)',

@@ -254,7 +254,7 @@ def test_bench_train_counts_absorbed_rows_with_cross_role_batches(tmp_path: Path
     result = json.loads((out / "bench_train.json").read_text())
     rows = {r["lambda"]: r for r in result["rows"]}
     assert rows[0.5]["absorbed_rows"] >= 2 and rows[0.0]["absorbed_rows"] == 0
-    assert result["cross_role_pairs"] > 0 and result["producer"] == "prefix"
+    assert result["cross_role_links"] > 0 and result["producer"] == "prefix"
     md = (out / "bench_train.md").read_text()
     assert f"absorbed rows (plain terms scored in the shared pass) per λ > 0 row: {rows[0.5]['absorbed_rows']} in" in md
 

@@ -66,32 +66,36 @@ def test_prefix_sources_by_hand() -> None:
     assert prefix_sources(batch) == [[], [(0, 3), (4, 2)], [(4, 2)], [(4, 2)], []]
 
 
-def test_groups_keep_pairs_in_one_batch(tmp_path: Path) -> None:
-    dm = data(tmp_path)
+@pytest.mark.parametrize("max_group", [2, 3])
+def test_groups_keep_chains_in_one_batch(tmp_path: Path, max_group: int) -> None:
+    dm = data(tmp_path, batch_size=max_group)
     examples = dm.train_set.examples
     groups = dm.train_groups
     assert sorted(i for g in groups for i in g) == list(range(len(examples)))
-    pairs = [g for g in groups if len(g) == 2]
-    assert len(pairs) >= len(examples) // 3  # every action and reflect example has a source in this data
-    for j, c in pairs:
+    links = [(g[i], g[i + 1]) for g in groups for i in range(len(g) - 1)]
+    assert max(len(g) for g in groups) == max_group  # chains reach the cap in this data (plan → action → reflect)
+    assert len(links) >= len(examples) // 3  # every action and reflect example has a source in this data
+    for j, c in links:
         k = len(examples[j].input_ids) - 1
         assert examples[j].role_id != examples[c].role_id and examples[c].input_ids[:k] == examples[j].input_ids[:k]
-    # 3 a batch: pairs and single examples do not tile it, so a group would be cut if the sampler allowed it
-    sampler = LengthBucketBatchSampler(dm.train_set.lengths, 3, shuffle=True, seed=2, pool_batches=2, groups=groups)
+    # batches one more than a chain: chains and single examples do not tile them, so a chain would be cut if the
+    # sampler allowed it
+    bs = max_group + 1
+    sampler = LengthBucketBatchSampler(dm.train_set.lengths, bs, shuffle=True, seed=2, pool_batches=2, groups=groups)
     seen = []
     for epoch in range(2):
         sampler.set_epoch(epoch)
         batches = list(sampler)
-        assert len(batches) == len(sampler) and all(len(b) <= 3 for b in batches)
+        assert len(batches) == len(sampler) and all(len(b) <= bs for b in batches)
         where = {i: n for n, b in enumerate(batches) for i in b}
         assert sorted(where) == list(range(len(examples)))  # each example once per epoch
-        assert all(where[j] == where[c] for j, c in pairs)
+        assert all(where[j] == where[c] for j, c in links)
         seen.append(batches)
     assert seen[0] != seen[1] and sorted(map(sorted, seen[0])) == sorted(map(sorted, seen[1]))  # order only
     budget = LengthBucketBatchSampler(dm.train_set.lengths, 4, max_tokens=1024, groups=groups)
     for b in budget:
-        assert len(b) * max(dm.train_set.lengths[i] for i in b) <= 1024 or len(b) <= 2
-        assert all((j in b) == (c in b) for j, c in pairs)
+        assert len(b) * max(dm.train_set.lengths[i] for i in b) <= 1024 or len(b) <= max_group
+        assert all((j in b) == (c in b) for j, c in links)
 
 
 def test_bad_groups_are_refused() -> None:
@@ -145,7 +149,7 @@ def test_absorbed_plain_terms_equal_the_two_passes(tmp_path: Path, scheme: str, 
         out["loss"].backward()
         return out, [p.grad.clone() for p in m.lora_model.lora_parameters()]
 
-    absorbed = skipped = 0
+    absorbed = skipped = chained = 0
     for batch in batches:
         batch = m.on_before_batch_transfer(batch, 0)
         if cut:
@@ -153,6 +157,8 @@ def test_absorbed_plain_terms_equal_the_two_passes(tmp_path: Path, scheme: str, 
         split = m.shared_split(batch).tolist()
         for seed in range(4):
             prod = m.host_producers(batch, seed)
+            plan = m.absorption_plan(batch, prod) or {}
+            chained += any(b in plan for b in plan.values())  # a row absorbed and absorbing in one step
             for b, found in enumerate(batch["prefix_sources"]):
                 for j, k in found:
                     skipped += batch["host"]["role_ids"][j] != prod[b] or k > split[b]
@@ -165,6 +171,8 @@ def test_absorbed_plain_terms_equal_the_two_passes(tmp_path: Path, scheme: str, 
             for a, b in zip(g_got, g_want, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
     assert absorbed >= 1
+    if producer == "prefix" and not cut:
+        assert chained >= 1
     if producer == "random" or cut:
         assert skipped >= 1  # the case that must not be absorbed occurred
 
