@@ -12,7 +12,9 @@
 #                          (--cross_role_batches: the sources' plain terms scored in the shared pass), checkpointing
 #                          on, $CROSS_LEN tokens (default 4096), producers "prefix" and "random", byte tokens and, when
 #                          the folder .tok is carried (the embedded tokenizer's files), those tokens too. CROSS=only
-#                          runs these alone (no tests, profiles or the two-piece benches).
+#                          runs these alone (no tests, profiles or the two-piece benches). Make .tok here (3.4 MB,
+#                          git-ignored) and carry it: mkdir -p .tok && cp "$(python -c 'from lragent.models import
+#                          _embedded_converted_dir as d; print(d())')"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
 # Byte tokens and random weights: no model file needed. Needs ~100 GiB with checkpointing off: an H200.
 # Usage (device, repo root): LRAGENT_COMMIT=<sha> [MODES="1 0"] [STEPS=8] [ROUNDS=1] [PROBE=0] [CROSS=0|1|only]
 #   bash scripts/gpu_lambda_cost.sh
