@@ -3,7 +3,11 @@ SmolLM2 model carry ``@pytest.mark.model`` (they run by default; ``-m "not model
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -96,3 +100,13 @@ def drive_rows(eng, rows: int, launch, launches: int) -> list[list]:
             if count[res.row] < launches:
                 start(res.row)
     return out
+
+
+def load_script(name: str) -> ModuleType:
+    """The module of ``scripts/<name>.py`` (scripts are not a package), registered under ``name`` (dataclasses look
+    their module up)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

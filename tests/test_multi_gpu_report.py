@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("multi_gpu_report", ROOT / "scripts" / "multi_gpu_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("multi_gpu_report")
 
 
 def _speed(path: Path, tokens_per_s: float, world: int = 1) -> None:

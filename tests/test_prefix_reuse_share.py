@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def share():
-    spec = importlib.util.spec_from_file_location("prefix_reuse_share", ROOT / "scripts" / "prefix_reuse_share.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("prefix_reuse_share")
 
 
 def test_reusable_lengths_by_hand(share) -> None:

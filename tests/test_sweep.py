@@ -4,7 +4,6 @@ the pick for stage 2, packing and installing the adapters."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import random
 import subprocess
@@ -18,13 +17,11 @@ import yaml
 from eval_suite.sweep_table import collect, run_summary, sweep_report
 from lit_modules import MultiLoraModule
 from lit_modules.cli import LRAgentCLI
+from tests.conftest import load_script
 from tests.test_prefix_packing import write_trajectories
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("sweep_embedded", REPO / "scripts" / "sweep_embedded.py")
-sweep = importlib.util.module_from_spec(_spec)
-sys.modules["sweep_embedded"] = sweep  # dataclasses look their module up
-_spec.loader.exec_module(sweep)
+sweep = load_script("sweep_embedded")
 
 
 def tiny_configs(tmp_path: Path) -> Path:
