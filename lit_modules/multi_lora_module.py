@@ -610,7 +610,8 @@ class MultiLoraModule(LightningModule):
             if name in out:
                 self.log(f"train/{name}_loss", out[name], batch_size=bs)
         if "absorbed_rows" in out:  # rows whose plain term the shared pass scored (data.cross_role_batches)
-            self.log("train/absorbed_rows", out["absorbed_rows"], batch_size=bs)
+            # a host number: Lightning fills a device scalar with it (a host tensor would be copied, a possible sync)
+            self.log("train/absorbed_rows", float(out["absorbed_rows"]), batch_size=bs)
         return out["loss"]
 
     # ---- validation -----------------------------------------------------------------------------------------------
