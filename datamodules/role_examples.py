@@ -396,37 +396,32 @@ class LengthBucketBatchSampler(Sampler[list[int]]):
                 raise ValueError("drop_last is not supported with groups (their batches differ in size)")
             self._budget_batches = self._grouped_batches([list(g) for g in groups])
         else:
-            self._budget_batches = self._token_budget_batches() if max_tokens is not None else None
+            singles = [[i] for i in range(len(self.lengths))]
+            self._budget_batches = self._token_budget_batches(singles) if max_tokens is not None else None
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the order of ``epoch``."""
         self.epoch = epoch
 
-    def _token_budget_batches(self) -> list[list[int]]:
-        order = sorted(range(len(self.lengths)), key=lambda i: (-self.lengths[i], i))
+    def _token_budget_batches(self, groups: list[list[int]]) -> list[list[int]]:
+        """Greedy batches within ``max_tokens`` of groups (single examples: ``[[i] ...]``), longest group first."""
+        longest_of = [max(self.lengths[i] for i in g) for g in groups]
+        order = sorted(range(len(groups)), key=lambda n: (-longest_of[n], groups[n][0]))
         batches: list[list[int]] = []
-        for i in order:
-            # Sorted longest first: the batch's first example sets its padded length.
-            if batches and (len(batches[-1]) + 1) * self.lengths[batches[-1][0]] <= self.max_tokens:
-                batches[-1].append(i)
+        longest = 0
+        for n in order:  # sorted longest first: a batch's first group sets its padded length
+            if batches and (len(batches[-1]) + len(groups[n])) * longest <= self.max_tokens:
+                batches[-1] += groups[n]
             else:
-                batches.append([i])
+                batches.append(list(groups[n]))
+                longest = longest_of[n]
         return batches
 
     def _grouped_batches(self, groups: list[list[int]]) -> list[list[int]]:
         """A fixed composition that keeps every group in one batch (``groups`` in the class docstring)."""
-        size = {id(g): max(self.lengths[i] for i in g) for g in groups}
         if self.max_tokens is not None:
-            order = sorted(groups, key=lambda g: (-size[id(g)], g[0]))
-            batches: list[list[int]] = []
-            longest = 0
-            for g in order:  # longest first: a batch's first group sets its padded length
-                if batches and (len(batches[-1]) + len(g)) * longest <= self.max_tokens:
-                    batches[-1] += g
-                else:
-                    batches.append(list(g))
-                    longest = size[id(g)]
-            return batches
+            return self._token_budget_batches(groups)
+        size = {id(g): max(self.lengths[i] for i in g) for g in groups}
         g = torch.Generator().manual_seed(self.seed)
         order = [groups[i] for i in torch.randperm(len(groups), generator=g).tolist()]
         pool = self.batch_size * self.pool_batches
