@@ -46,6 +46,18 @@ def _can_source(example: _Example) -> bool:
     return not example.segments and whole_length(example) > example.context_len
 
 
+def starts_with(consumer: _Example, source: _Example) -> bool:
+    """Whether ``source`` (another role's example) is, whole and without its EOS, the start of ``consumer``'s context
+    (``whole_length(source) < context_len``)."""
+    k = whole_length(source)
+    return (
+        source.role_id != consumer.role_id
+        and _can_source(source)
+        and k < consumer.context_len
+        and list(consumer.input_ids[:k]) == list(source.input_ids[:k])
+    )
+
+
 def prefix_sources(examples: Sequence[_Example]) -> list[list[tuple[int, int]]]:
     """For every row of a batch, the rows of another role whose whole example (without EOS) starts its context.
 
@@ -59,13 +71,7 @@ def prefix_sources(examples: Sequence[_Example]) -> list[list[tuple[int, int]]]:
     """
     out: list[list[tuple[int, int]]] = []
     for b, eb in enumerate(examples):
-        found = []
-        for j, ej in enumerate(examples):
-            k = whole_length(ej)
-            if j == b or ej.role_id == eb.role_id or not _can_source(ej) or k >= eb.context_len:
-                continue
-            if list(eb.input_ids[:k]) == list(ej.input_ids[:k]):
-                found.append((j, k))
+        found = [(j, whole_length(ej)) for j, ej in enumerate(examples) if j != b and starts_with(eb, ej)]
         out.append(sorted(found, key=lambda p: (-p[1], p[0])))
     return out
 
@@ -113,9 +119,8 @@ def cross_role_groups(examples: Sequence[_Example], max_group: int = 2) -> list[
             cands = [
                 j
                 for j in by_key.get((k, h[k]), ())
-                if j != c and j not in consumer_of and examples[j].role_id != e.role_id
-                and size[root(j)] + size[root(c)] <= max_group
-                and list(examples[j].input_ids[:k]) == list(e.input_ids[:k])  # no hash collision
+                if j != c and j not in consumer_of and size[root(j)] + size[root(c)] <= max_group
+                and starts_with(e, examples[j])  # also rules out a hash collision
             ]  # fmt: skip
             if cands:
                 j = cands[0]

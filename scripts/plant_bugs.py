@@ -62,8 +62,8 @@ BUGS = {
     ),
     "cross-role batches: a source of the consumer's own role": (
         "datamodules/cross_role_prefixes.py",
-        "if j == b or ej.role_id == eb.role_id or not _can_source(ej) or k >= eb.context_len:",
-        "if j == b or not _can_source(ej) or k >= eb.context_len:",
+        "source.role_id != consumer.role_id\n        and _can_source(source)",
+        "_can_source(source)",
         "tests/test_cross_role_batches.py",
     ),
     "cross-role batches: the prefix producer ignores the split": (
