@@ -518,11 +518,13 @@ class MultiLoraModule(LightningModule):
             coin = torch.rand((), generator=torch.Generator().manual_seed(seed * 2 + 1)).item()
             lam = 1.0 if coin < lam else 0.0
         out: dict[str, torch.Tensor] = {}
+        producers = None
         if 0 < lam < 1 and batch.get("prefix_sources") and "role_ids" in (batch.get("host") or {}):
             prod = self.host_producers(batch, seed)
+            producers = _host_to(prod, batch["role_ids"].device)
             plan = self.absorption_plan(batch, prod)
             if plan is not None:
-                return self._weighted_loss_absorbed(batch, _host_to(prod, batch["role_ids"].device), plan, lam)
+                return self._weighted_loss_absorbed(batch, producers, plan, lam)
         loss = 0.0
         if lam < 1:
             logits = self.plain_logits(batch)  # (N, V)
@@ -530,7 +532,8 @@ class MultiLoraModule(LightningModule):
             out["plain"] = F.cross_entropy(logits.float(), batch["loss_targets"], reduction="sum") / n
             loss = loss + (1 - lam) * out["plain"]
         if lam > 0:
-            producers = self.draw_producers(batch["role_ids"], seed, batch)
+            if producers is None:
+                producers = self.draw_producers(batch["role_ids"], seed, batch)
             # one pass over the unsplit sequences, the LM head at the supervised positions only
             logits = self.shared_logits(batch, producers, self.train_config.shared_scheme, batch["loss_index"])
             n = max(1, batch["loss_index"].numel())
