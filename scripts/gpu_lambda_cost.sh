@@ -12,8 +12,9 @@
 #                          (--cross_role_batches: the sources' plain terms scored in the shared pass), checkpointing
 #                          on, $CROSS_LEN tokens (default 4096), producers "prefix" and "random", byte tokens and, when
 #                          the folder .tok is carried (the embedded tokenizer's files), those tokens too. CROSS=only
-#                          runs these alone (no tests, profiles or the two-piece benches). Make .tok here (3.4 MB,
-#                          git-ignored) and carry it: mkdir -p .tok && cp "$(python -c 'from lragent.models import
+#                          runs these alone (no tests, profiles or the two-piece benches). CROSS_TOKS (default
+#                          "byte .tok") and CROSS_PRODUCERS (default "prefix random") set which run, in that order.
+#                          Make .tok here (3.4 MB, git-ignored) and carry it: mkdir -p .tok && cp "$(python -c 'from lragent.models import
 #                          _embedded_converted_dir as d; print(d())')"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
 # Byte tokens and random weights: no model file needed. Needs ~100 GiB with checkpointing off: an H200.
 # Usage (device, repo root): LRAGENT_COMMIT=<sha> [MODES="1 0"] [STEPS=8] [ROUNDS=1] [PROBE=0] [CROSS=0|1|only]
@@ -27,10 +28,12 @@ MODES=${MODES:-1 0}
 STEPS=${STEPS:-8}
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > /dev/null
 cross_benches() {  # the cross-role batches' λ cost (see the header)
-  local toks=(byte) tok producer t
-  [ -f .tok/tokenizer.json ] && toks+=(.tok)
+  local toks=() tok producer t
+  for tok in ${CROSS_TOKS:-byte .tok}; do
+    [ "$tok" = byte ] || [ -f "$tok/tokenizer.json" ] && toks+=("$tok")
+  done
   for tok in "${toks[@]}"; do
-    for producer in prefix random; do
+    for producer in ${CROSS_PRODUCERS:-prefix random}; do
       t=$(date +%s)
       local name="bench_cross_$(basename "$tok" | tr -d .)_$producer"
       "$PY" cli.py bench train --model llama-3.1-8b --data hotpotqa --tokenizer "$tok" --seq_len "${CROSS_LEN:-4096}" \
