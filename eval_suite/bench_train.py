@@ -367,6 +367,7 @@ def _summarise(
         "tflops_per_s": flops / seconds / 1e12 if seconds else None,
         "mfu": flops / seconds / peak if seconds and peak else None,
         "step_seconds": [s["seconds"] for s in steps],
+        "step_lengths": [s["lengths"] for s in steps],  # each step's sequence lengths, to read its time against
         "absorbed_rows": sum(s.get("absorbed", 0) for s in steps),
     }
     if device.type == "cuda":
@@ -737,7 +738,7 @@ def _measure(
     return {
         "oom": True,
         **dict.fromkeys(keys),
-        **dict.fromkeys(("tflops_per_s", "mfu", "step_seconds", "peak_reserved_gib")),
+        **dict.fromkeys(("tflops_per_s", "mfu", "step_seconds", "step_lengths", "peak_reserved_gib")),
         "peak_memory_gib": gib,
     }
 
@@ -773,6 +774,7 @@ def _pool_rounds(measured: list[list[dict[str, Any]]], peak: float | None) -> li
             tflops_per_s=flops / seconds / 1e12 if seconds else None,
             mfu=flops / seconds / peak if seconds and peak else None,
             step_seconds=[x for r in per_round for x in r["step_seconds"]],
+            step_lengths=[x for r in per_round for x in r.get("step_lengths", [])],
             absorbed_rows=sum(r.get("absorbed_rows", 0) for r in per_round),
             peak_memory_gib=_max_or_none(r["peak_memory_gib"] for r in per_round),
             peak_reserved_gib=_max_or_none(r["peak_reserved_gib"] for r in per_round),

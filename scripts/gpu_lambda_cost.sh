@@ -13,7 +13,7 @@
 #                          on, $CROSS_LEN tokens (default 4096), producers "prefix" and "random", byte tokens and, when
 #                          the folder .tok is carried (the embedded tokenizer's files), those tokens too. CROSS=only
 #                          runs these alone (no tests, profiles or the two-piece benches). CROSS_TOKS (default
-#                          "byte .tok") and CROSS_PRODUCERS (default "prefix random") set which run, in that order.
+#                          "byte .tok") and CROSS_PRODUCERS (default "prefix random"; "none": the ordinary batches, a control) set which run, in that order.
 #                          Make .tok here (3.4 MB, git-ignored) and carry it: mkdir -p .tok && cp "$(python -c 'from lragent.models import
 #                          _embedded_converted_dir as d; print(d())')"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
 # Byte tokens and random weights: no model file needed. Needs ~100 GiB with checkpointing off: an H200.
@@ -38,8 +38,9 @@ cross_benches() {  # the cross-role batches' λ cost (see the header)
       local name="bench_cross_$(basename "$tok" | tr -d .)_$producer"
       "$PY" cli.py bench train --model llama-3.1-8b --data hotpotqa --tokenizer "$tok" --seq_len "${CROSS_LEN:-4096}" \
         --batch_size 4 --steps "$STEPS" --warmup_steps 2 --lambdas '[0, 0.5]' --checkpointing '[true]' \
-        --pack_prefixes false --peft_baseline false --rounds "${ROUNDS:-1}" --cross_role_batches true \
-        --producer "$producer" --out "$D/$name" > "$D/$name.log" 2>&1
+        --pack_prefixes false --peft_baseline false --rounds "${ROUNDS:-1}" \
+        --cross_role_batches "$([ "$producer" = none ] && echo false || echo true)" \
+        --producer "$([ "$producer" = none ] && echo random || echo "$producer")" --out "$D/$name" > "$D/$name.log" 2>&1
       echo "$name: exit $? in $(( $(date +%s) - t )) s"
       grep -E "^\|" "$D/$name/bench_train.md" 2>/dev/null | head -5
     done
