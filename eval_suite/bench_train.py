@@ -368,6 +368,7 @@ def _summarise(
         "mfu": flops / seconds / peak if seconds and peak else None,
         "step_seconds": [s["seconds"] for s in steps],
         "step_lengths": [s["lengths"] for s in steps],  # each step's sequence lengths, to read its time against
+        "step_absorbed": [s.get("absorbed", 0) for s in steps],  # rows each step scored in the shared pass
         "absorbed_rows": sum(s.get("absorbed", 0) for s in steps),
     }
     if device.type == "cuda":
@@ -526,6 +527,8 @@ def train(
     device: str = "auto",
     peak_tflops: float | None = None,
     rounds: int = 1,
+    warm_rounds: int = 0,
+    max_tokens: int | None = None,
     cross_role_batches: bool = False,
     producer: str = "random",
     out: str = "bench_out/train",
@@ -558,7 +561,16 @@ def train(
         peak_tflops: the device's peak TFLOP/s for MFU; ``None``: the dense bf16 peak of a known GPU.
         rounds: times every lragent setting is measured, the settings taking turns round by round (a GPU's clock
             drifting over the run then moves every setting alike); a row pools its rounds, and its step time over
-            λ = 0's is also given per round (each round's pair measured minutes apart at most).
+            λ = 0's is also given per round (each round's pair measured minutes apart at most). Every round runs
+            the same batches, so a row's ratio also gets a 95% interval from resampling those batches (paired: each
+            batch's time under the setting against its own time under λ = 0).
+        warm_rounds: untimed rounds before the timed ones, over the same batches: each setting meets every batch's
+            shape once before it is timed. Without them, when the lengths vary from batch to batch, whichever
+            setting runs first in round 1 pays the first sight of each shape (kernel plans and Triton variants built,
+            memory mapped): 1.83 against 2.04 in a warm round on an H100 at 4096 byte tokens. Their step times are
+            kept in the JSON (``warm_ms_per_step``), not pooled.
+        max_tokens: form batches by this padded-token budget (``rows x longest``) instead of ``batch_size``
+            examples (``data.max_tokens``).
         cross_role_batches: batch each example with the other role's example that starts its context
             (``data.cross_role_batches``): every setting runs on those batches, and the weighted λ step scores such
             examples' plain terms inside the shared pass when the producer is their role. The λ > 0 rows still count
@@ -589,6 +601,10 @@ def train(
         )
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if warm_rounds < 0:
+        raise ValueError(f"warm_rounds must be 0 or more, got {warm_rounds}")
+    if max_tokens is not None and max_tokens < seq_len:
+        raise ValueError(f"max_tokens must be at least seq_len ({seq_len}) for every example to fit, got {max_tokens}")
     if producer not in PRODUCER_MODES:
         raise ValueError(f"producer {producer!r} not supported: allowed {', '.join(PRODUCER_MODES)}")
     if precision not in PRECISIONS:
@@ -609,7 +625,7 @@ def train(
     t0 = time.perf_counter()
     dm = RoleExampleDataModule(
         files, roles=roles, tokenizer=tokenizer or model, max_length=seq_len, batch_size=batch_size, val_fraction=0.0,
-        cross_role_batches=cross_role_batches,
+        cross_role_batches=cross_role_batches, max_tokens=max_tokens,
     )  # fmt: skip
     dm.setup("fit")
     dm_packed = None
@@ -646,7 +662,8 @@ def train(
             if dm_packed is not None and 0.0 in lambdas:
                 settings.append(("lragent", 0.0, True, "weight"))
             measured: list[list[dict[str, Any]]] = []
-            for rnd in range(rounds):
+            warm: list[list[dict[str, Any]]] = []
+            for rnd in range(warm_rounds + rounds):
                 this_round = []
                 for impl, lam, packed, mode in settings:
                     _reset_memory(dev)
@@ -660,13 +677,18 @@ def train(
                             warmup_steps, shape, lam, peak, dev, mode,
                         )
                     )  # fmt: skip
-                    if rounds > 1:
-                        print(f"round {rnd + 1}/{rounds}: ", end="")
+                    if rnd < warm_rounds:
+                        print(f"warm round {rnd + 1}/{warm_rounds} (not timed): ", end="")
+                    elif rounds > 1:
+                        print(f"round {rnd + 1 - warm_rounds}/{rounds}: ", end="")
                     _print_row(row)
                     this_round.append(row)
                 _compare(this_round)
-                measured.append(this_round)
-            rows.extend(_pool_rounds(measured, peak))
+                (warm if rnd < warm_rounds else measured).append(this_round)
+            pooled = _pool_rounds(measured, peak)
+            for row, *warm_rows in zip(pooled, *warm, strict=True):
+                row["warm_ms_per_step"] = [w["ms_per_step"] for w in warm_rows]
+            rows.extend(pooled)
     del module
     _reset_memory(dev)
     if peft_baseline:
@@ -700,6 +722,8 @@ def train(
         "batch_size": batch_size,
         "steps": steps,
         "rounds": rounds,
+        "warm_rounds": warm_rounds,
+        "max_tokens": max_tokens,
         "cross_role_batches": cross_role_batches,
         "producer": producer,
         "cross_role_links": sum(len(g) - 1 for g in dm.train_groups) if dm.train_groups else 0,
@@ -738,7 +762,7 @@ def _measure(
     return {
         "oom": True,
         **dict.fromkeys(keys),
-        **dict.fromkeys(("tflops_per_s", "mfu", "step_seconds", "step_lengths", "peak_reserved_gib")),
+        **dict.fromkeys(("tflops_per_s", "mfu", "step_seconds", "step_lengths", "step_absorbed", "peak_reserved_gib")),
         "peak_memory_gib": gib,
     }
 
@@ -775,6 +799,7 @@ def _pool_rounds(measured: list[list[dict[str, Any]]], peak: float | None) -> li
             mfu=flops / seconds / peak if seconds and peak else None,
             step_seconds=[x for r in per_round for x in r["step_seconds"]],
             step_lengths=[x for r in per_round for x in r.get("step_lengths", [])],
+            step_absorbed=[x for r in per_round for x in r.get("step_absorbed", [])],
             absorbed_rows=sum(r.get("absorbed_rows", 0) for r in per_round),
             peak_memory_gib=_max_or_none(r["peak_memory_gib"] for r in per_round),
             peak_reserved_gib=_max_or_none(r["peak_reserved_gib"] for r in per_round),
@@ -805,15 +830,66 @@ def _compare(rows: list[dict[str, Any]]) -> None:
         peft = next((x for x in same if x["impl"] == "peft"), None)
         ok = not r["oom"] and r["impl"] == "lragent"
         r["vs_lambda0"] = r["ms_per_step"] / zero["ms_per_step"] if ok and zero and not zero["oom"] else None
+        r["vs_lambda0_interval"] = (
+            paired_ratio_interval(zero["step_seconds"], r["step_seconds"], r.get("rounds", 1))
+            if r["vs_lambda0"] is not None and r is not zero
+            else None
+        )
         r["vs_peft"] = r["tokens_per_s"] / peft["tokens_per_s"] if ok and peft and not peft["oom"] else None
 
 
+def paired_ratio_interval(
+    zero_seconds: list[float] | None,
+    seconds: list[float] | None,
+    rounds: int = 1,
+    level: float = 0.95,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> list[float] | None:
+    """Bootstrap interval of ``Σ seconds / Σ zero_seconds`` over the timed batches, paired per batch.
+
+    Both lists hold ``rounds`` rounds of the same batches in the same order (round-major: ``[r0 b0, r0 b1, ...,
+    r1 b0, ...]``); a batch's time is its mean over the rounds. Resampling whole batches (the same draw for both
+    settings) keeps each batch's pair together, so the interval reflects which batches were drawn, not the two
+    settings' independent spreads. ``None`` with fewer than 2 batches or lists that do not pair up.
+
+    Args:
+        zero_seconds: ``(rounds * n,)`` step times under λ = 0.
+        seconds: ``(rounds * n,)`` step times under the setting.
+        rounds: rounds the lists hold.
+        level: coverage of the interval.
+        n_boot: bootstrap resamples.
+        seed: resampling seed (the interval is reproducible).
+
+    Returns:
+        ``[low, high]``, or ``None``.
+    """
+    if not zero_seconds or not seconds or len(zero_seconds) != len(seconds) or len(seconds) % rounds:
+        return None
+    n = len(seconds) // rounds
+    if n < 2:
+        return None
+    zero = torch.tensor(zero_seconds, dtype=torch.float64).reshape(rounds, n).mean(0)
+    other = torch.tensor(seconds, dtype=torch.float64).reshape(rounds, n).mean(0)
+    draw = torch.randint(0, n, (n_boot, n), generator=torch.Generator().manual_seed(seed))
+    ratios = other[draw].sum(1) / zero[draw].sum(1)
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(ratios, q).tolist()
+    return [low, high]
+
+
 def _round_range(row: dict[str, Any]) -> str:
-    """`` (1.97–1.99 in 3 rounds)``: the per-round ratios' range, where a row has rounds."""
+    """`` (1.97–1.99 in 3 rounds; 95% interval 1.95–2.01 over 8 batches)``: the per-round ratios' range, where a row
+    has rounds, and the paired interval over the batches (:func:`paired_ratio_interval`), where it has one."""
+    parts = []
     ratios = [x for x in row.get("round_vs_lambda0") or [] if x is not None]
-    if len(ratios) < 2:
-        return ""
-    return f" ({min(ratios):.3f}–{max(ratios):.3f} in {len(ratios)} rounds)"
+    if len(ratios) >= 2:
+        parts.append(f"{min(ratios):.3f}–{max(ratios):.3f} in {len(ratios)} rounds")
+    interval = row.get("vs_lambda0_interval")
+    if interval:
+        n = len(row["step_seconds"]) // row.get("rounds", 1)
+        parts.append(f"95% interval {interval[0]:.3f}–{interval[1]:.3f} over {n} batches")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -846,7 +922,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['model']} (overrides {result['model_overrides'] or 'none'}: {shape['n_layers']} layers, width "
         f"{shape['hidden']}, vocab {shape['vocab']}), {result['precision']}, data {result['data']} "
         f"({result['tokenizer'] or 'the model'} tokenizer), examples cut to {result['seq_len']} tokens, batch "
-        f"{result['batch_size']} sequences, LoRA r={result['rank']} alpha={result['alpha']:g} dropout "
+        + (f"{result['max_tokens']} padded tokens" if result.get("max_tokens") else f"{result['batch_size']} sequences")
+        + f", LoRA r={result['rank']} alpha={result['alpha']:g} dropout "
         f"{result['dropout']:g} on {', '.join(result['targets'])}; {result['steps']} timed steps after "
         f"{result['warmup_steps']} warm-up steps"
         + (
@@ -855,7 +932,13 @@ def render_markdown(result: dict[str, Any]) -> str:
             if result.get("rounds", 1) > 1
             else ""
         )
-        + ", the same batches for every row with the same packing"
+        + (
+            f", after {result['warm_rounds']} untimed round(s) over the same batches"
+            if result.get("warm_rounds")
+            else ""
+        )
+        + ", the same batches for every row with the same packing; the ratio's 95% interval resamples the timed "
+        "batches, paired"
         + (
             f"; cross-role batches ({result.get('cross_role_links', 0)} source-consumer links kept in one batch, "
             f"producer {result.get('producer')}): absorbed rows (plain terms scored in the shared pass) per λ > 0 row: "

@@ -18,5 +18,10 @@ if [ ! -f /tmp/gguf/model.gguf ] && [ "$(cat /tmp/gguf/part* 2>/dev/null | wc -c
   cat /tmp/gguf/part* > /tmp/gguf/model.gguf
 fi
 [ -f /tmp/gguf/model.gguf ] && export LRAGENT_EMBEDDED_GGUF=/tmp/gguf/model.gguf
+# the GGUF alone is not enough: converting it needs the gguf package (its wheel carried in .whl)
+if [ -f /tmp/gguf/model.gguf ] && ! python3 -c "import gguf" 2>/dev/null; then
+  echo "WARNING: the GGUF is here but the gguf package is not: put gguf-0.19.0-py3-none-any.whl in .whl and carry it," \
+    "or the model tests skip" >&2
+fi
 export LRAGENT_CACHE=/tmp/lragent_cache PYTHONUNBUFFERED=1
 echo "gguf parts: $(ls /tmp/gguf)"

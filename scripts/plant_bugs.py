@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "bench train: the ratio's interval resamples the two settings' batches independently (unpaired)": (
+        "eval_suite/bench_train.py",
+        "    ratios = other[draw].sum(1) / zero[draw].sum(1)",
+        "    ratios = other[draw].sum(1) / zero[draw.roll(1, 0)].sum(1)",
+        "tests/test_bench_train.py -k paired_interval",
+    ),
+    "bench train: the ratio's interval over rounds, not batches (a batch's rounds not averaged)": (
+        "eval_suite/bench_train.py",
+        "    zero = torch.tensor(zero_seconds, dtype=torch.float64).reshape(rounds, n).mean(0)",
+        "    zero = torch.tensor(zero_seconds, dtype=torch.float64).reshape(rounds, n)[0]",
+        "tests/test_bench_train.py -k paired_interval",
+    ),
+    "bench train: warm rounds pooled with the timed ones": (
+        "eval_suite/bench_train.py",
+        "(warm if rnd < warm_rounds else measured).append(this_round)",
+        "measured.append(this_round)\n                warm.append(this_round) if rnd < warm_rounds else None",
+        "tests/test_bench_train.py -k warm_rounds",
+    ),
+    "bench train: max_tokens not passed to the data": (
+        "eval_suite/bench_train.py",
+        "cross_role_batches=cross_role_batches, max_tokens=max_tokens,",
+        "cross_role_batches=cross_role_batches,",
+        "tests/test_bench_train.py -k warm_rounds",
+    ),
     "cross-role batches: chains longer than the batch": (
         "datamodules/cross_role_prefixes.py",
         "and size[root(j)] + size[root(c)] <= max_group",

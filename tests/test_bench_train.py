@@ -254,6 +254,7 @@ def test_bench_train_counts_absorbed_rows_with_cross_role_batches(tmp_path: Path
     result = json.loads((out / "bench_train.json").read_text())
     rows = {r["lambda"]: r for r in result["rows"]}
     assert rows[0.5]["absorbed_rows"] >= 2 and rows[0.0]["absorbed_rows"] == 0
+    assert sum(rows[0.5]["step_absorbed"]) == rows[0.5]["absorbed_rows"] and not any(rows[0.0]["step_absorbed"])
     assert result["cross_role_links"] > 0 and result["producer"] == "prefix"
     md = (out / "bench_train.md").read_text()
     assert f"absorbed rows (plain terms scored in the shared pass) per λ > 0 row: {rows[0.5]['absorbed_rows']} in" in md
@@ -267,6 +268,8 @@ def test_bench_train_counts_absorbed_rows_with_cross_role_batches(tmp_path: Path
         (["--precision", "fp8"], "precision 'fp8' not supported: allowed bf16-mixed, 32-true, 32"),
         (["--data", "nowhere"], "data 'nowhere' is neither a directory nor a benchmark"),
         (["--rounds", "0"], "rounds must be at least 1, got 0"),
+        (["--warm_rounds", "-1"], "warm_rounds must be 0 or more, got -1"),
+        (["--seq_len", "512", "--max_tokens", "256"], "max_tokens must be at least seq_len (512)"),
         (["--producer", "first"], "producer 'first' not supported: allowed random, next, prefix"),
     ],
 )
@@ -304,6 +307,52 @@ def test_rounds_pool_their_steps_and_keep_each_rounds_own_ratio() -> None:
     assert half["round_vs_lambda0"] == pytest.approx([2.0, 1.9])
     assert half["vs_lambda0"] == pytest.approx(409 / 210)
     assert half["tokens"] == 2 * measured[0][1]["tokens"]
+
+
+def test_paired_interval_follows_the_batches_not_their_spread() -> None:
+    """Batches of very different sizes that each cost exactly 2x under the setting: the paired interval is 2.0 at
+    both ends (resampling batches cannot move a ratio every batch shares); an unpaired resampling would spread it.
+    When the ratio differs per batch the interval spans the batches' ratios and holds the pooled one."""
+    from eval_suite.bench_train import paired_ratio_interval
+
+    zero = [0.5, 1.0, 1.6, 0.9, 1.4, 0.6]
+    assert paired_ratio_interval(zero, [2 * z for z in zero]) == pytest.approx([2.0, 2.0])
+    # two rounds of the same batches: a batch's time is its mean over the rounds (round-major lists)
+    two_rounds = zero + [z * 1.1 for z in zero]
+    assert paired_ratio_interval(two_rounds, [2 * z for z in two_rounds], rounds=2) == pytest.approx([2.0, 2.0])
+    mixed = [z * r for z, r in zip(zero, [1.5, 2.0, 2.1, 1.8, 2.0, 1.6], strict=True)]
+    low, high = paired_ratio_interval(zero, mixed)
+    pooled = sum(mixed) / sum(zero)
+    assert 1.5 <= low < pooled < high <= 2.1 and high - low > 0.05
+    assert paired_ratio_interval(zero, mixed) == [low, high]  # seeded: reproducible
+    assert paired_ratio_interval([1.0], [2.0]) is None and paired_ratio_interval(zero, mixed[:5]) is None
+
+
+def test_bench_train_warm_rounds_are_not_pooled_and_max_tokens_caps_the_batches(tmp_path: Path) -> None:
+    """One warm round and two timed ones: the rows pool only the timed rounds (steps = 2 rounds x steps), keep the
+    warm round's step time apart, pair the ratio's interval over the batches; token-budget batches stay within
+    ``max_tokens`` padded tokens."""
+    out = tmp_path / "out"
+    argv = [
+        "bench", "train", "--model", "tiny-llama", "--model_overrides", json.dumps(TINY), "--data", "hotpotqa",
+        "--seq_len", "512", "--max_tokens", "4096", "--steps", "3", "--warmup_steps", "0", "--rounds", "2",
+        "--warm_rounds", "1", "--lambdas", "[0, 0.5]", "--checkpointing", "[false]", "--pack_prefixes", "false",
+        "--peft_baseline", "false", "--precision", "32-true", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((out / "bench_train.json").read_text())
+    assert result["warm_rounds"] == 1 and result["max_tokens"] == 4096
+    zero, half = result["rows"]
+    for row in (zero, half):
+        assert row["steps"] == 6 and row["rounds"] == 2 and len(row["warm_ms_per_step"]) == 1
+        assert row["step_lengths"][:3] == row["step_lengths"][3:]  # each round runs the same batches
+        assert all(len(lengths) * max(lengths) <= 4096 for lengths in row["step_lengths"])
+    assert any(len(lengths) > 4 for lengths in zero["step_lengths"])  # the budget, not batch_size, set the rows
+    low, high = half["vs_lambda0_interval"]
+    assert low <= half["vs_lambda0"] <= high and zero["vs_lambda0_interval"] is None
+    md = (out / "bench_train.md").read_text()
+    assert "after 1 untimed round(s) over the same batches" in md and "batch 4096 padded tokens" in md
+    assert f"95% interval {low:.3f}–{high:.3f} over 3 batches" in md
 
 
 def test_an_out_of_memory_setting_is_a_row_not_the_end() -> None:
