@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "cost model: step-time fit without scaling the FLOPs (the intercept dropped)": (
+        "scripts/cross_role_cost_model.py",
+        ("design = torch.stack([torch.ones_like(xs), xs / scale], 1)", "return float(sol[0, 0]), float(sol[1, 0]) / scale"),
+        ("design = torch.stack([torch.ones_like(xs), xs], 1)", "return float(sol[0, 0]), float(sol[1, 0])"),
+        "tests/test_cross_role_cost_model.py -k intercept",
+    ),
+    "cost model: producers drawn with the wrong step's seed": (
+        "scripts/cross_role_cost_model.py",
+        "module.host_producers(batch, seed=step)",
+        "module.host_producers(batch, seed=step + 1)",
+        "tests/test_cross_role_cost_model.py -k rebuilt",
+    ),
+    "cost model: the plain pass counted without padding": (
+        "scripts/cross_role_cost_model.py",
+        "return pass_flops(shape, [max(lengths)] * len(lengths), 0) if lengths else 0.0",
+        "return pass_flops(shape, lengths, 0) if lengths else 0.0",
+        "tests/test_cross_role_cost_model.py -k absorbed_rows_plain",
+    ),
+    "cost model: absorbed rows kept in the plain pass": (
+        "scripts/cross_role_cost_model.py",
+        "return self.plain(kept) + self.c * self.plain(lengths)",
+        "return self.plain(lengths) + self.c * self.plain(lengths)",
+        "tests/test_cross_role_cost_model.py -k absorbed_rows_plain",
+    ),
     "bench train: the ratio's interval resamples the two settings' batches independently (unpaired)": (
         "eval_suite/bench_train.py",
         "    ratios = other[draw].sum(1) / zero[draw].sum(1)",

@@ -1,0 +1,292 @@
+"""What the weighted λ step should cost over a whole epoch of cross-role batches: a step-time model fitted to GPU
+measurements, applied to every batch of the epoch on the CPU (issue 19). A projection, not a measurement.
+
+python scripts/cross_role_cost_model.py --calibration results/train_8b_h100_cross_role_2026-11-25/run2_a612454 \
+    [--settings hotpotqa:byte:4096:b4 hotpotqa:.tok:4096:t16384 ...] [--producers prefix random] \
+    [--out results/prefix_reuse/cost_model]
+
+The model (8B shapes, one GPU, checkpointing on), fitted to ``bench train`` JSONs of the warm round:
+- a λ 0 step takes ``a + F / R`` seconds, ``F`` the batch's model FLOPs at its padded length (every row as long as the
+  longest: the plain pass runs padded rows) and ``R`` the sustained FLOP rate; ``a`` and ``R`` are fitted by least
+  squares to the control run's λ 0 steps (``bench_cross_*_none``);
+- a weighted λ step takes ``t(kept rows) + c · t(all rows)``: the plain pass over the rows not absorbed, plus the
+  shared pass over all rows at ``c`` times a plain pass; ``c`` is fitted to the control run's λ 0.5 steps (no
+  absorption there);
+- it is then checked, not fitted, on the cross-role run's batches (``bench_cross_*_prefix``), whose absorbed rows are
+  rebuilt on the CPU with the bench's seeds.
+
+For each setting the script builds the epoch's batches as ``fit`` and ``bench train`` do (``RoleExampleDataModule``
+with ``cross_role_batches``), draws the producers as training does (``host_producers``, seed = the step), plans the
+absorption (``absorption_plan``) and sums the model's step times. It reports the epoch's ratio and how the ratio of
+``n`` random batches spreads, so a GPU run can be sized to tell the ratio from 2.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eval_suite.bench_train import ModelShape, _data_files, pass_flops  # noqa: E402
+from lragent.provenance import provenance  # noqa: E402
+from lragent.roles import DEFAULT_ROLES  # noqa: E402
+
+
+def padded_flops(shape: ModelShape, lengths: list[int]) -> float:
+    """Model FLOPs of one pass over ``lengths`` padded to the longest (0 for no rows)."""
+    return pass_flops(shape, [max(lengths)] * len(lengths), 0) if lengths else 0.0
+
+
+def fit_line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least squares ``y ≈ a + b x``; returns ``(a, b)``."""
+    xs = torch.tensor(x, dtype=torch.float64)
+    # FLOPs are ~1e14: unscaled, the solver drops the intercept column as rank-deficient
+    scale = float(xs.abs().max()) or 1.0
+    design = torch.stack([torch.ones_like(xs), xs / scale], 1)
+    sol = torch.linalg.lstsq(design, torch.tensor(y, dtype=torch.float64).unsqueeze(1), driver="gelsd").solution
+    return float(sol[0, 0]), float(sol[1, 0]) / scale
+
+
+def fit_scale(x: list[float], y: list[float]) -> float:
+    """Least squares ``y ≈ c x`` through the origin; returns ``c``."""
+    return sum(a * b for a, b in zip(x, y, strict=True)) / sum(a * a for a in x)
+
+
+class StepModel:
+    """Step times from padded FLOPs: λ 0 ``a + F/R``; weighted λ ``t(kept) + c·t(all)``."""
+
+    def __init__(self, shape: ModelShape, a: float, per_flop: float, c: float) -> None:
+        self.shape, self.a, self.per_flop, self.c = shape, a, per_flop, c
+
+    def plain(self, lengths: list[int]) -> float:
+        return self.a + self.per_flop * padded_flops(self.shape, lengths) if lengths else 0.0
+
+    def weighted(self, lengths: list[int], kept: list[int]) -> float:
+        return self.plain(kept) + self.c * self.plain(lengths)
+
+
+def shape_of(result: dict) -> ModelShape:
+    s = result["shape"]
+    fields = ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab", "rank")
+    return ModelShape(*(s[k] for k in fields), tuple(s["targets"]))
+
+
+def warm_round(row: dict, result: dict, key: str) -> list:
+    """The last round's per-step values of ``key`` (rounds are round-major; the last is the warmest)."""
+    n = result["steps"]
+    return row[key][-n:]
+
+
+def epoch_batches(
+    benchmark: str,
+    tokenizer: str,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int | None,
+    producer: str,
+    limit: int | None = None,
+    cross: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """``(lengths, kept lengths)`` of every batch of one training epoch, as ``fit`` forms and plans them.
+
+    Args:
+        benchmark: a benchmark under ``data/trajectories``.
+        tokenizer: ``byte`` or a tokenizer name / directory.
+        seq_len: ``max_length``.
+        batch_size: examples per batch (the chain limit with ``max_tokens``).
+        max_tokens: token-budget batches; ``None``: ``batch_size`` examples.
+        producer: ``model.producer`` (``prefix``, ``random``).
+        limit: stop after this many batches.
+        cross: ``data.cross_role_batches``.
+    """
+    from datamodules.role_examples import RoleExampleDataModule
+    from lit_modules.multi_lora_module import MultiLoraModule
+
+    roles = list(DEFAULT_ROLES)
+    dm = RoleExampleDataModule(
+        _data_files(benchmark, roles), roles=roles, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
+        val_fraction=0.0, cross_role_batches=cross, max_tokens=max_tokens,
+    )  # fmt: skip
+    dm.setup("fit")
+    module = MultiLoraModule(
+        model_name="tiny-llama", tokenizer_name="byte", roles=roles, val_schemes=[], producer=producer
+    )  # the model is never built: the plan needs the host copies and the split only
+    module.train_config.lambda_shared = 0.5
+    out = []
+    for step, batch in enumerate(dm.train_dataloader()):
+        if limit is not None and step >= limit:
+            break
+        batch = module.on_before_batch_transfer(batch, 0)
+        lengths = batch["lengths"].tolist()
+        plan = {}
+        if cross:
+            plan = module.absorption_plan(batch, module.host_producers(batch, seed=step)) or {}
+        out.append((lengths, [n for j, n in enumerate(lengths) if j not in plan]))
+    return out
+
+
+def calibrate(folder: Path) -> tuple[StepModel, dict]:
+    """Fits the model to ``folder``'s control run and checks it on its cross-role run (see the module docstring)."""
+    control = json.loads(next(folder.glob("bench_cross_*_none/bench_train.json")).read_text())
+    zero, half = control["rows"]
+    shape = shape_of(control)
+    lengths = warm_round(zero, control, "step_lengths")
+    flops = [padded_flops(shape, x) for x in lengths]
+    a, per_flop = fit_line(flops, warm_round(zero, control, "step_seconds"))
+    plain = [a + per_flop * f for f in flops]
+    c = fit_scale(plain, [t - p for t, p in zip(warm_round(half, control, "step_seconds"), plain, strict=True)])
+    model = StepModel(shape, a, per_flop, c)
+    fit_err = max(abs(p - t) / t for p, t in zip(plain, warm_round(zero, control, "step_seconds"), strict=True))
+    report = {
+        "control": str(folder / "bench_cross_*_none"),
+        "a_seconds": a,
+        "sustained_tflops": 1 / per_flop / 1e12,
+        "shared_pass_over_plain": c,
+        "lambda0_fit_max_rel_error": fit_err,
+        "check": [],
+    }
+    found = list(folder.glob("bench_cross_*_prefix/bench_train.json"))
+    if found:
+        run = json.loads(found[0].read_text())
+        zero, half = run["rows"]
+        n = run["steps"]
+        tok = run["tokenizer"]
+        batches = epoch_batches(
+            run["data"], tok, run["seq_len"], run["batch_size"], run.get("max_tokens"), run["producer"], limit=2 + n
+        )[run["warmup_steps"] :]
+        for (lens, kept), got_lens, t0, th in zip(
+            batches,
+            warm_round(zero, run, "step_lengths"),
+            warm_round(zero, run, "step_seconds"),
+            warm_round(half, run, "step_seconds"),
+            strict=True,
+        ):
+            if lens != got_lens:
+                raise ValueError(f"rebuilt batch {lens} differs from the GPU run's {got_lens}: not the same batches")
+            report["check"].append(
+                {
+                    "lengths": lens,
+                    "absorbed": len(lens) - len(kept),
+                    "measured_ratio": th / t0,
+                    "model_ratio": model.weighted(lens, kept) / model.plain(lens),
+                    "measured_weighted_s": th,
+                    "model_weighted_s": model.weighted(lens, kept),
+                }
+            )
+    return model, report
+
+
+def spread(ratios_parts: list[tuple[float, float]], n: int, draws: int = 4000, seed: int = 0) -> list[float]:
+    """5th, 50th and 95th percentiles of ``Σ weighted / Σ plain`` over ``n`` batches drawn at random."""
+    num = torch.tensor([w for w, _ in ratios_parts], dtype=torch.float64)
+    den = torch.tensor([p for _, p in ratios_parts], dtype=torch.float64)
+    idx = torch.randint(0, len(num), (draws, n), generator=torch.Generator().manual_seed(seed))
+    r = num[idx].sum(1) / den[idx].sum(1)
+    return torch.quantile(r, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist()
+
+
+def project(model: StepModel, setting: str, producer: str) -> dict:
+    """``setting`` = ``benchmark:tokenizer:seq_len:b<batch>`` or ``...:t<max_tokens>``."""
+    benchmark, tokenizer, seq_len, size = setting.split(":")
+    max_tokens = int(size[1:]) if size.startswith("t") else None
+    batch_size = 4 if max_tokens else int(size[1:])
+    out = {"setting": setting, "producer": producer}
+    for cross in (False, True):
+        batches = epoch_batches(benchmark, tokenizer, int(seq_len), batch_size, max_tokens, producer, cross=cross)
+        parts = [(model.weighted(lens, kept), model.plain(lens)) for lens, kept in batches]
+        key = "cross_role" if cross else "ordinary"
+        out[key] = {
+            "batches": len(batches),
+            "rows": sum(len(x) for x, _ in batches),
+            "absorbed_rows": sum(len(x) - len(k) for x, k in batches),
+            "batches_with_absorption": sum(len(x) != len(k) for x, k in batches),
+            "epoch_ratio": sum(w for w, _ in parts) / sum(p for _, p in parts),
+            "epoch_plain_hours": sum(p for _, p in parts) / 3600,
+            "ratio_of_n_batches_p5_p50_p95": {n: spread(parts, n) for n in (6, 16, 32, 64)},
+        }
+    return out
+
+
+def render(report: dict) -> str:
+    cal = report["calibration"]
+    lines = [
+        "# The weighted λ step over a whole epoch: a model fitted to GPU steps (a projection, not a measurement)",
+        "",
+        f"Calibration: `{cal['control']}` (warm round). A λ 0 step takes {cal['a_seconds'] * 1e3:.1f} ms + padded "
+        f"FLOPs at {cal['sustained_tflops']:.1f} TFLOP/s (largest error {100 * cal['lambda0_fit_max_rel_error']:.1f}%"
+        f"); the shared pass costs {cal['shared_pass_over_plain']:.3f}× a plain pass.",
+        "",
+        "Check on the cross-role run's batches (not fitted; absorbed rows rebuilt on the CPU with the bench's seeds):",
+        "",
+        "| batch lengths | absorbed | measured ratio | model ratio |",
+        "| :--- | ---: | ---: | ---: |",
+    ]
+    for c in cal["check"]:
+        lines.append(f"| {c['lengths']} | {c['absorbed']} | {c['measured_ratio']:.3f} | {c['model_ratio']:.3f} |")
+    lines += [
+        "",
+        "Projected over one epoch (`bench train`'s and `fit`'s batches; ratio = Σ weighted λ step / Σ λ 0 step):",
+        "",
+        "| setting | producer | batches | absorbed rows / rows | ordinary batches | cross-role batches | "
+        "16 random cross-role batches (5–95%) |",
+        "| :--- | :--- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in report["projections"]:
+        o, x = p["ordinary"], p["cross_role"]
+        lo, _, hi = x["ratio_of_n_batches_p5_p50_p95"][16]
+        lines.append(
+            f"| {p['setting']} | {p['producer']} | {x['batches']} | {x['absorbed_rows']} / {x['rows']} | "
+            f"{o['epoch_ratio']:.3f} | **{x['epoch_ratio']:.3f}** | {lo:.3f}–{hi:.3f} |"
+        )
+    prov = report["provenance"]
+    lines += [
+        "",
+        "---",
+        f"Produced on {prov['device']['name']}, commit {prov['git_commit']}"
+        + (" (uncommitted changes)" if prov.get("git_dirty") else "")
+        + f", {prov['utc']}; torch {prov['versions']['torch']}. Command: `{prov['command']}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calibration", required=True, help="a gpu_lambda_cost.sh output folder with bench_cross_*_none/")
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        default=["hotpotqa:byte:4096:b4", "hotpotqa:byte:2048:b4", "hotpotqa:.tok:4096:t16384"],
+        help="benchmark:tokenizer:seq_len:b<batch size> or :t<max_tokens>",
+    )
+    ap.add_argument("--producers", nargs="+", default=["prefix", "random"])
+    ap.add_argument("--out", default="results/prefix_reuse/cost_model")
+    args = ap.parse_args(argv)
+    model, cal = calibrate(Path(args.calibration))
+    print(json.dumps({k: v for k, v in cal.items() if k != "check"}, indent=1))
+    for c in cal["check"]:
+        print(f"check: {c['absorbed']} absorbed, measured {c['measured_ratio']:.3f}, model {c['model_ratio']:.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"calibration": cal, "projections": [], "provenance": provenance(device="cpu")}
+    for setting in args.settings:
+        for producer in args.producers:
+            report["projections"].append(project(model, setting, producer))
+            p = report["projections"][-1]
+            print(
+                f"{setting} {producer}: ordinary {p['ordinary']['epoch_ratio']:.3f}, "
+                f"cross-role {p['cross_role']['epoch_ratio']:.3f}",
+                flush=True,
+            )
+            out.with_suffix(".json").write_text(json.dumps(report, indent=1))  # written as it goes
+    out.with_suffix(".md").write_text(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""scripts/cross_role_cost_model.py: the step-time fit and the rebuilt batches it projects from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli import main
+from eval_suite.bench_train import ModelShape, pass_flops
+from tests.conftest import load_script
+from tests.test_cross_role_batches import write_chained
+
+cost_model = load_script("cross_role_cost_model")
+TINY = {"vocab_size": 258, "num_hidden_layers": 2}
+
+
+def test_fit_line_keeps_the_intercept_at_flop_scale() -> None:
+    """Step times against FLOPs of ~1e14: the fit must return the fixed cost and the rate (an unscaled least-squares
+    solve dropped the intercept as rank-deficient and put the whole time on the FLOPs)."""
+    flops = [3.1e14, 4.4e14, 5.2e14, 2.0e14]
+    seconds = [0.05 + f / 300e12 for f in flops]
+    a, per_flop = cost_model.fit_line(flops, seconds)
+    assert a == pytest.approx(0.05, rel=1e-6) and 1 / per_flop == pytest.approx(300e12, rel=1e-6)
+    assert cost_model.fit_scale([1.0, 2.0, 3.0], [1.5, 3.0, 4.5]) == pytest.approx(1.5)
+
+
+def test_step_model_drops_only_the_absorbed_rows_plain_work() -> None:
+    shape = ModelShape(2, 16, 2, 1, 8, 32, 50, 2, ("q_proj",))
+    model = cost_model.StepModel(shape, a=0.01, per_flop=1e-9, c=1.04)
+    lengths = [40, 30, 20]
+    assert model.weighted(lengths, lengths) == pytest.approx(2.04 * model.plain(lengths))
+    assert model.weighted(lengths, []) == pytest.approx(1.04 * model.plain(lengths))
+    # the plain pass pads the kept rows to their own longest: dropping the longest row shortens the others' padding
+    assert cost_model.padded_flops(shape, [30, 20]) == pass_flops(shape, [30, 30], 0)
+    assert model.plain([30, 20]) == pytest.approx(0.01 + 1e-9 * pass_flops(shape, [30, 30], 0))
+    assert model.plain([]) == 0.0
+
+
+@pytest.mark.parametrize("producer", ["prefix", "random"])
+def test_rebuilt_batches_are_the_bench_runs_batches(tmp_path: Path, producer: str) -> None:
+    """The projection and the calibration check rebuild ``bench train``'s batches and absorbed rows on the host; they
+    must be the very batches, and absorb the same rows per step, as the bench's steps (seeded producers included)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_chained(data, n=8)
+    out = tmp_path / "out"
+    argv = [
+        "bench", "train", "--model", "tiny-llama", "--model_overrides", json.dumps(TINY), "--data", str(data),
+        "--seq_len", "512", "--batch_size", "4", "--steps", "5", "--warmup_steps", "1", "--lambdas", "[0, 0.5]",
+        "--checkpointing", "[false]", "--pack_prefixes", "false", "--peft_baseline", "false", "--precision",
+        "32-true", "--cross_role_batches", "true", "--producer", producer, "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    half = json.loads((out / "bench_train.json").read_text())["rows"][1]
+    rebuilt = cost_model.epoch_batches(str(data), "byte", 512, 4, None, producer, limit=6)[1:]
+    assert [lens for lens, _ in rebuilt] == half["step_lengths"]
+    assert [len(lens) - len(kept) for lens, kept in rebuilt] == half["step_absorbed"]
+    assert sum(half["step_absorbed"]) > 0
