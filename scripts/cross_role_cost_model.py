@@ -261,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--settings",
         nargs="+",
-        default=["hotpotqa:byte:4096:b4", "hotpotqa:byte:2048:b4", "hotpotqa:.tok:4096:t16384"],
+        default=[
+            "hotpotqa:byte:4096:b4",
+            "hotpotqa:byte:2048:b4",
+            "hotpotqa:.tok:4096:t16384",
+            "scienceqa:byte:4096:b4",
+            "scienceqa:.tok:4096:t16384",
+        ],
         help="benchmark:tokenizer:seq_len:b<batch size> or :t<max_tokens>",
     )
     ap.add_argument("--producers", nargs="+", default=["prefix", "random"])
