@@ -836,6 +836,19 @@ def _compare(rows: list[dict[str, Any]]) -> None:
             else None
         )
         r["vs_peft"] = r["tokens_per_s"] / peft["tokens_per_s"] if ok and peft and not peft["oom"] else None
+        # tokens/s over the loop's = the loop's time over this row's, per batch (the loop runs one round)
+        r["vs_peft_interval"] = (
+            paired_ratio_interval(_per_batch_mean(r["step_seconds"], r.get("rounds", 1)), peft["step_seconds"])
+            if r["vs_peft"] is not None
+            else None
+        )
+
+
+def _per_batch_mean(seconds: list[float], rounds: int) -> list[float]:
+    """``(rounds * n,)`` round-major step times -> ``(n,)`` each batch's mean over the rounds."""
+    if rounds <= 1 or len(seconds) % rounds:
+        return list(seconds)
+    return torch.tensor(seconds, dtype=torch.float64).reshape(rounds, -1).mean(0).tolist()
 
 
 def paired_ratio_interval(
@@ -878,6 +891,11 @@ def paired_ratio_interval(
     return [low, high]
 
 
+def _interval(bounds: list[float] | None) -> str:
+    """`` (1.18–1.24)``, or nothing."""
+    return f" ({bounds[0]:.2f}–{bounds[1]:.2f})" if bounds else ""
+
+
 def _round_range(row: dict[str, Any]) -> str:
     """`` (1.97–1.99 in 3 rounds; 95% interval 1.95–2.01 over 8 batches)``: the per-round ratios' range, where a row
     has rounds, and the paired interval over the batches (:func:`paired_ratio_interval`), where it has one."""
@@ -911,7 +929,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             f(None if r["mfu"] is None else 100 * r["mfu"], ".1f"),
             f(r["peak_memory_gib"], ".1f"),
             f(r["vs_lambda0"], ".3f") + _round_range(r),
-            f(r["vs_peft"], ".2f"),
+            f(r["vs_peft"], ".2f") + _interval(r.get("vs_peft_interval")),
         ]
         for r in result["rows"]
     ]
@@ -937,7 +955,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             if result.get("warm_rounds")
             else ""
         )
-        + ", the same batches for every row with the same packing; the ratio's 95% interval resamples the timed "
+        + ", the same batches for every row with the same packing; the ratios' 95% intervals resample the timed "
         "batches, paired"
         + (
             f"; cross-role batches ({result.get('cross_role_links', 0)} source-consumer links kept in one batch, "

@@ -18,6 +18,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "bench train: the PEFT interval pairs the loop's one round with lragent's rounds unaveraged": (
+        "eval_suite/bench_train.py",
+        'paired_ratio_interval(_per_batch_mean(r["step_seconds"], r.get("rounds", 1)), peft["step_seconds"])',
+        'paired_ratio_interval(r["step_seconds"], peft["step_seconds"])',
+        "tests/test_bench_train.py -k peft_loop_gets",
+    ),
+    "bench train: the PEFT interval upside down (lragent's time over the loop's)": (
+        "eval_suite/bench_train.py",
+        'paired_ratio_interval(_per_batch_mean(r["step_seconds"], r.get("rounds", 1)), peft["step_seconds"])',
+        'paired_ratio_interval(peft["step_seconds"], _per_batch_mean(r["step_seconds"], r.get("rounds", 1)))',
+        "tests/test_bench_train.py -k peft_loop_gets",
+    ),
     "cost model: step-time fit without scaling the FLOPs (the intercept dropped)": (
         "scripts/cross_role_cost_model.py",
         ("design = torch.stack([torch.ones_like(xs), xs / scale], 1)", "return float(sol[0, 0]), float(sol[1, 0]) / scale"),

@@ -328,6 +328,25 @@ def test_paired_interval_follows_the_batches_not_their_spread() -> None:
     assert paired_ratio_interval([1.0], [2.0]) is None and paired_ratio_interval(zero, mixed[:5]) is None
 
 
+def test_speed_against_the_peft_loop_gets_a_paired_interval_over_its_batches() -> None:
+    """lragent timed in 2 rounds, the loop in one, over the same 3 batches; the loop takes 1.2x each batch's mean
+    lragent time: tokens/s over the loop's is 1.2 with the interval 1.2 at both ends."""
+    from eval_suite.bench_train import _compare
+
+    lragent_rounds = [0.5, 1.0, 0.8, 0.7, 1.2, 0.6]  # round-major: batches 0, 1, 2 then again
+    means = [(a + b) / 2 for a, b in zip(lragent_rounds[:3], lragent_rounds[3:], strict=True)]
+    setting = {"checkpointing": True, "packed": False, "oom": False, "lambda": 0.0, "lambda_mode": "weight"}
+    ours = {**setting, "impl": "lragent", "rounds": 2, "step_seconds": lragent_rounds, "ms_per_step": 1e3 * sum(
+        lragent_rounds) / 6, "tokens_per_s": 6 * 100 / sum(lragent_rounds)}  # fmt: skip
+    loop = {**setting, "impl": "peft", "step_seconds": [1.2 * m for m in means], "ms_per_step": 1.0,
+            "tokens_per_s": 3 * 100 / sum(1.2 * m for m in means)}  # fmt: skip
+    rows = [ours, loop]
+    _compare(rows)
+    assert ours["vs_peft"] == pytest.approx(1.2)
+    assert ours["vs_peft_interval"] == pytest.approx([1.2, 1.2])
+    assert loop["vs_peft_interval"] is None and ours["vs_lambda0_interval"] is None  # nothing to pair with itself
+
+
 def test_bench_train_warm_rounds_are_not_pooled_and_max_tokens_caps_the_batches(tmp_path: Path) -> None:
     """One warm round and two timed ones: the rows pool only the timed rounds (steps = 2 rounds x steps), keep the
     warm round's step time apart, pair the ratio's interval over the batches; token-budget batches stay within
