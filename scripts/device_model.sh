@@ -5,6 +5,7 @@
 #   then put part00, part01, part02, ... each in its own git-ignored folder (.gguf1, .gguf2, ...), and carry one
 #   folder per call while the machine stays warm; this script collects the parts in /tmp/gguf and joins them once
 #   all bytes are there. It also installs carried wheels (.whl: gguf, jsonargparse[signatures]).
+# `bash scripts/device_carry.sh prepare` makes all of it here (and `restore` undoes the slim tree).
 # Usage inside a device command: source scripts/device_model.sh
 set -u
 GGUF_BYTES=98362432

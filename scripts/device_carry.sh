@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Prepares (and undoes) what a device call carries in this workplace, where one call carries at most 64 MiB: the
+# working tree (slimmed), the wheels the GPU image lacks, the embedded GGUF in two halves and the embedded tokenizer.
+#
+#   bash scripts/device_carry.sh prepare   # .commit, .whl (gguf, jsonargparse, ...), .gguf1 + .gguf2, .tok, a slim
+#                                          # tree (large results and adapter sets moved to $KEEP), then `check`
+#   bash scripts/device_carry.sh check     # what each planned call carries, against the 64 MiB limit
+#   bash scripts/device_carry.sh restore   # puts the moved folders back and removes .gguf1 / .gguf2
+#
+# The calls then carry [".whl", ".commit", ".tok", ".gguf1"] (call 1: its command sources scripts/device_model.sh,
+# which copies the first half to /tmp on the device) and [".whl", ".commit", ".gguf2"] (call 2, while the machine is
+# still warm: the halves are joined and LRAGENT_EMBEDDED_GGUF is set). Without the gguf wheel the model tests skip;
+# `check` fails when it is missing. Commit while slim only with explicit paths (`git add <path>`, never -A).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KEEP=${KEEP:-/tmp/lragent_slim}
+LIMIT=$((64 * 1024 * 1024))
+SLIM=(results/study results/similarity results/agents_h200 results/answer_text_h200 results/sweep_embedded
+  results/eval_batch_auto_h200 results/train_8b_h200 results/gpu_tests results/eval_speed
+  data/adapters/hotpotqa_indepA data/adapters/scienceqa_indepA data/adapters/scienceqa_sharedA)
+WHEELS=(gguf==0.19.0 jsonargparse==4.53.0 typeshed_client==2.15.0 docstring_parser==0.18.0)
+
+tree_bytes() {  # what a call carries of the tree: tracked files that exist, plus untracked files git does not ignore
+  { git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null || true; } \
+    | awk '{s+=$1} END {print s+0}'
+}
+dir_bytes() { [ -e "$1" ] && du -sb "$1" | cut -f1 || echo 0; }
+
+exclude() {  # the carried folders must be git-ignored, or they would travel with every call
+  mkdir -p .git/info
+  for p in /.whl/ /.gguf1/ /.gguf2/ /.tok/ /.commit; do
+    grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
+  done
+}
+
+check() {
+  local tree whl tok g1 g2 ok=0
+  tree=$(tree_bytes); whl=$(dir_bytes .whl); tok=$(dir_bytes .tok); g1=$(dir_bytes .gguf1); g2=$(dir_bytes .gguf2)
+  ls .whl/gguf-*.whl > /dev/null 2>&1 || { echo "MISSING: .whl has no gguf wheel (the model tests would skip)"; ok=1; }
+  [ -s .commit ] && [ "$(cat .commit)" = "$(git rev-parse HEAD)" ] || { echo "STALE: .commit is not HEAD"; ok=1; }
+  for call in "call 1: tree + .whl + .commit + .tok + .gguf1:$((tree + whl + tok + g1))" \
+    "call 2: tree + .whl + .commit + .gguf2:$((tree + whl + g2))"; do
+    local bytes=${call##*:}
+    printf '%-45s %6.1f MiB %s\n' "${call%:*}" "$(awk "BEGIN {print $bytes / 1048576}")" \
+      "$([ "$bytes" -le "$LIMIT" ] && echo ok || echo 'OVER 64 MiB')"
+    [ "$bytes" -le "$LIMIT" ] || ok=1
+  done
+  return $ok
+}
+
+case "${1:-}" in
+  prepare)
+    exclude
+    git rev-parse HEAD > .commit
+    mkdir -p .whl
+    ls .whl/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+    if [ ! -f .gguf2/part03 ]; then
+      gguf=$(python3 -c 'from lragent.models import embedded_gguf_path as p; print(p())')
+      rm -rf .gguf1 .gguf2 && mkdir -p .gguf1 .gguf2
+      split -b 24590608 -d "$gguf" .gguf1/part  # 4 parts of 98,362,432 bytes
+      mv .gguf1/part02 .gguf1/part03 .gguf2/
+    fi
+    if [ ! -f .tok/tokenizer.json ]; then
+      mkdir -p .tok
+      tok=$(python3 -c 'from lragent.models import _embedded_converted_dir as d; print(d())')
+      cp "$tok"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
+    fi
+    mkdir -p "$KEEP"
+    for p in "${SLIM[@]}"; do
+      [ -e "$p" ] || continue
+      mkdir -p "$KEEP/$(dirname "$p")"
+      mv "$p" "$KEEP/$p"
+    done
+    check
+    ;;
+  restore)
+    for p in "${SLIM[@]}"; do
+      [ -e "$KEEP/$p" ] || continue
+      [ -e "$p" ] && { echo "not restoring $p: it exists again in the tree ($KEEP/$p kept)"; continue; }
+      mv "$KEEP/$p" "$p"
+    done
+    rm -rf .gguf1 .gguf2
+    git status --short | head -5
+    ;;
+  check) check ;;
+  *) sed -n '2,14p' "$0"; exit 2 ;;
+esac
