@@ -17,6 +17,7 @@
 #                          CROSS_MAXTOK: token-budget batches of that many padded tokens instead of 4 sequences
 #                          (the embedded tokenizer's examples are short: 4 of them are ~2,600 tokens). WARM_ROUNDS
 #                          (default 1): untimed rounds over the timed batches first (bench train --warm_rounds).
+#                          CROSS_DATA (default hotpotqa): the benchmark (its name joins the folder's when not hotpotqa).
 #                          Make .tok here (3.4 MB, git-ignored) and carry it: mkdir -p .tok && cp "$(python -c 'from lragent.models import
 #                          _embedded_converted_dir as d; print(d())')"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
 # Byte tokens and random weights: no model file needed. Needs ~100 GiB with checkpointing off: an H200.
@@ -38,8 +39,9 @@ cross_benches() {  # the cross-role batches' λ cost (see the header)
   for tok in "${toks[@]}"; do
     for producer in ${CROSS_PRODUCERS:-prefix random}; do
       t=$(date +%s)
-      local name="bench_cross_$(basename "$tok" | tr -d .)_$producer"
-      "$PY" cli.py bench train --model llama-3.1-8b --data hotpotqa --tokenizer "$tok" --seq_len "${CROSS_LEN:-4096}" \
+      local data=${CROSS_DATA:-hotpotqa}
+      local name="bench_cross_$([ "$data" = hotpotqa ] || echo "${data}_")$(basename "$tok" | tr -d .)_$producer"
+      "$PY" cli.py bench train --model llama-3.1-8b --data "$data" --tokenizer "$tok" --seq_len "${CROSS_LEN:-4096}" \
         --batch_size 4 ${CROSS_MAXTOK:+--max_tokens "$CROSS_MAXTOK"} --steps "$STEPS" --warmup_steps 2 \
         --lambdas '[0, 0.5]' --checkpointing '[true]' --pack_prefixes false --peft_baseline false \
         --rounds "${ROUNDS:-1}" --warm_rounds "${WARM_ROUNDS:-1}" \
