@@ -18,6 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "cross-role batches, bundled data: an absorbed row's plain predictions read one position late": (
+        "lit_modules/multi_lora_module.py",
+        "moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j] - 1, lengths[j] - 1)]",
+        "moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j], lengths[j])]",
+        "tests/test_cross_role_batches.py -k real_token",
+    ),
     "bench train: the PEFT interval pairs the loop's one round with lragent's rounds unaveraged": (
         "eval_suite/bench_train.py",
         'paired_ratio_interval(_per_batch_mean(r["step_seconds"], r.get("rounds", 1)), peft["step_seconds"])',

@@ -177,6 +177,57 @@ def test_absorbed_plain_terms_equal_the_two_passes(tmp_path: Path, scheme: str, 
         assert skipped >= 1  # the case that must not be absorbed occurred
 
 
+@pytest.mark.model
+def test_absorbed_plain_terms_equal_the_two_passes_on_real_token_budget_batches() -> None:
+    """The same equality on the bundled HotpotQA data as the 8B benchmark batches it: the embedded tokenizer, 4096
+    tokens, 16,384-token batches of 11–18 rows with chains and unlinked rows side by side (the synthetic data above
+    has neither the lengths nor the mix)."""
+    from eval_suite.bench_train import _data_files
+
+    dm = RoleExampleDataModule(
+        _data_files("hotpotqa", ROLES), roles=ROLES, tokenizer="default", max_length=4096, batch_size=4,
+        val_fraction=0.0, cross_role_batches=True, max_tokens=16384,
+    )  # fmt: skip
+    dm.setup("fit")
+    m = module(
+        lambda_shared=0.5, producer="prefix", adapter_seed=1, tokenizer_name="default",
+        model_overrides={"vocab_size": len(dm.tokenizer), "num_hidden_layers": 2},
+    )  # fmt: skip
+    m.configure_model()
+    with torch.no_grad():
+        for p in m.lora_model.lora_parameters():
+            p.normal_(0, 0.05)
+    checked = absorbed = 0
+    for step, batch in enumerate(dm.train_dataloader()):
+        if checked == 2:
+            break
+        batch = m.on_before_batch_transfer(batch, 0)
+        plan = m.absorption_plan(batch, m.host_producers(batch, step)) or {}
+        if not plan:
+            continue
+        outs, grads = [], []
+        for absorb in (True, False):
+            m.zero_grad(set_to_none=True)
+            orig = m.absorption_plan
+            if not absorb:
+                m.absorption_plan = lambda *a, **k: None
+            try:
+                out = m.compute_loss(batch, seed=step)
+            finally:
+                m.absorption_plan = orig
+            out["loss"].backward()
+            outs.append(out)
+            grads.append([p.grad.clone() for p in m.lora_model.lora_parameters()])
+        assert int(outs[0]["absorbed_rows"].item()) == len(plan) and "absorbed_rows" not in outs[1]
+        for key in ("loss", "plain", "shared"):
+            torch.testing.assert_close(outs[0][key], outs[1][key], rtol=1e-5, atol=1e-6)
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        checked += 1
+        absorbed += len(plan)
+    assert checked == 2 and absorbed >= 4
+
+
 def test_prefix_producer_is_the_source_role(tmp_path: Path) -> None:
     """``producer: prefix`` gives a row the role of its longest source within the split, and the rows without one the
     ``random`` draw of the same seed (the cut row among them)."""
