@@ -149,6 +149,12 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
         "sustained_tflops": 1 / per_flop / 1e12,
         "shared_pass_over_plain": c,
         "lambda0_fit_max_rel_error": fit_err,
+        "control_ratios": [
+            t / p
+            for t, p in zip(
+                warm_round(half, control, "step_seconds"), warm_round(zero, control, "step_seconds"), strict=True
+            )
+        ],  # fmt: skip
         "check": [],
     }
     found = list(folder.glob("bench_cross_*_prefix/bench_train.json"))
@@ -177,6 +183,7 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
                     "model_ratio": model.weighted(lens, kept) / model.plain(lens),
                     "measured_weighted_s": th,
                     "model_weighted_s": model.weighted(lens, kept),
+                    "saved_share": 1 - model.plain(kept) / model.plain(lens),  # of the plain pass, by the model
                 }
             )
     return model, report
@@ -222,7 +229,8 @@ def render(report: dict) -> str:
         f"FLOPs at {cal['sustained_tflops']:.1f} TFLOP/s (largest error {100 * cal['lambda0_fit_max_rel_error']:.1f}%"
         f"); the shared pass costs {cal['shared_pass_over_plain']:.3f}× a plain pass.",
         "",
-        "Check on the cross-role run's batches (not fitted; absorbed rows rebuilt on the CPU with the bench's seeds):",
+        "Check on the cross-role run's batches (not fitted; absorbed rows rebuilt on the CPU with the bench's seeds; "
+        "plotted in `cost_model.png`):",
         "",
         "| batch lengths | absorbed | measured ratio | model ratio |",
         "| :--- | ---: | ---: | ---: |",
@@ -253,6 +261,39 @@ def render(report: dict) -> str:
         + f", {prov['utc']}; torch {prov['versions']['torch']}. Command: `{prov['command']}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Each timed batch's λ 0.5 / λ 0 against the share of its plain pass that absorption saved, with the model's
+    line ``1 + c - share`` and the projected epochs' ratios beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cal = report["calibration"]
+    c = cal["shared_pass_over_plain"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    ax.plot([0, 0.75], [1 + c, 1 + c - 0.75], color="0.4", lw=1, label=f"model: 1 + {c:.3f} − saved share")
+    ax.axhline(2.0, color="tab:red", lw=0.8, ls="--", label="2× a λ 0 step")
+    ax.scatter([0] * len(cal["control_ratios"]), cal["control_ratios"], marker="x", color="0.3",
+               label="ordinary batches (the fit's)")  # fmt: skip
+    check = cal["check"]
+    ax.scatter([x["saved_share"] for x in check], [x["measured_ratio"] for x in check], color="tab:blue", zorder=3,
+               label="cross-role batches, measured (not fitted)")  # fmt: skip
+    for proj in report["projections"]:
+        share = 1 + c - proj["cross_role"]["epoch_ratio"]
+        ax.scatter([share], [proj["cross_role"]["epoch_ratio"]], marker="D", s=18, color="tab:green", zorder=2)
+        ax.annotate(f"{proj['setting']} {proj['producer']}", (share, proj["cross_role"]["epoch_ratio"]), fontsize=6,
+                    xytext=(4, 2), textcoords="offset points", color="tab:green")  # fmt: skip
+    ax.scatter([], [], marker="D", s=18, color="tab:green", label="whole epochs, projected")
+    ax.set_xlabel("share of the batch's plain pass scored in the shared pass instead (by the model)")
+    ax.set_ylabel("weighted λ 0.5 step / λ 0 step")
+    ax.set_title("The λ term's cost on cross-role batches (8B shapes, one H100, checkpointing on)", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             out.with_suffix(".json").write_text(json.dumps(report, indent=1))  # written as it goes
     out.with_suffix(".md").write_text(render(report))
+    plot(report, out.with_suffix(".png"))
     return 0
 
 
