@@ -281,11 +281,18 @@ def plot(report: dict, path: Path) -> None:
     check = cal["check"]
     ax.scatter([x["saved_share"] for x in check], [x["measured_ratio"] for x in check], color="tab:blue", zorder=3,
                label="cross-role batches, measured (not fitted)")  # fmt: skip
-    for proj in report["projections"]:
+    for i, proj in enumerate(sorted(report["projections"], key=lambda p: p["cross_role"]["epoch_ratio"])):
         share = 1 + c - proj["cross_role"]["epoch_ratio"]
         ax.scatter([share], [proj["cross_role"]["epoch_ratio"]], marker="D", s=18, color="tab:green", zorder=2)
-        ax.annotate(f"{proj['setting']} {proj['producer']}", (share, proj["cross_role"]["epoch_ratio"]), fontsize=6,
-                    xytext=(4, 2), textcoords="offset points", color="tab:green")  # fmt: skip
+        ax.annotate(
+            f"{proj['setting']} {proj['producer']}",
+            (share, proj["cross_role"]["epoch_ratio"]),
+            fontsize=6,
+            xytext=(6, 3) if i % 2 else (-6, -9),
+            ha="left" if i % 2 else "right",
+            textcoords="offset points",
+            color="tab:green",
+        )  # labels alternate sides: neighbouring epochs sit close
     ax.scatter([], [], marker="D", s=18, color="tab:green", label="whole epochs, projected")
     ax.set_xlabel("share of the batch's plain pass scored in the shared pass instead (by the model)")
     ax.set_ylabel("weighted λ 0.5 step / λ 0 step")
