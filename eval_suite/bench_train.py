@@ -882,8 +882,8 @@ def paired_ratio_interval(
     n = len(seconds) // rounds
     if n < 2:
         return None
-    zero = torch.tensor(zero_seconds, dtype=torch.float64).reshape(rounds, n).mean(0)
-    other = torch.tensor(seconds, dtype=torch.float64).reshape(rounds, n).mean(0)
+    zero = torch.tensor(_per_batch_mean(zero_seconds, rounds), dtype=torch.float64)
+    other = torch.tensor(_per_batch_mean(seconds, rounds), dtype=torch.float64)
     draw = torch.randint(0, n, (n_boot, n), generator=torch.Generator().manual_seed(seed))
     ratios = other[draw].sum(1) / zero[draw].sum(1)
     q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)

@@ -579,19 +579,18 @@ class MultiLoraModule(LightningModule):
         offsets = [0]
         for n_r, c_r in zip(lengths, ctx, strict=True):
             offsets.append(offsets[-1] + n_r - c_r)
+        # a source is shorter than its consumer: the batch's longest row is always kept (so ``keep`` is never empty)
+        # and the kept rows keep the batch's width
         keep = [r for r in range(len(lengths)) if r not in plan]
-        t_keep = max((lengths[r] for r in keep), default=1)
-        plain_index = [i * t_keep + p for i, r in enumerate(keep) for p in range(ctx[r] - 1, lengths[r] - 1)]
+        plain_index = [i * t + p for i, r in enumerate(keep) for p in range(ctx[r] - 1, lengths[r] - 1)]
         plain_targets = [q for r in keep for q in range(offsets[r], offsets[r + 1])]
         moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j] - 1, lengths[j] - 1)]
         moved_targets = [q for j in plan for q in range(offsets[j], offsets[j + 1])]
         dev = ids.device
         n = max(1, targets.numel())
-        plain_sum = targets.new_zeros((), dtype=torch.float32)
-        if keep:
-            rows = _host_to(keep, dev)
-            logits = self(ids[rows, :t_keep], batch["role_ids"][rows], None, output_index=_host_to(plain_index, dev))
-            plain_sum = F.cross_entropy(logits.float(), targets[_host_to(plain_targets, dev)], reduction="sum")
+        rows = _host_to(keep, dev)
+        logits = self(ids[rows], batch["role_ids"][rows], None, output_index=_host_to(plain_index, dev))
+        plain_sum = F.cross_entropy(logits.float(), targets[_host_to(plain_targets, dev)], reduction="sum")
         index = torch.cat([batch["loss_index"], _host_to(moved_index, dev)])
         logits = self.shared_logits(batch, producers, self.train_config.shared_scheme, index)  # (N + M, V)
         n_shared = targets.numel()

@@ -72,9 +72,8 @@ class StepModel:
 
 
 def shape_of(result: dict) -> ModelShape:
-    s = result["shape"]
-    fields = ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab", "rank")
-    return ModelShape(*(s[k] for k in fields), tuple(s["targets"]))
+    """The ``ModelShape`` a ``bench train`` JSON was measured with (its ``shape``: ``asdict`` of one)."""
+    return ModelShape(**{**result["shape"], "targets": tuple(result["shape"]["targets"])})
 
 
 def warm_round(row: dict, result: dict, key: str) -> list:

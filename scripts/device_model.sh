@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # GPU device helper (this workplace's device tool). The embedded GGUF (98,362,432 bytes) is larger than one call
-# carries next to the repo (64 MiB in all, and the repo with data/adapters is ~40 MB), so it travels in parts:
-#   split -b 22000000 -d "$(python -c 'from lragent.models import embedded_gguf_path as p; print(p())')" part
-#   then put part00, part01, part02, ... each in its own git-ignored folder (.gguf1, .gguf2, ...), and carry one
-#   folder per call while the machine stays warm; this script collects the parts in /tmp/gguf and joins them once
-#   all bytes are there. It also installs carried wheels (.whl: gguf, jsonargparse[signatures]).
-# `bash scripts/device_carry.sh prepare` makes all of it here (and `restore` undoes the slim tree).
+# carries next to the repo (64 MiB in all), so it travels in parts (`bash scripts/device_carry.sh prepare` splits it
+# into .gguf1 and .gguf2, fetches the wheels and slims the tree; `restore` undoes that), one folder per call while the
+# machine stays warm. This script collects the carried parts (.gguf*/part*) in /tmp/gguf and joins them once all bytes
+# are there. It also installs carried wheels (.whl: gguf, jsonargparse[signatures]).
 # Usage inside a device command: source scripts/device_model.sh
 set -u
 GGUF_BYTES=98362432

@@ -38,7 +38,10 @@ BUGS = {
     ),
     "cost model: step-time fit without scaling the FLOPs (the intercept dropped)": (
         "scripts/cross_role_cost_model.py",
-        ("design = torch.stack([torch.ones_like(xs), xs / scale], 1)", "return float(sol[0, 0]), float(sol[1, 0]) / scale"),
+        (
+            "design = torch.stack([torch.ones_like(xs), xs / scale], 1)",
+            "return float(sol[0, 0]), float(sol[1, 0]) / scale",
+        ),
         ("design = torch.stack([torch.ones_like(xs), xs], 1)", "return float(sol[0, 0]), float(sol[1, 0])"),
         "tests/test_cross_role_cost_model.py -k intercept",
     ),
@@ -68,8 +71,8 @@ BUGS = {
     ),
     "bench train: the ratio's interval over rounds, not batches (a batch's rounds not averaged)": (
         "eval_suite/bench_train.py",
-        "    zero = torch.tensor(zero_seconds, dtype=torch.float64).reshape(rounds, n).mean(0)",
-        "    zero = torch.tensor(zero_seconds, dtype=torch.float64).reshape(rounds, n)[0]",
+        "    zero = torch.tensor(_per_batch_mean(zero_seconds, rounds), dtype=torch.float64)",
+        "    zero = torch.tensor(zero_seconds[:n], dtype=torch.float64)",
         "tests/test_bench_train.py -k paired_interval",
     ),
     "bench train: warm rounds pooled with the timed ones": (

@@ -3,6 +3,7 @@ and the weighted λ step scores that example's plain term inside the shared pass
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -117,6 +118,29 @@ def lower_split(batch: dict) -> int:
     return b
 
 
+def spread_adapters(m) -> None:
+    """B away from zero: the roles must differ for an equality between roles' passes to mean anything."""
+    with torch.no_grad():
+        for p in m.lora_model.lora_parameters():
+            p.normal_(0, 0.05)
+
+
+def loss_and_grads(m, batch: dict, seed: int, absorb: bool, bf16: bool = False) -> tuple[dict, list[torch.Tensor]]:
+    """``compute_loss`` and every adapter gradient, with the sources' plain terms scored in the shared pass
+    (``absorb``) or with the absorption switched off (the two separate passes); ``bf16``: under CUDA autocast."""
+    m.zero_grad(set_to_none=True)
+    orig = m.absorption_plan
+    if not absorb:
+        m.absorption_plan = lambda *a, **k: None
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            out = m.compute_loss(batch, seed=seed)
+    finally:
+        m.absorption_plan = orig
+    out["loss"].backward()
+    return out, [p.grad.float().clone() for p in m.lora_model.lora_parameters()]
+
+
 @pytest.mark.parametrize(
     ("scheme", "producer", "cut"),
     [("base_lr_shared", "prefix", False), ("full_shared", "prefix", False), ("base_lr_shared", "random", False),
@@ -133,22 +157,7 @@ def test_absorbed_plain_terms_equal_the_two_passes(tmp_path: Path, scheme: str, 
     assert all(any(b["prefix_sources"]) for b in batches)
     m = module(lambda_shared=0.5, producer=producer, shared_scheme=scheme, adapter_seed=1)
     m.configure_model()
-    with torch.no_grad():  # B away from zero: the roles must differ for the test to mean anything
-        for p in m.lora_model.lora_parameters():
-            p.normal_(0, 0.05)
-
-    def run(batch: dict, seed: int, absorb: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        m.zero_grad(set_to_none=True)
-        orig = m.absorption_plan
-        if not absorb:
-            m.absorption_plan = lambda *a, **k: None
-        try:
-            out = m.compute_loss(batch, seed=seed)
-        finally:
-            m.absorption_plan = orig
-        out["loss"].backward()
-        return out, [p.grad.clone() for p in m.lora_model.lora_parameters()]
-
+    spread_adapters(m)
     absorbed = skipped = chained = 0
     for batch in batches:
         batch = m.on_before_batch_transfer(batch, 0)
@@ -162,8 +171,8 @@ def test_absorbed_plain_terms_equal_the_two_passes(tmp_path: Path, scheme: str, 
             for b, found in enumerate(batch["prefix_sources"]):
                 for j, k in found:
                     skipped += batch["host"]["role_ids"][j] != prod[b] or k > split[b]
-            got, g_got = run(batch, seed, True)
-            want, g_want = run(batch, seed, False)
+            got, g_got = loss_and_grads(m, batch, seed, True)
+            want, g_want = loss_and_grads(m, batch, seed, False)
             absorbed += int(got.get("absorbed_rows", torch.tensor(0.0)).item())
             assert "absorbed_rows" not in want
             for key in ("loss", "plain", "shared"):
@@ -194,9 +203,7 @@ def test_absorbed_plain_terms_equal_the_two_passes_on_real_token_budget_batches(
         model_overrides={"vocab_size": len(dm.tokenizer), "num_hidden_layers": 2},
     )  # fmt: skip
     m.configure_model()
-    with torch.no_grad():
-        for p in m.lora_model.lora_parameters():
-            p.normal_(0, 0.05)
+    spread_adapters(m)
     checked = absorbed = 0
     for step, batch in enumerate(dm.train_dataloader()):
         if checked == 2:
@@ -205,19 +212,7 @@ def test_absorbed_plain_terms_equal_the_two_passes_on_real_token_budget_batches(
         plan = m.absorption_plan(batch, m.host_producers(batch, step)) or {}
         if not plan:
             continue
-        outs, grads = [], []
-        for absorb in (True, False):
-            m.zero_grad(set_to_none=True)
-            orig = m.absorption_plan
-            if not absorb:
-                m.absorption_plan = lambda *a, **k: None
-            try:
-                out = m.compute_loss(batch, seed=step)
-            finally:
-                m.absorption_plan = orig
-            out["loss"].backward()
-            outs.append(out)
-            grads.append([p.grad.clone() for p in m.lora_model.lora_parameters()])
+        outs, grads = zip(*(loss_and_grads(m, batch, step, absorb) for absorb in (True, False)), strict=True)
         assert int(outs[0]["absorbed_rows"].item()) == len(plan) and "absorbed_rows" not in outs[1]
         for key in ("loss", "plain", "shared"):
             torch.testing.assert_close(outs[0][key], outs[1][key], rtol=1e-5, atol=1e-6)
@@ -260,27 +255,12 @@ def test_absorbed_plain_terms_equal_the_two_passes_on_the_gpu(tmp_path: Path) ->
     m = module(lambda_shared=0.5, producer="prefix", adapter_seed=1, model_dtype="bfloat16")
     m.configure_model()
     m.to("cuda")
-    with torch.no_grad():
-        for p in m.lora_model.lora_parameters():
-            p.normal_(0, 0.05)
+    spread_adapters(m)
     absorbed = 0
     for _ in range(3):
         batch = m.on_before_batch_transfer(next(loader), 0)
         batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
-        outs, grads = [], []
-        for absorb in (True, False):
-            m.zero_grad(set_to_none=True)
-            orig = m.absorption_plan
-            if not absorb:
-                m.absorption_plan = lambda *a, **k: None
-            try:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = m.compute_loss(batch, seed=2)
-            finally:
-                m.absorption_plan = orig
-            out["loss"].backward()
-            outs.append(out)
-            grads.append([p.grad.float().clone() for p in m.lora_model.lora_parameters()])
+        outs, grads = zip(*(loss_and_grads(m, batch, 2, absorb, bf16=True) for absorb in (True, False)), strict=True)
         absorbed += int(outs[0].get("absorbed_rows", torch.tensor(0.0)).item())
         for key in ("loss", "plain", "shared"):
             torch.testing.assert_close(outs[0][key], outs[1][key], rtol=2e-2, atol=2e-3)
