@@ -219,7 +219,7 @@ def project(model: StepModel, setting: str, producer: str) -> dict:
     return out
 
 
-def render(report: dict) -> str:
+def render(report: dict, plot_name: str = "cost_model.png") -> str:
     cal = report["calibration"]
     lines = [
         "# The weighted λ step over a whole epoch: a model fitted to GPU steps (a projection, not a measurement)",
@@ -229,7 +229,7 @@ def render(report: dict) -> str:
         f"); the shared pass costs {cal['shared_pass_over_plain']:.3f}× a plain pass.",
         "",
         "Check on the cross-role run's batches (not fitted; absorbed rows rebuilt on the CPU with the bench's seeds; "
-        "plotted in `cost_model.png`):",
+        f"plotted in `{plot_name}`):",
         "",
         "| batch lengths | absorbed | measured ratio | model ratio |",
         "| :--- | ---: | ---: | ---: |",
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             out.with_suffix(".json").write_text(json.dumps(report, indent=1))  # written as it goes
-    out.with_suffix(".md").write_text(render(report))
+    out.with_suffix(".md").write_text(render(report, out.with_suffix(".png").name))
     plot(report, out.with_suffix(".png"))
     return 0
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The whole GPU test suite (pytest -m gpu) in one device call: run 1, the planted GPU bugs (scripts/plant_bugs.py
 # "GPU:" entries: each must make its test fail), then run 2 if the time budget leaves room for it. Writes to
-# $OUT/gpu_tests/ (default ./gpu_tests_out): run1.{log,xml,seconds,rc}, run2.*, planted_bugs_gpu.json and the record
-# gpu_tests_<device>_<date>.{json,md} (pass/fail counts with provenance: device, torch/triton/CUDA versions, commit,
-# source hash, command) to copy into results/gpu_tests/.
+# $OUT/gpu_tests/ (default ./gpu_tests_out): the record gpu_tests_<device>_<date>.{json,md} (pass/fail counts with
+# provenance: device, torch/triton/CUDA versions, commit, source hash, command; the collected tests a run never reached,
+# named) and planted_bugs_gpu.json to copy into results/gpu_tests/, and logs.tar.gz (run1.{log,xml,seconds,rc}, run2.*,
+# collected.txt, ...): one file, since a device call brings back at most 8.
 #
 # Usage (device machine, repo root):   LRAGENT_COMMIT=<sha> bash scripts/gpu_tests.sh
 #   GPU_TESTS_BUDGET   seconds for the whole script (default 450); run 1 gets what is left minus the planted bugs'
-#                      share, run 2 runs only if it fits in what remains after the planted bugs.
+#                      share (100 s: their three runs took 60 s on an H100), run 2 runs only if it fits in what
+#                      remains after the planted bugs. The first suite of a lease also converts the embedded GGUF.
 #   GPU_TESTS_PLANT    0 to skip the planted bugs.
 #   GPU_TESTS_WORKERS  pytest-xdist workers sharing the GPU (default 12; 1: one process); N > 1 runs the tests on N
 #                      workers (--dist load: module fixtures are built once per worker). Triton compiles on the CPU,
@@ -40,6 +42,10 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee
 "$PY" -c "import pytest, hypothesis, torch, triton; print('pytest', pytest.__version__, 'torch', torch.__version__, \
 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$OUTDIR/env.txt"
 
+# the suite's node ids, so a run stopped by its budget names the tests it did not reach
+"$PY" -m pytest -m gpu -q --collect-only -p no:cacheprovider tests > "$OUTDIR/collected.txt" 2>&1
+echo "collected: $(grep -c '::' "$OUTDIR/collected.txt") GPU tests in $(elapsed) s"
+
 run_suite() {  # $1 = run name, $2 = seconds allowed (at least 30)
   local t=$(date +%s) allowed=$(( $2 > 30 ? $2 : 30 ))
   timeout -s INT -k 30 "$allowed" "$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --durations=20 $XDIST \
@@ -49,7 +55,7 @@ run_suite() {  # $1 = run name, $2 = seconds allowed (at least 30)
   echo "$1: exit $(cat "$OUTDIR/$1.rc") in $(cat "$OUTDIR/$1.seconds") s: $(tail -1 "$OUTDIR/$1.log")"
 }
 
-PLANT_SHARE=$([ "${GPU_TESTS_PLANT:-1}" = 0 ] && echo 0 || echo 200)
+PLANT_SHARE=$([ "${GPU_TESTS_PLANT:-1}" = 0 ] && echo 0 || echo 100)
 run_suite run1 $(( BUDGET - PLANT_SHARE - $(elapsed) - 15 ))
 if [ "$PLANT_SHARE" != 0 ]; then
   LEFT=$(( BUDGET - $(elapsed) - 15 ))
@@ -64,5 +70,8 @@ if [ "$LEFT" -gt $(( RUN1 + 20 )) ]; then
 else
   echo "run2 skipped: ${LEFT}s left, run1 took ${RUN1}s"
 fi
-"$PY" scripts/gpu_tests_record.py "$OUTDIR" "$CMD" --planted "$OUTDIR/planted_bugs_gpu.json"
+"$PY" scripts/gpu_tests_record.py "$OUTDIR" "$CMD" --planted "$OUTDIR/planted_bugs_gpu.json" \
+  --collected "$OUTDIR/collected.txt"
+(cd "$OUTDIR" && tar czf logs.tar.gz --remove-files run* collected.txt source.sha256 env.txt gpu.txt device_model.log \
+  planted_bugs.log 2>/dev/null)
 echo "total $(elapsed) s"

@@ -1,9 +1,11 @@
 """Turns the JUnit XML of GPU-suite runs (``scripts/gpu_tests.sh``) into one record with provenance.
 
-python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [--planted FILE.json]
+python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [--planted FILE.json] [--collected FILE.txt]
 
 Reads ``OUT_DIR/run*.xml`` (and ``run*.seconds`` / ``run*.rc``), writes ``OUT_DIR/gpu_tests_<device>_<date>.json``
-and ``.md`` (the files to copy into ``results/gpu_tests/``) and prints the markdown.
+and ``.md`` (the files to copy into ``results/gpu_tests/``) and prints the markdown. With ``--collected`` (the node ids
+``pytest -m gpu --collect-only -q`` printed before the runs), each run also says which collected tests it never
+reached: a run stopped by its time budget then names what is left unproven instead of only its counts.
 """
 
 from __future__ import annotations
@@ -57,6 +59,27 @@ def parse_junit(path: str) -> dict:
     }
 
 
+def junit_key(node_id: str) -> tuple[str, str]:
+    """``(classname, name)`` as pytest's JUnit XML spells a node id: ``tests/test_a.py::TestB::test_c[x]`` ->
+    ``("tests.test_a.TestB", "test_c[x]")``."""
+    head, bracket, params = node_id.partition("[")  # a parameter id may itself hold "::"
+    path, *parts = head.split("::")
+    parts[-1:] = [parts[-1] + bracket + params] if parts else []
+    module = path[: -len(".py")] if path.endswith(".py") else path
+    return ".".join([module.replace("/", "."), *parts[:-1]]), parts[-1] if parts else ""
+
+
+def read_collected(path: str) -> list[str]:
+    """The node ids of ``pytest --collect-only -q`` output (its summary and blank lines dropped)."""
+    with open(path) as f:
+        return [line.strip() for line in f if "::" in line and not line.startswith(("=", " "))]
+
+
+def junit_cases(path: str) -> set[tuple[str, str]]:
+    """``(classname, name)`` of every test case one JUnit file reports (run, failed, errored or skipped)."""
+    return {(c.get("classname", ""), c.get("name", "")) for c in ET.parse(path).getroot().iter("testcase")}
+
+
 def _run(argv: list[str]) -> str | None:
     """stdout of a command, or None when it fails or is not installed."""
     try:
@@ -104,7 +127,9 @@ def main() -> None:
     p.add_argument("out_dir")
     p.add_argument("command")
     p.add_argument("--planted", default=None)
+    p.add_argument("--collected", default=None, help="pytest --collect-only -q output: name the tests not reached")
     args = p.parse_args()
+    collected = read_collected(args.collected) if args.collected and os.path.exists(args.collected) else None
     os.environ["GPU_TESTS_OUT"] = args.out_dir
     runs = []
     for xml in sorted(glob.glob(os.path.join(args.out_dir, "run*.xml"))):
@@ -115,6 +140,10 @@ def main() -> None:
         rec["exit_code"] = int(rc) if rc.lstrip("-").isdigit() else None
         tail = _read(stem + ".log")[-4000:]  # timeout's SIGINT: exit 124, pytest's summary says KeyboardInterrupt
         rec["interrupted"] = rec["exit_code"] in (2, 124, 137) or "KeyboardInterrupt" in tail or "Interrupted" in tail
+        if collected is not None:
+            seen = junit_cases(xml)
+            rec["collected"] = len(collected)
+            rec["not_reached"] = [t for t in collected if junit_key(t) not in seen]
         runs.append(rec)
     prov = provenance(args.command)
     record = {"provenance": prov, "runs": runs}
@@ -131,17 +160,20 @@ def main() -> None:
         f"commit {prov['commit']}; source sha256 {prov['source_sha256']}; embedded model: {prov['embedded_model']}",
         f"command: `{prov['command']}`",
         "",
-        "| run | passed | failed | errors | skipped | seconds | interrupted |",
-        "|---|---|---|---|---|---|---|",
+        "| run | collected | passed | failed | errors | skipped | not reached | seconds | interrupted |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
-            f"| {r['run']} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | {r['seconds']:.0f} | "
+            f"| {r['run']} | {r.get('collected', '?')} | {r['passed']} | {r['failed']} | {r['errors']} | "
+            f"{r['skipped']} | {len(r['not_reached']) if 'not_reached' in r else '?'} | {r['seconds']:.0f} | "
             f"{r['interrupted']} |"
         )
     for r in runs:
         for t in r["failed_tests"] + r["error_tests"]:
             lines.append(f"- {r['run']} failed: `{t}`")
+        for t in r.get("not_reached", []):
+            lines.append(f"- {r['run']} did not reach: `{t}`")
     if "planted_bugs" in record:
         lines += ["", "Planted bugs (exit != 0: the tests caught it):", ""]
         for name, res in record["planted_bugs"].items():

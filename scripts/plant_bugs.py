@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "GPU-suite record: a parameter id holding '::' split as if it named a class": (
+        "scripts/gpu_tests_record.py",
+        '    head, bracket, params = node_id.partition("[")  # a parameter id may itself hold "::"',
+        '    head, bracket, params = node_id, "", ""',
+        "tests/test_gpu_tests_record.py",
+    ),
+    "GPU-suite record: a test class dropped from the JUnit key": (
+        "scripts/gpu_tests_record.py",
+        'return ".".join([module.replace("/", "."), *parts[:-1]]), parts[-1] if parts else ""',
+        'return module.replace("/", "."), parts[-1] if parts else ""',
+        "tests/test_gpu_tests_record.py",
+    ),
+    "GPU-suite record: not-reached tests left out of the markdown": (
+        "scripts/gpu_tests_record.py",
+        'lines.append(f"- {r[\'run\']} did not reach: `{t}`")',
+        "pass",
+        "tests/test_gpu_tests_record.py",
+    ),
     "cross-role batches, bundled data: an absorbed row's plain predictions read one position late": (
         "lit_modules/multi_lora_module.py",
         "moved_index = [b * t + p for j, b in plan.items() for p in range(ctx[j] - 1, lengths[j] - 1)]",
