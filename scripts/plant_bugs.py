@@ -18,6 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "cost model: the bench's timed batches taken one step late": (
+        "scripts/cross_role_cost_model.py",
+        "timed_batches = batches[warm : warm + steps]",
+        "timed_batches = batches[warm + 1 : warm + 1 + steps]",
+        "tests/test_cross_role_cost_model.py -k rebuilt",
+    ),
     "GPU-suite record: a parameter id holding '::' split as if it named a class": (
         "scripts/gpu_tests_record.py",
         '    head, bracket, params = node_id.partition("[")  # a parameter id may itself hold "::"',

@@ -58,3 +58,8 @@ def test_rebuilt_batches_are_the_bench_runs_batches(tmp_path: Path, producer: st
     assert [lens for lens, _ in rebuilt] == half["step_lengths"]
     assert [len(lens) - len(kept) for lens, kept in rebuilt] == half["step_absorbed"]
     assert sum(half["step_absorbed"]) > 0
+    # the projection's "bench" figure covers the same batches the bench timed
+    model = cost_model.StepModel(ModelShape(2, 16, 2, 1, 8, 32, 258, 2, ("q_proj",)), a=0.01, per_flop=1e-9, c=1.04)
+    proj = cost_model.project(model, f"{data}:byte:512:b4", producer, bench=(1, 5))["cross_role"]
+    assert proj["bench_lengths"] == half["step_lengths"]
+    assert proj["bench_absorbed"] == half["step_absorbed"]
