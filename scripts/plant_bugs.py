@@ -18,6 +18,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "reverse reuse: a row of any role counted as the producer": (
+        "scripts/reverse_reuse_share.py",
+        "roles[b] == producers[j] and split[j] <= lengths[b]",
+        "split[j] <= lengths[b]",
+        "tests/test_reverse_reuse_share.py",
+    ),
+    "reverse reuse: the context compared one token short": (
+        "scripts/reverse_reuse_share.py",
+        "hashes[b][split[j]] == hashes[j][split[j]]",
+        "hashes[b][split[j] - 1] == hashes[j][split[j] - 1]",
+        "tests/test_reverse_reuse_share.py",
+    ),
     "cost model: the bench's timed batches taken one step late": (
         "scripts/cross_role_cost_model.py",
         "timed_batches = batches[warm : warm + steps]",

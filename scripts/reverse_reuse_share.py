@@ -1,10 +1,10 @@
 """How much of the shared pass a *reverse* reuse could skip on cross-role batches (issue 19, sizing only).
 
 Absorption (``MultiLoraModule.absorption_plan``) scores a source row's plain term inside its consumer's shared pass.
-The reverse would run a row's shared pass without its context: when another row ``b`` of the batch continues row
-``j``'s context (``j``'s whole example starts ``b``'s context, so ``j``'s first ``split_j`` tokens are ``b``'s too) and
-``b``'s role is ``j``'s producer, ``b``'s plain pass already holds the producer's states over ``j``'s context, and only
-``j``'s consumer rows would need computing (a tree-shaped attention in the training pass, not built). This script
+The reverse would run a row's shared pass without its context: when another row ``b`` of the batch starts with row
+``j``'s first ``split_j`` tokens (e.g. ``b`` continues ``j``'s trajectory) and ``b``'s role is ``j``'s producer,
+``b``'s plain pass already holds the producer's states over ``j``'s context, and only ``j``'s consumer rows would need
+computing (a tree-shaped attention in the training pass, not built). This script
 counts, over one epoch of ``fit``'s batches, the rows where that holds and the share of the shared pass's tokens they
 would skip.
 
@@ -28,14 +28,22 @@ from lragent.roles import DEFAULT_ROLES  # noqa: E402
 
 
 def reverse_rows(batch: dict, producers: list[int], split: list[int]) -> set[int]:
-    """Rows ``j`` whose shared pass could read its context from another row's plain pass (see the module doc)."""
+    """Rows ``j`` whose shared pass could read its context from another row's plain pass: some row ``b`` of the
+    batch has ``j``'s producer as its role and starts with ``j``'s first ``split_j`` tokens (compared by prefix hash;
+    both rows start at position 0)."""
+    from datamodules.cross_role_prefixes import prefix_hashes
+
     roles, lengths = batch["host"]["role_ids"], batch["host"]["lengths"]
-    found = set()
-    for b, sources in enumerate(batch["prefix_sources"]):
-        for j, _ in sources:
-            if roles[b] == producers[j] and split[j] <= lengths[b]:
-                found.add(j)
-    return found
+    ids = batch["input_ids"].tolist()
+    hashes = [prefix_hashes(row[:n]) for row, n in zip(ids, lengths, strict=True)]
+    return {
+        j
+        for j in range(len(lengths))
+        if any(  # b == j never passes: a producer is another role than the row's own
+            roles[b] == producers[j] and split[j] <= lengths[b] and hashes[b][split[j]] == hashes[j][split[j]]
+            for b in range(len(lengths))
+        )
+    }
 
 
 def count(setting: str, producer: str) -> dict:
