@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,17 +83,24 @@ def warm_round(row: dict, result: dict, key: str) -> list:
     return row[key][-n:]
 
 
-def epoch_batches(
+def parse_setting(setting: str) -> tuple[str, str, int, int, int | None]:
+    """``benchmark:tokenizer:seq_len:b<batch size>`` or ``...:t<max_tokens>`` -> ``(benchmark, tokenizer, seq_len,
+    batch_size, max_tokens)`` (token-budget batches keep chains of at most 4 examples)."""
+    benchmark, tokenizer, seq_len, size = setting.split(":")
+    max_tokens = int(size[1:]) if size.startswith("t") else None
+    return benchmark, tokenizer, int(seq_len), 4 if max_tokens else int(size[1:]), max_tokens
+
+
+def planned_batches(
     benchmark: str,
     tokenizer: str,
     seq_len: int,
     batch_size: int,
     max_tokens: int | None,
     producer: str,
-    limit: int | None = None,
     cross: bool = True,
-) -> list[tuple[list[int], list[int]]]:
-    """``(lengths, kept lengths)`` of every batch of one training epoch, as ``fit`` forms and plans them.
+) -> Iterator[tuple[dict, list[int] | None, dict[int, int], list[int]]]:
+    """Every batch of one training epoch as ``fit`` forms and plans them, on the host (the model is never built).
 
     Args:
         benchmark: a benchmark under ``data/trajectories``.
@@ -101,8 +109,12 @@ def epoch_batches(
         batch_size: examples per batch (the chain limit with ``max_tokens``).
         max_tokens: token-budget batches; ``None``: ``batch_size`` examples.
         producer: ``model.producer`` (``prefix``, ``random``).
-        limit: stop after this many batches.
         cross: ``data.cross_role_batches``.
+
+    Yields:
+        ``(batch, producers, plan, split)``: the batch with its host copies, each row's producer as training draws it
+        (seed = the step; ``None`` without ``cross``), the absorption plan (``{}`` without ``cross``) and each row's
+        shared split.
     """
     from datamodules.role_examples import RoleExampleDataModule
     from lit_modules.multi_lora_module import MultiLoraModule
@@ -117,15 +129,34 @@ def epoch_batches(
         model_name="tiny-llama", tokenizer_name="byte", roles=roles, val_schemes=[], producer=producer
     )  # the model is never built: the plan needs the host copies and the split only
     module.train_config.lambda_shared = 0.5
-    out = []
     for step, batch in enumerate(dm.train_dataloader()):
+        batch = module.on_before_batch_transfer(batch, 0)
+        producers, plan = None, {}
+        if cross:
+            producers = module.host_producers(batch, seed=step)
+            plan = module.absorption_plan(batch, producers) or {}
+        yield batch, producers, plan, module.shared_split(batch).tolist()
+
+
+def epoch_batches(
+    benchmark: str,
+    tokenizer: str,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int | None,
+    producer: str,
+    limit: int | None = None,
+    cross: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """``(lengths, kept lengths)`` of every batch of one training epoch (:func:`planned_batches`; ``limit``: stop
+    after this many batches)."""
+    out = []
+    for step, (batch, _, plan, _) in enumerate(
+        planned_batches(benchmark, tokenizer, seq_len, batch_size, max_tokens, producer, cross)
+    ):
         if limit is not None and step >= limit:
             break
-        batch = module.on_before_batch_transfer(batch, 0)
         lengths = batch["lengths"].tolist()
-        plan = {}
-        if cross:
-            plan = module.absorption_plan(batch, module.host_producers(batch, seed=step)) or {}
         out.append((lengths, [n for j, n in enumerate(lengths) if j not in plan]))
     return out
 
@@ -203,12 +234,10 @@ def project(model: StepModel, setting: str, producer: str, bench: tuple[int, int
     batches ``[w, w + n)``, the same batches: ``tests/test_cross_role_cost_model.py``) is reported beside the epoch's,
     since a run times the first batches, not the epoch's average."""
     warm, steps = bench
-    benchmark, tokenizer, seq_len, size = setting.split(":")
-    max_tokens = int(size[1:]) if size.startswith("t") else None
-    batch_size = 4 if max_tokens else int(size[1:])
+    benchmark, tokenizer, seq_len, batch_size, max_tokens = parse_setting(setting)
     out = {"setting": setting, "producer": producer}
     for cross in (False, True):
-        batches = epoch_batches(benchmark, tokenizer, int(seq_len), batch_size, max_tokens, producer, cross=cross)
+        batches = epoch_batches(benchmark, tokenizer, seq_len, batch_size, max_tokens, producer, cross=cross)
         parts = [(model.weighted(lens, kept), model.plain(lens)) for lens, kept in batches]
         timed_batches = batches[warm : warm + steps]  # one slice for the lengths and the ratio below
         timed = [(model.weighted(lens, kept), model.plain(lens)) for lens, kept in timed_batches]

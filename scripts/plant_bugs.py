@@ -50,7 +50,7 @@ BUGS = {
     ),
     "GPU-suite record: not-reached tests left out of the markdown": (
         "scripts/gpu_tests_record.py",
-        'lines.append(f"- {r[\'run\']} did not reach: `{t}`")',
+        "lines.append(f\"- {r['run']} did not reach: `{t}`\")",
         "pass",
         "tests/test_gpu_tests_record.py",
     ),

@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from eval_suite.bench_train import _data_files  # noqa: E402
+from cross_role_cost_model import parse_setting, planned_batches  # noqa: E402
+
 from lragent.provenance import provenance  # noqa: E402
-from lragent.roles import DEFAULT_ROLES  # noqa: E402
 
 
 def reverse_rows(batch: dict, producers: list[int], split: list[int]) -> set[int]:
@@ -47,30 +47,12 @@ def reverse_rows(batch: dict, producers: list[int], split: list[int]) -> set[int
 
 
 def count(setting: str, producer: str) -> dict:
-    from datamodules.role_examples import RoleExampleDataModule
-    from lit_modules.multi_lora_module import MultiLoraModule
-
-    benchmark, tokenizer, seq_len, size = setting.split(":")
-    max_tokens = int(size[1:]) if size.startswith("t") else None
-    roles = list(DEFAULT_ROLES)
-    dm = RoleExampleDataModule(
-        _data_files(benchmark, roles), roles=roles, tokenizer=tokenizer, max_length=int(seq_len),
-        batch_size=4 if max_tokens else int(size[1:]), val_fraction=0.0, cross_role_batches=True,
-        max_tokens=max_tokens,
-    )  # fmt: skip
-    dm.setup("fit")
-    module = MultiLoraModule(
-        model_name="tiny-llama", tokenizer_name="byte", roles=roles, val_schemes=[], producer=producer
-    )  # the model is never built: the plan needs the host copies and the split only
-    module.train_config.lambda_shared = 0.5
+    """Rows absorbed, reverse-reusable and both, and the share of the shared pass's tokens the reverse would skip,
+    over one epoch of ``setting`` (:func:`cross_role_cost_model.parse_setting`)."""
     out = {"setting": setting, "producer": producer, "rows": 0, "absorbed": 0, "reverse": 0, "both": 0}
     tokens = skipped = 0
-    for step, batch in enumerate(dm.train_dataloader()):
-        batch = module.on_before_batch_transfer(batch, 0)
-        prod = module.host_producers(batch, seed=step)
-        plan = module.absorption_plan(batch, prod) or {}
-        split = module.shared_split(batch).tolist()
-        rev = reverse_rows(batch, prod, split)
+    for batch, producers, plan, split in planned_batches(*parse_setting(setting), producer):
+        rev = reverse_rows(batch, producers, split)
         out["rows"] += len(split)
         out["absorbed"] += len(plan)
         out["reverse"] += len(rev)
