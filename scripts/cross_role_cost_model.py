@@ -167,35 +167,31 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
     zero, half = control["rows"]
     shape = shape_of(control)
     lengths = warm_round(zero, control, "step_lengths")
+    t_zero, t_half = warm_round(zero, control, "step_seconds"), warm_round(half, control, "step_seconds")
     flops = [padded_flops(shape, x) for x in lengths]
-    a, per_flop = fit_line(flops, warm_round(zero, control, "step_seconds"))
+    a, per_flop = fit_line(flops, t_zero)
     plain = [a + per_flop * f for f in flops]
-    c = fit_scale(plain, [t - p for t, p in zip(warm_round(half, control, "step_seconds"), plain, strict=True)])
+    c = fit_scale(plain, [t - p for t, p in zip(t_half, plain, strict=True)])
     model = StepModel(shape, a, per_flop, c)
-    fit_err = max(abs(p - t) / t for p, t in zip(plain, warm_round(zero, control, "step_seconds"), strict=True))
+    fit_err = max(abs(p - t) / t for p, t in zip(plain, t_zero, strict=True))
     report = {
         "control": str(folder / "bench_cross_*_none"),
         "a_seconds": a,
         "sustained_tflops": 1 / per_flop / 1e12,
         "shared_pass_over_plain": c,
         "lambda0_fit_max_rel_error": fit_err,
-        "control_ratios": [
-            t / p
-            for t, p in zip(
-                warm_round(half, control, "step_seconds"), warm_round(zero, control, "step_seconds"), strict=True
-            )
-        ],  # fmt: skip
+        "control_ratios": [t / p for t, p in zip(t_half, t_zero, strict=True)],
         "check": [],
     }
     found = list(folder.glob("bench_cross_*_prefix/bench_train.json"))
     if found:
         run = json.loads(found[0].read_text())
         zero, half = run["rows"]
-        n = run["steps"]
-        tok = run["tokenizer"]
+        warm = run["warmup_steps"]
         batches = epoch_batches(
-            run["data"], tok, run["seq_len"], run["batch_size"], run.get("max_tokens"), run["producer"], limit=2 + n
-        )[run["warmup_steps"] :]
+            run["data"], run["tokenizer"], run["seq_len"], run["batch_size"], run.get("max_tokens"), run["producer"],
+            limit=warm + run["steps"],
+        )[warm:]  # fmt: skip
         for (lens, kept), got_lens, t0, th in zip(
             batches,
             warm_round(zero, run, "step_lengths"),
@@ -239,8 +235,8 @@ def project(model: StepModel, setting: str, producer: str, bench: tuple[int, int
     for cross in (False, True):
         batches = epoch_batches(benchmark, tokenizer, seq_len, batch_size, max_tokens, producer, cross=cross)
         parts = [(model.weighted(lens, kept), model.plain(lens)) for lens, kept in batches]
-        timed_batches = batches[warm : warm + steps]  # one slice for the lengths and the ratio below
-        timed = [(model.weighted(lens, kept), model.plain(lens)) for lens, kept in timed_batches]
+        timed_range = slice(warm, warm + steps)  # one range for the lengths and the ratio below
+        timed_batches, timed = batches[timed_range], parts[timed_range]
         key = "cross_role" if cross else "ordinary"
         out[key] = {
             "batches": len(batches),

@@ -13,7 +13,8 @@
 #                          on, $CROSS_LEN tokens (default 4096), producers "prefix" and "random", byte tokens and, when
 #                          the folder .tok is carried (the embedded tokenizer's files), those tokens too. CROSS=only
 #                          runs these alone (no tests, profiles or the two-piece benches). CROSS_TOKS (default
-#                          "byte .tok") and CROSS_PRODUCERS (default "prefix random"; "none": the ordinary batches, a control) set which run, in that order.
+#                          "byte .tok") and CROSS_PRODUCERS (default "prefix random"; "none": the ordinary batches,
+#                          a control) set which run, in that order. CROSS_LEN: max_length (default 4096).
 #                          CROSS_MAXTOK: token-budget batches of that many padded tokens instead of 4 sequences
 #                          (the embedded tokenizer's examples are short: 4 of them are ~2,600 tokens). WARM_ROUNDS
 #                          (default 1): untimed rounds over the timed batches first (bench train --warm_rounds).

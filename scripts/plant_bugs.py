@@ -32,8 +32,8 @@ BUGS = {
     ),
     "cost model: the bench's timed batches taken one step late": (
         "scripts/cross_role_cost_model.py",
-        "timed_batches = batches[warm : warm + steps]",
-        "timed_batches = batches[warm + 1 : warm + 1 + steps]",
+        "timed_range = slice(warm, warm + steps)",
+        "timed_range = slice(warm + 1, warm + 1 + steps)",
         "tests/test_cross_role_cost_model.py -k rebuilt",
     ),
     "GPU-suite record: a parameter id holding '::' split as if it named a class": (
