@@ -19,6 +19,9 @@ from typing import Protocol
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
+# RoleExampleDataModule's default ``cross_role_min_share``: see results/prefix_reuse/min_share.md (fitted step-time
+# model over whole epochs, 8B shapes, H100 calibration)
+CROSS_ROLE_MIN_SHARE = 0.6
 
 
 class _Example(Protocol):
@@ -76,7 +79,9 @@ def prefix_sources(examples: Sequence[_Example]) -> list[list[tuple[int, int]]]:
     return out
 
 
-def cross_role_groups(examples: Sequence[_Example], max_group: int = 2) -> list[list[int]]:
+def cross_role_groups(
+    examples: Sequence[_Example], max_group: int = 2, min_length_share: float = 0.0
+) -> list[list[int]]:
     """Chains of examples to batch together: each example's longest unused source (an example of another role whose
     whole text starts its context, :func:`prefix_sources`' condition), so that the shared pass of each one can score
     the plain term of the one before it.
@@ -88,6 +93,9 @@ def cross_role_groups(examples: Sequence[_Example], max_group: int = 2) -> list[
     Args:
         examples: the data set's examples.
         max_group: most examples in a chain (at most the batch size).
+        min_length_share: a link is made only if the chain it makes has its shortest example at least this share of
+            its longest (in tokens). A chain's rows are padded to its longest in the shared pass, so linking a short
+            source to a long consumer can cost more padding than absorbing the source saves; 0 links every pair.
 
     Returns:
         Groups of indices into ``examples`` (every index exactly once), each chain from its first source to its last
@@ -95,6 +103,8 @@ def cross_role_groups(examples: Sequence[_Example], max_group: int = 2) -> list[
     """
     if max_group < 1:
         raise ValueError(f"max_group must be >= 1, got {max_group}")
+    if not 0.0 <= min_length_share <= 1.0:
+        raise ValueError(f"min_length_share must be in [0, 1], got {min_length_share}")
     by_key: dict[tuple[int, int], list[int]] = {}  # (length, hash) of a whole example -> its indices
     for j, e in enumerate(examples):
         if _can_source(e):
@@ -120,8 +130,11 @@ def cross_role_groups(examples: Sequence[_Example], max_group: int = 2) -> list[
                 j
                 for j in by_key.get((k, h[k]), ())
                 if j != c and j not in consumer_of and size[root(j)] + size[root(c)] <= max_group
+                and len(examples[j].input_ids) >= min_length_share * len(examples[root(c)].input_ids)
                 and starts_with(e, examples[j])  # also rules out a hash collision
             ]  # fmt: skip
+            # j is shorter than c, so it is not yet linked to a source (consumers go longest first): the new chain's
+            # shortest is j and its longest is c's chain's last consumer, its root
             if cands:
                 j = cands[0]
                 source_of[c], consumer_of[j] = j, c

@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from datamodules.cross_role_prefixes import CROSS_ROLE_MIN_SHARE
 from datamodules.prefix_packing import pack_prefix_chains
 from datamodules.records import RoleRecord, TokenizedExample
 from lragent.prompt_pieces import last_piece_start
@@ -575,6 +576,11 @@ class RoleExampleDataModule(LightningDataModule):
             weight``, the module then scores such an example's plain term inside the shared pass that starts with
             it, when its role is the drawn producer (``model.producer: prefix`` makes it the producer): exact, one
             sequence fewer in the plain pass. The batch composition is fixed for the run.
+        cross_role_min_share: with ``cross_role_batches``, link an example to its source only if the chain's shortest
+            example has at least this share of its longest's tokens (a chain is padded to its longest, and padding a
+            short source to a long consumer can cost more than absorbing it saves); 0 links every pair. The default
+            is the share that made a λ 0.5 epoch cheapest against a λ 0 epoch on ordinary batches in the fitted
+            step-time model (``scripts/cross_role_cost_model.py``).
     """
 
     def __init__(
@@ -595,6 +601,7 @@ class RoleExampleDataModule(LightningDataModule):
         option_variants: list[int] | None = None,
         answer_thoughts: bool = False,
         cross_role_batches: bool = False,
+        cross_role_min_share: float = CROSS_ROLE_MIN_SHARE,
     ) -> None:
         super().__init__()
         if not data_files:
@@ -629,6 +636,8 @@ class RoleExampleDataModule(LightningDataModule):
                 raise ValueError(
                     f"option_variants must be a non-empty list of option counts in 2..10, got {option_variants}"
                 )
+        if not 0.0 <= cross_role_min_share <= 1.0:
+            raise ValueError(f"cross_role_min_share must be in [0, 1], got {cross_role_min_share}")
         if cross_role_batches and pack_prefixes:
             raise ValueError(
                 "cross_role_batches and pack_prefixes cannot be combined: cross-role batches serve the "
@@ -636,6 +645,7 @@ class RoleExampleDataModule(LightningDataModule):
             )
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
         self.cross_role_batches = bool(cross_role_batches)
+        self.cross_role_min_share = float(cross_role_min_share)
         self.train_groups: list[list[int]] | None = None
         self.data_files = {r: str(data_files[r]) for r in roles}
         self.roles = roles
@@ -700,7 +710,9 @@ class RoleExampleDataModule(LightningDataModule):
             from datamodules.cross_role_prefixes import cross_role_groups
 
             # chains up to a batch (a token-budget batch: 4, the longest chains in the bundled data)
-            self.train_groups = cross_role_groups(train, self.batch_size if self.max_tokens is None else 4)
+            self.train_groups = cross_role_groups(
+                train, self.batch_size if self.max_tokens is None else 4, self.cross_role_min_share
+            )
         self.train_set, self.val_set = RoleExampleDataset(train), RoleExampleDataset(val)
 
     def _loader(self, dataset: RoleExampleDataset, shuffle: bool) -> DataLoader:

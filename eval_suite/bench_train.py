@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback
 
+from datamodules.cross_role_prefixes import CROSS_ROLE_MIN_SHARE
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.provenance import provenance, provenance_footer
 
@@ -530,6 +531,7 @@ def train(
     warm_rounds: int = 0,
     max_tokens: int | None = None,
     cross_role_batches: bool = False,
+    cross_role_min_share: float = CROSS_ROLE_MIN_SHARE,
     producer: str = "random",
     out: str = "bench_out/train",
 ) -> int:
@@ -575,6 +577,8 @@ def train(
             (``data.cross_role_batches``): every setting runs on those batches, and the weighted λ step scores such
             examples' plain terms inside the shared pass when the producer is their role. The λ > 0 rows still count
             the FLOPs of two whole passes, so their MFU is then an effective figure (the work is less).
+        cross_role_min_share: link a source only into chains whose shortest example has at least this share of the
+            longest's tokens (``data.cross_role_min_share``; 0: every pair).
         producer: the shared term's producer (``random``, ``next``, ``prefix``; ``model.producer``).
         out: output directory.
     """
@@ -625,7 +629,7 @@ def train(
     t0 = time.perf_counter()
     dm = RoleExampleDataModule(
         files, roles=roles, tokenizer=tokenizer or model, max_length=seq_len, batch_size=batch_size, val_fraction=0.0,
-        cross_role_batches=cross_role_batches, max_tokens=max_tokens,
+        cross_role_batches=cross_role_batches, cross_role_min_share=cross_role_min_share, max_tokens=max_tokens,
     )  # fmt: skip
     dm.setup("fit")
     dm_packed = None
@@ -725,6 +729,7 @@ def train(
         "warm_rounds": warm_rounds,
         "max_tokens": max_tokens,
         "cross_role_batches": cross_role_batches,
+        "cross_role_min_share": cross_role_min_share,
         "producer": producer,
         "cross_role_links": sum(len(g) - 1 for g in dm.train_groups) if dm.train_groups else 0,
         "warmup_steps": warmup_steps,

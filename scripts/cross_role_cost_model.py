@@ -12,8 +12,8 @@ The model (8B shapes, one GPU, checkpointing on), fitted to ``bench train`` JSON
 - a weighted λ step takes ``t(kept rows) + c · t(all rows)``: the plain pass over the rows not absorbed, plus the
   shared pass over all rows at ``c`` times a plain pass; ``c`` is fitted to the control run's λ 0.5 steps (no
   absorption there);
-- it is then checked, not fitted, on the cross-role run's batches (``bench_cross_*_prefix``), whose absorbed rows are
-  rebuilt on the CPU with the bench's seeds.
+- it is then checked, not fitted, on every cross-role run of the folder (``bench_cross_*_{prefix,random}``), whose
+  batches and absorbed rows are rebuilt on the CPU with the bench's seeds (and must equal the run's own).
 
 For each setting the script builds the epoch's batches as ``fit`` and ``bench train`` do (``RoleExampleDataModule``
 with ``cross_role_batches``), draws the producers as training does (``host_producers``, seed = the step), plans the
@@ -24,6 +24,7 @@ absorption (``absorption_plan``) and sums the model's step times. It reports the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from datamodules.cross_role_prefixes import CROSS_ROLE_MIN_SHARE  # noqa: E402
 from eval_suite.bench_train import ModelShape, _data_files, pass_flops  # noqa: E402
 from lragent.provenance import provenance  # noqa: E402
 from lragent.roles import DEFAULT_ROLES  # noqa: E402
@@ -99,6 +101,7 @@ def planned_batches(
     max_tokens: int | None,
     producer: str,
     cross: bool = True,
+    min_share: float = CROSS_ROLE_MIN_SHARE,
 ) -> Iterator[tuple[dict, list[int] | None, dict[int, int], list[int]]]:
     """Every batch of one training epoch as ``fit`` forms and plans them, on the host (the model is never built).
 
@@ -110,6 +113,7 @@ def planned_batches(
         max_tokens: token-budget batches; ``None``: ``batch_size`` examples.
         producer: ``model.producer`` (``prefix``, ``random``).
         cross: ``data.cross_role_batches``.
+        min_share: ``data.cross_role_min_share``.
 
     Yields:
         ``(batch, producers, plan, split)``: the batch with its host copies, each row's producer as training draws it
@@ -122,7 +126,7 @@ def planned_batches(
     roles = list(DEFAULT_ROLES)
     dm = RoleExampleDataModule(
         _data_files(benchmark, roles), roles=roles, tokenizer=tokenizer, max_length=seq_len, batch_size=batch_size,
-        val_fraction=0.0, cross_role_batches=cross, max_tokens=max_tokens,
+        val_fraction=0.0, cross_role_batches=cross, cross_role_min_share=min_share, max_tokens=max_tokens,
     )  # fmt: skip
     dm.setup("fit")
     module = MultiLoraModule(
@@ -147,18 +151,37 @@ def epoch_batches(
     producer: str,
     limit: int | None = None,
     cross: bool = True,
+    min_share: float = CROSS_ROLE_MIN_SHARE,
 ) -> list[tuple[list[int], list[int]]]:
     """``(lengths, kept lengths)`` of every batch of one training epoch (:func:`planned_batches`; ``limit``: stop
     after this many batches)."""
     out = []
     for step, (batch, _, plan, _) in enumerate(
-        planned_batches(benchmark, tokenizer, seq_len, batch_size, max_tokens, producer, cross)
+        planned_batches(benchmark, tokenizer, seq_len, batch_size, max_tokens, producer, cross, min_share)
     ):
         if limit is not None and step >= limit:
             break
         lengths = batch["lengths"].tolist()
         out.append((lengths, [n for j, n in enumerate(lengths) if j not in plan]))
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_once(
+    benchmark: str,
+    tokenizer: str,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int | None,
+    producer: str,
+    cross: bool,
+    min_share: float,
+) -> list[tuple[list[int], list[int]]]:
+    """:func:`epoch_batches`, built once per setting: the ordinary epoch depends on neither the producer nor the
+    share (its callers pass ``""`` and 0), so a sweep over them builds it once. Callers must not modify the lists."""
+    return epoch_batches(
+        benchmark, tokenizer, seq_len, batch_size, max_tokens, producer or "random", cross=cross, min_share=min_share
+    )
 
 
 def calibrate(folder: Path) -> tuple[StepModel, dict]:
@@ -183,26 +206,36 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
         "control_ratios": [t / p for t, p in zip(t_half, t_zero, strict=True)],
         "check": [],
     }
-    found = list(folder.glob("bench_cross_*_prefix/bench_train.json"))
-    if found:
-        run = json.loads(found[0].read_text())
+    for found in sorted(folder.glob("bench_cross_*/bench_train.json")):
+        if found.parent.name.endswith("_none"):
+            continue  # the control: fitted above
+        run = json.loads(found.read_text())
         zero, half = run["rows"]
         warm = run["warmup_steps"]
         batches = epoch_batches(
             run["data"], run["tokenizer"], run["seq_len"], run["batch_size"], run.get("max_tokens"), run["producer"],
-            limit=warm + run["steps"],
+            limit=warm + run["steps"], min_share=run.get("cross_role_min_share", 0.0),  # older runs linked every pair
         )[warm:]  # fmt: skip
-        for (lens, kept), got_lens, t0, th in zip(
-            batches,
-            warm_round(zero, run, "step_lengths"),
-            warm_round(zero, run, "step_seconds"),
-            warm_round(half, run, "step_seconds"),
-            strict=True,
+        measured_absorbed = warm_round(half, run, "step_absorbed") if "step_absorbed" in half else None
+        for n, ((lens, kept), got_lens, t0, th) in enumerate(
+            zip(
+                batches,
+                warm_round(zero, run, "step_lengths"),
+                warm_round(zero, run, "step_seconds"),
+                warm_round(half, run, "step_seconds"),
+                strict=True,
+            )
         ):
             if lens != got_lens:
                 raise ValueError(f"rebuilt batch {lens} differs from the GPU run's {got_lens}: not the same batches")
+            if measured_absorbed is not None and len(lens) - len(kept) != measured_absorbed[n]:
+                raise ValueError(
+                    f"{found.parent.name} batch {n}: the rebuild absorbs {len(lens) - len(kept)} rows, the GPU run "
+                    f"{measured_absorbed[n]}: not the same plan"
+                )
             report["check"].append(
                 {
+                    "run": found.parent.name,
                     "lengths": lens,
                     "absorbed": len(lens) - len(kept),
                     "measured_ratio": th / t0,
@@ -224,16 +257,29 @@ def spread(ratios_parts: list[tuple[float, float]], n: int, draws: int = 4000, s
     return torch.quantile(r, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist()
 
 
-def project(model: StepModel, setting: str, producer: str, bench: tuple[int, int] = (2, 20)) -> dict:
+def project(
+    model: StepModel, setting: str, producer: str, bench: tuple[int, int] = (2, 20),
+    min_share: float = CROSS_ROLE_MIN_SHARE,
+) -> dict:  # fmt: skip
     """``setting`` = ``benchmark:tokenizer:seq_len:b<batch>`` or ``...:t<max_tokens>``; ``bench`` = ``(warm-up
     steps, timed steps)`` of a ``bench train`` run: the ratio over the batches that run would time (the epoch's
     batches ``[w, w + n)``, the same batches: ``tests/test_cross_role_cost_model.py``) is reported beside the epoch's,
     since a run times the first batches, not the epoch's average."""
     warm, steps = bench
     benchmark, tokenizer, seq_len, batch_size, max_tokens = parse_setting(setting)
-    out = {"setting": setting, "producer": producer}
+    out = {"setting": setting, "producer": producer, "min_share": min_share}
+    ordinary_plain = 0.0
     for cross in (False, True):
-        batches = epoch_batches(benchmark, tokenizer, seq_len, batch_size, max_tokens, producer, cross=cross)
+        batches = _epoch_once(
+            benchmark,
+            tokenizer,
+            seq_len,
+            batch_size,
+            max_tokens,
+            producer if cross else "",
+            cross,
+            min_share if cross else 0.0,
+        )
         parts = [(model.weighted(lens, kept), model.plain(lens)) for lens, kept in batches]
         timed_range = slice(warm, warm + steps)  # one range for the lengths and the ratio below
         timed_batches, timed = batches[timed_range], parts[timed_range]
@@ -251,6 +297,12 @@ def project(model: StepModel, setting: str, producer: str, bench: tuple[int, int
             "bench_absorbed": [len(lens) - len(kept) for lens, kept in timed_batches],
             "bench_ratio": sum(w for w, _ in timed) / sum(p for _, p in timed) if timed else None,
         }
+        if not cross:
+            ordinary_plain = sum(p for _, p in parts)
+        else:  # what a user compares: an epoch at λ 0.5 on these batches against one at λ 0 on ordinary batches (the
+            # same examples; cross-role batches pad more, which a λ 0 run would not choose)
+            out[key]["epoch_vs_ordinary_lambda0"] = sum(w for w, _ in parts) / ordinary_plain
+            out[key]["lambda0_epoch_vs_ordinary"] = sum(p for _, p in parts) / ordinary_plain
     return out
 
 
@@ -266,23 +318,30 @@ def render(report: dict, plot_name: str = "cost_model.png") -> str:
         "Check on the cross-role run's batches (not fitted; absorbed rows rebuilt on the CPU with the bench's seeds; "
         f"plotted in `{plot_name}`):",
         "",
-        "| batch lengths | absorbed | measured ratio | model ratio |",
-        "| :--- | ---: | ---: | ---: |",
+        "| run | batch lengths | absorbed | measured ratio | model ratio |",
+        "| :--- | :--- | ---: | ---: | ---: |",
     ]
     for c in cal["check"]:
-        lines.append(f"| {c['lengths']} | {c['absorbed']} | {c['measured_ratio']:.3f} | {c['model_ratio']:.3f} |")
+        lines.append(
+            f"| {c.get('run', '')} | {c['lengths']} | {c['absorbed']} | {c['measured_ratio']:.3f} | "
+            f"{c['model_ratio']:.3f} |"
+        )
     lines += [
         "",
         "Projected over one epoch (`bench train`'s and `fit`'s batches; ratio = Σ weighted λ step / Σ λ 0 step):",
         "",
-        "| setting | producer | batches | absorbed rows / rows | ordinary batches | cross-role batches | "
-        "16 random cross-role batches (5–95%) | `bench train`'s timed batches (absorbed / rows): ratio |",
-        "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | :--- |",
+        "| setting | producer | min share | batches | absorbed rows / rows | ordinary batches | cross-role batches | "
+        "16 random cross-role batches (5–95%) | `bench train`'s timed batches (absorbed / rows): ratio | "
+        "λ 0.5 cross-role epoch / λ 0 ordinary epoch (its λ 0 epoch / ordinary) |",
+        "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | :--- | :--- |",
     ]
     for p in report["projections"]:
         o, x = p["ordinary"], p["cross_role"]
         spread16 = x["ratio_of_n_batches_p5_p50_p95"]
         lo, _, hi = spread16[16] if 16 in spread16 else spread16["16"]  # int keys come back as str from JSON
+        user = "–"
+        if "epoch_vs_ordinary_lambda0" in x:
+            user = f"{x['epoch_vs_ordinary_lambda0']:.3f} ({x['lambda0_epoch_vs_ordinary']:.3f})"
         bench = "–"
         if x.get("bench_ratio") is not None:
             bench = (
@@ -290,8 +349,9 @@ def render(report: dict, plot_name: str = "cost_model.png") -> str:
                 f"({sum(x['bench_absorbed'])} / {sum(map(len, x['bench_lengths']))}): {x['bench_ratio']:.3f}"
             )
         lines.append(
-            f"| {p['setting']} | {p['producer']} | {x['batches']} | {x['absorbed_rows']} / {x['rows']} | "
-            f"{o['epoch_ratio']:.3f} | **{x['epoch_ratio']:.3f}** | {lo:.3f}–{hi:.3f} | {bench} |"
+            f"| {p['setting']} | {p['producer']} | {p.get('min_share', 0.0)} | {x['batches']} | "
+            f"{x['absorbed_rows']} / {x['rows']} | "
+            f"{o['epoch_ratio']:.3f} | **{x['epoch_ratio']:.3f}** | {lo:.3f}–{hi:.3f} | {bench} | {user} |"
         )
     prov = report["provenance"]
     lines += [
@@ -361,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--producers", nargs="+", default=["prefix", "random"])
     ap.add_argument(
+        "--min_shares", type=float, nargs="+", default=[CROSS_ROLE_MIN_SHARE],
+        help="data.cross_role_min_share values to project (each setting and producer at each)",
+    )  # fmt: skip
+    ap.add_argument(
         "--bench", type=int, nargs=2, default=[2, 20], metavar=("WARMUP", "STEPS"),
         help="also the ratio over the batches `bench train --warmup_steps WARMUP --steps STEPS` times",
     )  # fmt: skip
@@ -375,14 +439,16 @@ def main(argv: list[str] | None = None) -> int:
     report = {"calibration": cal, "projections": [], "provenance": provenance(device="cpu")}
     for setting in args.settings:
         for producer in args.producers:
-            report["projections"].append(project(model, setting, producer, tuple(args.bench)))
-            p = report["projections"][-1]
-            print(
-                f"{setting} {producer}: ordinary {p['ordinary']['epoch_ratio']:.3f}, "
-                f"cross-role {p['cross_role']['epoch_ratio']:.3f}",
-                flush=True,
-            )
-            out.with_suffix(".json").write_text(json.dumps(report, indent=1))  # written as it goes
+            for share in args.min_shares:
+                report["projections"].append(project(model, setting, producer, tuple(args.bench), share))
+                p = report["projections"][-1]
+                print(
+                    f"{setting} {producer} min share {share}: ordinary {p['ordinary']['epoch_ratio']:.3f}, "
+                    f"cross-role {p['cross_role']['epoch_ratio']:.3f}, against an ordinary λ 0 epoch "
+                    f"{p['cross_role']['epoch_vs_ordinary_lambda0']:.3f}",
+                    flush=True,
+                )
+                out.with_suffix(".json").write_text(json.dumps(report, indent=1))  # written as it goes
     out.with_suffix(".md").write_text(render(report, out.with_suffix(".png").name))
     plot(report, out.with_suffix(".png"))
     return 0

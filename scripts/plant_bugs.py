@@ -119,9 +119,33 @@ BUGS = {
     ),
     "bench train: max_tokens not passed to the data": (
         "eval_suite/bench_train.py",
-        "cross_role_batches=cross_role_batches, max_tokens=max_tokens,",
-        "cross_role_batches=cross_role_batches,",
+        "cross_role_min_share=cross_role_min_share, max_tokens=max_tokens,",
+        "cross_role_min_share=cross_role_min_share,",
         "tests/test_bench_train.py -k warm_rounds",
+    ),
+    "cost model: a run rebuilt with the default min share, not its own": (
+        "scripts/cross_role_cost_model.py",
+        'min_share=run.get("cross_role_min_share", 0.0)',
+        "min_share=CROSS_ROLE_MIN_SHARE",
+        "tests/test_cross_role_cost_model.py -k calibration",
+    ),
+    "cost model: the user ratio over the cross-role λ 0 epoch": (
+        "scripts/cross_role_cost_model.py",
+        'out[key]["epoch_vs_ordinary_lambda0"] = sum(w for w, _ in parts) / ordinary_plain',
+        'out[key]["epoch_vs_ordinary_lambda0"] = sum(w for w, _ in parts) / sum(p for _, p in parts)',
+        "tests/test_cross_role_cost_model.py -k calibration",
+    ),
+    "cross-role batches: min share checked per link, not over the chain": (
+        "datamodules/cross_role_prefixes.py",
+        ">= min_length_share * len(examples[root(c)].input_ids)",
+        ">= min_length_share * len(examples[c].input_ids)",
+        "tests/test_cross_role_batches.py -k min_share",
+    ),
+    "cross-role batches: min share not passed to the groups": (
+        "datamodules/role_examples.py",
+        "train, self.batch_size if self.max_tokens is None else 4, self.cross_role_min_share",
+        "train, self.batch_size if self.max_tokens is None else 4",
+        "tests/test_cross_role_batches.py -k min_share",
     ),
     "cross-role batches: chains longer than the batch": (
         "datamodules/cross_role_prefixes.py",

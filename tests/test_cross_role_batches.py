@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from datamodules import RoleExampleDataModule, byte_tokenizer
-from datamodules.cross_role_prefixes import prefix_sources
+from datamodules.cross_role_prefixes import CROSS_ROLE_MIN_SHARE, cross_role_groups, prefix_sources
 from datamodules.records import TokenizedExample
 from datamodules.role_examples import LengthBucketBatchSampler
 from tests.test_training_recipe import module
@@ -45,7 +45,10 @@ def write_chained(tmp_path: Path, n: int = 6, steps: int = 2) -> dict[str, str]:
 
 
 def data(tmp_path: Path, **kwargs) -> RoleExampleDataModule:
-    args = dict(tokenizer=byte_tokenizer(), max_length=512, val_fraction=0.0, batch_size=4, cross_role_batches=True)
+    args = dict(
+        tokenizer=byte_tokenizer(), max_length=512, val_fraction=0.0, batch_size=4, cross_role_batches=True,
+        cross_role_min_share=0.0,
+    )  # fmt: skip
     dm = RoleExampleDataModule(write_chained(tmp_path), roles=ROLES, **{**args, **kwargs})
     dm.setup()
     return dm
@@ -97,6 +100,35 @@ def test_groups_keep_chains_in_one_batch(tmp_path: Path, max_group: int) -> None
     for b in budget:
         assert len(b) * max(dm.train_set.lengths[i] for i in b) <= 1024 or len(b) <= max_group
         assert all((j in b) == (c in b) for j, c in links)
+
+
+def test_min_share_bounds_every_chains_padding(tmp_path: Path) -> None:
+    """``cross_role_min_share``: every chain's shortest example has at least that share of its longest's tokens. In
+    this data the pairs pass at 0.7 where whole plan → action → reflect chains do not (e.g. 155 → 190 → 229 tokens:
+    each link ≥ 0.8, the chain 0.68), so a check of the link alone would let the chains through."""
+    examples = data(tmp_path, batch_size=3).train_set.examples
+    links = {}
+    for share in (0.0, 0.5, 0.7, 0.9):
+        groups = cross_role_groups(examples, 3, share)
+        assert sorted(i for g in groups for i in g) == list(range(len(examples)))
+        for g in groups:
+            lens = [len(examples[i].input_ids) for i in g]
+            assert min(lens) >= share * max(lens), (share, lens)
+        links[share] = sum(len(g) - 1 for g in groups)
+    assert links[0.0] > links[0.5] > links[0.7] > links[0.9] == 0  # each share drops some links in this data
+    assert any(len(g) == 2 for g in cross_role_groups(examples, 3, 0.7))
+    # the data module forms its groups with its share (the default: CROSS_ROLE_MIN_SHARE)
+    dm = data(tmp_path, batch_size=3, cross_role_min_share=0.7)
+    assert dm.train_groups == cross_role_groups(examples, 3, 0.7) != cross_role_groups(examples, 3, 0.0)
+    args = dict(tokenizer=byte_tokenizer(), max_length=512, val_fraction=0.0, batch_size=3, cross_role_batches=True)
+    dm = RoleExampleDataModule(write_chained(tmp_path), roles=ROLES, **args)
+    dm.setup()
+    assert dm.cross_role_min_share == CROSS_ROLE_MIN_SHARE
+    assert dm.train_groups == cross_role_groups(examples, 3, CROSS_ROLE_MIN_SHARE)
+    with pytest.raises(ValueError, match="min_length_share must be in"):
+        cross_role_groups(examples, 3, 1.5)
+    with pytest.raises(ValueError, match="cross_role_min_share must be in"):
+        data(tmp_path, cross_role_min_share=-0.1)
 
 
 def test_bad_groups_are_refused() -> None:

@@ -63,3 +63,39 @@ def test_rebuilt_batches_are_the_bench_runs_batches(tmp_path: Path, producer: st
     proj = cost_model.project(model, f"{data}:byte:512:b4", producer, bench=(1, 5))["cross_role"]
     assert proj["bench_lengths"] == half["step_lengths"]
     assert proj["bench_absorbed"] == half["step_absorbed"]
+
+
+def test_calibration_checks_every_cross_role_run_and_the_user_ratio(tmp_path: Path) -> None:
+    """``calibrate`` rebuilds every cross-role run of a folder with that run's own ``cross_role_min_share`` (here 0,
+    not the default, which forms other chains in this data), and ``project``'s ``epoch_vs_ordinary_lambda0`` is a
+    λ 0.5 cross-role epoch over a λ 0 epoch of ordinary batches, by hand from the rebuilt epochs."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_chained(data, n=8)
+    base = [
+        "bench", "train", "--model", "tiny-llama", "--model_overrides", json.dumps(TINY), "--data", str(data),
+        "--seq_len", "512", "--batch_size", "4", "--steps", "4", "--warmup_steps", "1", "--lambdas", "[0, 0.5]",
+        "--checkpointing", "[false]", "--pack_prefixes", "false", "--peft_baseline", "false", "--precision",
+        "32-true",
+    ]  # fmt: skip
+    runs = tmp_path / "runs"
+    assert main([*base, "--out", str(runs / "bench_cross_byte_none")]) == 0
+    for producer in ("prefix", "random"):
+        argv = [*base, "--cross_role_batches", "true", "--cross_role_min_share", "0", "--producer", producer]
+        assert main([*argv, "--out", str(runs / f"bench_cross_byte_{producer}")]) == 0
+    assert cost_model.epoch_batches(str(data), "byte", 512, 4, None, "prefix", min_share=0.0) != (
+        cost_model.epoch_batches(str(data), "byte", 512, 4, None, "prefix")
+    )  # the default share forms other batches: a rebuild that ignored the run's share would not match
+    model, report = cost_model.calibrate(runs)
+    assert sorted({c["run"] for c in report["check"]}) == ["bench_cross_byte_prefix", "bench_cross_byte_random"]
+    assert len(report["check"]) == 8 and sum(c["absorbed"] for c in report["check"]) > 0
+    proj = cost_model.project(model, f"{data}:byte:512:b4", "prefix", bench=(1, 4), min_share=0.0)
+    cross = cost_model.epoch_batches(str(data), "byte", 512, 4, None, "prefix", min_share=0.0)
+    ordinary = cost_model.epoch_batches(str(data), "byte", 512, 4, None, "prefix", cross=False)
+    weighted = sum(model.weighted(lens, kept) for lens, kept in cross)
+    assert proj["cross_role"]["epoch_vs_ordinary_lambda0"] == pytest.approx(
+        weighted / sum(model.plain(lens) for lens, _ in ordinary)
+    )
+    assert proj["cross_role"]["lambda0_epoch_vs_ordinary"] == pytest.approx(
+        sum(model.plain(lens) for lens, _ in cross) / sum(model.plain(lens) for lens, _ in ordinary)
+    )
