@@ -19,6 +19,8 @@
 #                          (the embedded tokenizer's examples are short: 4 of them are ~2,600 tokens). WARM_ROUNDS
 #                          (default 1): untimed rounds over the timed batches first (bench train --warm_rounds).
 #                          CROSS_DATA (default hotpotqa): the benchmark (its name joins the folder's when not hotpotqa).
+#                          CROSS_MIN_SHARE: data.cross_role_min_share (unset: bench train's default, 0.6; runs before
+#                          3f167da linked every pair, which is 0).
 #                          Make .tok here (3.4 MB, git-ignored) and carry it: mkdir -p .tok && cp "$(python -c 'from lragent.models import
 #                          _embedded_converted_dir as d; print(d())')"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
 # Byte tokens and random weights: no model file needed. Needs ~100 GiB with checkpointing off: an H200.
@@ -47,6 +49,7 @@ cross_benches() {  # the cross-role batches' λ cost (see the header)
         --lambdas '[0, 0.5]' --checkpointing '[true]' --pack_prefixes false --peft_baseline false \
         --rounds "${ROUNDS:-1}" --warm_rounds "${WARM_ROUNDS:-1}" \
         --cross_role_batches "$([ "$producer" = none ] && echo false || echo true)" \
+        ${CROSS_MIN_SHARE:+--cross_role_min_share "$CROSS_MIN_SHARE"} \
         --producer "$([ "$producer" = none ] && echo random || echo "$producer")" --out "$D/$name" > "$D/$name.log" 2>&1
       echo "$name: exit $? in $(( $(date +%s) - t )) s"
       grep -E "^\|" "$D/$name/bench_train.md" 2>/dev/null | head -5
