@@ -19,8 +19,9 @@ from typing import Protocol
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
-# RoleExampleDataModule's default ``cross_role_min_share``: see results/prefix_reuse/min_share.md (fitted step-time
-# model over whole epochs, 8B shapes, H100 calibration)
+# RoleExampleDataModule's default ``cross_role_min_share``: the share at which a λ 0.5 epoch of cross-role batches
+# (prefix producer) costs least against a λ 0 epoch of ordinary batches in the step-time model fitted to an H100
+# (results/prefix_reuse/min_share_{hotpotqa,scienceqa}.md: 0.6 and 0.7 tie on HotpotQA, 0.6 is lowest on ScienceQA)
 CROSS_ROLE_MIN_SHARE = 0.6
 
 

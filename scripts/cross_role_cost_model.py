@@ -205,6 +205,7 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
         "lambda0_fit_max_rel_error": fit_err,
         "control_ratios": [t / p for t, p in zip(t_half, t_zero, strict=True)],
         "check": [],
+        "vs_control": [],
     }
     for found in sorted(folder.glob("bench_cross_*/bench_train.json")):
         if found.parent.name.endswith("_none"):
@@ -245,7 +246,44 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
                     "saved_share": 1 - model.plain(kept) / model.plain(lens),  # of the plain pass, by the model
                 }
             )
+        if all(run.get(k) == control.get(k) for k in SAME_SETTING):
+            report["vs_control"].append(
+                {"run": found.parent.name, **per_token_vs_control(control, run)}  # measured in the same call
+            )
     return model, report
+
+
+SAME_SETTING = ("data", "tokenizer", "seq_len", "batch_size", "max_tokens", "model")
+
+
+def per_token_vs_control(control: dict, run: dict, draws: int = 4000, seed: int = 0) -> dict:
+    """What a user compares, measured: seconds per token of ``run``'s weighted λ step (cross-role batches) over the
+    control's λ 0 step (ordinary batches) of the same setting. The two runs time different batches, so the 95%
+    interval resamples each run's batches independently (not paired).
+
+    Returns:
+        ``{"ratio", "interval", "lambda0_ratio"}``: the ratio, its bootstrap interval, and the same for the run's own
+        λ 0 step (what cross-role batches cost without the λ term).
+    """
+
+    def per_batch(result: dict, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = result["rows"][row]
+        secs = torch.tensor(warm_round(r, result, "step_seconds"), dtype=torch.float64)
+        toks = torch.tensor([sum(x) for x in warm_round(r, result, "step_lengths")], dtype=torch.float64)
+        return secs, toks
+
+    c_secs, c_toks = per_batch(control, 0)
+    out = {}
+    for key, row in (("ratio", 1), ("lambda0_ratio", 0)):
+        r_secs, r_toks = per_batch(run, row)
+        out[key] = float((r_secs.sum() / r_toks.sum()) / (c_secs.sum() / c_toks.sum()))
+        if key == "ratio":
+            g = torch.Generator().manual_seed(seed)
+            i = torch.randint(0, len(c_secs), (draws, len(c_secs)), generator=g)
+            j = torch.randint(0, len(r_secs), (draws, len(r_secs)), generator=g)
+            boot = (r_secs[j].sum(1) / r_toks[j].sum(1)) / (c_secs[i].sum(1) / c_toks[i].sum(1))
+            out["interval"] = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return out
 
 
 def spread(ratios_parts: list[tuple[float, float]], n: int, draws: int = 4000, seed: int = 0) -> list[float]:
@@ -326,6 +364,19 @@ def render(report: dict, plot_name: str = "cost_model.png") -> str:
             f"| {c.get('run', '')} | {c['lengths']} | {c['absorbed']} | {c['measured_ratio']:.3f} | "
             f"{c['model_ratio']:.3f} |"
         )
+    if cal.get("vs_control"):
+        lines += [
+            "",
+            "Measured, not modelled: seconds per token of each cross-role run's λ 0.5 step against the control's λ 0 "
+            "step (ordinary batches, the same setting and call; 95% interval resampling each run's batches "
+            "independently), and of its λ 0 step:",
+            "",
+            "| run | λ 0.5 cross-role / λ 0 ordinary | 95% interval | λ 0 cross-role / λ 0 ordinary |",
+            "| :--- | ---: | :--- | ---: |",
+        ]
+        for v in cal["vs_control"]:
+            lo, hi = v["interval"]
+            lines.append(f"| {v['run']} | {v['ratio']:.3f} | {lo:.3f}–{hi:.3f} | {v['lambda0_ratio']:.3f} |")
     lines += [
         "",
         "Projected over one epoch (`bench train`'s and `fit`'s batches; ratio = Σ weighted λ step / Σ λ 0 step):",

@@ -135,6 +135,12 @@ BUGS = {
         'out[key]["epoch_vs_ordinary_lambda0"] = sum(w for w, _ in parts) / sum(p for _, p in parts)',
         "tests/test_cross_role_cost_model.py -k calibration",
     ),
+    "cost model: the per-token comparison takes the run's λ 0 row": (
+        "scripts/cross_role_cost_model.py",
+        'for key, row in (("ratio", 1), ("lambda0_ratio", 0)):',
+        'for key, row in (("ratio", 0), ("lambda0_ratio", 0)):',
+        "tests/test_cross_role_cost_model.py -k calibration",
+    ),
     "cross-role batches: min share checked per link, not over the chain": (
         "datamodules/cross_role_prefixes.py",
         ">= min_length_share * len(examples[root(c)].input_ids)",

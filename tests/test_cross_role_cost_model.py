@@ -99,3 +99,17 @@ def test_calibration_checks_every_cross_role_run_and_the_user_ratio(tmp_path: Pa
     assert proj["cross_role"]["lambda0_epoch_vs_ordinary"] == pytest.approx(
         sum(model.plain(lens) for lens, _ in cross) / sum(model.plain(lens) for lens, _ in ordinary)
     )
+    # measured per token against the control's λ 0 step, by hand from the JSONs
+    assert [v["run"] for v in report["vs_control"]] == ["bench_cross_byte_prefix", "bench_cross_byte_random"]
+    control = json.loads((runs / "bench_cross_byte_none" / "bench_train.json").read_text())
+    for v in report["vs_control"]:
+        run = json.loads((runs / v["run"] / "bench_train.json").read_text())
+
+        def per_token(result: dict, row: int) -> float:
+            r = result["rows"][row]
+            n = result["steps"]
+            return sum(r["step_seconds"][-n:]) / sum(sum(x) for x in r["step_lengths"][-n:])
+
+        assert v["ratio"] == pytest.approx(per_token(run, 1) / per_token(control, 0))
+        assert v["lambda0_ratio"] == pytest.approx(per_token(run, 0) / per_token(control, 0))
+        assert v["interval"][0] < v["ratio"] < v["interval"][1]
