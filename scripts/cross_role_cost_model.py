@@ -425,7 +425,11 @@ def plot(report: dict, path: Path) -> None:
 
     cal = report["calibration"]
     c = cal["shared_pass_over_plain"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    shares = sorted({p.get("min_share", 0.0) for p in report["projections"]})
+    if len(shares) > 1:  # a sweep: a second panel shows each setting's epochs against the share
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
     ax.plot([0, 0.75], [1 + c, 1 + c - 0.75], color="0.4", lw=1, label=f"model: 1 + {c:.3f} − saved share")
     ax.axhline(2.0, color="tab:red", lw=0.8, ls="--", label="2× a λ 0 step")
     ax.scatter([0] * len(cal["control_ratios"]), cal["control_ratios"], marker="x", color="0.3",
@@ -437,7 +441,7 @@ def plot(report: dict, path: Path) -> None:
         share = 1 + c - proj["cross_role"]["epoch_ratio"]
         ax.scatter([share], [proj["cross_role"]["epoch_ratio"]], marker="D", s=18, color="tab:green", zorder=2)
         ax.annotate(
-            f"{proj['setting']} {proj['producer']}",
+            f"{proj['setting']} {proj['producer']}" + (f" share {proj['min_share']}" if len(shares) > 1 else ""),
             (share, proj["cross_role"]["epoch_ratio"]),
             fontsize=6,
             xytext=(6, 3) if i % 2 else (-6, -9),
@@ -450,6 +454,23 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("weighted λ 0.5 step / λ 0 step")
     ax.set_title("The λ term's cost on cross-role batches (8B shapes, one H100, checkpointing on)", fontsize=9)
     ax.legend(fontsize=7, loc="lower left")
+    if len(shares) > 1:
+        lines: dict[tuple[str, str], list[dict]] = {}
+        for proj in report["projections"]:
+            lines.setdefault((proj["setting"], proj["producer"]), []).append(proj)
+        for n, ((setting, producer), projs) in enumerate(sorted(lines.items())):
+            projs.sort(key=lambda p: p.get("min_share", 0.0))
+            x = [p.get("min_share", 0.0) for p in projs]
+            color = f"C{n}"
+            ax2.plot(x, [p["cross_role"]["epoch_vs_ordinary_lambda0"] for p in projs], "o-", color=color,
+                     label=f"{setting} {producer}: against a λ 0 epoch of ordinary batches")  # fmt: skip
+            ax2.plot(x, [p["cross_role"]["epoch_ratio"] for p in projs], "o--", color=color, alpha=0.6,
+                     label=f"{setting} {producer}: against λ 0 on the same batches")  # fmt: skip
+        ax2.axhline(2.0, color="tab:red", lw=0.8, ls="--")
+        ax2.set_xlabel("data.cross_role_min_share")
+        ax2.set_ylabel("λ 0.5 epoch / λ 0 epoch (projected)")
+        ax2.set_title("Whole epochs against the chains' min share", fontsize=9)
+        ax2.legend(fontsize=6, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
