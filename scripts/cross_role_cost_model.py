@@ -248,8 +248,8 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
             )
         if all(run.get(k) == control.get(k) for k in SAME_SETTING):
             report["vs_control"].append(
-                {"run": found.parent.name, **per_token_vs_control(control, run)}  # measured in the same call
-            )
+                {"run": found.parent.name, **per_token_vs_control(control, run)}  # the folder's README says which
+            )  # runs one call made
     return model, report
 
 
@@ -368,8 +368,8 @@ def render(report: dict, plot_name: str = "cost_model.png") -> str:
         lines += [
             "",
             "Measured, not modelled: seconds per token of each cross-role run's λ 0.5 step against the control's λ 0 "
-            "step (ordinary batches, the same setting and call; 95% interval resampling each run's batches "
-            "independently), and of its λ 0 step:",
+            "step (ordinary batches, the same setting, from the same folder: its README says which runs one call "
+            "made; 95% interval resampling each run's batches independently), and of its λ 0 step:",
             "",
             "| run | λ 0.5 cross-role / λ 0 ordinary | 95% interval | λ 0 cross-role / λ 0 ordinary |",
             "| :--- | ---: | :--- | ---: |",
