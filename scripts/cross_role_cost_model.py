@@ -166,22 +166,14 @@ def epoch_batches(
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _epoch_once(
-    benchmark: str,
-    tokenizer: str,
-    seq_len: int,
-    batch_size: int,
-    max_tokens: int | None,
-    producer: str,
-    cross: bool,
-    min_share: float,
-) -> list[tuple[list[int], list[int]]]:
-    """:func:`epoch_batches`, built once per setting: the ordinary epoch depends on neither the producer nor the
-    share (its callers pass ``""`` and 0), so a sweep over them builds it once. Callers must not modify the lists."""
-    return epoch_batches(
-        benchmark, tokenizer, seq_len, batch_size, max_tokens, producer or "random", cross=cross, min_share=min_share
-    )
+# project's epochs, each built once: project passes the ordinary epoch the same producer and share whatever it is
+# asked for (neither changes it), so a sweep over producers and shares builds that epoch once. Callers must not modify
+# the lists.
+_epoch_once = functools.lru_cache(maxsize=4)(epoch_batches)
+
+
+# the settings a cross-role run must share with the control for a per-token comparison
+SAME_SETTING = ("data", "tokenizer", "seq_len", "batch_size", "max_tokens", "model")
 
 
 def calibrate(folder: Path) -> tuple[StepModel, dict]:
@@ -253,9 +245,6 @@ def calibrate(folder: Path) -> tuple[StepModel, dict]:
     return model, report
 
 
-SAME_SETTING = ("data", "tokenizer", "seq_len", "batch_size", "max_tokens", "model")
-
-
 def per_token_vs_control(control: dict, run: dict, draws: int = 4000, seed: int = 0) -> dict:
     """What a user compares, measured: seconds per token of ``run``'s weighted λ step (cross-role batches) over the
     control's λ 0 step (ordinary batches) of the same setting. The two runs time different batches, so the 95%
@@ -309,15 +298,9 @@ def project(
     ordinary_plain = 0.0
     for cross in (False, True):
         batches = _epoch_once(
-            benchmark,
-            tokenizer,
-            seq_len,
-            batch_size,
-            max_tokens,
-            producer if cross else "",
-            cross,
-            min_share if cross else 0.0,
-        )
+            benchmark, tokenizer, seq_len, batch_size, max_tokens, producer if cross else "random", cross=cross,
+            min_share=min_share if cross else 0.0,
+        )  # fmt: skip
         parts = [(model.weighted(lens, kept), model.plain(lens)) for lens, kept in batches]
         timed_range = slice(warm, warm + steps)  # one range for the lengths and the ratio below
         timed_batches, timed = batches[timed_range], parts[timed_range]
