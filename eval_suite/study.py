@@ -12,7 +12,14 @@ One **plan** of jobs, each a shipped command in its own process:
   the other λ under ``non_shared``, ``base_lr_shared`` and ``full_shared``, independent A under the four schemes it
   allows, the untrained model (B = 0) under ``non_shared``;
 * ``fidelity``: ``cli.py fidelity --pool val`` of one adapter set (every scheme against ``non_shared`` on all the
-  validation examples that training never saw).
+  validation examples that training never saw);
+* ``probe`` (models with a reference row): ``cli.py zero-shot`` of the base model, no agents or adapters.
+
+``--model`` picks the base model's profile (:data:`PROFILES`): ``default`` (the embedded SmolLM2-135M, recipe
+``configs/embedded_<benchmark>.yaml``) or ``qwen2.5-coder-1.5b`` (the accuracy model, ``configs/qwen_<benchmark>.yaml``,
+its memory estimates and batch sizes, the zero-shot reference row). ``--stage sweep`` plans the recipe sweep instead:
+one shared-A λ = 0 set per recipe point (:data:`SWEEP_POINTS`: learning rate, epochs, targets, rank), each judged by
+its dev episodes under ``non_shared`` (``--runs``, default 1), reported as ``sweep.md``.
 
 A job is done when its result file exists (``adapters/lragent_adapters.safetensors``, ``summary.json`` with every
 run, ``fidelity.json``); ``run`` launches what is not done, dependencies first, as many processes at once as the GPU
@@ -24,6 +31,7 @@ finished job is never launched again (``tests/test_study.py``).
     python -m eval_suite.study run    --root runs/study --reset-failed      # until every job is done
     python -m eval_suite.study pack   --root runs/study --out OUT            # <= 8 files for the device tool
     python -m eval_suite.study report --root runs/study --out results/study
+    python -m eval_suite.study run --model qwen2.5-coder-1.5b --stage sweep --root runs/sweep_qwen --runs 1
 
 ``scripts/gpu_study.sh`` is the device driver: it starts ``run`` in the background once per machine and packs
 while it works; a new machine starts from the study committed in ``results/study/root`` (unpack a pack there).
@@ -39,6 +47,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +73,68 @@ ANSWER_THOUGHT_LAMBDAS: tuple[float, ...] = (0.0, 0.5)
 SHIPPED_STUDY_SET: dict[str, float] = {"scienceqa": 0.5}
 """Benchmarks whose bundled shared-A set (``data/adapters/<bench>_sharedA``) is a study set, and its λ; the others'
 bundled sets are evaluated as shipped (set ``<bench>_shipped``)."""
-"""λ values of the ScienceQA sets trained with answer-naming thoughts (``data.answer_thoughts``)."""
+SWEEP_TARGETS: dict[str, tuple[str, ...]] = {
+    "qv": ("q_proj", "v_proj"),
+    "qvo_mlp": ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+SWEEP_POINTS: tuple[dict, ...] = (
+    {"lr": 3e-4, "epochs": 2, "targets": "qv", "rank": 8},
+    {"lr": 1e-4, "epochs": 2, "targets": "qv", "rank": 8},
+    {"lr": 1e-3, "epochs": 2, "targets": "qv", "rank": 8},
+    {"lr": 3e-4, "epochs": 4, "targets": "qv", "rank": 8},
+    {"lr": 3e-4, "epochs": 2, "targets": "qv", "rank": 16},
+    {"lr": 3e-4, "epochs": 2, "targets": "qvo_mlp", "rank": 8},
+)
+"""The recipe sweep: a centre point and one change at a time (learning rate both ways, epochs, rank, targets), in
+launch order."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the study needs to know of its base model.
+
+    Attributes:
+        model: the ``--model`` value every command gets (``default``: the embedded model, left off the commands).
+        config_prefix: the recipe is ``configs/<prefix>_<benchmark>.yaml``.
+        gb: GPU memory per job kind (``train``, ``eval``, ``eval_non_shared``, ``fidelity``, ``probe``).
+        eval_batch: rows per eval process by scheme; other schemes ``default_batch``.
+        default_batch: rows per eval process of the other schemes.
+        shipped_study_set: benchmarks whose bundled shared-A set is one of this study's sets, and its λ.
+        evaluate_shipped: evaluate the bundled sets that are not study sets as a row of their own.
+        answer_thought_lambdas: λ of the ScienceQA answer-thought recipe variant sets.
+        probe: plan the zero-shot reference row (``cli.py zero-shot``).
+    """
+
+    model: str
+    config_prefix: str
+    gb: dict[str, float] = field(default_factory=dict)
+    eval_batch: dict[str, int] = field(default_factory=dict)
+    default_batch: int = 64
+    shipped_study_set: dict[str, float] = field(default_factory=dict)
+    evaluate_shipped: bool = False
+    answer_thought_lambdas: tuple[float, ...] = ()
+    probe: bool = False
+
+    def model_args(self) -> list[str]:
+        return [] if self.model == "default" else ["--model", self.model]
+
+
+PROFILES: dict[str, ModelProfile] = {
+    "default": ModelProfile(
+        "default", "embedded", GB, EVAL_BATCH, DEFAULT_BATCH, SHIPPED_STUDY_SET, True, ANSWER_THOUGHT_LAMBDAS
+    ),
+    # Qwen2.5-Coder-1.5B (bf16): a fit of 16k-token batches with checkpointing; an eval's plan at capacity 8192 is
+    # 27 GiB for non_shared at 32 rows and 21-22 GiB for the others at 64 (lragent.memory_plan), plus the model.
+    "qwen2.5-coder-1.5b": ModelProfile(
+        "qwen2.5-coder-1.5b",
+        "qwen",
+        {"train": 24.0, "eval": 24.0, "eval_non_shared": 30.0, "fidelity": 14.0, "probe": 8.0},
+        {"non_shared": 32},
+        64,
+        probe=True,
+    ),  # fmt: skip
+}
+"""Study profiles by ``--model``."""
 
 
 def set_name(benchmark: str, lam: float | None, scheme: str = "base_lr_shared", shared_a: bool = True) -> str:
@@ -86,10 +156,14 @@ def train_config(
     run_dir: Path,
     epochs: int,
     data_overrides: dict | None = None,
+    config_prefix: str = "embedded",
+    recipe: dict | None = None,
 ) -> dict:
-    """The ``cli.py fit`` config of one study set: the embedded recipe, unpacked, ``epochs`` epochs, last weights;
-    ``data_overrides`` overrides data settings (a recipe variant such as ``answer_thoughts``)."""
-    base = yaml.safe_load((ROOT / "configs" / f"embedded_{benchmark}.yaml").read_text())
+    """The ``cli.py fit`` config of one study set: the model's recipe (``configs/<config_prefix>_<benchmark>.yaml``),
+    unpacked, ``epochs`` epochs, last weights; ``data_overrides`` overrides data settings (a recipe variant such as
+    ``answer_thoughts``); ``recipe`` overrides ``lr`` (every role and the shared A), ``rank`` (alpha = 2 x rank) and
+    ``targets``."""
+    base = yaml.safe_load((ROOT / "configs" / f"{config_prefix}_{benchmark}.yaml").read_text())
     cfg = json.loads(json.dumps(base))
     tr, model, data = cfg["trainer"], cfg["model"], cfg["data"]
     tr["default_root_dir"] = str(run_dir)
@@ -112,9 +186,60 @@ def train_config(
         callbacks.append(cb)
     tr["callbacks"] = callbacks
     model.update(lambda_shared=float(lam), shared_scheme=scheme, shared_a=shared_a, val_schemes=[])
+    recipe = recipe or {}
+    if "lr" in recipe:
+        lr = float(recipe["lr"])
+        model.update(lr=lr, shared_a_lr=lr, role_lr={role: lr for role in model["roles"]})
+    if "rank" in recipe:
+        model.update(rank=int(recipe["rank"]), alpha=2.0 * int(recipe["rank"]))
+    if "targets" in recipe:
+        model["targets"] = list(SWEEP_TARGETS[recipe["targets"]])
     data["pack_prefixes"] = False
     data.update(data_overrides or {})
     return cfg
+
+
+def _eval_job(profile: ModelProfile, bench: str, name: str, adapters: list[str], sch: str, runs: int,
+              deps: tuple[str, ...], priority: float, meta: dict) -> Job:  # fmt: skip
+    ename = f"eval/{name}/{sch}"
+    return Job(
+        name=ename, kind="eval",
+        cmd=["{python}", "cli.py", "eval", "--benchmark", bench, *profile.model_args(), *adapters, "--scheme", sch,
+             "--runs", str(runs), "--batch", str(profile.eval_batch.get(sch, profile.default_batch)),
+             "--dtype", "bfloat16", "--out", f"{{root}}/{ename}", "--quiet", "true"],
+        done_file=f"{ename}/summary.json", deps=deps,
+        gb=profile.gb["eval_non_shared" if sch == "non_shared" else "eval"], priority=priority,
+        meta={**meta, "scheme": sch, "runs": runs, "row": "untrained" if meta.get("lambda") is None else sch},
+    )  # fmt: skip
+
+
+def _train_job(profile: ModelProfile, name: str, priority: float, meta: dict) -> Job:
+    tname = f"train/{name}"
+    return Job(
+        name=tname, kind="train", cmd=["{python}", "cli.py", "fit", "--config", f"{{root}}/{tname}/config.yaml"],
+        done_file=f"{tname}/adapters/{ADAPTER_FILE}", gb=profile.gb["train"], priority=priority,
+        meta={**meta, "config_prefix": profile.config_prefix},
+    )  # fmt: skip
+
+
+def _probe_job(profile: ModelProfile, bench: str, priority: float) -> Job:
+    """The zero-shot reference row of ``bench`` (``cli.py zero-shot``: no agents, no adapters)."""
+    return Job(
+        name=f"probe/{bench}", kind="probe",
+        cmd=["{python}", "cli.py", "zero-shot", "--benchmark", bench, *profile.model_args(),
+             "--dtype", "bfloat16", "--out", f"{{root}}/probe/{bench}", "--quiet", "true"],
+        done_file=f"probe/{bench}/summary.json", gb=profile.gb["probe"], priority=priority,
+        meta={"benchmark": bench, "set": f"{bench}_zero_shot", "lambda": None, "train_scheme": "", "shared_a": True},
+    )  # fmt: skip
+
+
+def _with_python(jobs: list[Job], python: str) -> list[Job]:
+    import dataclasses
+
+    return sorted(
+        (dataclasses.replace(j, cmd=[python if c == "{python}" else c for c in j.cmd]) for j in jobs),
+        key=lambda j: j.priority,
+    )
 
 
 def build_plan(
@@ -123,17 +248,31 @@ def build_plan(
     runs: int = 3,
     epochs: int = 2,
     python: str = "python3",
-    answer_thought_lambdas: tuple[float, ...] = ANSWER_THOUGHT_LAMBDAS,
+    answer_thought_lambdas: tuple[float, ...] | None = None,
+    profile: ModelProfile | None = None,
 ) -> list[Job]:
-    """Every job of the study, in priority order (see the module docstring). ``answer_thought_lambdas``: ScienceQA
-    sets trained with ``data.answer_thoughts`` at these λ (named ``scienceqa_at_lam<λ>``)."""
+    """Every job of the study, in priority order (see the module docstring).
+
+    Args:
+        benchmarks: benchmarks to study.
+        lambdas: shared-A λ values (the ``base_lr_shared`` term).
+        runs: runs of every evaluation row.
+        epochs: training epochs of every set.
+        python: the interpreter of the jobs.
+        answer_thought_lambdas: ScienceQA sets trained with ``data.answer_thoughts`` at these λ (named
+            ``scienceqa_at_lam<λ>``); default: the profile's.
+        profile: the base model's profile (default: the embedded model's).
+    """
+    profile = profile or PROFILES["default"]
+    if answer_thought_lambdas is None:
+        answer_thought_lambdas = profile.answer_thought_lambdas
     jobs: list[Job] = []
     for bi, bench in enumerate(benchmarks):
         sets: list[tuple[str, float | None, str, bool, tuple[str, ...], dict]] = []
         for lam in lambdas:
-            every = lam == 0 or SHIPPED_STUDY_SET.get(bench) == lam  # the shipped set gets all five schemes
+            every = lam == 0 or profile.shipped_study_set.get(bench) == lam  # the shipped set gets all five schemes
             sets.append((set_name(bench, lam), lam, "base_lr_shared", True, FIVE if every else LAMBDA_SCHEMES, {}))
-        if bench not in SHIPPED_STUDY_SET:  # the bundled set is not one of the study's: evaluate it as shipped
+        if profile.evaluate_shipped and bench not in profile.shipped_study_set:  # a bundled set that is no study set
             sets.append((f"{bench}_shipped", 0.0, "base_lr_shared", True, FIVE,
                          {"shipped": f"data/adapters/{bench}_sharedA"}))  # fmt: skip
         sets.append((set_name(bench, 1.0, "full_shared"), 1.0, "full_shared", True, LAMBDA_SCHEMES, {}))
@@ -143,6 +282,8 @@ def build_plan(
             for lam in answer_thought_lambdas:
                 sets.append((f"{bench}_at_lam{lam:g}", lam, "base_lr_shared", True, LAMBDA_SCHEMES,
                              {"answer_thoughts": True}))  # fmt: skip
+        if profile.probe:
+            jobs.append(_probe_job(profile, bench, bi * 10 - 1))
         for si, (name, lam, scheme, shared_a, schemes, data_over) in enumerate(sets):
             meta = {"benchmark": bench, "set": name, "lambda": lam, "train_scheme": scheme, "shared_a": shared_a,
                     "data": data_over}  # fmt: skip
@@ -153,38 +294,65 @@ def build_plan(
             elif "shipped" in data_over:
                 adapters = ["--adapters", data_over["shipped"]]  # jobs run in the repository root
             else:
-                tname = f"train/{name}"
-                jobs.append(Job(
-                    name=tname, kind="train",
-                    cmd=[python, "cli.py", "fit", "--config", f"{{root}}/{tname}/config.yaml"],
-                    done_file=f"{tname}/adapters/{ADAPTER_FILE}", gb=GB["train"], priority=bi * 10 + si * 0.1,
-                    meta={**meta, "epochs": epochs},
-                ))  # fmt: skip
-                deps = (tname,)
-                adapters = ["--adapters", f"{{root}}/{tname}/adapters"]
+                train = _train_job(profile, name, bi * 10 + si * 0.1, {**meta, "epochs": epochs})
+                jobs.append(train)
+                deps = (train.name,)
+                adapters = ["--adapters", f"{{root}}/{train.name}/adapters"]
             for ci, sch in enumerate(schemes):
-                ename = f"eval/{name}/{sch}"
-                jobs.append(Job(
-                    name=ename, kind="eval",
-                    cmd=[python, "cli.py", "eval", "--benchmark", bench, *adapters, "--scheme", sch,
-                         "--runs", str(runs), "--batch", str(EVAL_BATCH.get(sch, DEFAULT_BATCH)),
-                         "--dtype", "bfloat16", "--out", f"{{root}}/{ename}", "--quiet", "true"],
-                    done_file=f"{ename}/summary.json", deps=deps,
-                    gb=GB["eval_non_shared" if sch == "non_shared" else "eval"],
-                    priority=100 + bi * 10 + si * 0.1 + ci * 0.01 + (0 if sch in LAMBDA_SCHEMES else 5),
-                    meta={**meta, "scheme": sch, "runs": runs, "row": "untrained" if lam is None else sch},
-                ))  # fmt: skip
+                prio = 100 + bi * 10 + si * 0.1 + ci * 0.01 + (0 if sch in LAMBDA_SCHEMES else 5)
+                jobs.append(_eval_job(profile, bench, name, adapters, sch, runs, deps, prio, meta))
             if lam is not None:
                 fname = f"fidelity/{name}"
                 jobs.append(Job(
                     name=fname, kind="fidelity",
-                    cmd=[python, "cli.py", "fidelity", "--benchmark", bench, *adapters, "--pool", "val",
-                         "--scheme", ",".join(FIVE if shared_a else INDEP_SCHEMES),
+                    cmd=["{python}", "cli.py", "fidelity", "--benchmark", bench, *profile.model_args(), *adapters,
+                         "--pool", "val", "--scheme", ",".join(FIVE if shared_a else INDEP_SCHEMES),
                          "--limit", "100000", "--dtype", "bfloat16", "--out", f"{{root}}/{fname}", "--quiet", "true"],
-                    done_file=f"{fname}/fidelity.json", deps=deps, gb=GB["fidelity"],
+                    done_file=f"{fname}/fidelity.json", deps=deps, gb=profile.gb["fidelity"],
                     priority=200 + bi * 10 + si * 0.1, meta=meta,
                 ))  # fmt: skip
-    return sorted(jobs, key=lambda j: j.priority)
+    return _with_python(jobs, python)
+
+
+def sweep_name(benchmark: str, point: dict) -> str:
+    """``hotpotqa_lr0.0003_ep2_qv_r8``: the set name of one recipe point."""
+    return f"{benchmark}_lr{point['lr']:g}_ep{point['epochs']}_{point['targets']}_r{point['rank']}"
+
+
+def build_sweep_plan(
+    benchmarks: tuple[str, ...] = BENCHMARKS,
+    points: tuple[dict, ...] = SWEEP_POINTS,
+    runs: int = 1,
+    python: str = "python3",
+    profile: ModelProfile | None = None,
+) -> list[Job]:
+    """The recipe sweep: per benchmark and point, a shared-A λ = 0 set and its dev episodes under ``non_shared``.
+
+    Args:
+        benchmarks: benchmarks to sweep.
+        points: recipe points (``lr``, ``epochs``, ``targets`` a key of :data:`SWEEP_TARGETS`, ``rank``).
+        runs: runs of the dev questions per point.
+        python: the interpreter of the jobs.
+        profile: the base model's profile.
+    """
+    profile = profile or PROFILES["default"]
+    jobs: list[Job] = []
+    for pi, point in enumerate(points):
+        if point.get("targets") not in SWEEP_TARGETS:
+            raise ValueError(f"sweep point {point}: targets must be one of {', '.join(SWEEP_TARGETS)}")
+        for bi, bench in enumerate(benchmarks):
+            name = sweep_name(bench, point)
+            meta = {"benchmark": bench, "set": name, "lambda": 0.0, "train_scheme": "base_lr_shared",
+                    "shared_a": True, "data": {}, "recipe": dict(point)}  # fmt: skip
+            train = _train_job(profile, name, pi * 10 + bi, {**meta, "epochs": int(point["epochs"])})
+            jobs.append(train)
+            adapters = ["--adapters", f"{{root}}/{train.name}/adapters"]
+            # each point's eval right after its training: a finished point is judged before later points train
+            jobs.append(_eval_job(profile, bench, name, adapters, "non_shared", runs, (train.name,),
+                                  pi * 10 + bi + 0.5, meta))  # fmt: skip
+    if profile.probe:
+        jobs += [_probe_job(profile, bench, -1.0) for bench in benchmarks]
+    return _with_python(jobs, python)
 
 
 # ------------------------------------------------------------------------------------------------------------ state
@@ -227,7 +395,8 @@ def prepare(job: Job, root: Path) -> list[str]:
     cmd = [c.replace("{root}", str(root)) for c in job.cmd]
     if job.kind == "train":
         m = job.meta
-        cfg = train_config(m["benchmark"], m["lambda"], m["train_scheme"], m["shared_a"], d, m["epochs"], m.get("data"))
+        cfg = train_config(m["benchmark"], m["lambda"], m["train_scheme"], m["shared_a"], d, m["epochs"], m.get("data"),
+                           m.get("config_prefix", "embedded"), m.get("recipe"))  # fmt: skip
         (d / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         if (d / "checkpoints" / "last.ckpt").is_file():
             cmd += ["--ckpt_path", str(d / "checkpoints" / "last.ckpt")]
@@ -385,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval_suite.study", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["plan", "run", "pack", "report"])
     p.add_argument("--root", default=str(ROOT / "runs" / "study"), help="directory of the jobs")
+    p.add_argument("--model", default="default", help=f"base model's profile: {', '.join(PROFILES)}")
+    p.add_argument("--stage", default="study", choices=["study", "sweep"], help="the λ study or the recipe sweep")
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma list of hotpotqa, scienceqa")
     p.add_argument("--lambdas", default=",".join(f"{x:g}" for x in LAMBDAS), help="shared-A λ values (comma list)")
-    p.add_argument("--runs", type=int, default=3, help="runs of every evaluation row")
+    p.add_argument("--runs", type=int, default=None, help="runs of every evaluation row (default 3; sweep: 1)")
     p.add_argument("--epochs", type=int, default=2, help="training epochs of every set (equal steps for every λ)")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU memory to fill (default: 90%% of GPU 0's)")
     p.add_argument("--retries", type=int, default=2, help="relaunches of a failed job")
@@ -406,15 +577,22 @@ def main(argv: list[str] | None = None) -> int:
         lambdas = tuple(float(x) for x in args.lambdas.split(",") if x.strip())
         if not lambdas or any(not 0 <= x <= 1 for x in lambdas):
             raise ValueError(f"--lambdas {args.lambdas!r}: values in [0, 1]")
-        if args.runs < 1 or args.epochs < 1:
-            raise ValueError(f"--runs and --epochs must be >= 1, got {args.runs}, {args.epochs}")
+        if args.model not in PROFILES:
+            raise ValueError(f"--model {args.model!r}: allowed {', '.join(PROFILES)}")
+        runs = args.runs if args.runs is not None else (1 if args.stage == "sweep" else 3)
+        if runs < 1 or args.epochs < 1:
+            raise ValueError(f"--runs and --epochs must be >= 1, got {runs}, {args.epochs}")
         if args.gpus is not None and args.gpus < 1:  # a count, not an index: 0 once meant "all" silently
             raise ValueError(f"--gpus {args.gpus}: the number of GPUs to use (GPUs 0..N-1), at least 1")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     root = Path(args.root).resolve()
-    plan = build_plan(benchmarks, lambdas, args.runs, args.epochs, python=sys.executable)
+    profile = PROFILES[args.model]
+    if args.stage == "sweep":
+        plan = build_sweep_plan(benchmarks, SWEEP_POINTS, runs, python=sys.executable, profile=profile)
+    else:
+        plan = build_plan(benchmarks, lambdas, runs, args.epochs, python=sys.executable, profile=profile)
     if args.command == "plan":
         print("\n".join(status_lines(root, plan)))
         return 0
@@ -432,9 +610,12 @@ def main(argv: list[str] | None = None) -> int:
         paths = pack(root, Path(args.out or "study_pack"))
         print("\n".join(f"{p} {p.stat().st_size}" for p in paths))
         return 0
-    from eval_suite.study_report import write_report
+    from eval_suite.study_report import write_report, write_sweep_report
 
-    write_report(root, plan, Path(args.out or root / "report"), partial=args.partial)
+    if args.stage == "sweep":
+        write_sweep_report(root, plan, Path(args.out or root / "report"))
+    else:
+        write_report(root, plan, Path(args.out or root / "report"), partial=args.partial)
     return 0
 
 

@@ -332,3 +332,127 @@ def write_report(root: Path, plan: Sequence[Job], out: Path, partial: bool = Fal
     data = {name: {k: v for k, v in e.items()} for name, e in sets.items()}
     write_json(out / "study.json", {"sets": data, "provenance": prov})
     return data
+
+
+# ------------------------------------------------------------------------------------------------------ recipe sweep
+def _question_interval(records: Sequence[dict], field: str) -> tuple[float, float, float] | None:
+    """Mean over questions (each question's mean over runs) of ``field`` with its 95% bootstrap interval."""
+    per_q: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        per_q[str(r["qid"])].append(float(r.get(field) or 0.0))
+    if not per_q:
+        return None
+    return bootstrap_mean_interval([sum(v) / len(v) for v in per_q.values()])
+
+
+def _ci(cell: tuple[float, float, float] | None) -> str:
+    if cell is None:
+        return "–"
+    mean, lo, hi = cell
+    return f"{100 * mean:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def probe_line(root: Path, bench: str) -> str | None:
+    """The zero-shot reference row of ``bench`` (``probe/<bench>/summary.json``) as one sentence, if it ran."""
+    path = root / "probe" / bench / "summary.json"
+    if not path.is_file():
+        return None
+    s = json.loads(path.read_text())
+    if bench == "scienceqa":
+        c = s["correct"]
+        return (
+            "Zero-shot reference (base model, no agents, letter by next-token logit): accuracy "
+            f"{c['mean']:.1f}% [{c['low']:.1f}, {c['high']:.1f}], chance {s['chance']:.1f}%, "
+            f"{s['questions']} questions."
+        )
+    e, f = s["em"], s["f1"]
+    return (
+        "Zero-shot reference (base model given the ten context paragraphs, greedy short answer): EM "
+        f"{e['mean']:.1f} [{e['low']:.1f}, {e['high']:.1f}], F1 {f['mean']:.1f}, {s['questions']} questions."
+    )
+
+
+def collect_sweep(root: Path, plan: Sequence[Job]) -> list[dict[str, Any]]:
+    """One entry per recipe point and benchmark: the recipe, its training (last val/loss, time, adapter size) and its
+    dev episodes (metric with a 95% bootstrap interval over questions, OOF, ScienceQA letter validity)."""
+    from eval_suite.paired import validity
+    from eval_suite.sweep_table import read_metrics, read_status, validation_rows
+
+    out = []
+    for job in plan:
+        if job.kind != "eval":
+            continue
+        meta = job.meta
+        train_dir = root / "train" / meta["set"]
+        vals = validation_rows(read_metrics(train_dir))
+        status = read_status(train_dir)
+        adapters = train_dir / "adapters"
+        size = sum(p.stat().st_size for p in adapters.rglob("*") if p.is_file()) if adapters.is_dir() else 0
+        records = read_episodes(root / job.name / EPISODES_FILE)
+        bench = meta["benchmark"]
+        entry: dict[str, Any] = {
+            "set": meta["set"], "benchmark": bench, "recipe": meta.get("recipe", {}), "done": is_done(job, root),
+            "episodes": len(records), "runs": len({r["run"] for r in records}),
+            "val_loss": float(vals[-1]["val/loss"]) if vals else None,
+            "train_s": round(sum(r.get("train_s") or 0 for r in status), 1) or None,
+            "adapters_mb": round(size / 1e6, 2) if size else None,
+            "oof": (sum(bool(r.get("oof")) for r in records) / len(records)) if records else None,
+        }  # fmt: skip
+        if bench == "scienceqa":
+            entry["accuracy"] = _question_interval(records, "correct")
+            entry["valid"] = validity(records)["rate"] if records else None
+        else:
+            entry["em"] = _question_interval(records, "em")
+            entry["f1"] = _question_interval(records, "f1")
+        out.append(entry)
+    return out
+
+
+def sweep_table(entries: Sequence[dict], bench: str) -> str:
+    scienceqa = bench == "scienceqa"
+    metric = "Accuracy % [95% CI]" if scienceqa else "EM % [95% CI]"
+    header = ["Set", "lr", "epochs", "targets", "rank", "val loss", metric, "Valid %" if scienceqa else "F1 %", "OOF %",
+              "Episodes", "Train s", "MB"]  # fmt: skip
+    body = []
+    for e in entries:
+        if e["benchmark"] != bench:
+            continue
+        r = e["recipe"]
+        body.append([
+            e["set"] + ("" if e["done"] else " (unfinished)"), f"{r.get('lr', 0):g}", str(r.get("epochs", "")),
+            str(r.get("targets", "")), str(r.get("rank", "")),
+            "–" if e["val_loss"] is None else f"{e['val_loss']:.3f}",
+            _ci(e["accuracy"] if scienceqa else e["em"]),
+            _pct(e["valid"]) if scienceqa else ("–" if e["f1"] is None else f"{100 * e['f1'][0]:.1f}"),
+            _pct(e["oof"]), str(e["episodes"]), "–" if e["train_s"] is None else f"{e['train_s']:.0f}",
+            "–" if e["adapters_mb"] is None else f"{e['adapters_mb']:.1f}",
+        ])  # fmt: skip
+    return markdown_table(header, body)
+
+
+def write_sweep_report(root: Path, plan: Sequence[Job], out: Path) -> list[dict[str, Any]]:
+    """Writes ``sweep.md`` and ``sweep.json`` into ``out``: per benchmark, one row per recipe point.
+
+    Args:
+        root: the sweep's root.
+        plan: the sweep's jobs (:func:`eval_suite.study.build_sweep_plan`).
+        out: output directory.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    entries = collect_sweep(root, plan)
+    parts = ["# Recipe sweep: dev episodes per training recipe\n\n",
+             "Each point trains one shared-A λ = 0 adapter set from the bundled trajectories and runs its agents on "
+             "the 90 dev questions under `non_shared` (sampling as the evaluation protocol). The interval is a 95% "
+             "bootstrap over questions (each question's mean over runs); `val loss` is the last epoch's plain "
+             "validation loss on held-out role examples.\n"]  # fmt: skip
+    for bench in [b for b in ("scienceqa", "hotpotqa") if any(e["benchmark"] == b for e in entries)]:
+        parts.append(f"\n## {bench}\n\n")
+        line = probe_line(root, bench)
+        if line:
+            parts.append(line + "\n\n")
+        parts.append(sweep_table(entries, bench))
+    command = ["python", "-m", "eval_suite.study", "report", "--stage", "sweep", "--root", str(root), "--out", str(out)]
+    prov = provenance(command=command)
+    write_text(out / "sweep.md", "".join(parts) + provenance_footer(prov))
+    write_json(out / "sweep.json", {"points": entries, "provenance": prov})
+    return entries

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "similarity": ("eval_suite.similarity", "similarity"),
     "droidspeak-select": ("eval_suite.droidspeak_select", "droidspeak_select"),
     "data-stats": ("eval_suite.data_stats", "data_stats"),
+    "zero-shot": ("eval_suite.zero_shot", "zero_shot"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("kernels.bench", "bench_kernel"),
@@ -47,6 +48,7 @@ USAGE = """usage: lragent COMMAND [options]    (lragent COMMAND --help for a com
   similarity --adapters DIR --benchmark hotpotqa     cache similarity across agents
   bench kernel | decode | trace | train              kernel, decode, trace and training-step benchmarks
   data-stats --out DIR                               role data token lengths and batches
+  zero-shot --benchmark scienceqa --model M          the base model without agents or adapters (reference row)
 """
 
 

@@ -96,13 +96,15 @@ def model_shape(name: str) -> ModelShape:
     """
     from transformers import AutoConfig
 
+    from lragent import accuracy_model
     from lragent.models import EMBEDDED_NAMES, NAMED_ARCHITECTURES
 
     key = name.lower()
     if key in EMBEDDED_NAMES:
         key = "smollm2-135m"  # the embedded GGUF is SmolLM2-135M-Instruct: the same architecture
-    if key in NAMED_ARCHITECTURES:
-        fields = dict(NAMED_ARCHITECTURES[key])
+    fields = dict(accuracy_model.ARCHITECTURE) if key in accuracy_model.NAMES else NAMED_ARCHITECTURES.get(key)
+    if fields is not None:
+        fields = dict(fields)
         return ModelShape.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
     try:
         config = AutoConfig.from_pretrained(name)

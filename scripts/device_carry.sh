@@ -5,7 +5,15 @@
 #   bash scripts/device_carry.sh prepare   # .commit, .whl (gguf, jsonargparse, ...), .gguf1 + .gguf2, .tok, a slim
 #                                          # tree (large results and adapter sets moved to $KEEP), then `check`
 #   bash scripts/device_carry.sh check     # what each planned call carries, against the 64 MiB limit
-#   bash scripts/device_carry.sh restore   # puts the moved folders back and removes .gguf1 / .gguf2
+#   bash scripts/device_carry.sh restore   # puts the moved folders back and removes .gguf1 / .gguf2 / .acc*
+#   bash scripts/device_carry.sh prepare-accuracy   # the accuracy model instead (Qwen2.5-Coder-1.5B, 1.1 GB): the tree
+#                                          # slimmed to code + data (results/ and data/adapters/ moved to $KEEP), .whl,
+#                                          # .commit and the checked GGUF split into .acc01 ... .accNN, each piece as
+#                                          # large as one call allows beside the tree (19 pieces beside a 5 MiB tree)
+#
+# Accuracy-model calls: call k carries [".accKK"] (call 1 also ".whl", ".commit"), back to back while the machine stays
+# warm (about 8 s a call); each command sources scripts/device_model.sh, which copies its piece to /tmp/acc and, once
+# every byte is there, joins them and sets LRAGENT_ACCURACY_GGUF (lragent checks size and sha256 before converting).
 #
 # The calls then carry [".whl", ".commit", ".tok", ".gguf1"] (call 1: its command sources scripts/device_model.sh,
 # which copies the first half to /tmp on the device) and [".whl", ".commit", ".gguf2"] (call 2, while the machine is
@@ -15,6 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP=${KEEP:-/tmp/lragent_slim}
 LIMIT=$((64 * 1024 * 1024))
+SLIM_ACCURACY=(results data/adapters)
 SLIM=(results/study results/similarity results/agents_h200 results/answer_text_h200 results/sweep_embedded
   results/eval_batch_auto_h200 results/train_8b_h200 results/gpu_tests results/eval_speed
   data/adapters/hotpotqa_indepA data/adapters/scienceqa_indepA data/adapters/scienceqa_sharedA)
@@ -28,9 +37,26 @@ dir_bytes() { [ -e "$1" ] && du -sb "$1" | cut -f1 || echo 0; }
 
 exclude() {  # the carried folders must be git-ignored, or they would travel with every call
   mkdir -p .git/info
-  for p in /.whl/ /.gguf1/ /.gguf2/ /.tok/ /.commit; do
+  for p in /.whl/ /.gguf1/ /.gguf2/ /.tok/ /.commit '/.acc[0-9]*/' /.resume/; do
     grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
   done
+}
+
+check_accuracy() {
+  local tree whl ok=0 first=1 n=0 bytes
+  tree=$(tree_bytes); whl=$(dir_bytes .whl)
+  [ -s .commit ] && [ "$(cat .commit)" = "$(git rev-parse HEAD)" ] || { echo "STALE: .commit is not HEAD"; ok=1; }
+  for d in .acc[0-9]*; do
+    [ -d "$d" ] || continue
+    n=$((n + 1))
+    bytes=$((tree + $(dir_bytes "$d") + 4096))
+    [ $first = 1 ] && bytes=$((bytes + whl)) && first=0
+    [ "$bytes" -le "$LIMIT" ] || { printf '%s: %.1f MiB with the tree: OVER 64 MiB\n' "$d" "$(awk "BEGIN {print $bytes / 1048576}")"; ok=1; }
+  done
+  [ $n -gt 0 ] || { echo "no .acc* pieces: run prepare-accuracy"; return 1; }
+  printf 'tree %.1f MiB, .whl %.1f MiB, %d accuracy-model pieces (one call each) %s\n' \
+    "$(awk "BEGIN {print $tree / 1048576}")" "$(awk "BEGIN {print $whl / 1048576}")" "$n" "$([ $ok = 0 ] && echo ok)"
+  return $ok
 }
 
 check() {
@@ -81,9 +107,35 @@ case "${1:-}" in
       [ -e "$p" ] && { echo "not restoring $p: it exists again in the tree ($KEEP/$p kept)"; continue; }
       mv "$KEEP/$p" "$p"
     done
-    rm -rf .gguf1 .gguf2
+    rm -rf .gguf1 .gguf2 .acc[0-9]*
     git status --short | head -5
     ;;
-  check) check ;;
+  prepare-accuracy)
+    exclude
+    git rev-parse HEAD > .commit
+    mkdir -p .whl
+    ls .whl/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+    mkdir -p "$KEEP"
+    for p in "${SLIM_ACCURACY[@]}"; do
+      [ -e "$p" ] || continue
+      mkdir -p "$KEEP/$(dirname "$p")"
+      mv "$p" "$KEEP/$p"
+    done
+    if ! ls -d .acc[0-9]* > /dev/null 2>&1; then
+      piece=$((LIMIT - $(tree_bytes) - $(dir_bytes .whl) - 512 * 1024))
+      joined=$(mktemp -d)/qwen.gguf
+      python3 -m lragent.accuracy_model --join "$joined" > /dev/null  # checked against the pinned sizes and hashes
+      split -b "$piece" -d -a 2 "$joined" "$(dirname "$joined")/acc.part"
+      for f in "$(dirname "$joined")"/acc.part*; do
+        k=$((10#${f##*acc.part} + 1)); d=$(printf '.acc%02d' $k)
+        mkdir -p "$d" && mv "$f" "$d/"
+      done
+      rm -rf "$(dirname "$joined")"
+    fi
+    check_accuracy
+    ;;
+  check) if ls -d .acc[0-9]* > /dev/null 2>&1; then check_accuracy; else check; fi ;;
   *) sed -n '2,14p' "$0"; exit 2 ;;
 esac

@@ -17,10 +17,21 @@ if [ ! -f /tmp/gguf/model.gguf ] && [ "$(cat /tmp/gguf/part* 2>/dev/null | wc -c
   cat /tmp/gguf/part* > /tmp/gguf/model.gguf
 fi
 [ -f /tmp/gguf/model.gguf ] && export LRAGENT_EMBEDDED_GGUF=/tmp/gguf/model.gguf
+# The accuracy model (Qwen2.5-Coder-1.5B-Instruct, 1,117,320,768 bytes) comes in .acc01 ... .accNN, one per call.
+ACC_BYTES=1117320768
+mkdir -p /tmp/acc
+for f in .acc[0-9]*/acc.part*; do [ -f "$f" ] && cp "$f" /tmp/acc/; done
+acc_bytes() { stat -c %s /tmp/acc/$1 2>/dev/null | awk '{s+=$1} END {print s+0}'; }
+if [ ! -f /tmp/acc/model.gguf ] && [ "$(acc_bytes 'acc.part*')" = "$ACC_BYTES" ]; then
+  cat /tmp/acc/acc.part* > /tmp/acc/model.gguf.tmp && mv /tmp/acc/model.gguf.tmp /tmp/acc/model.gguf && rm -f /tmp/acc/acc.part*
+fi
+[ -f /tmp/acc/model.gguf ] && export LRAGENT_ACCURACY_GGUF=/tmp/acc/model.gguf
+# A study's last pack (.resume/study.tar.gz.part*), carried in a call of its own; scripts/gpu_study.sh unpacks it.
+if ls .resume/study.tar.gz.part* > /dev/null 2>&1; then mkdir -p /tmp/resume_pack && cp .resume/study.tar.gz.part* /tmp/resume_pack/; fi
 # the GGUF alone is not enough: converting it needs the gguf package (its wheel carried in .whl)
 if [ -f /tmp/gguf/model.gguf ] && ! python3 -c "import gguf" 2>/dev/null; then
   echo "WARNING: the GGUF is here but the gguf package is not: put gguf-0.19.0-py3-none-any.whl in .whl and carry it," \
     "or the model tests skip" >&2
 fi
 export LRAGENT_CACHE=/tmp/lragent_cache PYTHONUNBUFFERED=1
-echo "gguf parts: $(ls /tmp/gguf)"
+echo "gguf parts: $(ls /tmp/gguf | tr '\n' ' ')| accuracy model: $(ls /tmp/acc | tr '\n' ' ')($(acc_bytes '*') of $ACC_BYTES bytes)"

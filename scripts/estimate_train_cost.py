@@ -68,14 +68,14 @@ def module_on(device: str, lcfg: Any, model_name: str) -> Any:
 
     from lit_modules.multi_lora_module import MultiLoraModule
     from lragent.lora_model import MultiLoraModel
-    from lragent.models import EMBEDDED_NAMES, _embedded_converted_dir
+    from lragent.models import registered_source
 
     m = MultiLoraModule(
         model_name=model_name, roles=list(lcfg.roles), rank=lcfg.rank, alpha=lcfg.alpha, dropout=lcfg.dropout,
         targets=list(lcfg.targets), shared_a=lcfg.shared_a, val_schemes=[],
     )  # fmt: skip
     if device == "meta":
-        source = _embedded_converted_dir() if model_name.lower() in EMBEDDED_NAMES else model_name
+        source = registered_source(model_name)
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
         m.lora_model = MultiLoraModel(hf, lcfg)

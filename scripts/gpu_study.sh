@@ -1,30 +1,50 @@
 #!/usr/bin/env bash
-# Device driver of the sharing study (eval_suite/study.py, issue 17). Each call: join the embedded GGUF from its carried
-# parts (scripts/device_model.sh; the first call of a lease carries part 1 only and stops there), convert it once, start
-# `python -m eval_suite.study run` in the background if it is not running (it outlives the call while the machine stays
-# warm), and pack the study root into $OUT every 30 s, so a lost machine loses at most that. A new machine resumes
-# from the study committed in results/study/root (finished jobs are never run again).
-# Usage on the device: bash scripts/gpu_study.sh SECONDS_TO_STAY [study options, e.g. --benchmarks scienceqa]
+# Device driver of the sharing study and the recipe sweep (eval_suite/study.py). Each call: collect the carried model
+# pieces (scripts/device_model.sh; a call that only carries a piece stops there), convert the model once per machine,
+# start `python -m eval_suite.study run` in the background if it is not running (it outlives the call while the machine
+# stays warm), and pack the root into $OUT every 30 s, so a lost machine loses at most that. A new machine resumes from
+# a carried pack (.resume/study.tar.gz.part*, made from the last call's $OUT) or, for the embedded model's study, from
+# results/study/root; finished jobs are never run again.
+#
+# Usage on the device: [MODEL=qwen2.5-coder-1.5b] [STAGE=sweep] bash scripts/gpu_study.sh SECONDS_TO_STAY [options]
+#   MODEL  default (the embedded SmolLM2-135M, carried as .gguf1/.gguf2) or qwen2.5-coder-1.5b (carried as .accNN)
+#   STAGE  study (the λ study) or sweep (the recipe sweep); options go to `eval_suite.study run` (e.g. --benchmarks)
 set -uo pipefail
 STAY=${1:-540}; shift || true
 T0=$(date +%s)
+MODEL=${MODEL:-default}
+STAGE=${STAGE:-study}
 source scripts/device_model.sh
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD PYTHONUNBUFFERED=1
-if [ ! -f /tmp/gguf/model.gguf ]; then echo "model not complete yet: $(ls /tmp/gguf)"; exit 0; fi
-ROOT=/tmp/study
-if [ ! -d $ROOT ] && [ -d results/study/root ]; then cp -r results/study/root $ROOT; fi
-mkdir -p $ROOT
-python3 -c "from lragent.models import load_model; load_model('default')" 2>&1 | tail -1   # GGUF -> safetensors, once
+if [ "$MODEL" = default ]; then
+  if [ ! -f /tmp/gguf/model.gguf ]; then echo "model not complete yet: $(ls /tmp/gguf)"; exit 0; fi
+  python3 -c "from lragent.models import load_model; load_model('default')" 2>&1 | tail -1   # GGUF -> safetensors
+else
+  if [ -z "${LRAGENT_ACCURACY_GGUF:-}" ]; then echo "accuracy model not complete yet"; exit 0; fi
+  python3 -m lragent.accuracy_model 2>&1 | grep -v "it/s\]" | tail -2   # size/sha256 check, GGUF -> safetensors, once
+fi
+ROOT=/tmp/${STAGE}_${MODEL}
+if [ ! -d "$ROOT" ]; then
+  if ls /tmp/resume_pack/study.tar.gz.part* > /dev/null 2>&1; then  # the last lease's pack, carried as .resume
+    mkdir -p /tmp/resume && cat /tmp/resume_pack/study.tar.gz.part* | tar xz -C /tmp/resume && mv /tmp/resume/study "$ROOT"
+    echo "resumed $ROOT from .resume ($(find "$ROOT" -name summary.json | wc -l) summaries)"
+  elif [ "$MODEL" = default ] && [ "$STAGE" = study ] && [ -d results/study/root ]; then
+    cp -r results/study/root "$ROOT"
+  fi
+fi
+mkdir -p "$ROOT"
+ARGS=(--root "$ROOT" --model "$MODEL" --stage "$STAGE")
 if ! pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run" >/dev/null; then  # the driver itself, not any command line that names it
-  setsid nohup python3 -m eval_suite.study run --root $ROOT --reset-failed "$@" >> $ROOT/driver.log 2>&1 < /dev/null &
+  setsid nohup python3 -m eval_suite.study run "${ARGS[@]}" --reset-failed "$@" >> "$ROOT/driver.log" 2>&1 < /dev/null &
   sleep 5
 fi
 while [ $(( $(date +%s) - T0 )) -lt "$STAY" ]; do
   sleep 30
-  python3 -m eval_suite.study pack --root $ROOT --out "$OUT" > /dev/null 2>&1
+  python3 -m eval_suite.study pack --root "$ROOT" --out "$OUT" > /dev/null 2>&1
+  pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run" > /dev/null || break  # every job done or given up
 done
-python3 -m eval_suite.study pack --root $ROOT --out "$OUT"
-python3 -m eval_suite.study plan --root $ROOT "$@" | awk '{print $1}' | sort | uniq -c
-tail -25 $ROOT/driver.log
-for f in $ROOT/eval/*/*/episodes.jsonl; do [ -f "$f" ] && echo "$f $(wc -l < "$f")"; done
+python3 -m eval_suite.study pack --root "$ROOT" --out "$OUT"
+python3 -m eval_suite.study plan "${ARGS[@]}" "$@" | awk '{print $1}' | sort | uniq -c
+tail -25 "$ROOT/driver.log"
+for f in "$ROOT"/eval/*/*/episodes.jsonl; do [ -f "$f" ] && echo "$f $(wc -l < "$f")"; done
 nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader

@@ -512,18 +512,18 @@ def _best_checkpoint(run_dir: Path) -> str | None:
 
 
 def warm_model_cache(configs: Path, specs: list[RunSpec], sets: list[tuple[str, Any]]) -> None:
-    """Converts the embedded GGUF once before the parallel runs start (they would all convert it at once)."""
+    """Converts a registered model (embedded or accuracy) once before the parallel runs start (they would all
+    convert it at once)."""
     names = set()
     for ds in {s.dataset for s in specs}:
         cfg = base_config(configs, ds)
         for key, value in sets:
             _set(cfg, key, value)
         names.add(cfg["model"].get("model_name", "default"))
-    from lragent.models import EMBEDDED_NAMES, load_tokenizer
+    from lragent.models import registered_source
 
     for name in names:
-        if str(name).lower() in EMBEDDED_NAMES:
-            load_tokenizer(name)
+        registered_source(str(name))
 
 
 def write_tables(root: Path, out: Path) -> tuple[Path, Path]:

@@ -41,6 +41,15 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if "model" in item.keywords:
                     item.add_marker(skip)
+    if any("accuracy_model" in item.keywords for item in items):
+        from lragent.accuracy_model import missing as accuracy_missing
+
+        missing = accuracy_missing()  # not installed: `bash scripts/install.sh --accuracy-model`
+        if missing is not None:
+            skip = pytest.mark.skip(reason=f"needs the accuracy model: {missing}")
+            for item in items:
+                if "accuracy_model" in item.keywords:
+                    item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

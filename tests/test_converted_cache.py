@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lragent.models import _is_converted, _publish_converted
+from lragent.converted_cache import is_converted as _is_converted
+from lragent.converted_cache import publish_converted as _publish_converted
 
 
 def _conversion(root: Path, name: str, tag: str, complete: bool = True) -> Path:

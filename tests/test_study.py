@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 
 from eval_suite.study import (
+    PROFILES,
+    SWEEP_POINTS,
     Job,
     build_plan,
+    build_sweep_plan,
     is_done,
     main,
     pack,
     run,
     train_config,
 )
-from eval_suite.study_report import chance_gap, write_report
+from eval_suite.study_report import chance_gap, write_report, write_sweep_report
 
 FAKE = r"""
 import json, os, sys, time
@@ -301,3 +304,94 @@ def test_shipped_sets_have_every_scheme() -> None:
         job = plan[f"eval/hotpotqa_shipped/{s}"]
         assert job.cmd[job.cmd.index("--adapters") + 1] == "data/adapters/hotpotqa_sharedA" and not job.deps
     assert "train/hotpotqa_shipped" not in plan and "eval/scienceqa_shipped/non_shared" not in plan
+
+
+QWEN = PROFILES["qwen2.5-coder-1.5b"]
+
+
+def test_accuracy_model_plan_names_its_model_everywhere(tmp_path: Path) -> None:
+    plan = build_plan(("scienceqa", "hotpotqa"), (0.0, 0.5), runs=3, profile=QWEN)
+    for job in plan:
+        if job.kind in ("eval", "fidelity", "probe"):
+            assert job.cmd[job.cmd.index("--model") + 1] == "qwen2.5-coder-1.5b", job.name
+        if job.kind == "eval":  # non_shared keeps three caches: fewer rows
+            batch = int(job.cmd[job.cmd.index("--batch") + 1])
+            assert batch == (32 if job.meta["scheme"] == "non_shared" else 64)
+            assert job.gb == (30.0 if job.meta["scheme"] == "non_shared" else 24.0)
+    names = {j.name for j in plan}
+    assert {"probe/scienceqa", "probe/hotpotqa"} <= names  # the zero-shot reference rows
+    assert not any("shipped" in n or "_at_lam" in n for n in names)  # the 135M model's bundled sets and variants
+    default = build_plan(("scienceqa",), (0.0,), runs=3)
+    assert not any("--model" in j.cmd for j in default) and not any(j.kind == "probe" for j in default)
+    train = next(j for j in plan if j.name == "train/hotpotqa_lam0.5")
+    cfg = train_config(**{k: train.meta[k] for k in ("benchmark",)}, lam=0.5, scheme="base_lr_shared", shared_a=True,
+                       run_dir=tmp_path, epochs=2, config_prefix=train.meta["config_prefix"])  # fmt: skip
+    assert cfg["model"]["model_name"] == "qwen2.5-coder-1.5b" and cfg["model"]["model_dtype"] == "bfloat16"
+    assert cfg["data"]["data_files"]["plan"].endswith("hotpotqa/plan.jsonl.gz") and cfg["model"]["lambda_shared"] == 0.5
+
+
+def test_sweep_recipe_overrides_reach_the_fit_config(tmp_path: Path) -> None:
+    point = {"lr": 7e-4, "epochs": 3, "targets": "qvo_mlp", "rank": 16}
+    cfg = train_config("scienceqa", 0.0, "base_lr_shared", True, tmp_path, epochs=3, config_prefix="qwen", recipe=point)
+    m = cfg["model"]
+    assert m["lr"] == m["shared_a_lr"] == 7e-4 and set(m["role_lr"].values()) == {7e-4}
+    assert set(m["role_lr"]) == {"plan", "action", "reflect"}
+    assert (m["rank"], m["alpha"]) == (16, 32.0) and "down_proj" in m["targets"] and cfg["trainer"]["max_epochs"] == 3
+    plain = train_config("scienceqa", 0.0, "base_lr_shared", True, tmp_path, epochs=3, config_prefix="qwen")
+    assert plain["model"]["rank"] == 8 and plain["model"]["targets"] == ["q_proj", "v_proj"]
+
+
+def test_sweep_plan_judges_each_point_right_after_its_training() -> None:
+    plan = build_sweep_plan(("scienceqa", "hotpotqa"), SWEEP_POINTS, runs=1, profile=QWEN)
+    trains = [j for j in plan if j.kind == "train"]
+    evals = [j for j in plan if j.kind == "eval"]
+    assert len(trains) == len(evals) == 2 * len(SWEEP_POINTS) and len({j.meta["set"] for j in trains}) == len(trains)
+    for e in evals:
+        assert e.meta["scheme"] == "non_shared" and e.cmd[e.cmd.index("--runs") + 1] == "1"
+        (dep,) = e.deps
+        train = next(t for t in trains if t.name == dep)
+        assert train.meta["set"] == e.meta["set"] and train.meta["recipe"] == e.meta["recipe"]
+        assert train.meta["epochs"] == e.meta["recipe"]["epochs"] and train.meta["lambda"] == 0.0
+        # ranked before every later point's training, so a finished point is judged first
+        later = [t for t in trains if t.priority > train.priority]
+        assert all(e.priority < t.priority for t in later)
+    assert [j.name for j in plan[:2]] == ["probe/scienceqa", "probe/hotpotqa"]
+    with pytest.raises(ValueError, match="targets"):
+        build_sweep_plan(("scienceqa",), ({"lr": 1e-4, "epochs": 1, "targets": "all", "rank": 8},))
+
+
+def test_sweep_report_from_job_outputs(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    points = (
+        {"lr": 1e-4, "epochs": 2, "targets": "qv", "rank": 8},
+        {"lr": 1e-3, "epochs": 2, "targets": "qv", "rank": 8},
+    )
+    plan = build_sweep_plan(("scienceqa",), points, runs=1, profile=QWEN)
+    for k, job in enumerate(j for j in plan if j.kind == "eval"):
+        d = root / job.name
+        d.mkdir(parents=True)
+        # point 0: right on 3 of 4 questions (one answer invalid); point 1: right on 1 of 4, one episode OOF
+        recs = [_episode("non_shared", f"q{q}", 0, q < (3 if k == 0 else 1), 3) for q in range(4)]
+        if k == 0:
+            recs[3]["prediction"] = "Z"
+        else:
+            recs[3].update(oof=True, prediction=None)
+        (d / "episodes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+        (d / "summary.json").write_text(json.dumps({"episodes": {"non_shared": {"0": 4}}}))
+        train = root / "train" / job.meta["set"]
+        (train / "csv" / "version_0").mkdir(parents=True)
+        (train / "csv" / "version_0" / "metrics.csv").write_text(
+            f"epoch,step,val/loss\n0,5,{1.5 - k}\n1,10,{1.25 - k}\n"
+        )
+    (root / "probe" / "scienceqa").mkdir(parents=True)
+    probe = {"correct": {"mean": 61.1, "low": 51.1, "high": 71.1}, "chance": 41.1, "questions": 90}
+    (root / "probe" / "scienceqa" / "summary.json").write_text(json.dumps(probe))
+    entries = write_sweep_report(root, plan, tmp_path / "out")
+    md = (tmp_path / "out" / "sweep.md").read_text()
+    first, second = entries
+    assert first["accuracy"][0] == pytest.approx(0.75) and second["accuracy"][0] == pytest.approx(0.25)
+    assert first["valid"] == pytest.approx(3 / 4) and second["valid"] == pytest.approx(1.0)  # of the answered
+    assert second["oof"] == pytest.approx(0.25) and first["oof"] == 0.0
+    assert (first["val_loss"], second["val_loss"]) == (pytest.approx(1.25), pytest.approx(0.25))  # the last epoch
+    assert "| scienceqa_lr0.0001_ep2_qv_r8 | 0.0001 | 2 | qv | 8 | 1.250 | 75.0 [" in md
+    assert "accuracy 61.1% [51.1, 71.1], chance 41.1%" in md

