@@ -123,12 +123,13 @@ PROFILES: dict[str, ModelProfile] = {
     "default": ModelProfile(
         "default", "embedded", GB, EVAL_BATCH, DEFAULT_BATCH, SHIPPED_STUDY_SET, True, ANSWER_THOUGHT_LAMBDAS
     ),
-    # Qwen2.5-Coder-1.5B (bf16): a fit of 16k-token batches with checkpointing; an eval's plan at capacity 8192 is
+    # Qwen2.5-Coder-1.5B (bf16): a fit of 16k-token batches with checkpointing peaked at 7.8 GB (H100, the sweep's
+    # fit_status.jsonl); an eval's plan at capacity 8192 is
     # 27 GiB for non_shared at 32 rows and 21-22 GiB for the others at 64 (lragent.memory_plan), plus the model.
     "qwen2.5-coder-1.5b": ModelProfile(
         "qwen2.5-coder-1.5b",
         "qwen",
-        {"train": 24.0, "eval": 24.0, "eval_non_shared": 30.0, "fidelity": 14.0, "probe": 8.0},
+        {"train": 12.0, "eval": 24.0, "eval_non_shared": 30.0, "fidelity": 14.0, "probe": 8.0},
         {"non_shared": 32},
         64,
         probe=True,
@@ -283,7 +284,7 @@ def build_plan(
                 sets.append((f"{bench}_at_lam{lam:g}", lam, "base_lr_shared", True, LAMBDA_SCHEMES,
                              {"answer_thoughts": True}))  # fmt: skip
         if profile.probe:
-            jobs.append(_probe_job(profile, bench, bi * 10 - 1))
+            jobs.append(_probe_job(profile, bench, -1 + bi * 0.1))
         for si, (name, lam, scheme, shared_a, schemes, data_over) in enumerate(sets):
             meta = {"benchmark": bench, "set": name, "lambda": lam, "train_scheme": scheme, "shared_a": shared_a,
                     "data": data_over}  # fmt: skip
@@ -294,12 +295,14 @@ def build_plan(
             elif "shipped" in data_over:
                 adapters = ["--adapters", data_over["shipped"]]  # jobs run in the repository root
             else:
-                train = _train_job(profile, name, bi * 10 + si * 0.1, {**meta, "epochs": epochs})
+                train = _train_job(profile, name, si * 10 + bi * 0.1, {**meta, "epochs": epochs})
                 jobs.append(train)
                 deps = (train.name,)
                 adapters = ["--adapters", f"{{root}}/{train.name}/adapters"]
             for ci, sch in enumerate(schemes):
-                prio = 100 + bi * 10 + si * 0.1 + ci * 0.01 + (0 if sch in LAMBDA_SCHEMES else 5)
+                # a set's rows right after its training (before later sets train): a lease that ends early leaves
+                # whole sets, the most informative first (λ = 0 with every scheme), not many half-evaluated ones
+                prio = si * 10 + 2 + bi * 0.1 + ci * 0.01
                 jobs.append(_eval_job(profile, bench, name, adapters, sch, runs, deps, prio, meta))
             if lam is not None:
                 fname = f"fidelity/{name}"
@@ -309,7 +312,7 @@ def build_plan(
                          "--pool", "val", "--scheme", ",".join(FIVE if shared_a else INDEP_SCHEMES),
                          "--limit", "100000", "--dtype", "bfloat16", "--out", f"{{root}}/{fname}", "--quiet", "true"],
                     done_file=f"{fname}/fidelity.json", deps=deps, gb=profile.gb["fidelity"],
-                    priority=200 + bi * 10 + si * 0.1, meta=meta,
+                    priority=200 + si * 10 + bi * 0.1, meta=meta,
                 ))  # fmt: skip
     return _with_python(jobs, python)
 
@@ -357,7 +360,10 @@ def build_sweep_plan(
 
 # ------------------------------------------------------------------------------------------------------------ state
 def job_state(job: Job, root: Path, running: set[str], jobs: dict[str, Job]) -> str:
-    """``done``, ``running``, ``failed`` (the last attempt exited non-zero), ``ready`` or ``waiting``.
+    """``done``, ``running``, ``unneeded``, ``failed`` (the last attempt exited non-zero), ``ready`` or ``waiting``.
+
+    ``unneeded``: not done, but every job that depends on it is (a training whose evaluations and fidelity were kept
+    from an earlier machine without its adapters: it is not run again).
 
     Args:
         job: the job.
@@ -369,6 +375,9 @@ def job_state(job: Job, root: Path, running: set[str], jobs: dict[str, Job]) -> 
         return "done"
     if job.name in running:
         return "running"
+    dependents = [j for j in jobs.values() if job.name in j.deps]
+    if dependents and all(is_done(j, root) for j in dependents):
+        return "unneeded"
     status = root / job.name / "attempts.jsonl"
     if status.is_file():
         last = [json.loads(line) for line in status.read_text().splitlines() if line.strip()][-1:]
@@ -470,8 +479,8 @@ def run(
         pending = []
         for job in plan:
             state = job_state(job, root, running, jobs)
-            if state in ("done", "running", "waiting"):
-                if state != "done":
+            if state in ("done", "running", "waiting", "unneeded"):
+                if state in ("running", "waiting"):
                     pending.append(job)
                 continue
             if state == "failed" and attempts(job, root) > retries:
@@ -503,8 +512,8 @@ def run(
             say(f"launched {job.name} on GPU {g} ({job.gb:g} GB est., {used[g]:g} of {gpu_gb:g} in use there)")
         (root / "driver.json").write_text(json.dumps({"pid": os.getpid(), "running": sorted(procs)}))
         if not procs and not any(job_state(j, root, set(), jobs) == "ready" for j in pending):
-            done = sum(is_done(j, root) for j in plan)
-            say(f"finished: {done} of {len(plan)} jobs done")
+            done = sum(job_state(j, root, set(), jobs) in ("done", "unneeded") for j in plan)
+            say(f"finished: {done} of {len(plan)} jobs done or not needed")
             return 0 if done == len(plan) else 1
         time.sleep(poll)
 
@@ -520,7 +529,7 @@ def status_lines(root: Path, plan: list[Job]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------------- pack
-PACK_EXCLUDE = ("checkpoints", "csv", "lightning_logs")
+PACK_EXCLUDE = ("checkpoints", "lightning_logs")
 
 
 def pack(root: Path, out: Path, piece_bytes: int = 15_500_000) -> list[Path]:
@@ -532,6 +541,8 @@ def pack(root: Path, out: Path, piece_bytes: int = 15_500_000) -> list[Path]:
         parts = Path(info.name).parts
         if any(p in PACK_EXCLUDE for p in parts) or info.name.endswith((".ckpt", ".tmp", ".eval.lock")):
             return None
+        if "csv" in parts and info.isfile() and parts[-1] != "metrics.csv":
+            return None  # the training logs' metrics (val/loss per epoch) travel, not their hparams
         if "adapters" in parts and len(parts) > parts.index("adapters") + 2:
             return None  # the native checkpoint only; the PEFT directories are re-made by `lragent export`
         return info

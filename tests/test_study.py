@@ -18,6 +18,7 @@ from eval_suite.study import (
     build_plan,
     build_sweep_plan,
     is_done,
+    job_state,
     main,
     pack,
     run,
@@ -93,7 +94,7 @@ def test_memory_budget_and_bounded_retries(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FAIL_JOB", "fidelity/scienceqa_lam0.5")
     root = tmp_path / "study"
     plan = [j for j in _fake_plan(tmp_path) if "indepA" not in j.name and "untrained" not in j.name][:6]
-    plan += [j for j in _fake_plan(tmp_path) if j.name == "fidelity/scienceqa_lam0.5"]
+    plan += [j for j in _fake_plan(tmp_path) if j.name in ("train/scienceqa_lam0.5", "fidelity/scienceqa_lam0.5")]
     budget = max(j.gb for j in plan)  # room for one big job at a time
     assert run(root, plan, gpu_gb=budget, retries=1, poll=0.05) == 1  # the failing job never finishes
     events = _launches(tmp_path)
@@ -202,6 +203,9 @@ def test_pack_leaves_checkpoints_out(tmp_path: Path) -> None:
     (root / "train/x/adapters/plan").mkdir(parents=True)
     (root / "train/x/adapters/lragent_adapters.safetensors").write_bytes(b"1")
     (root / "train/x/adapters/plan/adapter_model.safetensors").write_bytes(b"2")
+    (root / "train/x/csv/version_0").mkdir(parents=True)
+    (root / "train/x/csv/version_0/metrics.csv").write_text("epoch,step,val/loss\n0,5,1.5\n")
+    (root / "train/x/csv/version_0/hparams.yaml").write_text("lr: 1\n")
     parts = pack(root, tmp_path / "out", piece_bytes=50)
     import io
     import tarfile
@@ -210,6 +214,8 @@ def test_pack_leaves_checkpoints_out(tmp_path: Path) -> None:
     names = tarfile.open(fileobj=io.BytesIO(data)).getnames()
     assert "study/train/x/adapters/lragent_adapters.safetensors" in names
     assert not any(n.endswith(".ckpt") or "plan/adapter_model" in n for n in names)
+    assert "study/train/x/csv/version_0/metrics.csv" in names  # the sweep's val/loss per epoch
+    assert not any(n.endswith("hparams.yaml") for n in names)
     assert len(parts) > 1
 
 
@@ -395,3 +401,35 @@ def test_sweep_report_from_job_outputs(tmp_path: Path) -> None:
     assert (first["val_loss"], second["val_loss"]) == (pytest.approx(1.25), pytest.approx(0.25))  # the last epoch
     assert "| scienceqa_lr0.0001_ep2_qv_r8 | 0.0001 | 2 | qv | 8 | 1.250 | 75.0 [" in md
     assert "accuracy 61.1% [51.1, 71.1], chance 41.1%" in md
+
+
+def test_a_sets_rows_come_before_later_sets_train() -> None:
+    """A lease that ends early leaves whole sets: λ = 0 (both benchmarks) trains, then all five of its rows run, and
+    only then do the next sets train; the fidelity jobs come last."""
+    plan = build_plan(("scienceqa", "hotpotqa"), (0.0, 0.5), runs=3, profile=QWEN)
+    order = [j.name for j in plan]
+    first_other_train = min(i for i, n in enumerate(order) if n.startswith("train/") and "_lam0/" not in n + "/")
+    lam0_rows = [i for i, n in enumerate(order) if n.startswith("eval/") and "_lam0/" in n]
+    assert len(lam0_rows) == 10 and max(lam0_rows) < first_other_train
+    assert order[:2] == ["probe/scienceqa", "probe/hotpotqa"]
+    assert all(n.startswith("fidelity/") for n in order[-len([n for n in order if n.startswith("fidelity/")]) :])
+
+
+def test_a_training_whose_rows_are_all_kept_is_not_run_again(tmp_path: Path, monkeypatch) -> None:
+    """Results kept without their adapters (the repository keeps episodes, not adapter sets) resume without training
+    again; a set with one row missing trains again for it."""
+    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    root = tmp_path / "study"
+    plan = [j for j in _fake_plan(tmp_path) if j.meta.get("set") in ("scienceqa_lam0", "scienceqa_lam0.5")]
+    for j in plan:  # every row and fidelity of lam0 kept; lam0.5 lacks its full_shared row
+        if j.kind == "train" or j.name == "eval/scienceqa_lam0.5/full_shared":
+            continue
+        (root / j.done_file).parent.mkdir(parents=True, exist_ok=True)
+        body = {"episodes": {j.meta["row"]: {"0": 90, "1": 90, "2": 90}}} if j.kind == "eval" else {}
+        (root / j.done_file).write_text(json.dumps(body))
+    jobs = {j.name: j for j in plan}
+    assert job_state(jobs["train/scienceqa_lam0"], root, set(), jobs) == "unneeded"
+    assert job_state(jobs["train/scienceqa_lam0.5"], root, set(), jobs) == "ready"
+    assert run(root, plan, gpu_gb=1000, poll=0.05) == 0
+    launched = sorted(x["job"] for x in _launches(tmp_path) if "start" in x)
+    assert launched == ["eval/scienceqa_lam0.5/full_shared", "train/scienceqa_lam0.5"]
