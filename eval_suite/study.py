@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -54,6 +55,7 @@ from typing import Any
 import yaml
 
 from eval_suite.study_jobs import Job, is_done
+from lragent.report_io import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS: tuple[str, ...] = ("scienceqa", "hotpotqa")
@@ -444,30 +446,96 @@ def reset_failed(root: Path) -> list[str]:
     return names
 
 
+class _Adopted:
+    """A job process that an earlier driver on this machine started and that still runs (its driver was killed): the
+    new driver waits for it instead of starting the job a second time."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        """None while the process lives, then :data:`ADOPTED_ENDED` (its exit status is its lost parent's to know)."""
+        return None if _pid_runs(self.pid) else ADOPTED_ENDED
+
+
+ADOPTED_ENDED = 98
+"""Attempt code of an adopted job that ended without its result (its exit status is unknown)."""
+
+
+def _pid_runs(pid: int, needle: str | None = None) -> bool:
+    """Whether process ``pid`` lives (and, with ``needle``, whether its command line contains it: a reused pid is
+    another process)."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except (ProcessLookupError, PermissionError, OverflowError, OSError, IndexError):
+        return False
+    if state == "Z":  # exited, not yet reaped by its parent
+        return False
+    if needle is None:
+        return True
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _orphans(root: Path, jobs: dict[str, Job]) -> dict[str, int]:
+    """Jobs of an earlier driver of this root, on this machine, whose processes still run: ``{name: pid}``."""
+    path = root / "driver.json"
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    children = info.get("running")
+    if info.get("host") != platform.node() or not isinstance(children, dict) or _pid_runs(int(info.get("pid", -1))):
+        return {}
+    return {n: int(pid) for n, pid in children.items() if n in jobs and _pid_runs(int(pid), str(root / n))}
+
+
 def run(
-    root: Path, plan: list[Job], gpu_gb: float, retries: int = 2, poll: float = 5.0, max_procs: int = 12, gpus: int = 1
+    root: Path,
+    plan: list[Job],
+    gpu_gb: float,
+    retries: int = 2,
+    poll: float = 5.0,
+    max_procs: int = 12,
+    gpus: int = 1,
+    max_train: int = 2,
 ) -> int:
     """Launches the jobs that are not done until every one is done or has failed ``retries + 1`` times.
 
-    Each job goes to the GPU with the least estimated memory in use (``CUDA_VISIBLE_DEVICES``), if its estimate fits
-    that GPU's ``gpu_gb``; at most ``max_procs`` processes per GPU.
+    Jobs start in priority order, and strictly: when the next ready job does not fit (memory or ``max_procs``), no
+    job behind it starts before it does (a smaller, later job would otherwise take the room it waits for, and a lease
+    that ends early would leave many half-done sets instead of whole ones). Trainings are also capped at
+    ``max_train`` per GPU (a capped training does not hold back the jobs behind it): several trainings on one GPU
+    only share its compute, and the rows of a finished set should not wait for them. Each job goes to the GPU with
+    the least estimated memory in use (``CUDA_VISIBLE_DEVICES``), if its estimate fits that GPU's ``gpu_gb``. Jobs
+    that a killed driver of the same root left running on this machine are waited for, not started again.
 
     Returns:
-        0 when every job is done, 1 otherwise.
+        0 when every job is done (or not needed), 1 otherwise.
     """
     jobs = {j.name: j for j in plan}
     root.mkdir(parents=True, exist_ok=True)
-    procs: dict[str, tuple[subprocess.Popen, float, Any]] = {}
+    procs: dict[str, tuple[Any, float, Any]] = {}
     on_gpu: dict[str, int] = {}
     too_big: set[str] = set()
     say = lambda msg: print(f"[study {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
+    for name, pid in _orphans(root, jobs).items():
+        procs[name] = (_Adopted(pid), time.time(), None)
+        on_gpu[name] = 0
+        say(f"{name}: still running from an earlier driver (pid {pid}); waiting for it")
     while True:
         for name, (proc, t0, log) in list(procs.items()):
             rc = proc.poll()
             if rc is None:
                 continue
-            log.close()
-            if rc == 0 and not is_done(jobs[name], root):  # a success without its result is a failure, or it loops
+            if log is not None:
+                log.close()
+            if rc in (0, ADOPTED_ENDED) and is_done(jobs[name], root):
+                rc = 0
+            elif rc == 0:  # a success without its result is a failure, or it loops
                 rc = NO_RESULT
             _append(root / name / "attempts.jsonl", {"rc": rc, "seconds": round(time.time() - t0, 1)})
             say(f"{name}: exit {rc} after {time.time() - t0:.0f} s")
@@ -476,7 +544,9 @@ def run(
         running = set(procs)
         used = [sum(jobs[n].gb for n in running if on_gpu.get(n) == g) for g in range(gpus)]
         count = [sum(1 for n in running if on_gpu.get(n) == g) for g in range(gpus)]
+        trains = [sum(1 for n in running if on_gpu.get(n) == g and jobs[n].kind == "train") for g in range(gpus)]
         pending = []
+        blocked = False
         for job in plan:
             state = job_state(job, root, running, jobs)
             if state in ("done", "running", "waiting", "unneeded"):
@@ -491,8 +561,15 @@ def run(
                     say(f"{job.name} needs {job.gb:g} GB, more than the {gpu_gb:g} GB per GPU: not launched")
                 continue
             pending.append(job)
+            if blocked:  # a job ahead of this one waits for room
+                continue
             g = min(range(gpus), key=lambda i: used[i])
+            if job.kind == "train" and min(trains) >= max_train:
+                continue
+            if job.kind == "train":
+                g = min((i for i in range(gpus) if trains[i] < max_train), key=lambda i: used[i])
             if count[g] >= max_procs or used[g] + job.gb > gpu_gb:
+                blocked = True
                 continue
             cmd = prepare(job, root)
             (root / job.name).mkdir(parents=True, exist_ok=True)
@@ -509,8 +586,10 @@ def run(
             on_gpu[job.name] = g
             used[g] += job.gb
             count[g] += 1
+            trains[g] += job.kind == "train"
             say(f"launched {job.name} on GPU {g} ({job.gb:g} GB est., {used[g]:g} of {gpu_gb:g} in use there)")
-        (root / "driver.json").write_text(json.dumps({"pid": os.getpid(), "running": sorted(procs)}))
+        children = {n: p.pid for n, (p, _, _) in procs.items()}
+        write_json(root / "driver.json", {"pid": os.getpid(), "host": platform.node(), "running": children})
         if not procs and not any(job_state(j, root, set(), jobs) == "ready" for j in pending):
             done = sum(job_state(j, root, set(), jobs) in ("done", "unneeded") for j in plan)
             say(f"finished: {done} of {len(plan)} jobs done or not needed")
@@ -521,10 +600,14 @@ def run(
 def status_lines(root: Path, plan: list[Job]) -> list[str]:
     """One line per job: state, attempts, name."""
     jobs = {j.name: j for j in plan}
-    running = set()
-    pid_file = root / "driver.json"
-    if pid_file.is_file():
-        running = set(json.loads(pid_file.read_text()).get("running", []))
+    running: set[str] = set()
+    try:
+        info = json.loads((root / "driver.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        info = {}
+    # a driver of this machine that still runs: its children are the running jobs (a packed copy's are not)
+    if info.get("host") == platform.node() and _pid_runs(int(info.get("pid", -1))):
+        running = set(info.get("running") or ())
     return [f"{job_state(j, root, running, jobs):8s} {attempts(j, root)}  {j.name}" for j in plan]
 
 
@@ -573,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2, help="training epochs of every set (equal steps for every λ)")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU memory to fill (default: 90%% of GPU 0's)")
     p.add_argument("--retries", type=int, default=2, help="relaunches of a failed job")
+    p.add_argument("--max-train", type=int, default=2, help="trainings at once per GPU (they share its compute)")
     p.add_argument(
         "--gpus", type=int, default=None, help="how many GPUs to spread the jobs over, GPUs 0..N-1 (default: all)"
     )
@@ -593,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = args.runs if args.runs is not None else (1 if args.stage == "sweep" else 3)
         if runs < 1 or args.epochs < 1:
             raise ValueError(f"--runs and --epochs must be >= 1, got {runs}, {args.epochs}")
+        if args.max_train < 1:
+            raise ValueError(f"--max-train {args.max_train}: at least 1 training per GPU")
         if args.gpus is not None and args.gpus < 1:  # a count, not an index: 0 once meant "all" silently
             raise ValueError(f"--gpus {args.gpus}: the number of GPUs to use (GPUs 0..N-1), at least 1")
     except ValueError as exc:
@@ -616,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.reset_failed:
             for name in reset_failed(root):
                 print(f"reset failed attempts of {name}")
-        return run(root, plan, gpu, retries=args.retries, gpus=max(1, args.gpus or n_gpus))
+        return run(root, plan, gpu, retries=args.retries, gpus=max(1, args.gpus or n_gpus), max_train=args.max_train)
     if args.command == "pack":
         paths = pack(root, Path(args.out or "study_pack"))
         print("\n".join(f"{p} {p.stat().st_size}" for p in paths))

@@ -78,6 +78,8 @@ def collect(root: Path, plan: Sequence[Job], partial: bool = False) -> dict[str,
     """
     sets: dict[str, dict[str, Any]] = {}
     for job in plan:
+        if job.kind == "probe":  # the zero-shot reference: a line of its own (probe_line), not an adapter set
+            continue
         meta = job.meta
         keys = ("benchmark", "set", "lambda", "train_scheme", "shared_a")
         fresh = {"meta": {**{k: meta[k] for k in keys}, "data": meta.get("data") or {}}, "records": [], "missing": [],
@@ -300,6 +302,9 @@ def write_report(root: Path, plan: Sequence[Job], out: Path, partial: bool = Fal
              "difference. `ns` / `blr` / `full`: non_shared / base_lr_shared / full_shared.\n"]  # fmt: skip
     for bench in [b for b in ("scienceqa", "hotpotqa") if any(e["meta"]["benchmark"] == b for e in sets.values())]:
         parts.append(f"\n## {bench}: λ study (shared A)\n\n")
+        line = probe_line(root, bench)
+        if line:
+            parts.append(line + "\n\n")
         parts.append(lambda_table(sets, bench))
         parts.append(f"\n## {bench}: every row\n\n")
         parts.append(rows_table(sets, bench))

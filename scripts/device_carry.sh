@@ -14,6 +14,9 @@
 # Accuracy-model calls: call k carries [".accKK"] (call 1 also ".whl", ".commit"), back to back while the machine stays
 # warm (about 8 s a call); each command sources scripts/device_model.sh, which copies its piece to /tmp/acc and, once
 # every byte is there, joins them and sets LRAGENT_ACCURACY_GGUF (lragent checks size and sha256 before converting).
+# prepare-accuracy also packs the committed study roots (results/study_qwen/root and sweep_root) into .resume/study
+# and .resume/sweep; carry [".resume"] in one more call before the first scripts/gpu_study.sh call of the lease, and
+# the study resumes there (finished jobs are not run again).
 #
 # The calls then carry [".whl", ".commit", ".tok", ".gguf1"] (call 1: its command sources scripts/device_model.sh,
 # which copies the first half to /tmp on the device) and [".whl", ".commit", ".gguf2"] (call 2, while the machine is
@@ -54,6 +57,12 @@ check_accuracy() {
     [ "$bytes" -le "$LIMIT" ] || { printf '%s: %.1f MiB with the tree: OVER 64 MiB\n' "$d" "$(awk "BEGIN {print $bytes / 1048576}")"; ok=1; }
   done
   [ $n -gt 0 ] || { echo "no .acc* pieces: run prepare-accuracy"; return 1; }
+  if [ -d .resume ]; then
+    bytes=$((tree + $(dir_bytes .resume) + 4096))
+    printf '.resume (the study roots to resume from): %.1f MiB with the tree %s\n' "$(awk "BEGIN {print $bytes / 1048576}")" \
+      "$([ "$bytes" -le "$LIMIT" ] && echo ok || echo 'OVER 64 MiB')"
+    [ "$bytes" -le "$LIMIT" ] || ok=1
+  fi
   printf 'tree %.1f MiB, .whl %.1f MiB, %d accuracy-model pieces (one call each) %s\n' \
     "$(awk "BEGIN {print $tree / 1048576}")" "$(awk "BEGIN {print $whl / 1048576}")" "$n" "$([ $ok = 0 ] && echo ok)"
   return $ok
@@ -102,12 +111,13 @@ case "${1:-}" in
     check
     ;;
   restore)
-    for p in "${SLIM[@]}"; do
+    for p in "${SLIM_ACCURACY[@]}" "${SLIM[@]}"; do  # whole folders (prepare-accuracy) first, then the pieces
       [ -e "$KEEP/$p" ] || continue
       [ -e "$p" ] && { echo "not restoring $p: it exists again in the tree ($KEEP/$p kept)"; continue; }
+      mkdir -p "$(dirname "$p")"
       mv "$KEEP/$p" "$p"
     done
-    rm -rf .gguf1 .gguf2 .acc[0-9]*
+    rm -rf .gguf1 .gguf2 .acc[0-9]* .resume
     git status --short | head -5
     ;;
   prepare-accuracy)
@@ -117,6 +127,11 @@ case "${1:-}" in
     ls .whl/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+    rm -rf .resume
+    for stage in study sweep; do  # the committed roots, for the device to resume from (scripts/gpu_study.sh)
+      src=results/study_qwen/$([ $stage = study ] && echo root || echo sweep_root)
+      [ -d "$src" ] && python3 -m eval_suite.study pack --root "$src" --out ".resume/$stage" > /dev/null
+    done
     mkdir -p "$KEEP"
     for p in "${SLIM_ACCURACY[@]}"; do
       [ -e "$p" ] || continue

@@ -26,8 +26,9 @@ if [ ! -f /tmp/acc/model.gguf ] && [ "$(acc_bytes 'acc.part*')" = "$ACC_BYTES" ]
   cat /tmp/acc/acc.part* > /tmp/acc/model.gguf.tmp && mv /tmp/acc/model.gguf.tmp /tmp/acc/model.gguf && rm -f /tmp/acc/acc.part*
 fi
 [ -f /tmp/acc/model.gguf ] && export LRAGENT_ACCURACY_GGUF=/tmp/acc/model.gguf
-# A study's last pack (.resume/study.tar.gz.part*), carried in a call of its own; scripts/gpu_study.sh unpacks it.
-if ls .resume/study.tar.gz.part* > /dev/null 2>&1; then mkdir -p /tmp/resume_pack && cp .resume/study.tar.gz.part* /tmp/resume_pack/; fi
+# The committed study roots' packs (.resume/<stage>/study.tar.gz.part*), carried in a call of their own;
+# scripts/gpu_study.sh unpacks the one of its stage.
+if [ -d .resume ]; then mkdir -p /tmp/resume_pack && cp -r .resume/* /tmp/resume_pack/; fi
 # the GGUF alone is not enough: converting it needs the gguf package (its wheel carried in .whl)
 if [ -f /tmp/gguf/model.gguf ] && ! python3 -c "import gguf" 2>/dev/null; then
   echo "WARNING: the GGUF is here but the gguf package is not: put gguf-0.19.0-py3-none-any.whl in .whl and carry it," \

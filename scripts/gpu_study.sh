@@ -3,8 +3,9 @@
 # pieces (scripts/device_model.sh; a call that only carries a piece stops there), convert the model once per machine,
 # start `python -m eval_suite.study run` in the background if it is not running (it outlives the call while the machine
 # stays warm), and pack the root into $OUT every 30 s, so a lost machine loses at most that. A new machine resumes from
-# a carried pack (.resume/study.tar.gz.part*, made from the last call's $OUT) or, for the embedded model's study, from
-# results/study/root; finished jobs are never run again.
+# a carried pack (.resume/<stage>/study.tar.gz.part*: `device_carry.sh prepare-accuracy` packs the committed
+# results/study_qwen roots) or, for the embedded model's study, from results/study/root; finished jobs are never run
+# again, and a driver started while a killed one's jobs still run waits for them.
 #
 # Usage on the device: [MODEL=qwen2.5-coder-1.5b] [STAGE=sweep] bash scripts/gpu_study.sh SECONDS_TO_STAY [options]
 #   MODEL  default (the embedded SmolLM2-135M, carried as .gguf1/.gguf2) or qwen2.5-coder-1.5b (carried as .accNN)
@@ -25,8 +26,9 @@ else
 fi
 ROOT=/tmp/${STAGE}_${MODEL}
 if [ ! -d "$ROOT" ]; then
-  if ls /tmp/resume_pack/study.tar.gz.part* > /dev/null 2>&1; then  # the last lease's pack, carried as .resume
-    mkdir -p /tmp/resume && cat /tmp/resume_pack/study.tar.gz.part* | tar xz -C /tmp/resume && mv /tmp/resume/study "$ROOT"
+  if ls /tmp/resume_pack/"$STAGE"/study.tar.gz.part* > /dev/null 2>&1; then  # the committed root, carried as .resume
+    rm -rf /tmp/resume && mkdir -p /tmp/resume
+    cat /tmp/resume_pack/"$STAGE"/study.tar.gz.part* | tar xz -C /tmp/resume && mv /tmp/resume/study "$ROOT"
     echo "resumed $ROOT from .resume ($(find "$ROOT" -name summary.json | wc -l) summaries)"
   elif [ "$MODEL" = default ] && [ "$STAGE" = study ] && [ -d results/study/root ]; then
     cp -r results/study/root "$ROOT"

@@ -18,6 +18,102 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "accuracy model: a part's hash taken over its first chunk only": (
+        "lragent/accuracy_model.py",
+        "        for chunk in src.chunks():\n            h.update(chunk)\n        if h.hexdigest() != part.sha256:",
+        "        h.update(next(iter(src.chunks())))\n        if h.hexdigest() != part.sha256:",
+        "tests/test_accuracy_model.py",
+    ),
+    "accuracy model: a refused join leaves its half-written file": (
+        "lragent/accuracy_model.py",
+        "        tmp.unlink(missing_ok=True)",
+        "        pass",
+        "tests/test_accuracy_model.py",
+    ),
+    "accuracy model: the join checks no part's own hash": (
+        "lragent/accuracy_model.py",
+        "                if h.hexdigest() != part.sha256:\n                    raise",
+        "                if False:\n                    raise",
+        "tests/test_accuracy_model.py",
+    ),
+    "accuracy model: a joined GGUF's hash not checked": (
+        "lragent/accuracy_model.py",
+        "    if h.hexdigest() != GGUF_SHA256:\n        raise",
+        "    if False:\n        raise",
+        "tests/test_accuracy_model.py",
+    ),
+    "accuracy model: the last part pinned at a full part's size": (
+        "lragent/accuracy_model.py",
+        "PART_BYTES if i < n - 1 else last, h)",
+        "PART_BYTES, h)",
+        "tests/test_accuracy_model.py",
+    ),
+    "recipe sweep: a point's evaluation ranked after every training": (
+        "eval_suite/study.py",
+        "                                  pi * 10 + bi + 0.5, meta)",
+        "                                  100 + pi * 10 + bi, meta)",
+        "tests/test_study.py",
+    ),
+    "recipe sweep: the point's learning rate not given to the roles": (
+        "eval_suite/study.py",
+        'model.update(lr=lr, shared_a_lr=lr, role_lr={role: lr for role in model["roles"]})',
+        "model.update(lr=lr, shared_a_lr=lr)",
+        "tests/test_study.py",
+    ),
+    "study: fidelity jobs without the profile's --model": (
+        "eval_suite/study.py",
+        '"fidelity", "--benchmark", bench, *profile.model_args(), *adapters,',
+        '"fidelity", "--benchmark", bench, *adapters,',
+        "tests/test_study.py",
+    ),
+    "sweep report: the first epoch's val loss": (
+        "eval_suite/study_report.py",
+        'float(vals[-1]["val/loss"]) if vals else None',
+        'float(vals[0]["val/loss"]) if vals else None',
+        "tests/test_study.py",
+    ),
+    "sweep report: answer validity looked up per row (always None)": (
+        "eval_suite/study_report.py",
+        'entry["valid"] = validity(records)["rate"] if records else None',
+        'entry["valid"] = (validity(records).get("non_shared") or {}).get("rate") if records else None',
+        "tests/test_study.py",
+    ),
+    "study driver: a later job takes the room a blocked one waits for": (
+        "eval_suite/study.py",
+        "                blocked = True\n                continue",
+        "                continue",
+        "tests/test_study.py -k strict_priority",
+    ),
+    "study driver: trainings not capped per GPU": (
+        "eval_suite/study.py",
+        '            if job.kind == "train" and min(trains) >= max_train:\n                continue',
+        "            if False:\n                continue",
+        "tests/test_study.py -k capped",
+    ),
+    "study driver: a killed driver's running job started again": (
+        "eval_suite/study.py",
+        "    for name, pid in _orphans(root, jobs).items():",
+        "    for name, pid in {}.items():",
+        "tests/test_study.py -k killed_driver",
+    ),
+    "study driver: an exited, unreaped job counted as running": (
+        "eval_suite/study.py",
+        '    if state == "Z":  # exited, not yet reaped by its parent\n        return False',
+        "",
+        "tests/test_study.py -k killed_driver",
+    ),
+    "study driver: a training whose rows are all kept runs again": (
+        "eval_suite/study.py",
+        '    if dependents and all(is_done(j, root) for j in dependents):\n        return "unneeded"',
+        "",
+        "tests/test_study.py -k rows_are_all_kept",
+    ),
+    "study: a set's rows ranked after later sets' trainings": (
+        "eval_suite/study.py",
+        "                prio = si * 10 + 2 + bi * 0.1 + ci * 0.01",
+        "                prio = 100 + si * 10 + bi * 0.1 + ci * 0.01",
+        "tests/test_study.py -k later_sets_train",
+    ),
     "reverse reuse: a row of any role counted as the producer": (
         "scripts/reverse_reuse_share.py",
         "roles[b] == producers[j] and split[j] <= lengths[b]",

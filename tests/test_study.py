@@ -433,3 +433,93 @@ def test_a_training_whose_rows_are_all_kept_is_not_run_again(tmp_path: Path, mon
     assert run(root, plan, gpu_gb=1000, poll=0.05) == 0
     launched = sorted(x["job"] for x in _launches(tmp_path) if "start" in x)
     assert launched == ["eval/scienceqa_lam0.5/full_shared", "train/scienceqa_lam0.5"]
+
+
+def _job(name: str, kind: str, gb: float, priority: float, log: Path, deps: tuple[str, ...] = ()) -> Job:
+    done = f"{name}/summary.json" if kind == "eval" else f"{name}/out.json"
+    meta = {"scheme": "non_shared", "runs": 3, "row": name.rsplit("/", 1)[-1]}  # the row FAKE writes
+    return Job(name, kind, [sys.executable, "-c", FAKE, "{root}", name, done, str(log)], done, deps, gb, priority, meta)
+
+
+def _intervals(tmp_path: Path) -> dict[str, tuple[float, float]]:
+    ev = _launches(tmp_path)
+    return {x["job"]: (x["start"], next(y["end"] for y in ev if y["job"] == x["job"] and "end" in y))
+            for x in ev if "start" in x}  # fmt: skip
+
+
+def test_strict_priority_a_later_job_does_not_take_the_room_a_big_one_waits_for(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    log = tmp_path / "launches.jsonl"
+    plan = [_job("a/first", "eval", 10, 0, log), _job("b/big", "eval", 50, 1, log), _job("c/small", "eval", 10, 2, log)]
+    assert run(tmp_path / "root", plan, gpu_gb=55, poll=0.02) == 0
+    t = _intervals(tmp_path)
+    assert t["b/big"][0] >= t["a/first"][1]  # it waited for the room
+    assert t["c/small"][0] >= t["b/big"][0]  # and nothing behind it jumped the queue meanwhile
+
+
+def test_trainings_are_capped_per_gpu_without_holding_back_evaluations(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    log = tmp_path / "launches.jsonl"
+    plan = [_job(f"train/s{i}", "train", 5, i, log) for i in range(4)] + [_job("eval/e", "eval", 5, 10, log)]
+    assert run(tmp_path / "root", plan, gpu_gb=1000, poll=0.02, max_train=2) == 0
+    t = _intervals(tmp_path)
+    trains = [v for k, v in t.items() if k.startswith("train/")]
+    for start, _ in trains:  # never more than two trainings at one moment
+        assert sum(s <= start < e for s, e in trains) <= 2
+    assert t["eval/e"][0] < max(s for s, _ in trains)  # the evaluation started while trainings still queued
+
+
+def test_a_killed_drivers_running_job_is_waited_for_not_started_again(tmp_path: Path, monkeypatch) -> None:
+    import platform
+    import subprocess
+
+    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    root = tmp_path / "root"
+    log = tmp_path / "launches.jsonl"
+    plan = [_job("eval/orphan", "eval", 10, 0, log), _job("eval/other", "eval", 10, 1, log)]
+    # the orphan: started by a driver that is gone (its pid: a process that has exited), still running
+    orphan = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            FAKE.replace("0.3", "1.0"),
+            str(root),
+            "eval/orphan",
+            plan[0].done_file,
+            str(tmp_path / "orphan.jsonl"),
+            f"--out={root}/eval/orphan",
+        ]
+    )  # fmt: skip  (as a job's command names its directory)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    root.mkdir()
+    (root / "driver.json").write_text(json.dumps({"pid": dead.pid, "host": platform.node(),
+                                                  "running": {"eval/orphan": orphan.pid}}))  # fmt: skip
+    import signal
+
+    def _hang(*_: object) -> None:
+        raise TimeoutError("the driver waits for an orphan that has ended (a zombie counted as running)")
+
+    signal.signal(signal.SIGALRM, _hang)
+    signal.alarm(60)
+    try:
+        assert run(root, plan, gpu_gb=100, poll=0.02) == 0
+    finally:
+        signal.alarm(0)
+    orphan.wait()
+    assert [x["job"] for x in _launches(tmp_path) if "start" in x] == ["eval/other"]  # the orphan was not relaunched
+    assert is_done(plan[0], root)
+    attempts = [json.loads(x) for x in (root / "eval/orphan/attempts.jsonl").read_text().splitlines()]
+    assert attempts[-1]["rc"] == 0  # ended with its result: counted as a success
+
+
+def test_study_page_carries_the_zero_shot_reference(tmp_path: Path) -> None:
+    root = tmp_path / "study"
+    plan = build_plan(("hotpotqa",), (0.0,), runs=3, profile=QWEN)
+    (root / "probe" / "hotpotqa").mkdir(parents=True)
+    probe = {"em": {"mean": 46.7, "low": 36.7, "high": 56.7}, "f1": {"mean": 51.8}, "questions": 90}
+    (root / "probe" / "hotpotqa" / "summary.json").write_text(json.dumps(probe))
+    data = write_report(root, plan, tmp_path / "out", partial=True)
+    md = (tmp_path / "out" / "study.md").read_text()
+    assert "EM 46.7 [36.7, 56.7], F1 51.8, 90 questions" in md
+    assert "hotpotqa_zero_shot" not in data  # a reference line, not an adapter set
