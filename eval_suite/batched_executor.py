@@ -86,6 +86,14 @@ class BatchedExecutor:
         self.droidspeak_layers = droidspeak_layers
         self.eos_token_ids = eos_token_ids
         self.generated_tokens = 0
+        self._reserved: tuple[str, int, Engine] | None = None
+
+    def reserve(self, scheme: str, tasks: int) -> None:
+        """Allocates the engine (its static caches) that running ``tasks`` tasks of ``scheme`` first needs, now:
+        under the caller's allocation lock, so the next process that sizes its batch sees this memory as taken."""
+        rows = min(self.batch, tasks)
+        if rows >= 1:
+            self._reserved = (str(scheme), rows, self._engine(scheme, rows))
 
     def _engine(self, scheme: str, rows: int) -> Engine:
         return Engine(
@@ -125,7 +133,10 @@ class BatchedExecutor:
     @torch.no_grad()
     def _run_scheme(self, scheme: str, tasks: list) -> Iterator[tuple[object, EpisodeResult]]:
         rows = min(self.batch, len(tasks))
-        eng = self._engine(scheme, rows)
+        reserved, self._reserved = self._reserved, None
+        fits = reserved is not None and reserved[0] == str(scheme) and reserved[1] >= rows
+        eng = reserved[2] if fits else self._engine(scheme, rows)
+        del reserved
         queue = list(tasks)
         active: dict[int, _Row] = {}
         free = list(range(rows))

@@ -94,6 +94,41 @@ def run_trace(engine, model, l_ctx: int, seed: int) -> dict:
     }
 
 
+def check_trace_memory(
+    model: str,
+    schemes: list,
+    contexts: list[int],
+    dtype: torch.dtype,
+    device: str,
+    rank: int,
+    droidspeak_layers: list[int] | None,
+) -> None:
+    """Refuses, in one line and before the model loads, a trace whose largest context does not fit in the device's
+    free memory under one of the schemes (the model, that scheme's one-row cache and the workspace, as
+    :mod:`lragent.memory_plan` counts them), naming the need, what is free and what to change."""
+    from lragent.memory_plan import GIB, free_memory, model_shape, plan_memory
+
+    free = free_memory(device)
+    if free is None:
+        return
+    shape = model_shape(model)
+    element = torch.empty((), dtype=dtype).element_size()
+    largest = max(contexts)
+    for scheme in schemes:
+        layers = droidspeak_layers if scheme == "droidspeak" else None
+        plan = plan_memory(shape, scheme, 1, final_length(largest) + 64, element_size=element, rank=rank,
+                           droidspeak_layers=layers)  # fmt: skip
+        if plan.total > free:
+            fits = [c for c in sorted(contexts) if plan_memory(shape, scheme, 1, final_length(c) + 64,
+                    element_size=element, rank=rank, droidspeak_layers=layers).total <= free]  # fmt: skip
+            allowed = f"--contexts up to {fits[-1]}" if fits else "smaller --contexts"
+            raise ValueError(
+                f"bench trace at L_ctx {largest} needs {plan.total / GIB:.2f} GiB on {device} under {scheme} "
+                f"({plan.describe()}) but {free / GIB:.2f} GiB is free: allowed {allowed}, --schemes without "
+                f"{scheme}, or a device with more memory"
+            )
+
+
 def trace(
     model: str = "llama-3.1-8b",
     contexts: list[int] | None = None,
@@ -132,6 +167,7 @@ def trace(
         raise ValueError("bench trace on cuda needs a CUDA GPU: allowed --device cpu for a functional smoke run")
     cuda = device.startswith("cuda")
     dt = parse_dtype(dtype)
+    check_trace_memory(model, schemes, contexts, dt, device, rank, droidspeak_layers)  # before the model loads
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf, _ = load_model(model, dtype=dt, device=device)

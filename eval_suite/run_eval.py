@@ -27,6 +27,7 @@ Usage::
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import sys
@@ -51,6 +52,7 @@ from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecuto
 from eval_suite.report import fmt_over_runs, write_json
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
+from lragent.device_share import allocation_lock, apply_memory_fraction, check_memory_fraction, is_oom, oom_line
 from lragent.loading import check_model_args, load_lora_model, resolve_device
 from lragent.loading import read_droidspeak_config as load_droidspeak_config
 from lragent.lora_model import MultiLoraModel
@@ -369,6 +371,7 @@ def evaluate(
     cuda_graphs: bool = True,
     prefill_in_decode: int | None = None,
     devices: int = 1,
+    memory_fraction: float | None = None,
     quiet: bool = False,
 ) -> int:
     """Multi-agent accuracy of the cache sharing schemes on HotpotQA or ScienceQA (paper Tables 3, 15 and 16).
@@ -415,8 +418,10 @@ def evaluate(
         shard: i/n: this process takes every n-th question starting at i (give each shard its own --out).
         merge: output directories to summarise together into --out (nothing is run).
         batch: episodes run at once on one engine (continuous refill; CUDA-graph decoding on a GPU); 0 runs them
-            one after another through the session API; auto: the largest batch whose caches, model and workspace
-            fit in the device's free memory (an explicit batch that does not fit is refused before the model loads).
+            one after another through the session API; auto: the largest batch whose caches and workspace fit in
+            what is free once the model is loaded (sized under a lock per GPU, so processes starting together size
+            one after another; an explicit batch that does not fit is refused before the model loads). Out of
+            memory during the run halves the batch and goes on, keeping every finished episode.
         capacity: cache positions per episode with --batch (episodes stop as out of function before they outgrow
             it: --max_context_tokens defaults to capacity - 2048 there).
         cuda_graphs: decode with CUDA graphs on a GPU (false: eager, for debugging).
@@ -425,6 +430,8 @@ def evaluate(
             0 (off) on the CPU.
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
             --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT.
+        memory_fraction: this process's share of the device's memory, in (0, 1]: --batch auto sizes within it
+            and the CUDA allocator is capped there, so several evaluations can share one GPU (e.g. six at 0.15).
         quiet: no progress bar.
 
     Returns:
@@ -482,6 +489,7 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
     model, adapters, rank, dtype and device (:func:`~lragent.loading.check_model_args`).
     """
     a = call
+    check_memory_fraction(a.get("memory_fraction"))
     for name, low in _AT_LEAST.items():
         value = a[name]
         if value is not None and (isinstance(value, bool) or value < low):
@@ -563,21 +571,23 @@ def merge_outputs(dirs: list[str], out_dir: Path) -> int:
 
 
 def run_plan(plan: EvalPlan) -> int:
-    """One eval process: sizes the batch (before the model loads), then runs every missing episode of the plan
-    into its output directory and writes the summary."""
+    """One eval process: checks the batch before the model loads, sizes ``--batch auto`` once it is loaded (under the
+    device's allocation lock), then runs every missing episode of the plan into its output directory and writes the
+    summary. Out of memory during the run halves the batch and resumes from the episode log."""
     from lragent.command import on_interrupt
     from lragent.provenance import provenance
 
     a, out_dir, bench = plan.args, plan.out_dir, plan.bench
     run_device = resolve_device(a["device"])
+    fraction = a.get("memory_fraction")
     adapters_label = str(Path(plan.adapters).resolve()) if plan.adapters else f"init:{a['adapter_init']}"
     batch = a["batch"]
-    if batch:  # before the model loads: refuse a batch that does not fit in free memory, or size --batch auto
-        most = min(MAX_AUTO_BATCH, len(plan.questions) * a["runs"]) or 1
-        batch = choose_batch(a["model"], plan.schemes, batch, a["capacity"], dtype=a["dtype"], device=run_device,
-                             rank=a["rank"], droidspeak_layers=plan.droidspeak_layers, max_batch=most)  # fmt: skip
-        if a["batch"] == "auto":
-            print(f"eval: --batch auto: {batch} episodes at once (what fits; at most {most})", file=sys.stderr)
+    most = min(MAX_AUTO_BATCH, len(plan.questions) * a["runs"]) or 1
+    size = dict(dtype=a["dtype"], device=run_device, rank=a["rank"], droidspeak_layers=plan.droidspeak_layers,
+                memory_fraction=fraction)  # fmt: skip
+    if batch:  # before the model loads: refuse a batch (auto: one episode) that cannot fit
+        choose_batch(a["model"], plan.schemes, 1 if batch == "auto" else batch, a["capacity"], **size)
+    apply_memory_fraction(run_device, fraction)
 
     with DirectoryLock(out_dir):
         toolbox_factory, corpus_desc = bench.toolbox_factory(plan.corpus_files)
@@ -597,26 +607,55 @@ def run_plan(plan: EvalPlan) -> int:
             model=a["model"], adapters=plan.adapters, adapter_init=a["adapter_init"], rank=a["rank"],
             alpha=a["alpha"], seed=a["seed"], dtype=a["dtype"], device=run_device,
         )  # fmt: skip
-        if batch:
+
+        def executor_of(rows: int) -> EpisodeExecutor:
+            if not rows:
+                factory = build_policy_factory(
+                    lm, tokenizer, temperature=plan.temperature, top_p=plan.top_p, use_kernel=a["use_kernel"],
+                    droidspeak_layers=plan.droidspeak_layers,
+                )  # fmt: skip
+                return SequentialExecutor(factory)
             from eval_suite.batched_executor import BatchedExecutor
 
-            executor = BatchedExecutor(
-                lm, tokenizer, batch=batch, capacity=a["capacity"], temperature=plan.temperature, top_p=plan.top_p,
+            return BatchedExecutor(
+                lm, tokenizer, batch=rows, capacity=a["capacity"], temperature=plan.temperature, top_p=plan.top_p,
                 use_kernel=a["use_kernel"], cuda_graphs=a["cuda_graphs"] if run_device.startswith("cuda") else False,
                 droidspeak_layers=plan.droidspeak_layers, prefill_in_decode=a["prefill_in_decode"],
             )  # fmt: skip
-        else:
-            factory = build_policy_factory(
-                lm, tokenizer, temperature=plan.temperature, top_p=plan.top_p, use_kernel=a["use_kernel"],
-                droidspeak_layers=plan.droidspeak_layers,
-            )  # fmt: skip
-            executor = SequentialExecutor(factory)
-        records = run_episodes(
-            plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
-            adapters=adapters_label, seed=a["seed"], agent_config=plan.agent, toolbox_factory=toolbox_factory,
-            constraints=plan.constraints, temperature=plan.temperature, top_p=plan.top_p, progress=not a["quiet"],
-            provenance=prov,
-        )  # fmt: skip
+
+        with allocation_lock(run_device):  # sized against what is free now, the caches allocated before the next
+            if batch == "auto":
+                batch = choose_batch(a["model"], plan.schemes, "auto", a["capacity"], max_batch=most,
+                                     model_loaded=True, **size)  # fmt: skip
+                print(f"eval: --batch auto: {batch} episodes at once (what fits now; at most {most})", file=sys.stderr)
+            executor = executor_of(batch)
+            if batch:
+                executor.reserve(plan.schemes[0], len(plan.questions) * a["runs"])
+        while True:
+            try:
+                records = run_episodes(
+                    plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
+                    adapters=adapters_label, seed=a["seed"], agent_config=plan.agent, toolbox_factory=toolbox_factory,
+                    constraints=plan.constraints, temperature=plan.temperature, top_p=plan.top_p,
+                    progress=not a["quiet"], provenance=prov,
+                )  # fmt: skip
+                break
+            except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
+                if not is_oom(exc):
+                    raise
+                options = "a smaller --capacity, a larger --memory_fraction, or fewer processes on the device"
+                line = oom_line(exc, run_device, options if batch else "--batch N, or fewer processes on the device")
+                del executor
+                gc.collect()
+                if run_device.startswith("cuda"):
+                    import torch
+
+                    torch.cuda.empty_cache()
+                if not batch or batch == 1:
+                    raise ValueError(f"{line} (finished episodes are kept in {out_dir / EPISODES_FILE})") from None
+                batch = max(1, batch // 2)
+                print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
+                executor = executor_of(batch)
         summary = write_summary(records, out_dir, prov)
     _print_summary(summary, out_dir)
     return 0

@@ -4,7 +4,8 @@ A command is a plain function whose parameters carry type hints and whose Google
 (``Args:``). :func:`run_command` builds its parser with jsonargparse (the library LightningCLI uses), so every
 command gets ``--help`` from the docstring, ``--config FILE.yaml`` and ``--print_config``, and a config printed by
 ``--print_config`` runs unchanged. Errors in the arguments, and ``ValueError`` / ``FileNotFoundError`` raised by
-the function's own checks, end as one ``error: ...`` line on stderr with exit status 2; Ctrl-C ends with a line
+the function's own checks, end as one ``error: ...`` line on stderr with exit status 2, and so does running out of
+device memory (what was asked and what is free, :func:`lragent.device_share.oom_line`); Ctrl-C ends with a line
 that says what was kept (the function may register it with :func:`on_interrupt`) and status 130.
 """
 
@@ -16,6 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _INTERRUPT_NOTE: list[str] = []
+_OOM_OPTIONS = (
+    "smaller batch, capacity or context options (--help lists them), a larger --memory_fraction where the command "
+    "has one, or fewer processes on the device"
+)
 _COMMAND_LINE: list[list[str]] = []
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
@@ -80,6 +85,14 @@ def run_command(fn: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
         result = fn(**kwargs)
     except USER_ERRORS as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # torch's out-of-memory (a RuntimeError): one line, not a traceback
+        from lragent.device_share import is_oom, oom_line
+
+        if not is_oom(exc):
+            raise
+        note = f"; {_INTERRUPT_NOTE[0]}" if _INTERRUPT_NOTE else ""
+        print(f"error: {oom_line(exc, None, _OOM_OPTIONS)}{note}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         note = _INTERRUPT_NOTE[0] if _INTERRUPT_NOTE else "nothing was saved"

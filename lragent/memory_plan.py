@@ -216,6 +216,8 @@ def choose_batch(
     option: str = "--batch",
     auto_ok: bool = True,
     extra_bytes: int = 0,
+    memory_fraction: float | None = None,
+    model_loaded: bool = False,
 ) -> int:
     """The batch to run: ``batch`` itself if every scheme's plan fits in the free memory of ``device``, the largest
     batch (at most ``max_batch``) that fits when ``batch`` is ``"auto"``.
@@ -224,11 +226,16 @@ def choose_batch(
     ``batch`` is returned as given (``auto``: ``max_batch``). ``option`` names the option in the messages (``auto_ok``:
     whether it takes ``auto``); ``extra_bytes`` is memory the command needs next to the model at another time than the
     engine (e.g. a baseline run before it): the need is then the model plus the larger of the two.
+    ``memory_fraction`` limits what this process may take to that share of the device's total memory, less what it
+    already holds (:func:`lragent.device_share.memory_budget`); ``model_loaded``: the model is already on the device
+    (its bytes are in use, not free), so the plan leaves it out: the batch is sized against what is free when the
+    caches are allocated.
 
     Raises:
         ValueError: one line naming the need and what is free, when the batch (or, for ``auto``, one episode) does
             not fit.
     """
+    from lragent.device_share import memory_budget
     from lragent.models import check_device, parse_dtype
 
     device = check_device(device)  # one line for a bogus device, before anything else
@@ -238,7 +245,7 @@ def choose_batch(
         raise ValueError(f"{option} must be >= 1 or auto, got {batch}")
     element_size = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     shape = model_shape(model)
-    free = free_memory(device)
+    free = memory_budget(free_memory(device), device, memory_fraction)
 
     def worst(b: int) -> MemoryPlan:
         plans = [
@@ -249,6 +256,8 @@ def choose_batch(
             for s in schemes
         ]  # fmt: skip
         worst = max(plans, key=lambda p: p.total)
+        if model_loaded:
+            worst = dataclasses.replace(worst, model_bytes=0)
         beside_model = worst.total - worst.model_bytes
         if extra_bytes <= beside_model:
             return worst
@@ -257,6 +266,9 @@ def choose_batch(
     if free is None:
         return max_batch if batch == "auto" else batch
     where = f"on {torch.device(device)}"
+    is_free = (
+        "is free" if memory_fraction is None else f"is this process's to take (--memory_fraction {memory_fraction:g})"
+    )
     if batch != "auto":
         plan = worst(batch)
         if plan.total > free:
@@ -265,7 +277,7 @@ def choose_batch(
             allowed = allowed if fit else f"fewer positions per episode than {capacity}"
             raise ValueError(
                 f"{option} {batch} needs {plan.total / GIB:.2f} GiB {where} ({plan.describe()}) but "
-                f"{free / GIB:.2f} GiB is free: allowed {allowed}"
+                f"{free / GIB:.2f} GiB {is_free}: allowed {allowed}"
             )
         return batch
     fit = _largest_fitting(worst, free, max_batch)
@@ -273,7 +285,8 @@ def choose_batch(
         plan = worst(1)
         raise ValueError(
             f"{option} auto: even one episode needs {plan.total / GIB:.2f} GiB {where} ({plan.describe()}) but "
-            f"{free / GIB:.2f} GiB is free: allowed fewer positions per episode than {capacity} or another device"
+            f"{free / GIB:.2f} GiB {is_free}: allowed fewer positions per episode than {capacity}, a larger "
+            "--memory_fraction or another device"
         )
     return fit
 

@@ -18,6 +18,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "shared card: the share ignores what this process already holds": (
+        "lragent/device_share.py",
+        "share = max(0, int(fraction * total) - held_memory(device))",
+        "share = max(0, int(fraction * total))",
+        "tests/test_device_share.py",
+    ),
+    "shared card: out of memory retries at the same batch": (
+        "eval_suite/run_eval.py",
+        "                batch = max(1, batch // 2)",
+        "                batch = max(1, batch)",
+        "tests/test_device_share.py",
+    ),
+    "shared card: out of memory in a command is a traceback": (
+        "lragent/command.py",
+        "        if not is_oom(exc):\n            raise",
+        "        raise",
+        "tests/test_device_share.py",
+    ),
+    "shared card: auto after loading still counts the model as to be allocated": (
+        "lragent/memory_plan.py",
+        "            worst = dataclasses.replace(worst, model_bytes=0)",
+        "            pass",
+        "tests/test_device_share.py",
+    ),
+    "shared card: the caches sized under the lock are not the ones the run uses": (
+        "eval_suite/batched_executor.py",
+        "        eng = reserved[2] if fits else self._engine(scheme, rows)",
+        "        eng = self._engine(scheme, rows)",
+        "tests/test_device_share.py",
+    ),
+    "bench trace: no memory check before the model loads": (
+        "eval_suite/bench_trace.py",
+        "    check_trace_memory(model, schemes, contexts, dt, device, rank, droidspeak_layers)  # before the model loads",
+        "",
+        "tests/test_device_share.py -k bench_trace",
+    ),
     "accuracy model: a part's hash taken over its first chunk only": (
         "lragent/accuracy_model.py",
         "        for chunk in src.chunks():\n            h.update(chunk)\n        if h.hexdigest() != part.sha256:",

@@ -99,7 +99,8 @@ def test_session_capacity_follows_the_engine_growth():
 
 def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys, free, monkeypatch):
     """``eval --batch 96`` with too little free memory: one line naming the need and what is free, exit 2, and the
-    model is never loaded; ``--batch auto`` picks the batch that fits and hands it to the executor."""
+    model is never loaded; ``--batch auto`` picks, once the model is loaded, the batch that fits in what is free then
+    and hands it to the executor."""
     import eval_suite.run_eval as re_
 
     def no_load(*a, **k):
@@ -126,7 +127,12 @@ def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys,
 
     import eval_suite.batched_executor as be
 
-    monkeypatch.setattr(re_, "load_lora_model", lambda **kwargs: (None, None))
+    def load_takes_the_models_memory(**kwargs):  # after loading, the model's bytes are no longer free
+        plan = plan_memory(model_shape("default"), "non_shared", 12, 4096, element_size=2)
+        free(plan.total + GIB // 100 - plan.model_bytes)
+        return None, None
+
+    monkeypatch.setattr(re_, "load_lora_model", load_takes_the_models_memory)
     monkeypatch.setattr(be, "BatchedExecutor", fake_executor)
     with pytest.raises(Stop):
         cli.main([*argv, "--batch", "auto", "--out", str(tmp_path / "b")])

@@ -1,0 +1,192 @@
+"""Several processes on one device: a memory share per process (--memory_fraction), out of memory during an eval
+shrinks the batch and goes on from the episode log, and out of memory that cannot be shrunk away, in any command,
+is one line with exit status 2 (finished episodes kept). A faked small card: no GPU needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli
+from lragent import device_share, memory_plan
+from lragent.memory_plan import GIB, choose_batch, model_shape, plan_memory
+
+
+def test_the_share_caps_what_auto_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """80 GiB free of a 100 GiB card, 2 GiB already held here: a 0.15 share leaves 13 GiB; auto sizes to that."""
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 80 * GIB)
+    monkeypatch.setattr(device_share, "total_memory", lambda device: 100 * GIB)
+    monkeypatch.setattr(device_share, "held_memory", lambda device: 2 * GIB)
+    assert device_share.memory_budget(80 * GIB, "cpu", 0.15) == 13 * GIB
+    assert device_share.memory_budget(10 * GIB, "cpu", 0.15) == 10 * GIB  # what is free bounds the share too
+    assert device_share.memory_budget(80 * GIB, "cpu", None) == 80 * GIB
+    args = dict(dtype="bfloat16", device="cpu")
+    shape = model_shape("default")
+    fits = lambda b, loaded=False: (
+        plan_memory(shape, "full_shared", b, 8192, element_size=2).total
+        - (  # noqa: E731
+            plan_memory(shape, "full_shared", b, 8192, element_size=2).model_bytes if loaded else 0
+        )
+    )
+    b = choose_batch("default", ["full_shared"], "auto", 8192, memory_fraction=0.15, **args)
+    assert fits(b) <= 13 * GIB < fits(b + 1)
+    loaded = choose_batch("default", ["full_shared"], "auto", 8192, memory_fraction=0.15, model_loaded=True, **args)
+    assert fits(loaded, True) <= 13 * GIB < fits(loaded + 1, True) and loaded >= b
+    with pytest.raises(ValueError, match=r"--memory_fraction 0.15\)") as err:
+        choose_batch("default", ["full_shared"], 4 * b, 8192, memory_fraction=0.15, **args)
+    assert "\n" not in str(err.value)
+    for bad in (0, 1.5, -0.1, True, "half"):
+        with pytest.raises(ValueError, match="memory_fraction"):
+            device_share.check_memory_fraction(bad)
+
+
+def test_eval_refuses_a_bad_share_before_anything(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["eval", "--adapter_init", "zero", "--limit", "1", "--device", "cpu", "--memory_fraction", "1.5"]
+    assert cli.main([*argv, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--memory_fraction 1.5" in err[0] and not (tmp_path / "o").exists()
+
+
+def test_out_of_memory_in_any_command_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    from lragent.command import run_command
+
+    def command(size: int = 1) -> int:
+        """A command that runs out of memory.
+
+        Args:
+            size: unused.
+        """
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total ...")
+
+    assert run_command(command, [], "cli.py oom") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out of memory") and "allocating 20.00 GiB" in err[0]
+
+    def other(size: int = 1) -> int:
+        """A command with another runtime error.
+
+        Args:
+            size: unused.
+        """
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):  # not swallowed: only out-of-memory is one line
+        run_command(other, [], "cli.py other")
+
+
+# ------------------------------------------------------------------------------ eval: shrink and go on, or one line
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lragent.models import embedded_model_missing
+
+    if embedded_model_missing():
+        pytest.skip(f"needs the embedded tokenizer: {embedded_model_missing()}")
+    from tests.test_eval_runner import _tiny_model_with_embedded_tokenizer
+
+    return _tiny_model_with_embedded_tokenizer(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _argv(tiny: Path, out: Path, batch: int) -> list[str]:
+    return ["eval", "--benchmark", "hotpotqa", "--scheme", "non_shared", "--limit", "3", "--runs", "2",
+            "--max_steps", "1", "--thought_tokens", "4", "--argument_tokens", "3", "--model", str(tiny),
+            "--adapter_init", "random", "--device", "cpu", "--batch", str(batch), "--capacity", "4096",
+            "--quiet", "true", "--out", str(out)]  # fmt: skip
+
+
+def _episodes(out: Path) -> list[tuple]:
+    rows = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines() if x.strip()]
+    return sorted((r["qid"], r["run"], r["seed"], r["actions"], r["prediction"], r["num_tokens"]) for r in rows)
+
+
+def _flaky(monkeypatch: pytest.MonkeyPatch, above: int, after: int) -> list[int]:
+    """Makes the batched executor run out of memory after ``after`` finished episodes at a batch above ``above``;
+    returns the batches it was built with."""
+    import eval_suite.batched_executor as be
+
+    built: list[int] = []
+    real_init, real_run = be.BatchedExecutor.__init__, be.BatchedExecutor._run_scheme
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(self.batch)
+
+    def run_scheme(self, scheme, tasks):
+        for n, item in enumerate(real_run(self, scheme, tasks), start=1):
+            yield item
+            if self.batch > above and n == after:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.25 GiB. GPU 0 has 1 GiB free")
+
+    monkeypatch.setattr(be.BatchedExecutor, "__init__", init)
+    monkeypatch.setattr(be.BatchedExecutor, "_run_scheme", run_scheme)
+    return built
+
+
+@pytest.mark.model
+def test_eval_out_of_memory_halves_the_batch_and_keeps_every_episode(
+    tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import eval_suite.batched_executor as be
+
+    engines: list[int] = []
+    real_engine = be.BatchedExecutor._engine
+
+    def counted(self, scheme, rows):
+        engines.append(rows)
+        return real_engine(self, scheme, rows)
+
+    with monkeypatch.context() as m:
+        m.setattr(be.BatchedExecutor, "_engine", counted)
+        assert cli.main(_argv(tiny, tmp_path / "ref", 2)) == 0  # the reference: batch 2 from the start
+    assert engines == [2]  # the caches allocated under the allocation lock are the ones the run uses
+    capsys.readouterr()
+    built = _flaky(monkeypatch, above=2, after=2)  # a card too small for 6 rows (and for 3)
+    assert cli.main(_argv(tiny, tmp_path / "oom", 6)) == 0
+    assert built == [6, 3, 1]  # 6 runs two episodes, 3 two more, then 1 the last two
+    err = capsys.readouterr().err
+    assert "out of memory on cpu allocating 3.25 GiB; try a smaller --capacity" in err
+    assert "going on at --batch 3" in err and "going on at --batch 1" in err
+    assert _episodes(tmp_path / "oom") == _episodes(tmp_path / "ref")  # the same six episodes, none lost or doubled
+    summary = json.loads((tmp_path / "oom" / "summary.json").read_text())
+    assert summary["episodes"]["non_shared"] == {"0": 3, "1": 3}
+
+
+@pytest.mark.model
+def test_eval_out_of_memory_at_batch_one_stops_in_one_line_keeping_finished_episodes(
+    tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    _flaky(monkeypatch, above=0, after=1)  # even one row runs out after one episode
+    assert cli.main(_argv(tiny, tmp_path / "o", 2)) == 2
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("error")]
+    assert len(err) == 1 and "out of memory" in err[0] and "finished episodes are kept" in err[0]
+    assert len(_episodes(tmp_path / "o")) == 2  # one at batch 2, one at batch 1: both kept
+    assert cli.main(_argv(tiny, tmp_path / "o", 2)) == 2  # a rerun resumes: two more, then the same line
+    assert len(_episodes(tmp_path / "o")) == 4
+
+
+def test_bench_trace_refuses_a_context_that_does_not_fit_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A faked small card: the largest context fits under full_shared but not non_shared (three caches); one line
+    naming the scheme, the need, what is free and the contexts that fit, exit 2, and no model loaded."""
+    import lragent.models
+    from eval_suite.bench_trace import final_length
+
+    shape = model_shape("tiny-llama")
+    need = {s: plan_memory(shape, s, 1, final_length(4096) + 64, element_size=4).total
+            for s in ("full_shared", "non_shared")}  # fmt: skip
+    assert need["full_shared"] < need["non_shared"]
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: (need["full_shared"] + need["non_shared"]) // 2)
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(lragent.models, "load_model", no_load)
+    argv = ["bench", "trace", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--contexts",
+            "[256,4096]", "--schemes", "[full_shared,non_shared]", "--out", str(tmp_path / "t")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "L_ctx 4096" in err[0] and "under non_shared" in err[0], err
+    assert "allowed --contexts up to 256, --schemes without non_shared" in err[0]
