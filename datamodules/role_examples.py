@@ -580,7 +580,7 @@ class RoleExampleDataModule(LightningDataModule):
             example has at least this share of its longest's tokens (a chain is padded to its longest, and padding a
             short source to a long consumer can cost more than absorbing it saves); 0 links every pair. The default
             is the share that made a λ 0.5 epoch cheapest against a λ 0 epoch on ordinary batches in the fitted
-            step-time model (``scripts/cross_role_cost_model.py``).
+            step-time model (``scripts/cross_role_cost_model.py`` at commit d89e4ca, ``results/prefix_reuse/``).
     """
 
     def __init__(

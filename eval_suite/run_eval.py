@@ -306,9 +306,13 @@ def _as_list(value: Sequence[str] | str | None) -> list[str]:
     return [str(v) for v in value]
 
 
-def default_adapters(benchmark: str, data_dir: Path | None = None) -> Path:
-    """The shipped trained shared-A adapters of a benchmark: ``data/adapters/{benchmark}_sharedA``."""
-    return (data_dir or DATA_DIR) / "adapters" / f"{benchmark}_sharedA"
+def default_adapters(benchmark: str, data_dir: Path | None = None, model: str = "default") -> Path:
+    """The shipped trained shared-A adapters of a benchmark for ``model``: ``data/adapters/{benchmark}_sharedA`` (the
+    embedded model) or ``data/adapters/qwen_{benchmark}_sharedA`` (the accuracy model)."""
+    from lragent.accuracy_model import NAMES as ACCURACY_NAMES
+
+    prefix = "qwen_" if model.lower() in ACCURACY_NAMES else ""
+    return (data_dir or DATA_DIR) / "adapters" / f"{prefix}{benchmark}_sharedA"
 
 
 def build_policy_factory(
@@ -379,7 +383,8 @@ def evaluate(
     Runs one AutoAct episode per (row, run, question), appends each to OUT/episodes.jsonl as it finishes (an
     interrupted run resumes), then writes OUT/summary.json and OUT/report.md. Sampling as LRAgent's evaluation
     (temperature 0.9, top-p 0.75, 3 runs, one seed per run). Without --adapters or --adapter_init the benchmark's
-    trained shared-A adapters in data/adapters/{benchmark}_sharedA are used.
+    trained shared-A adapters in data/adapters/{benchmark}_sharedA are used (qwen_{benchmark}_sharedA for --model
+    qwen2.5-coder-1.5b).
 
     Args:
         benchmark: hotpotqa or scienceqa.
@@ -402,7 +407,7 @@ def evaluate(
         corpus: extra JSONL corpus file(s) of {"title", "text"} passages the search tools also index.
         model: base model: default (embedded SmolLM2-135M-Instruct), a hub name or a local directory.
         adapters: adapter directory (native checkpoint or PEFT role directories); default
-            data/adapters/{benchmark}_sharedA.
+            data/adapters/{benchmark}_sharedA (data/adapters/qwen_{benchmark}_sharedA for the accuracy model).
         adapter_init: instead of trained adapters: zero (the untrained row) or random (a demo).
         rank: LoRA rank for --adapter_init.
         alpha: LoRA alpha for --adapter_init.
@@ -522,7 +527,7 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
         raise ValueError("--devices N runs its own shards: give --devices or --shard, not both")
     adapters, adapter_init = a["adapters"], a["adapter_init"]
     if adapters is None and adapter_init is None:
-        default = default_adapters(bench.name)
+        default = default_adapters(bench.name, model=a["model"])
         if not default.is_dir():
             raise FileNotFoundError(
                 f"no --adapters given and the trained shared-A adapters {default} are missing: train and export "

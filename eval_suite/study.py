@@ -34,7 +34,8 @@ finished job is never launched again (``tests/test_study.py``).
     python -m eval_suite.study run --model qwen2.5-coder-1.5b --stage sweep --root runs/sweep_qwen --runs 1
 
 ``scripts/gpu_study.sh`` is the device driver: it starts ``run`` in the background once per machine and packs
-while it works; a new machine starts from the study committed in ``results/study/root`` (unpack a pack there).
+while it works; a new machine starts from a carried pack of the committed root (``results/study_qwen/root.tar.gz``
+is one: the study's pack format; ``scripts/device_carry.sh prepare-accuracy`` makes the carry).
 """
 
 from __future__ import annotations

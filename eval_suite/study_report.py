@@ -381,7 +381,7 @@ def collect_sweep(root: Path, plan: Sequence[Job]) -> list[dict[str, Any]]:
     """One entry per recipe point and benchmark: the recipe, its training (last val/loss, time, adapter size) and its
     dev episodes (metric with a 95% bootstrap interval over questions, OOF, ScienceQA letter validity)."""
     from eval_suite.paired import validity
-    from eval_suite.sweep_table import read_metrics, read_status, validation_rows
+    from eval_suite.training_logs import read_metrics, read_status, validation_rows
 
     out = []
     for job in plan:

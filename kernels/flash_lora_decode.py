@@ -260,7 +260,8 @@ def flash_lora_decode_reference(
 _PROGRAMS_PER_SM = 2  # grid: programs per SM when every row is at capacity (about the resident CTAs per SM)
 _MAX_SPLITS = 128
 # keys per split at least, in tiles: at batch 1 and a 2k cache, 4 tiles (9 splits) beat 1 tile (33 splits) by
-# 0.08 ms per 8B decode step on an H100 (scripts/sweep_decode_plan.py, results/engine_h100/decode_plan_2026-11-25/)
+# 0.08 ms per 8B decode step on an H100 (scripts/sweep_decode_plan.py at commit d89e4ca,
+# results/engine_h100/decode_plan_2026-11-25/)
 _MIN_SPLIT_TILES = 4
 
 
@@ -510,8 +511,8 @@ _PLAN_KNOBS = ("programs_per_sm", "min_split_tiles", "block_n", "num_warps", "nu
 
 def plan_overrides() -> dict[str, int]:
     """The rule's keyword arguments set in ``LRAGENT_DECODE_PLAN`` (``"min_split_tiles=4,num_warps=4"``), for
-    sweeps (``scripts/sweep_decode_plan.py``); empty when unset. Plans are cached per shape: clear ``_PLANS``
-    after changing it.
+    sweeps (``scripts/sweep_decode_plan.py`` at commit d89e4ca); empty when unset. Plans are cached per shape:
+    clear ``_PLANS`` after changing it.
 
     Raises:
         ValueError: an unknown name or a value that is not a positive integer, naming it and what is allowed.

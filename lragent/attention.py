@@ -108,7 +108,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
             if _cudnn_wide_values_ok():
                 # cuDNN takes values wider than Q and K as they are (no zero columns): the fastest of the exact
-                # candidates at 8B shapes on an H200 (scripts/probe_wide_attention.py)
+                # candidates at 8B shapes on an H200 (scripts/probe_wide_attention.py at commit d89e4ca)
                 try:
                     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)

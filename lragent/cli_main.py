@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "zero-shot": ("eval_suite.zero_shot", "zero_shot"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "kernel": ("kernels.bench", "bench_kernel"),
+    "kernel": ("eval_suite.bench_kernel", "bench_kernel"),
     "decode": ("eval_suite.bench_decode", "decode"),
     "trace": ("eval_suite.bench_trace", "trace"),
     "train": ("eval_suite.bench_train", "train"),

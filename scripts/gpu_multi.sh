@@ -18,7 +18,7 @@
 #   fx.log, fx_export/               cli.py export --device cuda of the FSDP run's last checkpoint
 #   ev1.log, ev1/ ; ev2.log, ev2/    eval --devices 1 and --devices 2 (HotpotQA, shipped adapters, $EV_LIMIT questions)
 #   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
-#   multi_gpu.json, multi_gpu.md     scripts/multi_gpu_report.py: the figures and checks, with provenance
+#   multi_gpu.json, multi_gpu.md     eval_suite/multi_gpu_report.py: the figures and checks, with provenance
 #
 # Run (on the device machine):  OUT=$OUT LRAGENT_COMMIT=<sha> bash scripts/gpu_multi.sh
 # Options (environment): PHASES="f1 f2 emb1+b1 emb2" runs only those phases, in that order, "a+b" side by side on
@@ -31,6 +31,7 @@
 #   timings kept). The report states which model the DDP phases used ($OUT/emb_model.txt).
 # CPU check of every phase (gloo, tiny random models, 2 CPU processes; a few minutes):
 #   OUT=/tmp/gm LRAGENT_MULTI_CPU=1 bash scripts/gpu_multi.sh
+case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out/gpu_multi}
@@ -166,7 +167,7 @@ done
 
 cp -r "$RUN"/*/csv "$OUT/" 2>/dev/null || true
 for r in emb1 emb1s emb2; do cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true; done
-"$PY" scripts/multi_gpu_report.py --out "$OUT" \
+"$PY" -m eval_suite.multi_gpu_report --out "$OUT" \
   --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} PHASES='$PHASES' bash scripts/gpu_multi.sh" \
   2>&1 | tee "$OUT/report.log"
 cat "$OUT/timings.txt"

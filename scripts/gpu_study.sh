@@ -4,12 +4,13 @@
 # start `python -m eval_suite.study run` in the background if it is not running (it outlives the call while the machine
 # stays warm), and pack the root into $OUT every 30 s, so a lost machine loses at most that. A new machine resumes from
 # a carried pack (.resume/<stage>/study.tar.gz.part*: `device_carry.sh prepare-accuracy` packs the committed
-# results/study_qwen roots) or, for the embedded model's study, from results/study/root; finished jobs are never run
-# again, and a driver started while a killed one's jobs still run waits for them.
+# results/study_qwen roots); finished jobs are never run again, and a driver started while a killed one's jobs still
+# run waits for them. (The embedded model's study is finished: its records are in results/study/archive.tar.gz.)
 #
 # Usage on the device: [MODEL=qwen2.5-coder-1.5b] [STAGE=sweep] bash scripts/gpu_study.sh SECONDS_TO_STAY [options]
 #   MODEL  default (the embedded SmolLM2-135M, carried as .gguf1/.gguf2) or qwen2.5-coder-1.5b (carried as .accNN)
 #   STAGE  study (the λ study) or sweep (the recipe sweep); options go to `eval_suite.study run` (e.g. --benchmarks)
+case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 STAY=${1:-540}; shift || true
 T0=$(date +%s)
@@ -30,8 +31,6 @@ if [ ! -d "$ROOT" ]; then
     rm -rf /tmp/resume && mkdir -p /tmp/resume
     cat /tmp/resume_pack/"$STAGE"/study.tar.gz.part* | tar xz -C /tmp/resume && mv /tmp/resume/study "$ROOT"
     echo "resumed $ROOT from .resume ($(find "$ROOT" -name summary.json | wc -l) summaries)"
-  elif [ "$MODEL" = default ] && [ "$STAGE" = study ] && [ -d results/study/root ]; then
-    cp -r results/study/root "$ROOT"
   fi
 fi
 mkdir -p "$ROOT"

@@ -18,6 +18,7 @@
 # The embedded model is not on the device by default: its tests (marker `model`) skip cleanly unless
 # LRAGENT_EMBEDDED_GGUF names the GGUF (scripts/device_model.sh joins carried .gguf*/part* into one and sets it).
 # Here (no GPU):   bash scripts/gpu_tests.sh --hash    prints the source hash the record names, to compare.
+case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 source_hash() {
   find cli.py lragent kernels eval_suite datamodules lit_modules tests scripts -name '*.py' -o -name '*.sh' \

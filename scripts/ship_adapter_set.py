@@ -1,10 +1,11 @@
 """Ships a study adapter set as a bundled set: the PEFT role directories, the native checkpoint and train_config.json.
 
 The study packs only the native checkpoint of each set (``eval_suite/study.py``); this re-creates the PEFT directories
-from it on the embedded model, so that ``data/adapters/<name>`` has the layout ``lragent export`` writes.
+from it on the set's base model (its ``train_config.json`` names it), so that ``data/adapters/<name>`` has the layout
+``lragent export`` writes.
 
-    python scripts/ship_adapter_set.py results/study/root/train/scienceqa_lam0.5/adapters \
-        data/adapters/scienceqa_sharedA
+    python scripts/ship_adapter_set.py STUDY_ROOT/train/scienceqa_lam0.5/adapters data/adapters/scienceqa_sharedA
+    python scripts/ship_adapter_set.py STUDY_ROOT/train/scienceqa_lam0/adapters data/adapters/qwen_scienceqa_sharedA
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     train_config = json.loads((src / "train_config.json").read_text())
     train_config["shipped_from"] = str(src)
-    hf, _ = load_model("default", dtype=torch.float32, device="cpu")
+    hf, _ = load_model(train_config["model"].get("model_name") or "default", dtype=torch.float32, device="cpu")
     model = MultiLoraModel(hf, adapter_config_of(src)).eval()
     load_adapter_dir(model, src)
     if dst.exists():

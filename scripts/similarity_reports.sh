@@ -7,6 +7,7 @@
 #
 # ADAPTERS_ROOT holds {hotpotqa,scienceqa}_{sharedA,indepA}/ (default data/adapters); OUT defaults to
 # results/similarity. SAMPLES (16), MAX_TOKENS (2048) and DEVICE (cpu) may be set in the environment.
+case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${1:-data/adapters}

@@ -177,3 +177,35 @@ def test_converted_copy_is_the_pinned_architecture() -> None:
             assert config[key] == value, key
     tok = json.loads((target / "tokenizer_config.json").read_text())
     assert tok["eos_token"] == "<|im_end|>"  # the model's end of turn, not the GGUF tokenizer's <|endoftext|>
+
+
+@pytest.mark.parametrize("bench", ["hotpotqa", "scienceqa"])
+def test_shipped_accuracy_model_sets_fit_its_architecture(bench: str) -> None:
+    """The bundled sets of the accuracy model (native checkpoints, read without the model): shared A, three roles,
+    rank 8 on q_proj and v_proj of all 28 layers, Qwen2.5-1.5B's shapes (q 1536 wide, v 2 KV heads x 128), trained B."""
+    from safetensors.torch import load_file
+
+    from lragent.adapters_io import adapter_config_of
+
+    d = ROOT / "data" / "adapters" / f"qwen_{bench}_sharedA"
+    cfg = adapter_config_of(d)
+    assert cfg.shared_a and cfg.rank == 8 and set(cfg.targets) == {"q_proj", "v_proj"} and len(cfg.roles) == 3
+    tensors = load_file(str(d / "lragent_adapters.safetensors"))
+    layers = {int(k.split(".")[2]) for k in tensors}
+    assert layers == set(range(am.ARCHITECTURE["num_hidden_layers"]))
+    hidden = am.ARCHITECTURE["hidden_size"]
+    kv = am.ARCHITECTURE["num_key_value_heads"] * hidden // am.ARCHITECTURE["num_attention_heads"]
+    assert tensors["model.layers.0.self_attn.q_proj.lora_A.0"].shape == (8, hidden)
+    assert tensors["model.layers.27.self_attn.v_proj.lora_B.2"].shape == (kv, 8)
+    assert not any(".lora_A.1" in k for k in tensors)  # one A for every role
+    assert all(float(v.abs().max()) > 0 for k, v in tensors.items() if ".lora_B." in k)
+    meta = json.loads((d / "train_config.json").read_text())
+    assert meta["model"]["model_name"] == "qwen2.5-coder-1.5b"
+
+
+def test_eval_defaults_to_the_models_own_bundled_sets() -> None:
+    from eval_suite.run_eval import default_adapters
+
+    assert default_adapters("scienceqa").name == "scienceqa_sharedA"
+    assert default_adapters("scienceqa", model="qwen2.5-coder-1.5b").name == "qwen_scienceqa_sharedA"
+    assert default_adapters("hotpotqa", model="Qwen2.5-Coder-1.5B-Instruct").is_dir()

@@ -8,9 +8,11 @@ own layer and the layers below, never a layer above):
    (the parser machinery) and ``lragent.loading`` (model + adapters).
 2. ``lightning``: ``datamodules``, ``lit_modules``: thin Lightning adapters over the core.
 3. ``agents``: ``lragent.agents``: the AutoAct loop, policies, tools and prompts over the core.
-4. ``commands``: ``eval_suite`` (the evaluation commands and their reports), ``lit_modules.cli`` (fit / validate /
-   test / export), ``kernels.bench`` (``bench kernel``) and ``lragent.cli_main`` (the entry point that dispatches
+4. ``commands``: ``eval_suite`` (the evaluation commands, benchmarks and their reports, ``bench kernel`` included),
+   ``lit_modules.cli`` (fit / validate / test / export) and ``lragent.cli_main`` (the entry point that dispatches
    to every command, by module name).
+
+``kernels`` has no command of its own: it imports nothing of the project outside ``kernels``.
 
 Every import counts: at module level, inside functions, and under ``if TYPE_CHECKING:`` (a type-only import is still
 a dependency a reader has to follow). Edges are read from the source with :mod:`ast`, nothing is imported.
@@ -31,7 +33,6 @@ LAYERS: dict[str, int] = {
     "lragent.agents": 3,
     "eval_suite": 4,
     "lit_modules.cli": 4,
-    "kernels.bench": 4,
     "lragent.cli_main": 4,
 }
 LAYER_NAMES = ("kernels", "core", "lightning", "agents", "commands")

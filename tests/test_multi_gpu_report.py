@@ -1,4 +1,4 @@
-"""The several-GPU report (scripts/multi_gpu_report.py) reads what gpu_multi.sh wrote, including cut calls."""
+"""The several-GPU report (eval_suite/multi_gpu_report.py) reads what gpu_multi.sh wrote, including cut calls."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_script
-
 
 @pytest.fixture(scope="module")
 def report():
-    return load_script("multi_gpu_report")
+    import eval_suite.multi_gpu_report
+
+    return eval_suite.multi_gpu_report
 
 
 def _speed(path: Path, tokens_per_s: float, world: int = 1) -> None:

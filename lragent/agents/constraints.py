@@ -26,11 +26,12 @@ from lragent.agents.prompts import OPTION_LETTERS, BenchmarkSpec
 ANSWER_TEXT_SCORE = "mean"
 """How the ``answer_text`` constraint ranks option texts: ``mean`` token log-prob (``sum`` favours short options).
 
-Measured with ``scripts/answer_text_score_cpu.py`` (embedded SmolLM2-135M base model, no adapters, CPU fp32, the 90
-ScienceQA dev questions, chance = mean 1/#options = 41.1%), option text as the continuation of a prompt ending with
-the question and its options: sum 50.0%, mean 51.1% (picks differ on 16 questions: right 5 by sum, 6 by mean; the
-sum picks the fewest-token option 55 times, the mean 43); after the agent's own prompt up to ``Finish[``: sum 48.9%,
-mean 51.1%. A difference of 1-2 questions: the mean is kept because it is never worse here and has no length bias.
+Measured with ``scripts/answer_text_score_cpu.py`` (``git show d89e4ca:scripts/answer_text_score_cpu.py``; the embedded
+SmolLM2-135M base model, no adapters, CPU fp32, the 90 ScienceQA dev questions, chance = mean 1/#options = 41.1%),
+option text as the continuation of a prompt ending with the question and its options: sum 50.0%, mean 51.1% (picks
+differ on 16 questions: right 5 by sum, 6 by mean; the sum picks the fewest-token option 55 times, the mean 43); after
+the agent's own prompt up to ``Finish[``: sum 48.9%, mean 51.1%. A difference of 1-2 questions: the mean is kept because
+it is never worse here and has no length bias.
 """
 
 YES_NO: tuple[str, str] = ("yes", "no")

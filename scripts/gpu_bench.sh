@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The benchmarks on the device machine, one driver: each run writes its report with provenance under $OUT/<bench>/.
+#
+#   bash scripts/gpu_bench.sh decode [options]   python cli.py bench decode (ms/token vs the floor and transformers)
+#   bash scripts/gpu_bench.sh trace  [options]   python cli.py bench trace  (the paper's 17-step trace per scheme)
+#   bash scripts/gpu_bench.sh kernel [options]   python cli.py bench kernel (fused vs SDPA vs naive expansion)
+#   bash scripts/gpu_bench.sh train  [options]   python cli.py bench train  (training steps vs transformers + peft)
+#   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
+#                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
+#                                                FIT_STEPS2, exported (one PEFT directory per role)
+#
+# Options go to the bench command unchanged (`python cli.py bench NAME --help`); e.g.
+#   bash scripts/gpu_bench.sh decode --model llama-3.1-8b --context 2048 --batches "[1,32]"
+#   bash scripts/gpu_bench.sh trace --model qwen2.5-coder-1.5b --contexts "[16384]"
+# The carried models are joined first (scripts/device_model.sh): --model default / qwen2.5-coder-1.5b then load.
+# Every phase's wall time and exit status go to $OUT/timings.txt; nvidia-smi to $OUT/nvidia-smi.txt.
+# Here, without a GPU, `bash scripts/gpu_bench.sh --help` prints this header.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  decode | trace | kernel | train | fit8b) BENCH=$1; shift ;;
+  -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;;
+  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b (--help)" >&2; exit 2 ;;
+esac
+[ -f scripts/device_model.sh ] && source scripts/device_model.sh > /dev/null
+OUT=${OUT:-bench_out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT/$BENCH"
+(nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1) || true
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+
+phase() {  # phase NAME command...: runs, logs to $OUT/NAME.log, records wall seconds and status; later phases still run
+  local name=$1 t0=$SECONDS rc=0
+  shift
+  echo "== $name: $*" | tee "$OUT/$name.log"
+  "$@" >> "$OUT/$name.log" 2>&1 || rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$OUT/timings.txt"
+  tail -n 25 "$OUT/$name.log"
+}
+
+if [ "$BENCH" != fit8b ]; then
+  phase "$BENCH" "$PY" cli.py bench "$BENCH" "$@" --out "$OUT/$BENCH"
+  exit 0
+fi
+
+# fit8b: configs/hotpotqa.yaml (the paper's settings) on LLaMA-3.1-8B shapes, byte tokens, with a FitSpeed callback
+RUN=${RUN:-runs/gpu_fit_8b}  # checkpoints stay out of $OUT (their size)
+"$PY" - "$RUN" "$OUT/$BENCH" <<'EOF'
+import sys
+
+import yaml
+
+run, out = sys.argv[1], sys.argv[2]
+cfg = yaml.safe_load(open("configs/hotpotqa.yaml").read().replace("runs/hotpotqa", run))
+cfg["trainer"]["logger"] = [lg for lg in cfg["trainer"]["logger"] if "TensorBoard" not in lg["class_path"]]
+cfg["trainer"]["callbacks"] = [cb for cb in cfg["trainer"]["callbacks"] if "ProgressBar" not in cb["class_path"]]
+cfg["trainer"]["enable_progress_bar"] = False
+for i in (1, 2):
+    speed = {"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/fit{i}_speed.json"}}
+    cfg_i = {**cfg, "trainer": {**cfg["trainer"], "callbacks": [*cfg["trainer"]["callbacks"], speed]}}
+    open(f"{out}/fit{i}_config.yaml", "w").write(yaml.safe_dump(cfg_i, sort_keys=False))
+EOF
+FIT=(--model.model_name "${MODEL:-llama-3.1-8b}" --model.tokenizer_name byte --model.model_dtype bfloat16
+  --model.gradient_checkpointing true --trainer.accumulate_grad_batches 2 --trainer.val_check_interval 6
+  --trainer.limit_val_batches 4 --trainer.log_every_n_steps 1)
+phase fit1 "$PY" cli.py fit --config "$OUT/$BENCH/fit1_config.yaml" "${FIT[@]}" --trainer.max_steps "${FIT_STEPS1:-3}"
+phase fit2 "$PY" cli.py fit --config "$OUT/$BENCH/fit2_config.yaml" "${FIT[@]}" --trainer.max_steps "${FIT_STEPS2:-6}" \
+  --ckpt_path last
+phase export "$PY" cli.py export --ckpt "$RUN/checkpoints/last.ckpt" --out "$OUT/$BENCH/export"
+cp -r "$RUN/csv" "$OUT/$BENCH/fit_csv" 2>/dev/null || true
+cat "$OUT/timings.txt"
