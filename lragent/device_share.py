@@ -42,11 +42,16 @@ def total_memory(device: str | torch.device) -> int | None:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return None
-        return int(torch.cuda.get_device_properties(_index(dev)).total_memory)
+        return int(torch.cuda.get_device_properties(device_index(dev)).total_memory)
+    return meminfo_bytes("MemTotal")
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """A ``/proc/meminfo`` field (``MemTotal``, ``MemAvailable``) in bytes, or None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -57,11 +62,12 @@ def held_memory(device: str | torch.device) -> int:
     """Bytes this process already holds on the device (CUDA: reserved by the caching allocator; CPU: 0)."""
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.memory_reserved(_index(dev)))
+        return int(torch.cuda.memory_reserved(device_index(dev)))
     return 0
 
 
-def _index(dev: torch.device) -> int:
+def device_index(dev: torch.device) -> int:
+    """The CUDA index of ``dev`` (its own, else the current device's)."""
     return dev.index if dev.index is not None else torch.cuda.current_device()
 
 
@@ -70,7 +76,7 @@ def apply_memory_fraction(device: str | torch.device, fraction: float | None) ->
     check_memory_fraction(fraction)
     dev = torch.device(device)
     if fraction is not None and dev.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_per_process_memory_fraction(float(fraction), _index(dev))
+        torch.cuda.set_per_process_memory_fraction(float(fraction), device_index(dev))
 
 
 def memory_budget(free: int | None, device: str | torch.device, fraction: float | None) -> int | None:
@@ -93,8 +99,8 @@ def memory_budget(free: int | None, device: str | torch.device, fraction: float 
 
 def _lock_path(device: torch.device) -> Path:
     """One lock file per physical GPU: ``CUDA_VISIBLE_DEVICES`` renumbers cards, their UUIDs stay."""
-    props = torch.cuda.get_device_properties(_index(device))
-    uuid = str(getattr(props, "uuid", "")) or f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}-{_index(device)}"
+    props = torch.cuda.get_device_properties(device_index(device))
+    uuid = str(getattr(props, "uuid", "")) or f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}-{device_index(device)}"
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", uuid)
     return Path(os.environ.get("LRAGENT_LOCK_DIR", tempfile.gettempdir())) / f"lragent-gpu-{name}.lock"
 
@@ -140,6 +146,6 @@ def oom_line(exc: BaseException, device: str | torch.device | None, options: str
     where = str(dev)
     state = ""
     if dev.type == "cuda" and torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info(_index(dev))
+        free, total = torch.cuda.mem_get_info(device_index(dev))
         state = f": {free / GIB:.2f} GiB free of {total / GIB:.2f} GiB, {held_memory(dev) / GIB:.2f} GiB held here"
     return f"out of memory on {where} {asked}{state}; try {options}"

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lragent.device_share import device_index, meminfo_bytes, memory_budget
 from lragent.sharing import make_scheme
 
 GIB = 1 << 30
@@ -102,9 +103,9 @@ def model_shape(name: str) -> ModelShape:
     key = name.lower()
     if key in EMBEDDED_NAMES:
         key = "smollm2-135m"  # the embedded GGUF is SmolLM2-135M-Instruct: the same architecture
-    fields = dict(accuracy_model.ARCHITECTURE) if key in accuracy_model.NAMES else NAMED_ARCHITECTURES.get(key)
+    fields = accuracy_model.ARCHITECTURE if key in accuracy_model.NAMES else NAMED_ARCHITECTURES.get(key)
     if fields is not None:
-        fields = dict(fields)
+        fields = dict(fields)  # a copy: model_type is popped
         return ModelShape.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
     try:
         config = AutoConfig.from_pretrained(name)
@@ -189,15 +190,8 @@ def free_memory(device: str | torch.device) -> int | None:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return None
-        return int(torch.cuda.mem_get_info(dev.index if dev.index is not None else torch.cuda.current_device())[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return int(torch.cuda.mem_get_info(device_index(dev))[0])
+    return meminfo_bytes("MemAvailable")
 
 
 def choose_batch(
@@ -235,7 +229,6 @@ def choose_batch(
         ValueError: one line naming the need and what is free, when the batch (or, for ``auto``, one episode) does
             not fit.
     """
-    from lragent.device_share import memory_budget
     from lragent.models import check_device, parse_dtype
 
     device = check_device(device)  # one line for a bogus device, before anything else
