@@ -157,26 +157,32 @@ class Benchmark:
         """The benchmark JSONL of one level."""
         return data_dir / "benchmarks" / f"{self.file_stem(level)}.jsonl"
 
-    def load_questions(
+    def load_rows(
         self, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
-    ) -> list[Question]:
-        """Questions of the chosen levels, interleaved (first of each level, then second of each, ...).
+    ) -> list[tuple[dict, str]]:
+        """``(JSON row, level)`` of the chosen levels, interleaved (first of each level, then second of each, ...).
 
         Args:
             levels: level names (default all three).
-            limit: keep the first ``limit`` questions of the interleaved order (every level is represented early).
+            limit: keep the first ``limit`` rows of the interleaved order (every level is represented early).
             data_dir: the ``data`` directory.
         """
         chosen = [self.parse_level(lv) for lv in (levels or self.levels)]
-        per_level: list[list[Question]] = []
+        per_level: list[list[tuple[dict, str]]] = []
         for level in chosen:
             path = self.level_file(level, data_dir)
             if not path.is_file():
                 raise FileNotFoundError(f"benchmark file {path} is missing")
             rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            per_level.append([self.parse_row(r, level) for r in rows])
+            per_level.append([(r, level) for r in rows])
         out = [lv[i] for i in range(max(map(len, per_level), default=0)) for lv in per_level if i < len(lv)]
         return out[:limit] if limit is not None else out
+
+    def load_questions(
+        self, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
+    ) -> list[Question]:
+        """Questions of the chosen levels, in :meth:`load_rows`'s interleaved order (``limit``: the first ones)."""
+        return [self.parse_row(row, level) for row, level in self.load_rows(levels, limit, data_dir)]
 
     def corpus(self, extra: Sequence[str | Path] = (), data_dir: Path = DATA_DIR) -> tuple[list[Passage], dict]:
         """The search corpus: the benchmark's own passages, then those of each extra JSONL file.

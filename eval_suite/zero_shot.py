@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eval_suite.benchmarks import DATA_DIR, get_benchmark
+from eval_suite.benchmarks import get_benchmark
 from eval_suite.metrics import exact_match_score, f1_score
 from eval_suite.paired import bootstrap_mean_interval
 
@@ -78,19 +78,6 @@ def short_answer(text: str) -> str:
     return line.rstrip(".").strip()
 
 
-def _rows(benchmark: str, limit: int | None, data_dir: Path) -> list[dict]:
-    bench = get_benchmark(benchmark)
-    per_level = []
-    for level in bench.levels:
-        path = bench.level_file(level, data_dir)
-        if not path.is_file():
-            raise FileNotFoundError(f"benchmark file {path} is missing")
-        per_level.append([json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()])
-    # interleaved as Benchmark.load_questions orders them: every level is represented early
-    out = [lv[i] for i in range(max(map(len, per_level), default=0)) for lv in per_level if i < len(lv)]
-    return out[:limit] if limit is not None else out
-
-
 def summarize(benchmark: str, records: list[dict]) -> dict:
     """Accuracy (ScienceQA, with chance) or EM/F1 (HotpotQA), each a mean with its 95% bootstrap interval (%)."""
     if not records:
@@ -143,7 +130,7 @@ def zero_shot(
         raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     dev = resolve_device(device)
     torch_dtype = parse_dtype(dtype)
-    rows = _rows(benchmark, limit, DATA_DIR)
+    rows = [row for row, _ in get_benchmark(benchmark).load_rows(limit=limit)]
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "zero_shot.jsonl"
