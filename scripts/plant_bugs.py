@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "zero-shot: the chance rate from the mean option count": (
+        "eval_suite/zero_shot.py",
+        '        out["chance"] = 100 * sum(1 / r["n_choices"] for r in records) / len(records)',
+        '        out["chance"] = 100 / (sum(r["n_choices"] for r in records) / len(records))',
+        "tests/test_zero_shot.py",
+    ),
+    "zero-shot: a rerun asks every question again": (
+        "eval_suite/zero_shot.py",
+        "            if qid in done:\n                continue",
+        "            pass",
+        "tests/test_zero_shot.py",
+    ),
+    "zero-shot: an 'Answer:' prefix kept when capitalised": (
+        "eval_suite/zero_shot.py",
+        '    if line.lower().startswith("answer:"):',
+        '    if line.startswith("answer:"):',
+        "tests/test_zero_shot.py",
+    ),
     "shared card: the share ignores what this process already holds": (
         "lragent/device_share.py",
         "share = max(0, int(fraction * total) - held_memory(device))",

@@ -1,0 +1,53 @@
+"""The zero-shot probe (`cli.py zero-shot`, the study's reference row): its answer parsing and summary by hand, and one
+run on the embedded model that resumes without redoing a question."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import cli
+from eval_suite.zero_shot import LETTERS, hotpotqa_prompt, scienceqa_prompt, short_answer, summarize
+
+
+def test_short_answer_takes_the_first_line_without_prefix_or_full_stop() -> None:
+    assert short_answer("\n  Answer: Bath, Maine.\nBecause ...") == "Bath, Maine"
+    assert short_answer("Arthur's Magazine") == "Arthur's Magazine"
+    assert short_answer("   \n") == ""
+
+
+def test_prompts_carry_what_the_probe_is_given() -> None:
+    row = {"question": "Which?", "choices": ["a", "b", "c"], "caption": "no img"}
+    text = scienceqa_prompt(row)
+    assert "(A) a\n(B) b\n(C) c" in text and "Image:" not in text
+    assert "Image: a fox" in scienceqa_prompt({**row, "caption": "a fox"})
+    ctx = {"title": ["T1", "T2"], "sentences": [["One. ", "Two."], ["Three."]]}
+    text = hotpotqa_prompt({"question": "Who?", "context": ctx})
+    assert "T1: One. Two." in text and "T2: Three." in text and text.endswith("Question: Who?")
+
+
+def test_summary_by_hand() -> None:
+    # 3 questions with 2, 3 and 4 options, right on the first two: accuracy 2/3, chance (1/2 + 1/3 + 1/4) / 3
+    recs = [{"correct": 1.0, "n_choices": 2}, {"correct": 1.0, "n_choices": 3}, {"correct": 0.0, "n_choices": 4}]
+    s = summarize("scienceqa", recs)
+    assert s["correct"]["mean"] == pytest.approx(200 / 3) and s["questions"] == 3
+    assert s["chance"] == pytest.approx(100 * (1 / 2 + 1 / 3 + 1 / 4) / 3)
+    assert s["correct"]["low"] <= s["correct"]["mean"] <= s["correct"]["high"]
+    h = summarize("hotpotqa", [{"em": 1.0, "f1": 1.0}, {"em": 0.0, "f1": 0.5}])
+    assert (h["em"]["mean"], h["f1"]["mean"]) == (pytest.approx(50.0), pytest.approx(75.0)) and "chance" not in h
+
+
+@pytest.mark.model
+def test_probe_on_the_embedded_model_answers_a_letter_and_resumes(tmp_path: Path) -> None:
+    argv = ["zero-shot", "--benchmark", "scienceqa", "--limit", "3", "--device", "cpu", "--dtype", "float32",
+            "--quiet", "true", "--out", str(tmp_path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    recs = [json.loads(x) for x in (tmp_path / "zero_shot.jsonl").read_text().splitlines()]
+    assert len(recs) == 3 and all(r["answer"] in LETTERS[: r["n_choices"]] for r in recs)
+    assert cli.main([*argv[:4], "4", *argv[5:]]) == 0  # one question more: only it is asked
+    recs2 = [json.loads(x) for x in (tmp_path / "zero_shot.jsonl").read_text().splitlines()]
+    assert recs2[:3] == recs and len(recs2) == 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["questions"] == 4 and summary["provenance"]["command"]
