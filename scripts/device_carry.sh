@@ -45,6 +45,24 @@ exclude() {  # the carried folders must be git-ignored, or they would travel wit
   done
 }
 
+prepare_common() {  # what every carry needs: the exclusions, .commit and the wheels the GPU image lacks
+  exclude
+  git rev-parse HEAD > .commit
+  mkdir -p .whl
+  ls .whl/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+}
+
+slim() {  # moves $SLIM to $KEEP (restore puts it back)
+  mkdir -p "$KEEP"
+  for p in "${SLIM[@]}"; do
+    [ -e "$p" ] || continue
+    mkdir -p "$KEEP/$(dirname "$p")"
+    mv "$p" "$KEEP/$p"
+  done
+}
+
 check_accuracy() {
   local tree whl ok=0 first=1 n=0 bytes
   tree=$(tree_bytes); whl=$(dir_bytes .whl)
@@ -85,12 +103,7 @@ check() {
 
 case "${1:-}" in
   prepare)
-    exclude
-    git rev-parse HEAD > .commit
-    mkdir -p .whl
-    ls .whl/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
-      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+    prepare_common
     if [ ! -f .gguf2/part03 ]; then
       gguf=$(python3 -c 'from lragent.models import embedded_gguf_path as p; print(p())')
       rm -rf .gguf1 .gguf2 && mkdir -p .gguf1 .gguf2
@@ -102,12 +115,7 @@ case "${1:-}" in
       tok=$(python3 -c 'from lragent.models import _embedded_converted_dir as d; print(d())')
       cp "$tok"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
     fi
-    mkdir -p "$KEEP"
-    for p in "${SLIM[@]}"; do
-      [ -e "$p" ] || continue
-      mkdir -p "$KEEP/$(dirname "$p")"
-      mv "$p" "$KEEP/$p"
-    done
+    slim
     check
     ;;
   restore)
@@ -121,12 +129,7 @@ case "${1:-}" in
     git status --short | head -5
     ;;
   prepare-accuracy)
-    exclude
-    git rev-parse HEAD > .commit
-    mkdir -p .whl
-    ls .whl/gguf-*.whl > /dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
-      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-      --platform manylinux2014_x86_64 -d .whl "${WHEELS[@]}"
+    prepare_common
     rm -rf .resume
     for stage in study sweep; do  # the committed roots, for the device to resume from (scripts/gpu_study.sh)
       archive=results/study_qwen/$([ $stage = study ] && echo root || echo sweep_root).tar.gz
@@ -141,12 +144,7 @@ case "${1:-}" in
       python3 -m eval_suite.study pack --root "$tmp/study" --out ".resume/$stage" > /dev/null
       rm -rf "$tmp"
     done
-    mkdir -p "$KEEP"
-    for p in "${SLIM[@]}"; do
-      [ -e "$p" ] || continue
-      mkdir -p "$KEEP/$(dirname "$p")"
-      mv "$p" "$KEEP/$p"
-    done
+    slim
     if ! ls -d .acc[0-9]* > /dev/null 2>&1; then
       piece=$((LIMIT - $(tree_bytes) - $(dir_bytes .whl) - 512 * 1024))
       joined=$(mktemp -d)/qwen.gguf
