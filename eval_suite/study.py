@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -238,10 +238,8 @@ def _probe_job(profile: ModelProfile, bench: str, priority: float) -> Job:
 
 
 def _with_python(jobs: list[Job], python: str) -> list[Job]:
-    import dataclasses
-
     return sorted(
-        (dataclasses.replace(j, cmd=[python if c == "{python}" else c for c in j.cmd]) for j in jobs),
+        (replace(j, cmd=[python if c == "{python}" else c for c in j.cmd]) for j in jobs),
         key=lambda j: j.priority,
     )
 
