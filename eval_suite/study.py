@@ -30,6 +30,7 @@ finished job is never launched again (``tests/test_study.py``).
     python -m eval_suite.study plan   --root runs/study                      # the jobs and their state
     python -m eval_suite.study run    --root runs/study --reset-failed      # until every job is done
     python -m eval_suite.study pack   --root runs/study --out OUT            # <= 8 files for the device tool
+    python -m eval_suite.study archive --root runs/study --out DIR            # one <set>.tar.gz per set, no weights
     python -m eval_suite.study report --root runs/study --out results/study
     python -m eval_suite.study run --model qwen2.5-coder-1.5b --stage sweep --root runs/sweep_qwen --runs 1
 
@@ -643,9 +644,63 @@ def pack(root: Path, out: Path, piece_bytes: int = 15_500_000) -> list[Path]:
     return paths
 
 
+def _pack_member(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """What :func:`archive` keeps of one file: :func:`pack`'s choice, less every adapter weight, with fixed metadata."""
+    parts = Path(info.name).parts
+    if "adapters" in parts or "driver.json" in parts:  # weights are kept apart; driver.json names a lost machine
+        return None
+    if any(p in PACK_EXCLUDE for p in parts) or info.name.endswith((".ckpt", ".tmp", ".eval.lock")):
+        return None
+    if "csv" in parts and info.isfile() and parts[-1] != "metrics.csv":
+        return None
+    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""  # same files, same bytes
+    return info
+
+
+def archive(root: Path, out: Path) -> list[Path]:
+    """The study root as compact evidence: one ``<set>.tar.gz`` per adapter set, plus ``probe`` and ``driver``.
+
+    Each set's archive holds ``study/train/<set>/``, ``study/eval/<set>/`` and ``study/fidelity/<set>/`` without
+    adapter weights; ``probe.tar.gz`` the zero-shot rows, ``driver.tar.gz`` the driver's log. The bytes depend only on
+    the files (sorted members, zero times, no gzip time), so a set whose files did not change is rewritten
+    byte-identical and a commit carries only the sets that moved. Extract every archive into one folder to get back a
+    root that ``report`` and ``run`` read (``run`` retrains a set only if its weights are missing from
+    ``train/<set>/adapters/``).
+
+    Returns:
+        The archives written, sorted.
+    """
+    import gzip
+    import io
+
+    groups: dict[str, list[Path]] = {}
+    for kind in ("train", "eval", "fidelity"):
+        for d in sorted((root / kind).glob("*")) if (root / kind).is_dir() else ():
+            if d.is_dir():
+                groups.setdefault(d.name, []).append(d)
+    if (root / "probe").is_dir():
+        groups["probe"] = [root / "probe"]
+    groups["driver"] = [f for f in (root / "driver.log",) if f.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, tops in sorted(groups.items()):
+        files = sorted(f for t in tops for f in ([t] if t.is_file() else t.rglob("*")) if f.is_file())
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for f in files:
+                info = _pack_member(tar.gettarinfo(str(f), arcname=str(Path("study") / f.relative_to(root))))
+                if info is not None:
+                    with f.open("rb") as fh:
+                        tar.addfile(info, fh)
+        path = out / f"{name}.tar.gz"
+        path.write_bytes(gzip.compress(buf.getvalue(), compresslevel=9, mtime=0))
+        written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval_suite.study", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=["plan", "run", "pack", "report"])
+    p.add_argument("command", choices=["plan", "run", "pack", "archive", "report"])
     p.add_argument("--root", default=str(ROOT / "runs" / "study"), help="directory of the jobs")
     p.add_argument("--model", default="default", help=f"base model's profile: {', '.join(PROFILES)}")
     p.add_argument("--stage", default="study", choices=["study", "sweep"], help="the λ study or the recipe sweep")
@@ -661,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--reset-failed", action="store_true", help="run: forget earlier failed attempts first")
     p.add_argument("--partial", action="store_true", help="report: include unfinished evaluations (interim page)")
-    p.add_argument("--out", default=None, help="pack / report: output directory")
+    p.add_argument("--out", default=None, help="pack / archive / report: output directory")
     args = p.parse_args(argv)
     try:
         benchmarks = tuple(b.strip() for b in args.benchmarks.split(",") if b.strip())
@@ -705,6 +760,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pack":
         paths = pack(root, Path(args.out or "study_pack"))
         print("\n".join(f"{p} {p.stat().st_size}" for p in paths))
+        return 0
+    if args.command == "archive":
+        if not root.is_dir():
+            print(f"error: --root {root}: no such study root", file=sys.stderr)
+            return 2
+        for path in archive(root, Path(args.out or root / "archive")):
+            print(f"{path} {path.stat().st_size}")
         return 0
     from eval_suite.study_report import write_report, write_sweep_report
 

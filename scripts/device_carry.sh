@@ -15,8 +15,9 @@
 # Accuracy-model calls: call k carries [".accKK"] (call 1 also ".whl", ".commit"), back to back while the machine stays
 # warm (about 8 s a call); each command sources scripts/device_model.sh, which copies its piece to /tmp/acc and, once
 # every byte is there, joins them and sets LRAGENT_ACCURACY_GGUF (lragent checks size and sha256 before converting).
-# prepare-accuracy also packs the committed study roots (results/study_qwen/{root,sweep_root}.tar.gz, with the
-# lambda-0 sets' adapters from data/adapters/qwen_*_sharedA) into .resume/study and .resume/sweep; carry [".resume"]
+# prepare-accuracy also packs the committed study roots (results/study_qwen/archive/*.tar.gz, one per adapter set, with
+# the trained weights from data/adapters: qwen_<b>_sharedA for the lambda-0 sets, qwen_<set> for the others; and
+# results/study_qwen/sweep_root.tar.gz) into .resume/study and .resume/sweep; carry [".resume"]
 # in one more call before the first scripts/gpu_study.sh call of the lease, and the study resumes there (finished
 # jobs are not run again).
 #
@@ -132,15 +133,21 @@ case "${1:-}" in
     prepare_common
     rm -rf .resume
     for stage in study sweep; do  # the committed roots, for the device to resume from (scripts/gpu_study.sh)
-      archive=results/study_qwen/$([ $stage = study ] && echo root || echo sweep_root).tar.gz
-      [ -f "$archive" ] || continue
-      tmp=$(mktemp -d) && tar xzf "$archive" -C "$tmp"
-      for b in hotpotqa scienceqa; do  # the lambda-0 sets' adapters are the bundled ones (the same file)
-        set_dir=$tmp/study/train/${b}_lam0
-        if [ $stage = study ] && [ -d "$set_dir" ] && [ ! -f "$set_dir/adapters/lragent_adapters.safetensors" ]; then
-          mkdir -p "$set_dir/adapters" && cp data/adapters/qwen_${b}_sharedA/{lragent_adapters.safetensors,train_config.json} "$set_dir/adapters/"
-        fi
-      done
+      tmp=$(mktemp -d)
+      if [ $stage = study ]; then  # one archive per set (python -m eval_suite.study archive), weights apart
+        ls results/study_qwen/archive/*.tar.gz > /dev/null 2>&1 || { rm -rf "$tmp"; continue; }
+        for a in results/study_qwen/archive/*.tar.gz; do tar xzf "$a" -C "$tmp"; done
+        for set_dir in "$tmp"/study/train/*/; do  # trained weights: data/adapters/qwen_<set> (λ 0: the shipped sets)
+          set=$(basename "$set_dir"); src=data/adapters/qwen_$set
+          case $set in *_lam0) src=data/adapters/qwen_${set%_lam0}_sharedA ;; esac
+          if [ -f "$src/lragent_adapters.safetensors" ]; then
+            mkdir -p "$set_dir/adapters" && cp "$src"/{lragent_adapters.safetensors,train_config.json} "$set_dir/adapters/"
+          fi
+        done
+      else
+        [ -f results/study_qwen/sweep_root.tar.gz ] || { rm -rf "$tmp"; continue; }
+        tar xzf results/study_qwen/sweep_root.tar.gz -C "$tmp"
+      fi
       python3 -m eval_suite.study pack --root "$tmp/study" --out ".resume/$stage" > /dev/null
       rm -rf "$tmp"
     done

@@ -4,8 +4,8 @@
 # start `python -m eval_suite.study run` in the background if it is not running (it outlives the call while the machine
 # stays warm), and pack the root into $OUT every 30 s, so a lost machine loses at most that. A new machine resumes from
 # a carried pack (.resume/<stage>/study.tar.gz.part*: `device_carry.sh prepare-accuracy` packs the committed
-# results/study_qwen roots); finished jobs are never run again, and a driver started while a killed one's jobs still
-# run waits for them. (The embedded model's study is finished: its records are in results/study/archive.tar.gz.)
+# results/study_qwen archives); finished jobs are never run again, and a driver started while a killed one's jobs still
+# run waits for them. (The embedded model's study is finished: its records are in results/study/archive/.)
 #
 # Usage on the device: [MODEL=qwen2.5-coder-1.5b] [STAGE=sweep] bash scripts/gpu_study.sh SECONDS_TO_STAY [options]
 #   MODEL  default (the embedded SmolLM2-135M, carried as .gguf1/.gguf2) or qwen2.5-coder-1.5b (carried as .accNN)
@@ -40,7 +40,8 @@ if ! pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run" >/dev/null; then  # 
   sleep 5
 fi
 while [ $(( $(date +%s) - T0 )) -lt "$STAY" ]; do
-  sleep 30
+  left=$(( STAY - ($(date +%s) - T0) ))
+  sleep $(( left < 30 ? left : 30 ))  # never past the stay: the call also needs time for the final pack and plan
   python3 -m eval_suite.study pack --root "$ROOT" --out "$OUT" > /dev/null 2>&1
   pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run" > /dev/null || break  # every job done or given up
 done

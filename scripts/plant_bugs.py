@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "study archive: file times kept (a commit rewrites every set)": (
+        "eval_suite/study.py",
+        '    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""  # same files, same bytes',
+        '    info.uid, info.gid, info.uname, info.gname = 0, 0, "", ""',
+        "tests/test_study.py",
+    ),
+    "study archive: adapter weights kept": (
+        "eval_suite/study.py",
+        '    if "adapters" in parts or "driver.json" in parts:',
+        '    if "driver.json" in parts:',
+        "tests/test_study.py",
+    ),
+    "study archive: fidelity left out of its set": (
+        "eval_suite/study.py",
+        '    for kind in ("train", "eval", "fidelity"):\n        for d in sorted((root / kind).glob("*"))',
+        '    for kind in ("train", "eval"):\n        for d in sorted((root / kind).glob("*"))',
+        "tests/test_study.py",
+    ),
     "zero-shot: the chance rate from the mean option count": (
         "eval_suite/zero_shot.py",
         '        out["chance"] = 100 * sum(1 / r["n_choices"] for r in records) / len(records)',

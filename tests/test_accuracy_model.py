@@ -179,15 +179,24 @@ def test_converted_copy_is_the_pinned_architecture() -> None:
     assert tok["eos_token"] == "<|im_end|>"  # the model's end of turn, not the GGUF tokenizer's <|endoftext|>
 
 
-@pytest.mark.parametrize("bench", ["hotpotqa", "scienceqa"])
-def test_shipped_accuracy_model_sets_fit_its_architecture(bench: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "lam"),
+    [
+        ("qwen_hotpotqa_sharedA", 0.0),
+        ("qwen_scienceqa_sharedA", 0.0),
+        ("qwen_hotpotqa_lam0.5", 0.5),
+        ("qwen_scienceqa_lam0.5", 0.5),
+    ],
+)
+def test_shipped_accuracy_model_sets_fit_its_architecture(name: str, lam: float) -> None:
     """The bundled sets of the accuracy model (native checkpoints, read without the model): shared A, three roles,
-    rank 8 on q_proj and v_proj of all 28 layers, Qwen2.5-1.5B's shapes (q 1536 wide, v 2 KV heads x 128), trained B."""
+    rank 8 on q_proj and v_proj of all 28 layers, Qwen2.5-1.5B's shapes (q 1536 wide, v 2 KV heads x 128), trained B,
+    and the λ their name says (the study's λ = 0.5 sets are kept so a resumed study evaluates the same weights)."""
     from safetensors.torch import load_file
 
     from lragent.adapters_io import adapter_config_of
 
-    d = ROOT / "data" / "adapters" / f"qwen_{bench}_sharedA"
+    d = ROOT / "data" / "adapters" / name
     cfg = adapter_config_of(d)
     assert cfg.shared_a and cfg.rank == 8 and set(cfg.targets) == {"q_proj", "v_proj"} and len(cfg.roles) == 3
     tensors = load_file(str(d / "lragent_adapters.safetensors"))
@@ -201,6 +210,7 @@ def test_shipped_accuracy_model_sets_fit_its_architecture(bench: str) -> None:
     assert all(float(v.abs().max()) > 0 for k, v in tensors.items() if ".lora_B." in k)
     meta = json.loads((d / "train_config.json").read_text())
     assert meta["model"]["model_name"] == "qwen2.5-coder-1.5b"
+    assert meta["model"]["lambda_shared"] == lam
 
 
 def test_eval_defaults_to_the_models_own_bundled_sets() -> None:

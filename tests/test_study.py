@@ -15,6 +15,7 @@ from eval_suite.study import (
     PROFILES,
     SWEEP_POINTS,
     Job,
+    archive,
     build_plan,
     build_sweep_plan,
     is_done,
@@ -217,6 +218,49 @@ def test_pack_leaves_checkpoints_out(tmp_path: Path) -> None:
     assert "study/train/x/csv/version_0/metrics.csv" in names  # the sweep's val/loss per epoch
     assert not any(n.endswith("hparams.yaml") for n in names)
     assert len(parts) > 1
+
+
+def test_archive_is_one_file_per_set_without_weights_and_byte_stable(tmp_path: Path) -> None:
+    """Per set: its train / eval / fidelity files and nothing of another set; no adapter weights, checkpoints or
+    driver.json; the same files give the same bytes (a commit carries only the sets that moved); extracting every
+    archive gives back the root's files."""
+    import io
+    import tarfile
+    import time
+
+    root = tmp_path / "study"
+    files = {
+        "train/a_lam0/log.txt": "fit a", "train/a_lam0/csv/version_0/metrics.csv": "epoch\n0\n",
+        "train/a_lam0/csv/version_0/hparams.yaml": "lr: 1", "train/a_lam0/checkpoints/last.ckpt": "ckpt",
+        "train/a_lam0/adapters/lragent_adapters.safetensors": "weights", "eval/a_lam0/non_shared/summary.json": "{}",
+        "eval/a_lam0/base_lr_shared/episodes.jsonl": "{}\n", "fidelity/a_lam0/fidelity.json": "{}",
+        "eval/a_untrained/non_shared/summary.json": "{}", "probe/a/summary.json": "{}", "driver.log": "log",
+        "driver.json": "{}",
+    }  # fmt: skip
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    first = {p.name: p.read_bytes() for p in archive(root, tmp_path / "a1")}
+    time.sleep(1.1)
+    (root / "driver.log").touch()  # a new time, the same bytes
+    second = {p.name: p.read_bytes() for p in archive(root, tmp_path / "a2")}
+    assert first == second
+    assert sorted(first) == ["a_lam0.tar.gz", "a_untrained.tar.gz", "driver.tar.gz", "probe.tar.gz"]
+    names = {k: tarfile.open(fileobj=io.BytesIO(v)).getnames() for k, v in first.items()}
+    assert sorted(names["a_lam0.tar.gz"]) == [
+        "study/eval/a_lam0/base_lr_shared/episodes.jsonl", "study/eval/a_lam0/non_shared/summary.json",
+        "study/fidelity/a_lam0/fidelity.json", "study/train/a_lam0/csv/version_0/metrics.csv",
+        "study/train/a_lam0/log.txt",
+    ]  # fmt: skip
+    out = tmp_path / "back"
+    for v in first.values():
+        tarfile.open(fileobj=io.BytesIO(v)).extractall(out, filter="data")
+    back = {str(f.relative_to(out / "study")) for f in out.rglob("*") if f.is_file()}
+    dropped = {"train/a_lam0/csv/version_0/hparams.yaml", "train/a_lam0/checkpoints/last.ckpt", "driver.json",
+               "train/a_lam0/adapters/lragent_adapters.safetensors"}  # fmt: skip
+    assert back == set(files) - dropped
+    assert all((out / "study" / r).read_text() == files[r] for r in back)
+    assert main(["archive", "--root", str(tmp_path / "nowhere")]) == 2
 
 
 def test_jobs_spread_over_gpus_within_each_budget(tmp_path: Path, monkeypatch) -> None:
