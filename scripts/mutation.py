@@ -1,0 +1,283 @@
+"""Mutation testing of the modules whose bugs change results (issue 37), with mutmut, one module at a time.
+
+    python scripts/mutation.py                       # every module of MODULES (hours on 2 cores; use a big host)
+    python scripts/mutation.py sampling paired       # the modules whose key contains one of the names
+    python scripts/mutation.py --list                # the modules, their test files and their last scores
+    python scripts/mutation.py --report              # rewrite results/mutation/README.md from the JSON files
+
+For each module: a scratch copy of the repository (``$LRAGENT_MUTATION_SCRATCH``, default /tmp/lragent_mutation/KEY,
+kept between runs so mutmut's own cache resumes an interrupted run), a ``[tool.mutmut]`` table in that copy's
+``pyproject.toml`` that mutates only the module and runs only its test files, then ``mutmut run`` and ``mutmut
+results --all true``: the tool's own verdict per mutant. The score is mutmut's count: killed (and timed out) over all
+mutants, less the mutants marked equivalent in ``results/mutation/equivalent/KEY.json`` (``{"mutant name": "one-line
+reason"}``; a mutant is equivalent when no input can tell it from the original, or when what it changes is not a
+result: an error message's wording). ``results/mutation/KEY.json`` keeps
+the counts, the score and every surviving mutant with its diff; ``README.md`` the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "results" / "mutation"
+SCRATCH = Path(os.environ.get("LRAGENT_MUTATION_SCRATCH", "/tmp/lragent_mutation"))
+PACKAGES = ["lragent", "eval_suite", "datamodules", "lit_modules", "kernels"]
+
+# key -> (module file, mutant-name pattern or "" for the whole module, test files that cover it)
+MODULES: dict[str, tuple[str, str, list[str]]] = {
+    "sampling": (
+        "lragent/sampling.py",
+        "",
+        ["tests/test_sampling_properties.py", "tests/test_engine.py", "tests/test_row_reuse.py"],
+    ),
+    "paired": ("eval_suite/paired.py", "", ["tests/test_paired_properties.py", "tests/test_paired.py"]),
+    "metrics": ("eval_suite/metrics.py", "", ["tests/test_metrics_properties.py", "tests/test_eval_metrics.py"]),
+    "option_variants": (
+        "datamodules/option_variants.py",
+        "",
+        ["tests/test_option_variants_properties.py", "tests/test_option_variants.py"],
+    ),
+    "tools": (
+        "lragent/agents/tools.py",
+        "",
+        ["tests/test_tools_properties.py", "tests/test_agents_tools.py", "tests/test_agents_loop.py"],
+    ),
+    "policies": (
+        "lragent/agents/policies.py",
+        "",
+        ["tests/test_policies_properties.py", "tests/test_agents_requests.py", "tests/test_agents_loop.py"],
+    ),
+    "loop": (
+        "lragent/agents/loop.py",
+        "",
+        ["tests/test_loop_properties.py", "tests/test_agents_loop.py", "tests/test_eval_runner.py"],
+    ),
+    "batched_executor": (
+        "eval_suite/batched_executor.py",
+        "",
+        ["tests/test_batched_executor_properties.py", "tests/test_batched_executor.py"],
+    ),
+    "static_cache": (
+        "lragent/static_cache.py",
+        "",
+        ["tests/test_static_cache.py", "tests/test_engine.py", "tests/test_memory_plan.py"],
+    ),
+    "sharing": ("lragent/sharing.py", "", ["tests/test_sharing_properties.py", "tests/test_scheme_chain.py"]),
+    "cache_views": (
+        "lragent/cache_views.py",
+        "",
+        ["tests/test_cache_views_properties.py", "tests/test_scheme_chain.py", "tests/test_two_piece_attention.py"],
+    ),
+    "engine": (
+        "lragent/engine.py",
+        "",
+        [
+            "tests/test_engine_properties.py",
+            "tests/test_engine.py",
+            "tests/test_row_reuse.py",
+            "tests/test_scheme_chain.py",
+            "tests/test_memory_plan.py",
+        ],
+    ),
+    "multi_lora_module_loss": (  # the loss paths only: token loss, the λ-weighted shared term, the training step
+        "lit_modules/multi_lora_module.py",
+        "lit_modules.multi_lora_module.*loss*",
+        ["tests/test_loss_weights.py", "tests/test_training.py", "tests/test_training_recipe.py"],
+    ),
+}
+STATUS = re.compile(r"^\s+(\S+): (.+)$")
+
+
+def _copy_repo(dest: Path) -> None:
+    """The tracked and untracked-but-not-ignored files of the repository, as a CI checkout would have them."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True
+    ).stdout.split(b"\0")
+    for name in (f.decode() for f in files if f):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def _reset_unkilled(work: Path) -> None:
+    """Forget mutmut's verdict on every mutant that no test killed, so the next ``mutmut run`` tests it again."""
+    from mutmut.stats import status_by_exit_code  # the tool's own reading of its exit codes
+
+    for meta in (work / "mutants").rglob("*.py.meta"):
+        data = json.loads(meta.read_text())
+        codes = data.get("exit_code_by_key", {})
+        for k, v in codes.items():
+            if status_by_exit_code[v] not in ("killed", "timeout"):  # a kill stands: tests are only ever added
+                codes[k] = None
+        meta.write_text(json.dumps(data))
+
+
+def _config(module: str, tests: list[str]) -> str:
+    def arr(xs: list[str]) -> str:
+        return "[" + ", ".join(json.dumps(x) for x in xs) + "]"
+
+    also = ["cli.py", "configs", "data", "scripts", "docs", "README.md"]
+    return (
+        "\n[tool.mutmut]\n"
+        f"source_paths = {arr(PACKAGES)}\n"
+        f"only_mutate = {arr([module])}\n"
+        f"also_copy = {arr(also)}\n"
+        f"pytest_add_cli_args_test_selection = {arr(tests)}\n"
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+    )
+
+
+def run_module(key: str, workers: int, timeout_s: int) -> dict:
+    module, pattern, tests = MODULES[key]
+    tests = [t for t in tests if (ROOT / t).is_file()]
+    work = SCRATCH / key
+    source = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    module_hash = hashlib.sha256((ROOT / module).read_bytes()).hexdigest()
+    tests_hash = hashlib.sha256("".join(tests).encode() + b"".join((ROOT / t).read_bytes() for t in tests)).hexdigest()
+    stamp = work / ".lragent_source"
+    old = stamp.read_text().split() if stamp.exists() else []
+    if old[:1] != [module_hash]:  # a new module: every mutant again
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        _copy_repo(work)
+    elif old[1:] != [tests_hash]:  # new tests: bring them in, re-test only what no test killed
+        for t in tests:
+            for dest in (work / t, work / "mutants" / t):
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / t, dest)
+        _reset_unkilled(work)
+    (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + _config(module, tests))
+    stamp.write_text(f"{module_hash} {tests_hash}")
+    t0 = time.time()
+    cmd = ["mutmut", "run", "--max-children", str(workers)] + ([pattern] if pattern else [])
+    env = {**os.environ, "PYTHONPATH": str(work)}
+    try:
+        run = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout_s, env=env)
+        interrupted = run.returncode != 0
+        tail = (run.stdout + run.stderr)[-2000:]
+    except subprocess.TimeoutExpired:
+        interrupted, tail = True, f"stopped after {timeout_s} s (rerun to resume)"
+    seconds = time.time() - t0
+    listing = subprocess.run(
+        ["mutmut", "results", "--all", "true"], cwd=work, capture_output=True, text=True, env=env
+    ).stdout
+    status = {m.group(1): m.group(2).strip() for m in map(STATUS.match, listing.splitlines()) if m}
+    if pattern:
+        rx = re.compile(pattern.replace(".", r"\.").replace("*", ".*") + "$")
+        status = {k: v for k, v in status.items() if rx.match(k)}
+    eq_file = OUT / "equivalent" / f"{key}.json"
+    equivalent = json.loads(eq_file.read_text()) if eq_file.exists() else {}
+    counts: dict[str, int] = {}
+    for v in status.values():
+        counts[v] = counts.get(v, 0) + 1
+    marked = {k: equivalent[k] for k in status if k in equivalent and status[k] != "killed"}
+    killed = sum(1 for k, v in status.items() if v in ("killed", "timeout") and k not in marked)
+    considered = sum(1 for k, v in status.items() if v not in ("skipped", "not checked") and k not in marked)
+    survivors = []
+    for k, v in sorted(status.items()):
+        if v in ("killed", "timeout") or k in marked:
+            continue
+        diff = subprocess.run(["mutmut", "show", k], cwd=work, capture_output=True, text=True, env=env).stdout
+        survivors.append({"mutant": k, "status": v, "diff": "\n".join(diff.splitlines()[1:])})
+    result = {
+        "module": module,
+        "pattern": pattern or None,
+        "tests": tests,
+        "counts": counts,
+        "equivalent": marked,
+        "killed_or_timeout": killed,
+        "considered": considered,
+        "score": round(100 * killed / considered, 1) if considered else None,
+        "survivors": survivors,
+        "complete": not interrupted and "not checked" not in counts,
+        "seconds": round(seconds, 1),
+        "workers": workers,
+        "tool": f"mutmut {importlib.metadata.version('mutmut')}",
+        "commit": source,
+        "host_cpus": os.cpu_count(),
+        "log_tail": tail if interrupted else "",
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{key}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def write_report() -> Path:
+    rows = []
+    for key in MODULES:
+        path = OUT / f"{key}.json"
+        if not path.exists():
+            rows.append(f"| `{MODULES[key][0]}` | not run yet | | | | |")
+            continue
+        r = json.loads(path.read_text())
+        c = r["counts"]
+        rows.append(
+            f"| `{r['module']}`{' (' + r['pattern'] + ')' if r['pattern'] else ''} | "
+            f"{r['score'] if r['score'] is not None else '–'}% | {r['killed_or_timeout']} of {r['considered']} | "
+            f"{len(r['equivalent'])} | {len(r['survivors'])} | "
+            f"{'complete' if r['complete'] else 'interrupted'}, {r['seconds']:.0f} s on {r['workers']} workers "
+            f"({r['host_cpus']} CPUs), {r['commit'][:7]}; {', '.join(f'{k} {v}' for k, v in sorted(c.items()))} |"
+        )
+    text = (
+        "# Mutation testing (issue 37)\n\n"
+        "`python scripts/mutation.py [KEY ...]` (mutmut, one module at a time, only the module's test files; "
+        "`--list` names them). Score: mutmut's killed (+ timeout) over its mutants, less those marked equivalent in "
+        "`equivalent/KEY.json` with a one-line reason each. Survivors with their diffs are in `KEY.json`.\n\n"
+        "| module | score | killed | equivalent | survivors | run |\n|---|---:|---:|---:|---:|---|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+    (OUT / "README.md").write_text(text)
+    return OUT / "README.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("names", nargs="*", help="keys (or parts of keys) of MODULES; none: all")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="mutmut --max-children")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per module before stopping (resumable)")
+    p.add_argument("--list", action="store_true", help="the modules and their test files")
+    p.add_argument("--report", action="store_true", help="only rewrite results/mutation/README.md")
+    args = p.parse_args(argv)
+    keys = [k for k in MODULES if not args.names or any(n in k for n in args.names)]
+    if not keys:
+        print(f"error: no module matches {args.names}; allowed: {', '.join(MODULES)}", file=sys.stderr)
+        return 2
+    if args.list:
+        for k in keys:
+            print(f"{k:24s} {MODULES[k][0]:36s} {' '.join(MODULES[k][2])}")
+        return 0
+    if not args.report:
+        if shutil.which("mutmut") is None:
+            print("error: mutmut is not installed: pip install mutmut==3.8.1", file=sys.stderr)
+            return 2
+        failed = False
+        for k in keys:
+            r = run_module(k, args.workers, args.timeout)
+            if "failed to collect stats" in r["log_tail"]:
+                print(
+                    f"error: {k}: a selected test fails on the unmutated code (mutmut cannot start): see the end of "
+                    f"results/mutation/{k}.json's log_tail",
+                    file=sys.stderr,
+                )
+                failed = True
+                continue
+            print(f"{k}: {r['score']}% ({r['killed_or_timeout']} of {r['considered']}), {len(r['survivors'])} left")
+    print(write_report())
+    return 2 if not args.report and not args.list and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
