@@ -12,7 +12,10 @@ Per scheme (and with the fused kernels on and off for the decomposed schemes, as
 - **throughput** = Σ over steps of the trajectory length after the step ÷ end-to-end seconds (LRAgent's
   ``analysis.py`` sums ``total_len`` over the steps of an iteration this way);
 - **TTFT** = Σ over steps of the prefill seconds;
-- peak cache bytes (valid positions) and peak CUDA memory allocated.
+- peak cache bytes (valid positions) and peak CUDA memory allocated;
+- **prefill TFLOP/s and MFU**: the model FLOPs of each step's prefill (:mod:`eval_suite.model_flops`, from the
+  scheme's plan of the step: what that scheme computes) over TTFT, against the card's dense bf16 peak; the same for
+  decode over the decode seconds.
 
 Every number is the second of two identical runs on one engine (the first captures graphs and compiles kernels).
 Writes ``bench_trace.json``, ``bench_trace.md`` and ``bench_trace.png``.
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from eval_suite.model_flops import ModelShape, decode_flops, peak_flops, prefill_flops, recompute_layer_count
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.provenance import provenance, provenance_footer
 
@@ -54,8 +58,9 @@ def final_length(l_ctx: int) -> int:
     return sum(a + g for _, a, g in trace_steps(l_ctx))
 
 
-def run_trace(engine, model, l_ctx: int, seed: int) -> dict:
-    """One trace on row 0 of ``engine``; returns per-step timings and the aggregates."""
+def run_trace(engine, model, l_ctx: int, seed: int, shape: ModelShape | None = None) -> dict:
+    """One trace on row 0 of ``engine``; returns per-step timings and the aggregates, and with ``shape`` each step's
+    prefill and decode model FLOPs (:mod:`eval_suite.model_flops`, from the scheme's plan of the step)."""
     from lragent.engine import GenerationRequest
 
     g = torch.Generator().manual_seed(seed)
@@ -65,9 +70,13 @@ def run_trace(engine, model, l_ctx: int, seed: int) -> dict:
     total_len_sum = 0
     engine._sync()
     t0 = time.perf_counter()
+    recompute_layers = recompute_layer_count(getattr(engine.scheme, "groups", ()))
     for role, app, gen in trace_steps(l_ctx):
         engine.append(0, torch.randint(0, vocab, (app,), generator=g).tolist())
-        res = engine.generate(0, GenerationRequest(role=model.router.id(role), max_new_tokens=gen))
+        role_id = model.router.id(role)
+        ops = engine.scheme.plan(engine.traj[0], role_id) if shape is not None else []  # what the prefill will run
+        length = len(engine.ids(0))
+        res = engine.generate(0, GenerationRequest(role=role_id, max_new_tokens=gen))
         total_len_sum += len(engine.ids(0))
         steps.append(
             {
@@ -78,11 +87,21 @@ def run_trace(engine, model, l_ctx: int, seed: int) -> dict:
                 "prefill_s": res.prefill_s,
                 "decode_s": res.decode_s,
                 "total_len": len(engine.ids(0)),
+                "planned_tokens": sum(op.end - op.start for op in ops),  # = prefill_tokens (tests pin it)
+                "prefill_flops": prefill_flops(shape, ops, recompute_layers) if shape is not None else None,
+                "decode_flops": decode_flops(shape, length, len(res.generated_ids)) if shape is not None else None,
             }
         )
     engine._sync()
     e2e = time.perf_counter() - t0
+    flops = {}
+    if shape is not None:
+        flops = {
+            "prefill_flops": sum(s["prefill_flops"] for s in steps),
+            "decode_flops": sum(s["decode_flops"] for s in steps),
+        }
     return {
+        **flops,
         "e2e_s": e2e,
         "ttft_s": sum(s["prefill_s"] for s in steps),
         "decode_s": sum(s["decode_s"] for s in steps),
@@ -176,6 +195,8 @@ def trace(
     runs = []
     json_path = out_dir / "bench_trace.json"
     prov = provenance(dtype=dt, device=device)
+    shape = ModelShape.from_config(hf.config, rank, targets=tuple(lm.lora_config.targets))
+    peak = peak_flops(prov["device"]["name"]) if cuda else None
     for l_ctx in contexts:
         for scheme in schemes:
             decomposed = scheme in ("base_shared", "base_lr_shared")
@@ -193,7 +214,8 @@ def trace(
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 eng.peak_cache_bytes = 0
-                res = run_trace(eng, lm, l_ctx, seed=l_ctx)
+                res = run_trace(eng, lm, l_ctx, seed=l_ctx, shape=shape)
+                res.update(rates(res, peak))
                 res.update(
                     scheme=scheme,
                     kernel=use_kernel,
@@ -205,7 +227,8 @@ def trace(
                 print(
                     f"L_ctx={l_ctx} {scheme}{'' if use_kernel else ' (kernel off)'}: throughput "
                     f"{res['throughput_tok_s']:.0f} tok/s, TTFT {res['ttft_s']:.3f} s, e2e {res['e2e_s']:.3f} s, "
-                    f"cache {res['peak_cache_bytes'] / 2**30:.2f} GiB",
+                    f"cache {res['peak_cache_bytes'] / 2**30:.2f} GiB, prefill {res['prefill_tflops_s']:.1f} TFLOP/s"
+                    + (f" (MFU {100 * res['prefill_mfu']:.1f}%)" if res["prefill_mfu"] is not None else ""),
                     flush=True,
                 )
                 del eng
@@ -215,6 +238,17 @@ def trace(
     write_text(out_dir / "bench_trace.md", render(runs, model, dtype, prov))
     plot(runs, out_dir / "bench_trace.png")
     return 0
+
+
+def rates(res: dict, peak: float | None) -> dict:
+    """Prefill and decode TFLOP/s (model FLOPs over TTFT and over decode seconds) and MFU against ``peak`` FLOP/s
+    (``None`` on a CPU or an unknown GPU)."""
+    out = {}
+    for part, seconds in (("prefill", res["ttft_s"]), ("decode", res["decode_s"])):
+        rate = res[f"{part}_flops"] / seconds if seconds > 0 else 0.0
+        out[f"{part}_tflops_s"] = rate / 1e12
+        out[f"{part}_mfu"] = rate / peak if peak else None
+    return out
 
 
 def _label(r: dict) -> str:
@@ -245,6 +279,32 @@ def render(runs: list[dict], model: str, dtype: str, prov: dict) -> str:
         table(lambda r, c: ratio("throughput_tok_s", r, c)),
         "\n## TTFT (Σ prefill seconds) (ratio to non_shared), Table 5 layout\n\n",
         table(lambda r, c: ratio("ttft_s", r, c)),
+        "\n## Prefill: model TFLOP/s over TTFT (MFU), and the step's prefill FLOPs\n\n"
+        "Model FLOPs as `bench train` counts a forward (eval_suite/model_flops.py): each scheme's own prefill "
+        "work (non_shared re-prefills what its role has not seen), over the summed prefill seconds; MFU against the "
+        "card's dense bf16 peak.\n\n",
+        table(
+            lambda r, c: (
+                "–"
+                if r is None or "prefill_tflops_s" not in r
+                else (
+                    f"{r['prefill_tflops_s']:.3g}"
+                    + ("" if r.get("prefill_mfu") is None else f" ({100 * r['prefill_mfu']:.1f}%)")
+                    + f", {r['prefill_flops'] / 1e12:.3g} TFLOP"
+                )
+            )
+        ),
+        "\n## Decode: model TFLOP/s over decode seconds (MFU)\n\n",
+        table(
+            lambda r, c: (
+                "–"
+                if r is None or "decode_tflops_s" not in r
+                else (
+                    f"{r['decode_tflops_s']:.3g}"
+                    + ("" if r.get("decode_mfu") is None else f" ({100 * r['decode_mfu']:.2f}%)")
+                )
+            )
+        ),
         "\n## Peak cache GiB (valid positions) / peak CUDA memory GiB, Table 19 layout\n\n",
         table(
             lambda r, c: (

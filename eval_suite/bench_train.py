@@ -45,7 +45,7 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,78 +53,12 @@ import torch
 from lightning.pytorch import Callback
 
 from datamodules.cross_role_prefixes import CROSS_ROLE_MIN_SHARE
+from eval_suite.model_flops import PEAK_BF16_FLOPS, ModelShape, peak_flops  # noqa: F401 (PEAK_BF16_FLOPS: re-exported)
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.provenance import provenance, provenance_footer
 
 LINEARS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Dense bf16 peak (no sparsity) by device-name fragment, most specific first; from NVIDIA's data sheets.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989.4e12),
-    ("H200", 989.4e12),
-    ("H20", 148e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-)
 PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true", "32")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the FLOP count needs of an architecture.
-
-    Attributes:
-        n_layers: decoder layers.
-        hidden: model width d.
-        n_heads: query heads H_q.
-        n_kv_heads: key/value heads H_kv.
-        head_dim: head width D.
-        intermediate: MLP width.
-        vocab: vocabulary size V (LM head rows).
-        rank: LoRA rank r.
-        targets: projections with a LoRA adapter.
-    """
-
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    rank: int
-    targets: tuple[str, ...]
-
-    @classmethod
-    def from_config(cls, config: Any, rank: int, targets: tuple[str, ...] | list[str]) -> ModelShape:
-        """From a transformers config."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(
-            n_layers=config.num_hidden_layers,
-            hidden=config.hidden_size,
-            n_heads=config.num_attention_heads,
-            n_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            intermediate=config.intermediate_size,
-            vocab=config.vocab_size,
-            rank=rank,
-            targets=tuple(targets),
-        )
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """``(d_in, d_out)`` of each projection of a decoder layer."""
-        d, q, kv, ff = self.hidden, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.intermediate
-        return {
-            "q_proj": (d, q),
-            "k_proj": (d, kv),
-            "v_proj": (d, kv),
-            "o_proj": (q, d),
-            "gate_proj": (d, ff),
-            "up_proj": (d, ff),
-            "down_proj": (ff, d),
-        }
 
 
 def pass_flops(shape: ModelShape, lengths: list[int], n_scored: int) -> float:
@@ -158,14 +92,6 @@ def step_flops(
     if lambda_mode == "sample":
         return one
     return one * ((lambda_shared < 1) + (lambda_shared > 0))
-
-
-def peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of a GPU named ``device_name``; ``None`` when unknown (or a CPU)."""
-    for fragment, value in PEAK_BF16_FLOPS:
-        if fragment in device_name:
-            return value
-    return None
 
 
 # ------------------------------------------------------------------------------------------------------------ data

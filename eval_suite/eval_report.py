@@ -49,13 +49,15 @@ _MAKERS = {
 
 
 def protocol_of(rec: dict) -> dict:
-    """The decoding protocol of a record: ``{"temperature", "top_p", "constraints"}`` (None where not recorded), plus
-    ``answer_score`` (``sum``/``mean``) where the record has one (the ``answer_text`` constraint)."""
+    """The decoding protocol of a record: ``{"temperature", "top_p", "constraints", "sampler"}`` (None where not
+    recorded; a record without ``sampler`` was drawn by sampler 1, see :data:`lragent.sampling.SAMPLER_VERSION`),
+    plus ``answer_score`` (``sum``/``mean``) where the record has one (the ``answer_text`` constraint)."""
     p = rec.get("protocol") or {}
     out = {
         "temperature": p.get("temperature"),
         "top_p": p.get("top_p"),
         "constraints": list(p.get("constraints") or []),
+        "sampler": p.get("sampler", 1),
     }
     if p.get("answer_score") is not None:
         out["answer_score"] = p["answer_score"]

@@ -58,13 +58,15 @@ from lragent.loading import read_droidspeak_config as load_droidspeak_config
 from lragent.lora_model import MultiLoraModel
 from lragent.memory_plan import MAX_AUTO_BATCH, choose_batch
 from lragent.roles import DEFAULT_ROLES
+from lragent.sampling import SAMPLER_VERSION
 from lragent.schemes import Scheme, parse_schemes
 
 # Settings that must not change when a run is resumed into the same directory.
 IDENTITY_FIELDS: tuple[str, ...] = (
     "benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints", "answer_score", "corpus_files",
-    "seed", "agent", "droidspeak_layers",
+    "seed", "agent", "droidspeak_layers", "sampler",
 )  # fmt: skip
+UNRECORDED = {"sampler": 1}  # what a field not in an older run_config.json / record means
 UPSTREAM_TEMPERATURE = 0.9
 UPSTREAM_TOP_P = 0.75
 # The scheme of ``eval --limit N`` without --scheme: a quick look runs LRAgent's own scheme, not all five.
@@ -147,9 +149,10 @@ def check_run_config(out: Path, config: dict) -> None:
     path = out / "run_config.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        diff = [k for k in IDENTITY_FIELDS if old.get(k) != config.get(k)]
+        was = {k: old.get(k, UNRECORDED.get(k)) for k in IDENTITY_FIELDS}
+        diff = [k for k in IDENTITY_FIELDS if was[k] != config.get(k, UNRECORDED.get(k))]
         if diff:
-            detail = ", ".join(f"{k}: {old.get(k)!r} -> {config.get(k)!r}" for k in diff)
+            detail = ", ".join(f"{k}: {was[k]!r} -> {config.get(k)!r}" for k in diff)
             raise ValueError(f"{out} holds a run with other settings ({detail}); use another --out")
     out.mkdir(parents=True, exist_ok=True)
     write_json(path, config)
@@ -256,7 +259,7 @@ def run_episodes(
     path = out / EPISODES_FILE
     loop = AgentLoop(None, bench.spec, agent_config or AgentConfig())
     base_row = UNTRAINED if adapters == "init:zero" else None
-    protocol = {"temperature": temperature, "top_p": top_p, "constraints": list(cons)}
+    protocol = {"temperature": temperature, "top_p": top_p, "constraints": list(cons), "sampler": SAMPLER_VERSION}
     if text_score is not None:  # recorded only where it applies: letter-constrained records stay as they were
         protocol["answer_score"] = text_score
     grid = [(row_name(base_row or str(s), cons), s, run, q) for s in schemes for run in range(runs) for q in questions]
@@ -602,7 +605,8 @@ def run_plan(plan: EvalPlan) -> int:
             "benchmark": bench.name, "model": a["model"], "adapters": adapters_label, "dtype": a["dtype"],
             "temperature": plan.temperature, "top_p": plan.top_p, "constraints": list(plan.constraints),
             "answer_score": answer_score(plan.constraints), "corpus_files": plan.corpus_files, "seed": a["seed"],
-            "agent": vars(plan.agent), "droidspeak_layers": plan.droidspeak_layers, "schemes": plan.schemes,
+            "agent": vars(plan.agent), "droidspeak_layers": plan.droidspeak_layers, "sampler": SAMPLER_VERSION,
+            "schemes": plan.schemes,
             "runs": a["runs"], "levels": plan.levels, "limit": a["limit"], "shard": a["shard"],
             "questions": len(plan.questions), "corpus": corpus_desc, "provenance": prov,
         }  # fmt: skip

@@ -58,6 +58,7 @@ import yaml
 
 from eval_suite.study_jobs import Job, is_done
 from lragent.report_io import write_json
+from lragent.sampling import SAMPLER_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS: tuple[str, ...] = ("scienceqa", "hotpotqa")
@@ -402,6 +403,11 @@ def _append(path: Path, rec: dict) -> None:
 def prepare(job: Job, root: Path) -> list[str]:
     """Writes what the job needs (the fit config) and returns its command with the root filled in."""
     d = root / job.name
+    config = d / "run_config.json"
+    if job.kind == "eval" and config.is_file():
+        old = json.loads(config.read_text()).get("sampler", 1)
+        if old != SAMPLER_VERSION:  # episodes of an older sampler: kept beside, as evidence; the row runs again
+            d.rename(d.with_name(f"{d.name}.sampler{old}"))
     d.mkdir(parents=True, exist_ok=True)
     cmd = [c.replace("{root}", str(root)) for c in job.cmd]
     if job.kind == "train":

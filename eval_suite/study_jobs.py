@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lragent.sampling import SAMPLER_VERSION
+
 
 @dataclass(frozen=True)
 class Job:
@@ -45,6 +47,8 @@ def is_done(job: Job, root: Path) -> bool:
         except (OSError, json.JSONDecodeError):
             return False
         # the eval names a row by its scheme, except the untrained row (--adapter_init zero)
-        runs = summary.get("episodes", {}).get(job.meta.get("row", job.meta["scheme"]), {})
-        return len(runs) >= job.meta["runs"]
+        row = job.meta.get("row", job.meta["scheme"])
+        runs = summary.get("episodes", {}).get(row, {})
+        sampler = summary.get("protocol", {}).get(row, {}).get("sampler", 1)
+        return len(runs) >= job.meta["runs"] and sampler == SAMPLER_VERSION  # an older sampler's row runs again
     return True

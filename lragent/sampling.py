@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import torch
 
+# The sampler's version, recorded in every episode's protocol and every eval's run_config: a row or a resumed run
+# never mixes versions. 1: until 2026-11-26, when u could round to exactly 1.0 (an infinite Gumbel noise: on a
+# 151,936-token vocabulary 0.9% of sampled tokens were a uniformly random token, whatever the distribution);
+# 2: u kept below 1.
+SAMPLER_VERSION = 2
+
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; wrap-around multiplication is the same bits)
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -41,7 +47,10 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torc
     v = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     key = _splitmix64(_splitmix64(seed.long()) ^ counter.long())  # (B,)
     bits = _splitmix64(key[:, None] + v[None, :] * _GOLDEN)  # (B, V)
-    return (_shr(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = (_shr(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 2**24 - 0.5 rounds to 2**24 in float32, so the top value would be u = 1 and an infinite Gumbel noise (that
+    # token always drawn): clamp it to the largest float32 below 1
+    return u.clamp_max(1.0 - 2.0**-24)
 
 
 def sample_next(

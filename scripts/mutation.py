@@ -34,7 +34,9 @@ OUT = ROOT / "results" / "mutation"
 SCRATCH = Path(os.environ.get("LRAGENT_MUTATION_SCRATCH", "/tmp/lragent_mutation"))
 PACKAGES = ["lragent", "eval_suite", "datamodules", "lit_modules", "kernels"]
 
-# key -> (module file, mutant-name pattern or "" for the whole module, test files that cover it)
+# key -> (module file, mutant-name pattern or "" for the whole module, test files that cover it). Not selected:
+# tests/test_scheme_chain.py, whose sys.settrace trail of the scheme through the library cannot see through mutmut's
+# trampolines (it fails on the unmutated code there; it passes in the plain suite).
 MODULES: dict[str, tuple[str, str, list[str]]] = {
     "sampling": (
         "lragent/sampling.py",
@@ -61,7 +63,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "loop": (
         "lragent/agents/loop.py",
         "",
-        ["tests/test_loop_properties.py", "tests/test_agents_loop.py", "tests/test_eval_runner.py"],
+        ["tests/test_loop_properties.py", "tests/test_agents_loop.py"],  # test_eval_runner: 80 s per mutant
     ),
     "batched_executor": (
         "eval_suite/batched_executor.py",
@@ -73,11 +75,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         "",
         ["tests/test_static_cache.py", "tests/test_engine.py", "tests/test_memory_plan.py"],
     ),
-    "sharing": ("lragent/sharing.py", "", ["tests/test_sharing_properties.py", "tests/test_scheme_chain.py"]),
+    "sharing": ("lragent/sharing.py", "", ["tests/test_sharing_properties.py"]),
     "cache_views": (
         "lragent/cache_views.py",
         "",
-        ["tests/test_cache_views_properties.py", "tests/test_scheme_chain.py", "tests/test_two_piece_attention.py"],
+        ["tests/test_cache_views_properties.py", "tests/test_two_piece_attention.py"],
     ),
     "engine": (
         "lragent/engine.py",
@@ -86,7 +88,6 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
             "tests/test_engine_properties.py",
             "tests/test_engine.py",
             "tests/test_row_reuse.py",
-            "tests/test_scheme_chain.py",
             "tests/test_memory_plan.py",
         ],
     ),
@@ -96,6 +97,13 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         ["tests/test_loss_weights.py", "tests/test_training.py", "tests/test_training_recipe.py"],
     ),
 }
+# functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
+# arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The
+# scratch copy marks them `# pragma: no mutate block`; the repository's source stays clean.
+UNWRAPPED: dict[str, list[str]] = {"multi_lora_module_loss": ["    def __init__("]}  # MultiLoraModule's
+# tests that cannot run under mutmut's trampolines (they fail on the unmutated code there, pass in the plain suite):
+# isinstance against the runtime-checkable Policy protocol, defined in the mutated module itself
+DESELECT: dict[str, list[str]] = {"policies": ["tests/test_agents_loop.py::test_helpers"]}
 STATUS = re.compile(r"^\s+(\S+): (.+)$")
 
 
@@ -124,18 +132,19 @@ def _reset_unkilled(work: Path) -> None:
         meta.write_text(json.dumps(data))
 
 
-def _config(module: str, tests: list[str]) -> str:
+def _config(module: str, tests: list[str], deselect: list[str] = ()) -> str:
     def arr(xs: list[str]) -> str:
         return "[" + ", ".join(json.dumps(x) for x in xs) + "]"
 
     also = ["cli.py", "configs", "data", "scripts", "docs", "README.md"]
+    pytest_deselect = [a for d in deselect for a in ("--deselect", d)]
     return (
         "\n[tool.mutmut]\n"
         f"source_paths = {arr(PACKAGES)}\n"
         f"only_mutate = {arr([module])}\n"
         f"also_copy = {arr(also)}\n"
         f"pytest_add_cli_args_test_selection = {arr(tests)}\n"
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+        f"pytest_add_cli_args = {arr(['-p', 'no:cacheprovider', '-q', *pytest_deselect])}\n"
     )
 
 
@@ -152,17 +161,28 @@ def run_module(key: str, workers: int, timeout_s: int) -> dict:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         _copy_repo(work)
+        if UNWRAPPED.get(key):
+            lines = (work / module).read_text().splitlines(keepends=True)
+            for prefix in UNWRAPPED[key]:
+                i = next(i for i, line in enumerate(lines) if line.rstrip("\n") == prefix)
+                j = next(j for j in range(i, len(lines)) if lines[j].rstrip().endswith(":"))  # the header's colon
+                lines[j] = lines[j].rstrip("\n") + "  # pragma: no mutate block\n"  # where mutmut reads it
+            (work / module).write_text("".join(lines))
     elif old[1:] != [tests_hash]:  # new tests: bring them in, re-test only what no test killed
         for t in tests:
             for dest in (work / t, work / "mutants" / t):
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / t, dest)
         _reset_unkilled(work)
-    (work / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + _config(module, tests))
+    (work / "pyproject.toml").write_text(
+        (ROOT / "pyproject.toml").read_text() + _config(module, tests, DESELECT.get(key, []))
+    )
     stamp.write_text(f"{module_hash} {tests_hash}")
     t0 = time.time()
     cmd = ["mutmut", "run", "--max-children", str(workers)] + ([pattern] if pattern else [])
-    env = {**os.environ, "PYTHONPATH": str(work)}
+    # one thread: torch's OpenMP pool does not survive mutmut's fork (a child then waits on a lock until mutmut
+    # calls it a timeout, which would count as a kill)
+    env = {**os.environ, "PYTHONPATH": str(work), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     try:
         run = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout_s, env=env)
         interrupted = run.returncode != 0
@@ -187,8 +207,8 @@ def run_module(key: str, workers: int, timeout_s: int) -> dict:
     considered = sum(1 for k, v in status.items() if v not in ("skipped", "not checked") and k not in marked)
     survivors = []
     for k, v in sorted(status.items()):
-        if v in ("killed", "timeout") or k in marked:
-            continue
+        if v in ("killed", "timeout", "not checked") or k in marked:
+            continue  # an unchecked mutant is counted (``complete`` is false), not listed
         diff = subprocess.run(["mutmut", "show", k], cwd=work, capture_output=True, text=True, env=env).stdout
         survivors.append({"mutant": k, "status": v, "diff": "\n".join(diff.splitlines()[1:])})
     result = {
@@ -225,7 +245,12 @@ def write_report() -> Path:
         c = r["counts"]
         rows.append(
             f"| `{r['module']}`{' (' + r['pattern'] + ')' if r['pattern'] else ''} | "
-            f"{r['score'] if r['score'] is not None else '–'}% | {r['killed_or_timeout']} of {r['considered']} | "
+            + (
+                f"{r['score']}% | "
+                if r["complete"]
+                else f"incomplete ({sum(c.values()) - c.get('not checked', 0)} of {sum(c.values())} checked) | "
+            )
+            + f"{r['killed_or_timeout']} of {r['considered']} | "
             f"{len(r['equivalent'])} | {len(r['survivors'])} | "
             f"{'complete' if r['complete'] else 'interrupted'}, {r['seconds']:.0f} s on {r['workers']} workers "
             f"({r['host_cpus']} CPUs), {r['commit'][:7]}; {', '.join(f'{k} {v}' for k, v in sorted(c.items()))} |"
@@ -234,7 +259,11 @@ def write_report() -> Path:
         "# Mutation testing (issue 37)\n\n"
         "`python scripts/mutation.py [KEY ...]` (mutmut, one module at a time, only the module's test files; "
         "`--list` names them). Score: mutmut's killed (+ timeout) over its mutants, less those marked equivalent in "
-        "`equivalent/KEY.json` with a one-line reason each. Survivors with their diffs are in `KEY.json`.\n\n"
+        "`equivalent/KEY.json` with a one-line reason each (a timeout, a mutant that made the tests hang, counts as "
+        "caught; runs set OMP_NUM_THREADS=1, since torch's thread pool hangs in mutmut's forked children and would "
+        "turn survivors into timeouts). Survivors with their diffs are in `KEY.json`; the last column gives mutmut's "
+        "raw counts (equivalents included) and the commit checked out when the run started (new tests may have been "
+        "uncommitted then: they are committed with the results).\n\n"
         "| module | score | killed | equivalent | survivors | run |\n|---|---:|---:|---:|---:|---|\n"
         + "\n".join(rows)
         + "\n"

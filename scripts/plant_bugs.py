@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "inference FLOPs: causal pairs without the diagonal": (
+        "eval_suite/model_flops.py",
+        "    return (end * (end + 1) - start * (start + 1)) // 2",
+        "    return (end * (end - 1) - start * (start - 1)) // 2",
+        "tests/test_model_flops.py",
+    ),
+    "inference FLOPs: the LR prefill counted as a full forward": (
+        "eval_suite/model_flops.py",
+        "            total += span_flops(shape, op.start, op.end, skip_kv=True)",
+        "            total += span_flops(shape, op.start, op.end)",
+        "tests/test_model_flops.py",
+    ),
+    "inference FLOPs: a decode forward for the last generated token too": (
+        "eval_suite/model_flops.py",
+        "    steps = max(0, generated - 1)",
+        "    steps = max(0, generated)",
+        "tests/test_model_flops.py",
+    ),
+    "sampling: uniform noise reaches 1.0 (infinite Gumbel noise draws a banned token)": (
+        "lragent/sampling.py",
+        "    return u.clamp_max(1.0 - 2.0**-24)",
+        "    return u",
+        "tests/test_sampling_properties.py",
+    ),
     "study archive: file times kept (a commit rewrites every set)": (
         "eval_suite/study.py",
         '    info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""  # same files, same bytes',

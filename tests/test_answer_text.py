@@ -271,7 +271,8 @@ def test_answer_text_rows_record_protocol_and_merge_apart(tmp_path) -> None:
                         out_dir=tmp_path / "text", constraints=("answer_text",), **kw)  # fmt: skip
     assert {r["row"] for r in recs} == {"non_shared+answer_text"}
     assert all(
-        r["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["answer_text"], "answer_score": "mean"}
+        r["protocol"]
+        == {"temperature": 0.9, "top_p": 0.75, "constraints": ["answer_text"], "answer_score": "mean", "sampler": 2}
         for r in recs
     )
     # the recorded answer is the letter of the chosen (gold) text, and the scorer scores letters as always

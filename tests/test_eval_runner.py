@@ -344,6 +344,25 @@ def test_resume_refuses_other_settings(tmp_path):
         run_eval.check_run_config(tmp_path, {"benchmark": "hotpotqa", "temperature": 0.7, "seed": 0})
 
 
+def test_a_run_of_the_old_sampler_is_not_resumed_with_the_new_one(tmp_path):
+    """A run_config.json from before the sampler was versioned (sampler 1: u could round to 1.0) refuses a resume by
+    today's sampler in one line; the records' protocol reads sampler 1, so a row never mixes the two."""
+    from eval_suite.eval_report import protocol_of
+    from lragent.sampling import SAMPLER_VERSION
+
+    old = {"benchmark": "hotpotqa", "temperature": 0.9, "seed": 0}
+    (tmp_path / "run_config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=rf"other settings \(sampler: 1 -> {SAMPLER_VERSION}\); use another --out"):
+        run_eval.check_run_config(tmp_path, {**old, "sampler": SAMPLER_VERSION})
+    run_eval.check_run_config(tmp_path, {**old, "sampler": 1})  # the same run, named explicitly: resumes
+    assert protocol_of({"protocol": {"temperature": 0.9}})["sampler"] == 1
+    assert protocol_of({"protocol": {"temperature": 0.9, "sampler": 2}})["sampler"] == 2
+    recs, _ = _run(tmp_path / "r", load_questions("hotpotqa", limit=2), runs=1, schemes=["full_shared"])
+    assert {r["protocol"]["sampler"] for r in recs} == {SAMPLER_VERSION}
+    with pytest.raises(ValueError, match="mixes decoding protocols"):
+        summarize([{**r, "protocol": {**r["protocol"], "sampler": v}} for r, v in zip(recs, (1, 2), strict=True)])
+
+
 def test_droidspeak_config_file(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps({"droidspeak_layers": [3, 4, 9], "profile": {}}))
     assert run_eval.load_droidspeak_config(tmp_path / "d.json") == [3, 4, 9]
@@ -364,7 +383,8 @@ def test_constrained_rows_are_their_own_rows(tmp_path):
     )  # fmt: skip
     assert {r["row"] for r in cons} == {"full_shared+constrained"}
     assert all(
-        r["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["action_type", "answer"]} for r in cons
+        r["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["action_type", "answer"], "sampler": 2}
+        for r in cons
     )
     assert all(r["constrained_calls"] >= 2 for r in cons if not r["oof"])  # action type + answer at least
     assert all(r["constrained_calls"] == 0 for r in free)
@@ -526,7 +546,12 @@ def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
     assert cli.main(argv) == 0
     (rec,) = read_episodes(out / EPISODES_FILE)
     assert rec["row"] == "untrained+constrained" and rec["adapters"] == "init:zero"
-    assert rec["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["action_type", "answer"]}
+    assert rec["protocol"] == {
+        "temperature": 0.9,
+        "top_p": 0.75,
+        "constraints": ["action_type", "answer"],
+        "sampler": 2,
+    }
     types = ("Image2Text", "BingSearch", "Retrieve", "Finish")
     assert rec["constrained_calls"] >= 1 and all(a.split("[", 1)[0] in types for a in rec["actions"])
     assert {"command", "device", "dtype", "versions", "git_commit"} <= set(rec["provenance"])

@@ -27,6 +27,8 @@ from eval_suite.study import (
 )
 from eval_suite.study_report import chance_gap, write_report, write_sweep_report
 
+SAMPLED = {"protocol": {"untrained": {"sampler": 2}}}
+SWEEP_SAMPLED = {"protocol": {"non_shared": {"sampler": 2}}}  # rows drawn by today's sampler (2)
 FAKE = r"""
 import json, os, sys, time
 root, name, done, log = sys.argv[1:5]
@@ -40,7 +42,8 @@ if os.environ.get("FAIL_JOB") == name:
 path = os.path.join(root, done)
 os.makedirs(os.path.dirname(path), exist_ok=True)
 row = "untrained" if "_untrained/" in name else name.rsplit("/", 1)[-1]  # as the eval names its rows
-body = {"episodes": {row: {"0": 1, "1": 1, "2": 1}}} if done.endswith("summary.json") else {}
+body = {"episodes": {row: {"0": 1, "1": 1, "2": 1}}, "protocol": {row: {"sampler": 2}}}
+body = body if done.endswith("summary.json") else {}
 open(path, "w").write(json.dumps(body))
 with open(log, "a") as f:
     f.write(json.dumps({"job": name, "end": time.time(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
@@ -67,7 +70,8 @@ def test_resumed_study_does_not_rerun_finished_jobs(tmp_path: Path, monkeypatch)
     finished = [j for j in plan if j.name in ("train/scienceqa_lam0", "eval/scienceqa_lam0/non_shared")]
     for j in finished:  # finished before this call (a previous session)
         (root / j.done_file).parent.mkdir(parents=True, exist_ok=True)
-        body = {"episodes": {"non_shared": {"0": 90, "1": 90, "2": 90}}} if j.kind == "eval" else {}
+        body = {"episodes": {"non_shared": {"0": 90, "1": 90, "2": 90}}, "protocol": {"non_shared": {"sampler": 2}}}
+        body = body if j.kind == "eval" else {}
         (root / j.done_file).write_text(json.dumps(body))
     # an eval whose summary lacks a run is not done (it resumes from its episode log)
     partial = next(j for j in plan if j.name == "eval/scienceqa_lam0/base_lr_shared")
@@ -184,7 +188,9 @@ def test_report_from_job_outputs(tmp_path: Path) -> None:
         else:
             recs = [_episode(row, f"q{q}", r, q % 2 == 0 or row == "non_shared", 2) for q in range(6) for r in range(2)]
         (d / "episodes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
-        (d / "summary.json").write_text(json.dumps({"episodes": {row: {"0": 6, "1": 6}}}))
+        (d / "summary.json").write_text(
+            json.dumps({"episodes": {row: {"0": 6, "1": 6}}, "protocol": {row: {"sampler": 2}}})
+        )
     data = write_report(root, plan, tmp_path / "out")
     md = (tmp_path / "out" / "study.md").read_text()
     s = data["scienceqa_lam0.5"]["summary"]
@@ -327,9 +333,9 @@ def test_untrained_eval_counts_as_done_under_its_row_name(tmp_path: Path) -> Non
     job = next(j for j in build_plan(("hotpotqa",), (0.0,), runs=3) if j.name == "eval/hotpotqa_untrained/non_shared")
     path = tmp_path / job.done_file
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"rows": ["untrained"], "episodes": {"untrained": {"0": 1, "1": 1}}}))
+    path.write_text(json.dumps({"rows": ["untrained"], "episodes": {"untrained": {"0": 1, "1": 1}}, **SAMPLED}))
     assert not is_done(job, tmp_path)  # two of three runs
-    path.write_text(json.dumps({"rows": ["untrained"], "episodes": {"untrained": {"0": 1, "1": 1, "2": 1}}}))
+    path.write_text(json.dumps({"rows": ["untrained"], "episodes": {"untrained": {"0": 1, "1": 1, "2": 1}}, **SAMPLED}))
     assert is_done(job, tmp_path)
 
 
@@ -427,7 +433,7 @@ def test_sweep_report_from_job_outputs(tmp_path: Path) -> None:
         else:
             recs[3].update(oof=True, prediction=None)
         (d / "episodes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
-        (d / "summary.json").write_text(json.dumps({"episodes": {"non_shared": {"0": 4}}}))
+        (d / "summary.json").write_text(json.dumps({"episodes": {"non_shared": {"0": 4}}, **SWEEP_SAMPLED}))
         train = root / "train" / job.meta["set"]
         (train / "csv" / "version_0").mkdir(parents=True)
         (train / "csv" / "version_0" / "metrics.csv").write_text(
@@ -469,7 +475,9 @@ def test_a_training_whose_rows_are_all_kept_is_not_run_again(tmp_path: Path, mon
         if j.kind == "train" or j.name == "eval/scienceqa_lam0.5/full_shared":
             continue
         (root / j.done_file).parent.mkdir(parents=True, exist_ok=True)
-        body = {"episodes": {j.meta["row"]: {"0": 90, "1": 90, "2": 90}}} if j.kind == "eval" else {}
+        row = j.meta.get("row")
+        body = {"episodes": {row: {"0": 90, "1": 90, "2": 90}}, "protocol": {row: {"sampler": 2}}}
+        body = body if j.kind == "eval" else {}
         (root / j.done_file).write_text(json.dumps(body))
     jobs = {j.name: j for j in plan}
     assert job_state(jobs["train/scienceqa_lam0"], root, set(), jobs) == "unneeded"
@@ -567,3 +575,26 @@ def test_study_page_carries_the_zero_shot_reference(tmp_path: Path) -> None:
     md = (tmp_path / "out" / "study.md").read_text()
     assert "EM 46.7 [36.7, 56.7], F1 51.8, 90 questions" in md
     assert "hotpotqa_zero_shot" not in data  # a reference line, not an adapter set
+
+
+def test_a_row_of_the_old_sampler_runs_again_and_its_episodes_are_kept_beside(tmp_path: Path) -> None:
+    """Sampler 1 (u could round to 1.0: a uniformly random token in 0.9% of draws on Qwen's vocabulary) rows are not
+    done: the job runs again in a fresh directory, the old episodes moved to ``<scheme>.sampler1`` as evidence."""
+    from eval_suite.study import prepare
+
+    root = tmp_path / "study"
+    (job,) = [j for j in build_plan(("scienceqa",), (0.0,), runs=1) if j.name == "eval/scienceqa_lam0/non_shared"]
+    d = root / job.name
+    d.mkdir(parents=True)
+    (d / "run_config.json").write_text(json.dumps({"benchmark": "scienceqa"}))  # no sampler: sampler 1
+    (d / "episodes.jsonl").write_text("{}\n")
+    (d / "summary.json").write_text(json.dumps({"episodes": {"non_shared": {"0": 90}}}))
+    assert not is_done(job, root)
+    prepare(job, root)
+    assert (root / "eval/scienceqa_lam0/non_shared.sampler1/episodes.jsonl").read_text() == "{}\n"
+    assert d.is_dir() and not any(d.iterdir())
+    (d / "run_config.json").write_text(json.dumps({"benchmark": "scienceqa", "sampler": 2}))
+    (d / "summary.json").write_text(json.dumps({"episodes": {"non_shared": {"0": 90}}, **SWEEP_SAMPLED}))
+    assert is_done(job, root)
+    prepare(job, root)  # today's sampler: left where it is
+    assert (d / "summary.json").is_file()

@@ -1,0 +1,368 @@
+"""Properties of the batched executor's scheduling (eval_suite/batched_executor.py), against a sequential reference.
+
+The engine is replaced by a deterministic stand-in whose answers depend on the row's trajectory and on every field
+of the request (role id, seed, temperature, top-p, budget, stop strings), and whose generations take an unequal
+number of decode steps; episodes record every reply they get. Pinned: for any batch size, every episode gets
+exactly the replies of running it alone (its own trajectory, reset between tasks; generate call ``i`` seeded with
+``seed + i``; choices scored on its own row; reply statistics), each task runs once, schemes run group by group
+in order, an engine has ``min(batch, tasks)`` rows and the executor's settings, freed rows are refilled lowest
+first with the next task in order, a reserved engine is used only when it fits, and generated tokens are counted.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import eval_suite.batched_executor as be
+from eval_suite.batched_executor import BatchedExecutor
+from eval_suite.executors import EpisodeTask
+from lragent.agents.requests import Choose, Generate, Reply, StepStats, best_option
+from lragent.engine import GenerationRequest, StepResult
+
+ROLE_IDS = {"plan": 2, "action": 0, "reflect": 1}  # not the identity: a role must be looked up
+
+
+class Tokenizer:
+    """One token per character; like Hugging Face tokenizers it adds a BOS token (0) unless told not to, and like
+    their fast (Rust) encoders it takes only a real bool for that flag."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        if not isinstance(add_special_tokens, bool):
+            raise TypeError(f"add_special_tokens must be a bool, got {add_special_tokens!r}")
+        return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
+
+
+def _enc(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def _fake_model(device: str = "cpu") -> types.SimpleNamespace:
+    param = types.SimpleNamespace(device=torch.device(device))
+    return types.SimpleNamespace(
+        model=types.SimpleNamespace(parameters=lambda: iter([param])),
+        router=types.SimpleNamespace(id=ROLE_IDS.__getitem__),
+    )
+
+
+def _scores(traj: list[int], role: int, options: list[list[int]]) -> list[float]:
+    """Deterministic teacher-forced scores that depend on the trajectory, the role and the option's tokens."""
+    return [-float(sum((t * 7 + len(traj) * 3 + role) % 11 for t in o)) for o in options]
+
+
+def _generate(traj: list[int], req: GenerationRequest) -> tuple[str, int]:
+    """The text a request generates on a trajectory, and how many decode steps it takes."""
+    text = (
+        f"<{req.role}|{req.seed}|{req.temperature}|{req.top_p}|{req.max_new_tokens}|{'/'.join(req.stop)}|{len(traj)}>"
+    )
+    return text, 1 + (req.seed * 5 + len(traj)) % 4
+
+
+def _result(traj: list[int], req: GenerationRequest, row: int) -> StepResult:
+    text, steps = _generate(traj, req)
+    ids = _enc(text) + ([] if req.max_new_tokens == 0 else [33])  # a stop token generated, not kept
+    return StepResult(
+        role=str(req.role),
+        prefill_tokens=len(traj) + req.role,
+        recomputed_tokens=req.role * 2 + 1,
+        generated_ids=ids if req.max_new_tokens else [],
+        text=text,
+        kept_tokens=len(text),
+        prefill_s=0.5 * req.role,
+        decode_s=0.25 * steps,
+        stop_reason="stop",
+        row=row,
+    )
+
+
+class FakeEngine:
+    """Stands in for :class:`lragent.engine.Engine`: per-row trajectories, generations that finish after a few steps."""
+
+    built: list[FakeEngine] = []
+
+    def __init__(self, model, scheme, *, rows, **kwargs) -> None:
+        self.model, self.scheme, self.rows, self.kwargs = model, scheme, rows, kwargs
+        self.traj: dict[int, list[int]] = {r: [] for r in range(rows)}
+        self.pending: dict[int, list] = {}
+        self.placements: list[tuple[int, int]] = []  # (row, length of the trajectory) at each reset
+        FakeEngine.built.append(self)
+
+    def _row(self, row: int) -> list[int]:
+        assert 0 <= row < self.rows, row
+        return self.traj[row]
+
+    def reset(self, row: int) -> None:
+        self._row(row)
+        self.placements.append((row, len(self.traj[row])))
+        self.traj[row] = []
+
+    def append(self, row: int, ids: list[int]) -> None:
+        assert row not in self.pending, "append while generating"
+        self._row(row).extend(ids)
+
+    def ids(self, row: int) -> list[int]:
+        return list(self._row(row))
+
+    def score(self, row: int, role: int, options: list[list[int]]) -> list[float]:
+        return _scores(self._row(row), role, options)
+
+    def start(self, row: int, req: GenerationRequest) -> StepResult | None:
+        assert row not in self.pending and self._row(row), "start on a busy or empty row"
+        if req.max_new_tokens == 0:
+            return self._finish(row, req)
+        self.pending[row] = [req, _generate(self.traj[row], req)[1]]
+        return None
+
+    def _finish(self, row: int, req: GenerationRequest) -> StepResult:
+        res = _result(self.traj[row], req, row)
+        self.traj[row].extend(_enc(res.text))
+        return res
+
+    def advance(self) -> list[StepResult]:
+        out = []
+        for row in sorted(self.pending, reverse=True):  # results come in no particular row order
+            self.pending[row][1] -= 1
+            if self.pending[row][1] == 0:
+                req, _ = self.pending.pop(row)
+                out.append(self._finish(row, req))
+        return out
+
+
+@pytest.fixture(autouse=True)
+def fake_engine(monkeypatch):
+    FakeEngine.built = []
+    monkeypatch.setattr(be, "Engine", FakeEngine)
+    return FakeEngine
+
+
+# ------------------------------------------------------------------------------------------ episodes
+
+STEP = st.one_of(
+    st.tuples(st.just("gen"), st.sampled_from(list(ROLE_IDS)), st.sampled_from(["", "Q", "obs 12"]), st.integers(0, 9)),
+    st.tuples(
+        st.just("choose"),
+        st.sampled_from(list(ROLE_IDS)),
+        st.sampled_from(["", "pick:"]),
+        st.lists(st.sampled_from(["yes", "no", "maybe", "B", "xyz"]), min_size=1, max_size=3, unique=True),
+        st.sampled_from(["sum", "mean"]),
+        st.booleans(),
+    ),
+)
+PLAN = st.lists(STEP, max_size=4)
+
+
+def _episode(plan: list[tuple], first_text: str):
+    """Asks for the plan's requests in order; returns every reply it got."""
+    replies = []
+    for i, step in enumerate(plan):
+        text = first_text + step[2] if i == 0 else step[2]
+        if step[0] == "gen":
+            req = Generate(role=step[1], new_text=text, max_new_tokens=step[3], stop=["\n", f"#{i}"])
+        else:
+            appends = tuple(f"[{o}]" for o in step[3]) if step[5] else None
+            req = Choose(role=step[1], new_text=text, options=tuple(step[3]), score=step[4], appends=appends)
+        replies.append((yield req))
+    return replies
+
+
+def _tasks(plans: list[list[tuple]], schemes: list[str] | None = None, seed0: int = 100) -> list[EpisodeTask]:
+    schemes = schemes or ["non_shared"] * len(plans)
+    return [
+        EpisodeTask(key=(s, 0, str(i)), scheme=s, seed=seed0 + 10 * i, question=None, episode=_episode(p, f"T{i}:"))
+        for i, (p, s) in enumerate(zip(plans, schemes, strict=True))
+    ]
+
+
+def _alone(task: EpisodeTask, temperature: float, top_p: float) -> list[Reply]:
+    """Reference: the episode run by itself, one request at a time, following the documented protocol."""
+    traj: list[int] = []
+    calls = 0
+    episode = task.episode
+    try:
+        request = next(episode)
+        while True:
+            traj += _enc(request.new_text)
+            if isinstance(request, Choose):
+                options = [_enc(o) for o in request.options]
+                best = best_option(_scores(traj, ROLE_IDS[request.role], options), [len(o) for o in options],
+                                   request.score)  # fmt: skip
+                traj += _enc(request.appended(best))
+                stats = StepStats(prefill_tokens=sum(map(len, options)), trajectory_tokens=len(traj))
+                request = episode.send(Reply(choice=best, stats=stats))
+                continue
+            req = GenerationRequest(role=ROLE_IDS[request.role], max_new_tokens=request.max_new_tokens,
+                                    stop=tuple(request.stop), temperature=temperature, top_p=top_p,
+                                    seed=task.seed + calls)  # fmt: skip
+            calls += 1
+            res = _result(traj, req, 0)
+            traj += _enc(res.text)
+            stats = StepStats(prefill_tokens=res.prefill_tokens, decode_tokens=len(res.generated_ids),
+                              prefill_s=res.prefill_s, decode_s=res.decode_s,
+                              recomputed_tokens=res.recomputed_tokens, trajectory_tokens=len(traj))  # fmt: skip
+            request = episode.send(Reply(text=res.text, stats=stats))
+    except StopIteration as stop:
+        return stop.value
+
+
+def _run(ex: BatchedExecutor, tasks: list[EpisodeTask]) -> dict:
+    out = {}
+    for task, result in ex.run(tasks):
+        assert task.key not in out, f"{task.key} yielded twice"
+        out[task.key] = result
+    return out
+
+
+# ------------------------------------------------------------------------------------------ properties
+
+
+@given(st.lists(PLAN, max_size=6), st.integers(1, 4), st.sampled_from([(0.0, 1.0), (0.7, 0.85)]))
+@settings(max_examples=40, deadline=None)
+def test_every_episode_gets_the_replies_it_would_get_alone(plans, batch, sampling) -> None:
+    temperature, top_p = sampling
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=batch, temperature=temperature, top_p=top_p)
+    got = _run(ex, _tasks(plans))
+    expected = {t.key: _alone(t, temperature, top_p) for t in _tasks(plans)}
+    assert got == expected
+    gen_tokens = sum(
+        r.stats.decode_tokens for replies in expected.values() for r in replies if r.choice is None and r.stats
+    )
+    assert ex.generated_tokens == gen_tokens
+
+
+def test_generate_call_i_of_an_episode_is_seeded_with_seed_plus_i() -> None:
+    plan = [("gen", "plan", "", 3), ("choose", "action", "", ["yes", "no"], "sum", False), ("gen", "action", "", 2)]
+    plan += [("gen", "reflect", "x", 0), ("gen", "plan", "", 5)]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    got = _run(ex, _tasks([plan, plan], seed0=7))
+    seeds = [[int(r.text.split("|")[1]) for r in replies if r.choice is None] for replies in got.values()]
+    assert sorted(seeds) == [[7, 8, 9, 10], [17, 18, 19, 20]]
+
+
+def test_engine_gets_min_of_batch_and_tasks_rows_and_the_executor_settings() -> None:
+    model, tok = _fake_model(), Tokenizer()
+    config = dict(capacity=777, temperature=0.3, top_p=0.6, use_kernel=False, cuda_graphs=True)
+    ex = BatchedExecutor(model, tok, batch=3, droidspeak_layers=[4, 1], eos_token_ids=[9, 2], prefill_in_decode=17,
+                         **config)  # fmt: skip
+    one = [("gen", "plan", "", 1)]
+    _run(ex, _tasks([one] * 2, ["droidspeak"] * 2))
+    _run(ex, _tasks([one] * 5, ["base_lr_shared"] * 5))
+    (e1, e2) = FakeEngine.built
+    assert e1.model is model and e2.model is model
+    assert (e1.scheme, e1.rows, e2.scheme, e2.rows) == ("droidspeak", 2, "base_lr_shared", 3)
+    common = dict(capacity=777, tokenizer=tok, eos_token_ids=[9, 2], use_kernel=False, cuda_graphs=True,
+                  prefill_in_decode=17)  # fmt: skip
+    assert e1.kwargs == {**common, "droidspeak_layers": [4, 1]}
+    assert e2.kwargs == {**common, "droidspeak_layers": None}  # recompute layers are DroidSpeak's only
+
+
+def test_constructor_defaults_and_prefill_in_decode_by_device() -> None:
+    ex = BatchedExecutor(_fake_model("cpu"), Tokenizer())
+    assert (ex.batch, ex.capacity, ex.temperature, ex.top_p, ex.use_kernel) == (64, 8192, 0.0, 1.0, True)
+    assert (ex.cuda_graphs, ex.droidspeak_layers, ex.eos_token_ids, ex.generated_tokens) == (None, None, None, 0)
+    assert ex.prefill_in_decode == 0  # off where eager decode steps gain nothing
+    assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).prefill_in_decode == 128 == be.PREFILL_IN_DECODE
+    assert BatchedExecutor(_fake_model("cuda"), Tokenizer(), prefill_in_decode=0).prefill_in_decode == 0
+    assert BatchedExecutor(_fake_model("cpu"), Tokenizer(), batch=1).batch == 1
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=f"batch must be >= 1, got {bad}"):
+            BatchedExecutor(_fake_model(), Tokenizer(), batch=bad)
+
+
+def test_schemes_run_group_by_group_in_order_and_every_task_once() -> None:
+    one = [("gen", "plan", "", 2)]
+    schemes = ["a", "a", "b", "a", "c", "c", "c"]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    order = [task.key for task, _ in ex.run(_tasks([one] * len(schemes), schemes))]
+    assert sorted(order) == sorted(t.key for t in _tasks([one] * len(schemes), schemes))
+    assert [(e.scheme, e.rows) for e in FakeEngine.built] == [("a", 2), ("b", 1), ("a", 1), ("c", 2)]
+    # a group's tasks all end before the next group starts
+    assert [k[0] for k in order] == schemes
+    assert list(ex.run([])) == [] and len(FakeEngine.built) == 4
+
+
+def test_rows_refill_lowest_free_first_with_the_next_task_in_order() -> None:
+    # generation steps: 1 + (seed * 5 + len(trajectory)) % 4, with trajectory "T<i>:" of 3 characters
+    plans = [[("gen", "plan", "", 1)] for _ in range(6)]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=3)
+    tasks = _tasks(plans, seed0=0)  # seeds 0, 10, .., 50: steps 4, 2, 4, 2, 4, 2
+    steps = [1 + (t.seed * 5 + 3) % 4 for t in tasks]
+    assert steps == [4, 2, 4, 2, 4, 2]
+    order = [task.key[2] for task, _ in ex.run(tasks)]
+    # rows 0, 1, 2 take tasks 0, 1, 2; task 1 (row 1) ends after 2 steps and task 3 takes row 1; 2 steps later
+    # tasks 2, 3 and 0 end together (reported as rows 2, 1, 0): tasks 4 and 5 take the lowest rows, 0 and 1
+    (eng,) = FakeEngine.built
+    assert [row for row, _ in eng.placements] == [0, 1, 2, 1, 0, 1]
+    assert order == ["1", "2", "3", "0", "5", "4"]
+
+
+def test_rows_are_reset_before_each_new_episode() -> None:
+    plans = [[("choose", "plan", "", ["yes", "no"], "sum", False)], [("gen", "plan", "", 2)], []]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=1)
+    got = _run(ex, _tasks(plans))
+    (eng,) = FakeEngine.built
+    assert [row for row, _ in eng.placements] == [0, 0, 0]
+    assert [n > 0 for _, n in eng.placements] == [False, True, True]  # a reused row held the previous episode
+    assert got == {t.key: _alone(t, 0.0, 1.0) for t in _tasks(plans)}
+    assert got[("non_shared", 0, "2")] == []  # an episode that asks nothing ends at once
+
+
+def test_choices_are_scored_on_the_episode_row_and_the_chosen_text_appended() -> None:
+    plans = [[("choose", "action", "ctx", ["yes", "no", "maybe"], "mean", True), ("gen", "plan", "", 0)]] * 3
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=3)
+    got = _run(ex, _tasks(plans))
+    for key, replies in got.items():
+        choice, gen = replies
+        assert choice.text == "" and choice.stats.prefill_tokens == len("yes") + len("no") + len("maybe")
+        appended = ["[yes]", "[no]", "[maybe]"][choice.choice]
+        assert choice.stats.trajectory_tokens == len(f"T{key[2]}:ctx") + len(appended)
+        assert gen.stats.trajectory_tokens == choice.stats.trajectory_tokens + len(gen.text)
+        assert gen.stats.decode_tokens == 0 and ex.generated_tokens == 0  # a zero budget generates nothing
+
+
+def test_reserved_engine_is_used_once_and_only_when_it_fits() -> None:
+    one = [("gen", "plan", "", 1)]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=4)
+    ex.reserve("s", 3)
+    assert len(FakeEngine.built) == 1 and FakeEngine.built[0].rows == 3
+    _run(ex, _tasks([one] * 3, ["s"] * 3))  # exactly the reserved rows: reused
+    assert len(FakeEngine.built) == 1
+    _run(ex, _tasks([one] * 2, ["s"] * 2))  # the reservation was used up
+    assert len(FakeEngine.built) == 2
+    ex.reserve("s", 9)  # more tasks than rows: reserves the batch, which a smaller run of the scheme reuses
+    assert FakeEngine.built[-1].rows == 4
+    _run(ex, _tasks([one] * 2, ["s"] * 2))
+    assert len(FakeEngine.built) == 3
+    ex.reserve("s", 2)
+    _run(ex, _tasks([one] * 3, ["s"] * 3))  # too small: a new engine
+    assert [e.rows for e in FakeEngine.built] == [3, 2, 4, 2, 3]
+    ex.reserve("other", 2)
+    _run(ex, _tasks([one] * 2, ["s"] * 2))  # another scheme: a new engine
+    assert [(e.scheme, e.rows) for e in FakeEngine.built[-2:]] == [("other", 2), ("s", 2)]
+    ex.reserve("s", 0)  # nothing to run: nothing reserved
+    assert len(FakeEngine.built) == 7
+    _run(ex, _tasks([one], ["s"]))
+    assert len(FakeEngine.built) == 8
+    ex.reserve("s", 1)  # one task: one row, now
+    assert [(e.scheme, e.rows) for e in FakeEngine.built[8:]] == [("s", 1)]
+    _run(ex, _tasks([one], ["s"]))
+    assert len(FakeEngine.built) == 9
+
+
+def test_reservation_is_dropped_by_a_run_of_another_scheme() -> None:
+    one = [("gen", "plan", "", 1)]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    ex.reserve("a", 2)
+    _run(ex, _tasks([one], ["b"]))
+    _run(ex, _tasks([one], ["a"]))
+    assert [e.scheme for e in FakeEngine.built] == ["a", "b", "a"]
+
+
+def test_no_special_tokens_enter_the_trajectory() -> None:
+    plans = [[("gen", "plan", "Q", 1), ("gen", "action", "obs 12", 1)]]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=1)
+    (replies,) = _run(ex, _tasks(plans)).values()
+    assert replies[0].stats.trajectory_tokens == len("T0:Q") + len(replies[0].text)
