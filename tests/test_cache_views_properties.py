@@ -12,6 +12,7 @@ B = 0 every scheme equals the base model, and with one agent every scheme equals
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from conftest import tiny_multi_lora
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kernels.flash_lora_decode as fld
+import kernels.fused_ops as fused_ops
 import lragent.cache_views as cv
 from lragent.attention import RoleSplit
 from lragent.cache_views import DecodeView, GrowableView, PrefillView, ReplayView, decode_attention_reference
@@ -201,6 +204,65 @@ def test_prefill_fused_rope_store_equals_the_pytorch_path(decomposed):
     assert not torch.equal(pa[1], make_pool(decomposed, dtype=torch.float32).k[1])
 
 
+def test_prefill_fused_by_default_exactly_on_a_cuda_half_pool():
+    """The rule on a CUDA pool (a stand-in: only ``device`` and ``dtype`` are read): fused for float16/bfloat16."""
+    for dtype, want in [(torch.float16, True), (torch.bfloat16, True), (torch.float32, False)]:
+        pool = SimpleNamespace(
+            capacity=CAP, layout=SimpleNamespace(decomposed=True), device=torch.device("cuda"), dtype=dtype
+        )
+        view = PrefillView(pool, 0, 0, None, 0, 2)
+        assert view.use_kernel is True and view.fused is want, dtype
+        assert PrefillView(pool, 0, 0, None, 0, 2, use_kernel=False).fused is False
+    assert PrefillView(make_pool(True), 0, 0, None, 0, 2).use_kernel is True
+
+
+def test_prefill_rope_store_dispatches_on_fused_and_indexes_on_the_queries_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cv, "rope_store_unfused", lambda view, *a: calls.append(("unfused", view)) or "unfused")
+
+    def fake(q, k, v, v_lr, cos, sin, k_pool, v_pool, lr_pool, kv_slot, lr_slot, pos):
+        calls.append(("fused", pos, kv_slot, lr_slot))
+        return q
+
+    monkeypatch.setattr(fused_ops, "rope_store", fake)
+    pool = make_pool(True, dtype=torch.float32)
+    plain = PrefillView(pool, kv_slot=2, lr_slot=1, hidden_slot=None, start=5, length=3, fused=False)
+    assert plain.rope_store(1, *_rope_inputs(1, 3, True)) == "unfused" and calls == [("unfused", plain)]
+    calls.clear()
+    view = PrefillView(pool, kv_slot=2, lr_slot=1, hidden_slot=None, start=5, length=3, fused=True)
+    view.rope_store(1, *_rope_inputs(1, 3, True))
+    ((_, pos, kv_slot, lr_slot),) = calls
+    assert pos.tolist() == [5, 6, 7] and kv_slot.tolist() == [2, 2, 2] and lr_slot.tolist() == [1, 1, 1]
+    assert kv_slot.dtype == lr_slot.dtype == torch.long
+    calls.clear()  # index tensors follow the queries' device (meta here, CUDA in use)
+    q, k, v, v_lr, cos, sin = (x.to("meta") for x in _rope_inputs(1, 3, True))
+    view.rope_store(1, q, k, v, v_lr, cos, sin)
+    assert all(t.device.type == "meta" for t in calls[0][1:])
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_prefill_and_growable_views_pass_use_kernel_on(monkeypatch, use_kernel):
+    seen = []
+
+    def fake(q, k, v, v_lr, lora_b, scaling, role_ids, key_mask=None, use_kernel="unset"):
+        seen.append(use_kernel)
+        return q
+
+    monkeypatch.setattr(cv, "decomposed_attention", fake)
+    q, lora_b, roles = rand(1, H_Q, 2, D), rand(N_ROLES, H_KV * D, R), torch.tensor([0])
+    pool = make_pool(True)
+    PrefillView(pool, 0, 0, None, 0, 2, use_kernel=use_kernel).attend(0, q, lora_b, 0.5, roles)
+    caches = ModelCache(1, decomposed=True)
+    GrowableView(caches, 0).store(0, rand(1, H_KV, 2, D), rand(1, H_KV, 2, D), rand(1, 2, R))
+    GrowableView(caches, 0, use_kernel=use_kernel).attend(0, q, lora_b, 0.5, roles)
+    assert seen == [use_kernel, use_kernel]
+    seen.clear()
+    PrefillView(pool, 0, 0, None, 0, 2).attend(0, q, lora_b, 0.5, roles)
+    view = GrowableView(caches, 0)
+    view.attend(0, q, lora_b, 0.5, roles)
+    assert seen == [True, True] and view.use_kernel is True
+
+
 # ---- DecodeView ---------------------------------------------------------------------------------------------------
 KV_SLOT, LR_SLOT, POS, ROLES = [2, 0, 3], [1, 3, 4], [5, 0, 2], [2, 0, 1]
 
@@ -293,6 +355,88 @@ def test_decode_attention_reference_masks_each_row_and_applies_its_role():
     q1 = rand(b, H_KV, D, seed=25)
     got = decode_attention_reference(q1, k, v, lens)
     assert torch.allclose(got, naive_attention(q1[:, :, None], k, v, visible)[:, :, 0], atol=1e-10)
+
+
+def test_decode_attention_reference_runs_on_the_queries_device_and_casts_adapters():
+    """Any device (meta here: shapes only), and B in another dtype than the cache (float32 adapters, float64 cache)."""
+    b, length = 3, 6
+    q, k, v = rand(b, H_Q, D, seed=26), rand(b, H_KV, length, D, seed=27), rand(b, H_KV, length, D, seed=28)
+    v_lr, lora_b = rand(b, length, R, seed=29), rand(N_ROLES, H_KV * D, R, seed=30, dtype=torch.float32)
+    lens, roles = torch.tensor([2, 6, 4]), torch.tensor([2, 0, 1])
+    meta = [x.to("meta") for x in (q, k, v, lens, v_lr, lora_b, roles)]
+    assert decode_attention_reference(*meta[:4]).shape == (b, H_Q, D)
+    assert decode_attention_reference(*meta[:4], meta[4], meta[5], 0.5, meta[6]).shape == (b, H_Q, D)
+    visible = (torch.arange(length)[None, :] < lens[:, None])[:, None]
+    got = decode_attention_reference(q, k, v, lens, v_lr, lora_b, 0.5, roles)
+    assert got.dtype == torch.float64
+    want = naive_attention(q[:, :, None], k, expand_v(v, v_lr, lora_b, 0.5, roles), visible)[:, :, 0]
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_decode_reads_no_position_past_max_len(decomposed):
+    """Eager decoding reads only ``max_len`` positions: NaN past them (in every slot) cannot reach the output."""
+    pool = make_pool(decomposed, seed=4)
+    n = max(POS) + 1
+    for t in [*pool.k, *pool.v]:
+        t[:, :, n:] = float("nan")
+    for t in pool.v_lr or []:
+        t[:, n:] = float("nan")
+    q = rand(3, H_Q, 1, D, seed=14)
+    lora_b, scaling = rand(N_ROLES, H_KV * D, R, seed=15), 0.8
+    got = _decode_view(pool, max_len=n).attend(1, q, lora_b if decomposed else None, scaling, torch.tensor(ROLES))
+    k = torch.stack([pool.k[1][s, :, :n] for s in KV_SLOT])
+    v = torch.stack([pool.v[1][s, :, :n] for s in KV_SLOT])
+    if decomposed:
+        v = expand_v(v, torch.stack([pool.v_lr[1][s, :n] for s in LR_SLOT]), lora_b, scaling, ROLES)
+    visible = (torch.arange(n)[None, :] <= torch.tensor(POS)[:, None])[:, None]
+    assert torch.allclose(got, naive_attention(q, k, v, visible), atol=1e-10)
+
+
+class _CudaLike(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: lets the fused decode dispatch run here, with a stand-in kernel."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_decode_kernel_dispatch_passes_the_pool_lengths_and_slots(monkeypatch, decomposed):
+    """On a (stand-in) CUDA half pool the view calls the fused decode kernel, once per layer, with the whole pools,
+    int32 lengths and slots, B per KV head, the scaling and the roles; the kernel here is its PyTorch reference,
+    so the result must be the naive attention. A float32 pool, or ``use_kernel=False``, never calls it."""
+    calls = []
+
+    def kernel(q, k_cache, v_cache, kv_lens, *args, **kw):
+        calls.append((kv_lens, kw.get("kv_slot"), kw.get("lr_slot")))
+        return fld.flash_lora_decode_reference(q, k_cache, v_cache, kv_lens, *args, **kw)
+
+    monkeypatch.setattr(cv, "_fused_decode", lambda: kernel)
+    t = torch.tensor
+    lr_slots = LR_SLOT if decomposed else KV_SLOT  # a plain pool has no V_lr slots
+    pos = t(POS).as_subclass(_CudaLike)
+    assert pos.is_cuda and (pos + 1).is_cuda
+    for dtype, use_kernel in [(torch.float32, True), (torch.float16, False)]:
+        pool = make_pool(decomposed, dtype=dtype)
+        view = DecodeView(pool, t(KV_SLOT), t(lr_slots), t([1, 0, 2]), pos, use_kernel=use_kernel)
+        assert view.kernel is None and view.fused is False and not hasattr(view, "kv_lens32")
+    pool = make_pool(decomposed, dtype=torch.float16, seed=5)
+    view = DecodeView(pool, t(KV_SLOT), t(lr_slots), t([1, 0, 2]), pos)
+    assert view.kernel is kernel and view.fused is True
+    q = rand(3, H_Q, 1, D, seed=16, dtype=torch.float16)
+    lora_b, scaling = rand(N_ROLES, H_KV * D, R, seed=17, dtype=torch.float16), 1.3
+    got = view.attend(1, q, lora_b if decomposed else None, scaling, t(ROLES))
+    ((kv_lens, kv_slot, lr_slot),) = calls
+    assert kv_lens.dtype == kv_slot.dtype == lr_slot.dtype == torch.int32
+    assert kv_lens.tolist() == [p + 1 for p in POS] and kv_slot.tolist() == KV_SLOT and lr_slot.tolist() == lr_slots
+    k = torch.stack([pool.k[1][s] for s in KV_SLOT])
+    v = torch.stack([pool.v[1][s] for s in KV_SLOT])
+    if decomposed:
+        v = expand_v(v, torch.stack([pool.v_lr[1][s] for s in LR_SLOT]), lora_b, scaling, ROLES)
+    visible = (torch.arange(CAP)[None, :] <= torch.tensor(POS)[:, None])[:, None]
+    assert got.shape == (3, H_Q, 1, D) and got.dtype == torch.float16
+    assert torch.allclose(got.double(), naive_attention(q, k, v, visible), atol=1e-2)
 
 
 def test_decode_unfused_rope_store_refuses_q_lora():
@@ -397,6 +541,38 @@ def test_growable_shared_pass_uses_two_pieces_only_from_zero_unmasked_decomposed
     assert len(calls) == int(two_piece)
     if two_piece:
         assert calls == [(t, t, 0.25, layout)]
+
+
+@pytest.mark.parametrize(("decomposed", "split"), [(False, False), (True, False), (True, True)])
+def test_growable_view_attends_only_up_to_its_end_in_a_longer_cache(decomposed, split):
+    """A view at ``start`` over ``T`` queries sees ``[0, start + T)`` even where the cache already holds more (a
+    checkpointed layer recomputed after later forwards appended): the same as over a cache of exactly that length.
+    Also over a plain list of layer caches."""
+    t, full, b = 4, 7, 1
+    layout = RoleSplit.make(torch.tensor([0]), torch.tensor([2]), torch.tensor([2]), t) if split else None
+    k, v, lr = rand(b, H_KV, full, D, seed=91), rand(b, H_KV, full, D, seed=92), rand(b, full, R, seed=93)
+    q, lora_b, roles = rand(b, H_Q, t, D, seed=94), rand(N_ROLES, H_KV * D, R, seed=95), torch.tensor([1])
+    outs = []
+    for n in (full, t):
+        caches = ModelCache(2, decomposed=decomposed, role_split=layout)
+        GrowableView(caches, 0).store(1, k[:, :, :n], v[:, :, :n], lr[:, :n] if decomposed else None)
+        outs.append(GrowableView(caches, 0).attend(1, q, lora_b if decomposed else None, 0.6, roles))
+        if not split:
+            layers = [caches[0], caches[1]]
+            outs.append(GrowableView(layers, 0).attend(1, q, lora_b if decomposed else None, 0.6, roles))
+    for o in outs[1:]:
+        assert torch.allclose(o, outs[0], atol=1e-12)
+    if not split:  # and what it sees: causal over the first T positions
+        vv = expand_v(v[:, :, :t], lr[:, :t], lora_b, 0.6, roles) if decomposed else v[:, :, :t]
+        visible = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+        assert torch.allclose(outs[0], naive_attention(q, k[:, :, :t], vv, visible[None]), atol=1e-10)
+        # and from a non-zero start (T = 3 queries at 2 over 5 of the 7 positions)
+        q3, got = q[:, :, :3], []
+        for n in (full, 5):
+            caches = ModelCache(2, decomposed=decomposed)
+            GrowableView(caches, 0).store(1, k[:, :, :n], v[:, :, :n], lr[:, :n] if decomposed else None)
+            got.append(GrowableView(caches, 2).attend(1, q3, lora_b if decomposed else None, 0.6, roles))
+        assert torch.allclose(got[0], got[1], atol=1e-12)
 
 
 # ---- ReplayView ---------------------------------------------------------------------------------------------------
