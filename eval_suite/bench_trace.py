@@ -251,6 +251,15 @@ def rates(res: dict, peak: float | None) -> dict:
     return out
 
 
+def _rate_cell(r: dict | None, part: str, mfu_decimals: int, with_total: bool = False) -> str:
+    """``TFLOP/s (MFU %)[, total TFLOP]`` of a run's ``part`` (``prefill`` / ``decode``); ``–`` where not measured."""
+    if r is None or f"{part}_tflops_s" not in r:
+        return "–"
+    mfu = r.get(f"{part}_mfu")
+    cell = f"{r[f'{part}_tflops_s']:.3g}" + ("" if mfu is None else f" ({100 * mfu:.{mfu_decimals}f}%)")
+    return cell + (f", {r[f'{part}_flops'] / 1e12:.3g} TFLOP" if with_total else "")
+
+
 def _label(r: dict) -> str:
     return r["scheme"] + ("" if r["kernel"] else " (no kernel)")
 
@@ -283,28 +292,9 @@ def render(runs: list[dict], model: str, dtype: str, prov: dict) -> str:
         "Model FLOPs as `bench train` counts a forward (eval_suite/model_flops.py): each scheme's own prefill "
         "work (non_shared re-prefills what its role has not seen), over the summed prefill seconds; MFU against the "
         "card's dense bf16 peak.\n\n",
-        table(
-            lambda r, c: (
-                "–"
-                if r is None or "prefill_tflops_s" not in r
-                else (
-                    f"{r['prefill_tflops_s']:.3g}"
-                    + ("" if r.get("prefill_mfu") is None else f" ({100 * r['prefill_mfu']:.1f}%)")
-                    + f", {r['prefill_flops'] / 1e12:.3g} TFLOP"
-                )
-            )
-        ),
+        table(lambda r, c: _rate_cell(r, "prefill", 1, with_total=True)),
         "\n## Decode: model TFLOP/s over decode seconds (MFU)\n\n",
-        table(
-            lambda r, c: (
-                "–"
-                if r is None or "decode_tflops_s" not in r
-                else (
-                    f"{r['decode_tflops_s']:.3g}"
-                    + ("" if r.get("decode_mfu") is None else f" ({100 * r['decode_mfu']:.2f}%)")
-                )
-            )
-        ),
+        table(lambda r, c: _rate_cell(r, "decode", 2)),
         "\n## Peak cache GiB (valid positions) / peak CUDA memory GiB, Table 19 layout\n\n",
         table(
             lambda r, c: (

@@ -36,6 +36,7 @@ from eval_suite.paired import paired_difference, validity
 from eval_suite.report import fmt_over_runs, fmt_signed, markdown_table, write_json, write_text
 from lragent.agents.loop import ROLES
 from lragent.provenance import provenance_footer
+from lragent.sampling import recorded_sampler
 
 ROLE_FIELDS: tuple[str, ...] = (
     "calls", "prefill_tokens", "decode_tokens", "prefill_s", "decode_s", "recomputed_tokens",
@@ -57,7 +58,7 @@ def protocol_of(rec: dict) -> dict:
         "temperature": p.get("temperature"),
         "top_p": p.get("top_p"),
         "constraints": list(p.get("constraints") or []),
-        "sampler": p.get("sampler", 1),
+        "sampler": recorded_sampler(p),
     }
     if p.get("answer_score") is not None:
         out["answer_score"] = p["answer_score"]

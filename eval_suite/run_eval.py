@@ -58,7 +58,7 @@ from lragent.loading import read_droidspeak_config as load_droidspeak_config
 from lragent.lora_model import MultiLoraModel
 from lragent.memory_plan import MAX_AUTO_BATCH, choose_batch
 from lragent.roles import DEFAULT_ROLES
-from lragent.sampling import SAMPLER_VERSION
+from lragent.sampling import SAMPLER_VERSION, recorded_sampler
 from lragent.schemes import Scheme, parse_schemes
 
 # Settings that must not change when a run is resumed into the same directory.
@@ -66,7 +66,7 @@ IDENTITY_FIELDS: tuple[str, ...] = (
     "benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints", "answer_score", "corpus_files",
     "seed", "agent", "droidspeak_layers", "sampler",
 )  # fmt: skip
-UNRECORDED = {"sampler": 1}  # what a field not in an older run_config.json / record means
+UNRECORDED = {"sampler": recorded_sampler({})}  # what a field not in an older run_config.json / record means
 UPSTREAM_TEMPERATURE = 0.9
 UPSTREAM_TOP_P = 0.75
 # The scheme of ``eval --limit N`` without --scheme: a quick look runs LRAgent's own scheme, not all five.

@@ -58,7 +58,7 @@ import yaml
 
 from eval_suite.study_jobs import Job, is_done
 from lragent.report_io import write_json
-from lragent.sampling import SAMPLER_VERSION
+from lragent.sampling import SAMPLER_VERSION, recorded_sampler
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS: tuple[str, ...] = ("scienceqa", "hotpotqa")
@@ -405,7 +405,7 @@ def prepare(job: Job, root: Path) -> list[str]:
     d = root / job.name
     config = d / "run_config.json"
     if job.kind == "eval" and config.is_file():
-        old = json.loads(config.read_text()).get("sampler", 1)
+        old = recorded_sampler(json.loads(config.read_text()))
         if old != SAMPLER_VERSION:  # episodes of an older sampler: kept beside, as evidence; the row runs again
             d.rename(d.with_name(f"{d.name}.sampler{old}"))
     d.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lragent.sampling import SAMPLER_VERSION
+from lragent.sampling import SAMPLER_VERSION, recorded_sampler
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,6 @@ def is_done(job: Job, root: Path) -> bool:
         # the eval names a row by its scheme, except the untrained row (--adapter_init zero)
         row = job.meta.get("row", job.meta["scheme"])
         runs = summary.get("episodes", {}).get(row, {})
-        sampler = summary.get("protocol", {}).get(row, {}).get("sampler", 1)
+        sampler = recorded_sampler(summary.get("protocol", {}).get(row, {}))
         return len(runs) >= job.meta["runs"] and sampler == SAMPLER_VERSION  # an older sampler's row runs again
     return True

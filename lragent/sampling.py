@@ -18,6 +18,12 @@ import torch
 # 2: u kept below 1.
 SAMPLER_VERSION = 2
 
+
+def recorded_sampler(fields: dict) -> int:
+    """The sampler version a protocol or run config names; one without the field predates versions: sampler 1."""
+    return fields.get("sampler", 1)
+
+
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; wrap-around multiplication is the same bits)
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
