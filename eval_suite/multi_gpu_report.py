@@ -2,10 +2,11 @@
 
 python -m eval_suite.multi_gpu_report --out OUT [--command "the command that produced OUT"]
 
-Figures: validation loss of the embedded model on one GPU (two adapter seeds: the run-to-run noise) and with DDP on two
-GPUs at the same global batch, tokens/s and the speed-up; FSDP at 8B shapes: peak memory per GPU, tokens/s, the resume
-and the export format against the one-GPU export; ``eval --devices 2`` against ``--devices 1``: the same episodes and
-the wall-clock ratio. A missing input is reported as missing (``null``), never filled in.
+Figures, for each GPU count N of ``--sizes``: validation loss of the embedded model (and of the accuracy model, when
+its phases ran) on one GPU (two adapter seeds: the run-to-run noise) and with DDP on N GPUs at the same global batch,
+tokens/s and the speed-up; FSDP at 8B shapes: peak memory per GPU against one GPU's, tokens/s, the resume and the
+export format against the one-GPU export; ``eval --devices N`` against ``--devices 1``: the same episodes and the
+wall-clock speed-up. A missing input is reported as missing (``null``), never filled in.
 """
 
 from __future__ import annotations
@@ -117,56 +118,76 @@ def episodes(directory: Path) -> list[tuple] | None:
     return sorted(rows, key=repr)
 
 
-def collect(out: Path, command: str | None) -> dict[str, Any]:
+def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -> dict[str, Any]:
+    """Val loss and tokens/s of a one-GPU fit, its other-seed twin and its DDP twins ``<prefix><N>``."""
+    v1, v1s = val_losses(out / f"{one}_metrics.csv"), val_losses(out / f"{noise}_metrics.csv")
+    s1 = speed(out, one)
+    res: dict[str, Any] = {"val_loss_1gpu": v1, "val_loss_1gpu_adapter_seed1": v1s, "speed_1gpu": s1}
+    if v1 and v1s and len(v1) == len(v1s):
+        res["seed_noise"] = [b - a for a, b in zip(v1, v1s, strict=True)]
+    for n in sizes:
+        vn, sn = val_losses(out / f"{prefix}{n}_metrics.csv"), speed(out, f"{prefix}{n}")
+        res[f"val_loss_ddp{n}"], res[f"speed_ddp{n}"] = vn, sn
+        if v1 and vn and len(v1) == len(vn):
+            res[f"ddp{n}_minus_1gpu"] = [b - a for a, b in zip(v1, vn, strict=True)]
+            if "seed_noise" in res:  # the last validation: DDP's difference against the seed-to-seed difference
+                res[f"ddp{n}_within_noise"] = abs(res[f"ddp{n}_minus_1gpu"][-1]) <= abs(res["seed_noise"][-1])
+        if s1 and sn and s1["tokens_per_s"] and sn["tokens_per_s"]:
+            res[f"ddp{n}_speedup_tokens_per_s"] = sn["tokens_per_s"] / s1["tokens_per_s"]
+    return res
+
+
+def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> dict[str, Any]:
+    """Every figure of a ``gpu_multi.sh`` output directory, for the GPU counts ``sizes`` (default ``[2]``)."""
+    sizes = sizes or [2]
     t = timings(out)
     speeds = [_json(f) or {} for f in sorted(out.glob("*_speed.json"))]  # the device any run reported
     cpu = any(s.get("provenance", {}).get("device", {}).get("type") == "cpu" for s in speeds)
-    res: dict[str, Any] = {"phases": t}
+    res: dict[str, Any] = {"sizes": sizes, "phases": t}
 
-    # embedded model: DDP vs one GPU at the same global batch, and the noise between two adapter seeds
-    v1, v1s, v2 = (val_losses(out / f"{n}_metrics.csv") for n in ("emb1", "emb1s", "emb2"))
-    s1, s2 = speed(out, "emb1"), speed(out, "emb2")
-    ddp: dict[str, Any] = {"val_loss_1gpu": v1, "val_loss_1gpu_adapter_seed1": v1s, "val_loss_ddp2": v2}
-    if v1 and v2 and len(v1) == len(v2):
-        ddp["ddp_minus_1gpu"] = [b - a for a, b in zip(v1, v2, strict=True)]
-    if v1 and v1s and len(v1) == len(v1s):
-        ddp["seed_noise"] = [b - a for a, b in zip(v1, v1s, strict=True)]
-    if "ddp_minus_1gpu" in ddp and "seed_noise" in ddp:
-        ddp["within_noise"] = abs(ddp["ddp_minus_1gpu"][-1]) <= abs(ddp["seed_noise"][-1])
-    ddp["speed_1gpu"], ddp["speed_ddp2"] = s1, s2
-    if s1 and s2 and s1["tokens_per_s"] and s2["tokens_per_s"]:
-        ddp["speedup_tokens_per_s"] = s2["tokens_per_s"] / s1["tokens_per_s"]
-    res["ddp_embedded"] = ddp
+    # DDP vs one GPU at the same global batch, and the noise between two adapter seeds: embedded and accuracy model
+    res["ddp_embedded"] = _ddp_block(out, "emb1", "emb1s", "ddp", sizes)
+    res["ddp_accuracy_model"] = _ddp_block(out, "q1", "q1s", "qddp", sizes)
 
     # 8B shapes: FSDP memory and speed, resume, export format
-    layouts = {n: export_layout(out / f"{n}_export") for n in ("b1", "f1", "f2", "fx")}
-    ref = layouts["b1"]
-    fsdp: dict[str, Any] = {"speed_1gpu": speed(out, "b1"), "speed_fsdp2": speed(out, "f1"),
-                            "speed_fsdp2_resumed": speed(out, "f2"), "speed_ddp2": speed(out, "d8")}  # fmt: skip
-    for key in ("speed_fsdp2", "speed_ddp2"):
-        one, two = fsdp["speed_1gpu"], fsdp[key]
-        if one and two and one["tokens_per_s"] and two["tokens_per_s"]:
-            fsdp[f"{key}_speedup_tokens_per_s"] = two["tokens_per_s"] / one["tokens_per_s"]
-    f2 = fsdp["speed_fsdp2_resumed"]
-    fsdp["resumed_to_step"] = f2["global_step"] if f2 else None
-    fsdp["resume_log_line"] = next(
-        (ln.strip() for ln in (out / "f2.log").read_text().splitlines() if "Restoring states" in ln), None
-    ) if (out / "f2.log").is_file() else None  # fmt: skip
-    fsdp["export_layout_1gpu"] = ref
-    for n in ("f2", "fx"):
-        fsdp[f"export_{n}_same_format_as_1gpu"] = None if ref is None or layouts[n] is None else layouts[n] == ref
-    fsdp["export_fit_vs_export_command_max_abs_diff"] = max_abs_diff(out / "f2_export", out / "fx_export")
+    ref = export_layout(out / "b1_export")
+    one = speed(out, "b1")
+    fsdp: dict[str, Any] = {"speed_1gpu": one, "export_layout_1gpu": ref}
+    for n in sizes:
+        for key, name in ((f"speed_fsdp{n}", f"fsdp{n}"), (f"speed_fsdp{n}_resumed", f"fsdp{n}r"),
+                          (f"speed_ddp{n}", f"ddp8b{n}")):  # fmt: skip
+            fsdp[key] = sn = speed(out, name)
+            if one and sn and one["tokens_per_s"] and sn["tokens_per_s"]:
+                fsdp[f"{key}_speedup_tokens_per_s"] = sn["tokens_per_s"] / one["tokens_per_s"]
+        f1, peak1 = fsdp[f"speed_fsdp{n}"], (one or {}).get("peak_memory_gib_per_rank") or [None]
+        if f1 and peak1[0] and all(f1["peak_memory_gib_per_rank"]):
+            fsdp[f"fsdp{n}_peak_memory_over_1gpu"] = max(f1["peak_memory_gib_per_rank"]) / peak1[0]
+        resumed = fsdp[f"speed_fsdp{n}_resumed"]
+        fsdp[f"fsdp{n}_resumed_to_step"] = resumed["global_step"] if resumed else None
+        log = out / f"fsdp{n}r.log"
+        fsdp[f"fsdp{n}_resume_log_line"] = next(
+            (ln.strip() for ln in log.read_text().splitlines() if "Restoring states" in ln), None
+        ) if log.is_file() else None  # fmt: skip
+        for name in (f"fsdp{n}r", f"fx{n}"):
+            layout = export_layout(out / f"{name}_export")
+            fsdp[f"export_{name}_same_format_as_1gpu"] = None if ref is None or layout is None else layout == ref
+        fsdp[f"fsdp{n}_export_fit_vs_export_command_max_abs_diff"] = max_abs_diff(
+            out / f"fsdp{n}r_export", out / f"fx{n}_export"
+        )
     res["fsdp_8b"] = fsdp
 
-    # eval --devices 2 vs 1
-    e1, e2 = episodes(out / "ev1"), episodes(out / "ev2")
-    ev: dict[str, Any] = {"episodes_1": None if e1 is None else len(e1), "episodes_2": None if e2 is None else len(e2)}
-    if e1 is not None and e2 is not None:
-        ev["same_episodes"] = e1 == e2
-        ev["differing_episodes"] = len(set(e1) ^ set(e2))
-    if "ev1" in t and "ev2" in t and t["ev1"]["seconds"]:
-        ev["wall_seconds_1"], ev["wall_seconds_2"] = t["ev1"]["seconds"], t["ev2"]["seconds"]
-        ev["wall_ratio_2_over_1"] = t["ev2"]["seconds"] / t["ev1"]["seconds"]
+    # eval --devices N vs 1: the same records, and the wall-clock speed-up
+    e1 = episodes(out / "ev1")
+    ev: dict[str, Any] = {"episodes_1": None if e1 is None else len(e1)}
+    for n in sizes:
+        en = episodes(out / f"ev{n}")
+        ev[f"episodes_{n}"] = None if en is None else len(en)
+        if e1 is not None and en is not None:
+            ev[f"same_episodes_{n}"] = e1 == en
+            ev[f"differing_episodes_{n}"] = len(set(e1) ^ set(en))
+        if t.get("ev1", {}).get("rc") == 0 and t.get(f"ev{n}", {}).get("rc") == 0 and t["ev1"]["seconds"]:
+            ev["wall_seconds_1"], ev[f"wall_seconds_{n}"] = t["ev1"]["seconds"], t[f"ev{n}"]["seconds"]
+            ev[f"speedup_{n}"] = t["ev1"]["seconds"] / max(t[f"ev{n}"]["seconds"], 1)
     res["eval_devices"] = ev
 
     prov = provenance(device="cpu" if cpu else "cuda", dtype="float32" if cpu else "bfloat16", command=command)
@@ -193,60 +214,70 @@ def _fmt(x: Any, digits: int = 4) -> str:
     return str(x)
 
 
+def _ddp_lines(d: dict[str, Any], title: str, sizes: list[int]) -> list[str]:
+    lines = [f"## {title}, same global batch", "", "| run | val/loss per validation | tokens/s | speed-up |",
+             "|---|---|---|---|",
+             f"| 1 device | {_fmt(d['val_loss_1gpu'])} | {_fmt((d['speed_1gpu'] or {}).get('tokens_per_s'), 0)} | 1 |",
+             f"| 1 device, adapter seed 1 (noise) | {_fmt(d['val_loss_1gpu_adapter_seed1'])} | | |"]  # fmt: skip
+    for n in sizes:
+        lines.append(f"| DDP, {n} devices | {_fmt(d[f'val_loss_ddp{n}'])} | "
+                     f"{_fmt((d[f'speed_ddp{n}'] or {}).get('tokens_per_s'), 0)} | "
+                     f"{_fmt(d.get(f'ddp{n}_speedup_tokens_per_s'), 2)}x |")  # fmt: skip
+    lines += ["", f"Seed noise (seed 1 - seed 0): {_fmt(d.get('seed_noise'), 6)}."]
+    for n in sizes:
+        lines.append(f"DDP on {n} - 1 device: {_fmt(d.get(f'ddp{n}_minus_1gpu'), 6)}; within the seed noise at the "
+                     f"last validation: {_fmt(d.get(f'ddp{n}_within_noise'))}.")  # fmt: skip
+    return lines + [""]
+
+
 def markdown(res: dict[str, Any]) -> str:
     prov = res["provenance"]
-    d, f, e = res["ddp_embedded"], res["fsdp_8b"], res["eval_devices"]
+    sizes = res.get("sizes") or [2]
+    f, e = res["fsdp_8b"], res["eval_devices"]
     tiny = "tiny random LLaMA (CPU check)" if prov["cpu_check"] else ""
     ddp_model = res.get("ddp_model") or tiny or "embedded SmolLM2-135M-Instruct"
-    tps1, tps2 = (_fmt((d[k] or {}).get("tokens_per_s"), 0) for k in ("speed_1gpu", "speed_ddp2"))
-    where = "CPU check (2 gloo processes, tiny random models; no GPU figure)" if prov["cpu_check"] else ", ".join(
+    where = "CPU check (gloo processes, tiny random models; no GPU figure)" if prov["cpu_check"] else ", ".join(
         prov.get("gpus") or ["?"]
     )  # fmt: skip
-    lines = [
-        "# Several GPUs (issue 21): scripts/gpu_multi.sh",
-        "",
-        f"Devices: {where}.",
-        "",
-        f"## DDP, {ddp_model}, same global batch",
-        "",
-        "| run | val/loss per epoch | tokens/s |",
-        "|---|---|---|",
-        f"| 1 device, accumulate 2 | {_fmt(d['val_loss_1gpu'])} | {tps1} |",
-        f"| 1 device, adapter seed 1 (noise) | {_fmt(d['val_loss_1gpu_adapter_seed1'])} | |",
-        f"| DDP, 2 devices | {_fmt(d['val_loss_ddp2'])} | {tps2} |",
-        "",
-        f"DDP - 1 device: {_fmt(d.get('ddp_minus_1gpu'), 6)}; seed noise: {_fmt(d.get('seed_noise'), 6)}; "
-        f"within noise: {_fmt(d.get('within_noise'))}; speed-up: {_fmt(d.get('speedup_tokens_per_s'), 2)}x.",
-        "",
+    lines = ["# Several GPUs (issues 21 and 35): scripts/gpu_multi.sh", "", f"Devices: {where}.", ""]
+    lines += _ddp_lines(res["ddp_embedded"], f"DDP, {ddp_model}", sizes)
+    if res.get("ddp_accuracy_model", {}).get("speed_1gpu"):
+        lines += _ddp_lines(res["ddp_accuracy_model"], "DDP, the accuracy model (Qwen2.5-Coder-1.5B-Instruct)", sizes)
+    lines += [
         f"## FSDP, {tiny or 'LLaMA-3.1-8B shapes'}",
         "",
-        "| run | tokens/s | peak memory per device (GiB) | steps |",
-        "|---|---|---|---|",
+        "| run | tokens/s | speed-up | peak memory per device (GiB) | steps |",
+        "|---|---|---|---|---|",
+        f"| 1 device | {_fmt((f['speed_1gpu'] or {}).get('tokens_per_s'), 0)} | 1 | "
+        f"{_fmt((f['speed_1gpu'] or {}).get('peak_memory_gib_per_rank'), 2)} | "
+        f"{_fmt((f['speed_1gpu'] or {}).get('global_step'))} |",
     ]
-    for label, key in (("1 device, accumulate 2", "speed_1gpu"), ("FSDP, 2 devices", "speed_fsdp2"),
-                       ("FSDP resumed (--ckpt_path last)", "speed_fsdp2_resumed"),
-                       ("DDP, 2 devices (the whole base on each)", "speed_ddp2")):  # fmt: skip
-        s = f[key] or {}
+    for n in sizes:
+        for label, key in ((f"FSDP, {n} devices", f"speed_fsdp{n}"),
+                           (f"FSDP, {n} devices, resumed (--ckpt_path last)", f"speed_fsdp{n}_resumed"),
+                           (f"DDP, {n} devices (the whole base on each)", f"speed_ddp{n}")):  # fmt: skip
+            s = f.get(key) or {}
+            lines.append(f"| {label} | {_fmt(s.get('tokens_per_s'), 0)} | "
+                         f"{_fmt(f.get(f'{key}_speedup_tokens_per_s'), 2)}x | "
+                         f"{_fmt(s.get('peak_memory_gib_per_rank'), 2)} | {_fmt(s.get('global_step'))} |")  # fmt: skip
+    lines.append("")
+    for n in sizes:
         lines.append(
-            f"| {label} | {_fmt(s.get('tokens_per_s'), 0)} | {_fmt(s.get('peak_memory_gib_per_rank'), 2)} | "
-            f"{_fmt(s.get('global_step'))} |"
+            f"FSDP on {n}: peak memory per device {_fmt(f.get(f'fsdp{n}_peak_memory_over_1gpu'), 3)}x one device's; "
+            f"resumed to step {_fmt(f.get(f'fsdp{n}_resumed_to_step'))} ({_fmt(f.get(f'fsdp{n}_resume_log_line'))}); "
+            f"export format equal to the 1-device export: fit's {_fmt(f.get(f'export_fsdp{n}r_same_format_as_1gpu'))},"
+            f" `export` command's {_fmt(f.get(f'export_fx{n}_same_format_as_1gpu'))}; fit's export vs the export "
+            f"command: max |diff| {_fmt(f.get(f'fsdp{n}_export_fit_vs_export_command_max_abs_diff'), 8)}."
+        )
+    lines += ["", "## eval --devices N vs --devices 1", ""]
+    for n in sizes:
+        lines.append(
+            f"{n} devices: episodes {_fmt(e.get('episodes_1'))} vs {_fmt(e.get(f'episodes_{n}'))}; same predictions "
+            f"and lengths: {_fmt(e.get(f'same_episodes_{n}'))} ({_fmt(e.get(f'differing_episodes_{n}'))} differ); "
+            f"wall seconds {_fmt(e.get('wall_seconds_1'))} vs {_fmt(e.get(f'wall_seconds_{n}'))}, "
+            f"speed-up {_fmt(e.get(f'speedup_{n}'), 2)}x."
         )
     lines += [
-        "",
-        f"Speed-up over one device: FSDP {_fmt(f.get('speed_fsdp2_speedup_tokens_per_s'), 2)}x, DDP "
-        f"{_fmt(f.get('speed_ddp2_speedup_tokens_per_s'), 2)}x.",
-        "",
-        f"Resumed to step {_fmt(f['resumed_to_step'])} ({_fmt(f['resume_log_line'])}). Export format equal to the "
-        f"1-device export: fit's export {_fmt(f['export_f2_same_format_as_1gpu'])}, `export --device` "
-        f"{_fmt(f['export_fx_same_format_as_1gpu'])}; fit's export vs the export command: max |diff| "
-        f"{_fmt(f['export_fit_vs_export_command_max_abs_diff'], 8)}.",
-        "",
-        "## eval --devices 2 vs --devices 1",
-        "",
-        f"Episodes {_fmt(e.get('episodes_1'))} vs {_fmt(e.get('episodes_2'))}; same predictions and lengths: "
-        f"{_fmt(e.get('same_episodes'))} ({_fmt(e.get('differing_episodes'))} differ); wall seconds "
-        f"{_fmt(e.get('wall_seconds_1'))} vs {_fmt(e.get('wall_seconds_2'))}, "
-        f"ratio {_fmt(e.get('wall_ratio_2_over_1'), 2)}.",
         "",
         "## Phases",
         "",
@@ -268,12 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the directory gpu_multi.sh wrote")
     ap.add_argument("--command", default=None, help="the command that produced it (provenance)")
+    ap.add_argument("--sizes", default="2", help="the GPU counts compared with one GPU (gpu_multi.sh's SIZES)")
     args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.sizes.replace(",", " ").split()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:
+        print(f"error: --sizes {args.sizes!r}: GPU counts of at least 2 (e.g. '2 4')", file=sys.stderr)
+        return 2
     out = Path(args.out)
     if not out.is_dir():
         print(f"error: {out} is not a directory", file=sys.stderr)
         return 2
-    res = collect(out, args.command)
+    res = collect(out, args.command, sizes)
     (out / "multi_gpu.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "multi_gpu.md").write_text(markdown(res))
     print((out / "multi_gpu.md").read_text())

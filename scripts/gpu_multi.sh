@@ -1,34 +1,40 @@
 #!/usr/bin/env bash
-# Several GPUs (issue 21), one device call on a 2-GPU machine (all ten phases: about 9 minutes; first run on two
-# H100s, cut to five phases, in results/multi_gpu_h100x2_2026-11-25/). Writes
-# under $OUT:
+# Several GPUs (issues 21 and 35): DDP and FSDP fits and `eval --devices N` at each GPU count in $SIZES against one GPU,
+# in one or more device calls (APPEND=1 goes on). First run on two H100s (five phases) in
+# results/multi_gpu_h100x2_2026-11-25/. Writes under $OUT (N: each count in $SIZES, e.g. "2 4"; A: the largest):
 #
-#   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate 2,
+#   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate A,
 #                                    $EMB_EPOCHS epochs, validation after each: val loss, tokens/s
 #   emb1s.log, emb1s_speed.json      the same with another adapter init (model.adapter_seed 1): run-to-run noise
-#   emb2.log, emb2_speed*.json       DDP on 2 GPUs (configs/ddp.yaml), accumulate 1: the same global batch, the same
+#   ddpN.log, ddpN_speed*.json       DDP on N GPUs (configs/ddp.yaml), accumulate A/N: the same global batch, the same
 #                                    batches per optimizer step as emb1; per-rank and global tokens/s
+#   q1, q1s, qddpN                   the same three on the accuracy model (configs/qwen_hotpotqa.yaml), $Q_LIMIT global
+#                                    batches, $Q_VAL held-out examples per role (needs LRAGENT_ACCURACY_GGUF)
 #   b1.log, b1_speed.json, b1_export/    8B shapes (configs/hotpotqa.yaml + configs/fsdp_8b.yaml's model), 1 GPU,
-#                                    accumulate 2, $B_STEPS1 steps: the one-GPU export (format reference)
-#   f1.log, f1_speed*.json           FSDP (configs/fsdp_8b.yaml) on 2 GPUs, $B_STEPS1 steps, checkpoint: peak memory
-#                                    per GPU, tokens/s
-#   f2.log, f2_speed*.json, f2_export/   resumed with --ckpt_path last to $B_STEPS2 steps; ExportAdapters' export
-#   d8.log, d8_speed*.json           DDP on 2 GPUs at 8B shapes (the whole base on each GPU), $B_STEPS1 steps: the
+#                                    accumulate A, $B_STEPS1 steps: the one-GPU reference (speed, memory, export format)
+#   fsdpN.log, fsdpN_speed*.json     FSDP (configs/fsdp_8b.yaml) on N GPUs, accumulate A/N, $B_STEPS1 steps, a
+#                                    checkpoint each step: peak memory per GPU, tokens/s
+#   fsdpNr.log, fsdpNr_export/       resumed with --ckpt_path last to $B_STEPS2 steps; ExportAdapters' export
+#   ddp8bN.log, ddp8bN_speed*.json   DDP on N GPUs at 8B shapes (the whole base on each GPU), $B_STEPS1 steps: the
 #                                    strategy to compare FSDP with where the base fits one GPU
-#   fx.log, fx_export/               cli.py export --device cuda of the FSDP run's last checkpoint
-#   ev1.log, ev1/ ; ev2.log, ev2/    eval --devices 1 and --devices 2 (HotpotQA, shipped adapters, $EV_LIMIT questions)
+#   fxN.log, fxN_export/             cli.py export --device cuda of fsdpNr's last checkpoint
+#   ev1.log, ev1/ ; evN.log, evN/    eval --devices 1 and --devices N, dev questions of $EV_BENCHMARKS (base_lr_shared,
+#                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio
 #   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
 #   multi_gpu.json, multi_gpu.md     eval_suite/multi_gpu_report.py: the figures and checks, with provenance
 #
-# Run (on the device machine):  OUT=$OUT LRAGENT_COMMIT=<sha> bash scripts/gpu_multi.sh
-# Options (environment): PHASES="f1 f2 emb1+b1 emb2" runs only those phases, in that order, "a+b" side by side on
-#   one GPU each (default: all ten, one after the other, as above);
+# Run (on the device machine):  OUT=$OUT LRAGENT_COMMIT=<sha> SIZES="2 4" bash scripts/gpu_multi.sh
+# Options (environment): SIZES the GPU counts to compare with one GPU (default "2"; each must divide the largest);
+#   PHASES="fsdp4 fsdp4r emb1+b1 ddp4" runs only those phases, in that order, "a+b" side by side on one GPU each
+#   (default: every phase above for every size, one after the other);
 #   BUDGET_S stops the phases at that many seconds (the one running is killed, the rest skipped; the report follows);
-#   EMB_MODEL=random trains the DDP phases on random weights with the embedded model's shapes (smollm2-135m, byte
-#   tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1/EMB_LIMIT2 (batches
-#   per epoch on one GPU / per rank under DDP), VAL_MAX (held-out examples per role), EMB_EPOCHS, B_STEPS1/B_STEPS2,
-#   EV_LIMIT shorten a call; APPEND=1 goes on from an earlier call in the same $OUT and $RUN (its checkpoints and
-#   timings kept). The report states which model the DDP phases used ($OUT/emb_model.txt).
+#   EMB_MODEL=random trains the embedded DDP phases on random weights with the embedded model's shapes (smollm2-135m,
+#   byte tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1 (global batches
+#   per epoch; a rank gets EMB_LIMIT1/N, or the same fraction when it is one), VAL_MAX (held-out examples per role),
+#   EMB_EPOCHS, B_STEPS1/B_STEPS2, EV_LIMIT, EV_RUNS, EV_BENCHMARKS, Q_LIMIT, Q_VAL shorten a call; EV_ADAPTERS a
+#   folder holding <benchmark>_sharedA to evaluate (default: data/adapters, which a slimmed carry leaves behind); APPEND=1 goes on
+#   from an earlier call in the same $OUT and $RUN (its checkpoints and timings kept). The report states which model
+#   the DDP phases used ($OUT/emb_model.txt).
 # CPU check of every phase (gloo, tiny random models, 2 CPU processes; a few minutes):
 #   OUT=/tmp/gm LRAGENT_MULTI_CPU=1 bash scripts/gpu_multi.sh
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
@@ -47,8 +53,20 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
+SIZES=${SIZES:-2}
+A=$(printf '%s\n' $SIZES | sort -n | tail -1)  # one GPU accumulates A micro-batches: the global batch of every run
+for n in $SIZES; do
+  if ! [[ $n =~ ^[0-9]+$ ]] || [ "$n" -lt 2 ] || [ $((A % n)) -ne 0 ]; then
+    echo "SIZES=\"$SIZES\": GPU counts of at least 2, each dividing the largest ($A)" >&2; exit 2
+  fi
+done
+per_rank() {  # per_rank LIMIT N: a global batch count split over N ranks; a fraction of an epoch stays as it is
+  case $1 in *.*) echo "$1" ;; *) echo $(($1 / $2)) ;; esac
+}
+
 if [ -n "$CPU" ]; then  # tiny sizes; the same commands
-  EMB_EPOCHS=${EMB_EPOCHS:-1}; EMB_LIMIT1=8; EMB_LIMIT2=4; B_STEPS1=${B_STEPS1:-3}; B_STEPS2=${B_STEPS2:-5}; EV_LIMIT=${EV_LIMIT:-2}
+  EMB_EPOCHS=${EMB_EPOCHS:-1}; EMB_LIMIT1=$((4 * A)); B_STEPS1=${B_STEPS1:-3}; B_STEPS2=${B_STEPS2:-5}
+  EV_LIMIT=${EV_LIMIT:-2}; EV_RUNS=${EV_RUNS:-1}; EV_BENCHMARKS=${EV_BENCHMARKS:-hotpotqa}
   TINY='{"vocab_size": 258, "num_hidden_layers": 2}'
   EMB=(--trainer.accelerator cpu --trainer.precision 32-true --model.model_name tiny-llama --model.tokenizer_name byte
     --model.model_overrides "$TINY" --data.max_length 512 --data.max_tokens 2048 --data.val_max_per_role 4)
@@ -57,7 +75,8 @@ if [ -n "$CPU" ]; then  # tiny sizes; the same commands
   EV=(--device cpu --model default --max_steps 1 --thought_tokens 4 --argument_tokens 3)
   EXPORT_DEVICE=cpu
 else
-  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=${EMB_LIMIT1:-1.0}; EMB_LIMIT2=${EMB_LIMIT2:-1.0}; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}; EV_LIMIT=${EV_LIMIT:-24}
+  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=${EMB_LIMIT1:-1.0}; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}
+  EV_LIMIT=${EV_LIMIT:-24}; EV_RUNS=${EV_RUNS:-1}; EV_BENCHMARKS=${EV_BENCHMARKS:-hotpotqa scienceqa}
   EMB=(); BIG=(--data.max_length "${B_LEN:-2048}"); EV=(--device cuda --dtype bfloat16); EXPORT_DEVICE=cuda
   rm -f "$OUT/emb_model.txt"  # the embedded model unless EMB_MODEL=random says otherwise
   if [ "${EMB_MODEL:-embedded}" = random ]; then
@@ -65,9 +84,15 @@ else
     echo "random weights with the embedded model's shapes (smollm2-135m), byte tokens" > "$OUT/emb_model.txt"
   fi
 fi
+Q_LIMIT=${Q_LIMIT:-$((8 * A))}; Q_VAL=${Q_VAL:-16}
 [ -n "$CPU" ] && echo "tiny random LLaMA (CPU check)" > "$OUT/emb_model.txt"
 [ -n "${VAL_MAX:-}" ] && EMB+=(--data.val_max_per_role "$VAL_MAX")
-PHASES=${PHASES:-"emb1 emb1s emb2 b1 f1 f2 d8 fx ev1 ev2"}
+if [ -z "${PHASES:-}" ]; then
+  PHASES="emb1 emb1s"; for n in $SIZES; do PHASES+=" ddp$n"; done
+  [ -z "$CPU" ] && [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && { PHASES+=" q1 q1s"; for n in $SIZES; do PHASES+=" qddp$n"; done; }
+  PHASES+=" b1"; for n in $SIZES; do PHASES+=" fsdp$n fsdp${n}r ddp8b$n fx$n"; done
+  PHASES+=" ev1"; for n in $SIZES; do PHASES+=" ev$n"; done
+fi
 DEADLINE=$((SECONDS + ${BUDGET_S:-100000}))  # a phase still running at the deadline is stopped (exit 124)
 
 phase() {  # phase NAME command...: runs into $OUT/NAME.log, records wall seconds and status; later phases still run
@@ -83,17 +108,17 @@ phase() {  # phase NAME command...: runs into $OUT/NAME.log, records wall second
 }
 
 # Derived configs: no early stopping, time budget or progress bar; a FitSpeed and an ExportAdapters (last weights)
-# per run; checkpoints every few steps for the 8B runs; CSV logs under $RUN.
-"$PY" - "$RUN" "$OUT" <<'EOF'
+# per run; checkpoints every step for the FSDP runs; CSV logs under $RUN.
+"$PY" - "$RUN" "$OUT" $SIZES <<'EOF2'
 import sys
 
 import yaml
 
-run, out = sys.argv[1], sys.argv[2]
+run, out, sizes = sys.argv[1], sys.argv[2], sys.argv[3:]
 drop = ("EarlyStopping", "TimeBudget", "ProgressBar", "RunStatus", "ModelCheckpoint", "ExportAdapters")
 
 
-def derive(base: str, name: str, ckpt_every: int | None, warmup: int = 2) -> None:
+def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
     cfg = yaml.safe_load(open(base))
     tr = cfg["trainer"]
     tr["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
@@ -102,54 +127,74 @@ def derive(base: str, name: str, ckpt_every: int | None, warmup: int = 2) -> Non
     cbs.append({"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup}})
     cbs.append({"class_path": "lit_modules.export.ExportAdapters",
                 "init_args": {"out_dir": f"{out}/{name}_export", "best": False}})
-    if ckpt_every:
+    if ckpt_dir:
         cbs.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                    "init_args": {"dirpath": f"{run}/fsdp/checkpoints", "save_last": True,
-                                  "every_n_train_steps": ckpt_every, "monitor": None}})
-    tr.update(callbacks=cbs, enable_progress_bar=False, enable_checkpointing=bool(ckpt_every), default_root_dir=run,
+                    "init_args": {"dirpath": ckpt_dir, "save_last": True, "every_n_train_steps": 1, "monitor": None}})
+    tr.update(callbacks=cbs, enable_progress_bar=False, enable_checkpointing=bool(ckpt_dir), default_root_dir=run,
               num_sanity_val_steps=0, log_every_n_steps=1)
     open(f"{out}/{name}_config.yaml", "w").write(yaml.safe_dump(cfg, sort_keys=False))
 
 
-for name in ("emb1", "emb1s", "emb2"):
+for name in ["emb1", "emb1s"] + [f"ddp{n}" for n in sizes]:
     derive("configs/embedded_hotpotqa.yaml", name, None)
+for name in ["q1", "q1s"] + [f"qddp{n}" for n in sizes]:
+    derive("configs/qwen_hotpotqa.yaml", name, None)
 derive("configs/hotpotqa.yaml", "b1", None, warmup=1)  # few micro-batches: only the first is not timed
-derive("configs/hotpotqa.yaml", "d8", None, warmup=1)
-for name in ("f1", "f2"):
-    derive("configs/hotpotqa.yaml", name, 1, warmup=1)
-EOF
+for n in sizes:
+    derive("configs/hotpotqa.yaml", f"ddp8b{n}", None, warmup=1)
+    for name in (f"fsdp{n}", f"fsdp{n}r"):
+        derive("configs/hotpotqa.yaml", name, f"{run}/fsdp{n}/checkpoints", warmup=1)
+EOF2
 
-# 1-3. embedded model: one GPU with accumulation 2 (twice: adapter seeds 0 and 1) and DDP on two GPUs, $EMB_EPOCHS
-# epochs (42 token-budget batches each: 21 optimizer steps either way), validation on the whole held-out set after
-# each epoch. On the CPU the epoch is cut to the first 8 global batches (limit_train_batches counts a rank's batches).
+# Embedded model: one GPU with accumulation A (twice: adapter seeds 0 and 1) and DDP on N GPUs with accumulation
+# A/N, $EMB_EPOCHS epochs (the same global batches and optimizer steps either way), validation on the whole held-out set
+# after each epoch. On the CPU the epoch is cut to the first 4·A global batches (limit_train_batches counts a rank's).
 E=(--trainer.max_epochs "$EMB_EPOCHS" --trainer.max_steps -1 --trainer.val_check_interval 1.0 "${EMB[@]}")
-# 4-7. 8B shapes (random weights, byte tokens): one GPU (accumulate 2) for the export format; FSDP on two GPUs
-# (accumulate 1: the same global batch) with a checkpoint each step, resumed; the export command on its checkpoint
+# The accuracy model: the same at $Q_LIMIT global batches, one epoch, $Q_VAL held-out examples per role.
+Q=(--trainer.max_epochs 1 --trainer.max_steps -1 --trainer.val_check_interval 1.0 --trainer.use_distributed_sampler false
+  --data.val_max_per_role "$Q_VAL")
+# 8B shapes (random weights, byte tokens): one GPU (accumulate A) for the reference; FSDP on N GPUs (accumulate A/N:
+# the same global batch) with a checkpoint each step, resumed; the export command on its checkpoint
 B=(--config configs/fsdp_8b.yaml --trainer.limit_val_batches 0 --trainer.max_epochs -1 "${BIG[@]}")
-# 8-9. evaluation: one process, then two shard processes (one per GPU) merged
-V=(--benchmark hotpotqa --scheme base_lr_shared --limit "$EV_LIMIT" --runs 1 --quiet true "${EV[@]}")
+# evaluation: one process, then N shard processes (one per GPU) merged, on each benchmark in turn
+V=(--scheme base_lr_shared --limit "$EV_LIMIT" --runs "$EV_RUNS" --quiet true "${EV[@]}")
+
 
 run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
+  local n=${1##*[!0-9]} base=${1%%[0-9]*}
   case $1 in
-    emb1) phase emb1 "$PY" cli.py fit --config "$OUT/emb1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches 2 \
+    emb1) phase emb1 "$PY" cli.py fit --config "$OUT/emb1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches "$A" \
             --trainer.limit_train_batches "$EMB_LIMIT1" ;;
     emb1s) phase emb1s "$PY" cli.py fit --config "$OUT/emb1s_config.yaml" "${E[@]}" \
-             --trainer.accumulate_grad_batches 2 --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed 1 ;;
-    emb2) phase emb2 "$PY" cli.py fit --config "$OUT/emb2_config.yaml" --config configs/ddp.yaml "${E[@]}" \
-            --trainer.accumulate_grad_batches 1 --trainer.limit_train_batches "$EMB_LIMIT2" ;;
+             --trainer.accumulate_grad_batches "$A" --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed 1 ;;
+    ddp8b[0-9]*) n=${1#ddp8b}
+        phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${B[@]}" --trainer.strategy ddp --trainer.devices "$n" \
+          --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS1" ;;
+    ddp[0-9]*) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" --config configs/ddp.yaml "${E[@]}" \
+            --trainer.devices "$n" --trainer.accumulate_grad_batches $((A / n)) \
+            --trainer.limit_train_batches "$(per_rank "$EMB_LIMIT1" "$n")" ;;
+    q1) phase q1 "$PY" cli.py fit --config "$OUT/q1_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
+          --trainer.limit_train_batches "$Q_LIMIT" ;;
+    q1s) phase q1s "$PY" cli.py fit --config "$OUT/q1s_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
+           --trainer.limit_train_batches "$Q_LIMIT" --model.adapter_seed 1 ;;
+    qddp[0-9]*) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" --config configs/ddp.yaml "${Q[@]}" \
+            --trainer.devices "$n" --trainer.accumulate_grad_batches $((A / n)) \
+            --trainer.limit_train_batches "$(per_rank "$Q_LIMIT" "$n")" ;;
     b1) phase b1 "$PY" cli.py fit --config "$OUT/b1_config.yaml" "${B[@]}" --trainer.devices 1 --trainer.strategy auto \
-          --trainer.accumulate_grad_batches 2 --trainer.max_steps "$B_STEPS1" ;;
-    f1) phase f1 "$PY" cli.py fit --config "$OUT/f1_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
-          --trainer.max_steps "$B_STEPS1" ;;
-    f2) phase f2 "$PY" cli.py fit --config "$OUT/f2_config.yaml" "${B[@]}" --trainer.accumulate_grad_batches 1 \
-          --trainer.max_steps "$B_STEPS2" --ckpt_path last ;;
-    d8) phase d8 "$PY" cli.py fit --config "$OUT/d8_config.yaml" "${B[@]}" --trainer.strategy ddp --trainer.devices 2 \
-          --trainer.accumulate_grad_batches 1 --trainer.max_steps "$B_STEPS1" ;;
-    fx) phase fx "$PY" cli.py export --ckpt "$RUN/fsdp/checkpoints/last.ckpt" --out "$OUT/fx_export" \
+          --trainer.accumulate_grad_batches "$A" --trainer.max_steps "$B_STEPS1" ;;
+    fsdp[0-9]*r) n=${1%r}; n=${n#fsdp}
+        phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${B[@]}" --trainer.devices "$n" \
+          --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS2" --ckpt_path last ;;
+    fsdp[0-9]*) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${B[@]}" --trainer.devices "$n" \
+          --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS1" ;;
+    fx[0-9]*) phase "$1" "$PY" cli.py export --ckpt "$RUN/fsdp$n/checkpoints/last.ckpt" --out "$OUT/$1_export" \
           --device "$EXPORT_DEVICE" ;;
-    ev1) phase ev1 "$PY" cli.py eval "${V[@]}" --devices 1 --out "$OUT/ev1" ;;
-    ev2) phase ev2 "$PY" cli.py eval "${V[@]}" --devices 2 --out "$OUT/ev2" ;;
-    *) echo "unknown phase $1: allowed emb1 emb1s emb2 b1 f1 f2 d8 fx ev1 ev2" >&2; exit 2 ;;
+    ev[0-9]*) phase "$1" bash -c 'py=$1 n=$2 out=$3 benchmarks=$4 ad=$5; shift 5  # each benchmark in turn: evN/<benchmark>
+          for b in $benchmarks; do
+            "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --devices "$n" --out "$out/ev$n/$b" || exit
+          done' _ "$PY" "$n" "$OUT" "$EV_BENCHMARKS" "${EV_ADAPTERS:-}" "${V[@]}" ;;
+    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s ddpN q1 q1s qddpN b1 fsdpN fsdpNr ddp8bN fxN ev1 evN" >&2
+       exit 2 ;;
   esac
 }
 for group in $PHASES; do  # "a+b": a on the first GPU and b on the second, at the same time (one-GPU phases only)
@@ -165,9 +210,10 @@ for group in $PHASES; do  # "a+b": a on the first GPU and b on the second, at th
   fi
 done
 
-cp -r "$RUN"/*/csv "$OUT/" 2>/dev/null || true
-for r in emb1 emb1s emb2; do cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true; done
-"$PY" -m eval_suite.multi_gpu_report --out "$OUT" \
-  --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} PHASES='$PHASES' bash scripts/gpu_multi.sh" \
+for r in emb1 emb1s q1 q1s $(for n in $SIZES; do echo "ddp$n qddp$n"; done); do
+  cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true
+done
+"$PY" -m eval_suite.multi_gpu_report --out "$OUT" --sizes "$SIZES" \
+  --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} SIZES='$SIZES' PHASES='$PHASES' bash scripts/gpu_multi.sh" \
   2>&1 | tee "$OUT/report.log"
 cat "$OUT/timings.txt"

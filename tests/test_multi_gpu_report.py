@@ -15,26 +15,67 @@ def report():
     return eval_suite.multi_gpu_report
 
 
-def _speed(path: Path, tokens_per_s: float, world: int = 1) -> None:
+def _speed(path: Path, tokens_per_s: float, world: int = 1, peak: float = 12.5) -> None:
     body = {"tokens_per_s": tokens_per_s / world, "global_step": 3, "ms_per_step": 1000.0, "steps": 2,
-            "peak_memory_gib": 12.5, "provenance": {"device": {"type": "cuda"}}}  # fmt: skip
+            "peak_memory_gib": peak, "provenance": {"device": {"type": "cuda"}}}  # fmt: skip
     if world > 1:
-        ranks = [{"rank": r, "tokens_per_s": tokens_per_s / world, "steps": 2} for r in range(world)]
+        ranks = [{"rank": r, "tokens_per_s": tokens_per_s / world, "steps": 2, "peak_memory_gib": peak}
+                 for r in range(world)]  # fmt: skip
         body.update(world_size=world, global_tokens_per_s=tokens_per_s, ranks=ranks)
     path.write_text(json.dumps(body))
 
 
+def _metrics(path: Path, losses: list[float]) -> None:
+    path.write_text("epoch,step,val/loss,train/loss\n" + "".join(f"{i},{i},{v},\n" for i, v in enumerate(losses)))
+
+
 def test_cut_call_speedups_and_skipped_phases(tmp_path: Path, report) -> None:
-    (tmp_path / "timings.txt").write_text("b1 rc=0 seconds=52\nf1 rc=0 seconds=58\nemb1s rc=124 seconds=19\n"
-                                          "d8 rc=skipped seconds=0\n")  # fmt: skip
-    _speed(tmp_path / "b1_speed.json", 8000.0)
-    _speed(tmp_path / "f1_speed.json", 12000.0, world=2)
+    (tmp_path / "timings.txt").write_text("b1 rc=0 seconds=52\nfsdp2 rc=0 seconds=58\nemb1s rc=124 seconds=19\n"
+                                          "ddp8b2 rc=skipped seconds=0\n")  # fmt: skip
+    _speed(tmp_path / "b1_speed.json", 8000.0, peak=20.0)
+    _speed(tmp_path / "fsdp2_speed.json", 12000.0, world=2, peak=12.0)
     t = report.timings(tmp_path)
-    assert t["emb1s"] == {"rc": 124, "seconds": 19} and t["d8"] == {"rc": "skipped", "seconds": 0}
-    res = report.collect(tmp_path, "cmd")
+    assert t["emb1s"] == {"rc": 124, "seconds": 19} and t["ddp8b2"] == {"rc": "skipped", "seconds": 0}
+    res = report.collect(tmp_path, "cmd", [2])
     f = res["fsdp_8b"]
     assert f["speed_fsdp2_speedup_tokens_per_s"] == pytest.approx(1.5)  # global tokens/s over one GPU's
+    assert f["fsdp2_peak_memory_over_1gpu"] == pytest.approx(0.6)  # the largest rank's peak over one GPU's
     assert f["speed_ddp2"] is None and "speed_ddp2_speedup_tokens_per_s" not in f  # missing stays missing
     assert res["ddp_embedded"]["val_loss_1gpu"] is None
     md = report.markdown(res)
-    assert "FSDP 1.50x, DDP missingx" in md and "| d8 | skipped | 0 |" in md
+    assert "| FSDP, 2 devices | 12000 | 1.50x |" in md and "| ddp8b2 | skipped | 0 |" in md
+    assert "DDP, 2 devices (the whole base on each) | missing | missingx" in md
+
+
+def test_each_size_is_compared_with_one_gpu_and_the_seed_noise(tmp_path: Path, report) -> None:
+    _metrics(tmp_path / "emb1_metrics.csv", [2.0, 1.5])
+    _metrics(tmp_path / "emb1s_metrics.csv", [2.01, 1.52])  # seed noise 0.02 at the last validation
+    _metrics(tmp_path / "ddp2_metrics.csv", [2.001, 1.51])  # 0.01: within
+    _metrics(tmp_path / "ddp4_metrics.csv", [2.0, 1.53])  # 0.03: outside
+    _speed(tmp_path / "emb1_speed.json", 1000.0)
+    _speed(tmp_path / "ddp2_speed.json", 1900.0, world=2)
+    _speed(tmp_path / "ddp4_speed.json", 3000.0, world=4)
+    for name, qid_sets in (("ev1", [["a", "b", "c"]]), ("ev2", [["a", "b"], ["c"]]), ("ev4", [["a"], ["b"], ["x"]])):
+        for i, qids in enumerate(qid_sets):
+            d = tmp_path / name / "hotpotqa" / f"shard_{i}"
+            d.mkdir(parents=True)
+            (d / "episodes.jsonl").write_text("".join(json.dumps({"qid": q, "seed": 0, "prediction": q}) + "\n"
+                                                      for q in qids))  # fmt: skip
+    (tmp_path / "timings.txt").write_text("ev1 rc=0 seconds=100\nev2 rc=0 seconds=50\nev4 rc=1 seconds=20\n")
+    res = report.collect(tmp_path, None, [2, 4])
+    d = res["ddp_embedded"]
+    assert d["ddp2_within_noise"] is True and d["ddp4_within_noise"] is False
+    assert d["ddp2_speedup_tokens_per_s"] == pytest.approx(1.9) and d["ddp4_speedup_tokens_per_s"] == pytest.approx(3.0)
+    e = res["eval_devices"]
+    assert e["same_episodes_2"] is True and e["speedup_2"] == pytest.approx(2.0)
+    assert e["same_episodes_4"] is False and e["differing_episodes_4"] == 2  # c missing, x extra
+    assert "speedup_4" not in e  # a failed phase gives no speed-up
+    assert res["ddp_accuracy_model"]["speed_1gpu"] is None  # its phases did not run: missing, not zero
+    md = report.markdown(res)
+    assert "| DDP, 4 devices | [2.0000, 1.5300] | 3000 | 3.00x |" in md
+    assert "Qwen" not in md  # no accuracy-model section without its runs
+
+
+def test_sizes_are_checked(tmp_path: Path, report, capsys) -> None:
+    assert report.main(["--out", str(tmp_path), "--sizes", "1 4"]) == 2
+    assert "--sizes '1 4'" in capsys.readouterr().err
