@@ -295,6 +295,49 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def scaling_curves(res: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """``{run: [(GPUs, speed-up over one GPU), ...]}`` of every measured run (one GPU is 1 by definition)."""
+    sizes = res.get("sizes") or [2]
+    curves: dict[str, list[tuple[int, float]]] = {}
+    sources = (("DDP, embedded model", res["ddp_embedded"], "ddp{}_speedup_tokens_per_s"),
+               ("DDP, accuracy model", res.get("ddp_accuracy_model") or {}, "ddp{}_speedup_tokens_per_s"),
+               ("FSDP, 8B shapes", res["fsdp_8b"], "speed_fsdp{}_speedup_tokens_per_s"),
+               ("eval --devices N (wall)", res["eval_devices"], "speedup_{}"))  # fmt: skip
+    for label, block, key in sources:
+        points = [(n, block[key.format(n)]) for n in sizes if block.get(key.format(n))]
+        if points:
+            curves[label] = [(1, 1.0), *points]
+    return curves
+
+
+def plot(res: dict[str, Any], path: Path) -> bool:
+    """Speed-up over one GPU against GPUs, one line per run, with the ideal line; False when nothing was measured."""
+    curves = scaling_curves(res)
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(n for pts in curves.values() for n, _ in pts)
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ax.plot([1, top], [1, top], color="0.7", linestyle="--", label="ideal")
+    for label, pts in curves.items():
+        ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=label)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s (eval: 1 / wall time) over one GPU's")
+    ax.set_xticks(sorted({n for pts in curves.values() for n, _ in pts}))
+    gpus = res["provenance"].get("gpus") or ["?"]
+    ax.set_title(f"{len(gpus)} × {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus), fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the directory gpu_multi.sh wrote")
@@ -314,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = collect(out, args.command, sizes)
     (out / "multi_gpu.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "multi_gpu.md").write_text(markdown(res))
+    md = markdown(res)
+    if plot(res, out / "multi_gpu.png"):
+        md += "\n![speed-up against GPUs](multi_gpu.png)\n"
+    (out / "multi_gpu.md").write_text(md)
     print((out / "multi_gpu.md").read_text())
     return 0
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.device_guard import on_tensor_device
+
 try:
     import triton
     import triton.language as tl
@@ -472,6 +474,7 @@ def _launch_shape(q: Tensor, k: Tensor, rows: ConsumerRows) -> tuple[int, int, i
 # --------------------------------------------------------------------------------------------------
 
 
+@on_tensor_device
 def consumer_lr_forward(
     q: Tensor, k: Tensor, v_lr: Tensor, delta_b: Tensor, out: Tensor, rows: ConsumerRows, use_kernel: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -560,6 +563,7 @@ class ConsumerGrads:
     x: Tensor
 
 
+@on_tensor_device
 def consumer_backward(
     grad: Tensor,
     q: Tensor,
@@ -629,6 +633,7 @@ def consumer_backward(
     return ConsumerGrads(ws_dq, dk, dlr[..., :rank].sum(1), x)
 
 
+@on_tensor_device
 def add_dq_rows(gq: Tensor, rows: ConsumerRows, dq_parts: Tensor, h_kv: int, use_kernel: bool = True) -> None:
     """``gq[b, :, pos] += Σ dq_parts`` for the packed rows, in place.
 

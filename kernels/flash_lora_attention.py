@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.device_guard import on_tensor_device
+
 try:
     import triton
     import triton.language as tl
@@ -568,6 +570,7 @@ def _num_splits(seq: int, base_programs: int, device: torch.device) -> tuple[int
     return triton.cdiv(seq, split_len), split_len
 
 
+@on_tensor_device
 def _launch(
     q: Tensor,
     k: Tensor,

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.device_guard import on_tensor_device
 from kernels.flash_lora_attention import _interpreting, _next_pow2, _num_sms
 
 try:
@@ -552,6 +553,7 @@ def _workspace(device: torch.device, n_programs: int, plan: _DecodePlan, head_di
     return entry[0], entry[1]
 
 
+@on_tensor_device
 def _launch_decode(
     q: Tensor,
     k_cache: Tensor,

@@ -24,6 +24,8 @@ import os
 import torch
 from torch import Tensor
 
+from kernels.device_guard import on_tensor_device
+
 try:
     import triton
     import triton.language as tl
@@ -165,6 +167,7 @@ if triton is not None:
 
 
 # ---- public functions ------------------------------------------------------------------------------------------------
+@on_tensor_device
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """RMSNorm of ``x (+ residual)`` over the last dim; returns ``(normed, h)`` where ``h = x (+ residual)``.
 
@@ -190,6 +193,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return out, h_out
 
 
+@on_tensor_device
 def rope_store(
     q: Tensor,
     k: Tensor,
@@ -268,6 +272,7 @@ def rope_store(
     return q_out
 
 
+@on_tensor_device
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` elementwise (same shapes; rows may be strided views, e.g. halves of a fused GEMM)."""
     if not kernels_usable(gate) or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:

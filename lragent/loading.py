@@ -119,7 +119,10 @@ def load_lora_model(
         lora_cfg = MultiLoraConfig(stored.roles, stored.rank, stored.alpha, 0.0, stored.targets, stored.shared_a)
     else:
         lora_cfg = MultiLoraConfig(rank=rank, alpha=alpha, dropout=0.0, shared_a=shared_a)
-    hf, tokenizer = load_model(model, dtype=parse_dtype(dtype), device=resolve_device(device))
+    device = resolve_device(device)
+    if device.startswith("cuda:"):  # the process's streams, CUDA graphs and Triton launches then use the model's GPU
+        torch.cuda.set_device(torch.device(device))
+    hf, tokenizer = load_model(model, dtype=parse_dtype(dtype), device=device)
     if tokenizer is None and needs_text:
         raise ValueError(f"model {model!r} has random weights and no tokenizer: this command needs text")
     lm = MultiLoraModel(hf, lora_cfg)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 # The sampler's version, recorded in every episode's protocol and every eval's run_config: a row or a resumed run
-# never mixes versions. 1: until 2026-11-26, when u could round to exactly 1.0 (an infinite Gumbel noise: on a
-# 151,936-token vocabulary 0.9% of sampled tokens were a uniformly random token, whatever the distribution);
-# 2: u kept below 1.
+# never mixes versions. 1: until 2026-11-26, when u could round to exactly 1.0 (an infinite Gumbel noise: a nucleus
+# token with that u was always drawn, in about nucleus size / 2**24 of draws; 0.9% at top-p 1 on a 151,936-token
+# vocabulary); 2: u kept below 1.
 SAMPLER_VERSION = 2
 
 

@@ -30,11 +30,12 @@
 #   BUDGET_S stops the phases at that many seconds (the one running is killed, the rest skipped; the report follows);
 #   EMB_MODEL=random trains the embedded DDP phases on random weights with the embedded model's shapes (smollm2-135m,
 #   byte tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1 (global batches
-#   per epoch; a rank gets EMB_LIMIT1/N, or the same fraction when it is one), VAL_MAX (held-out examples per role),
-#   EMB_EPOCHS, B_STEPS1/B_STEPS2, EV_LIMIT, EV_RUNS, EV_BENCHMARKS, Q_LIMIT, Q_VAL shorten a call; EV_ADAPTERS a
-#   folder holding <benchmark>_sharedA to evaluate (default: data/adapters, which a slimmed carry leaves behind); APPEND=1 goes on
-#   from an earlier call in the same $OUT and $RUN (its checkpoints and timings kept). The report states which model
-#   the DDP phases used ($OUT/emb_model.txt).
+#   per epoch, default 10·A; a rank gets EMB_LIMIT1/N, or the same fraction when it is one: keep it a multiple of
+#   A and at most an epoch's batches, or DDP trains on other data than one GPU), VAL_MAX (held-out examples per role),
+#   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
+#   Q_LIMIT, Q_VAL shorten a call; EV_ADAPTERS a folder holding <benchmark>_sharedA to evaluate (default:
+#   data/adapters, which a slimmed carry leaves behind); APPEND=1 goes on from an earlier call in the same $OUT and
+#   $RUN (its checkpoints and timings kept). The report states which model the DDP phases used ($OUT/emb_model.txt).
 # CPU check of every phase (gloo, tiny random models, 2 CPU processes; a few minutes):
 #   OUT=/tmp/gm LRAGENT_MULTI_CPU=1 bash scripts/gpu_multi.sh
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
@@ -75,7 +76,9 @@ if [ -n "$CPU" ]; then  # tiny sizes; the same commands
   EV=(--device cpu --model default --max_steps 1 --thought_tokens 4 --argument_tokens 3)
   EXPORT_DEVICE=cpu
 else
-  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=${EMB_LIMIT1:-1.0}; B_STEPS1=${B_STEPS1:-4}; B_STEPS2=${B_STEPS2:-8}
+  # 10·A global batches an epoch (the embedded HotpotQA epoch has 42): every rank then gets the same whole number of
+  # batches, so DDP sees exactly one GPU's data (a whole epoch split 4 ways drops 2 batches a rank cannot share)
+  EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=${EMB_LIMIT1:-$((10 * A))}; B_STEPS1=${B_STEPS1:-11}; B_STEPS2=${B_STEPS2:-13}
   EV_LIMIT=${EV_LIMIT:-24}; EV_RUNS=${EV_RUNS:-1}; EV_BENCHMARKS=${EV_BENCHMARKS:-hotpotqa scienceqa}
   EMB=(); BIG=(--data.max_length "${B_LEN:-2048}"); EV=(--device cuda --dtype bfloat16); EXPORT_DEVICE=cuda
   rm -f "$OUT/emb_model.txt"  # the embedded model unless EMB_MODEL=random says otherwise

@@ -79,3 +79,12 @@ def test_each_size_is_compared_with_one_gpu_and_the_seed_noise(tmp_path: Path, r
 def test_sizes_are_checked(tmp_path: Path, report, capsys) -> None:
     assert report.main(["--out", str(tmp_path), "--sizes", "1 4"]) == 2
     assert "--sizes '1 4'" in capsys.readouterr().err
+
+
+def test_scaling_curves_hold_only_measured_points(tmp_path: Path, report) -> None:
+    _speed(tmp_path / "emb1_speed.json", 1000.0)
+    _speed(tmp_path / "ddp4_speed.json", 3000.0, world=4)  # ddp2 not run
+    res = report.collect(tmp_path, None, [2, 4])
+    assert report.scaling_curves(res) == {"DDP, embedded model": [(1, 1.0), (4, pytest.approx(3.0))]}
+    assert report.plot(res, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
+    assert not report.plot(report.collect(tmp_path / "none", None, [2]), tmp_path / "q.png")  # nothing measured
