@@ -174,6 +174,7 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         fsdp[f"fsdp{n}_export_fit_vs_export_command_max_abs_diff"] = max_abs_diff(
             out / f"fsdp{n}r_export", out / f"fx{n}_export"
         )
+        fsdp[f"fsdp{n}_export_in_peft"] = _json(out / f"peft{n}.json")  # eval_suite/peft_check.py
     res["fsdp_8b"] = fsdp
 
     # eval --devices N vs 1: the same records, and the wall-clock speed-up
@@ -267,7 +268,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"resumed to step {_fmt(f.get(f'fsdp{n}_resumed_to_step'))} ({_fmt(f.get(f'fsdp{n}_resume_log_line'))}); "
             f"export format equal to the 1-device export: fit's {_fmt(f.get(f'export_fsdp{n}r_same_format_as_1gpu'))},"
             f" `export` command's {_fmt(f.get(f'export_fx{n}_same_format_as_1gpu'))}; fit's export vs the export "
-            f"command: max |diff| {_fmt(f.get(f'fsdp{n}_export_fit_vs_export_command_max_abs_diff'), 8)}."
+            f"command: max |diff| {_fmt(f.get(f'fsdp{n}_export_fit_vs_export_command_max_abs_diff'), 8)}; loads in "
+            f"PEFT with lragent's logits: {_fmt((f.get(f'fsdp{n}_export_in_peft') or {}).get('ok'))}."
         )
     lines += ["", "## eval --devices N vs --devices 1", ""]
     for n in sizes:

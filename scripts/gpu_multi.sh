@@ -18,6 +18,8 @@
 #   ddp8bN.log, ddp8bN_speed*.json   DDP on N GPUs at 8B shapes (the whole base on each GPU), $B_STEPS1 steps: the
 #                                    strategy to compare FSDP with where the base fits one GPU
 #   fxN.log, fxN_export/             cli.py export --device cuda of fsdpNr's last checkpoint
+#   peftN.log, peftN.json            fsdpNr's export loaded in peft.PeftModel.from_pretrained, role by role, its logits
+#                                    against lragent's (eval_suite/peft_check.py)
 #   ev1.log, ev1/ ; evN.log, evN/    eval --devices 1 and --devices N, dev questions of $EV_BENCHMARKS (base_lr_shared,
 #                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio
 #   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
@@ -74,13 +76,14 @@ if [ -n "$CPU" ]; then  # tiny sizes; the same commands
   BIG=(--trainer.accelerator cpu --trainer.precision 32-true --model.model_name tiny-llama --model.model_overrides "$TINY"
     --model.model_dtype float32 --data.max_length 1024)
   EV=(--device cpu --model default --max_steps 1 --thought_tokens 4 --argument_tokens 3)
-  EXPORT_DEVICE=cpu
+  EXPORT_DEVICE=cpu; PEFT=(--model tiny-llama --overrides "$TINY" --dtype float32 --device cpu)
 else
   # 10·A global batches an epoch (the embedded HotpotQA epoch has 42): every rank then gets the same whole number of
   # batches, so DDP sees exactly one GPU's data (a whole epoch split 4 ways drops 2 batches a rank cannot share)
   EMB_EPOCHS=${EMB_EPOCHS:-2}; EMB_LIMIT1=${EMB_LIMIT1:-$((10 * A))}; B_STEPS1=${B_STEPS1:-11}; B_STEPS2=${B_STEPS2:-13}
   EV_LIMIT=${EV_LIMIT:-24}; EV_RUNS=${EV_RUNS:-1}; EV_BENCHMARKS=${EV_BENCHMARKS:-hotpotqa scienceqa}
   EMB=(); BIG=(--data.max_length "${B_LEN:-2048}"); EV=(--device cuda --dtype bfloat16); EXPORT_DEVICE=cuda
+  PEFT=(--model llama-3.1-8b --dtype bfloat16 --device cuda)
   rm -f "$OUT/emb_model.txt"  # the embedded model unless EMB_MODEL=random says otherwise
   if [ "${EMB_MODEL:-embedded}" = random ]; then
     EMB=(--model.model_name smollm2-135m --model.tokenizer_name byte)
@@ -93,7 +96,7 @@ Q_LIMIT=${Q_LIMIT:-$((8 * A))}; Q_VAL=${Q_VAL:-16}
 if [ -z "${PHASES:-}" ]; then
   PHASES="emb1 emb1s"; for n in $SIZES; do PHASES+=" ddp$n"; done
   [ -z "$CPU" ] && [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && { PHASES+=" q1 q1s"; for n in $SIZES; do PHASES+=" qddp$n"; done; }
-  PHASES+=" b1"; for n in $SIZES; do PHASES+=" fsdp$n fsdp${n}r ddp8b$n fx$n"; done
+  PHASES+=" b1"; for n in $SIZES; do PHASES+=" fsdp$n fsdp${n}r ddp8b$n fx$n peft$n"; done
   PHASES+=" ev1"; for n in $SIZES; do PHASES+=" ev$n"; done
 fi
 DEADLINE=$((SECONDS + ${BUDGET_S:-100000}))  # a phase still running at the deadline is stopped (exit 124)
@@ -192,11 +195,13 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS1" ;;
     fx[0-9]*) phase "$1" "$PY" cli.py export --ckpt "$RUN/fsdp$n/checkpoints/last.ckpt" --out "$OUT/$1_export" \
           --device "$EXPORT_DEVICE" ;;
+    peft[0-9]*) phase "$1" "$PY" -m eval_suite.peft_check --export "$OUT/fsdp${n}r_export" "${PEFT[@]}" \
+          --out "$OUT/$1.json" ;;
     ev[0-9]*) phase "$1" bash -c 'py=$1 n=$2 out=$3 benchmarks=$4 ad=$5; shift 5  # each benchmark in turn: evN/<benchmark>
           for b in $benchmarks; do
             "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --devices "$n" --out "$out/ev$n/$b" || exit
           done' _ "$PY" "$n" "$OUT" "$EV_BENCHMARKS" "${EV_ADAPTERS:-}" "${V[@]}" ;;
-    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s ddpN q1 q1s qddpN b1 fsdpN fsdpNr ddp8bN fxN ev1 evN" >&2
+    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s ddpN q1 q1s qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN ev1 evN" >&2
        exit 2 ;;
   esac
 }

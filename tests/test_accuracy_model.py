@@ -185,13 +185,14 @@ def test_converted_copy_is_the_pinned_architecture() -> None:
         ("qwen_hotpotqa_sharedA", 0.0),
         ("qwen_scienceqa_sharedA", 0.0),
         ("qwen_hotpotqa_lam0.5", 0.5),
-        ("qwen_scienceqa_lam0.5", 0.5),
+        ("qwen_hotpotqa_lam1_full", 1.0),
     ],
 )
 def test_shipped_accuracy_model_sets_fit_its_architecture(name: str, lam: float) -> None:
     """The bundled sets of the accuracy model (native checkpoints, read without the model): shared A, three roles,
     rank 8 on q_proj and v_proj of all 28 layers, Qwen2.5-1.5B's shapes (q 1536 wide, v 2 KV heads x 128), trained B,
-    and the λ their name says (the study's λ = 0.5 sets are kept so a resumed study evaluates the same weights)."""
+    and the λ their name says (a study set's weights are kept until its rows are done, so a resumed study
+    evaluates the same weights)."""
     from safetensors.torch import load_file
 
     from lragent.adapters_io import adapter_config_of

@@ -36,9 +36,10 @@ def test_results_are_compact_and_the_tree_travels_whole() -> None:
     results = [f for f in files if f.relative_to(ROOT).parts[0] == "results"]
     assert sum(f.stat().st_size for f in results) <= 15 * MB
     assert not [f for f in results if f.suffix == ".safetensors"]  # adapter sets live in data/adapters only
-    # data/adapters does not travel to the GPU machine (device_carry.sh slims it off); it holds the shipped sets and,
-    # while their rows are unfinished, the accuracy-model study's other trained sets (dropped once evaluated)
-    assert sum(f.stat().st_size for f in files) <= 55 * MB
+    # device_carry.sh slims data/adapters and results/ off a call; unslimmed, the tree plus the wheels (1.1 MB) must
+    # still fit one call's 64 MiB (67.1 MB). data/adapters holds the shipped sets and, while their rows or fidelity
+    # are unfinished, the accuracy-model study's other trained sets (3.8 MB each, dropped once evaluated)
+    assert sum(f.stat().st_size for f in files) <= 60 * MB
 
 
 def test_readme_is_short_and_links_every_docs_page() -> None:

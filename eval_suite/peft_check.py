@@ -1,0 +1,110 @@
+"""Do an export's PEFT role directories load in ``peft`` and compute what lragent computes?
+
+python -m eval_suite.peft_check --export DIR --model llama-3.1-8b --dtype bfloat16 --device cuda [--out check.json]
+
+For every role of the export: the base model (loaded twice: lragent's multi-LoRA model with the export's adapters,
+and a plain copy for PEFT), ``peft.PeftModel.from_pretrained`` (then ``load_adapter``) of ``DIR/<role>``, and the
+logits of one random token sequence under both. ``ok`` is every role loaded and within tolerance of lragent's logits
+(relative to the largest logit: PEFT and lragent add the LoRA term in different orders). Used by
+``scripts/gpu_multi.sh`` on FSDP exports (issue 35); works on any model ``load_model`` knows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lragent.adapters_io import PEFT_CONFIG, adapter_config_of, load_adapter_dir
+from lragent.lora_model import MultiLoraModel
+from lragent.models import load_model, parse_dtype
+
+
+def check_export(
+    export_dir: str | Path,
+    model: str = "default",
+    dtype: str = "float32",
+    device: str = "cpu",
+    tokens: int = 16,
+    overrides: dict | None = None,
+    rel_tol: float | None = None,
+) -> dict[str, Any]:
+    """PEFT's logits against lragent's for every role directory of ``export_dir``.
+
+    Args:
+        export_dir: an ``export`` / ``ExportAdapters`` directory (``<role>/`` PEFT directories, native file optional).
+        model: the base model the adapters were trained on (``load_model`` name; random architectures are seeded).
+        dtype: compute dtype of both models.
+        device: where both models run.
+        tokens: length of the random token sequence ``(1, tokens)``.
+        overrides: config overrides of a named random architecture (as ``load_model``).
+        rel_tol: allowed max |PEFT − lragent| over max |logit|; default 1e-5 in float32, 3e-2 in 16-bit dtypes.
+
+    Returns:
+        ``{"ok", "rel_tol", "roles": {role: {"loaded", "max_abs_diff", "max_abs_logit", "rel_diff",
+        "adapter_effect"}}}``; ``adapter_effect`` is max |lragent's logits − the plain base's|: where it is near 0
+        (adapters barely trained) equal logits say little beyond "loads".
+    """
+    from peft import PeftModel
+
+    d = Path(export_dir)
+    cfg = adapter_config_of(d)
+    missing = [r for r in cfg.roles if not (d / r / PEFT_CONFIG).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{d} has no PEFT directory for role(s) {missing}: not an export directory")
+    torch_dtype = parse_dtype(dtype)
+    tol = rel_tol if rel_tol is not None else (1e-5 if torch_dtype == torch.float32 else 3e-2)
+    hf, _ = load_model(model, dtype=torch_dtype, device=device, overrides=overrides)
+    lm = MultiLoraModel(hf, cfg)
+    load_adapter_dir(lm, d)
+    lm.eval()
+    plain, _ = load_model(model, dtype=torch_dtype, device=device, overrides=overrides)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, plain.config.vocab_size, (1, tokens), generator=gen).to(device)
+    roles: dict[str, dict[str, Any]] = {}
+    peft_model = None
+    with torch.no_grad():
+        base_logits = plain(ids).logits.float()  # the adapters' effect sets how much the comparison can see
+        for role in cfg.roles:
+            if peft_model is None:
+                peft_model = PeftModel.from_pretrained(plain, str(d / role), adapter_name=role).eval()
+            else:
+                peft_model.load_adapter(str(d / role), adapter_name=role)
+            peft_model.set_adapter(role)
+            want = peft_model(ids).logits.float()
+            got = lm(ids, [role]).float()
+            diff, scale = float((got - want).abs().max()), float(want.abs().max())
+            effect = float((got - base_logits).abs().max())
+            roles[role] = {"loaded": True, "max_abs_diff": diff, "max_abs_logit": scale, "rel_diff": diff / scale,
+                           "adapter_effect": effect}  # fmt: skip
+    return {"ok": all(r["rel_diff"] <= tol for r in roles.values()), "rel_tol": tol, "roles": roles}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--export", required=True, help="the export directory (<role>/ PEFT directories)")
+    ap.add_argument("--model", default="default", help="the base model the adapters belong to")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--overrides", default=None, help="config overrides of a named random architecture (JSON)")
+    ap.add_argument("--out", default=None, help="write the result as JSON here too")
+    args = ap.parse_args(argv)
+    try:
+        overrides = json.loads(args.overrides) if args.overrides else None
+        res = check_export(args.export, args.model, args.dtype, args.device, overrides=overrides)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(res, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
