@@ -125,13 +125,19 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
     res: dict[str, Any] = {"val_loss_1gpu": v1, "val_loss_1gpu_adapter_seed1": v1s, "speed_1gpu": s1}
     if v1 and v1s and len(v1) == len(v1s):
         res["seed_noise"] = [b - a for a, b in zip(v1, v1s, strict=True)]
+    # every other adapter seed run (<noise> is seed 1, <noise>K seed K): the spread of one GPU's final loss
+    others = {1: v1s, **{k: val_losses(out / f"{noise}{k}_metrics.csv") for k in range(2, 10)}}
+    finals = {k: v[-1] for k, v in others.items() if v and v1 and len(v) == len(v1)}
+    if finals:
+        res["seed_final_losses"] = {0: v1[-1], **finals}
+        res["seed_spread_last"] = max(abs(x - v1[-1]) for x in finals.values())  # largest |seed k - seed 0|
     for n in sizes:
         vn, sn = val_losses(out / f"{prefix}{n}_metrics.csv"), speed(out, f"{prefix}{n}")
         res[f"val_loss_ddp{n}"], res[f"speed_ddp{n}"] = vn, sn
         if v1 and vn and len(v1) == len(vn):
             res[f"ddp{n}_minus_1gpu"] = [b - a for a, b in zip(v1, vn, strict=True)]
-            if "seed_noise" in res:  # the last validation: DDP's difference against the seed-to-seed difference
-                res[f"ddp{n}_within_noise"] = abs(res[f"ddp{n}_minus_1gpu"][-1]) <= abs(res["seed_noise"][-1])
+            if "seed_spread_last" in res:  # the last validation: DDP's difference against the seeds' spread
+                res[f"ddp{n}_within_noise"] = abs(res[f"ddp{n}_minus_1gpu"][-1]) <= res["seed_spread_last"]
         if s1 and sn and s1["tokens_per_s"] and sn["tokens_per_s"]:
             res[f"ddp{n}_speedup_tokens_per_s"] = sn["tokens_per_s"] / s1["tokens_per_s"]
     return res
@@ -224,7 +230,10 @@ def _ddp_lines(d: dict[str, Any], title: str, sizes: list[int]) -> list[str]:
         lines.append(f"| DDP, {n} devices | {_fmt(d[f'val_loss_ddp{n}'])} | "
                      f"{_fmt((d[f'speed_ddp{n}'] or {}).get('tokens_per_s'), 0)} | "
                      f"{_fmt(d.get(f'ddp{n}_speedup_tokens_per_s'), 2)}x |")  # fmt: skip
-    lines += ["", f"Seed noise (seed 1 - seed 0): {_fmt(d.get('seed_noise'), 6)}."]
+    seeds = d.get("seed_final_losses") or {}
+    lines += ["", f"Seed noise (seed 1 - seed 0): {_fmt(d.get('seed_noise'), 6)}; final loss by adapter seed: "
+              + (", ".join(f"{k}: {_fmt(v, 5)}" for k, v in seeds.items()) or "missing")
+              + f"; spread (largest |seed k - seed 0|): {_fmt(d.get('seed_spread_last'), 6)}."]  # fmt: skip
     for n in sizes:
         lines.append(f"DDP on {n} - 1 device: {_fmt(d.get(f'ddp{n}_minus_1gpu'), 6)}; within the seed noise at the "
                      f"last validation: {_fmt(d.get(f'ddp{n}_within_noise'))}.")  # fmt: skip

@@ -5,7 +5,8 @@
 #
 #   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate A,
 #                                    $EMB_EPOCHS epochs, validation after each: val loss, tokens/s
-#   emb1s.log, emb1s_speed.json      the same with another adapter init (model.adapter_seed 1): run-to-run noise
+#   emb1s.log, emb1s_speed.json      the same with another adapter init (model.adapter_seed 1): run-to-run noise;
+#                                    emb1sK / q1sK: adapter seed K (2..9), more draws of that noise
 #   ddpN.log, ddpN_speed*.json       DDP on N GPUs (configs/ddp.yaml), accumulate A/N: the same global batch, the same
 #                                    batches per optimizer step as emb1; per-rank and global tokens/s
 #   q1, q1s, qddpN                   the same three on the accuracy model (configs/qwen_hotpotqa.yaml), $Q_LIMIT global
@@ -35,9 +36,10 @@
 #   per epoch, default 10·A; a rank gets EMB_LIMIT1/N, or the same fraction when it is one: keep it a multiple of
 #   A and at most an epoch's batches, or DDP trains on other data than one GPU), VAL_MAX (held-out examples per role),
 #   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
-#   Q_LIMIT, Q_VAL shorten a call; EV_ADAPTERS a folder holding <benchmark>_sharedA to evaluate (default:
-#   data/adapters, which a slimmed carry leaves behind); APPEND=1 goes on from an earlier call in the same $OUT and
-#   $RUN (its checkpoints and timings kept). The report states which model the DDP phases used ($OUT/emb_model.txt).
+#   Q_LIMIT, Q_VAL shorten a call; EV_MODEL, EV_BATCH the eval's --model and --batch; EV_ADAPTERS a folder
+#   holding <benchmark>_sharedA to evaluate (default: data/adapters, which a slimmed carry leaves behind; for the
+#   accuracy model copy qwen_<benchmark>_sharedA there under that name); APPEND=1 goes on from an earlier call in the
+#   same $OUT and $RUN (its checkpoints and timings kept). The report states which model the DDP phases used ($OUT/emb_model.txt).
 # CPU check of every phase (gloo, tiny random models, 2 CPU processes; a few minutes):
 #   OUT=/tmp/gm LRAGENT_MULTI_CPU=1 bash scripts/gpu_multi.sh
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
@@ -63,6 +65,10 @@ for n in $SIZES; do
     echo "SIZES=\"$SIZES\": GPU counts of at least 2, each dividing the largest ($A)" >&2; exit 2
   fi
 done
+seed_of() {  # seed_of emb1s | emb1sK | q1s | q1sK: the adapter seed of a noise run (1, or K)
+  local k=${1##*s}
+  echo "${k:-1}"
+}
 per_rank() {  # per_rank LIMIT N: a global batch count split over N ranks; a fraction of an epoch stays as it is
   case $1 in *.*) echo "$1" ;; *) echo $(($1 / $2)) ;; esac
 }
@@ -141,9 +147,10 @@ def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
     open(f"{out}/{name}_config.yaml", "w").write(yaml.safe_dump(cfg, sort_keys=False))
 
 
-for name in ["emb1", "emb1s"] + [f"ddp{n}" for n in sizes]:
+seeds = [""] + [str(k) for k in range(2, 10)]  # emb1s / q1s: adapter seed 1; emb1sK / q1sK: seed K
+for name in ["emb1"] + [f"emb1s{k}" for k in seeds] + [f"ddp{n}" for n in sizes]:
     derive("configs/embedded_hotpotqa.yaml", name, None)
-for name in ["q1", "q1s"] + [f"qddp{n}" for n in sizes]:
+for name in ["q1"] + [f"q1s{k}" for k in seeds] + [f"qddp{n}" for n in sizes]:
     derive("configs/qwen_hotpotqa.yaml", name, None)
 derive("configs/hotpotqa.yaml", "b1", None, warmup=1)  # few micro-batches: only the first is not timed
 for n in sizes:
@@ -164,6 +171,9 @@ Q=(--trainer.max_epochs 1 --trainer.max_steps -1 --trainer.val_check_interval 1.
 B=(--config configs/fsdp_8b.yaml --trainer.limit_val_batches 0 --trainer.max_epochs -1 "${BIG[@]}")
 # evaluation: one process, then N shard processes (one per GPU) merged, on each benchmark in turn
 V=(--scheme base_lr_shared --limit "$EV_LIMIT" --runs "$EV_RUNS" --quiet true "${EV[@]}")
+[ -n "${EV_MODEL:-}" ] && V+=(--model "$EV_MODEL")  # e.g. qwen2.5-coder-1.5b (then EV_ADAPTERS holds its sets)
+[ -n "${EV_BATCH:-}" ] && V+=(--batch "$EV_BATCH")  # rows per process: several GPUs only help when the episodes
+                                                     # outnumber one GPU's batch (else each shard waits as long)
 
 
 run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
@@ -171,8 +181,8 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
   case $1 in
     emb1) phase emb1 "$PY" cli.py fit --config "$OUT/emb1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches "$A" \
             --trainer.limit_train_batches "$EMB_LIMIT1" ;;
-    emb1s) phase emb1s "$PY" cli.py fit --config "$OUT/emb1s_config.yaml" "${E[@]}" \
-             --trainer.accumulate_grad_batches "$A" --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed 1 ;;
+    emb1s | emb1s[2-9]) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${E[@]}" \
+             --trainer.accumulate_grad_batches "$A" --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed "$(seed_of "$1")" ;;
     ddp8b[0-9]*) n=${1#ddp8b}
         phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${B[@]}" --trainer.strategy ddp --trainer.devices "$n" \
           --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS1" ;;
@@ -181,8 +191,8 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
             --trainer.limit_train_batches "$(per_rank "$EMB_LIMIT1" "$n")" ;;
     q1) phase q1 "$PY" cli.py fit --config "$OUT/q1_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
           --trainer.limit_train_batches "$Q_LIMIT" ;;
-    q1s) phase q1s "$PY" cli.py fit --config "$OUT/q1s_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
-           --trainer.limit_train_batches "$Q_LIMIT" --model.adapter_seed 1 ;;
+    q1s | q1s[2-9]) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
+           --trainer.limit_train_batches "$Q_LIMIT" --model.adapter_seed "$(seed_of "$1")" ;;
     qddp[0-9]*) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" --config configs/ddp.yaml "${Q[@]}" \
             --trainer.devices "$n" --trainer.accumulate_grad_batches $((A / n)) \
             --trainer.limit_train_batches "$(per_rank "$Q_LIMIT" "$n")" ;;
@@ -201,7 +211,7 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           for b in $benchmarks; do
             "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --devices "$n" --out "$out/ev$n/$b" || exit
           done' _ "$PY" "$n" "$OUT" "$EV_BENCHMARKS" "${EV_ADAPTERS:-}" "${V[@]}" ;;
-    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s ddpN q1 q1s qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN ev1 evN" >&2
+    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] ddpN q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN ev1 evN" >&2
        exit 2 ;;
   esac
 }
@@ -218,7 +228,7 @@ for group in $PHASES; do  # "a+b": a on the first GPU and b on the second, at th
   fi
 done
 
-for r in emb1 emb1s q1 q1s $(for n in $SIZES; do echo "ddp$n qddp$n"; done); do
+for r in emb1 emb1s emb1s{2..9} q1 q1s q1s{2..9} $(for n in $SIZES; do echo "ddp$n qddp$n"; done); do
   cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true
 done
 "$PY" -m eval_suite.multi_gpu_report --out "$OUT" --sizes "$SIZES" \

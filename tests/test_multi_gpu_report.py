@@ -88,3 +88,14 @@ def test_scaling_curves_hold_only_measured_points(tmp_path: Path, report) -> Non
     assert report.scaling_curves(res) == {"DDP, embedded model": [(1, 1.0), (4, pytest.approx(3.0))]}
     assert report.plot(res, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
     assert not report.plot(report.collect(tmp_path / "none", None, [2]), tmp_path / "q.png")  # nothing measured
+
+
+def test_more_seeds_widen_the_spread_that_ddp_is_held_to(tmp_path: Path, report) -> None:
+    _metrics(tmp_path / "q1_metrics.csv", [3.0])
+    _metrics(tmp_path / "q1s_metrics.csv", [3.0001])  # seed 1: +0.0001
+    _metrics(tmp_path / "qddp4_metrics.csv", [2.9995])  # DDP: -0.0005, outside seed 1 alone
+    assert report.collect(tmp_path, None, [4])["ddp_accuracy_model"]["ddp4_within_noise"] is False
+    _metrics(tmp_path / "q1s3_metrics.csv", [3.0006])  # seed 3: +0.0006 (seed 2 not run)
+    d = report.collect(tmp_path, None, [4])["ddp_accuracy_model"]
+    assert d["seed_final_losses"] == {0: 3.0, 1: 3.0001, 3: 3.0006}
+    assert d["seed_spread_last"] == pytest.approx(0.0006) and d["ddp4_within_noise"] is True
