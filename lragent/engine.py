@@ -169,8 +169,9 @@ class StopTokenIndex:
 
     @staticmethod
     def needs_text_check(stops: Sequence[str]) -> bool:
-        """True when a stop string can span tokens (longer than one character)."""
-        return any(len(s) > 1 for s in stops)
+        """True when a stop string can span tokens: longer than one byte (one character of several UTF-8 bytes can
+        be split over byte-level tokens, so no single token's text holds it)."""
+        return any(len(s.encode("utf-8")) > 1 for s in stops)
 
 
 _BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -748,11 +749,13 @@ class Engine:
         req, traj, tok = p.request, self.traj[row], self.tokenizer
         gen = list(generated)
         reason = "length"
+        if req.stop and StopTokenIndex.needs_text_check(req.stop):
+            # a stop seen on the text at a sync: drop what came after it, an EOS included (eager decoding stopped
+            # at the stop and never drew that EOS)
+            gen = self._trim_to_stop(gen, req.stop)
         eos_at = next((i for i, t in enumerate(gen) if t in self.eos_token_ids), None)
         if eos_at is not None:
             gen, reason = gen[: eos_at + 1], "eos"
-        elif req.stop and StopTokenIndex.needs_text_check(req.stop):
-            gen = self._trim_to_stop(gen, req.stop)  # a stop seen on the text at a sync: drop what came after
         kept, text = len(gen), ""
         if tok is not None:
             text = tok.decode(gen, skip_special_tokens=True)
@@ -798,6 +801,8 @@ class Engine:
 
     def _trim_to_stop(self, generated: list[int], stops: Sequence[str]) -> list[int]:
         """The shortest prefix of ``generated`` whose text contains a stop string (all of it if none does)."""
+        if find_stop(self.tokenizer.decode(generated, skip_special_tokens=True), stops) is None:
+            return generated  # the common case (the row ended on its budget or an EOS): one decode, not one a token
         for j in range(1, len(generated) + 1):
             if find_stop(self.tokenizer.decode(generated[:j], skip_special_tokens=True), stops) is not None:
                 return generated[:j]
