@@ -18,6 +18,56 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "device guard: a launch on another GPU not switched to it": (
+        "kernels/device_guard.py",
+        "        if index is not None and index != torch.cuda.current_device():",
+        "        if False:",
+        "tests/test_device_guard.py",
+    ),
+    "device guard: silu_mul launched without the guard": (
+        "kernels/fused_ops.py",
+        "@on_tensor_device\ndef silu_mul(",
+        "def silu_mul(",
+        "tests/test_device_guard.py",
+    ),
+    "PEFT check: every role compared with the first role's logits": (
+        "eval_suite/peft_check.py",
+        "            got = lm(ids, [role]).float()",
+        "            got = lm(ids, [cfg.roles[0]]).float()",
+        "tests/test_peft_check.py",
+    ),
+    "PEFT check: the PEFT adapter never switched to the role": (
+        "eval_suite/peft_check.py",
+        "            peft_model.set_adapter(role)",
+        "            pass",
+        "tests/test_peft_check.py",
+    ),
+    "several-GPU report: the seed spread is the smallest seed difference": (
+        "eval_suite/multi_gpu_report.py",
+        'res["seed_spread_last"] = max(abs(',
+        'res["seed_spread_last"] = min(abs(',
+        "tests/test_multi_gpu_report.py",
+    ),
+    "engine: a one-character stop of several UTF-8 bytes never checked on the text": (
+        "lragent/engine.py",
+        'return any(len(s.encode("utf-8")) > 1 for s in stops)',
+        "return any(len(s) > 1 for s in stops)",
+        "tests/test_engine_properties.py",
+    ),
+    "engine: an EOS drawn after a stop string before the next sync wins over the stop": (
+        "lragent/engine.py",
+        (
+            "        if req.stop and StopTokenIndex.needs_text_check(req.stop):\n",
+            '        if eos_at is not None:\n            gen, reason = gen[: eos_at + 1], "eos"\n',
+        ),
+        (
+            "        if False:\n",
+            '        if eos_at is not None:\n            gen, reason = gen[: eos_at + 1], "eos"\n'
+            "        elif req.stop and StopTokenIndex.needs_text_check(req.stop):\n"
+            "            gen = self._trim_to_stop(gen, req.stop)\n",
+        ),
+        "tests/test_engine_properties.py",
+    ),
     "inference FLOPs: causal pairs without the diagonal": (
         "eval_suite/model_flops.py",
         "    return (end * (end + 1) - start * (start + 1)) // 2",
