@@ -54,6 +54,12 @@ BUGS = {
         "return any(len(s) > 1 for s in stops)",
         "tests/test_engine_properties.py",
     ),
+    "engine: a token that is both an EOS and a stop's end reported as a stop": (
+        "lragent/engine.py",
+        '                reason = "stop" if reason == "length" else reason',
+        '                reason = "stop"',
+        "tests/test_engine_properties.py",
+    ),
     "engine: an EOS drawn after a stop string before the next sync wins over the stop": (
         "lragent/engine.py",
         (

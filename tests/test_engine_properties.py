@@ -1083,3 +1083,21 @@ def test_a_one_character_stop_of_several_bytes_is_caught_where_it_completes():
     res = run((wide,))
     assert res.stop_reason == "stop" and res.generated_ids == free.generated_ids[:ends]
     assert res.text == free.text[: free.text.index(wide)]
+
+
+def test_a_token_that_is_an_eos_and_completes_a_stop_string_ends_the_turn_as_eos():
+    """One token both an EOS and the end of a stop string: the turn ends there, reported as "eos" (the device ended
+    the row on the EOS), with the same kept tokens and text the stop alone gives."""
+    scheme = "full_shared"
+    free, _ = _free(scheme)
+    stop, eos = free.text[2], free.generated_ids[2]
+    assert free.text.find(stop) == 2 and eos not in free.generated_ids[:2]
+    eng = Engine(model(), scheme, rows=1, capacity=CAPACITY, tokenizer=tok(), eos_token_ids=[eos])
+    eng.append(0, PROMPT)
+    res = eng.generate(0, sampled(10, (stop,)))
+    assert (res.stop_reason, res.generated_ids, res.kept_tokens, res.text) == (
+        "eos",
+        free.generated_ids[:3],
+        2,
+        free.text[:2],
+    )
