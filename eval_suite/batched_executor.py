@@ -52,6 +52,9 @@ class BatchedExecutor:
         prefill_in_decode: steps that append at most this many tokens feed them through the batched decode step
             instead of an eager prefill of their row (:class:`~lragent.engine.Engine`); default
             :data:`PREFILL_IN_DECODE` on CUDA, 0 (off) elsewhere, where eager decode steps gain nothing.
+        batch_invariant: an engine of ``batch`` rows even for fewer tasks, decoding every step at that width
+            (:class:`~lragent.engine.Engine`): an episode's tokens then do not depend on the other episodes beside
+            it, so ``--devices N``, a resumed run or another ``--limit`` give the same episodes at the same batch.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class BatchedExecutor:
         droidspeak_layers: list[int] | None = None,
         eos_token_ids: list[int] | None = None,
         prefill_in_decode: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
@@ -75,6 +79,7 @@ class BatchedExecutor:
             on_cuda = next(model.model.parameters()).device.type == "cuda"
             prefill_in_decode = PREFILL_IN_DECODE if on_cuda else 0
         self.prefill_in_decode = prefill_in_decode
+        self.batch_invariant = batch_invariant
         self.model = model
         self.tokenizer = tokenizer
         self.batch = batch
@@ -91,9 +96,13 @@ class BatchedExecutor:
     def reserve(self, scheme: str, tasks: int) -> None:
         """Allocates the engine (its static caches) that running ``tasks`` tasks of ``scheme`` first needs, now:
         under the caller's allocation lock, so the next process that sizes its batch sees this memory as taken."""
-        rows = min(self.batch, tasks)
+        rows = self._rows(tasks)
         if rows >= 1:
             self._reserved = (str(scheme), rows, self._engine(scheme, rows))
+
+    def _rows(self, tasks: int) -> int:
+        """Engine rows for ``tasks`` tasks: the batch, or fewer when fewer tasks come (not when batch-invariant)."""
+        return self.batch if self.batch_invariant and tasks >= 1 else min(self.batch, tasks)
 
     def _engine(self, scheme: str, rows: int) -> Engine:
         return Engine(
@@ -107,6 +116,7 @@ class BatchedExecutor:
             use_kernel=self.use_kernel,
             cuda_graphs=self.cuda_graphs,
             prefill_in_decode=self.prefill_in_decode,
+            batch_invariant=self.batch_invariant,
         )
 
     def _encode(self, text: str) -> list[int]:
@@ -132,7 +142,7 @@ class BatchedExecutor:
 
     @torch.no_grad()
     def _run_scheme(self, scheme: str, tasks: list) -> Iterator[tuple[object, EpisodeResult]]:
-        rows = min(self.batch, len(tasks))
+        rows = self._rows(len(tasks))
         reserved, self._reserved = self._reserved, None
         fits = reserved is not None and reserved[0] == str(scheme) and reserved[1] >= rows
         eng = reserved[2] if fits else self._engine(scheme, rows)

@@ -33,6 +33,7 @@ import torch
 from eval_suite.model_flops import ModelShape, decode_flops, peak_flops, prefill_flops, recompute_layer_count
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.provenance import provenance, provenance_footer
+from lragent.report_io import save_figure
 
 PROMPT_TOKENS = 400
 # (role, appended tokens, generated tokens) of one cycle, and of the closing reflect steps
@@ -325,5 +326,5 @@ def plot(runs: list[dict], path: Path) -> None:
     axes[1].set_yscale("log")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)

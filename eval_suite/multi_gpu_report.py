@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lragent.provenance import provenance
+from lragent.report_io import save_figure
 
 
 def _json(path: Path) -> dict[str, Any] | None:
@@ -204,6 +205,17 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         prov["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except Exception:  # noqa: BLE001 - provenance must not fail the report
         prov["gpus"] = []
+    # The runs' own provenance: a report rebuilt on another machine (merging calls) names the runs' GPUs and versions,
+    # not its own
+    runs = [s["provenance"] for s in speeds if isinstance(s.get("provenance"), dict)]
+    if not prov["gpus"] and runs:
+        widest = max(runs, key=lambda r: (r.get("device") or {}).get("count") or 0)["device"]
+        prov["gpus"] = [widest.get("name") or "?"] * int(widest.get("count") or 1)
+    prov["run_commits"] = sorted({r.get("git_commit") for r in runs if r.get("git_commit")})
+    prov["run_versions"] = sorted(
+        {", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items() if v) for r in runs}
+    )
+    prov["run_dates"] = sorted({(r.get("utc") or "")[:10] for r in runs if r.get("utc")})
     prov["cpu_check"] = cpu
     label = out / "emb_model.txt"
     res["ddp_model"] = label.read_text().strip() if label.is_file() else "embedded SmolLM2-135M-Instruct"
@@ -300,6 +312,15 @@ def markdown(res: dict[str, Any]) -> str:
         f"Commit {prov.get('git_commit')}{' (dirty)' if prov.get('git_dirty') else ''}, {prov.get('utc')}; "
         + ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
         + f"; dtype {prov.get('dtype')}.  ",
+        *(
+            [
+                f"Runs: commits {', '.join(c[:7] for c in prov['run_commits'])}; dates {', '.join(prov['run_dates'])}; "
+                + "; ".join(prov["run_versions"])
+                + ".  "
+            ]
+            if prov.get("run_commits")
+            else []
+        ),
         f"Command: `{prov.get('command')}`",
         "",
     ]
@@ -344,7 +365,7 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return True
 

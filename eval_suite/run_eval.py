@@ -377,6 +377,7 @@ def evaluate(
     capacity: int = 8192,
     cuda_graphs: bool = True,
     prefill_in_decode: int | None = None,
+    batch_invariant: bool = False,
     devices: int = 1,
     memory_fraction: float | None = None,
     quiet: bool = False,
@@ -436,6 +437,11 @@ def evaluate(
         prefill_in_decode: with --batch, agent calls that append at most this many tokens feed them through the
             batched decode step (all rows together) instead of prefilling their row alone; default 128 on a GPU,
             0 (off) on the CPU.
+        batch_invariant: with --batch, decode every step at the full batch width (idle rows masked) and size the
+            engine to --batch even for fewer episodes: an episode's tokens then depend on its own inputs only, not
+            on how many others run beside it (GPU kernels sum in an order chosen by the batch width), so --devices
+            N, a resumed run and another --limit give the same episodes at the same --batch. Costs idle rows'
+            compute at the end of a run.
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
             --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT.
         memory_fraction: this process's share of the device's memory, in (0, 1]: --batch auto sizes within it
@@ -606,7 +612,7 @@ def run_plan(plan: EvalPlan) -> int:
             "temperature": plan.temperature, "top_p": plan.top_p, "constraints": list(plan.constraints),
             "answer_score": answer_score(plan.constraints), "corpus_files": plan.corpus_files, "seed": a["seed"],
             "agent": vars(plan.agent), "droidspeak_layers": plan.droidspeak_layers, "sampler": SAMPLER_VERSION,
-            "schemes": plan.schemes,
+            "schemes": plan.schemes, "batch_invariant": a["batch_invariant"],
             "runs": a["runs"], "levels": plan.levels, "limit": a["limit"], "shard": a["shard"],
             "questions": len(plan.questions), "corpus": corpus_desc, "provenance": prov,
         }  # fmt: skip
@@ -630,6 +636,7 @@ def run_plan(plan: EvalPlan) -> int:
                 lm, tokenizer, batch=rows, capacity=a["capacity"], temperature=plan.temperature, top_p=plan.top_p,
                 use_kernel=a["use_kernel"], cuda_graphs=a["cuda_graphs"] if run_device.startswith("cuda") else False,
                 droidspeak_layers=plan.droidspeak_layers, prefill_in_decode=a["prefill_in_decode"],
+                batch_invariant=a["batch_invariant"],
             )  # fmt: skip
 
         with allocation_lock(run_device):  # sized against what is free now, the caches allocated before the next

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.provenance import provenance, provenance_footer
+from lragent.report_io import save_figure
 
 FIGURES: dict[str, str] = {
     "fig1_base_vs_full.png": "Figure 1 (right) layout: per-layer cosine similarity between agents of the base cache "
@@ -191,7 +192,7 @@ def write_figures(doc: dict, out_dir: Path) -> list[Path]:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     paths.append(out_dir / "fig1_base_vs_full.png")
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1])
     plt.close(fig)
 
     fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(9.6, 4.0))
@@ -215,7 +216,7 @@ def write_figures(doc: dict, out_dir: Path) -> list[Path]:
     fig.suptitle(cfg["label"], fontsize=9)
     fig.tight_layout()
     paths.append(out_dir / "fig6_l1_norms.png")
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1])
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -232,7 +233,7 @@ def write_figures(doc: dict, out_dir: Path) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out_dir / "fig7_k_similarity.png")
-    fig.savefig(paths[-1], dpi=120)
+    save_figure(fig, paths[-1])
     plt.close(fig)
     return paths
 

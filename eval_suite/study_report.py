@@ -17,6 +17,7 @@ Only finished evaluations are reported (a job's ``summary.json``); a row still r
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 from collections import defaultdict
@@ -30,6 +31,7 @@ from eval_suite.paired import bootstrap_mean_interval
 from eval_suite.report import fmt_mean_std, markdown_table, write_json, write_text
 from eval_suite.study_jobs import Job, is_done
 from lragent.provenance import provenance, provenance_footer
+from lragent.report_io import save_figure
 
 SCHEME_ORDER = ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak")
 ROW_ORDER = (*SCHEME_ORDER, "untrained")
@@ -95,8 +97,11 @@ def collect(root: Path, plan: Sequence[Job], partial: bool = False) -> dict[str,
                 entry["partial"][meta["scheme"]] = len(recs)
             else:
                 entry["missing"].append(meta["scheme"])
-        elif job.kind == "fidelity" and is_done(job, root):
-            entry["fidelity"] = json.loads((root / job.done_file).read_text())
+        elif job.kind == "fidelity":
+            if is_done(job, root):
+                entry["fidelity"] = json.loads((root / job.done_file).read_text())
+            else:
+                entry["missing"].append("fidelity")
         elif job.kind == "train" and is_done(job, root):
             status = root / job.name / "fit_status.jsonl"
             lines = status.read_text().splitlines() if status.is_file() else []
@@ -244,7 +249,7 @@ def plot(sets: dict[str, dict], out: Path) -> list[str]:
                 ax.legend(fontsize=7)
         fig.tight_layout()
         name = f"lambda_{bench}.png"
-        fig.savefig(out / name, dpi=110)
+        save_figure(fig, out / name, dpi=110)
         plt.close(fig)
         names.append(name)
     return names
@@ -281,6 +286,62 @@ def _md_to_html(md: str) -> str:
           "td,th{border:1px solid #ccc;padding:3px 6px;font-size:13px}"  # fmt: skip
     head = f"<!doctype html><html><head><meta charset='utf-8'><style>{css}</style></head>"
     return f"{head}<body>{''.join(out)}</body></html>"
+
+
+SAMPLER_RERUNS_FILE = "sampler_reruns.json"
+
+
+def sampler_reruns(root: Path) -> dict[str, dict[str, Any]]:
+    """Each evaluation row kept beside its rerun as ``<row>.sampler<N>`` (episodes of an older sampler), against the
+    rerun: per row, the episodes both have (same question, run and seed), how many give the same prediction, token
+    count and actions, the differing ones, and the old file's sha256 (so a copy kept elsewhere can be checked).
+
+    Returns:
+        ``{"<set>/<row>.sampler<N>": {...}}``; empty where no older copy is kept.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for old_dir in sorted((root / "eval").glob("*/*.sampler*")):
+        new_file, old_file = (
+            old_dir.with_name(old_dir.name.split(".sampler")[0]) / EPISODES_FILE,
+            old_dir / EPISODES_FILE,
+        )
+        if not old_file.is_file():
+            continue
+
+        def key(r: dict) -> tuple:
+            return r["qid"], r.get("run"), r.get("seed")
+
+        def outcome(r: dict) -> tuple:
+            return r.get("prediction"), r.get("num_tokens"), tuple(r.get("actions") or ())
+
+        old = {key(r): outcome(r) for r in read_episodes(old_file)}
+        new = {key(r): outcome(r) for r in read_episodes(new_file)}
+        shared = sorted(set(old) & set(new), key=repr)
+        differing = [list(k) for k in shared if old[k] != new[k]]
+        out[f"{old_dir.parent.name}/{old_dir.name}"] = {
+            "old_episodes": len(old), "rerun_episodes": len(new), "shared": len(shared),
+            "identical": len(shared) - len(differing), "differing": differing,
+            "old_sha256": hashlib.sha256(old_file.read_bytes()).hexdigest(),
+        }  # fmt: skip
+    return out
+
+
+def sampler_reruns_line(reruns: dict[str, dict[str, Any]]) -> str:
+    """One Markdown paragraph summing :func:`sampler_reruns` (empty when there is nothing to say)."""
+    if not reruns:
+        return ""
+    shared = sum(v["shared"] for v in reruns.values())
+    same = sum(v["identical"] for v in reruns.values())
+    return (
+        f"\n**Rows rerun with the current sampler** (older copies kept as `<row>.samplerN`, compared in "
+        f"`{SAMPLER_RERUNS_FILE}`): {len(reruns)} rows, {shared} episodes in both, **{same} with the same prediction, "
+        f"token count and actions** ({shared - same} differ).\n"
+    )
+
+
+def _without_examples(fidelity: dict | None) -> dict | None:
+    """A fidelity result without its per-example records (they stay in the job's own output)."""
+    return None if fidelity is None else {k: v for k, v in fidelity.items() if k != "examples"}
 
 
 def write_report(root: Path, plan: Sequence[Job], out: Path, partial: bool = False) -> dict:
@@ -326,15 +387,24 @@ def write_report(root: Path, plan: Sequence[Job], out: Path, partial: bool = Fal
             "Unfinished: "
         )
         parts.insert(1, note + "; ".join(unfinished) + ".\n")
+    # the older-sampler copies: compared here while they exist; the comparison file outlives them (a later report
+    # rebuilt from archives without the copies keeps the file and its line)
+    reruns = sampler_reruns(root)
+    if reruns:
+        write_json(out / SAMPLER_RERUNS_FILE, reruns)
+    elif (out / SAMPLER_RERUNS_FILE).is_file():
+        reruns = json.loads((out / SAMPLER_RERUNS_FILE).read_text())
+    parts.append(sampler_reruns_line(reruns))
     missing = [f"{name}: {', '.join(e['missing'])}" for name, e in sets.items() if e["missing"]]
     if missing:
-        parts.append("\n## Not run yet (missing evaluations)\n\n" + "".join(f"- {m}\n" for m in missing))
+        parts.append("\n## Not run yet (missing evaluations and fidelity)\n\n" + "".join(f"- {m}\n" for m in missing))
     command = ["python", "-m", "eval_suite.study", "report", "--root", str(root), "--out", str(out)]
     prov = provenance(command=command + (["--partial"] if partial else []))
     md = "".join(parts)
     write_text(out / "study.md", md + provenance_footer(prov))
     write_text(out / "study.html", _md_to_html(md + provenance_footer(prov)))
-    data = {name: {k: v for k, v in e.items()} for name, e in sets.items()}
+    # the per-example fidelity records stay in the job outputs (the study's archives): the page keeps the summaries
+    data = {name: {k: _without_examples(v) if k == "fidelity" else v for k, v in e.items()} for name, e in sets.items()}
     write_json(out / "study.json", {"sets": data, "provenance": prov})
     return data
 

@@ -223,6 +223,11 @@ class Engine:
             together, instead of an eager prefill of its row alone. Agent calls append a few dozen tokens each, so
             with many rows the eager prefills, one row at a time, would cost more than the decoding; long prompts
             still prefill eagerly. 0 turns it off.
+        batch_invariant: every decode step runs all ``rows`` rows (one batch width, the idle rows masked) instead of
+            the smallest bucket that holds the busy rows. GPU GEMMs pick their kernel, and so their summation order,
+            by the batch width, so a row's logits can change in their last bits with how many other rows are busy
+            and a sampled token can flip; at one width a row's numbers depend on its own inputs only. Costs the idle
+            rows' compute when few rows are busy.
     """
 
     def __init__(
@@ -242,6 +247,7 @@ class Engine:
         fuse_ops: bool | None = None,
         prefill_in_decode: int = 0,
         fuse_lora: bool | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -250,6 +256,7 @@ class Engine:
         if isinstance(prefill_in_decode, bool) or prefill_in_decode < 0:
             raise ValueError(f"prefill_in_decode must be an int >= 0 (0: off), got {prefill_in_decode!r}")
         self.prefill_in_decode = int(prefill_in_decode)
+        self.batch_invariant = bool(batch_invariant)
         self.model = model
         self.dec = model.decoder  # the per-layer DecoderEngine of the model (not a batched Engine)
         self.tokenizer = tokenizer
@@ -639,6 +646,8 @@ class Engine:
         pos.add_(act.long())
 
     def _bucket(self) -> int:
+        if self.batch_invariant:
+            return self.rows
         top = max(self._pending) + 1
         for b in _BUCKETS:
             if b >= top and b <= self.rows:

@@ -36,7 +36,8 @@
 #   per epoch, default 10·A; a rank gets EMB_LIMIT1/N, or the same fraction when it is one: keep it a multiple of
 #   A and at most an epoch's batches, or DDP trains on other data than one GPU), VAL_MAX (held-out examples per role),
 #   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
-#   Q_LIMIT, Q_VAL shorten a call; EV_MODEL, EV_BATCH the eval's --model and --batch; EV_ADAPTERS a folder
+#   Q_LIMIT, Q_VAL shorten a call; EV_MODEL, EV_BATCH the eval's --model and --batch, EV_EXTRA more eval options
+#   (e.g. "--batch_invariant true"); EV_ADAPTERS a folder
 #   holding <benchmark>_sharedA to evaluate (default: data/adapters, which a slimmed carry leaves behind; for the
 #   accuracy model copy qwen_<benchmark>_sharedA there under that name); APPEND=1 goes on from an earlier call in the
 #   same $OUT and $RUN (its checkpoints and timings kept). The report states which model the DDP phases used ($OUT/emb_model.txt).
@@ -172,6 +173,7 @@ B=(--config configs/fsdp_8b.yaml --trainer.limit_val_batches 0 --trainer.max_epo
 # evaluation: one process, then N shard processes (one per GPU) merged, on each benchmark in turn
 V=(--scheme base_lr_shared --limit "$EV_LIMIT" --runs "$EV_RUNS" --quiet true "${EV[@]}")
 [ -n "${EV_MODEL:-}" ] && V+=(--model "$EV_MODEL")  # e.g. qwen2.5-coder-1.5b (then EV_ADAPTERS holds its sets)
+[ -n "${EV_EXTRA:-}" ] && read -r -a _extra <<< "$EV_EXTRA" && V+=("${_extra[@]}")  # e.g. "--batch_invariant true"
 [ -n "${EV_BATCH:-}" ] && V+=(--batch "$EV_BATCH")  # rows per process: several GPUs only help when the episodes
                                                      # outnumber one GPU's batch (else each shard waits as long)
 

@@ -68,3 +68,42 @@ def test_batched_equals_sequential(scheme, temperature, constrained, fed):
         assert bat[key].trajectory == seq[key].trajectory, key
         assert bat[key].answer == seq[key].answer
         assert bat[key].num_tokens == seq[key].num_tokens
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batch_invariant_decodes_every_step_at_the_full_width(monkeypatch, invariant: bool) -> None:
+    """batch_invariant: an engine of `batch` rows even for fewer tasks, and every decode step at that width (GPU
+    kernels choose their summation order by the width); the episodes are the same as without it. Without it the
+    width follows the busy rows (the control: the widths seen then are not all the batch)."""
+    from lragent.engine import Engine
+
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    spec = get_spec("hotpotqa")
+    cfg = AgentConfig(max_steps=2, thought_tokens=5, action_type_tokens=3, argument_tokens=4, reflect_tokens=3)
+    widths: list[int] = []
+    rows_seen: list[int] = []
+    step, init = Engine._decode_step, Engine.__init__
+
+    def spy_step(self, b, sampling, max_len):
+        widths.append(b)
+        return step(self, b, sampling, max_len)
+
+    def spy_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        rows_seen.append(self.rows)
+
+    monkeypatch.setattr(Engine, "_decode_step", spy_step)
+    monkeypatch.setattr(Engine, "__init__", spy_init)
+    ex = BatchedExecutor(model, tok, batch=4, capacity=4096, temperature=0.9, top_p=0.75, eos_token_ids=[],
+                         batch_invariant=invariant)  # fmt: skip
+    got = {t.key: r.trajectory for t, r in ex.run(_tasks(spec, cfg, 3, "base_lr_shared", False))}
+    plain = BatchedExecutor(model, tok, batch=4, capacity=4096, temperature=0.9, top_p=0.75, eos_token_ids=[])
+    monkeypatch.setattr(Engine, "_decode_step", step)
+    ref = {t.key: r.trajectory for t, r in plain.run(_tasks(spec, cfg, 3, "base_lr_shared", False))}
+    assert got == ref  # the same episodes either way (on the CPU the widths do not change the numbers)
+    assert widths
+    if invariant:
+        assert rows_seen[0] == 4 and set(widths) == {4}  # 3 tasks, yet 4 rows, every step at width 4
+    else:
+        assert rows_seen[0] == 3 and min(widths) < 3  # rows for the tasks; the width shrinks with the busy rows

@@ -99,3 +99,19 @@ def test_more_seeds_widen_the_spread_that_ddp_is_held_to(tmp_path: Path, report)
     d = report.collect(tmp_path, None, [4])["ddp_accuracy_model"]
     assert d["seed_final_losses"] == {0: 3.0, 1: 3.0001, 3: 3.0006}
     assert d["seed_spread_last"] == pytest.approx(0.0006) and d["ddp4_within_noise"] is True
+
+
+def test_rebuilt_off_device_names_the_runs_gpus_and_versions(tmp_path: Path, report, monkeypatch) -> None:
+    """Merging two calls' outputs on a machine without CUDA: the page names the runs' GPUs, commits and versions."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for name, count, commit in (("b1", 1, "a" * 40), ("fsdp4", 4, "b" * 40)):
+        body = {"tokens_per_s": 1.0, "provenance": {"device": {"type": "cuda", "name": "H100 X", "count": count},
+                "git_commit": commit, "utc": "2026-11-27T01:00:00Z", "versions": {"torch": "2.11.0"}}}  # fmt: skip
+        (tmp_path / f"{name}_speed.json").write_text(json.dumps(body))
+    res = report.collect(tmp_path, "cmd", [4])
+    assert res["provenance"]["gpus"] == ["H100 X"] * 4  # the widest run's device, not this machine's none
+    md = report.markdown(res)
+    assert "Devices: H100 X, H100 X, H100 X, H100 X." in md
+    assert "Runs: commits aaaaaaa, bbbbbbb; dates 2026-11-27; torch 2.11.0." in md

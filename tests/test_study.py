@@ -191,9 +191,20 @@ def test_report_from_job_outputs(tmp_path: Path) -> None:
         (d / "summary.json").write_text(
             json.dumps({"episodes": {row: {"0": 6, "1": 6}}, "protocol": {row: {"sampler": 2}}})
         )
+    fid = next(j for j in plan if j.name == "fidelity/scienceqa_lam0")  # one set's fidelity done, the others not
+    (root / fid.done_file).parent.mkdir(parents=True, exist_ok=True)
+    (root / fid.done_file).write_text(
+        json.dumps({"schemes": {"base_lr_shared": {"kl": 0.1}}, "examples": [{"kl": 0.1}]})
+    )
     data = write_report(root, plan, tmp_path / "out")
     md = (tmp_path / "out" / "study.md").read_text()
     s = data["scienceqa_lam0.5"]["summary"]
+    page = json.loads((tmp_path / "out" / "study.json").read_text())["sets"]
+    assert page["scienceqa_lam0"]["fidelity"] == {
+        "schemes": {"base_lr_shared": {"kl": 0.1}}
+    }  # examples stay in the job
+    assert "- scienceqa_lam0.5: " in md and "fidelity" in md.split("- scienceqa_lam0.5: ")[1].split("\n")[0]
+    assert "- scienceqa_lam0: " not in md  # its rows and its fidelity are done
     assert s["paired_vs_non_shared"]["accuracy"]["base_lr_shared"]["mean"] == pytest.approx(-0.5)
     assert "-50.0 [" in md and "λ study" in md and "above chance" in md
     assert "| scienceqa_untrained | untrained | 33.3 ± 0.0 |" in md  # the untrained row is a row of the tables

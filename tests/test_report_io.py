@@ -1,0 +1,45 @@
+"""Report files: palette PNGs that keep the plot (lragent/report_io.py)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+
+
+def _figure():
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = np.linspace(0, 10, 200)
+    for k in range(4):
+        ax.plot(x, np.sin(x + k), label=f"line {k}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def test_save_figure_is_a_smaller_palette_png_of_the_same_picture(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from lragent.report_io import save_figure
+
+    fig = _figure()
+    plain = io.BytesIO()
+    fig.savefig(plain, format="png", dpi=120)
+    save_figure(fig, tmp_path / "f.png", dpi=120)
+    out = tmp_path / "f.png"
+    assert not (tmp_path / "f.png.tmp").exists()
+    with Image.open(out) as small, Image.open(io.BytesIO(plain.getvalue())) as full:
+        assert small.mode == "P" and small.size == full.size
+        a = np.asarray(small.convert("RGB"), dtype=np.int16)
+        b = np.asarray(full.convert("RGB"), dtype=np.int16)
+    assert out.stat().st_size < 0.6 * len(plain.getvalue())
+    # the same picture: every pixel within a few levels on average, and the plot's pixels where they were
+    assert np.abs(a - b).mean() < 2.0
+    assert ((a.sum(-1) < 600) == (b.sum(-1) < 600)).mean() > 0.995
