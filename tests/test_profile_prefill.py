@@ -1,0 +1,47 @@
+"""The prefill profile's bookkeeping on the CPU (tiny model): only the ops inside Engine.prefill count, every class
+that the prefill path has gets time, and the labels are removed afterwards."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_multi_lora
+
+from eval_suite import profile_prefill as P
+from lragent.cache_views import PrefillView
+from lragent.engine import Engine
+
+
+def _short_trace(monkeypatch) -> None:
+    """One plan-plan-action cycle with short generations instead of the 17 steps (CPU time)."""
+    import eval_suite.bench_trace as T
+
+    monkeypatch.setattr(T, "CYCLES", 1)
+    monkeypatch.setattr(T, "CYCLE", (("plan", 8, 3), ("plan", 8, 2), ("action", 8, 2)))
+    monkeypatch.setattr(T, "REFLECT", (("reflect", 4, 2),))
+
+
+def test_only_the_prefill_is_counted_and_every_class_gets_time(monkeypatch) -> None:
+    _short_trace(monkeypatch)
+    model = tiny_multi_lora("tiny-llama", rank=4)
+    before = (PrefillView.__dict__["attend"], PrefillView.__dict__["rope_store"], Engine.__dict__["prefill"])
+    with torch.no_grad():
+        row = P.profile_scheme(model, "base_lr_shared", 24, torch.device("cpu"), None, timed_runs=False)
+    assert (PrefillView.__dict__["attend"], PrefillView.__dict__["rope_store"], Engine.__dict__["prefill"]) == before
+    ms = row["prefill_ms_by_class"]
+    assert set(ms) == set(P.CLASSES)  # no decode-only class (sampling) leaked in
+    for cls in ("GEMM (base weights)", "LoRA", "attention kernel", "RoPE and cache writes", "norms/SiLU"):
+        assert ms[cls] > 0, (cls, ms)
+    assert row["prefill_busy_ms"] == sum(ms.values())
+    # the prefill's CPU op time is a part of the whole profiled trace's, which also decodes
+    assert 0 < row["prefill_busy_ms"] < 1e3 * row["profiled_wall_s"]
+
+
+def test_without_the_phase_filter_decode_classes_would_show(monkeypatch) -> None:
+    """The control for the test above: counting every op (the phase filter off) brings in the decode's sampling
+    class and more time, so `set(ms) == CLASSES` there does check the filter."""
+    _short_trace(monkeypatch)
+    model = tiny_multi_lora("tiny-llama", rank=4)
+    monkeypatch.setattr(P, "_in_prefill", lambda evt: True)
+    with torch.no_grad():
+        row = P.profile_scheme(model, "full_shared", 16, torch.device("cpu"), None, timed_runs=False)
+    assert "sampling" in row["prefill_ms_by_class"]
