@@ -254,9 +254,16 @@ def test_engine_gets_min_of_batch_and_tasks_rows_and_the_executor_settings() -> 
     assert e1.model is model and e2.model is model
     assert (e1.scheme, e1.rows, e2.scheme, e2.rows) == ("droidspeak", 2, "base_lr_shared", 3)
     common = dict(capacity=777, tokenizer=tok, eos_token_ids=[9, 2], use_kernel=False, cuda_graphs=True,
-                  prefill_in_decode=17)  # fmt: skip
+                  prefill_in_decode=17, batch_invariant=False)  # fmt: skip
     assert e1.kwargs == {**common, "droidspeak_layers": [4, 1]}
     assert e2.kwargs == {**common, "droidspeak_layers": None}  # recompute layers are DroidSpeak's only
+    # batch-invariant: the batch's rows even for fewer tasks, and the engine told so
+    FakeEngine.built.clear()
+    inv = BatchedExecutor(model, tok, batch=3, batch_invariant=True, eos_token_ids=[9, 2], prefill_in_decode=17,
+                          **config)  # fmt: skip
+    _run(inv, _tasks([one] * 2, ["base_lr_shared"] * 2))
+    (e3,) = FakeEngine.built
+    assert e3.rows == 3 and e3.kwargs == {**common, "droidspeak_layers": None, "batch_invariant": True}
 
 
 def test_constructor_defaults_and_prefill_in_decode_by_device() -> None:
