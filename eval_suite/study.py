@@ -86,12 +86,16 @@ SWEEP_POINTS: tuple[dict, ...] = (
     {"lr": 3e-4, "epochs": 2, "targets": "qv", "rank": 8},
     {"lr": 1e-4, "epochs": 2, "targets": "qv", "rank": 8},
     {"lr": 1e-3, "epochs": 2, "targets": "qv", "rank": 8},
-    {"lr": 3e-4, "epochs": 4, "targets": "qv", "rank": 8},
-    {"lr": 3e-4, "epochs": 2, "targets": "qv", "rank": 16},
-    {"lr": 3e-4, "epochs": 2, "targets": "qvo_mlp", "rank": 8},
+    {"lr": "best", "epochs": 4, "targets": "qv", "rank": 8},
+    {"lr": "best", "epochs": 2, "targets": "qv", "rank": 16},
+    {"lr": "best", "epochs": 2, "targets": "qvo_mlp", "rank": 8},
 )
-"""The recipe sweep: a centre point and one change at a time (learning rate both ways, epochs, rank, targets), in
-launch order."""
+"""The recipe sweep, in launch order: the learning rate three ways (2 epochs, q/v, rank 8), then one change at a time
+(epochs, rank, targets) at each benchmark's best learning rate of those three (:data:`SWEEP_BEST_LR`)."""
+SWEEP_BEST_LR: dict[str, float] = {"scienceqa": 3e-4, "hotpotqa": 1e-4}
+"""Each benchmark's best learning rate of the sweep's first three points on the accuracy model, by dev episodes
+under ``non_shared`` (``results/study_qwen/sweep.md``: ScienceQA 60.0% at 3e-4, 54.4% at 1e-4, 51.1% at 1e-3;
+HotpotQA EM 30.0 at 1e-4, 26.7 at 3e-4, 24.4 at 1e-3); the recipes ``configs/qwen_<benchmark>.yaml`` use them."""
 
 
 @dataclass(frozen=True)
@@ -343,10 +347,16 @@ def build_sweep_plan(
     """
     profile = profile or PROFILES["default"]
     jobs: list[Job] = []
-    for pi, point in enumerate(points):
-        if point.get("targets") not in SWEEP_TARGETS:
-            raise ValueError(f"sweep point {point}: targets must be one of {', '.join(SWEEP_TARGETS)}")
+    for pi, point_in in enumerate(points):
+        if point_in.get("targets") not in SWEEP_TARGETS:
+            raise ValueError(f"sweep point {point_in}: targets must be one of {', '.join(SWEEP_TARGETS)}")
         for bi, bench in enumerate(benchmarks):
+            point = dict(point_in)
+            if point["lr"] == "best":  # the benchmark's best learning rate of the first points
+                if bench not in SWEEP_BEST_LR:
+                    raise ValueError(f"sweep point {point_in}: no best learning rate for {bench!r} in SWEEP_BEST_LR "
+                                     f"(known: {', '.join(SWEEP_BEST_LR)})")  # fmt: skip
+                point["lr"] = SWEEP_BEST_LR[bench]
             name = sweep_name(bench, point)
             meta = {"benchmark": bench, "set": name, "lambda": 0.0, "train_scheme": "base_lr_shared",
                     "shared_a": True, "data": {}, "recipe": dict(point)}  # fmt: skip

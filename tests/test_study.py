@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eval_suite.study import (
     PROFILES,
@@ -609,3 +610,21 @@ def test_a_row_of_the_old_sampler_runs_again_and_its_episodes_are_kept_beside(tm
     assert is_done(job, root)
     prepare(job, root)  # today's sampler: left where it is
     assert (d / "summary.json").is_file()
+
+
+def test_sweep_changes_one_thing_at_a_time_around_each_benchmarks_best_lr() -> None:
+    """After the three learning-rate points, each benchmark's epoch, rank and target points use its own best
+    learning rate (HotpotQA 1e-4, ScienceQA 3e-4), the one its shipped recipe uses."""
+    from eval_suite.study import SWEEP_BEST_LR
+
+    plan = build_sweep_plan(("scienceqa", "hotpotqa"), SWEEP_POINTS, runs=1, profile=QWEN)
+    trains = {j.meta["set"]: j.meta["recipe"] for j in plan if j.kind == "train"}
+    for bench, lr in SWEEP_BEST_LR.items():
+        later = {n: r for n, r in trains.items() if n.startswith(bench) and (r["epochs"] != 2 or r["rank"] != 8
+                 or r["targets"] != "qv")}  # fmt: skip
+        assert len(later) == 3 and {r["lr"] for r in later.values()} == {lr}, (bench, later)
+        cfg = yaml.safe_load((Path(__file__).resolve().parent.parent / "configs" / f"qwen_{bench}.yaml").read_text())
+        assert cfg["model"]["lr"] == lr  # the shipped recipe's learning rate
+    assert "hotpotqa_lr0.0001_ep4_qv_r8" in trains and "scienceqa_lr0.0003_ep4_qv_r8" in trains
+    with pytest.raises(ValueError, match="no best learning rate for 'other'"):
+        build_sweep_plan(("other",), ({"lr": "best", "epochs": 2, "targets": "qv", "rank": 8},), profile=QWEN)
