@@ -119,6 +119,24 @@ def episodes(directory: Path) -> list[tuple] | None:
     return sorted(rows, key=repr)
 
 
+def episode_loop_seconds(directory: Path) -> float | None:
+    """Seconds of an ``eval`` output's episode loop (its ``timing.json``), per benchmark folder ``directory/<b>``
+    summed over benchmarks; a ``--devices N`` output counts its slowest shard (``shard_i/timing.json``). None when a
+    benchmark folder has no timing."""
+    if not directory.is_dir():
+        return None
+    total = 0.0
+    benches = [d for d in sorted(directory.iterdir()) if d.is_dir()]
+    for b in benches:
+        shards = sorted(b.glob("shard_*/timing.json"))
+        files = shards or ([b / "timing.json"] if (b / "timing.json").is_file() else [])
+        times = [(_json(f) or {}).get("episodes_s") for f in files]
+        if not times or any(x is None for x in times):
+            return None
+        total += max(times)
+    return total if benches else None
+
+
 def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -> dict[str, Any]:
     """Val loss and tokens/s of a one-GPU fit, its other-seed twin and its DDP twins ``<prefix><N>``."""
     v1, v1s = val_losses(out / f"{one}_metrics.csv"), val_losses(out / f"{noise}_metrics.csv")
@@ -196,6 +214,14 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         if t.get("ev1", {}).get("rc") == 0 and t.get(f"ev{n}", {}).get("rc") == 0 and t["ev1"]["seconds"]:
             ev["wall_seconds_1"], ev[f"wall_seconds_{n}"] = t["ev1"]["seconds"], t[f"ev{n}"]["seconds"]
             ev[f"speedup_{n}"] = t["ev1"]["seconds"] / max(t[f"ev{n}"]["seconds"], 1)
+    # the episode loops alone (model loading and sizing left out): one process against its slowest shard
+    loop1 = episode_loop_seconds(out / "ev1")
+    ev["episode_loop_seconds_1"] = loop1
+    for n in sizes:
+        loop_n = episode_loop_seconds(out / f"ev{n}")
+        ev[f"episode_loop_seconds_{n}"] = loop_n
+        if loop1 and loop_n:
+            ev[f"loop_speedup_{n}"] = loop1 / loop_n
     res["eval_devices"] = ev
 
     prov = provenance(device="cpu" if cpu else "cuda", dtype="float32" if cpu else "bfloat16", command=command)
@@ -298,7 +324,9 @@ def markdown(res: dict[str, Any]) -> str:
             f"{n} devices: episodes {_fmt(e.get('episodes_1'))} vs {_fmt(e.get(f'episodes_{n}'))}; same predictions "
             f"and lengths: {_fmt(e.get(f'same_episodes_{n}'))} ({_fmt(e.get(f'differing_episodes_{n}'))} differ); "
             f"wall seconds {_fmt(e.get('wall_seconds_1'))} vs {_fmt(e.get(f'wall_seconds_{n}'))}, "
-            f"speed-up {_fmt(e.get(f'speedup_{n}'), 2)}x."
+            f"speed-up {_fmt(e.get(f'speedup_{n}'), 2)}x; episode loops alone (the slowest shard) "
+            f"{_fmt(e.get('episode_loop_seconds_1'), 1)} vs {_fmt(e.get(f'episode_loop_seconds_{n}'), 1)} s, "
+            f"{_fmt(e.get(f'loop_speedup_{n}'), 2)}x."
         )
     lines += [
         "",

@@ -31,6 +31,7 @@ import gc
 import hashlib
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -461,6 +462,9 @@ def evaluate(
     return run_plan(plan)
 
 
+TIMING_FILE = "timing.json"  # one eval process's setup and episode-loop seconds (rewritten by each run into OUT)
+
+
 # Lower bounds of the integer options (None: the option is unset), checked in one place by check_eval_args.
 _AT_LEAST: dict[str, int] = {
     "runs": 1, "max_steps": 1, "thought_tokens": 1, "argument_tokens": 1, "limit": 1, "max_context_tokens": 1,
@@ -591,6 +595,7 @@ def run_plan(plan: EvalPlan) -> int:
     from lragent.command import on_interrupt
     from lragent.provenance import provenance
 
+    started = time.perf_counter()
     a, out_dir, bench = plan.args, plan.out_dir, plan.bench
     run_device = resolve_device(a["device"])
     fraction = a.get("memory_fraction")
@@ -647,6 +652,8 @@ def run_plan(plan: EvalPlan) -> int:
             executor = executor_of(batch)
             if batch:
                 executor.reserve(plan.schemes[0], len(plan.questions) * a["runs"])
+        loop_started = time.perf_counter()
+        before = len(read_episodes(out_dir / EPISODES_FILE))
         while True:
             try:
                 records = run_episodes(
@@ -672,6 +679,12 @@ def run_plan(plan: EvalPlan) -> int:
                 batch = max(1, batch // 2)
                 print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
                 executor = executor_of(batch)
+        ended = time.perf_counter()
+        # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards)
+        write_json(out_dir / TIMING_FILE, {
+            "setup_s": loop_started - started, "episodes_s": ended - loop_started,
+            "episodes": len(records) - before, "batch": batch, "device": run_device,
+        })  # fmt: skip
         summary = write_summary(records, out_dir, prov)
     _print_summary(summary, out_dir)
     return 0

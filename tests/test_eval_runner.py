@@ -561,9 +561,12 @@ def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
     assert summary["provenance"]["git_commit"] == config["provenance"]["git_commit"] == rec["provenance"]["git_commit"]
     assert "\n---\nProduced on " in (out / "report.md").read_text()
     assert config["corpus"]["passages"] > 200 and config["top_p"] == 0.75
+    timing = json.loads((out / "timing.json").read_text())  # this process: setup, then the episode loop
+    assert timing["episodes"] == 1 and timing["episodes_s"] > 0 and timing["setup_s"] > 0
     capsys.readouterr()
     assert cli.main(argv) == 0  # resume: nothing left to run
     assert len(read_episodes(out / EPISODES_FILE)) == 1
+    assert json.loads((out / "timing.json").read_text())["episodes"] == 0  # the resumed process ran none
 
 
 def _tiny_model_with_embedded_tokenizer(directory: Path) -> Path:
@@ -603,6 +606,8 @@ def test_devices_shards_equal_one_process(tmp_path):
 
     one, two = episodes(tmp_path / "one"), episodes(tmp_path / "two")
     assert len(one) == 4 and one == two
+    shard_timing = [json.loads((tmp_path / "two" / f"shard_{i}" / "timing.json").read_text()) for i in (0, 1)]
+    assert [t["episodes"] for t in shard_timing] == [2, 2]  # each shard's own loop, for the throughput ratio
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["episodes"]["non_shared"] == {"0": 4}
 

@@ -115,3 +115,28 @@ def test_rebuilt_off_device_names_the_runs_gpus_and_versions(tmp_path: Path, rep
     md = report.markdown(res)
     assert "Devices: H100 X, H100 X, H100 X, H100 X." in md
     assert "Runs: commits aaaaaaa, bbbbbbb; dates 2026-11-27; torch 2.11.0." in md
+
+
+def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_path: Path, report) -> None:
+    """eval --devices N against one process with the model loading left out: per benchmark the one process's loop
+    against its slowest shard's, summed over benchmarks; a benchmark without timing gives no figure."""
+
+    def timing(d: Path, seconds: float) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "timing.json").write_text(json.dumps({"setup_s": 30.0, "episodes_s": seconds, "episodes": 10}))
+
+    timing(tmp_path / "ev1" / "hotpotqa", 80.0)
+    timing(tmp_path / "ev1" / "scienceqa", 40.0)
+    for i, (h, s) in enumerate(((20.0, 9.0), (25.0, 12.0), (18.0, 10.0), (21.0, 11.0))):
+        timing(tmp_path / "ev4" / "hotpotqa" / f"shard_{i}", h)
+        timing(tmp_path / "ev4" / "scienceqa" / f"shard_{i}", s)
+    timing(tmp_path / "ev2" / "hotpotqa" / "shard_0", 40.0)  # ev2's scienceqa has no timing: no figure
+    (tmp_path / "ev2" / "scienceqa" / "shard_0").mkdir(parents=True)
+    e = report.collect(tmp_path, None, [2, 4])["eval_devices"]
+    assert e["episode_loop_seconds_1"] == pytest.approx(120.0)
+    assert e["episode_loop_seconds_4"] == pytest.approx(25.0 + 12.0)  # the slowest shard of each benchmark
+    assert e["loop_speedup_4"] == pytest.approx(120.0 / 37.0)
+    assert e["episode_loop_seconds_2"] is None and "loop_speedup_2" not in e
+    assert "episode loops alone (the slowest shard) 120.0 vs 37.0 s, 3.24x" in report.markdown(
+        report.collect(tmp_path, None, [4])
+    )
