@@ -151,9 +151,8 @@ def decode(
         transformers_baseline: also time stock transformers' eager loop (batch sizes up to 32).
         out: output directory.
     """
-    from lragent.lora_model import MultiLoraModel
+    from eval_suite.bench_model import random_adapter_model
     from lragent.models import load_model, parse_dtype
-    from lragent.multi_lora import MultiLoraConfig
     from lragent.schemes import Scheme
 
     schemes = [Scheme.parse(s) for s in (schemes or ["full_shared", "base_lr_shared"])]  # parsed once
@@ -181,8 +180,7 @@ def decode(
                 t = time_transformers(hf, b, context, new_tokens)
                 rows.append({"impl": "transformers eager", "scheme": "-", "batch": b, **t})
                 print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
-    lm = MultiLoraModel(hf, MultiLoraConfig(rank=rank, alpha=2 * rank, dropout=0.0)).eval()
-    lm.init_adapters("random", seed=0, b_std=0.02)
+    lm = random_adapter_model(hf, rank)
     w_bytes_lora = weight_bytes(lm)
     for scheme in schemes:
         for b in batches:

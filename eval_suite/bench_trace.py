@@ -173,10 +173,9 @@ def trace(
         device: ``cuda`` (timings worth reporting) or ``cpu`` (a functional smoke run only).
         out: output directory.
     """
+    from eval_suite.bench_model import random_adapter_model
     from lragent.engine import Engine
-    from lragent.lora_model import MultiLoraModel
     from lragent.models import load_model, parse_dtype
-    from lragent.multi_lora import MultiLoraConfig
     from lragent.schemes import SCHEMES, Scheme
 
     schemes = [Scheme.parse(s) for s in (schemes or SCHEMES)]  # parsed once
@@ -191,8 +190,7 @@ def trace(
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf, _ = load_model(model, dtype=dt, device=device)
-    lm = MultiLoraModel(hf, MultiLoraConfig(rank=rank, alpha=2 * rank, dropout=0.0)).eval()
-    lm.init_adapters("random", seed=0, b_std=0.02)
+    lm = random_adapter_model(hf, rank)
     runs = []
     json_path = out_dir / "bench_trace.json"
     prov = provenance(dtype=dt, device=device)

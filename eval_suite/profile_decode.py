@@ -248,10 +248,9 @@ def profile_decode(
         overrides: config fields to change (e.g. ``{"num_hidden_layers": 2}`` for a quick look).
         out: output directory (``decode_profile.json`` and ``.md``; the decode benchmark's directory by default).
     """
-    from lragent.lora_model import MultiLoraModel
+    from eval_suite.bench_model import random_adapter_model
     from lragent.memory_plan import choose_batch
     from lragent.models import load_model, parse_dtype
-    from lragent.multi_lora import MultiLoraConfig
     from lragent.schemes import Scheme
 
     scheme = Scheme.parse(scheme)  # parsed once
@@ -267,8 +266,7 @@ def profile_decode(
             choose_batch(model, [scheme], b, context + 64 + 3 * steps + 8, dtype=dt, device=dev, rank=rank,
                          option="--batches", auto_ok=False)  # fmt: skip
     hf, _ = load_model(model, dtype=dt, device=dev, overrides=overrides)
-    lm = MultiLoraModel(hf, MultiLoraConfig(rank=rank, alpha=2 * rank, dropout=0.0)).eval()
-    lm.init_adapters("random", seed=0, b_std=0.02)
+    lm = random_adapter_model(hf, rank)
     rows = []
     with torch.no_grad():
         for b in batches:

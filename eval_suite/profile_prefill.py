@@ -43,13 +43,8 @@ CLASSES = (
     "other (embedding, adds, copies)",
 )
 _PHASE = "lragent-phase::prefill"  # the label around Engine.prefill: only the ops under it are counted
-# the decode profile's class names, as this profile reports them
-_RENAME = {
-    "norms/RoPE/SiLU": "norms/SiLU",
-    "attention kernel": "attention kernel",
-    "LoRA": "LoRA",
-    "LM head": "LM head",
-}
+# the decode profile's label whose name differs here (the prefill's RoPE is labelled with its cache writes)
+_RENAME = {"norms/RoPE/SiLU": "norms/SiLU"}
 
 
 @contextlib.contextmanager
@@ -182,10 +177,9 @@ def profile_prefill(
         overrides: config fields to change (e.g. ``{"num_hidden_layers": 2}`` for a quick look).
         out: output directory (``prefill_profile.json`` and ``.md``; the trace benchmark's directory by default).
     """
+    from eval_suite.bench_model import random_adapter_model
     from eval_suite.bench_trace import check_trace_memory
-    from lragent.lora_model import MultiLoraModel
     from lragent.models import load_model, parse_dtype
-    from lragent.multi_lora import MultiLoraConfig
     from lragent.schemes import Scheme
 
     parsed = [Scheme.parse(s) for s in (schemes or ["full_shared", "base_lr_shared"])]  # parsed once
@@ -198,8 +192,7 @@ def profile_prefill(
     if not overrides:  # the memory check reads the architecture's own config
         check_trace_memory(model, parsed, [context], dt, device, rank, None)
     hf, _ = load_model(model, dtype=dt, device=dev, overrides=overrides)
-    lm = MultiLoraModel(hf, MultiLoraConfig(rank=rank, alpha=2 * rank, dropout=0.0)).eval()
-    lm.init_adapters("random", seed=0, b_std=0.02)
+    lm = random_adapter_model(hf, rank)
     shape = ModelShape.from_config(hf.config, rank, targets=tuple(lm.lora_config.targets))
     prov = provenance(dtype=dt, device=str(dev))
     peak = peak_flops(prov["device"]["name"]) if dev.type == "cuda" else None

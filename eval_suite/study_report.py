@@ -291,6 +291,16 @@ def _md_to_html(md: str) -> str:
 SAMPLER_RERUNS_FILE = "sampler_reruns.json"
 
 
+def _episode_key(r: dict) -> tuple:
+    """An episode across two drawings of one row: its question, run and sampling seed."""
+    return r["qid"], r.get("run"), r.get("seed")
+
+
+def _episode_outcome(r: dict) -> tuple:
+    """What two drawings of an episode are compared on: prediction, token count, actions."""
+    return r.get("prediction"), r.get("num_tokens"), tuple(r.get("actions") or ())
+
+
 def sampler_reruns(root: Path) -> dict[str, dict[str, Any]]:
     """Each evaluation row kept beside its rerun as ``<row>.sampler<N>`` (episodes of an older sampler), against the
     rerun: per row, the episodes both have (same question, run and seed), how many give the same prediction, token
@@ -307,15 +317,8 @@ def sampler_reruns(root: Path) -> dict[str, dict[str, Any]]:
         )
         if not old_file.is_file():
             continue
-
-        def key(r: dict) -> tuple:
-            return r["qid"], r.get("run"), r.get("seed")
-
-        def outcome(r: dict) -> tuple:
-            return r.get("prediction"), r.get("num_tokens"), tuple(r.get("actions") or ())
-
-        old = {key(r): outcome(r) for r in read_episodes(old_file)}
-        new = {key(r): outcome(r) for r in read_episodes(new_file)}
+        old = {_episode_key(r): _episode_outcome(r) for r in read_episodes(old_file)}
+        new = {_episode_key(r): _episode_outcome(r) for r in read_episodes(new_file)}
         shared = sorted(set(old) & set(new), key=repr)
         differing = [list(k) for k in shared if old[k] != new[k]]
         out[f"{old_dir.parent.name}/{old_dir.name}"] = {

@@ -628,3 +628,25 @@ def test_sweep_changes_one_thing_at_a_time_around_each_benchmarks_best_lr() -> N
     assert "hotpotqa_lr0.0001_ep4_qv_r8" in trains and "scienceqa_lr0.0003_ep4_qv_r8" in trains
     with pytest.raises(ValueError, match="no best learning rate for 'other'"):
         build_sweep_plan(("other",), ({"lr": "best", "epochs": 2, "targets": "qv", "rank": 8},), profile=QWEN)
+
+
+def test_sampler_reruns_compare_each_older_copy_with_its_rerun(tmp_path: Path) -> None:
+    """A row kept as <row>.sampler1 beside its rerun: episodes in both (question, run, seed), how many agree on
+    prediction, token count and actions, and which differ; a rerun's extra episode is not counted as shared."""
+    from eval_suite.study_report import sampler_reruns, sampler_reruns_line
+
+    def write(d: Path, recs: list[dict]) -> None:
+        d.mkdir(parents=True)
+        (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    def ep(q: str, pred: str, tokens: int = 5) -> dict:
+        return {"qid": q, "run": 0, "seed": 1, "prediction": pred, "num_tokens": tokens, "actions": ["Finish[x]"]}
+
+    write(tmp_path / "eval" / "s" / "non_shared.sampler1", [ep("a", "x"), ep("b", "y"), ep("c", "z", 6)])
+    write(tmp_path / "eval" / "s" / "non_shared", [ep("a", "x"), ep("b", "y"), ep("c", "z", 7), ep("d", "w")])
+    got = sampler_reruns(tmp_path)
+    row = got["s/non_shared.sampler1"]
+    assert (row["old_episodes"], row["rerun_episodes"], row["shared"], row["identical"]) == (3, 4, 3, 2)
+    assert row["differing"] == [["c", 0, 1]] and len(row["old_sha256"]) == 64
+    assert "1 rows, 3 episodes in both, **2 with the same prediction" in sampler_reruns_line(got)
+    assert sampler_reruns(tmp_path / "none") == {} and sampler_reruns_line({}) == ""
