@@ -35,7 +35,8 @@ if [ ! -d "$ROOT" ]; then
 fi
 mkdir -p "$ROOT"
 ARGS=(--root "$ROOT" --model "$MODEL" --stage "$STAGE")
-if ! pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run" >/dev/null; then  # the driver itself, not any command line that names it
+DRIVER="^[^ ]*python[0-9.]* -m eval_suite.study run --root $ROOT "  # this root's driver, not any line that names it
+if ! pgrep -f "$DRIVER" >/dev/null; then  # (a study and a sweep driver may run side by side)
   setsid nohup python3 -m eval_suite.study run "${ARGS[@]}" --reset-failed "$@" >> "$ROOT/driver.log" 2>&1 < /dev/null &
   sleep 5
 fi
@@ -43,7 +44,7 @@ while [ $(( $(date +%s) - T0 )) -lt "$STAY" ]; do
   left=$(( STAY - ($(date +%s) - T0) ))
   sleep $(( left < 30 ? left : 30 ))  # never past the stay: the call also needs time for the final pack and plan
   python3 -m eval_suite.study pack --root "$ROOT" --out "$OUT" > /dev/null 2>&1
-  pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run" > /dev/null || break  # every job done or given up
+  pgrep -f "$DRIVER" > /dev/null || break  # every job done or given up
 done
 python3 -m eval_suite.study pack --root "$ROOT" --out "$OUT"
 python3 -m eval_suite.study plan "${ARGS[@]}" "$@" | awk '{print $1}' | sort | uniq -c
