@@ -27,7 +27,7 @@ from typing import Any
 
 from eval_suite.episode_log import EPISODES_FILE, read_episodes
 from eval_suite.eval_report import summarize
-from eval_suite.paired import bootstrap_mean_interval
+from eval_suite.paired import bootstrap_mean_interval, score_of
 from eval_suite.report import fmt_mean_std, markdown_table, write_json, write_text
 from eval_suite.study_jobs import Job, is_done
 from lragent.provenance import provenance, provenance_footer
@@ -135,6 +135,26 @@ def _top1(fid: dict | None, scheme: str) -> float | None:
     if not fid:
         return None
     return (fid.get("schemes", {}).get(scheme) or {}).get("overall", {}).get("top1")
+
+
+def fidelity_table(sets: dict[str, dict], bench: str) -> str:
+    """Teacher-forced fidelity of every set of ``bench`` under every shared scheme it was measured for: KL to
+    ``non_shared`` and top-1 agreement over all held-out role examples ("–" where a scheme does not apply, e.g.
+    ``base_lr_shared`` on independent A, or the job has not run)."""
+    schemes = ["base_lr_shared", "full_shared", "base_shared", "droidspeak"]
+    header = ["Adapters", *(f"KL {s}" for s in schemes), *(f"top-1 {s}" for s in schemes), "Examples (tokens)"]
+    body = []
+    for name, e in sets.items():
+        fid = e["fidelity"]
+        if e["meta"]["benchmark"] != bench or not fid:
+            continue
+        overall = next((v["overall"] for v in fid.get("schemes", {}).values() if v.get("overall")), {})
+        body.append([
+            name, *("–" if _kl(fid, s) is None else f"{_kl(fid, s):.3f}" for s in schemes),
+            *(_pct(_top1(fid, s)) for s in schemes),
+            f"{overall.get('examples', '–')} ({overall.get('tokens', '–')})",
+        ])  # fmt: skip
+    return markdown_table(header, body) if body else "No fidelity results yet.\n"
 
 
 def lambda_table(sets: dict[str, dict], bench: str) -> str:
@@ -372,6 +392,8 @@ def write_report(root: Path, plan: Sequence[Job], out: Path, partial: bool = Fal
         parts.append(lambda_table(sets, bench))
         parts.append(f"\n## {bench}: every row\n\n")
         parts.append(rows_table(sets, bench))
+        parts.append(f"\n## {bench}: teacher-forced fidelity to non_shared (every set)\n\n")
+        parts.append(fidelity_table(sets, bench))
         if bench == "scienceqa":
             parts.append("\n## scienceqa: non_shared against the chance rate\n\n")
             parts.append(chance_table(sets))
@@ -450,10 +472,12 @@ def probe_line(root: Path, bench: str) -> str | None:
     )
 
 
-def collect_sweep(root: Path, plan: Sequence[Job]) -> list[dict[str, Any]]:
+def collect_sweep(root: Path, plan: Sequence[Job], reference: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One entry per recipe point and benchmark: the recipe, its training (last val/loss, time, adapter size) and its
-    dev episodes (metric with a 95% bootstrap interval over questions, OOF, ScienceQA letter validity)."""
-    from eval_suite.paired import validity
+    dev episodes (metric with a 95% bootstrap interval over questions, OOF, ScienceQA letter validity), the older
+    draws of its row (:func:`earlier_draws`) and its paired difference to the benchmark's reference point
+    (``reference``: benchmark -> set name, the recipe that ships), on the same questions and sampling seeds."""
+    from eval_suite.paired import paired_difference, validity
     from eval_suite.training_logs import read_metrics, read_status, validation_rows
 
     out = []
@@ -464,10 +488,13 @@ def collect_sweep(root: Path, plan: Sequence[Job]) -> list[dict[str, Any]]:
         train_dir = root / "train" / meta["set"]
         vals = validation_rows(read_metrics(train_dir))
         status = read_status(train_dir)
-        adapters = train_dir / "adapters"
-        size = sum(p.stat().st_size for p in adapters.rglob("*") if p.is_file()) if adapters.is_dir() else 0
+        fresh = [i for i, r in enumerate(status) if not r.get("start_step")]  # a retraining starts over at step 0
+        status = status[fresh[-1] :] if fresh else status  # the time of the training whose weights were evaluated
+        # weights only: a committed root keeps the adapters' configs but not their weights (then no size is known)
+        size = sum(p.stat().st_size for p in (train_dir / "adapters").rglob("*.safetensors"))
         records = read_episodes(root / job.name / EPISODES_FILE)
         bench = meta["benchmark"]
+        field = "correct" if bench == "scienceqa" else "em"
         entry: dict[str, Any] = {
             "set": meta["set"], "benchmark": bench, "recipe": meta.get("recipe", {}), "done": is_done(job, root),
             "episodes": len(records), "runs": len({r["run"] for r in records}),
@@ -482,15 +509,42 @@ def collect_sweep(root: Path, plan: Sequence[Job]) -> list[dict[str, Any]]:
         else:
             entry["em"] = _question_interval(records, "em")
             entry["f1"] = _question_interval(records, "f1")
+        entry["earlier"] = earlier_draws(root / job.name, field)
+        ref = (reference or {}).get(bench)
+        entry["vs_reference"] = None
+        if ref and ref != meta["set"] and records:
+            ref_records = read_episodes(root / "eval" / ref / Path(job.name).name / EPISODES_FILE)
+            both = [{**r, "row": "point"} for r in records] + [{**r, "row": "reference"} for r in ref_records]
+            entry["vs_reference"] = paired_difference(both, "point", "reference", field)
         out.append(entry)
     return out
+
+
+def earlier_draws(row_dir: Path, field: str) -> list[dict[str, Any]]:
+    """The older copies of one evaluation row (``<row>.sampler<N>``, kept when the row ran again under a newer
+    sampler, after a retraining of its set): per copy, its episodes and the mean of ``field``. Two draws of the same
+    recipe show the run-to-run spread that a sweep's one-run points must be read against."""
+    out = []
+    for d in sorted(row_dir.parent.glob(f"{row_dir.name}.sampler*")):
+        records = read_episodes(d / EPISODES_FILE)
+        if records:
+            out.append({"copy": d.name, "episodes": len(records),
+                        "mean": sum(score_of(r, field) for r in records) / len(records)})  # fmt: skip
+    return out
+
+
+def _delta(d: dict | None) -> str:
+    if d is None:
+        return "–"
+    lo, hi = d["ci95"]
+    return f"{100 * d['mean']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
 
 def sweep_table(entries: Sequence[dict], bench: str) -> str:
     scienceqa = bench == "scienceqa"
     metric = "Accuracy % [95% CI]" if scienceqa else "EM % [95% CI]"
-    header = ["Set", "lr", "epochs", "targets", "rank", "val loss", metric, "Valid %" if scienceqa else "F1 %", "OOF %",
-              "Episodes", "Train s", "MB"]  # fmt: skip
+    header = ["Set", "lr", "epochs", "targets", "rank", "val loss", metric, "Δ to shipped recipe [95% CI]",
+              "Earlier draw", "Valid %" if scienceqa else "F1 %", "OOF %", "Episodes", "Train s", "MB"]  # fmt: skip
     body = []
     for e in entries:
         if e["benchmark"] != bench:
@@ -500,7 +554,8 @@ def sweep_table(entries: Sequence[dict], bench: str) -> str:
             e["set"] + ("" if e["done"] else " (unfinished)"), f"{r.get('lr', 0):g}", str(r.get("epochs", "")),
             str(r.get("targets", "")), str(r.get("rank", "")),
             "–" if e["val_loss"] is None else f"{e['val_loss']:.3f}",
-            _ci(e["accuracy"] if scienceqa else e["em"]),
+            _ci(e["accuracy"] if scienceqa else e["em"]), _delta(e.get("vs_reference")),
+            ", ".join(f"{100 * d['mean']:.1f}" for d in e.get("earlier") or []) or "–",
             _pct(e["valid"]) if scienceqa else ("–" if e["f1"] is None else f"{100 * e['f1'][0]:.1f}"),
             _pct(e["oof"]), str(e["episodes"]), "–" if e["train_s"] is None else f"{e['train_s']:.0f}",
             "–" if e["adapters_mb"] is None else f"{e['adapters_mb']:.1f}",
@@ -508,21 +563,29 @@ def sweep_table(entries: Sequence[dict], bench: str) -> str:
     return markdown_table(header, body)
 
 
-def write_sweep_report(root: Path, plan: Sequence[Job], out: Path) -> list[dict[str, Any]]:
+def write_sweep_report(
+    root: Path, plan: Sequence[Job], out: Path, reference: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """Writes ``sweep.md`` and ``sweep.json`` into ``out``: per benchmark, one row per recipe point.
 
     Args:
         root: the sweep's root.
         plan: the sweep's jobs (:func:`eval_suite.study.build_sweep_plan`).
         out: output directory.
+        reference: benchmark -> the set name of the recipe that ships (each point's paired difference is to it).
     """
     out.mkdir(parents=True, exist_ok=True)
-    entries = collect_sweep(root, plan)
+    entries = collect_sweep(root, plan, reference)
     parts = ["# Recipe sweep: dev episodes per training recipe\n\n",
              "Each point trains one shared-A λ = 0 adapter set from the bundled trajectories and runs its agents on "
              "the 90 dev questions under `non_shared` (sampling as the evaluation protocol). The interval is a 95% "
              "bootstrap over questions (each question's mean over runs); `val loss` is the last epoch's plain "
-             "validation loss on held-out role examples.\n"]  # fmt: skip
+             "validation loss on held-out role examples. `Δ to shipped recipe` is the paired difference to the point "
+             "whose recipe the shipped sets use (same questions, same sampling seeds), with its 95% bootstrap interval "
+             "over questions. `Earlier draw` is the same recipe trained and run once before (the row's older copy, "
+             "kept when it ran again under a newer sampler): the gap between two draws of one recipe is the noise "
+             "that a one-run point is read against. `Train s` is the training's wall time on a GPU that other jobs "
+             "shared (not a speed figure); `MB` the adapters' weights, where the root keeps them.\n"]  # fmt: skip
     for bench in [b for b in ("scienceqa", "hotpotqa") if any(e["benchmark"] == b for e in entries)]:
         parts.append(f"\n## {bench}\n\n")
         line = probe_line(root, bench)

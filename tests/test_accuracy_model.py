@@ -184,14 +184,13 @@ def test_converted_copy_is_the_pinned_architecture() -> None:
     [
         ("qwen_hotpotqa_sharedA", 0.0, True),
         ("qwen_scienceqa_sharedA", 0.0, True),
-        ("qwen_hotpotqa_indepA", 0.0, False),
     ],
 )
 def test_shipped_accuracy_model_sets_fit_its_architecture(name: str, lam: float, shared_a: bool) -> None:
-    """The bundled sets of the accuracy model (native checkpoints, read without the model): shared A (or one A per
-    role for the independent-A set), three roles, rank 8 on q_proj and v_proj of all 28 layers, Qwen2.5-1.5B's shapes
-    (q 1536 wide, v 2 KV heads x 128), trained B, and the λ they were trained with (a study set's weights are kept
-    until its jobs are done, so a resumed study evaluates the same weights)."""
+    """The bundled sets of the accuracy model (native checkpoints, read without the model): shared A (a study set
+    kept here while its jobs run may have one A per role), three roles, rank 8 on q_proj and v_proj of all 28
+    layers, Qwen2.5-1.5B's shapes (q 1536 wide, v 2 KV heads x 128), trained B, and the λ they were trained with (a
+    study set's weights are kept until its jobs are done, so a resumed study evaluates the same weights)."""
     from safetensors.torch import load_file
 
     from lragent.adapters_io import adapter_config_of

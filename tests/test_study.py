@@ -194,16 +194,17 @@ def test_report_from_job_outputs(tmp_path: Path) -> None:
         )
     fid = next(j for j in plan if j.name == "fidelity/scienceqa_lam0")  # one set's fidelity done, the others not
     (root / fid.done_file).parent.mkdir(parents=True, exist_ok=True)
-    (root / fid.done_file).write_text(
-        json.dumps({"schemes": {"base_lr_shared": {"kl": 0.1}}, "examples": [{"kl": 0.1}]})
-    )
+    overall = {"base_lr_shared": (0.1, 0.9), "full_shared": (0.3, 0.8)}
+    schemes = {k: {"overall": {"kl": kl, "top1": t1, "examples": 5, "tokens": 50}} for k, (kl, t1) in overall.items()}
+    (root / fid.done_file).write_text(json.dumps({"schemes": schemes, "examples": [{"kl": 0.1}]}))
     data = write_report(root, plan, tmp_path / "out")
     md = (tmp_path / "out" / "study.md").read_text()
     s = data["scienceqa_lam0.5"]["summary"]
     page = json.loads((tmp_path / "out" / "study.json").read_text())["sets"]
-    assert page["scienceqa_lam0"]["fidelity"] == {
-        "schemes": {"base_lr_shared": {"kl": 0.1}}
-    }  # examples stay in the job
+    assert page["scienceqa_lam0"]["fidelity"] == {"schemes": schemes}  # examples stay in the job
+    # every measured scheme in the fidelity table, "–" where none was measured; sets without fidelity left out
+    assert "| scienceqa_lam0 | 0.100 | 0.300 | – | – | 90.0 | 80.0 | – | – | 5 (50) |" in md
+    assert "| scienceqa_lam0.5 | 0" not in md.split("teacher-forced fidelity")[1].split("##")[0]
     assert "- scienceqa_lam0.5: " in md and "fidelity" in md.split("- scienceqa_lam0.5: ")[1].split("\n")[0]
     assert "- scienceqa_lam0: " not in md  # its rows and its fidelity are done
     assert s["paired_vs_non_shared"]["accuracy"]["base_lr_shared"]["mean"] == pytest.approx(-0.5)
@@ -451,10 +452,21 @@ def test_sweep_report_from_job_outputs(tmp_path: Path) -> None:
         (train / "csv" / "version_0" / "metrics.csv").write_text(
             f"epoch,step,val/loss\n0,5,{1.5 - k}\n1,10,{1.25 - k}\n"
         )
+        # two trainings of the set (a retraining starts over at step 0), the second's weights evaluated
+        (train / "fit_status.jsonl").write_text(
+            "".join(json.dumps({"start_step": st, "train_s": t}) + "\n" for st, t in ((0, 100.0), (0, 40.0), (7, 2.0)))
+        )
+    # point 1's row ran once before (its older copy): right on 2 of 4
+    old_copy = root / plan[-1].name
+    old_copy = old_copy.with_name(old_copy.name + ".sampler1")
+    old_copy.mkdir(parents=True)
+    old_recs = [_episode("non_shared", f"q{q}", 0, q < 2, 3) for q in range(4)]
+    (old_copy / "episodes.jsonl").write_text("".join(json.dumps(x) + "\n" for x in old_recs))
     (root / "probe" / "scienceqa").mkdir(parents=True)
     probe = {"correct": {"mean": 61.1, "low": 51.1, "high": 71.1}, "chance": 41.1, "questions": 90}
     (root / "probe" / "scienceqa" / "summary.json").write_text(json.dumps(probe))
-    entries = write_sweep_report(root, plan, tmp_path / "out")
+    reference = {"scienceqa": plan[[j.kind for j in plan].index("eval")].meta["set"]}  # point 0 ships
+    entries = write_sweep_report(root, plan, tmp_path / "out", reference)
     md = (tmp_path / "out" / "sweep.md").read_text()
     first, second = entries
     assert first["accuracy"][0] == pytest.approx(0.75) and second["accuracy"][0] == pytest.approx(0.25)
@@ -463,6 +475,12 @@ def test_sweep_report_from_job_outputs(tmp_path: Path) -> None:
     assert (first["val_loss"], second["val_loss"]) == (pytest.approx(1.25), pytest.approx(0.25))  # the last epoch
     assert "| scienceqa_lr0.0001_ep2_qv_r8 | 0.0001 | 2 | qv | 8 | 1.250 | 75.0 [" in md
     assert "accuracy 61.1% [51.1, 71.1], chance 41.1%" in md
+    # paired to the shipped point on the same questions: 0, -1, -1, 0; the shipped point itself has no difference
+    assert first["vs_reference"] is None and second["vs_reference"]["mean"] == pytest.approx(-0.5)
+    assert second["vs_reference"]["questions"] == 4
+    assert first["earlier"] == [] and second["earlier"] == [{"copy": "non_shared.sampler1", "episodes": 4, "mean": 0.5}]
+    assert first["train_s"] == pytest.approx(42.0)  # the last training and its resume, not the discarded one
+    assert "| 25.0 [" in md and "| -50.0 [" in md and "| 50.0 |" in md
 
 
 def test_a_sets_rows_come_before_later_sets_train() -> None:
