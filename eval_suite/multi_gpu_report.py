@@ -208,6 +208,12 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     for n in sizes:
         en = episodes(out / f"ev{n}")
         ev[f"episodes_{n}"] = None if en is None else len(en)
+        rc = t.get(f"ev{n}", {}).get("rc")
+        if rc not in (0, None):  # stopped (the call's budget, a failure): compare what it finished, time nothing
+            ev[f"stopped_{n}"] = rc
+            if e1 is not None and en is not None:
+                ev[f"finished_equal_{n}"] = set(en) <= set(e1)  # each finished episode is one of one GPU's
+            continue
         if e1 is not None and en is not None:
             ev[f"same_episodes_{n}"] = e1 == en
             ev[f"differing_episodes_{n}"] = len(set(e1) ^ set(en))
@@ -218,6 +224,8 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     loop1 = episode_loop_seconds(out / "ev1")
     ev["episode_loop_seconds_1"] = loop1
     for n in sizes:
+        if f"stopped_{n}" in ev:
+            continue
         loop_n = episode_loop_seconds(out / f"ev{n}")
         ev[f"episode_loop_seconds_{n}"] = loop_n
         if loop1 and loop_n:
@@ -320,6 +328,12 @@ def markdown(res: dict[str, Any]) -> str:
         )
     lines += ["", "## eval --devices N vs --devices 1", ""]
     for n in sizes:
+        if f"stopped_{n}" in e:
+            lines.append(
+                f"{n} devices: stopped (exit {e[f'stopped_{n}']}) after {_fmt(e.get(f'episodes_{n}'))} episodes; each "
+                f"of them equal to one device's: {_fmt(e.get(f'finished_equal_{n}'))}; no speed-up (not finished)."
+            )
+            continue
         lines.append(
             f"{n} devices: episodes {_fmt(e.get('episodes_1'))} vs {_fmt(e.get(f'episodes_{n}'))}; same predictions "
             f"and lengths: {_fmt(e.get(f'same_episodes_{n}'))} ({_fmt(e.get(f'differing_episodes_{n}'))} differ); "

@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -82,6 +83,37 @@ def _cli_value(value: Any) -> str:
     return str(value)
 
 
+def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, str], cpus: int) -> tuple[str, dict]:
+    """The ``--device`` and the environment of shard ``i`` of ``n``.
+
+    On GPUs the shard sees its own GPU only (``CUDA_VISIBLE_DEVICES``: the i-th of the GPUs this process sees) and
+    runs on ``cuda``: nothing of it can land on, or make a context on, another shard's GPU. Each shard gets an equal
+    share of the CPU cores for its thread pools (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``; a value the user set is
+    kept): N processes with a pool as wide as the machine each oversubscribe the cores and slow one another down.
+
+    Args:
+        i: the shard.
+        n: shards.
+        gpus: GPUs this process sees (0: CPU shards).
+        device: the eval's ``--device`` (None: the default).
+        env: this process's environment.
+        cpus: the machine's CPU cores.
+
+    Returns:
+        ``(device, environment)`` of the shard's process.
+    """
+    out = dict(env)
+    threads = str(max(1, cpus // n))
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        out.setdefault(key, threads)
+    out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not gpus:
+        return device or "cpu", out
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    out["CUDA_VISIBLE_DEVICES"] = visible[i] if len(visible) > i else str(i)
+    return "cuda", out
+
+
 def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
     """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
     ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
@@ -107,12 +139,14 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
     for i in range(n):
         d = out_dir / f"shard_{i}"
         shard_dirs.append(d)
-        dev = f"cuda:{i}" if gpus else (call["device"] or "cpu")
+        dev, env = shard_launch(i, n, gpus, call["device"], dict(os.environ), os.cpu_count() or 1)
         cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out", str(d),
                "--device", dev, "--quiet", "true"]  # fmt: skip
         log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed below, after the process ends)
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-        print(f"eval: shard {i}/{n} on {dev} -> {d} (log {out_dir / f'shard_{i}.log'})", file=sys.stderr)
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        where = f"GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
+        print(f"eval: shard {i}/{n} on {where} ({env['OMP_NUM_THREADS']} CPU threads) -> {d} "
+              f"(log {out_dir / f'shard_{i}.log'})", file=sys.stderr)  # fmt: skip
     failed = []
     for i, (proc, log) in enumerate(procs):
         if proc.wait() != 0:

@@ -645,3 +645,22 @@ def test_default_scheme_follows_limit(kwargs, schemes, note, tmp_path, monkeypat
         run_eval.evaluate(**kwargs, out=str(tmp_path / "o"), device="cpu", quiet=True)
     assert seen["schemes"] == schemes
     assert ("--limit without --scheme runs base_lr_shared only" in capsys.readouterr().err) == note
+
+
+def test_each_shard_sees_its_own_gpu_and_a_share_of_the_cores():
+    """eval --devices N: shard i sees only the i-th visible GPU (nothing of it can land on another shard's GPU) and
+    an N-th of the cores for its thread pools, unless the user set them; CPU shards keep their device."""
+    from eval_suite.run_eval import shard_launch
+
+    launches = [shard_launch(i, 4, 4, None, {"PATH": "/bin"}, 64) for i in range(4)]
+    assert [dev for dev, _ in launches] == ["cuda"] * 4
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launches] == ["0", "1", "2", "3"]
+    assert {env["OMP_NUM_THREADS"] for _, env in launches} == {"16"} and launches[0][1]["PATH"] == "/bin"
+    # the parent's own visible GPUs are mapped, not renumbered; a user's thread setting wins
+    parent = {"CUDA_VISIBLE_DEVICES": "4,5, 6,7", "OMP_NUM_THREADS": "3"}
+    launches = [shard_launch(i, 4, 4, "cuda", parent, 64) for i in range(4)]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launches] == ["4", "5", "6", "7"]
+    assert launches[2][1]["OMP_NUM_THREADS"] == "3" and launches[2][1]["MKL_NUM_THREADS"] == "16"
+    assert parent["CUDA_VISIBLE_DEVICES"] == "4,5, 6,7"  # the caller's environment is not changed
+    dev, env = shard_launch(1, 2, 0, "cpu", {}, 2)
+    assert dev == "cpu" and "CUDA_VISIBLE_DEVICES" not in env and env["OMP_NUM_THREADS"] == "1"

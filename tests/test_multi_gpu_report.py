@@ -68,8 +68,9 @@ def test_each_size_is_compared_with_one_gpu_and_the_seed_noise(tmp_path: Path, r
     assert d["ddp2_speedup_tokens_per_s"] == pytest.approx(1.9) and d["ddp4_speedup_tokens_per_s"] == pytest.approx(3.0)
     e = res["eval_devices"]
     assert e["same_episodes_2"] is True and e["speedup_2"] == pytest.approx(2.0)
-    assert e["same_episodes_4"] is False and e["differing_episodes_4"] == 2  # c missing, x extra
-    assert "speedup_4" not in e  # a failed phase gives no speed-up
+    # a failed phase: what it finished is checked (x is none of one GPU's episodes), no speed-up
+    assert e["stopped_4"] == 1 and e["finished_equal_4"] is False and "same_episodes_4" not in e
+    assert "speedup_4" not in e
     assert res["ddp_accuracy_model"]["speed_1gpu"] is None  # its phases did not run: missing, not zero
     md = report.markdown(res)
     assert "| DDP, 4 devices | [2.0000, 1.5300] | 3000 | 3.00x |" in md
@@ -140,3 +141,28 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     assert "episode loops alone (the slowest shard) 120.0 vs 37.0 s, 3.24x" in report.markdown(
         report.collect(tmp_path, None, [4])
     )
+
+
+def test_a_stopped_eval_phase_is_checked_on_what_it_finished_and_not_timed(tmp_path: Path, report) -> None:
+    """A phase the call's budget stopped (exit 124) is not 'different records': its finished episodes are checked
+    against one device's, and it gets no speed-up; a finished phase is compared whole."""
+
+    def eps(d: Path, qids: list[str], pred: str = "x") -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        rows = [{"qid": q, "seed": 1, "prediction": pred, "num_tokens": 5, "steps": 1} for q in qids]
+        (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "timing.json").write_text(json.dumps({"setup_s": 1.0, "episodes_s": 10.0 * len(qids)}))
+
+    eps(tmp_path / "ev1" / "hotpotqa", ["a", "b", "c", "d"])
+    eps(tmp_path / "ev4" / "hotpotqa" / "shard_0", ["a", "c"])
+    eps(tmp_path / "ev4" / "hotpotqa" / "shard_1", ["b", "d"])
+    eps(tmp_path / "ev2" / "hotpotqa" / "shard_0", ["a"])  # stopped after one episode
+    (tmp_path / "timings.txt").write_text("ev1 rc=0 seconds=100\nev4 rc=0 seconds=40\nev2 rc=124 seconds=30\n")
+    e = report.collect(tmp_path, None, [2, 4])["eval_devices"]
+    assert e["stopped_2"] == 124 and e["finished_equal_2"] is True
+    assert "same_episodes_2" not in e and "speedup_2" not in e and "loop_speedup_2" not in e
+    assert e["same_episodes_4"] is True and e["speedup_4"] == pytest.approx(2.5)
+    md = report.markdown(report.collect(tmp_path, None, [2, 4]))
+    assert "2 devices: stopped (exit 124) after 1 episodes; each of them equal to one device's: True" in md
+    eps(tmp_path / "ev2" / "hotpotqa" / "shard_0", ["a"], pred="y")  # a finished episode that differs
+    assert report.collect(tmp_path, None, [2])["eval_devices"]["finished_equal_2"] is False
