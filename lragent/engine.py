@@ -121,6 +121,7 @@ class _Pending:
     prefill_s: float
     t_decode: float
     steps: int = 0
+    forced_left: int = 0  # fed tokens not yet through the decode step (host's count: chunked steps or not)
     logits: list[torch.Tensor] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
 
@@ -223,11 +224,16 @@ class Engine:
             together, instead of an eager prefill of its row alone. Agent calls append a few dozen tokens each, so
             with many rows the eager prefills, one row at a time, would cost more than the decoding; long prompts
             still prefill eagerly. 0 turns it off.
+        feed_chunk: with ``prefill_in_decode``, the tokens a row feeds per decode step (default 1). Each step then
+            runs ``rows × feed_chunk`` token rows: row r's j-th token at position ``pos_r + j`` in r's own slots
+            (its K/V are all stored before the step's attention, which reads ``[0, pos_r + j]``: causal), and the
+            row's logits are its last fed token's. A call's new text then takes ``ceil(n / feed_chunk)`` steps, not
+            ``n``: an episode's latency falls with it. Steps where no row feeds run one token per row as before.
         batch_invariant: every decode step runs all ``rows`` rows (one batch width, the idle rows masked) instead of
             the smallest bucket that holds the busy rows. GPU GEMMs pick their kernel, and so their summation order,
             by the batch width, so a row's logits can change in their last bits with how many other rows are busy
             and a sampled token can flip; at one width a row's numbers depend on its own inputs only. Costs the idle
-            rows' compute when few rows are busy.
+            rows' compute when few rows are busy. With ``feed_chunk`` > 1 every step is a chunked one (one width).
     """
 
     def __init__(
@@ -248,6 +254,7 @@ class Engine:
         prefill_in_decode: int = 0,
         fuse_lora: bool | None = None,
         batch_invariant: bool = False,
+        feed_chunk: int = 1,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -256,6 +263,10 @@ class Engine:
         if isinstance(prefill_in_decode, bool) or prefill_in_decode < 0:
             raise ValueError(f"prefill_in_decode must be an int >= 0 (0: off), got {prefill_in_decode!r}")
         self.prefill_in_decode = int(prefill_in_decode)
+        if isinstance(feed_chunk, bool) or not isinstance(feed_chunk, int) or feed_chunk < 1:
+            raise ValueError(f"feed_chunk must be an int >= 1 (1: one fed token per step), got {feed_chunk!r}")
+        # more than prefill_in_decode tokens are never fed, so a wider chunk would only idle
+        self.feed_chunk = min(feed_chunk, max(self.prefill_in_decode, 1))
         self.batch_invariant = bool(batch_invariant)
         self.model = model
         self.dec = model.decoder  # the per-layer DecoderEngine of the model (not a batched Engine)
@@ -574,7 +585,7 @@ class Engine:
         # anything can read them (the row is busy until its result is collected).
         self.scheme.record(traj, request.role, op)
         self.d_active[row] = True
-        self._pending[row] = _Pending(request, len(traj.ids), n, 0, 0.0, time.perf_counter())
+        self._pending[row] = _Pending(request, len(traj.ids), n, 0, 0.0, time.perf_counter(), forced_left=n)
         self._note_peak()
         return None
 
@@ -605,9 +616,11 @@ class Engine:
         self.d_pos[row] = 0
         self.d_forced_len[row] = 0
 
-    def _decode_step(self, b: int, sampling: bool, max_len: int | None) -> None:
+    def _decode_step(self, b: int, sampling: bool, max_len: int | None, chunk: int = 1) -> None:
         """One decode step for batch rows ``[0, b)``: sample from the pending logits (or take the row's next
-        teacher-forced token), record, stop, forward."""
+        teacher-forced token, or with ``chunk`` > 1 up to ``chunk`` of them), record, stop, forward."""
+        if chunk > 1:
+            return self._chunked_step(b, sampling, max_len, chunk)
         act = self.d_active[:b]
         count = self.d_count[:b]
         tok = sample_next(
@@ -645,6 +658,61 @@ class Engine:
         self.d_logits[:b] = self.dec.logits(h, fused=view.fused)[:, 0].float()
         pos.add_(act.long())
 
+    def _chunked_step(self, b: int, sampling: bool, max_len: int | None, chunk: int) -> None:
+        """:meth:`_decode_step` feeding up to ``chunk`` forced tokens per row: ``b × chunk`` token rows, row r's
+        j-th at ``(r, j)``; a row that samples uses its j = 0 only; unused token rows point at the scratch slots."""
+        act = self.d_active[:b]
+        count = self.d_count[:b]
+        tok = sample_next(
+            self.d_logits[:b], self.d_temp[:b], self.d_top_p[:b], self.d_seed[:b], count, sampling=sampling
+        )
+        rows = torch.arange(b, device=self.device)
+        j = torch.arange(chunk, device=self.device)
+        fcount, flen = self.d_forced_count[:b], self.d_forced_len[:b]
+        forcing = act & (fcount < flen)
+        # tokens each row puts through this step: its next forced ones (at most chunk), or its sampled one, or none
+        k = torch.where(forcing, (flen - fcount).clamp(min=0, max=chunk), act.long())
+        forced = self.d_forced[rows[:, None], (fcount[:, None] + j).clamp(max=self.d_forced.shape[1] - 1)]
+        vtok = torch.where(forcing[:, None], forced, tok[:, None])  # (b, chunk)
+        fcount.add_(torch.where(forcing, k, 0))
+        gen = act & ~forcing  # a sampled token: recorded, counted, checked for a stop
+        slot = count.clamp(max=self.d_gen.shape[1] - 1)
+        self.d_gen[rows, slot] = torch.where(gen, tok, self.d_gen[rows, slot])
+        step = gen.long()
+        count.add_(step)
+        self.d_remaining[:b].sub_(step)
+        hit = self.d_stop[:b].gather(1, tok[:, None])[:, 0] | self.d_eos[tok]
+        done = gen & (hit | (self.d_remaining[:b] <= 0))
+        self.d_active[:b] = act & ~done
+        pos = self.d_pos[:b]
+        valid = j[None, :] < k[:, None]  # (b, chunk)
+        pool = self.pool
+        vpos = torch.where(valid, pos[:, None] + j, 0).reshape(-1)
+        view = DecodeView(
+            pool,
+            torch.where(valid, self.d_kv_slot[:b, None], pool.scratch_kv).reshape(-1),
+            torch.where(valid, self.d_lr_slot[:b, None], pool.scratch_lr).reshape(-1),
+            torch.where(valid, self.d_hid_slot[:b, None], pool.scratch_hidden).reshape(-1),
+            vpos,
+            max_len,
+            self.use_kernel,
+            fused=self.fuse_ops,
+        )
+        cos_t, sin_t = self.dec.rope_table(pool.capacity, self.dtype, self.device)
+        rotary = (cos_t[vpos][:, None], sin_t[vpos][:, None])
+        roles = self.d_role[:b, None].expand(b, chunk).reshape(-1)
+        h = self.dec.run_view(self.dec.embed(vtok.reshape(-1, 1)), rotary, roles, view)  # (b·chunk, 1, H)
+        last = h.view(b, chunk, *h.shape[1:])[rows, (k - 1).clamp(min=0)]  # each row's last fed token
+        self.d_logits[:b] = self.dec.logits(last, fused=view.fused)[:, 0].float()
+        pos.add_(k)
+
+    def _chunk(self) -> int:
+        """Tokens per row in the next steps: ``feed_chunk`` while some row has tokens to feed (always, when
+        batch-invariant: one width for every step), else 1."""
+        if self.feed_chunk > 1 and (self.batch_invariant or any(p.forced_left for p in self._pending.values())):
+            return self.feed_chunk
+        return 1
+
     def _bucket(self) -> int:
         if self.batch_invariant:
             return self.rows
@@ -654,14 +722,14 @@ class Engine:
                 return b
         return self.rows
 
-    def _graph_for(self, b: int, sampling: bool) -> torch.cuda.CUDAGraph:
+    def _graph_for(self, b: int, sampling: bool, chunk: int = 1) -> torch.cuda.CUDAGraph:
         """The decode step of batch bucket ``b`` captured as a CUDA graph (captured on first use).
 
         All graphs of the engine share one private memory pool. That is safe in any replay order: a captured step
         keeps no output of its own (every result is copied into the engine's static state tensors), so what one
         graph leaves in the pool is scratch that no other graph reads.
         """
-        key = (b, sampling)
+        key = (b, sampling, chunk)
         if key in self._graphs:
             return self._graphs[key]
         state = [
@@ -673,13 +741,13 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up on the capture stream: kernels compiled/tuned, per-stream workspaces made
-                self._decode_step(b, sampling, None)
+                self._decode_step(b, sampling, None, chunk)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
-            self._decode_step(b, sampling, None)
+            self._decode_step(b, sampling, None, chunk)
         for t, s in zip(state, saved, strict=True):
             t.copy_(s)
         self._graphs[key] = graph
@@ -709,19 +777,26 @@ class Engine:
             b = self._bucket()
             sampling = any(p.request.temperature > 0 for p in self._pending.values())
             n = self.sync_every if max_steps is None else min(self.sync_every, max_steps - steps)
+            chunk = self._chunk()
+            if chunk > 1 and not self.batch_invariant:  # back to one token per row once the feeding is done
+                n = min(n, max(-(-p.forced_left // chunk) for p in self._pending.values()))
             if self.cuda_graphs and not eager_logits:
-                graph = self._graph_for(b, sampling)
+                graph = self._graph_for(b, sampling, chunk)
                 for _ in range(n):
                     graph.replay()
             else:
                 # eager: the host looks after every step (a sync costs little next to eager launches)
                 n = 1
+                # a bound on every read position, chunked or not: a feeding row reads below len0 (its trajectory,
+                # fed tokens included), a sampling one at most len0 + steps
                 max_len = max(p.len0 + p.steps + 1 for p in self._pending.values())
                 for p in self._pending.values():
                     p.steps += 1
-                self._decode_step(b, sampling, max_len)
+                self._decode_step(b, sampling, max_len, chunk)
                 if eager_logits:
                     self._collect_logits()
+            for p in self._pending.values():  # a feeding row puts min(chunk, left) tokens through each step
+                p.forced_left = max(0, p.forced_left - n * chunk)
             steps += n
             finished = self._collect_finished()
         self._note_peak()

@@ -358,16 +358,16 @@ class _Replay:
     """Stands in for a captured CUDA graph: the decode step as captured (``max_len=None``), ``sync_every`` steps
     between host checks, so a row runs past a stop string until the next sync."""
 
-    def __init__(self, engine: Engine, b: int, sampling: bool) -> None:
-        self.engine, self.b, self.sampling = engine, b, sampling
+    def __init__(self, engine: Engine, b: int, sampling: bool, chunk: int = 1) -> None:
+        self.engine, self.b, self.sampling, self.chunk = engine, b, sampling, chunk
 
     def replay(self) -> None:
-        self.engine._decode_step(self.b, self.sampling, None)
+        self.engine._decode_step(self.b, self.sampling, None, self.chunk)
 
 
 def graph_semantics(eng: Engine, sync_every: int) -> Engine:
     eng.cuda_graphs, eng.sync_every = True, sync_every
-    eng._graph_for = lambda b, sampling: _Replay(eng, b, sampling)
+    eng._graph_for = lambda b, sampling, chunk=1: _Replay(eng, b, sampling, chunk)
     return eng
 
 
@@ -732,17 +732,18 @@ class FakeCuda:
                 fake.side, fake.capturing = prev, None
             fake.captures.append((g, pool))
 
-        def decode_step(b, sampling, max_len):
+        def decode_step(b, sampling, max_len, chunk=1):
             s = fake.side if fake.side is not None else fake.current(eng.device)
+            args = (b, sampling, max_len) + ((chunk,) if chunk > 1 else ())
             if fake.capturing is not None:
-                assert (s, b, sampling, max_len) in fake.warm, "captured a step that never ran eagerly on its stream"
-                fake.capturing.steps.append((b, sampling, max_len))
+                assert (s, *args) in fake.warm, "captured a step that never ran eagerly on its stream"
+                fake.capturing.steps.append(args)
                 return
             if s is not fake.current(eng.device):  # side-stream work must come after the state the host wrote
                 assert any(o is fake.current(eng.device) for o, _ in s.waited), "side stream did not wait"
-            fake.warm.add((s, b, sampling, max_len))
+            fake.warm.add((s, *args))
             s.steps += 1
-            real_step(b, sampling, max_len)
+            real_step(*args)
 
         def handle():
             fake.handles.append(object())
@@ -806,8 +807,8 @@ def test_captured_decode_graphs_replay_what_eager_decoding_does(monkeypatch, sch
     asked = []
     graph_for = eng._graph_for
 
-    def checked(b, sampling):
-        graph = graph_for(b, sampling)
+    def checked(b, sampling, chunk=1):
+        graph = graph_for(b, sampling, chunk)
         assert graph.steps == [(b, sampling, None)], (b, sampling, graph.steps)
         asked.append((b, sampling))
         return graph
