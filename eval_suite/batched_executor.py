@@ -103,6 +103,7 @@ class BatchedExecutor:
         self.droidspeak_layers = droidspeak_layers
         self.eos_token_ids = eos_token_ids
         self.generated_tokens = 0
+        self.decode_steps = 0  # the engines' batched decode steps (timing.json: hardware-free cost of a run)
         self._reserved: tuple[str, int, Engine] | None = None
 
     def reserve(self, scheme: str, tasks: int) -> None:
@@ -213,7 +214,10 @@ class BatchedExecutor:
                     del active[row]
                     free.append(row)
                     yield task, result
-            for res in eng.advance():
+            before = eng.decode_steps
+            finished = eng.advance()
+            self.decode_steps += eng.decode_steps - before
+            for res in finished:
                 self.generated_tokens += len(res.generated_ids)
                 state = active[res.row]
                 result = answer(res.row, state, self._reply(res, eng, res.row))

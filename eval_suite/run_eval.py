@@ -725,6 +725,7 @@ def run_plan(plan: EvalPlan) -> int:
             # the decode settings that shape a GPU run's numbers (None: the sequential executor)
             "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
             "feed_chunk": getattr(executor, "feed_chunk", None),
+            "decode_steps": getattr(executor, "decode_steps", None),
         })  # fmt: skip
         summary = write_summary(records, out_dir, prov)
     _print_summary(summary, out_dir)

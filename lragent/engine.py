@@ -314,6 +314,7 @@ class Engine:
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.stop_index = StopTokenIndex(tokenizer, self.dec.vocab_size) if tokenizer is not None else None
         self.peak_cache_bytes = 0
+        self.decode_steps = 0  # batched decode steps run (graph replays included): an episode's latency in steps
         self._pending: dict[int, _Pending] = {}
         self._lora_modules = list(model.lora_modules().values())
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -798,6 +799,7 @@ class Engine:
             for p in self._pending.values():  # a feeding row puts min(chunk, left) tokens through each step
                 p.forced_left = max(0, p.forced_left - n * chunk)
             steps += n
+            self.decode_steps += n
             finished = self._collect_finished()
         self._note_peak()
         return finished

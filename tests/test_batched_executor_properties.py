@@ -89,6 +89,7 @@ class FakeEngine:
         self.traj: dict[int, list[int]] = {r: [] for r in range(rows)}
         self.pending: dict[int, list] = {}
         self.placements: list[tuple[int, int]] = []  # (row, length of the trajectory) at each reset
+        self.decode_steps = 0
         FakeEngine.built.append(self)
 
     def _row(self, row: int) -> list[int]:
@@ -124,6 +125,7 @@ class FakeEngine:
 
     def advance(self) -> list[StepResult]:
         out = []
+        self.decode_steps += 3  # as if each call ran three steps
         for row in sorted(self.pending, reverse=True):  # results come in no particular row order
             self.pending[row][1] -= 1
             if self.pending[row][1] == 0:
@@ -264,6 +266,14 @@ def test_engine_gets_min_of_batch_and_tasks_rows_and_the_executor_settings() -> 
     _run(inv, _tasks([one] * 2, ["base_lr_shared"] * 2))
     (e3,) = FakeEngine.built
     assert e3.rows == 3 and e3.kwargs == {**common, "droidspeak_layers": None, "batch_invariant": True}
+
+
+def test_decode_steps_are_summed_over_the_engines() -> None:
+    """The executor's decode steps (timing.json's hardware-free cost of a run) are its engines' steps, all schemes."""
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    one = [("gen", "plan", "", 2), ("gen", "action", "", 1)]
+    _run(ex, _tasks([one] * 3, ["base_lr_shared"] * 2 + ["non_shared"]))
+    assert len(FakeEngine.built) == 2 and ex.decode_steps == sum(e.decode_steps for e in FakeEngine.built) > 0
 
 
 def test_constructor_defaults_and_prefill_in_decode_by_device() -> None:
