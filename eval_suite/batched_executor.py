@@ -25,10 +25,10 @@ from lragent.lora_model import MultiLoraModel
 
 PREFILL_IN_DECODE = 128
 """On CUDA, agent calls that append up to this many tokens are fed through the batched decode graph."""
-FEED_CHUNK = 1
-"""On CUDA, the tokens a row feeds per decode step while it feeds (``Engine``'s ``feed_chunk``). One until the
-chunked step has passed its GPU test and been timed there (``--feed_chunk 8`` to try it: a call's new text then takes
-an eighth of the steps); steps where no row feeds are one token per row either way."""
+FEED_BUDGET = 0
+"""On CUDA, the extra token rows of a decode step for fed tokens (``Engine``'s ``feed_budget``). None until the
+step with extra rows has passed its GPU test and been timed there (``--feed_budget 64`` to try it: a call's new text
+then goes through in one step or a few); steps where no row feeds have no extra rows either way."""
 
 
 @dataclass
@@ -56,8 +56,8 @@ class BatchedExecutor:
         prefill_in_decode: steps that append at most this many tokens feed them through the batched decode step
             instead of an eager prefill of their row (:class:`~lragent.engine.Engine`); default
             :data:`PREFILL_IN_DECODE` on CUDA, 0 (off) elsewhere, where eager decode steps gain nothing.
-        feed_chunk: tokens a feeding row puts through each decode step (default :data:`FEED_CHUNK` where
-            ``prefill_in_decode`` is on by default, i.e. on CUDA; else 1).
+        feed_budget: extra token rows per decode step for fed tokens, lent in row order to the rows that feed
+            (default :data:`FEED_BUDGET` where ``prefill_in_decode`` is on by default, i.e. on CUDA; else 0).
         batch_invariant: an engine of ``batch`` rows even for fewer tasks, decoding every step at that width
             (:class:`~lragent.engine.Engine`): an episode's tokens then do not depend on the other episodes beside
             it, so ``--devices N``, a resumed run or another ``--limit`` give the same episodes at the same batch.
@@ -78,19 +78,19 @@ class BatchedExecutor:
         eos_token_ids: list[int] | None = None,
         prefill_in_decode: int | None = None,
         batch_invariant: bool = False,
-        feed_chunk: int | None = None,
+        feed_budget: int | None = None,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         on_cuda = next(model.model.parameters()).device.type == "cuda"
         if prefill_in_decode is None:
             prefill_in_decode = PREFILL_IN_DECODE if on_cuda else 0
-        if feed_chunk is None:
-            feed_chunk = FEED_CHUNK if on_cuda and prefill_in_decode else 1
-        if isinstance(feed_chunk, bool) or feed_chunk < 1:
-            raise ValueError(f"feed_chunk must be >= 1, got {feed_chunk!r}")
+        if feed_budget is None:
+            feed_budget = FEED_BUDGET if on_cuda and prefill_in_decode else 0
+        if isinstance(feed_budget, bool) or feed_budget < 0:
+            raise ValueError(f"feed_budget must be >= 0, got {feed_budget!r}")
         self.prefill_in_decode = prefill_in_decode
-        self.feed_chunk = int(feed_chunk)
+        self.feed_budget = int(feed_budget)
         self.batch_invariant = batch_invariant
         self.model = model
         self.tokenizer = tokenizer
@@ -130,7 +130,7 @@ class BatchedExecutor:
             cuda_graphs=self.cuda_graphs,
             prefill_in_decode=self.prefill_in_decode,
             batch_invariant=self.batch_invariant,
-            feed_chunk=self.feed_chunk,
+            feed_budget=self.feed_budget,
         )
 
     def _encode(self, text: str) -> list[int]:

@@ -412,7 +412,7 @@ def evaluate(
     capacity: int = 8192,
     cuda_graphs: bool = True,
     prefill_in_decode: int | None = None,
-    feed_chunk: int | None = None,
+    feed_budget: int | None = None,
     batch_invariant: bool = False,
     devices: int = 1,
     memory_fraction: float | None = None,
@@ -473,9 +473,9 @@ def evaluate(
         prefill_in_decode: with --batch, agent calls that append at most this many tokens feed them through the
             batched decode step (all rows together) instead of prefilling their row alone; default 128 on a GPU,
             0 (off) on the CPU.
-        feed_chunk: with --prefill_in_decode, the tokens a feeding row puts through each decode step (all rows
-            together): a call's new text takes that many times fewer steps; default 1 (exact on the CPU at any
-            value; on a GPU the chunked step has yet to pass its test and be timed).
+        feed_budget: with --prefill_in_decode, extra token rows per decode step for the fed text, lent in row
+            order to the rows that feed: a call's new text then goes through in one step or a few instead of one per
+            token; default 0 (exact on the CPU at any value; on a GPU it has yet to pass its test and be timed).
         batch_invariant: with --batch, decode every step at the full batch width (idle rows masked) and size the
             engine to --batch even for fewer episodes: an episode's tokens then depend on its own inputs only, not
             on how many others run beside it (GPU kernels sum in an order chosen by the batch width), so --devices
@@ -506,7 +506,7 @@ TIMING_FILE = "timing.json"  # one eval process's setup and episode-loop seconds
 # Lower bounds of the integer options (None: the option is unset), checked in one place by check_eval_args.
 _AT_LEAST: dict[str, int] = {
     "runs": 1, "max_steps": 1, "thought_tokens": 1, "argument_tokens": 1, "limit": 1, "max_context_tokens": 1,
-    "devices": 1, "prefill_in_decode": 0, "feed_chunk": 1,
+    "devices": 1, "prefill_in_decode": 0, "feed_budget": 0,
 }  # fmt: skip
 
 
@@ -679,7 +679,7 @@ def run_plan(plan: EvalPlan) -> int:
                 lm, tokenizer, batch=rows, capacity=a["capacity"], temperature=plan.temperature, top_p=plan.top_p,
                 use_kernel=a["use_kernel"], cuda_graphs=a["cuda_graphs"] if run_device.startswith("cuda") else False,
                 droidspeak_layers=plan.droidspeak_layers, prefill_in_decode=a["prefill_in_decode"],
-                batch_invariant=a["batch_invariant"], feed_chunk=a["feed_chunk"],
+                batch_invariant=a["batch_invariant"], feed_budget=a["feed_budget"],
             )  # fmt: skip
 
         with allocation_lock(run_device):  # sized against what is free now, the caches allocated before the next
@@ -724,7 +724,7 @@ def run_plan(plan: EvalPlan) -> int:
             "episodes": len(records) - before, "batch": batch, "device": run_device,
             # the decode settings that shape a GPU run's numbers (None: the sequential executor)
             "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
-            "feed_chunk": getattr(executor, "feed_chunk", None),
+            "feed_budget": getattr(executor, "feed_budget", None),
             "decode_steps": getattr(executor, "decode_steps", None),
         })  # fmt: skip
         summary = write_summary(records, out_dir, prov)

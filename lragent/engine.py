@@ -121,7 +121,7 @@ class _Pending:
     prefill_s: float
     t_decode: float
     steps: int = 0
-    forced_left: int = 0  # fed tokens not yet through the decode step (host's count: chunked steps or not)
+    forced_left: int = 0  # fed tokens not yet through the decode step (the host's count, step by step)
     logits: list[torch.Tensor] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
 
@@ -224,16 +224,18 @@ class Engine:
             together, instead of an eager prefill of its row alone. Agent calls append a few dozen tokens each, so
             with many rows the eager prefills, one row at a time, would cost more than the decoding; long prompts
             still prefill eagerly. 0 turns it off.
-        feed_chunk: with ``prefill_in_decode``, the tokens a row feeds per decode step (default 1). Each step then
-            runs ``rows × feed_chunk`` token rows: row r's j-th token at position ``pos_r + j`` in r's own slots
-            (its K/V are all stored before the step's attention, which reads ``[0, pos_r + j]``: causal), and the
-            row's logits are its last fed token's. A call's new text then takes ``ceil(n / feed_chunk)`` steps, not
-            ``n``: an episode's latency falls with it. Steps where no row feeds run one token per row as before.
+        feed_budget: with ``prefill_in_decode``, extra token rows per decode step for fed tokens (default 0: one
+            token per row per step). A step then runs ``b + feed_budget`` token rows: each busy row's next token in
+            its own row, and the extra rows lent, in row order, to the rows that still have tokens to feed (a row
+            takes as many as it has left, until the budget is spent). Each fed token sits at its own position in its
+            row's slots; all K/V are stored before the step's attention, which reads ``[0, position]`` (causal), and
+            a row's logits are its last fed token's. A call's new text then takes one step or a few instead of one
+            per token, so an episode ends sooner. Steps in which no row feeds run without the extra rows.
         batch_invariant: every decode step runs all ``rows`` rows (one batch width, the idle rows masked) instead of
             the smallest bucket that holds the busy rows. GPU GEMMs pick their kernel, and so their summation order,
             by the batch width, so a row's logits can change in their last bits with how many other rows are busy
             and a sampled token can flip; at one width a row's numbers depend on its own inputs only. Costs the idle
-            rows' compute when few rows are busy. With ``feed_chunk`` > 1 every step is a chunked one (one width).
+            rows' compute when few rows are busy. With ``feed_budget`` every step has the extra rows (one width).
     """
 
     def __init__(
@@ -254,7 +256,7 @@ class Engine:
         prefill_in_decode: int = 0,
         fuse_lora: bool | None = None,
         batch_invariant: bool = False,
-        feed_chunk: int = 1,
+        feed_budget: int = 0,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -263,10 +265,11 @@ class Engine:
         if isinstance(prefill_in_decode, bool) or prefill_in_decode < 0:
             raise ValueError(f"prefill_in_decode must be an int >= 0 (0: off), got {prefill_in_decode!r}")
         self.prefill_in_decode = int(prefill_in_decode)
-        if isinstance(feed_chunk, bool) or not isinstance(feed_chunk, int) or feed_chunk < 1:
-            raise ValueError(f"feed_chunk must be an int >= 1 (1: one fed token per step), got {feed_chunk!r}")
-        # more than prefill_in_decode tokens are never fed, so a wider chunk would only idle
-        self.feed_chunk = min(feed_chunk, max(self.prefill_in_decode, 1))
+        if isinstance(feed_budget, bool) or not isinstance(feed_budget, int) or feed_budget < 0:
+            raise ValueError(
+                f"feed_budget must be an int >= 0 (0: one fed token per row per step), got {feed_budget!r}"
+            )
+        self.feed_budget = feed_budget if self.prefill_in_decode else 0  # nothing is fed without prefill_in_decode
         self.batch_invariant = bool(batch_invariant)
         self.model = model
         self.dec = model.decoder  # the per-layer DecoderEngine of the model (not a batched Engine)
@@ -617,11 +620,11 @@ class Engine:
         self.d_pos[row] = 0
         self.d_forced_len[row] = 0
 
-    def _decode_step(self, b: int, sampling: bool, max_len: int | None, chunk: int = 1) -> None:
+    def _decode_step(self, b: int, sampling: bool, max_len: int | None, extra: int = 0) -> None:
         """One decode step for batch rows ``[0, b)``: sample from the pending logits (or take the row's next
-        teacher-forced token, or with ``chunk`` > 1 up to ``chunk`` of them), record, stop, forward."""
-        if chunk > 1:
-            return self._chunked_step(b, sampling, max_len, chunk)
+        teacher-forced token, and with ``extra`` token rows more of them), record, stop, forward."""
+        if extra:
+            return self._fed_step(b, sampling, max_len, extra)
         act = self.d_active[:b]
         count = self.d_count[:b]
         tok = sample_next(
@@ -659,22 +662,31 @@ class Engine:
         self.d_logits[:b] = self.dec.logits(h, fused=view.fused)[:, 0].float()
         pos.add_(act.long())
 
-    def _chunked_step(self, b: int, sampling: bool, max_len: int | None, chunk: int) -> None:
-        """:meth:`_decode_step` feeding up to ``chunk`` forced tokens per row: ``b × chunk`` token rows, row r's
-        j-th at ``(r, j)``; a row that samples uses its j = 0 only; unused token rows point at the scratch slots."""
+    def _fed_step(self, b: int, sampling: bool, max_len: int | None, extra: int) -> None:
+        """:meth:`_decode_step` with ``extra`` more token rows for fed tokens: rows ``[0, b)`` carry each row's next
+        token as before; extra row ``e`` carries token ``j >= 1`` of the row whose lent range holds ``e`` (ranges
+        lent in row order, each row asking for all its fed tokens left but one, until ``extra`` is spent)."""
         act = self.d_active[:b]
         count = self.d_count[:b]
         tok = sample_next(
             self.d_logits[:b], self.d_temp[:b], self.d_top_p[:b], self.d_seed[:b], count, sampling=sampling
         )
         rows = torch.arange(b, device=self.device)
-        j = torch.arange(chunk, device=self.device)
+        width = self.d_forced.shape[1]
         fcount, flen = self.d_forced_count[:b], self.d_forced_len[:b]
         forcing = act & (fcount < flen)
-        # tokens each row puts through this step: its next forced ones (at most chunk), or its sampled one, or none
-        k = torch.where(forcing, (flen - fcount).clamp(min=0, max=chunk), act.long())
-        forced = self.d_forced[rows[:, None], (fcount[:, None] + j).clamp(max=self.d_forced.shape[1] - 1)]
-        vtok = torch.where(forcing[:, None], forced, tok[:, None])  # (b, chunk)
+        want = torch.where(forcing, flen - fcount - 1, 0)  # fed tokens beyond the row's own one this step
+        off = torch.cumsum(want, 0) - want  # where each row's lent range would start
+        grant = (extra - off).clamp(min=0).minimum(want)
+        # the extra rows: their row (the last whose range starts at or before them), token index, validity
+        e = torch.arange(extra, device=self.device)
+        owner = (torch.searchsorted(off, e, right=True) - 1).clamp(min=0)
+        valid = e < off[owner] + grant[owner]
+        j = e - off[owner] + 1
+        pos = self.d_pos[:b]
+        first = torch.where(forcing, self.d_forced[rows, fcount.clamp(max=width - 1)], tok)
+        more = self.d_forced[owner, (fcount[owner] + j).clamp(max=width - 1)]
+        k = torch.where(forcing, 1 + grant, act.long())  # tokens each row puts through this step
         fcount.add_(torch.where(forcing, k, 0))
         gen = act & ~forcing  # a sampled token: recorded, counted, checked for a stop
         slot = count.clamp(max=self.d_gen.shape[1] - 1)
@@ -685,15 +697,17 @@ class Engine:
         hit = self.d_stop[:b].gather(1, tok[:, None])[:, 0] | self.d_eos[tok]
         done = gen & (hit | (self.d_remaining[:b] <= 0))
         self.d_active[:b] = act & ~done
-        pos = self.d_pos[:b]
-        valid = j[None, :] < k[:, None]  # (b, chunk)
         pool = self.pool
-        vpos = torch.where(valid, pos[:, None] + j, 0).reshape(-1)
+
+        def lent(per_row: torch.Tensor, scratch: int) -> torch.Tensor:
+            return torch.cat([per_row[:b], torch.where(valid, per_row[owner], scratch)])
+
+        vpos = torch.cat([pos, torch.where(valid, pos[owner] + j, 0)])
         view = DecodeView(
             pool,
-            torch.where(valid, self.d_kv_slot[:b, None], pool.scratch_kv).reshape(-1),
-            torch.where(valid, self.d_lr_slot[:b, None], pool.scratch_lr).reshape(-1),
-            torch.where(valid, self.d_hid_slot[:b, None], pool.scratch_hidden).reshape(-1),
+            lent(self.d_kv_slot, pool.scratch_kv),
+            lent(self.d_lr_slot, pool.scratch_lr),
+            lent(self.d_hid_slot, pool.scratch_hidden),
             vpos,
             max_len,
             self.use_kernel,
@@ -701,18 +715,35 @@ class Engine:
         )
         cos_t, sin_t = self.dec.rope_table(pool.capacity, self.dtype, self.device)
         rotary = (cos_t[vpos][:, None], sin_t[vpos][:, None])
-        roles = self.d_role[:b, None].expand(b, chunk).reshape(-1)
-        h = self.dec.run_view(self.dec.embed(vtok.reshape(-1, 1)), rotary, roles, view)  # (b·chunk, 1, H)
-        last = h.view(b, chunk, *h.shape[1:])[rows, (k - 1).clamp(min=0)]  # each row's last fed token
-        self.d_logits[:b] = self.dec.logits(last, fused=view.fused)[:, 0].float()
+        roles = torch.cat([self.d_role[:b], self.d_role[owner]])
+        h = self.dec.run_view(self.dec.embed(torch.cat([first, more])[:, None]), rotary, roles, view)  # (b+extra,1,H)
+        last = torch.where(grant > 0, b + off + grant - 1, rows)  # each row's last token this step
+        self.d_logits[:b] = self.dec.logits(h[last], fused=view.fused)[:, 0].float()
         pos.add_(k)
 
-    def _chunk(self) -> int:
-        """Tokens per row in the next steps: ``feed_chunk`` while some row has tokens to feed (always, when
-        batch-invariant: one width for every step), else 1."""
-        if self.feed_chunk > 1 and (self.batch_invariant or any(p.forced_left for p in self._pending.values())):
-            return self.feed_chunk
-        return 1
+    def _extra(self) -> int:
+        """Extra token rows in the next steps: ``feed_budget`` while some row has tokens to feed (always, when
+        batch-invariant: one width for every step), else 0."""
+        if self.feed_budget and (self.batch_invariant or any(p.forced_left for p in self._pending.values())):
+            return self.feed_budget
+        return 0
+
+    def _feed_on_host(self, extra: int, steps: int) -> int:
+        """Advances every pending row's ``forced_left`` by ``steps`` steps as the device does (one token per feeding
+        row, the extra rows lent in row order) and returns how many of those steps still had a row feeding."""
+        feeding = 0
+        for _ in range(steps):
+            rows = [p for _, p in sorted(self._pending.items()) if p.forced_left]
+            if not rows:
+                break
+            feeding += 1
+            off = 0
+            for p in rows:
+                want = p.forced_left - 1
+                grant = min(want, max(0, extra - off))
+                off += want
+                p.forced_left -= 1 + grant
+        return feeding
 
     def _bucket(self) -> int:
         if self.batch_invariant:
@@ -723,14 +754,14 @@ class Engine:
                 return b
         return self.rows
 
-    def _graph_for(self, b: int, sampling: bool, chunk: int = 1) -> torch.cuda.CUDAGraph:
+    def _graph_for(self, b: int, sampling: bool, extra: int = 0) -> torch.cuda.CUDAGraph:
         """The decode step of batch bucket ``b`` captured as a CUDA graph (captured on first use).
 
         All graphs of the engine share one private memory pool. That is safe in any replay order: a captured step
         keeps no output of its own (every result is copied into the engine's static state tensors), so what one
         graph leaves in the pool is scratch that no other graph reads.
         """
-        key = (b, sampling, chunk)
+        key = (b, sampling, extra)
         if key in self._graphs:
             return self._graphs[key]
         state = [
@@ -742,13 +773,13 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up on the capture stream: kernels compiled/tuned, per-stream workspaces made
-                self._decode_step(b, sampling, None, chunk)
+                self._decode_step(b, sampling, None, extra)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool, stream=stream):
-            self._decode_step(b, sampling, None, chunk)
+            self._decode_step(b, sampling, None, extra)
         for t, s in zip(state, saved, strict=True):
             t.copy_(s)
         self._graphs[key] = graph
@@ -777,27 +808,26 @@ class Engine:
         while not finished and (max_steps is None or steps < max_steps):
             b = self._bucket()
             sampling = any(p.request.temperature > 0 for p in self._pending.values())
-            n = self.sync_every if max_steps is None else min(self.sync_every, max_steps - steps)
-            chunk = self._chunk()
-            if chunk > 1 and not self.batch_invariant:  # back to one token per row once the feeding is done
-                n = min(n, max(-(-p.forced_left // chunk) for p in self._pending.values()))
-            if self.cuda_graphs and not eager_logits:
-                graph = self._graph_for(b, sampling, chunk)
+            graphs = self.cuda_graphs and not eager_logits
+            # eager: the host looks after every step (a sync costs little next to eager launches)
+            n = 1 if not graphs else self.sync_every if max_steps is None else min(self.sync_every, max_steps - steps)
+            extra = self._extra()
+            feeding = self._feed_on_host(extra, n)  # the host's count of what is left to feed, as the device runs
+            if extra and not self.batch_invariant:
+                n = max(1, feeding)  # back to plain steps once the feeding is done (feeding < n: it ends sooner)
+            if graphs:
+                graph = self._graph_for(b, sampling, extra)
                 for _ in range(n):
                     graph.replay()
             else:
-                # eager: the host looks after every step (a sync costs little next to eager launches)
-                n = 1
-                # a bound on every read position, chunked or not: a feeding row reads below len0 (its trajectory,
-                # fed tokens included), a sampling one at most len0 + steps
+                # a bound on every read position, with extra rows or not: a feeding row reads below len0 (its
+                # trajectory, fed tokens included), a sampling one at most len0 + steps
                 max_len = max(p.len0 + p.steps + 1 for p in self._pending.values())
                 for p in self._pending.values():
                     p.steps += 1
-                self._decode_step(b, sampling, max_len, chunk)
+                self._decode_step(b, sampling, max_len, extra)
                 if eager_logits:
                     self._collect_logits()
-            for p in self._pending.values():  # a feeding row puts min(chunk, left) tokens through each step
-                p.forced_left = max(0, p.forced_left - n * chunk)
             steps += n
             self.decode_steps += n
             finished = self._collect_finished()

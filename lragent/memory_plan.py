@@ -177,8 +177,8 @@ def plan_memory(
     # order and noise temporaries, bool masks) ~ 60 bytes per vocabulary entry; layer activations (hidden and MLP)
     step_row = shape.vocab * (element_size + 60) + (12 * shape.hidden + 3 * shape.intermediate) * element_size
     # prefill of one chunk of `capacity` tokens: hidden states and norms, q/k/v, the MLP's three intermediates. It also
-    # covers a chunked feeding step (the engine's feed_chunk: batch x chunk token rows' layer activations, at another
-    # moment than a prefill) while batch x chunk <= capacity (64 x 8 against 8192 by default)
+    # covers a decode step with extra rows for fed tokens (the engine's feed_budget: batch + budget token rows' layer
+    # activations, at another moment than a prefill) while batch + budget <= capacity
     q_kv = (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim
     prefill = capacity * (8 * shape.hidden + q_kv + 3 * shape.intermediate) * element_size
     workspace = 2 * batch * step_row + prefill + FIXED_MARGIN

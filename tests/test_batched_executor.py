@@ -38,18 +38,18 @@ def _tasks(spec, cfg, n: int, scheme: str, constrained: bool) -> list[EpisodeTas
 
 
 @pytest.mark.parametrize(
-    ("scheme", "temperature", "constrained", "fed", "chunk"),
+    ("scheme", "temperature", "constrained", "fed", "budget"),
     [
-        ("base_lr_shared", 0.0, False, 0, 1),
-        ("non_shared", 0.9, False, 0, 1),
-        ("droidspeak", 0.9, True, 0, 1),
-        ("non_shared", 0.9, False, 32, 1),  # agent calls' new tokens fed through the decode step
-        ("base_lr_shared", 0.9, True, 32, 1),
-        ("base_lr_shared", 0.9, False, 32, 5),  # five of them per step (the GPU default feeds 8)
-        ("droidspeak", 0.9, True, 32, 8),
+        ("base_lr_shared", 0.0, False, 0, 0),
+        ("non_shared", 0.9, False, 0, 0),
+        ("droidspeak", 0.9, True, 0, 0),
+        ("non_shared", 0.9, False, 32, 0),  # agent calls' new tokens fed through the decode step
+        ("base_lr_shared", 0.9, True, 32, 0),
+        ("base_lr_shared", 0.9, False, 32, 5),  # with 5 extra token rows per step for them (too few: lent in turn)
+        ("droidspeak", 0.9, True, 32, 64),
     ],
 )
-def test_batched_equals_sequential(scheme, temperature, constrained, fed, chunk):
+def test_batched_equals_sequential(scheme, temperature, constrained, fed, budget):
     model = tiny_multi_lora("tiny-llama", b_std=0.3)
     tok = ByteTokenizer()
     spec = get_spec("hotpotqa")
@@ -64,7 +64,7 @@ def test_batched_equals_sequential(scheme, temperature, constrained, fed, chunk)
     seq = {t.key: r for t, r in SequentialExecutor(factory).run(_tasks(spec, cfg, 5, scheme, constrained))}
     batched_ex = BatchedExecutor(model, tok, batch=3, capacity=4096, temperature=temperature, top_p=0.75,
                                  droidspeak_layers=[1, 2], eos_token_ids=[], prefill_in_decode=fed,
-                                 feed_chunk=chunk)  # fmt: skip
+                                 feed_budget=budget)  # fmt: skip
     bat = {t.key: r for t, r in batched_ex.run(_tasks(spec, cfg, 5, scheme, constrained))}
     assert seq.keys() == bat.keys()
     for key in seq:
@@ -73,12 +73,12 @@ def test_batched_equals_sequential(scheme, temperature, constrained, fed, chunk)
         assert bat[key].num_tokens == seq[key].num_tokens
 
 
-@pytest.mark.parametrize(("invariant", "chunk"), [(False, 1), (True, 1), (False, 3), (True, 3)])
-def test_batch_invariant_decodes_every_step_at_the_full_width(monkeypatch, invariant: bool, chunk: int) -> None:
+@pytest.mark.parametrize(("invariant", "budget"), [(False, 0), (True, 0), (False, 3), (True, 3)])
+def test_batch_invariant_decodes_every_step_at_the_full_width(monkeypatch, invariant: bool, budget: int) -> None:
     """batch_invariant: an engine of `batch` rows even for fewer tasks, and every decode step at that width (GPU
     kernels choose their summation order by the width); the episodes are the same as without it. Without it the
-    width follows the busy rows (the control: the widths seen then are not all the batch). With fed tokens in chunks
-    (`feed_chunk`), batch-invariant steps are all chunked (one width); otherwise only while some row feeds."""
+    width follows the busy rows (the control: the widths seen then are not all the batch). With extra token rows for
+    fed tokens (`feed_budget`), batch-invariant steps all have them (one width); otherwise only while some row feeds."""
     from lragent.engine import Engine
 
     model = tiny_multi_lora("tiny-llama", b_std=0.3)
@@ -89,12 +89,12 @@ def test_batch_invariant_decodes_every_step_at_the_full_width(monkeypatch, invar
     rows_seen: list[int] = []
     step, init = Engine._decode_step, Engine.__init__
 
-    chunks: list[int] = []
+    extras: list[int] = []
 
-    def spy_step(self, b, sampling, max_len, chunk=1):
+    def spy_step(self, b, sampling, max_len, extra=0):
         widths.append(b)
-        chunks.append(chunk)
-        return step(self, b, sampling, max_len, chunk)
+        extras.append(extra)
+        return step(self, b, sampling, max_len, extra)
 
     def spy_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -102,7 +102,7 @@ def test_batch_invariant_decodes_every_step_at_the_full_width(monkeypatch, invar
 
     monkeypatch.setattr(Engine, "_decode_step", spy_step)
     monkeypatch.setattr(Engine, "__init__", spy_init)
-    fed = {"prefill_in_decode": 32, "feed_chunk": chunk} if chunk > 1 else {}
+    fed = {"prefill_in_decode": 32, "feed_budget": budget} if budget else {}
     ex = BatchedExecutor(model, tok, batch=4, capacity=4096, temperature=0.9, top_p=0.75, eos_token_ids=[],
                          batch_invariant=invariant, **fed)  # fmt: skip
     got = {t.key: r.trajectory for t, r in ex.run(_tasks(spec, cfg, 3, "base_lr_shared", False))}
@@ -113,7 +113,8 @@ def test_batch_invariant_decodes_every_step_at_the_full_width(monkeypatch, invar
     assert widths
     if invariant:
         assert rows_seen[0] == 4 and set(widths) == {4}  # 3 tasks, yet 4 rows, every step at width 4
-        assert set(chunks) == {chunk}  # and every step chunked alike
+        assert set(extras) == {budget}  # and every step with the same extra rows
     else:
-        assert rows_seen[0] == 3 and min(widths) < 3  # rows for the tasks; the width shrinks with the busy rows
-        assert set(chunks) == ({1, chunk} if chunk > 1 else {1})  # chunked only while some row feeds
+        assert rows_seen[0] == 3  # rows for the tasks
+        assert budget or min(widths) < 3  # the width shrinks with the busy rows (this schedule's tail, without extra)
+        assert set(extras) == {0, budget}  # extra rows only while some row feeds

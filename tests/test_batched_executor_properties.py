@@ -256,7 +256,7 @@ def test_engine_gets_min_of_batch_and_tasks_rows_and_the_executor_settings() -> 
     assert e1.model is model and e2.model is model
     assert (e1.scheme, e1.rows, e2.scheme, e2.rows) == ("droidspeak", 2, "base_lr_shared", 3)
     common = dict(capacity=777, tokenizer=tok, eos_token_ids=[9, 2], use_kernel=False, cuda_graphs=True,
-                  prefill_in_decode=17, batch_invariant=False, feed_chunk=1)  # fmt: skip
+                  prefill_in_decode=17, batch_invariant=False, feed_budget=0)  # fmt: skip
     assert e1.kwargs == {**common, "droidspeak_layers": [4, 1]}
     assert e2.kwargs == {**common, "droidspeak_layers": None}  # recompute layers are DroidSpeak's only
     # batch-invariant: the batch's rows even for fewer tasks, and the engine told so
@@ -283,12 +283,12 @@ def test_constructor_defaults_and_prefill_in_decode_by_device() -> None:
     assert ex.prefill_in_decode == 0  # off where eager decode steps gain nothing
     assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).prefill_in_decode == 128 == be.PREFILL_IN_DECODE
     assert BatchedExecutor(_fake_model("cuda"), Tokenizer(), prefill_in_decode=0).prefill_in_decode == 0
-    # the CUDA default where feeding is on (one until the chunked step is measured there), one where it is off
-    assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).feed_chunk == be.FEED_CHUNK
-    assert BatchedExecutor(_fake_model("cuda"), Tokenizer(), prefill_in_decode=0).feed_chunk == 1
-    assert ex.feed_chunk == 1 and BatchedExecutor(_fake_model("cpu"), Tokenizer(), feed_chunk=4).feed_chunk == 4
-    with pytest.raises(ValueError, match="feed_chunk must be >= 1, got 0"):
-        BatchedExecutor(_fake_model("cpu"), Tokenizer(), feed_chunk=0)
+    # the CUDA default where feeding is on (none until the extra rows are measured there), none where it is off
+    assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).feed_budget == be.FEED_BUDGET
+    assert BatchedExecutor(_fake_model("cuda"), Tokenizer(), prefill_in_decode=0).feed_budget == 0
+    assert ex.feed_budget == 0 and BatchedExecutor(_fake_model("cpu"), Tokenizer(), feed_budget=4).feed_budget == 4
+    with pytest.raises(ValueError, match="feed_budget must be >= 0, got -1"):
+        BatchedExecutor(_fake_model("cpu"), Tokenizer(), feed_budget=-1)
     assert BatchedExecutor(_fake_model("cpu"), Tokenizer(), batch=1).batch == 1
     for bad in (0, -2):
         with pytest.raises(ValueError, match=f"batch must be >= 1, got {bad}"):

@@ -299,11 +299,11 @@ class _EagerReplay:
     """Stands in for a captured CUDA graph: replays the step exactly as captured (``max_len=None``: attention over the
     whole capacity, per-row lengths mask it), ``sync_every`` times between host checks, as the CUDA path does."""
 
-    def __init__(self, engine: Engine, b: int, sampling: bool, chunk: int = 1) -> None:
-        self.engine, self.b, self.sampling, self.chunk = engine, b, sampling, chunk
+    def __init__(self, engine: Engine, b: int, sampling: bool, extra: int = 0) -> None:
+        self.engine, self.b, self.sampling, self.extra = engine, b, sampling, extra
 
     def replay(self) -> None:
-        self.engine._decode_step(self.b, self.sampling, None, self.chunk)
+        self.engine._decode_step(self.b, self.sampling, None, self.extra)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -319,7 +319,7 @@ def test_graph_replay_semantics_equal_eager(scheme):
         eng = Engine(model, scheme, rows=rows, capacity=64, eos_token_ids=[], droidspeak_layers=[1, 2])
         if graph_semantics:
             eng.cuda_graphs = True
-            eng._graph_for = lambda b, sampling, chunk=1: _EagerReplay(eng, b, sampling, chunk)
+            eng._graph_for = lambda b, sampling, extra=0: _EagerReplay(eng, b, sampling, extra)
         nxt, out = [0] * rows, [[] for _ in range(rows)]
 
         def launch(r: int) -> None:
@@ -344,42 +344,45 @@ def test_graph_replay_semantics_equal_eager(scheme):
 
 # ---- prompt tokens fed through the decode step ----------------------------------------------------------------------
 @pytest.mark.parametrize("graph_semantics", [False, True])
-def test_fed_tokens_take_ceil_n_over_chunk_steps_then_one_token_steps(graph_semantics):
-    """With ``feed_chunk`` 4, a call appending 10 tokens feeds them in 3 chunked steps (4 + 4 + 2), then decodes one
-    token per row per step: the host's count of what is left to feed decides the step kind, and it must neither stop
-    the chunked steps early (slow) nor keep them after the feeding (wasted compute)."""
+def test_extra_rows_are_lent_in_row_order_until_the_budget_is_spent(graph_semantics):
+    """``feed_budget`` 5, rows feeding 10 and 6 tokens: step 1 lends all 5 extra rows to row 0 (it feeds 6, row 1
+    its own 1); step 2 row 0 takes the 3 it needs, row 1 the 2 left (feeds 3); step 3 row 1 feeds its last 2. Then
+    the steps run without extra rows: the host's count of what is left must follow the device's lending exactly, or
+    it would stop the extra rows early (slow) or keep them after the feeding (wasted compute)."""
     model = model_for("tiny-llama")
-    eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16, feed_chunk=4)
-    steps: list[int] = []
+    eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16, feed_budget=5)
+    steps: list[tuple[int, list[int]]] = []
     step = eng._decode_step
 
-    def spy(b, sampling, max_len, chunk=1):
-        steps.append(chunk)
-        return step(b, sampling, max_len, chunk)
+    def spy(b, sampling, max_len, extra=0):
+        step(b, sampling, max_len, extra)
+        steps.append((extra, eng.d_forced_count[:2].tolist()))
 
     eng._decode_step = spy
     if graph_semantics:
         eng.cuda_graphs = True
-        eng._graph_for = lambda b, sampling, chunk=1: _EagerReplay(eng, b, sampling, chunk)
-    eng.append(0, list(range(20, 30)))
-    eng.start(0, GenerationRequest(role=1, max_new_tokens=5, seed=3))
+        eng._graph_for = lambda b, sampling, extra=0: _EagerReplay(eng, b, sampling, extra)
+    for row, n in ((0, 10), (1, 6)):
+        eng.append(row, list(range(20, 20 + n)))
+        eng.start(row, GenerationRequest(role=row, max_new_tokens=4, seed=3))
     while eng._pending:
         eng.advance()
-    assert steps[:3] == [4, 4, 4] and set(steps[3:]) == {1}
-    assert len(steps) == 3 + 5 + (3 if graph_semantics else 0)  # 5 tokens; graphs run on to their host check
+    assert steps[:3] == [(5, [6, 1]), (5, [10, 4]), (5, [10, 6])]
+    assert {extra for extra, _ in steps[3:]} == {0} and len(steps) >= 3 + 4
 
 
 # ---- the same, against an eager prefill ----------------------------------------------------------------------
-@pytest.mark.parametrize("chunk", [1, 3, 16])
+@pytest.mark.parametrize("budget", [0, 3, 64])
 @pytest.mark.parametrize("graph_semantics", [False, True])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, chunk):
+def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget):
     """Feeding a step's new tokens through the batched decode step (teacher-forced, ``prefill_in_decode``; one per
-    step, or ``chunk`` per step: ``feed_chunk``) gives the same sampled tokens as prefilling the row eagerly, for eight
-    rows with different roles, lengths and seeds, and leaves the same caches: a last step of every row through the
-    eager path (logits asked) gives the same logits. Some fed tokens are end-of-sequence ids. A forced token written
-    to the wrong slot or position, sampled from, counted as generated or checked for a stop, or a chunk's logits
-    taken from another than its last token, would change one of them."""
+    row per step, or with ``budget`` extra token rows lent to the feeding rows: ``feed_budget``, 3 too few for the
+    eight rows' needs, 64 enough) gives the same sampled tokens as prefilling the row eagerly, for eight rows with
+    different roles, lengths and seeds, and leaves the same caches: a last step of every row through the eager path
+    (logits asked) gives the same logits. Some fed tokens are end-of-sequence ids. A forced token written to the
+    wrong slot or position, sampled from, counted as generated or checked for a stop, an extra row lent to the wrong
+    row, or a row's logits taken from another than its last token, would change one of them."""
     model = model_for("tiny-llama")
     rows = 8
     schedules = [_row_schedule(300 + r) for r in range(rows)]
@@ -387,12 +390,12 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, chunk):
     eos = sorted({ids[0] for sched in schedules for _, ids, _ in sched})[:6]
 
     def run(fed: int) -> tuple[list, list, int]:
-        # chunk 3 runs the fused path (the kernels' PyTorch fallbacks here): stores of many token rows in one slot
+        # budget 3 runs the fused path (the kernels' PyTorch fallbacks here): stores of many token rows in one slot
         eng = Engine(model, scheme, rows=rows, capacity=64, eos_token_ids=eos, droidspeak_layers=[1, 2],
-                     prefill_in_decode=fed, feed_chunk=chunk, fuse_ops=chunk == 3)  # fmt: skip
+                     prefill_in_decode=fed, feed_budget=budget, fuse_ops=budget == 3)  # fmt: skip
         if graph_semantics:
             eng.cuda_graphs = True
-            eng._graph_for = lambda b, sampling, chunk=1: _EagerReplay(eng, b, sampling, chunk)
+            eng._graph_for = lambda b, sampling, extra=0: _EagerReplay(eng, b, sampling, extra)
         n_fed = 0
         start_fed = eng._start_fed
 

@@ -199,11 +199,12 @@ def test_capture_in_a_fresh_process():
 
 
 # ---- prompt tokens fed through the captured decode step -------------------------------------------------------------
-@pytest.mark.parametrize("chunk", [1, 8])
+@pytest.mark.parametrize("budget", [0, 16])
 @pytest.mark.parametrize("scheme", ["non_shared", "base_lr_shared", "full_shared", "droidspeak"])
-def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme, chunk):
+def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme, budget):
     """Batched eval's GPU default: a step's new tokens fed through the captured decode graph (``prefill_in_decode``,
-    one or ``chunk`` per row per step: ``feed_chunk``) give the same tokens as prefilling each row eagerly, for
+    one per row per step or with ``budget`` extra token rows: ``feed_budget``) give the same tokens as prefilling each
+    row eagerly, for
     eight rows joining and leaving with different roles and prompt lengths (some above the fed limit), and leave the
     same caches (a last eager step with logits agrees).
     fp32 (4 layers, SmolLM2 shapes), so that the two orders of summation cannot part at a bf16 near-tie."""
@@ -219,7 +220,7 @@ def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme, chunk):
 
     def run(fed: int) -> tuple[list, list]:
         eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, prefill_in_decode=fed,
-                     feed_chunk=chunk if fed else 1)  # fmt: skip
+                     feed_budget=budget if fed else 0)  # fmt: skip
 
         def launch(r: int, k: int) -> None:
             n = 6 + 9 * ((r + k) % 4)  # 6..33 new tokens: above the limit of 24 now and then
@@ -245,12 +246,13 @@ def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme, chunk):
 
 
 @pytest.mark.parametrize("scheme", ["non_shared", "base_lr_shared", "full_shared"])
-def test_chunked_feeding_through_the_kernels_matches_one_token_feeding(scheme):
-    """bf16 with the fused kernels and CUDA graphs (the eval's GPU path): feeding 8 tokens per row per step leaves
-    the caches that feeding one per step leaves, for eight rows whose fed lengths (5 … 40) are not multiples of 8 and
-    whose roles differ. Checked by a last eager step of every row (logits asked) on top of each engine's caches, and
-    by the greedy tokens, which may part only at a bf16 near-tie. A chunk's K/V stored at wrong positions, attended
-    past its token (not causal), or its logits taken from another token, would move the logits by far more."""
+def test_extra_fed_rows_through_the_kernels_match_one_token_feeding(scheme):
+    """bf16 with the fused kernels and CUDA graphs (the eval's GPU path): feeding through 24 extra token rows per step
+    (too few for all eight rows at once: lent in turn) leaves the caches that feeding one token per row per step
+    leaves, for eight rows with fed lengths 5 … 40 and different roles. Checked by a last eager step of every row
+    (logits asked) on top of each engine's caches, and by the greedy tokens, which may part only at a bf16 near-tie.
+    Fed K/V stored at wrong positions or slots, attended past their token (not causal), or a row's logits taken from
+    another token, would move the logits by far more."""
     from lragent.lora_model import MultiLoraModel
     from lragent.models import load_model
     from lragent.multi_lora import MultiLoraConfig
@@ -261,9 +263,9 @@ def test_chunked_feeding_through_the_kernels_matches_one_token_feeding(scheme):
     model.eval()
     rows = 8
 
-    def run(chunk: int) -> tuple[list, list, list]:
+    def run(budget: int) -> tuple[list, list, list]:
         eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, prefill_in_decode=64,
-                     feed_chunk=chunk)  # fmt: skip
+                     feed_budget=budget)  # fmt: skip
         assert eng.fuse_ops  # the fused kernels' path
 
         def launch(r: int, k: int) -> None:
@@ -281,13 +283,13 @@ def test_chunked_feeding_through_the_kernels_matches_one_token_feeding(scheme):
         torch.cuda.synchronize()
         return out, last, ends
 
-    one_out, one_last, one_ends = run(1)
-    chunk_out, chunk_last, chunk_ends = run(8)
-    assert chunk_ends == one_ends
-    for a, b in zip(one_last, chunk_last, strict=True):
+    one_out, one_last, one_ends = run(0)
+    lent_out, lent_last, lent_ends = run(24)
+    assert lent_ends == one_ends
+    for a, b in zip(one_last, lent_last, strict=True):
         scale = float(a.abs().max())
         assert float((a - b).abs().max()) <= 0.05 * scale, (scheme, float((a - b).abs().max()), scale)
-    same = sum(x == y for ro, rc in zip(one_out, chunk_out, strict=True) for x, y in zip(ro, rc, strict=True))
+    same = sum(x == y for ro, rc in zip(one_out, lent_out, strict=True) for x, y in zip(ro, rc, strict=True))
     assert same >= 0.8 * rows * 3, (scheme, same)  # greedy tokens: equal but for bf16 near-ties
 
 

@@ -358,16 +358,16 @@ class _Replay:
     """Stands in for a captured CUDA graph: the decode step as captured (``max_len=None``), ``sync_every`` steps
     between host checks, so a row runs past a stop string until the next sync."""
 
-    def __init__(self, engine: Engine, b: int, sampling: bool, chunk: int = 1) -> None:
-        self.engine, self.b, self.sampling, self.chunk = engine, b, sampling, chunk
+    def __init__(self, engine: Engine, b: int, sampling: bool, extra: int = 0) -> None:
+        self.engine, self.b, self.sampling, self.extra = engine, b, sampling, extra
 
     def replay(self) -> None:
-        self.engine._decode_step(self.b, self.sampling, None, self.chunk)
+        self.engine._decode_step(self.b, self.sampling, None, self.extra)
 
 
 def graph_semantics(eng: Engine, sync_every: int) -> Engine:
     eng.cuda_graphs, eng.sync_every = True, sync_every
-    eng._graph_for = lambda b, sampling, chunk=1: _Replay(eng, b, sampling, chunk)
+    eng._graph_for = lambda b, sampling, extra=0: _Replay(eng, b, sampling, extra)
     return eng
 
 
@@ -732,9 +732,9 @@ class FakeCuda:
                 fake.side, fake.capturing = prev, None
             fake.captures.append((g, pool))
 
-        def decode_step(b, sampling, max_len, chunk=1):
+        def decode_step(b, sampling, max_len, extra=0):
             s = fake.side if fake.side is not None else fake.current(eng.device)
-            args = (b, sampling, max_len) + ((chunk,) if chunk > 1 else ())
+            args = (b, sampling, max_len) + ((extra,) if extra else ())
             if fake.capturing is not None:
                 assert (s, *args) in fake.warm, "captured a step that never ran eagerly on its stream"
                 fake.capturing.steps.append(args)
@@ -807,8 +807,8 @@ def test_captured_decode_graphs_replay_what_eager_decoding_does(monkeypatch, sch
     asked = []
     graph_for = eng._graph_for
 
-    def checked(b, sampling, chunk=1):
-        graph = graph_for(b, sampling, chunk)
+    def checked(b, sampling, extra=0):
+        graph = graph_for(b, sampling, extra)
         assert graph.steps == [(b, sampling, None)], (b, sampling, graph.steps)
         asked.append((b, sampling))
         return graph

@@ -521,7 +521,7 @@ def test_command_checks_before_writing(tmp_path, capsys, monkeypatch):
         (["--corpus", str(tmp_path / "none.jsonl")], "--corpus"),
         (["--runs", "0"], "--runs must be >= 1, got 0"),
         (["--prefill_in_decode", "-1"], "--prefill_in_decode must be >= 0, got -1"),
-        (["--feed_chunk", "0"], "--feed_chunk must be >= 1, got 0"),
+        (["--feed_budget", "-1"], "--feed_budget must be >= 0, got -1"),
         (["--devices", "2", "--shard", "0/2"], "give --devices or --shard, not both"),
     ):
         assert cli.main(["eval", "--adapter_init", "zero", "--out", str(out), *argv]) == 2, argv
