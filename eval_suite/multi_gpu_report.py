@@ -119,10 +119,10 @@ def episodes(directory: Path) -> list[tuple] | None:
     return sorted(rows, key=repr)
 
 
-def episode_loop_seconds(directory: Path) -> float | None:
+def episode_loop_seconds(directory: Path, key: str = "episodes_s") -> float | None:
     """Seconds of an ``eval`` output's episode loop (its ``timing.json``), per benchmark folder ``directory/<b>``
     summed over benchmarks; a ``--devices N`` output counts its slowest shard (``shard_i/timing.json``). None when a
-    benchmark folder has no timing."""
+    benchmark folder has no timing. ``key="decode_steps"``: the decode steps of the busiest process instead."""
     if not directory.is_dir():
         return None
     total = 0.0
@@ -130,7 +130,7 @@ def episode_loop_seconds(directory: Path) -> float | None:
     for b in benches:
         shards = sorted(b.glob("shard_*/timing.json"))
         files = shards or ([b / "timing.json"] if (b / "timing.json").is_file() else [])
-        times = [(_json(f) or {}).get("episodes_s") for f in files]
+        times = [(_json(f) or {}).get(key) for f in files]
         if not times or any(x is None for x in times):
             return None
         total += max(times)
@@ -223,11 +223,13 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     # the episode loops alone (model loading and sizing left out): one process against its slowest shard
     loop1 = episode_loop_seconds(out / "ev1")
     ev["episode_loop_seconds_1"] = loop1
+    ev["decode_steps_1"] = episode_loop_seconds(out / "ev1", "decode_steps")
     for n in sizes:
         if f"stopped_{n}" in ev:
             continue
         loop_n = episode_loop_seconds(out / f"ev{n}")
         ev[f"episode_loop_seconds_{n}"] = loop_n
+        ev[f"decode_steps_{n}"] = episode_loop_seconds(out / f"ev{n}", "decode_steps")
         if loop1 and loop_n:
             ev[f"loop_speedup_{n}"] = loop1 / loop_n
     res["eval_devices"] = ev
@@ -340,7 +342,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"wall seconds {_fmt(e.get('wall_seconds_1'))} vs {_fmt(e.get(f'wall_seconds_{n}'))}, "
             f"speed-up {_fmt(e.get(f'speedup_{n}'), 2)}x; episode loops alone (the slowest shard) "
             f"{_fmt(e.get('episode_loop_seconds_1'), 1)} vs {_fmt(e.get(f'episode_loop_seconds_{n}'), 1)} s, "
-            f"{_fmt(e.get(f'loop_speedup_{n}'), 2)}x."
+            f"{_fmt(e.get(f'loop_speedup_{n}'), 2)}x; decode steps of the busiest process "
+            f"{_fmt(e.get('decode_steps_1'))} vs {_fmt(e.get(f'decode_steps_{n}'))}."
         )
     lines += [
         "",

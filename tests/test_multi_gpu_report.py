@@ -124,7 +124,8 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
 
     def timing(d: Path, seconds: float) -> None:
         d.mkdir(parents=True, exist_ok=True)
-        (d / "timing.json").write_text(json.dumps({"setup_s": 30.0, "episodes_s": seconds, "episodes": 10}))
+        body = {"setup_s": 30.0, "episodes_s": seconds, "episodes": 10, "decode_steps": int(10 * seconds)}
+        (d / "timing.json").write_text(json.dumps(body))
 
     timing(tmp_path / "ev1" / "hotpotqa", 80.0)
     timing(tmp_path / "ev1" / "scienceqa", 40.0)
@@ -138,9 +139,9 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     assert e["episode_loop_seconds_4"] == pytest.approx(25.0 + 12.0)  # the slowest shard of each benchmark
     assert e["loop_speedup_4"] == pytest.approx(120.0 / 37.0)
     assert e["episode_loop_seconds_2"] is None and "loop_speedup_2" not in e
-    assert "episode loops alone (the slowest shard) 120.0 vs 37.0 s, 3.24x" in report.markdown(
-        report.collect(tmp_path, None, [4])
-    )
+    assert e["decode_steps_1"] == 1200 and e["decode_steps_4"] == 250 + 120  # the busiest shard's steps
+    md = report.markdown(report.collect(tmp_path, None, [4]))
+    assert "episode loops alone (the slowest shard) 120.0 vs 37.0 s, 3.24x; decode steps of the busiest process" in md
 
 
 def test_a_stopped_eval_phase_is_checked_on_what_it_finished_and_not_timed(tmp_path: Path, report) -> None:
