@@ -127,7 +127,7 @@ def time_transformers(hf_model, batch: int, context: int, new_tokens: int) -> di
 
 def decode(
     model: str = "llama-3.1-8b",
-    schemes: list[str] | None = None,
+    schemes: list[str] | str | None = None,
     context: int = 2048,
     batches: list[int] | None = None,
     new_tokens: int = 64,
@@ -141,7 +141,7 @@ def decode(
 
     Args:
         model: a named random-weight architecture (``llama-3.1-8b``, ``smollm2-135m``, ...) or a model name.
-        schemes: sharing schemes to time (default: full_shared and base_lr_shared).
+        schemes: sharing schemes to time: a list, ``all`` or a comma list (default: full_shared and base_lr_shared).
         context: tokens in each row's cache when decoding starts.
         batches: batch sizes (rows decoding together).
         new_tokens: tokens generated per row (timed).
@@ -153,9 +153,9 @@ def decode(
     """
     from eval_suite.bench_model import random_adapter_model
     from lragent.models import load_model, parse_dtype
-    from lragent.schemes import Scheme
+    from lragent.schemes import resolve_schemes
 
-    schemes = [Scheme.parse(s) for s in (schemes or ["full_shared", "base_lr_shared"])]  # parsed once
+    schemes = resolve_schemes(schemes, ["full_shared", "base_lr_shared"])  # parsed once
     batches = list(batches or [1, 32])
     if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
         raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")

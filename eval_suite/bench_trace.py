@@ -152,7 +152,7 @@ def check_trace_memory(
 def trace(
     model: str = "llama-3.1-8b",
     contexts: list[int] | None = None,
-    schemes: list[str] | None = None,
+    schemes: list[str] | str | None = None,
     kernel_off: bool = True,
     droidspeak_layers: list[int] | None = None,
     rank: int = 8,
@@ -165,7 +165,7 @@ def trace(
     Args:
         model: a named random-weight architecture (``llama-3.1-8b`` ...) or a model name.
         contexts: retrieved-context lengths L_ctx (default 256 ... 16384, doubling).
-        schemes: sharing schemes (default all five).
+        schemes: sharing schemes: a list, ``all`` or a comma list (default all five).
         kernel_off: also run the decomposed schemes with the fused kernels off (Figure 4).
         droidspeak_layers: DroidSpeak's recompute layers (default a middle third).
         rank: LoRA rank of the random adapters (q_proj, v_proj; B != 0).
@@ -176,9 +176,9 @@ def trace(
     from eval_suite.bench_model import random_adapter_model
     from lragent.engine import Engine
     from lragent.models import load_model, parse_dtype
-    from lragent.schemes import SCHEMES, Scheme
+    from lragent.schemes import SCHEMES, resolve_schemes
 
-    schemes = [Scheme.parse(s) for s in (schemes or SCHEMES)]  # parsed once
+    schemes = resolve_schemes(schemes, SCHEMES)  # parsed once
     contexts = list(contexts or [256, 512, 1024, 2048, 4096, 8192, 16384])
     if any(c < 1 for c in contexts):
         raise ValueError(f"contexts must be >= 1 token, got {contexts}")

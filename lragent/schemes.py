@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
 
 
@@ -48,7 +49,7 @@ class Scheme(str, Enum):
 SCHEMES: tuple[str, ...] = tuple(s.value for s in Scheme)
 
 
-def parse_schemes(spec: str) -> list[Scheme]:
+def parse_schemes(spec: str, option: str = "--scheme") -> list[Scheme]:
     """``all`` or a comma list of scheme names: the schemes a command runs, in the order given.
 
     This is where a command's ``--scheme`` is parsed, once: what it returns goes down to the session, the engine and
@@ -57,5 +58,15 @@ def parse_schemes(spec: str) -> list[Scheme]:
     names = list(SCHEMES) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
     bad = [s for s in names if s not in SCHEMES]
     if bad or not names:
-        raise ValueError(f"--scheme {spec!r}: unknown {bad or 'nothing'}; allowed {', '.join(SCHEMES)} or all")
+        raise ValueError(f"{option} {spec!r}: unknown {bad or 'nothing'}; allowed {', '.join(SCHEMES)} or all")
     return [Scheme.parse(s) for s in names]
+
+
+def resolve_schemes(schemes: str | Sequence[str] | None, default: Sequence[str]) -> list[Scheme]:
+    """A benchmark's ``--schemes``: ``None`` (``default``), ``all`` or a comma list (:func:`parse_schemes`), or a
+    list of names, each checked."""
+    if schemes is None:
+        return [Scheme.parse(s) for s in default]
+    if isinstance(schemes, str):
+        return parse_schemes(schemes, "--schemes")
+    return parse_schemes(",".join(str(s) for s in schemes), "--schemes")

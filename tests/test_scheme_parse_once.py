@@ -78,3 +78,16 @@ def test_session_command_parses_once(parses, tmp_path, monkeypatch):
                     out=str(tmp_path / "r.json"), quiet=True)  # fmt: skip
     assert rc in (0, None) and seen_scheme == [Scheme.FULL_SHARED]
     assert parses == ["full_shared"], f"--scheme parsed {len(parses)} times: {parses}"
+
+
+def test_a_benchmarks_schemes_accept_all_a_comma_list_or_a_list() -> None:
+    """bench decode / trace --schemes: unset -> the command's default, `all` -> the five in their order, a comma
+    list or a list -> those, in the order given; an unknown name is refused naming the option and what is allowed."""
+    from lragent.schemes import SCHEMES, resolve_schemes
+
+    assert resolve_schemes(None, ["full_shared", "base_lr_shared"]) == [Scheme.FULL_SHARED, Scheme.BASE_LR_SHARED]
+    assert [s.value for s in resolve_schemes("all", ["non_shared"])] == list(SCHEMES)
+    assert resolve_schemes("base_lr_shared, non_shared", []) == [Scheme.BASE_LR_SHARED, Scheme.NON_SHARED]
+    assert resolve_schemes(["droidspeak"], []) == [Scheme.DROIDSPEAK]
+    with pytest.raises(ValueError, match=r"--schemes 'non_shared,bogus': unknown \['bogus'\]; allowed non_shared"):
+        resolve_schemes(["non_shared", "bogus"], [])
