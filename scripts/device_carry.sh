@@ -17,9 +17,10 @@
 # every byte is there, joins them and sets LRAGENT_ACCURACY_GGUF (lragent checks size and sha256 before converting).
 # prepare-accuracy also packs the committed study roots (results/study_qwen/archive/*.tar.gz, one per adapter set, with
 # the trained weights from data/adapters: qwen_<b>_sharedA for the lambda-0 sets, qwen_<set> for the others; and
-# results/study_qwen/sweep_root.tar.gz) into .resume/study and .resume/sweep; carry [".resume"]
-# in one more call before the first scripts/gpu_study.sh call of the lease, and the study resumes there (finished
-# jobs are not run again).
+# results/study_qwen/sweep_root.tar.gz) into .resume/study and .resume/sweep, and copies the shipped accuracy-model sets
+# into .evad/<benchmark>_sharedA (what gpu_multi.sh's EV_ADAPTERS and `eval --adapters` read once data/adapters is
+# slimmed away); carry [".resume", ".evad"] in one more call (copy them to /tmp there) before the first
+# scripts/gpu_study.sh call of the lease, and the study resumes there (finished jobs are not run again).
 #
 # The calls then carry [".whl", ".commit", ".tok", ".gguf1"] (call 1: its command sources scripts/device_model.sh,
 # which copies the first half to /tmp on the device) and [".whl", ".commit", ".gguf2"] (call 2, while the machine is
@@ -76,9 +77,9 @@ check_accuracy() {
     [ "$bytes" -le "$LIMIT" ] || { printf '%s: %.1f MiB with the tree: OVER 64 MiB\n' "$d" "$(awk "BEGIN {print $bytes / 1048576}")"; ok=1; }
   done
   [ $n -gt 0 ] || { echo "no .acc* pieces: run prepare-accuracy"; return 1; }
-  if [ -d .resume ]; then
-    bytes=$((tree + $(dir_bytes .resume) + 4096))
-    printf '.resume (the study roots to resume from): %.1f MiB with the tree %s\n' "$(awk "BEGIN {print $bytes / 1048576}")" \
+  if [ -d .resume ] || [ -d .evad ]; then
+    bytes=$((tree + $(dir_bytes .resume) + $(dir_bytes .evad) + 4096))
+    printf '.resume + .evad (the study roots, the shipped sets): %.1f MiB with the tree %s\n' "$(awk "BEGIN {print $bytes / 1048576}")" \
       "$([ "$bytes" -le "$LIMIT" ] && echo ok || echo 'OVER 64 MiB')"
     [ "$bytes" -le "$LIMIT" ] || ok=1
   fi
@@ -126,7 +127,7 @@ case "${1:-}" in
       mkdir -p "$(dirname "$p")"
       mv "$KEEP/$p" "$p"
     done
-    rm -rf .gguf1 .gguf2 .acc[0-9]* .resume
+    rm -rf .gguf1 .gguf2 .acc[0-9]* .resume .evad
     git status --short | head -5
     ;;
   prepare-accuracy)
@@ -150,6 +151,11 @@ case "${1:-}" in
       fi
       python3 -m eval_suite.study pack --root "$tmp/study" --out ".resume/$stage" > /dev/null
       rm -rf "$tmp"
+    done
+    rm -rf .evad
+    for set_dir in data/adapters/qwen_*_sharedA; do  # the shipped sets, under the names eval --adapters expects
+      [ -d "$set_dir" ] || continue
+      b=$(basename "$set_dir"); mkdir -p .evad && cp -r "$set_dir" ".evad/${b#qwen_}"
     done
     slim
     if ! ls -d .acc[0-9]* > /dev/null 2>&1; then
