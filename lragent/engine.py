@@ -636,15 +636,7 @@ class Engine:
         forced = self.d_forced[rows, fcount.clamp(max=self.d_forced.shape[1] - 1)]
         tok = torch.where(forcing, forced, tok)
         fcount.add_(forcing.long())
-        gen = act & ~forcing  # a sampled token: recorded, counted, checked for a stop
-        slot = count.clamp(max=self.d_gen.shape[1] - 1)
-        self.d_gen[rows, slot] = torch.where(gen, tok, self.d_gen[rows, slot])
-        step = gen.long()
-        count.add_(step)
-        self.d_remaining[:b].sub_(step)
-        hit = self.d_stop[:b].gather(1, tok[:, None])[:, 0] | self.d_eos[tok]
-        done = gen & (hit | (self.d_remaining[:b] <= 0))
-        self.d_active[:b] = act & ~done
+        self._record_sampled(b, act, tok, forcing)
         pos = self.d_pos[:b]
         view = DecodeView(
             self.pool,
@@ -661,6 +653,22 @@ class Engine:
         h = self.dec.run_view(self.dec.embed(tok[:, None]), rotary, self.d_role[:b], view)
         self.d_logits[:b] = self.dec.logits(h, fused=view.fused)[:, 0].float()
         pos.add_(act.long())
+
+    def _record_sampled(self, b: int, act: torch.Tensor, tok: torch.Tensor, forcing: torch.Tensor) -> None:
+        """Records the sampled token of every busy row that is not feeding (``tok`` ``(b,)``): its generated ids,
+        count and budget, and ends the row at a stop token, an end-of-sequence id or the budget. ``act`` is the view
+        ``d_active[:b]``: after this call it holds the rows still busy."""
+        rows = torch.arange(b, device=self.device)
+        count = self.d_count[:b]
+        gen = act & ~forcing
+        slot = count.clamp(max=self.d_gen.shape[1] - 1)
+        self.d_gen[rows, slot] = torch.where(gen, tok, self.d_gen[rows, slot])
+        step = gen.long()
+        count.add_(step)
+        self.d_remaining[:b].sub_(step)
+        hit = self.d_stop[:b].gather(1, tok[:, None])[:, 0] | self.d_eos[tok]
+        done = gen & (hit | (self.d_remaining[:b] <= 0))
+        self.d_active[:b] = act & ~done
 
     def _fed_step(self, b: int, sampling: bool, max_len: int | None, extra: int) -> None:
         """:meth:`_decode_step` with ``extra`` more token rows for fed tokens: rows ``[0, b)`` carry each row's next
@@ -686,17 +694,9 @@ class Engine:
         pos = self.d_pos[:b]
         first = torch.where(forcing, self.d_forced[rows, fcount.clamp(max=width - 1)], tok)
         more = self.d_forced[owner, (fcount[owner] + j).clamp(max=width - 1)]
-        k = torch.where(forcing, 1 + grant, act.long())  # tokens each row puts through this step
+        k = torch.where(forcing, 1 + grant, act.long())  # tokens each row puts through this step (before any stop)
         fcount.add_(torch.where(forcing, k, 0))
-        gen = act & ~forcing  # a sampled token: recorded, counted, checked for a stop
-        slot = count.clamp(max=self.d_gen.shape[1] - 1)
-        self.d_gen[rows, slot] = torch.where(gen, tok, self.d_gen[rows, slot])
-        step = gen.long()
-        count.add_(step)
-        self.d_remaining[:b].sub_(step)
-        hit = self.d_stop[:b].gather(1, tok[:, None])[:, 0] | self.d_eos[tok]
-        done = gen & (hit | (self.d_remaining[:b] <= 0))
-        self.d_active[:b] = act & ~done
+        self._record_sampled(b, act, tok, forcing)
         pool = self.pool
 
         def lent(per_row: torch.Tensor, scratch: int) -> torch.Tensor:
