@@ -119,10 +119,10 @@ def episodes(directory: Path) -> list[tuple] | None:
     return sorted(rows, key=repr)
 
 
-def episode_loop_seconds(directory: Path, key: str = "episodes_s") -> float | None:
-    """Seconds of an ``eval`` output's episode loop (its ``timing.json``), per benchmark folder ``directory/<b>``
-    summed over benchmarks; a ``--devices N`` output counts its slowest shard (``shard_i/timing.json``). None when a
-    benchmark folder has no timing. ``key="decode_steps"``: the decode steps of the busiest process instead."""
+def busiest_process(directory: Path, key: str) -> float | None:
+    """One figure of an ``eval`` output's ``timing.json`` (``episodes_s``: the episode loop's seconds;
+    ``decode_steps``), per benchmark folder ``directory/<b>`` summed over benchmarks; a ``--devices N`` output counts
+    its shard with the largest (``shard_i/timing.json``). None when a benchmark folder has no timing."""
     if not directory.is_dir():
         return None
     total = 0.0
@@ -205,6 +205,9 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     # eval --devices N vs 1: the same records, and the wall-clock speed-up
     e1 = episodes(out / "ev1")
     ev: dict[str, Any] = {"episodes_1": None if e1 is None else len(e1)}
+    # the episode loops alone (model loading and sizing left out): one process against its slowest shard
+    loop1 = ev["episode_loop_seconds_1"] = busiest_process(out / "ev1", "episodes_s")
+    ev["decode_steps_1"] = busiest_process(out / "ev1", "decode_steps")
     for n in sizes:
         en = episodes(out / f"ev{n}")
         ev[f"episodes_{n}"] = None if en is None else len(en)
@@ -220,16 +223,8 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         if t.get("ev1", {}).get("rc") == 0 and t.get(f"ev{n}", {}).get("rc") == 0 and t["ev1"]["seconds"]:
             ev["wall_seconds_1"], ev[f"wall_seconds_{n}"] = t["ev1"]["seconds"], t[f"ev{n}"]["seconds"]
             ev[f"speedup_{n}"] = t["ev1"]["seconds"] / max(t[f"ev{n}"]["seconds"], 1)
-    # the episode loops alone (model loading and sizing left out): one process against its slowest shard
-    loop1 = episode_loop_seconds(out / "ev1")
-    ev["episode_loop_seconds_1"] = loop1
-    ev["decode_steps_1"] = episode_loop_seconds(out / "ev1", "decode_steps")
-    for n in sizes:
-        if f"stopped_{n}" in ev:
-            continue
-        loop_n = episode_loop_seconds(out / f"ev{n}")
-        ev[f"episode_loop_seconds_{n}"] = loop_n
-        ev[f"decode_steps_{n}"] = episode_loop_seconds(out / f"ev{n}", "decode_steps")
+        loop_n = ev[f"episode_loop_seconds_{n}"] = busiest_process(out / f"ev{n}", "episodes_s")
+        ev[f"decode_steps_{n}"] = busiest_process(out / f"ev{n}", "decode_steps")
         if loop1 and loop_n:
             ev[f"loop_speedup_{n}"] = loop1 / loop_n
     res["eval_devices"] = ev

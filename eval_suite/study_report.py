@@ -477,6 +477,7 @@ def collect_sweep(root: Path, plan: Sequence[Job], reference: dict[str, str] | N
     dev episodes (metric with a 95% bootstrap interval over questions, OOF, ScienceQA letter validity), the older
     draws of its row (:func:`earlier_draws`) and its paired difference to the benchmark's reference point
     (``reference``: benchmark -> set name, the recipe that ships), on the same questions and sampling seeds."""
+    from eval_suite.benchmarks import get_benchmark
     from eval_suite.paired import paired_difference, validity
     from eval_suite.training_logs import read_metrics, read_status, validation_rows
 
@@ -494,7 +495,7 @@ def collect_sweep(root: Path, plan: Sequence[Job], reference: dict[str, str] | N
         size = sum(p.stat().st_size for p in (train_dir / "adapters").rglob("*.safetensors"))
         records = read_episodes(root / job.name / EPISODES_FILE)
         bench = meta["benchmark"]
-        field = "correct" if bench == "scienceqa" else "em"
+        field = get_benchmark(bench).score_fields[0]  # the headline score of an episode record: correct / em
         entry: dict[str, Any] = {
             "set": meta["set"], "benchmark": bench, "recipe": meta.get("recipe", {}), "done": is_done(job, root),
             "episodes": len(records), "runs": len({r["run"] for r in records}),
@@ -504,10 +505,10 @@ def collect_sweep(root: Path, plan: Sequence[Job], reference: dict[str, str] | N
             "oof": (sum(bool(r.get("oof")) for r in records) / len(records)) if records else None,
         }  # fmt: skip
         if bench == "scienceqa":
-            entry["accuracy"] = _question_interval(records, "correct")
+            entry["accuracy"] = _question_interval(records, field)
             entry["valid"] = validity(records)["rate"] if records else None
         else:
-            entry["em"] = _question_interval(records, "em")
+            entry["em"] = _question_interval(records, field)
             entry["f1"] = _question_interval(records, "f1")
         entry["earlier"] = earlier_draws(root / job.name, field)
         ref = (reference or {}).get(bench)

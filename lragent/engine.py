@@ -121,7 +121,7 @@ class _Pending:
     prefill_s: float
     t_decode: float
     steps: int = 0
-    forced_left: int = 0  # fed tokens not yet through the decode step (the host's count, step by step)
+    forced_left: int = 0  # fed tokens not yet through the decode step (the host's count, kept with a feed_budget)
     logits: list[torch.Tensor] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
 
@@ -638,21 +638,32 @@ class Engine:
         fcount.add_(forcing.long())
         self._record_sampled(b, act, tok, forcing)
         pos = self.d_pos[:b]
-        view = DecodeView(
-            self.pool,
-            self.d_kv_slot[:b],
-            self.d_lr_slot[:b],
-            self.d_hid_slot[:b],
-            pos,
-            max_len,
-            self.use_kernel,
-            fused=self.fuse_ops,
-        )
+        h, fused = self._forward(tok, pos, self.d_kv_slot[:b], self.d_lr_slot[:b], self.d_hid_slot[:b],
+                                 self.d_role[:b], max_len)  # fmt: skip
+        self.d_logits[:b] = self.dec.logits(h, fused=fused)[:, 0].float()
+        pos.add_(act.long())
+
+    def _forward(
+        self,
+        tok: torch.Tensor,
+        pos: torch.Tensor,
+        kv_slot: torch.Tensor,
+        lr_slot: torch.Tensor,
+        hid_slot: torch.Tensor,
+        roles: torch.Tensor,
+        max_len: int | None,
+    ) -> tuple[torch.Tensor, bool]:
+        """One token per token row through every layer: token ``tok[i]`` at position ``pos[i]`` of slots
+        ``kv_slot[i]`` / ``lr_slot[i]`` / ``hid_slot[i]`` under adapter ``roles[i]`` (all ``(T,)``); its K/V stored,
+        then attention over ``[0, pos[i]]``.
+
+        Returns:
+            the last hidden states ``(T, 1, H)`` and whether the view ran fused (for the LM head).
+        """
+        view = DecodeView(self.pool, kv_slot, lr_slot, hid_slot, pos, max_len, self.use_kernel, fused=self.fuse_ops)
         cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
         rotary = (cos_t[pos][:, None], sin_t[pos][:, None])
-        h = self.dec.run_view(self.dec.embed(tok[:, None]), rotary, self.d_role[:b], view)
-        self.d_logits[:b] = self.dec.logits(h, fused=view.fused)[:, 0].float()
-        pos.add_(act.long())
+        return self.dec.run_view(self.dec.embed(tok[:, None]), rotary, roles, view), bool(view.fused)
 
     def _record_sampled(self, b: int, act: torch.Tensor, tok: torch.Tensor, forcing: torch.Tensor) -> None:
         """Records the sampled token of every busy row that is not feeding (``tok`` ``(b,)``): its generated ids,
@@ -702,23 +713,17 @@ class Engine:
         def lent(per_row: torch.Tensor, scratch: int) -> torch.Tensor:
             return torch.cat([per_row[:b], torch.where(valid, per_row[owner], scratch)])
 
-        vpos = torch.cat([pos, torch.where(valid, pos[owner] + j, 0)])
-        view = DecodeView(
-            pool,
+        h, fused = self._forward(
+            torch.cat([first, more]),
+            torch.cat([pos, torch.where(valid, pos[owner] + j, 0)]),
             lent(self.d_kv_slot, pool.scratch_kv),
             lent(self.d_lr_slot, pool.scratch_lr),
             lent(self.d_hid_slot, pool.scratch_hidden),
-            vpos,
+            torch.cat([self.d_role[:b], self.d_role[owner]]),
             max_len,
-            self.use_kernel,
-            fused=self.fuse_ops,
-        )
-        cos_t, sin_t = self.dec.rope_table(pool.capacity, self.dtype, self.device)
-        rotary = (cos_t[vpos][:, None], sin_t[vpos][:, None])
-        roles = torch.cat([self.d_role[:b], self.d_role[owner]])
-        h = self.dec.run_view(self.dec.embed(torch.cat([first, more])[:, None]), rotary, roles, view)  # (b+extra,1,H)
+        )  # (b + extra, 1, H)
         last = torch.where(grant > 0, b + off + grant - 1, rows)  # each row's last token this step
-        self.d_logits[:b] = self.dec.logits(h[last], fused=view.fused)[:, 0].float()
+        self.d_logits[:b] = self.dec.logits(h[last], fused=fused)[:, 0].float()
         pos.add_(k)
 
     def _extra(self) -> int:
@@ -812,9 +817,10 @@ class Engine:
             # eager: the host looks after every step (a sync costs little next to eager launches)
             n = 1 if not graphs else self.sync_every if max_steps is None else min(self.sync_every, max_steps - steps)
             extra = self._extra()
-            feeding = self._feed_on_host(extra, n)  # the host's count of what is left to feed, as the device runs
-            if extra and not self.batch_invariant:
-                n = max(1, feeding)  # back to plain steps once the feeding is done (feeding < n: it ends sooner)
+            if self.feed_budget:  # the host's count of what is left to feed, as the device runs (read by _extra)
+                feeding = self._feed_on_host(extra, n)
+                if extra and not self.batch_invariant:
+                    n = max(1, feeding)  # back to plain steps once the feeding is done (it may end before n)
             if graphs:
                 graph = self._graph_for(b, sampling, extra)
                 for _ in range(n):
