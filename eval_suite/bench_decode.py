@@ -1,7 +1,7 @@
 """`cli.py bench decode`: per-token decode latency against the GPU's bandwidth floor and stock transformers.
 
-For one architecture (random weights with the real shapes: speed does not depend on the values) and a context
-length, it measures in one run on one GPU:
+For one model (a named architecture gets random weights with the real shapes: speed does not depend on the values)
+and a context length, it measures in one run on one GPU:
 
 - **floor**: the bytes one decode step must read (every weight once, plus each row's cache at that context: K and
   V, or K, V_base and V_lr) over the device-to-device copy bandwidth measured in the same run (bytes read plus
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from eval_suite.bench_model import weights_label
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.memory_plan import choose_batch, model_shape, transformers_baseline_bytes
 from lragent.provenance import provenance, provenance_footer
@@ -222,7 +223,8 @@ def decode(
     ]
     md = (
         f"# Decode latency ({prov['device']['name']})\n\n"
-        f"{model} (random weights), {dtype}, context {context} tokens per row, {new_tokens} tokens timed per row, "
+        f"{model} ({weights_label(model)}), {dtype}, context {context} tokens per row, "
+        f"{new_tokens} tokens timed per row, "
         f"LoRA rank {rank} on q/v (B != 0); fused LoRA path (A in the fused GEMMs, B through the role mask): "
         f"{'on' if any(r.get('fuse_lora') for r in rows) else 'off'}. "
         f"Measured copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "

@@ -12,6 +12,14 @@ from lragent.lora_model import MultiLoraModel
 from lragent.multi_lora import MultiLoraConfig
 
 
+def weights_label(model: str) -> str:
+    """How a benchmark report names ``model``'s base weights: "random weights" for a named architecture (the real
+    shapes, drawn values), "real weights" for a model loaded from its own weights (the embedded or accuracy model)."""
+    from lragent.models import NAMED_ARCHITECTURES
+
+    return "random weights" if model.lower() in NAMED_ARCHITECTURES else "real weights"
+
+
 def random_adapter_model(hf: PreTrainedModel, rank: int) -> MultiLoraModel:
     """``hf`` wrapped with rank-``rank`` random adapters (q_proj, v_proj; B != 0), in eval mode.
 

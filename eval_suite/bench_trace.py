@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from eval_suite.bench_model import weights_label
 from eval_suite.model_flops import ModelShape, decode_flops, peak_flops, prefill_flops, recompute_layer_count
 from eval_suite.report import markdown_table, write_json, write_text
 from lragent.provenance import provenance, provenance_footer
@@ -114,6 +115,23 @@ def run_trace(engine, model, l_ctx: int, seed: int, shape: ModelShape | None = N
     }
 
 
+def positions_note(model: str, contexts: list[int]) -> str | None:
+    """A one-line note where a context's trace ends past the model's ``max_position_embeddings`` (RoPE then runs on
+    positions the model was never trained on: its outputs mean nothing, its speed still does, since this benchmark
+    scores no output), naming the largest context within the limit; None where every trace fits."""
+    from lragent.memory_plan import model_config
+
+    limit = getattr(model_config(model), "max_position_embeddings", None)
+    over = [c for c in contexts if limit is not None and final_length(c) > limit]
+    if not over:
+        return None
+    fits = (limit - final_length(0)) // 4  # the trace appends four retrieved contexts
+    return (
+        f"L_ctx {', '.join(map(str, over))}: the trace ends at {final_length(max(over))} tokens, past {model}'s "
+        f"max_position_embeddings {limit} (timed, but no output is meaningful there; L_ctx <= {fits} stays within)"
+    )
+
+
 def check_trace_memory(
     model: str,
     schemes: list,
@@ -187,6 +205,9 @@ def trace(
     cuda = device.startswith("cuda")
     dt = parse_dtype(dtype)
     check_trace_memory(model, schemes, contexts, dt, device, rank, droidspeak_layers)  # before the model loads
+    note = positions_note(model, contexts)
+    if note:
+        print(f"note: {note}", flush=True)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf, _ = load_model(model, dtype=dt, device=device)
@@ -194,6 +215,8 @@ def trace(
     runs = []
     json_path = out_dir / "bench_trace.json"
     prov = provenance(dtype=dt, device=device)
+    if note:
+        prov["note"] = note
     shape = ModelShape.from_config(hf.config, rank, targets=tuple(lm.lora_config.targets))
     peak = peak_flops(prov["device"]["name"]) if cuda else None
     for l_ctx in contexts:
@@ -280,9 +303,10 @@ def render(runs: list[dict], model: str, dtype: str, prov: dict) -> str:
         return f"{r[key]:.4g} ({r[key] / ref[key]:.2f}×)"
 
     parts = [
-        f"# Agent trace ({prov['device']['name']}, {model} random weights, {dtype})\n\n",
+        f"# Agent trace ({prov['device']['name']}, {model} {weights_label(model)}, {dtype})\n\n",
         "17 steps: (plan, plan, action) × 5 with L_ctx retrieved tokens after each of the first four cycles, then two "
         "reflect steps; the header gives L_ctx and the final trajectory length. Second of two identical runs.\n\n",
+        f"Note: {prov['note']}\n\n" if prov.get("note") else "",
         "## Throughput, tokens/s (ratio to non_shared), Table 4 layout\n\n",
         table(lambda r, c: ratio("throughput_tok_s", r, c)),
         "\n## TTFT (Σ prefill seconds) (ratio to non_shared), Table 5 layout\n\n",

@@ -30,11 +30,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lragent.device_share import device_index, meminfo_bytes, memory_budget
 from lragent.sharing import make_scheme
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GIB = 1 << 30
 FIXED_MARGIN = 768 << 20
@@ -89,8 +93,8 @@ class ModelShape:
         return self.n_layers * per_layer
 
 
-def model_shape(name: str) -> ModelShape:
-    """The shape of model ``name`` as :func:`lragent.models.load_model` would load it, from its config only.
+def model_config(name: str) -> PretrainedConfig:
+    """The config of model ``name`` as :func:`lragent.models.load_model` would load it, without its weights.
 
     Raises:
         ValueError: the config cannot be read (as ``load_model`` would say).
@@ -106,13 +110,21 @@ def model_shape(name: str) -> ModelShape:
     fields = accuracy_model.ARCHITECTURE if key in accuracy_model.NAMES else NAMED_ARCHITECTURES.get(key)
     if fields is not None:
         fields = dict(fields)  # a copy: model_type is popped
-        return ModelShape.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
     try:
-        config = AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"could not read the config of model {name!r} ({first})") from None
-    return ModelShape.from_config(config)
+
+
+def model_shape(name: str) -> ModelShape:
+    """The shape of model ``name`` as :func:`lragent.models.load_model` would load it, from its config only.
+
+    Raises:
+        ValueError: the config cannot be read (as ``load_model`` would say).
+    """
+    return ModelShape.from_config(model_config(name))
 
 
 @dataclass(frozen=True)

@@ -190,3 +190,23 @@ def test_bench_trace_refuses_a_context_that_does_not_fit_before_loading(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "L_ctx 4096" in err[0] and "under non_shared" in err[0], err
     assert "allowed --contexts up to 256, --schemes without non_shared" in err[0]
+
+
+def test_bench_trace_notes_a_context_past_the_models_positions(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """tiny-llama holds 4096 positions and the trace appends four contexts after 932 tokens of its own: L_ctx 791
+    ends at 4096 (no note), 792 past it. The trace still runs (speed needs no meaningful output) and says so once on
+    the console, in the report and in the JSON's provenance, naming the largest context that fits."""
+    import json
+
+    from eval_suite.bench_trace import final_length, positions_note
+
+    assert final_length(791) == 4096 < final_length(792)
+    assert positions_note("tiny-llama", [256, 791]) is None
+    argv = ["bench", "trace", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--contexts",
+            "[792]", "--schemes", "[full_shared]", "--out", str(tmp_path / "t")]  # fmt: skip
+    assert cli.main(argv) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "L_ctx 792: the trace ends at 4100 tokens" in notes[0], notes
+    assert "max_position_embeddings 4096" in notes[0] and "L_ctx <= 791 stays within" in notes[0]
+    assert notes[0][len("note: "):] in (tmp_path / "t" / "bench_trace.md").read_text()
+    assert json.loads((tmp_path / "t" / "bench_trace.json").read_text())["provenance"]["note"] == notes[0][6:]
