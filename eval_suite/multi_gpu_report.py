@@ -254,6 +254,19 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     return res
 
 
+def _peft_detail(peft: dict) -> str:
+    """`` (largest relative diff X against tolerance T; the adapters' effect resolved: yes/no)`` from a
+    peft_check result (the last part only where it records ``resolved``), or nothing where there is none."""
+    roles = list((peft.get("roles") or {}).values())
+    if not roles:
+        return ""
+    worst = max(r.get("rel_diff", 0.0) for r in roles)
+    text = f" (largest relative diff {worst:.2e} against {peft.get('rel_tol')}"
+    if all("resolved" in r for r in roles):  # records before the key have no say
+        text += f"; the adapters' effect resolved: {'yes' if all(r['resolved'] for r in roles) else 'no'}"
+    return text + ")"
+
+
 def _fmt(x: Any, digits: int = 4) -> str:
     if x is None:
         return "missing"
@@ -315,13 +328,14 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{_fmt(s.get('peak_memory_gib_per_rank'), 2)} | {_fmt(s.get('global_step'))} |")  # fmt: skip
     lines.append("")
     for n in sizes:
+        peft = f.get(f"fsdp{n}_export_in_peft") or {}
         lines.append(
             f"FSDP on {n}: peak memory per device {_fmt(f.get(f'fsdp{n}_peak_memory_over_1gpu'), 3)}x one device's; "
             f"resumed to step {_fmt(f.get(f'fsdp{n}_resumed_to_step'))} ({_fmt(f.get(f'fsdp{n}_resume_log_line'))}); "
             f"export format equal to the 1-device export: fit's {_fmt(f.get(f'export_fsdp{n}r_same_format_as_1gpu'))},"
             f" `export` command's {_fmt(f.get(f'export_fx{n}_same_format_as_1gpu'))}; fit's export vs the export "
             f"command: max |diff| {_fmt(f.get(f'fsdp{n}_export_fit_vs_export_command_max_abs_diff'), 8)}; loads in "
-            f"PEFT with lragent's logits: {_fmt((f.get(f'fsdp{n}_export_in_peft') or {}).get('ok'))}."
+            f"PEFT with lragent's logits: {_fmt(peft.get('ok'))}{_peft_detail(peft)}."
         )
     lines += ["", "## eval --devices N vs --devices 1", ""]
     for n in sizes:
@@ -338,7 +352,7 @@ def markdown(res: dict[str, Any]) -> str:
             f"speed-up {_fmt(e.get(f'speedup_{n}'), 2)}x; episode loops alone (the slowest shard) "
             f"{_fmt(e.get('episode_loop_seconds_1'), 1)} vs {_fmt(e.get(f'episode_loop_seconds_{n}'), 1)} s, "
             f"{_fmt(e.get(f'loop_speedup_{n}'), 2)}x; decode steps of the busiest process "
-            f"{_fmt(e.get('decode_steps_1'))} vs {_fmt(e.get(f'decode_steps_{n}'))}."
+            f"{_fmt(e.get('decode_steps_1'), 0)} vs {_fmt(e.get(f'decode_steps_{n}'), 0)}."
         )
     lines += [
         "",

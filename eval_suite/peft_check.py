@@ -7,6 +7,11 @@ and a plain copy for PEFT), ``peft.PeftModel.from_pretrained`` (then ``load_adap
 logits of one random token sequence under both. ``ok`` is every role loaded and within tolerance of lragent's logits
 (relative to the largest logit: PEFT and lragent add the LoRA term in different orders). Used by
 ``scripts/gpu_multi.sh`` on FSDP exports (issue 35); works on any model ``load_model`` knows.
+
+Run it in float32: in a 16-bit dtype rounding can be as large as the adapters' whole effect on the logits (bf16 on an
+H100 at LLaMA-3.1-8B shapes: max diff 0.30 against an adapter effect of 0.44; on a 2-layer CPU model the diff equals
+the effect, one bf16 step of the logits). ``resolved`` says per role whether the adapters' effect stands at least 10×
+above the tolerance, i.e. whether agreement within it shows the adapters, not just the base, were reproduced.
 """
 
 from __future__ import annotations
@@ -42,12 +47,15 @@ def check_export(
         device: where both models run.
         tokens: length of the random token sequence ``(1, tokens)``.
         overrides: config overrides of a named random architecture (as ``load_model``).
-        rel_tol: allowed max |PEFT − lragent| over max |logit|; default 1e-5 in float32, 3e-2 in 16-bit dtypes.
+        rel_tol: allowed max |PEFT − lragent| over max |logit|; default 1e-5 in float32 on the CPU, 1e-4 in float32
+            on a GPU (the fused and the separate LoRA GEMMs are different cuBLAS kernels, summing in other orders
+            through every layer), 3e-2 in 16-bit dtypes.
 
     Returns:
         ``{"ok", "rel_tol", "roles": {role: {"loaded", "max_abs_diff", "max_abs_logit", "rel_diff",
-        "adapter_effect"}}}``; ``adapter_effect`` is max |lragent's logits − the plain base's|: where it is near 0
-        (adapters barely trained) equal logits say little beyond "loads".
+        "adapter_effect", "resolved"}}}``; ``adapter_effect`` is max |lragent's logits − the plain base's|: where it
+        is near 0 (adapters barely trained) equal logits say little beyond "loads"; ``resolved`` is
+        ``adapter_effect / max_abs_logit >= 10 * rel_tol``.
     """
     from peft import PeftModel
 
@@ -57,7 +65,12 @@ def check_export(
     if missing:
         raise FileNotFoundError(f"{d} has no PEFT directory for role(s) {missing}: not an export directory")
     torch_dtype = parse_dtype(dtype)
-    tol = rel_tol if rel_tol is not None else (1e-5 if torch_dtype == torch.float32 else 3e-2)
+    if rel_tol is not None:
+        tol = rel_tol
+    elif torch_dtype == torch.float32:
+        tol = 1e-5 if str(device).startswith("cpu") else 1e-4
+    else:
+        tol = 3e-2
     hf, _ = load_model(model, dtype=torch_dtype, device=device, overrides=overrides)
     lm = MultiLoraModel(hf, cfg)
     load_adapter_dir(lm, d)
@@ -80,7 +93,7 @@ def check_export(
             diff, scale = float((got - want).abs().max()), float(want.abs().max())
             effect = float((got - base_logits).abs().max())
             roles[role] = {"loaded": True, "max_abs_diff": diff, "max_abs_logit": scale, "rel_diff": diff / scale,
-                           "adapter_effect": effect}  # fmt: skip
+                           "adapter_effect": effect, "resolved": effect / scale >= 10 * tol}  # fmt: skip
     return {"ok": all(r["rel_diff"] <= tol for r in roles.values()), "rel_tol": tol, "roles": roles}
 
 

@@ -3,8 +3,10 @@
 # working tree (slimmed: results/ and data/adapters/ moved aside), the wheels the GPU image lacks, the embedded GGUF in
 # two halves and the embedded tokenizer.
 #
-#   bash scripts/device_carry.sh prepare   # .commit, .whl (gguf, jsonargparse, ...), .gguf1 + .gguf2, .tok, a slim
-#                                          # tree (results/ and data/adapters/ moved to $KEEP), then `check`
+#   bash scripts/device_carry.sh prepare   # .commit, .whl (gguf, jsonargparse, ...), .gguf1 + .gguf2, .tok, .defad
+#                                          # (the embedded model's default adapter sets, which eval reads when no
+#                                          # --adapters is given: the GPU tests that run eval need them), a slim tree
+#                                          # (results/ and data/adapters/ moved to $KEEP), then `check`
 #   bash scripts/device_carry.sh check     # what each planned call carries, against the 64 MiB limit
 #   bash scripts/device_carry.sh restore   # puts the moved folders back and removes .gguf1 / .gguf2 / .acc*
 #   bash scripts/device_carry.sh prepare-accuracy   # the accuracy model instead (Qwen2.5-Coder-1.5B, 1.1 GB): the tree
@@ -24,7 +26,9 @@
 #
 # The calls then carry [".whl", ".commit", ".tok", ".gguf1"] (call 1: its command sources scripts/device_model.sh,
 # which copies the first half to /tmp on the device) and [".whl", ".commit", ".gguf2"] (call 2, while the machine is
-# still warm: the halves are joined and LRAGENT_EMBEDDED_GGUF is set). Without the gguf wheel the model tests skip;
+# still warm: the halves are joined and LRAGENT_EMBEDDED_GGUF is set), then [".defad"] (call 3: the default sets, which
+# device_model.sh copies to /tmp/defad and back into data/adapters/ in every later call that sources it). Without the
+# gguf wheel the model tests skip;
 # `check` fails when it is missing. Commit while slim only with explicit paths (`git add <path>`, never -A).
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
@@ -42,7 +46,7 @@ dir_bytes() { [ -e "$1" ] && du -sb "$1" | cut -f1 || echo 0; }
 
 exclude() {  # the carried folders must be git-ignored, or they would travel with every call
   mkdir -p .git/info
-  for p in /.whl/ /.gguf1/ /.gguf2/ /.tok/ /.commit '/.acc[0-9]*/' /.resume/; do
+  for p in /.whl/ /.gguf1/ /.gguf2/ /.tok/ /.commit '/.acc[0-9]*/' /.resume/ /.evad/ /.defad/; do
     grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
   done
 }
@@ -89,12 +93,14 @@ check_accuracy() {
 }
 
 check() {
-  local tree whl tok g1 g2 ok=0
+  local tree whl tok g1 g2 dad ok=0
   tree=$(tree_bytes); whl=$(dir_bytes .whl); tok=$(dir_bytes .tok); g1=$(dir_bytes .gguf1); g2=$(dir_bytes .gguf2)
+  dad=$(dir_bytes .defad)
+  [ -f .defad/hotpotqa_sharedA/lragent_adapters.safetensors ] || { echo "MISSING: .defad (the GPU eval tests would fail)"; ok=1; }
   ls .whl/gguf-*.whl > /dev/null 2>&1 || { echo "MISSING: .whl has no gguf wheel (the model tests would skip)"; ok=1; }
   [ -s .commit ] && [ "$(cat .commit)" = "$(git rev-parse HEAD)" ] || { echo "STALE: .commit is not HEAD"; ok=1; }
   for call in "call 1: tree + .whl + .commit + .tok + .gguf1:$((tree + whl + tok + g1))" \
-    "call 2: tree + .whl + .commit + .gguf2:$((tree + whl + g2))"; do
+    "call 2: tree + .whl + .commit + .gguf2:$((tree + whl + g2))" "call 3: tree + .defad:$((tree + dad))"; do
     local bytes=${call##*:}
     printf '%-45s %6.1f MiB %s\n' "${call%:*}" "$(awk "BEGIN {print $bytes / 1048576}")" \
       "$([ "$bytes" -le "$LIMIT" ] && echo ok || echo 'OVER 64 MiB')"
@@ -117,6 +123,9 @@ case "${1:-}" in
       tok=$(python3 -c 'from lragent.models import _embedded_converted_dir as d; print(d())')
       cp "$tok"/{tokenizer.json,tokenizer_config.json,config.json} .tok/
     fi
+    rm -rf .defad && mkdir -p .defad
+    src=data/adapters; [ -d "$src" ] || src=$KEEP/data/adapters  # already slimmed by prepare-accuracy
+    for b in hotpotqa scienceqa; do cp -r "$src/${b}_sharedA" .defad/; done
     slim
     check
     ;;
@@ -127,7 +136,7 @@ case "${1:-}" in
       mkdir -p "$(dirname "$p")"
       mv "$KEEP/$p" "$p"
     done
-    rm -rf .gguf1 .gguf2 .acc[0-9]* .resume .evad
+    rm -rf .gguf1 .gguf2 .acc[0-9]* .resume .evad .defad
     git status --short | head -5
     ;;
   prepare-accuracy)

@@ -27,6 +27,14 @@ if [ ! -f /tmp/acc/model.gguf ] && [ "$(acc_bytes 'acc.part*')" = "$ACC_BYTES" ]
   cat /tmp/acc/acc.part* > /tmp/acc/model.gguf.tmp && mv /tmp/acc/model.gguf.tmp /tmp/acc/model.gguf && rm -f /tmp/acc/acc.part*
 fi
 [ -f /tmp/acc/model.gguf ] && export LRAGENT_ACCURACY_GGUF=/tmp/acc/model.gguf
+# The embedded model's default adapter sets (.defad, carried once; scripts/device_carry.sh prepare), put back into the
+# slimmed tree's data/adapters/ where eval looks when no --adapters is given.
+if [ -d .defad ]; then mkdir -p /tmp/defad && cp -r .defad/* /tmp/defad/; fi
+for _defad in /tmp/defad/*/; do
+  [ -d "$_defad" ] || continue
+  _set=data/adapters/$(basename "$_defad")
+  [ -f "$_set/lragent_adapters.safetensors" ] || { rm -rf "$_set"; mkdir -p data/adapters && cp -r "$_defad" "$_set"; }
+done
 # The committed study roots' packs (.resume/<stage>/study.tar.gz.part*), carried in a call of their own;
 # scripts/gpu_study.sh unpacks the one of its stage.
 if [ -d .resume ]; then mkdir -p /tmp/resume_pack && cp -r .resume/* /tmp/resume_pack/; fi

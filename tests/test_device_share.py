@@ -208,5 +208,5 @@ def test_bench_trace_notes_a_context_past_the_models_positions(tmp_path: Path, c
     notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "L_ctx 792: the trace ends at 4100 tokens" in notes[0], notes
     assert "max_position_embeddings 4096" in notes[0] and "L_ctx <= 791 stays within" in notes[0]
-    assert notes[0][len("note: "):] in (tmp_path / "t" / "bench_trace.md").read_text()
+    assert notes[0][len("note: ") :] in (tmp_path / "t" / "bench_trace.md").read_text()
     assert json.loads((tmp_path / "t" / "bench_trace.json").read_text())["provenance"]["note"] == notes[0][6:]

@@ -167,3 +167,17 @@ def test_a_stopped_eval_phase_is_checked_on_what_it_finished_and_not_timed(tmp_p
     assert "2 devices: stopped (exit 124) after 1 episodes; each of them equal to one device's: True" in md
     eps(tmp_path / "ev2" / "hotpotqa" / "shard_0", ["a"], pred="y")  # a finished episode that differs
     assert report.collect(tmp_path, None, [2])["eval_devices"]["finished_equal_2"] is False
+
+
+def test_the_peft_line_names_the_worst_diff_and_whether_the_adapters_were_resolved() -> None:
+    from eval_suite.multi_gpu_report import _peft_detail
+
+    roles = {"plan": {"rel_diff": 2e-6, "resolved": True}, "action": {"rel_diff": 7e-6, "resolved": False}}
+    assert _peft_detail({"ok": True, "rel_tol": 1e-5, "roles": roles}) == (
+        " (largest relative diff 7.00e-06 against 1e-05; the adapters' effect resolved: no)"
+    )
+    roles["action"]["resolved"] = True
+    assert _peft_detail({"rel_tol": 1e-5, "roles": roles}).endswith("resolved: yes)")
+    old = {"rel_tol": 0.03, "roles": {"plan": {"rel_diff": 0.0485}}}  # a record from before the key
+    assert _peft_detail(old) == " (largest relative diff 4.85e-02 against 0.03)"
+    assert _peft_detail({}) == ""

@@ -40,3 +40,16 @@ def test_swapped_role_weights_are_caught(export: Path, tmp_path: Path) -> None:
 def test_not_an_export_is_one_line(tmp_path: Path, capsys) -> None:
     assert main(["--export", str(tmp_path / "nothing"), "--model", "tiny-llama"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_resolved_says_whether_the_tolerance_can_see_the_adapters(export: Path) -> None:
+    """Resolved where the adapters' effect (relative to the largest logit) is at least 10x the tolerance: at the CPU
+    float32 default, and at a tolerance of a twentieth of the effect; not at a fifth of it, though the logits still
+    agree (a coarse tolerance passes whatever the adapters are)."""
+    res = check_export(export, "tiny-llama")
+    assert res["rel_tol"] == 1e-5 and all(r["resolved"] for r in res["roles"].values())
+    share = min(r["adapter_effect"] / r["max_abs_logit"] for r in res["roles"].values())
+    assert share > 1e-3, share
+    assert all(r["resolved"] for r in check_export(export, "tiny-llama", rel_tol=share / 20)["roles"].values())
+    coarse = check_export(export, "tiny-llama", rel_tol=share / 5)
+    assert coarse["ok"] and not all(r["resolved"] for r in coarse["roles"].values())

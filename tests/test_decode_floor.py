@@ -1,0 +1,79 @@
+"""The decode floor's byte count (eval_suite/bench_decode.py): what one decode step must read.
+
+A decode step gathers one input embedding row per sequence; the LM head reads its whole matrix. So an untied input
+table counts only for the gathered rows, and a tied one (read whole by the LM head) counts once, whole.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eval_suite.bench_decode import unread_embedding_bytes, weight_bytes
+from lragent.models import load_model
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_an_untied_input_table_counts_only_its_gathered_rows(rows: int) -> None:
+    hf, _ = load_model("tiny-llama", dtype=torch.float32, device="cpu")  # 256 x 64, not tied
+    emb = hf.get_input_embeddings().weight
+    assert emb.data_ptr() != hf.get_output_embeddings().weight.data_ptr()
+    assert unread_embedding_bytes(hf, rows) == (256 - rows) * 64 * 4
+    read = weight_bytes(hf) - unread_embedding_bytes(hf, rows)
+    others = sum(p.numel() * 4 for n, p in hf.named_parameters() if "embed_tokens" not in n)
+    assert read == others + rows * 64 * 4  # every other weight whole, plus the gathered rows
+
+
+def test_a_tied_table_is_read_whole_by_the_head() -> None:
+    hf, _ = load_model("tiny-llama", dtype=torch.float32, device="cpu", overrides={"tie_word_embeddings": True})
+    hf.tie_weights()
+    assert hf.get_input_embeddings().weight.data_ptr() == hf.get_output_embeddings().weight.data_ptr()
+    assert unread_embedding_bytes(hf, 1) == 0
+    assert unread_embedding_bytes(hf, 10_000) == 0
+
+
+def test_more_rows_than_the_vocabulary_leave_nothing_unread() -> None:
+    hf, _ = load_model("tiny-llama", dtype=torch.float32, device="cpu")
+    assert unread_embedding_bytes(hf, 10_000) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_config_count_matches_the_loaded_models(rows: int) -> None:
+    from eval_suite.bench_decode import config_unread_bytes
+
+    hf, _ = load_model("tiny-llama", dtype=torch.bfloat16, device="cpu")
+    assert config_unread_bytes("tiny-llama", "bfloat16")(rows) == unread_embedding_bytes(hf, rows) > 0
+    assert config_unread_bytes("smollm2-135m", "bfloat16")(rows) == 0  # tied
+
+
+def test_an_earlier_record_is_refloored_from_its_own_bytes(tmp_path) -> None:
+    """A record that counted the table whole: each floor loses exactly the unread rows' bytes over the recorded
+    bandwidth, the ratio follows, the markdown says so; a record already current is left as it is."""
+    import json
+
+    from eval_suite.bench_decode import EMBEDDING_FLOOR, config_unread_bytes, main
+
+    bw = 2.0e12
+    unread = config_unread_bytes("tiny-llama", "bfloat16")
+    old_floor = {1: 1e3 * 1.0e9 / bw, 32: 1e3 * 1.5e9 / bw}
+    rows = [{"impl": "transformers eager", "scheme": "-", "batch": 1, "ms_per_token": 9.0, "tokens_per_s": 111,
+             "speedup_vs_transformers": 1.0}]  # fmt: skip
+    rows += [{"impl": "lragent graph", "scheme": "base_lr_shared", "batch": b, "ms_per_token": 0.6 * b ** 0.1,
+              "tokens_per_s": 1.0, "floor_ms": old_floor[b], "vs_floor": 0.6 * b ** 0.1 / old_floor[b],
+              "speedup_vs_transformers": None} for b in (1, 32)]  # fmt: skip
+    record = {"model": "tiny-llama", "context": 16, "new_tokens": 4, "rank": 8, "copy_bandwidth_bytes_per_s": bw,
+              "weight_bytes": 10**9, "weight_bytes_with_adapters": 10**9, "rows": rows,
+              "provenance": {"dtype": "torch.bfloat16", "device": {"name": "fake"}}}  # fmt: skip
+    (tmp_path / "bench_decode.json").write_text(json.dumps(record))
+    assert main(["--refloor", str(tmp_path)]) == 0
+    new = json.loads((tmp_path / "bench_decode.json").read_text())
+    assert new["embedding_floor"] == EMBEDDING_FLOOR and new["unread_embedding_bytes"] == unread(1)
+    for r_old, r_new in zip(rows[1:], new["rows"][1:], strict=True):
+        want = old_floor[r_old["batch"]] - 1e3 * unread(r_old["batch"]) / bw
+        assert r_new["floor_ms"] == pytest.approx(want, rel=1e-12)
+        assert r_new["vs_floor"] == pytest.approx(r_old["ms_per_token"] / want, rel=1e-12)
+    assert new["rows"][0] == rows[0]  # no floor, untouched
+    assert "Floors recomputed after the run" in (tmp_path / "bench_decode.md").read_text()
+    assert main(["--refloor", str(tmp_path)]) == 0  # current now: unchanged by a second pass
+    assert json.loads((tmp_path / "bench_decode.json").read_text()) == new
+    assert main(["--refloor", str(tmp_path / "nothing")]) == 2
