@@ -13,6 +13,7 @@ Tasks of different schemes are run scheme by scheme (one engine, hence one cache
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -104,6 +105,11 @@ class BatchedExecutor:
         self.eos_token_ids = eos_token_ids
         self.generated_tokens = 0
         self.decode_steps = 0  # the engines' batched decode steps (timing.json: hardware-free cost of a run)
+        # timing.json's split of the loop: seconds in the engines' advance() (of which sync_s reading results back)
+        # and serving the episodes' requests between them (tools, tokenizer, prompts, eager engine calls)
+        self.advance_s = 0.0
+        self.sync_s = 0.0
+        self.agent_s = 0.0
         self._reserved: tuple[str, int, Engine] | None = None
 
     def reserve(self, scheme: str, tasks: int) -> None:
@@ -202,6 +208,13 @@ class BatchedExecutor:
             except StopIteration as stop:
                 return stop.value
 
+        def timed_answer(row: int, state: _Row, reply: Reply) -> EpisodeResult | None:
+            started = time.perf_counter()
+            try:
+                return answer(row, state, reply)
+            finally:
+                self.agent_s += time.perf_counter() - started
+
         while queue or active:
             while free and queue:
                 row = free.pop(0)
@@ -209,18 +222,20 @@ class BatchedExecutor:
                 eng.reset(row)
                 state = _Row(task)
                 active[row] = state
-                result = answer(row, state, None)
+                result = timed_answer(row, state, None)
                 if result is not None:
                     del active[row]
                     free.append(row)
                     yield task, result
-            before = eng.decode_steps
+            before = (eng.decode_steps, eng.advance_s, eng.sync_s)
             finished = eng.advance()
-            self.decode_steps += eng.decode_steps - before
+            self.decode_steps += eng.decode_steps - before[0]
+            self.advance_s += eng.advance_s - before[1]
+            self.sync_s += eng.sync_s - before[2]
             for res in finished:
                 self.generated_tokens += len(res.generated_ids)
                 state = active[res.row]
-                result = answer(res.row, state, self._reply(res, eng, res.row))
+                result = timed_answer(res.row, state, self._reply(res, eng, res.row))
                 if result is not None:
                     del active[res.row]
                     free.append(res.row)

@@ -718,6 +718,8 @@ def run_plan(plan: EvalPlan) -> int:
                 print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
                 executor = executor_of(batch)
         ended = time.perf_counter()
+        import torch  # loaded by now (the model); imported here as the OOM branch above does
+
         # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards)
         write_json(out_dir / TIMING_FILE, {
             "setup_s": loop_started - started, "episodes_s": ended - loop_started,
@@ -726,6 +728,10 @@ def run_plan(plan: EvalPlan) -> int:
             "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
             "feed_budget": getattr(executor, "feed_budget", None),
             "decode_steps": getattr(executor, "decode_steps", None),
+            # where the loop's time went (None: the sequential executor): the engines' decode calls, the part of
+            # them reading results back, the episodes' own work between them; and the host's torch threads
+            "advance_s": getattr(executor, "advance_s", None), "sync_s": getattr(executor, "sync_s", None),
+            "agent_s": getattr(executor, "agent_s", None), "torch_threads": torch.get_num_threads(),
         })  # fmt: skip
         summary = write_summary(records, out_dir, prov)
     _print_summary(summary, out_dir)

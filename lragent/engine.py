@@ -318,6 +318,10 @@ class Engine:
         self.stop_index = StopTokenIndex(tokenizer, self.dec.vocab_size) if tokenizer is not None else None
         self.peak_cache_bytes = 0
         self.decode_steps = 0  # batched decode steps run (graph replays included): an episode's latency in steps
+        # wall seconds in advance(), and the part of it spent reading results back (waiting for the device, stop
+        # checks): where a run's time goes between the device and the host, without a profiler
+        self.advance_s = 0.0
+        self.sync_s = 0.0
         self._pending: dict[int, _Pending] = {}
         self._lora_modules = list(model.lora_modules().values())
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -799,6 +803,7 @@ class Engine:
         """
         if not self._pending:
             return []
+        started = time.perf_counter()
         if self.pool.version != self._pool_version:
             self._alloc_decode_state()
         for module in self._lora_modules:  # bring the cached stacked B up to date (graphs read it in place)
@@ -836,8 +841,11 @@ class Engine:
                     self._collect_logits()
             steps += n
             self.decode_steps += n
+            synced = time.perf_counter()
             finished = self._collect_finished()
+            self.sync_s += time.perf_counter() - synced
         self._note_peak()
+        self.advance_s += time.perf_counter() - started
         return finished
 
     def _collect_logits(self) -> None:

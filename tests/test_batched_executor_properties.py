@@ -90,6 +90,8 @@ class FakeEngine:
         self.pending: dict[int, list] = {}
         self.placements: list[tuple[int, int]] = []  # (row, length of the trajectory) at each reset
         self.decode_steps = 0
+        self.advance_s = 0.0  # seconds in advance() and, of them, reading results back (fake, counted per call)
+        self.sync_s = 0.0
         FakeEngine.built.append(self)
 
     def _row(self, row: int) -> list[int]:
@@ -126,6 +128,8 @@ class FakeEngine:
     def advance(self) -> list[StepResult]:
         out = []
         self.decode_steps += 3  # as if each call ran three steps
+        self.advance_s += 0.5  # and took half a second, a fifth of it reading back
+        self.sync_s += 0.1
         for row in sorted(self.pending, reverse=True):  # results come in no particular row order
             self.pending[row][1] -= 1
             if self.pending[row][1] == 0:
@@ -274,6 +278,21 @@ def test_decode_steps_are_summed_over_the_engines() -> None:
     one = [("gen", "plan", "", 2), ("gen", "action", "", 1)]
     _run(ex, _tasks([one] * 3, ["base_lr_shared"] * 2 + ["non_shared"]))
     assert len(FakeEngine.built) == 2 and ex.decode_steps == sum(e.decode_steps for e in FakeEngine.built) > 0
+
+
+def test_the_loop_time_is_split_between_the_engines_and_the_episodes() -> None:
+    """advance_s / sync_s are the engines' own (summed over schemes, counted by them), agent_s the wall time spent
+    serving the episodes between decode calls: positive, and within the whole run's wall time."""
+    import time
+
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    one = [("gen", "plan", "", 2), ("gen", "action", "", 1)]
+    started = time.perf_counter()
+    _run(ex, _tasks([one] * 3, ["base_lr_shared"] * 2 + ["non_shared"]))
+    wall = time.perf_counter() - started
+    calls = sum(e.decode_steps for e in FakeEngine.built) // 3
+    assert ex.advance_s == pytest.approx(0.5 * calls) and ex.sync_s == pytest.approx(0.1 * calls) and calls > 0
+    assert 0 < ex.agent_s < wall
 
 
 def test_constructor_defaults_and_prefill_in_decode_by_device() -> None:

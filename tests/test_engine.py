@@ -171,6 +171,10 @@ def test_sampling_reproducible_and_batch_independent():
         for res in eng.advance():
             got[res.row] = res.generated_ids
     assert got[3] == outs[0]
+    # the engine's own clock (timing.json): advance() time, reading results back a part of it
+    assert eng.decode_steps > 0 and 0 < eng.sync_s <= eng.advance_s
+    spent = eng.advance_s
+    assert eng.advance() == [] and eng.advance_s == spent  # nothing pending: no time counted
 
 
 def test_top_p_restricts_to_nucleus():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import statistics
 from pathlib import Path
@@ -609,6 +610,9 @@ def test_devices_shards_equal_one_process(tmp_path):
     assert len(one) == 4 and one == two
     shard_timing = [json.loads((tmp_path / "two" / f"shard_{i}" / "timing.json").read_text()) for i in (0, 1)]
     assert [t["episodes"] for t in shard_timing] == [2, 2]  # each shard's own loop, for the throughput ratio
+    # each shard's torch pool got its share of the cores (shard_launch), as its timing.json records
+    share = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 2))
+    assert [t["torch_threads"] for t in shard_timing] == [share, share]
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["episodes"]["non_shared"] == {"0": 4}
 
