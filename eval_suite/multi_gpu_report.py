@@ -121,8 +121,9 @@ def episodes(directory: Path) -> list[tuple] | None:
 
 def busiest_process(directory: Path, key: str) -> float | None:
     """One figure of an ``eval`` output's ``timing.json`` (``episodes_s``: the episode loop's seconds;
-    ``decode_steps``), per benchmark folder ``directory/<b>`` summed over benchmarks; a ``--devices N`` output counts
-    its shard with the largest (``shard_i/timing.json``). None when a benchmark folder has no timing."""
+    ``decode_steps``; ``advance_s``, ``agent_s``), per benchmark folder ``directory/<b>`` summed over benchmarks; a
+    ``--devices N`` output counts its shard with the largest (``shard_i/timing.json``). None when a benchmark folder
+    has no such figure."""
     if not directory.is_dir():
         return None
     total = 0.0
@@ -208,6 +209,8 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     # the episode loops alone (model loading and sizing left out): one process against its slowest shard
     loop1 = ev["episode_loop_seconds_1"] = busiest_process(out / "ev1", "episodes_s")
     ev["decode_steps_1"] = busiest_process(out / "ev1", "decode_steps")
+    for key in ("advance_s", "agent_s"):  # where the loop went: the engine's decode calls, the episodes' own work
+        ev[f"{key}_1"] = busiest_process(out / "ev1", key)
     for n in sizes:
         en = episodes(out / f"ev{n}")
         ev[f"episodes_{n}"] = None if en is None else len(en)
@@ -225,6 +228,8 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
             ev[f"speedup_{n}"] = t["ev1"]["seconds"] / max(t[f"ev{n}"]["seconds"], 1)
         loop_n = ev[f"episode_loop_seconds_{n}"] = busiest_process(out / f"ev{n}", "episodes_s")
         ev[f"decode_steps_{n}"] = busiest_process(out / f"ev{n}", "decode_steps")
+        for key in ("advance_s", "agent_s"):
+            ev[f"{key}_{n}"] = busiest_process(out / f"ev{n}", key)
         if loop1 and loop_n:
             ev[f"loop_speedup_{n}"] = loop1 / loop_n
     res["eval_devices"] = ev
@@ -352,7 +357,9 @@ def markdown(res: dict[str, Any]) -> str:
             f"speed-up {_fmt(e.get(f'speedup_{n}'), 2)}x; episode loops alone (the slowest shard) "
             f"{_fmt(e.get('episode_loop_seconds_1'), 1)} vs {_fmt(e.get(f'episode_loop_seconds_{n}'), 1)} s, "
             f"{_fmt(e.get(f'loop_speedup_{n}'), 2)}x; decode steps of the busiest process "
-            f"{_fmt(e.get('decode_steps_1'), 0)} vs {_fmt(e.get(f'decode_steps_{n}'), 0)}."
+            f"{_fmt(e.get('decode_steps_1'), 0)} vs {_fmt(e.get(f'decode_steps_{n}'), 0)}; its seconds in the "
+            f"engine's decode calls {_fmt(e.get('advance_s_1'), 1)} vs {_fmt(e.get(f'advance_s_{n}'), 1)} and in the "
+            f"episodes' own work {_fmt(e.get('agent_s_1'), 1)} vs {_fmt(e.get(f'agent_s_{n}'), 1)}."
         )
     lines += [
         "",

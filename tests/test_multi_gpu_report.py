@@ -124,7 +124,8 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
 
     def timing(d: Path, seconds: float) -> None:
         d.mkdir(parents=True, exist_ok=True)
-        body = {"setup_s": 30.0, "episodes_s": seconds, "episodes": 10, "decode_steps": int(10 * seconds)}
+        body = {"setup_s": 30.0, "episodes_s": seconds, "episodes": 10, "decode_steps": int(10 * seconds),
+                "advance_s": 0.6 * seconds, "agent_s": 0.3 * seconds}  # fmt: skip
         (d / "timing.json").write_text(json.dumps(body))
 
     timing(tmp_path / "ev1" / "hotpotqa", 80.0)
@@ -140,8 +141,10 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     assert e["loop_speedup_4"] == pytest.approx(120.0 / 37.0)
     assert e["episode_loop_seconds_2"] is None and "loop_speedup_2" not in e
     assert e["decode_steps_1"] == 1200 and e["decode_steps_4"] == 250 + 120  # the busiest shard's steps
+    assert e["advance_s_4"] == pytest.approx(0.6 * 37.0) and e["agent_s_1"] == pytest.approx(0.3 * 120.0)
     md = report.markdown(report.collect(tmp_path, None, [4]))
     assert "episode loops alone (the slowest shard) 120.0 vs 37.0 s, 3.24x; decode steps of the busiest process" in md
+    assert "in the engine's decode calls 72.0 vs 22.2 and in the episodes' own work 36.0 vs 11.1." in md
 
 
 def test_a_stopped_eval_phase_is_checked_on_what_it_finished_and_not_timed(tmp_path: Path, report) -> None:
