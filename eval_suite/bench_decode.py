@@ -60,19 +60,23 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def unread_table_bytes(vocab: int, hidden: int, element_size: int, tied: bool, rows: int) -> int:
+    """Bytes of a ``(vocab, hidden)`` input embedding table that one decode step of ``rows`` rows does not read: it
+    gathers one row per sequence, so the rest of the table is not part of the step's floor. Zero where the table is
+    tied to the LM head (which reads all of it every step)."""
+    return 0 if tied else (vocab - min(rows, vocab)) * hidden * element_size
+
+
 def unread_embedding_bytes(hf: torch.nn.Module, rows: int) -> int:
-    """Bytes of the input embedding table that one decode step of ``rows`` rows does not read: it gathers one row per
-    sequence, so the rest of the table is not part of the step's floor. Zero where the table is tied to the LM head
-    (which reads all of it every step).
+    """:func:`unread_table_bytes` of a loaded model.
 
     Args:
         hf: the transformers model (``get_input_embeddings`` / ``get_output_embeddings``).
         rows: sequences decoding together (rows gathered per step).
     """
     emb, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
-    if emb.data_ptr() == head.data_ptr():
-        return 0
-    return (emb.shape[0] - min(rows, emb.shape[0])) * emb.shape[1] * emb.element_size()
+    tied = emb.data_ptr() == head.data_ptr()
+    return unread_table_bytes(emb.shape[0], emb.shape[1], emb.element_size(), tied, rows)
 
 
 EMBEDDING_FLOOR = "gathered rows"  # how the floor counts an untied input table (records before it: "whole table")
@@ -113,7 +117,7 @@ def config_unread_bytes(model: str, dtype: str) -> Callable[[int], int]:
     cfg = model_config(model)
     element = parse_dtype(dtype).itemsize
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    return lambda rows: 0 if tied else max(cfg.vocab_size - rows, 0) * cfg.hidden_size * element
+    return lambda rows: unread_table_bytes(cfg.vocab_size, cfg.hidden_size, element, tied, rows)
 
 
 def render(result: dict, dtype: str) -> str:

@@ -125,10 +125,11 @@ def positions_note(model: str, contexts: list[int]) -> str | None:
     over = [c for c in contexts if limit is not None and final_length(c) > limit]
     if not over:
         return None
-    fits = (limit - final_length(0)) // 4  # the trace appends four retrieved contexts
+    per_token = final_length(1) - final_length(0)  # tokens a unit of L_ctx adds: one per retrieved context
     return (
         f"L_ctx {', '.join(map(str, over))}: the trace ends at {final_length(max(over))} tokens, past {model}'s "
-        f"max_position_embeddings {limit} (timed, but no output is meaningful there; L_ctx <= {fits} stays within)"
+        f"max_position_embeddings {limit} (timed, but no output is meaningful there; L_ctx <= "
+        f"{(limit - final_length(0)) // per_token} stays within)"
     )
 
 
