@@ -138,6 +138,23 @@ def busiest_process(directory: Path, key: str) -> float | None:
     return total if benches else None
 
 
+EV_PARTS = ("advance_s", "agent_s", "startup_s", "setup_s")  # timing.json figures the report sums per process
+
+
+def launch_seconds(directory: Path) -> float | None:
+    """The seconds ``eval --devices N``'s launching process spent before its shards ran (its own start and the
+    launch), summed over the benchmark folders ``directory/<b>/launch.json``; None when one lacks it (older runs)."""
+    if not directory.is_dir():
+        return None
+    total = 0.0
+    for b in sorted(d for d in directory.iterdir() if d.is_dir()):
+        launch = _json(b / "launch.json")
+        if not launch or launch.get("startup_s") is None:
+            return None
+        total += launch["startup_s"] + launch["launch_s"]
+    return total
+
+
 def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -> dict[str, Any]:
     """Val loss and tokens/s of a one-GPU fit, its other-seed twin and its DDP twins ``<prefix><N>``."""
     v1, v1s = val_losses(out / f"{one}_metrics.csv"), val_losses(out / f"{noise}_metrics.csv")
@@ -209,7 +226,9 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     # the episode loops alone (model loading and sizing left out): one process against its slowest shard
     loop1 = ev["episode_loop_seconds_1"] = busiest_process(out / "ev1", "episodes_s")
     ev["decode_steps_1"] = busiest_process(out / "ev1", "decode_steps")
-    for key in ("advance_s", "agent_s"):  # where the loop went: the engine's decode calls, the episodes' own work
+    # where the loop went: the engine's decode calls, the episodes' own work; and the fixed cost of a process before
+    # its loop: its start (interpreter, imports, checks) and setup (corpus, model, sizing)
+    for key in EV_PARTS:
         ev[f"{key}_1"] = busiest_process(out / "ev1", key)
     for n in sizes:
         en = episodes(out / f"ev{n}")
@@ -228,8 +247,9 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
             ev[f"speedup_{n}"] = t["ev1"]["seconds"] / max(t[f"ev{n}"]["seconds"], 1)
         loop_n = ev[f"episode_loop_seconds_{n}"] = busiest_process(out / f"ev{n}", "episodes_s")
         ev[f"decode_steps_{n}"] = busiest_process(out / f"ev{n}", "decode_steps")
-        for key in ("advance_s", "agent_s"):
+        for key in EV_PARTS:
             ev[f"{key}_{n}"] = busiest_process(out / f"ev{n}", key)
+        ev[f"launch_s_{n}"] = launch_seconds(out / f"ev{n}")
         if loop1 and loop_n:
             ev[f"loop_speedup_{n}"] = loop1 / loop_n
     res["eval_devices"] = ev
@@ -359,7 +379,10 @@ def markdown(res: dict[str, Any]) -> str:
             f"{_fmt(e.get(f'loop_speedup_{n}'), 2)}x; decode steps of the busiest process "
             f"{_fmt(e.get('decode_steps_1'), 0)} vs {_fmt(e.get(f'decode_steps_{n}'), 0)}; its seconds in the "
             f"engine's decode calls {_fmt(e.get('advance_s_1'), 1)} vs {_fmt(e.get(f'advance_s_{n}'), 1)} and in the "
-            f"episodes' own work {_fmt(e.get('agent_s_1'), 1)} vs {_fmt(e.get(f'agent_s_{n}'), 1)}."
+            f"episodes' own work {_fmt(e.get('agent_s_1'), 1)} vs {_fmt(e.get(f'agent_s_{n}'), 1)}; before its loop, "
+            f"its start (interpreter, imports) {_fmt(e.get('startup_s_1'), 1)} vs {_fmt(e.get(f'startup_s_{n}'), 1)} "
+            f"and setup (corpus, model, sizing) {_fmt(e.get('setup_s_1'), 1)} vs {_fmt(e.get(f'setup_s_{n}'), 1)}; "
+            f"the launcher's own start {_fmt(e.get(f'launch_s_{n}'), 1)} s."
         )
     lines += [
         "",

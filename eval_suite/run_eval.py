@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -83,13 +83,41 @@ def _cli_value(value: Any) -> str:
     return str(value)
 
 
+# Host threads of an eval whose model runs on a GPU. Its host work is many small tensor ops (sampling, the search
+# tools, prompt building) that a wide OpenMP pool slows down: one Qwen-1.5B eval on an H100 of a 64-core host
+# (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran its episode loop in 157 s at 64
+# threads, 68 s at 16 and 64 s at 4. vLLM's workers default to one thread for the same reason.
+GPU_HOST_THREADS = 4
+
+
+def host_threads(device: str, env: Mapping[str, str], current: int) -> int | None:
+    """The torch thread count an eval process should take, or None to keep ``current``: on a GPU at most
+    :data:`GPU_HOST_THREADS`, unless the user set ``OMP_NUM_THREADS`` (then theirs holds). A CPU eval keeps its pool:
+    there the model's own matmuls use it."""
+    if not device.startswith("cuda") or env.get("OMP_NUM_THREADS"):
+        return None
+    return min(current, GPU_HOST_THREADS) if current > GPU_HOST_THREADS else None
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere): what the interpreter, the imports and
+    the argument checks took before an eval's own clock starts."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time, clock ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, str], cpus: int) -> tuple[str, dict]:
     """The ``--device`` and the environment of shard ``i`` of ``n``.
 
     On GPUs the shard sees its own GPU only (``CUDA_VISIBLE_DEVICES``: the i-th of the GPUs this process sees) and
     runs on ``cuda``: nothing of it can land on, or make a context on, another shard's GPU. Each shard gets an equal
     share of the CPU cores for its thread pools (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``; a value the user set is
-    kept): N processes with a pool as wide as the machine each oversubscribe the cores and slow one another down.
+    kept): N processes with a pool as wide as the machine each oversubscribe the cores and slow one another down. A
+    GPU shard takes at most :data:`GPU_HOST_THREADS` of its share (see there why).
 
     Args:
         i: the shard.
@@ -103,7 +131,8 @@ def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, s
         ``(device, environment)`` of the shard's process.
     """
     out = dict(env)
-    threads = str(max(1, cpus // n))
+    share = max(1, cpus // n)
+    threads = str(min(share, GPU_HOST_THREADS) if gpus else share)
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         out.setdefault(key, threads)
     out.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -117,10 +146,12 @@ def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, s
 def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
     """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
     ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
-    every shard (their episode logs are resumable)."""
+    every shard (their episode logs are resumable). ``OUT/launch.json`` records where the wall time went: this
+    process's own start before the shards were launched, each shard process's wall seconds, and the merge."""
     import inspect
     import subprocess
 
+    started, age = time.perf_counter(), process_age_s()
     import torch
 
     from lragent.provenance import provenance
@@ -147,17 +178,25 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
         where = f"GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
         print(f"eval: shard {i}/{n} on {where} ({env['OMP_NUM_THREADS']} CPU threads) -> {d} "
               f"(log {out_dir / f'shard_{i}.log'})", file=sys.stderr)  # fmt: skip
-    failed = []
-    for i, (proc, log) in enumerate(procs):
-        if proc.wait() != 0:
-            failed.append(i)
-        log.close()
+    spawned = time.perf_counter()
+    walls: dict[int, float] = {}
+    while len(walls) < n:  # polled, so that each shard's own end time is known
+        for i, (proc, log) in enumerate(procs):
+            if i not in walls and proc.poll() is not None:
+                walls[i] = time.perf_counter() - spawned
+                log.close()
+        time.sleep(0.1)
+    failed = [i for i, (proc, _) in enumerate(procs) if proc.returncode != 0]
     if failed:
         print(f"error: shard(s) {failed} failed: see {out_dir}/shard_<i>.log; rerun the same command to resume "
               "(finished episodes are kept)", file=sys.stderr)  # fmt: skip
         return 1
     with DirectoryLock(out_dir):
         summary = merge_dirs([str(d) for d in shard_dirs], out_dir, provenance(dtype=call["dtype"]))
+    write_json(out_dir / LAUNCH_FILE, {
+        "devices": n, "startup_s": age, "launch_s": spawned - started,
+        "shard_wall_s": [walls[i] for i in range(n)], "merge_s": time.perf_counter() - spawned - max(walls.values()),
+    })  # fmt: skip
     _print_summary(summary, out_dir)
     return 0
 
@@ -502,6 +541,7 @@ def evaluate(
 
 
 TIMING_FILE = "timing.json"  # one eval process's setup and episode-loop seconds (rewritten by each run into OUT)
+LAUNCH_FILE = "launch.json"  # eval --devices N: the launching process's seconds and each shard process's wall
 
 
 # Lower bounds of the integer options (None: the option is unset), checked in one place by check_eval_args.
@@ -634,9 +674,14 @@ def run_plan(plan: EvalPlan) -> int:
     from lragent.command import on_interrupt
     from lragent.provenance import provenance
 
-    started = time.perf_counter()
+    started, age = time.perf_counter(), process_age_s()
     a, out_dir, bench = plan.args, plan.out_dir, plan.bench
     run_device = resolve_device(a["device"])
+    import torch
+
+    threads = host_threads(run_device, os.environ, torch.get_num_threads())
+    if threads:
+        torch.set_num_threads(threads)
     fraction = a.get("memory_fraction")
     adapters_label = str(Path(plan.adapters).resolve()) if plan.adapters else f"init:{a['adapter_init']}"
     batch = a["batch"]
@@ -662,6 +707,7 @@ def run_plan(plan: EvalPlan) -> int:
         }  # fmt: skip
         check_run_config(out_dir, config)
         on_interrupt(f"finished episodes are in {out_dir / EPISODES_FILE}; rerun the same command to resume")
+        load_started = time.perf_counter()
         lm, tokenizer = load_lora_model(
             model=a["model"], adapters=plan.adapters, adapter_init=a["adapter_init"], rank=a["rank"],
             alpha=a["alpha"], seed=a["seed"], dtype=a["dtype"], device=run_device,
@@ -683,6 +729,7 @@ def run_plan(plan: EvalPlan) -> int:
                 batch_invariant=a["batch_invariant"], feed_budget=a["feed_budget"],
             )  # fmt: skip
 
+        loaded = time.perf_counter()
         with allocation_lock(run_device):  # sized against what is free now, the caches allocated before the next
             if batch == "auto":
                 batch = choose_batch(a["model"], plan.schemes, "auto", a["capacity"], max_batch=most,
@@ -710,8 +757,6 @@ def run_plan(plan: EvalPlan) -> int:
                 del executor
                 gc.collect()
                 if run_device.startswith("cuda"):
-                    import torch
-
                     torch.cuda.empty_cache()
                 if not batch or batch == 1:
                     raise ValueError(f"{line} (finished episodes are kept in {out_dir / EPISODES_FILE})") from None
@@ -719,11 +764,13 @@ def run_plan(plan: EvalPlan) -> int:
                 print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
                 executor = executor_of(batch)
         ended = time.perf_counter()
-        import torch  # loaded by now (the model); imported here as the OOM branch above does
-
-        # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards)
+        # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards); what
+        # came before run_plan (interpreter, imports, argument checks) and its parts before the loop: the fixed cost
+        # that --devices N pays once per shard
         write_json(out_dir / TIMING_FILE, {
             "setup_s": loop_started - started, "episodes_s": ended - loop_started,
+            "startup_s": age, "prepare_s": load_started - started, "load_s": loaded - load_started,
+            "size_s": loop_started - loaded,
             "episodes": len(records) - before, "batch": batch, "device": run_device,
             # the decode settings that shape a GPU run's numbers (None: the sequential executor)
             "prefill_in_decode": getattr(executor, "prefill_in_decode", None),

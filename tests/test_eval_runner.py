@@ -613,6 +613,13 @@ def test_devices_shards_equal_one_process(tmp_path):
     # each shard's torch pool got its share of the cores (shard_launch), as its timing.json records
     share = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 2))
     assert [t["torch_threads"] for t in shard_timing] == [share, share]
+    # where the wall went: each shard's start before run_plan, its parts before the loop, and the launcher's record
+    for t in shard_timing:
+        assert 0 < t["startup_s"] < 120 and t["prepare_s"] + t["load_s"] + t["size_s"] == pytest.approx(t["setup_s"])
+    launch = json.loads((tmp_path / "two" / "launch.json").read_text())
+    assert launch["devices"] == 2 and launch["launch_s"] >= 0 and launch["merge_s"] >= 0
+    for wall, t in zip(launch["shard_wall_s"], shard_timing, strict=True):  # a shard's life holds its own clocks
+        assert wall >= t["setup_s"] + t["episodes_s"]
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["episodes"]["non_shared"] == {"0": 4}
 
@@ -660,12 +667,27 @@ def test_each_shard_sees_its_own_gpu_and_a_share_of_the_cores():
     launches = [shard_launch(i, 4, 4, None, {"PATH": "/bin"}, 64) for i in range(4)]
     assert [dev for dev, _ in launches] == ["cuda"] * 4
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launches] == ["0", "1", "2", "3"]
-    assert {env["OMP_NUM_THREADS"] for _, env in launches} == {"16"} and launches[0][1]["PATH"] == "/bin"
+    # a GPU shard's share (64 // 4) capped at GPU_HOST_THREADS: its host work is small ops a wide pool slows down
+    assert {env["OMP_NUM_THREADS"] for _, env in launches} == {"4"} and launches[0][1]["PATH"] == "/bin"
     # the parent's own visible GPUs are mapped, not renumbered; a user's thread setting wins
     parent = {"CUDA_VISIBLE_DEVICES": "4,5, 6,7", "OMP_NUM_THREADS": "3"}
     launches = [shard_launch(i, 4, 4, "cuda", parent, 64) for i in range(4)]
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in launches] == ["4", "5", "6", "7"]
-    assert launches[2][1]["OMP_NUM_THREADS"] == "3" and launches[2][1]["MKL_NUM_THREADS"] == "16"
+    assert launches[2][1]["OMP_NUM_THREADS"] == "3" and launches[2][1]["MKL_NUM_THREADS"] == "4"
+    assert shard_launch(0, 2, 2, "cuda", {}, 6)[1]["OMP_NUM_THREADS"] == "3"  # a share under the cap stays
     assert parent["CUDA_VISIBLE_DEVICES"] == "4,5, 6,7"  # the caller's environment is not changed
     dev, env = shard_launch(1, 2, 0, "cpu", {}, 2)
     assert dev == "cpu" and "CUDA_VISIBLE_DEVICES" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert shard_launch(1, 2, 0, "cpu", {}, 64)[1]["OMP_NUM_THREADS"] == "32"  # CPU shards: the model uses the pool
+
+
+def test_a_gpu_eval_caps_its_host_threads_unless_the_user_set_them():
+    """One eval on a GPU takes at most GPU_HOST_THREADS torch threads (64 made its episode loop 2.3x slower on an
+    H100 host); OMP_NUM_THREADS set by the user holds; a CPU eval keeps its pool; a small pool is left alone."""
+    from eval_suite.run_eval import GPU_HOST_THREADS, host_threads
+
+    assert host_threads("cuda", {}, 64) == GPU_HOST_THREADS == 4
+    assert host_threads("cuda:1", {"PATH": "/bin"}, 16) == 4
+    assert host_threads("cuda", {"OMP_NUM_THREADS": "64"}, 64) is None
+    assert host_threads("cpu", {}, 64) is None
+    assert host_threads("cuda", {}, 2) is None

@@ -125,7 +125,7 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     def timing(d: Path, seconds: float) -> None:
         d.mkdir(parents=True, exist_ok=True)
         body = {"setup_s": 30.0, "episodes_s": seconds, "episodes": 10, "decode_steps": int(10 * seconds),
-                "advance_s": 0.6 * seconds, "agent_s": 0.3 * seconds}  # fmt: skip
+                "advance_s": 0.6 * seconds, "agent_s": 0.3 * seconds, "startup_s": seconds / 10}  # fmt: skip
         (d / "timing.json").write_text(json.dumps(body))
 
     timing(tmp_path / "ev1" / "hotpotqa", 80.0)
@@ -133,6 +133,10 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     for i, (h, s) in enumerate(((20.0, 9.0), (25.0, 12.0), (18.0, 10.0), (21.0, 11.0))):
         timing(tmp_path / "ev4" / "hotpotqa" / f"shard_{i}", h)
         timing(tmp_path / "ev4" / "scienceqa" / f"shard_{i}", s)
+    # the launcher of each --devices 4 benchmark: its own start and launch, summed over the benchmarks
+    launch = {"devices": 4, "startup_s": 6.0, "launch_s": 0.0, "shard_wall_s": [1.0] * 4, "merge_s": 0.5}
+    (tmp_path / "ev4" / "hotpotqa" / "launch.json").write_text(json.dumps({**launch, "launch_s": 1.5}))
+    (tmp_path / "ev4" / "scienceqa" / "launch.json").write_text(json.dumps({**launch, "launch_s": 2.5}))
     timing(tmp_path / "ev2" / "hotpotqa" / "shard_0", 40.0)  # ev2's scienceqa has no timing: no figure
     (tmp_path / "ev2" / "scienceqa" / "shard_0").mkdir(parents=True)
     e = report.collect(tmp_path, None, [2, 4])["eval_devices"]
@@ -142,9 +146,13 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     assert e["episode_loop_seconds_2"] is None and "loop_speedup_2" not in e
     assert e["decode_steps_1"] == 1200 and e["decode_steps_4"] == 250 + 120  # the busiest shard's steps
     assert e["advance_s_4"] == pytest.approx(0.6 * 37.0) and e["agent_s_1"] == pytest.approx(0.3 * 120.0)
+    assert e["startup_s_4"] == pytest.approx(2.5 + 1.2) and e["setup_s_1"] == pytest.approx(60.0)
+    assert e["launch_s_4"] == pytest.approx(6.0 + 1.5 + 6.0 + 2.5) and e["launch_s_2"] is None  # ev2: no launch.json
     md = report.markdown(report.collect(tmp_path, None, [4]))
     assert "episode loops alone (the slowest shard) 120.0 vs 37.0 s, 3.24x; decode steps of the busiest process" in md
-    assert "in the engine's decode calls 72.0 vs 22.2 and in the episodes' own work 36.0 vs 11.1." in md
+    assert "in the engine's decode calls 72.0 vs 22.2 and in the episodes' own work 36.0 vs 11.1;" in md
+    assert "its start (interpreter, imports) 12.0 vs 3.7 and setup (corpus, model, sizing) 60.0 vs 60.0" in md
+    assert "the launcher's own start 16.0 s." in md
 
 
 def test_a_stopped_eval_phase_is_checked_on_what_it_finished_and_not_timed(tmp_path: Path, report) -> None:
