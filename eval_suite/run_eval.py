@@ -33,7 +33,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +52,7 @@ from eval_suite.episode_log import EPISODES_FILE, UNTRAINED, EpisodeLog, read_ep
 from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
 from eval_suite.report import fmt_over_runs, write_json
+from eval_suite.shard_launch import adopt_early, host_threads, process_age_s, spawn_shards
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
 from lragent.device_share import allocation_lock, apply_memory_fraction, check_memory_fraction, is_oom, oom_line
@@ -83,73 +84,13 @@ def _cli_value(value: Any) -> str:
     return str(value)
 
 
-# Host threads of an eval whose model runs on a GPU. Its host work is many small tensor ops (sampling, the search
-# tools, prompt building) that a wide OpenMP pool slows down: one Qwen-1.5B eval on an H100 of a 64-core host
-# (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran its episode loop in 157 s at 64
-# threads, 68 s at 16 and 64 s at 4. vLLM's workers default to one thread for the same reason.
-GPU_HOST_THREADS = 4
-
-
-def host_threads(device: str, env: Mapping[str, str], current: int) -> int | None:
-    """The torch thread count an eval process should take, or None to keep ``current``: on a GPU at most
-    :data:`GPU_HOST_THREADS`, unless the user set ``OMP_NUM_THREADS`` (then theirs holds). A CPU eval keeps its pool:
-    there the model's own matmuls use it."""
-    if not device.startswith("cuda") or env.get("OMP_NUM_THREADS"):
-        return None
-    return min(current, GPU_HOST_THREADS) if current > GPU_HOST_THREADS else None
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux ``/proc``; None elsewhere): what the interpreter, the imports and
-    the argument checks took before an eval's own clock starts."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time, clock ticks
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, str], cpus: int) -> tuple[str, dict]:
-    """The ``--device`` and the environment of shard ``i`` of ``n``.
-
-    On GPUs the shard sees its own GPU only (``CUDA_VISIBLE_DEVICES``: the i-th of the GPUs this process sees) and
-    runs on ``cuda``: nothing of it can land on, or make a context on, another shard's GPU. Each shard gets an equal
-    share of the CPU cores for its thread pools (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``; a value the user set is
-    kept): N processes with a pool as wide as the machine each oversubscribe the cores and slow one another down. A
-    GPU shard takes at most :data:`GPU_HOST_THREADS` of its share (see there why).
-
-    Args:
-        i: the shard.
-        n: shards.
-        gpus: GPUs this process sees (0: CPU shards).
-        device: the eval's ``--device`` (None: the default).
-        env: this process's environment.
-        cpus: the machine's CPU cores.
-
-    Returns:
-        ``(device, environment)`` of the shard's process.
-    """
-    out = dict(env)
-    share = max(1, cpus // n)
-    threads = str(min(share, GPU_HOST_THREADS) if gpus else share)
-    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        out.setdefault(key, threads)
-    out.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not gpus:
-        return device or "cpu", out
-    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    out["CUDA_VISIBLE_DEVICES"] = visible[i] if len(visible) > i else str(i)
-    return "cuda", out
-
-
 def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
     """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
     ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
-    every shard (their episode logs are resumable). ``OUT/launch.json`` records where the wall time went: this
-    process's own start before the shards were launched, each shard process's wall seconds, and the merge."""
+    every shard (their episode logs are resumable). Shards the console entry started early from the raw command line
+    (:mod:`eval_suite.shard_launch`) are adopted when they are these. ``OUT/launch.json`` records where the wall time
+    went: this process's own start before the shards ran, each shard process's wall seconds, and the merge."""
     import inspect
-    import subprocess
 
     started, age = time.perf_counter(), process_age_s()
     import torch
@@ -157,36 +98,34 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
     from lragent.provenance import provenance
 
     gpus = torch.cuda.device_count() if call["device"] in (None, "cuda") else 0
+    early = adopt_early(n, out_dir, gpus, call["device"])
     if call["device"] in (None, "cuda") and 0 < gpus < n:
         raise ValueError(f"--devices {n} but this machine has {gpus} GPU(s): allowed at most {gpus}")
-    defaults = {k: p.default for k, p in inspect.signature(evaluate).parameters.items()}
-    args: list[str] = []
-    for key, value in call.items():
-        if key in ("devices", "shard", "out", "device", "merge", "quiet") or value is None or value == defaults[key]:
-            continue
-        args += [f"--{key}", _cli_value(value)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    procs, shard_dirs = [], []
-    for i in range(n):
-        d = out_dir / f"shard_{i}"
-        shard_dirs.append(d)
-        dev, env = shard_launch(i, n, gpus, call["device"], dict(os.environ), os.cpu_count() or 1)
-        cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out", str(d),
-               "--device", dev, "--quiet", "true"]  # fmt: skip
-        log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed below, after the process ends)
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-        where = f"GPU {env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
-        print(f"eval: shard {i}/{n} on {where} ({env['OMP_NUM_THREADS']} CPU threads) -> {d} "
-              f"(log {out_dir / f'shard_{i}.log'})", file=sys.stderr)  # fmt: skip
-    spawned = time.perf_counter()
+    if early is not None:
+        procs, logs, spawned, age = early.procs, early.logs, early.spawned_at, early.startup_s
+        started = spawned
+    else:
+        defaults = {k: p.default for k, p in inspect.signature(evaluate).parameters.items()}
+        args: list[str] = []
+        for key, value in call.items():
+            if (
+                key in ("devices", "shard", "out", "device", "merge", "quiet")
+                or value is None
+                or value == defaults[key]
+            ):
+                continue
+            args += [f"--{key}", _cli_value(value)]
+        procs, logs = spawn_shards(n, out_dir, args, gpus, call["device"], os.environ)
+        spawned = time.perf_counter()
+    shard_dirs = [out_dir / f"shard_{i}" for i in range(n)]
     walls: dict[int, float] = {}
     while len(walls) < n:  # polled, so that each shard's own end time is known
-        for i, (proc, log) in enumerate(procs):
+        for i, proc in enumerate(procs):
             if i not in walls and proc.poll() is not None:
                 walls[i] = time.perf_counter() - spawned
-                log.close()
+                logs[i].close()
         time.sleep(0.1)
-    failed = [i for i, (proc, _) in enumerate(procs) if proc.returncode != 0]
+    failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
         print(f"error: shard(s) {failed} failed: see {out_dir}/shard_<i>.log; rerun the same command to resume "
               "(finished episodes are kept)", file=sys.stderr)  # fmt: skip
@@ -194,7 +133,7 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
     with DirectoryLock(out_dir):
         summary = merge_dirs([str(d) for d in shard_dirs], out_dir, provenance(dtype=call["dtype"]))
     write_json(out_dir / LAUNCH_FILE, {
-        "devices": n, "startup_s": age, "launch_s": spawned - started,
+        "devices": n, "early": early is not None, "startup_s": age, "launch_s": spawned - started,
         "shard_wall_s": [walls[i] for i in range(n)], "merge_s": time.perf_counter() - spawned - max(walls.values()),
     })  # fmt: skip
     _print_summary(summary, out_dir)

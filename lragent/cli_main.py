@@ -81,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
 
         run_lightning_cli(argv)
         return 0
+    if cmd == "eval":  # --devices N: the shards start now, beside this process's imports and argument checks
+        from eval_suite.shard_launch import finish_early, start_early
+
+        start_early(rest)
+        try:
+            return _call(COMMANDS[cmd], rest, f"{prog} {cmd}")
+        finally:
+            finish_early()
     if cmd in COMMANDS:
         return _call(COMMANDS[cmd], rest, f"{prog} {cmd}")
     if cmd == "bench":

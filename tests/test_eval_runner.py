@@ -608,6 +608,14 @@ def test_devices_shards_equal_one_process(tmp_path):
 
     one, two = episodes(tmp_path / "one"), episodes(tmp_path / "two")
     assert len(one) == 4 and one == two
+    # the console entry started the shards itself, before its own imports (eval_suite/shard_launch.py); evaluate()
+    # called directly launches them after its checks: the same episodes either way
+    assert json.loads((tmp_path / "two" / "launch.json").read_text())["early"] is True
+    kw = {k.removeprefix("--"): v for k, v in zip(base[1::2], base[2::2], strict=True)}
+    kw.update(limit=4, max_steps=1, thought_tokens=4, argument_tokens=3, runs=1, quiet=True)
+    assert run_eval.evaluate(**kw, devices=2, out=str(tmp_path / "three")) == 0
+    assert episodes(tmp_path / "three") == one
+    assert json.loads((tmp_path / "three" / "launch.json").read_text())["early"] is False
     shard_timing = [json.loads((tmp_path / "two" / f"shard_{i}" / "timing.json").read_text()) for i in (0, 1)]
     assert [t["episodes"] for t in shard_timing] == [2, 2]  # each shard's own loop, for the throughput ratio
     # each shard's torch pool got its share of the cores (shard_launch), as its timing.json records
@@ -662,7 +670,7 @@ def test_default_scheme_follows_limit(kwargs, schemes, note, tmp_path, monkeypat
 def test_each_shard_sees_its_own_gpu_and_a_share_of_the_cores():
     """eval --devices N: shard i sees only the i-th visible GPU (nothing of it can land on another shard's GPU) and
     an N-th of the cores for its thread pools, unless the user set them; CPU shards keep their device."""
-    from eval_suite.run_eval import shard_launch
+    from eval_suite.shard_launch import shard_launch
 
     launches = [shard_launch(i, 4, 4, None, {"PATH": "/bin"}, 64) for i in range(4)]
     assert [dev for dev, _ in launches] == ["cuda"] * 4
@@ -684,7 +692,7 @@ def test_each_shard_sees_its_own_gpu_and_a_share_of_the_cores():
 def test_a_gpu_eval_caps_its_host_threads_unless_the_user_set_them():
     """One eval on a GPU takes at most GPU_HOST_THREADS torch threads (64 made its episode loop 2.3x slower on an
     H100 host); OMP_NUM_THREADS set by the user holds; a CPU eval keeps its pool; a small pool is left alone."""
-    from eval_suite.run_eval import GPU_HOST_THREADS, host_threads
+    from eval_suite.shard_launch import GPU_HOST_THREADS, host_threads
 
     assert host_threads("cuda", {}, 64) == GPU_HOST_THREADS == 4
     assert host_threads("cuda:1", {"PATH": "/bin"}, 16) == 4

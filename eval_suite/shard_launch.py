@@ -1,0 +1,232 @@
+"""How ``eval --devices N`` starts its shard processes: each one's device, environment and thread pool, and the early
+launch that starts them before the launching process has imported torch.
+
+Why early: every eval process spends seconds on its interpreter and imports (torch, transformers, torchmetrics) and
+its argument checks before its first episode. ``eval --devices N`` used to pay that twice in a row: once in the
+launching process, which checked the arguments and only then started the shards, and again in each shard. The
+console entry (:func:`lragent.cli_main.main`) now calls :func:`start_early` on the raw command line first, so the
+shards start at once while the launcher checks the arguments beside them; :func:`eval_suite.run_eval.fan_out` then
+adopts them when what it would launch is the same (the output folder, the shard count, the GPUs), and stops them and
+launches its own otherwise. Where the arguments turn out bad, the launcher stops the shards and says so in one line.
+
+Stdlib only: this module is imported before torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+# Host threads of an eval whose model runs on a GPU. Its host work is many small tensor ops (sampling, the search
+# tools, prompt building) that a wide OpenMP pool slows down: one Qwen-1.5B eval on an H100 of a 64-core host
+# (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran its episode loop in 157 s at 64
+# threads, 68 s at 16 and 64 s at 4. vLLM's workers default to one thread for the same reason.
+GPU_HOST_THREADS = 4
+
+
+def host_threads(device: str, env: Mapping[str, str], current: int) -> int | None:
+    """The torch thread count an eval process should take, or None to keep ``current``: on a GPU at most
+    :data:`GPU_HOST_THREADS`, unless the user set ``OMP_NUM_THREADS`` (then theirs holds). A CPU eval keeps its pool:
+    there the model's own matmuls use it."""
+    if not device.startswith("cuda") or env.get("OMP_NUM_THREADS"):
+        return None
+    return min(current, GPU_HOST_THREADS) if current > GPU_HOST_THREADS else None
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; None elsewhere): what the interpreter, the imports and
+    the argument checks took before an eval's own clock starts."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time, clock ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, str], cpus: int) -> tuple[str, dict]:
+    """The ``--device`` and the environment of shard ``i`` of ``n``.
+
+    On GPUs the shard sees its own GPU only (``CUDA_VISIBLE_DEVICES``: the i-th of the GPUs this process sees) and
+    runs on ``cuda``: nothing of it can land on, or make a context on, another shard's GPU. Each shard gets an equal
+    share of the CPU cores for its thread pools (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``; a value the user set is
+    kept): N processes with a pool as wide as the machine each oversubscribe the cores and slow one another down. A
+    GPU shard takes at most :data:`GPU_HOST_THREADS` of its share (see there why).
+
+    Args:
+        i: the shard.
+        n: shards.
+        gpus: GPUs this process sees (0: CPU shards).
+        device: the eval's ``--device`` (None: the default).
+        env: this process's environment.
+        cpus: the machine's CPU cores.
+
+    Returns:
+        ``(device, environment)`` of the shard's process.
+    """
+    out = dict(env)
+    share = max(1, cpus // n)
+    threads = str(min(share, GPU_HOST_THREADS) if gpus else share)
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        out.setdefault(key, threads)
+    out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not gpus:
+        return device or "cpu", out
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    out["CUDA_VISIBLE_DEVICES"] = visible[i] if len(visible) > i else str(i)
+    return "cuda", out
+
+
+def visible_gpus(env: Mapping[str, str]) -> int:
+    """GPUs a process started with ``env`` would see, without importing torch: the entries of
+    ``CUDA_VISIBLE_DEVICES`` where it is set, else the NVIDIA driver's GPUs (``/proc/driver/nvidia/gpus``; 0 without
+    the driver). :func:`eval_suite.run_eval.fan_out` checks it against ``torch.cuda.device_count()``."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return len([v for v in env["CUDA_VISIBLE_DEVICES"].split(",") if v.strip()])
+    try:
+        return len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+    except OSError:
+        return 0
+
+
+# options of one shard's command line that the launcher sets itself
+_LAUNCHER_SETS = ("--devices", "--out", "--device", "--quiet")
+# options after which the command line is not a plain --devices N run: the usual path handles them
+_NOT_EARLY = ("--shard", "--merge", "--config", "--print_config", "-h", "--help")
+
+
+def _options(argv: Sequence[str]) -> tuple[dict[str, str], list[str]] | None:
+    """``({option: value}, the other tokens in order)`` of ``argv`` for the launcher's options (``--key value`` or
+    ``--key=value``); None where one of them lacks its value."""
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        key, eq, value = token.partition("=")
+        if key in _LAUNCHER_SETS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    return None
+                value = argv[i + 1]
+                i += 1
+            found[key] = value
+        else:
+            rest.append(token)
+        i += 1
+    return found, rest
+
+
+@dataclass
+class EarlyShards:
+    """Shard processes started by :func:`start_early`, not yet adopted by ``fan_out``."""
+
+    n: int
+    out_dir: Path
+    gpus: int
+    device: str | None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[IO[str]] = field(default_factory=list)
+    spawned_at: float = 0.0  # time.perf_counter() once every shard was started
+    startup_s: float | None = None  # the launcher's age then
+    adopted: bool = False
+
+    def stop(self) -> None:
+        """Stops the shards (the arguments were bad, or fan_out launches its own) and closes their logs."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
+
+
+_EARLY: list[EarlyShards] = []  # the launch of this process's command line (at most one)
+
+
+def spawn_shards(
+    n: int, out_dir: Path, args: Sequence[str], gpus: int, device: str | None, env: Mapping[str, str]
+) -> tuple[list[subprocess.Popen], list[IO[str]]]:
+    """Starts ``n`` ``eval --shard i/n`` processes with ``args`` (the command's other options), each into
+    ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``, and says where each runs (one line per shard)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for i in range(n):
+        d = out_dir / f"shard_{i}"
+        dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
+        cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out", str(d),
+               "--device", dev, "--quiet", "true"]  # fmt: skip
+        log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed once the process ends)
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=shard_env))
+        logs.append(log)
+        where = f"GPU {shard_env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
+        print(f"eval: shard {i}/{n} on {where} ({shard_env['OMP_NUM_THREADS']} CPU threads) -> {d} "
+              f"(log {out_dir / f'shard_{i}.log'})", file=sys.stderr)  # fmt: skip
+    return procs, logs
+
+
+def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> EarlyShards | None:
+    """Starts the shards of ``eval ARGV`` (the options after ``eval``) at once where it is a plain ``--devices N``
+    run with ``--out``: N > 1, no ``--shard``, ``--merge``, ``--config`` or help, and on GPUs at least N visible.
+    Anything else returns None and is launched, or refused, by the usual path after the arguments are checked."""
+    env = os.environ if env is None else env
+    if any(t.partition("=")[0] in _NOT_EARLY for t in argv):
+        return None
+    parsed = _options(argv)
+    if parsed is None:
+        return None
+    found, rest = parsed
+    try:
+        n = int(found.get("--devices", "1"))
+    except ValueError:
+        return None
+    if n < 2 or not found.get("--out"):
+        return None
+    device = found.get("--device")
+    if device in ("None", "null"):
+        device = None
+    gpus = visible_gpus(env) if device in (None, "cuda") else 0
+    if 0 < gpus < n:
+        return None  # the usual path says how many GPUs there are
+    age = process_age_s()
+    early = EarlyShards(n=n, out_dir=Path(found["--out"]), gpus=gpus, device=device, startup_s=age)
+    early.procs, early.logs = spawn_shards(n, early.out_dir, rest, gpus, device, env)
+    early.spawned_at = time.perf_counter()
+    _EARLY[:] = [early]
+    return early
+
+
+def adopt_early(n: int, out_dir: Path, gpus: int, device: str | None) -> EarlyShards | None:
+    """The early shards, if they are what ``fan_out`` would launch now (same count, folder, GPUs, device); else None,
+    the early shards stopped."""
+    if not _EARLY:
+        return None
+    early = _EARLY.pop()
+    same = (early.n, early.gpus, early.device) == (n, gpus, device) and early.out_dir.resolve() == out_dir.resolve()
+    if not same:
+        early.stop()
+        return None
+    early.adopted = True
+    return early
+
+
+def finish_early() -> None:
+    """After the command: stops early shards nobody adopted (its arguments were refused before ``fan_out``)."""
+    while _EARLY:
+        early = _EARLY.pop()
+        if not early.adopted:
+            early.stop()
+            print(
+                f"eval: stopped the shards started early in {early.out_dir}: the command did not run", file=sys.stderr
+            )

@@ -1,0 +1,89 @@
+"""eval --devices N starts its shards from the raw command line before the launcher's own imports and checks
+(:mod:`eval_suite.shard_launch`): which command lines qualify, what each shard is given, and that shards of a command
+whose arguments are then refused, or that ``fan_out`` would launch differently, are stopped."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cli
+from eval_suite import shard_launch
+
+
+@pytest.fixture
+def fake_spawn(monkeypatch):
+    """spawn_shards replaced by long sleeps that record what each shard would have been given."""
+    calls: list[dict] = []
+
+    def spawn(n, out_dir, args, gpus, device, env):
+        procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(n)]
+        calls.append({"n": n, "out_dir": out_dir, "args": list(args), "gpus": gpus, "device": device, "procs": procs})
+        return procs, [open(Path(out_dir).parent / f"log_{len(calls)}_{i}", "w") for i in range(n)]  # noqa: SIM115
+
+    monkeypatch.setattr(shard_launch, "spawn_shards", spawn)
+    monkeypatch.setattr(shard_launch, "_EARLY", [])
+    return calls
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--benchmark", "hotpotqa", "--devices", "1", "--out", "o"],  # one device: no shards
+        ["--benchmark", "hotpotqa", "--devices", "2"],  # no --out: the usual path refuses it
+        ["--devices", "2", "--out", "o", "--shard", "0/2"],  # a shard itself
+        ["--devices", "2", "--out", "o", "--merge", "a", "b"],
+        ["--config", "c.yaml", "--devices", "2", "--out", "o"],  # --devices may come from the file: the usual path
+        ["--devices=2", "--out", "o", "--help"],
+        ["--devices", "two", "--out", "o"],  # not a number: the usual path says so
+        ["--devices", "3", "--out", "o", "--device", "cuda"],  # 2 GPUs visible below: fewer than asked
+        ["--out", "o", "--devices"],  # an option without its value
+    ],
+)
+def test_what_is_not_a_plain_devices_run_is_left_to_the_usual_path(argv, fake_spawn, tmp_path):
+    argv = [str(tmp_path / a) if a == "o" else a for a in argv]
+    assert shard_launch.start_early(argv, env={"CUDA_VISIBLE_DEVICES": "0,1"}) is None
+    assert fake_spawn == [] and shard_launch._EARLY == []
+
+
+def test_each_shard_gets_the_command_without_the_launchers_options(fake_spawn, tmp_path):
+    argv = ["--benchmark", "hotpotqa", f"--out={tmp_path / 'o'}", "--devices", "2", "--limit", "4", "--quiet", "false",
+            "--device", "cpu", "--scheme", "all"]  # fmt: skip
+    early = shard_launch.start_early(argv, env={})
+    try:
+        assert early is not None and early.n == 2 and early.device == "cpu" and early.gpus == 0
+        assert fake_spawn[0]["args"] == ["--benchmark", "hotpotqa", "--limit", "4", "--scheme", "all"]
+        assert early.out_dir == tmp_path / "o" and shard_launch._EARLY == [early]
+        # GPUs as CUDA_VISIBLE_DEVICES lists them; the default device counts them too
+        assert shard_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": "3, 5,"}) == 2
+        assert shard_launch.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    finally:
+        shard_launch.finish_early()
+    assert all(p.returncode is not None for p in early.procs)  # not adopted: stopped
+
+
+def test_fan_out_adopts_only_the_shards_it_would_launch(fake_spawn, tmp_path):
+    early = shard_launch.start_early(["--devices", "2", "--out", str(tmp_path / "o"), "--device", "cpu"], env={})
+    assert shard_launch.adopt_early(2, tmp_path / "elsewhere", 0, "cpu") is None  # another folder: stopped
+    assert all(p.returncode is not None for p in early.procs) and shard_launch._EARLY == []
+    early = shard_launch.start_early(["--devices", "2", "--out", str(tmp_path / "o"), "--device", "cpu"], env={})
+    assert shard_launch.adopt_early(4, tmp_path / "o", 0, "cpu") is None  # another count
+    early = shard_launch.start_early(["--devices", "2", "--out", str(tmp_path / "o"), "--device", "cpu"], env={})
+    got = shard_launch.adopt_early(2, tmp_path / "o" / ".." / "o", 0, "cpu")  # the same folder, spelled otherwise
+    assert got is early and early.adopted and all(p.poll() is None for p in early.procs)
+    shard_launch.finish_early()  # adopted: left to fan_out
+    assert all(p.poll() is None for p in early.procs)
+    early.stop()
+
+
+def test_a_refused_command_stops_its_early_shards_and_says_so_in_one_line(fake_spawn, tmp_path, capsys):
+    out = str(tmp_path / "o")
+    code = cli.main(["eval", "--benchmark", "nosuch", "--devices", "2", "--out", out, "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "nosuch" in err and "Traceback" not in err
+    assert "stopped the shards started early" in err
+    assert len(fake_spawn) == 1 and shard_launch._EARLY == []
+    assert all(p.returncode is not None for p in fake_spawn[0]["procs"])  # none left running
