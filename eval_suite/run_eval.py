@@ -703,13 +703,14 @@ def run_plan(plan: EvalPlan) -> int:
                 print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
                 executor = executor_of(batch)
         ended = time.perf_counter()
+        summary = write_summary(records, out_dir, prov)
         # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards); what
-        # came before run_plan (interpreter, imports, argument checks) and its parts before the loop: the fixed cost
-        # that --devices N pays once per shard
+        # came before run_plan (interpreter, imports, argument checks), its parts before the loop and the summary
+        # after it: the fixed cost that --devices N pays once per shard
         write_json(out_dir / TIMING_FILE, {
             "setup_s": loop_started - started, "episodes_s": ended - loop_started,
             "startup_s": age, "prepare_s": load_started - started, "load_s": loaded - load_started,
-            "size_s": loop_started - loaded,
+            "size_s": loop_started - loaded, "summary_s": time.perf_counter() - ended,
             "episodes": len(records) - before, "batch": batch, "device": run_device,
             # the decode settings that shape a GPU run's numbers (None: the sequential executor)
             "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
@@ -720,7 +721,6 @@ def run_plan(plan: EvalPlan) -> int:
             "advance_s": getattr(executor, "advance_s", None), "sync_s": getattr(executor, "sync_s", None),
             "agent_s": getattr(executor, "agent_s", None), "torch_threads": torch.get_num_threads(),
         })  # fmt: skip
-        summary = write_summary(records, out_dir, prov)
     _print_summary(summary, out_dir)
     return 0
 

@@ -66,8 +66,23 @@ def _call(target: tuple[str, str], argv: list[str], prog: str) -> int:
     return run_command(getattr(module, func), argv, prog)
 
 
+def _exit_now(code: int) -> None:
+    """Ends the process with ``code`` once its exit handlers ran and its output is flushed, without the interpreter's
+    teardown of every module and object: after an eval (whose files are all written and closed by then) that teardown
+    took 1.2 s of a 12 s CPU eval, paid again by every ``--devices N`` shard."""
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs one command; returns its exit code (0 ok, 2 bad input)."""
+    """Runs one command; returns its exit code (0 ok, 2 bad input). From the console (``argv`` None) an ``eval`` ends
+    the process itself once done (:func:`_exit_now`)."""
+    from_console = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     prog = _prog()
     allowed = ", ".join([*LIGHTNING, *COMMANDS, "bench"])
@@ -86,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
 
         start_early(rest)
         try:
-            return _call(COMMANDS[cmd], rest, f"{prog} {cmd}")
+            code = _call(COMMANDS[cmd], rest, f"{prog} {cmd}")
         finally:
             finish_early()
+        if from_console:
+            _exit_now(code)
+        return code
     if cmd in COMMANDS:
         return _call(COMMANDS[cmd], rest, f"{prog} {cmd}")
     if cmd == "bench":

@@ -87,3 +87,11 @@ def test_a_refused_command_stops_its_early_shards_and_says_so_in_one_line(fake_s
     assert "stopped the shards started early" in err
     assert len(fake_spawn) == 1 and shard_launch._EARLY == []
     assert all(p.returncode is not None for p in fake_spawn[0]["procs"])  # none left running
+
+
+def test_a_console_eval_exits_with_its_status(tmp_path):
+    """The console entry ends an eval with os._exit after its exit handlers: the status still says what happened."""
+    bad = subprocess.run([sys.executable, "-m", "lragent.cli_main", "eval", "--benchmark", "nosuch", "--out",
+                          str(tmp_path / "o")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "error:" in bad.stderr and "nosuch" in bad.stderr
+    assert "Traceback" not in bad.stderr
