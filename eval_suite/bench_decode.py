@@ -20,6 +20,7 @@ Writes ``bench_decode.json`` (with provenance) and ``bench_decode.md``; prints t
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,10 +124,12 @@ def config_unread_bytes(model: str, dtype: str) -> Callable[[int], int]:
 def render(result: dict, dtype: str) -> str:
     """``bench_decode.md`` from a record (as :func:`decode` writes it)."""
     rows, prov, model = result["rows"], result["provenance"], result["model"]
+    with_plan = any(result.get("plans") or [])  # a plan other than the launch rule was timed
     body = [
         [
             r["impl"],
             r["scheme"],
+            *([(r.get("plan") or "rule") if r["impl"].startswith("lragent") else "–"] if with_plan else []),
             str(r["batch"]),
             f"{r['ms_per_token']:.3f}",
             f"{r['tokens_per_s']:.0f}",
@@ -149,7 +152,17 @@ def render(result: dict, dtype: str) -> str:
         "gather. floor = (weights read + the rows' cache at this context) / bandwidth, per step."
         f"{refloored}\n\n"
         + markdown_table(
-            ["impl", "scheme", "batch", "ms/token", "tokens/s", "floor ms", "vs floor", "speed-up vs transformers"],
+            [
+                "impl",
+                "scheme",
+                *(["decode plan"] if with_plan else []),
+                "batch",
+                "ms/token",
+                "tokens/s",
+                "floor ms",
+                "vs floor",
+                "speed-up vs transformers",
+            ],
             body,
         )
         + provenance_footer(prov)
@@ -258,6 +271,7 @@ def decode(
     dtype: str = "bfloat16",
     eager: bool = True,
     transformers_baseline: bool = True,
+    plans: list[str] | None = None,
     out: str = "bench_out/decode",
 ) -> int:
     """Decode latency per token vs the bandwidth floor and stock transformers (one GPU, one run).
@@ -272,14 +286,21 @@ def decode(
         dtype: compute dtype.
         eager: also time eager decoding (no CUDA graphs).
         transformers_baseline: also time stock transformers' eager loop (batch sizes up to 32).
+        plans: decode-attention kernel plans to time side by side, each in ``LRAGENT_DECODE_PLAN``'s syntax (``""``:
+            the launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), every scheme and batch
+            under each (default: the one ``LRAGENT_DECODE_PLAN`` sets now). Each row records its plan.
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
+    from kernels import flash_lora_decode as fld
     from lragent.models import load_model, parse_dtype
     from lragent.schemes import resolve_schemes
 
     schemes = resolve_schemes(schemes, ["full_shared", "base_lr_shared"])  # parsed once
     batches = list(batches or [1, 32])
+    plans = [os.environ.get("LRAGENT_DECODE_PLAN", "")] if plans is None else [str(p).strip() for p in plans]
+    for spec in plans:  # a bad setting is named before anything loads
+        fld.parse_plan(spec)
     if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
         raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")
     if not torch.cuda.is_available():
@@ -305,16 +326,28 @@ def decode(
                 print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
     lm = random_adapter_model(hf, rank)
     w_bytes_lora = weight_bytes(lm)
-    for scheme in schemes:
-        for b in batches:
-            for graphs in (True, False) if eager else (True,):
-                t = time_engine(lm, scheme, b, context, new_tokens, graphs)
-                read = w_bytes_lora - unread_embedding_bytes(hf, b) + t["cache_bytes_read_per_step"]
-                floor_s = read / bandwidth
-                t["floor_ms"] = 1e3 * floor_s
-                t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
-                rows.append({"impl": "lragent " + ("graph" if graphs else "eager"), "scheme": scheme, "batch": b, **t})
-                print(f"{scheme} b={b} graphs={graphs}: {t['ms_per_token']:.3f} ms/token ({t['vs_floor']:.2f}x floor)")
+    saved = os.environ.get("LRAGENT_DECODE_PLAN")
+    try:
+        for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
+            os.environ["LRAGENT_DECODE_PLAN"] = spec
+            fld._PLANS.clear()
+            for scheme in schemes:
+                for b in batches:
+                    for graphs in (True, False) if eager else (True,):
+                        t = time_engine(lm, scheme, b, context, new_tokens, graphs)
+                        read = w_bytes_lora - unread_embedding_bytes(hf, b) + t["cache_bytes_read_per_step"]
+                        t["floor_ms"] = 1e3 * read / bandwidth
+                        t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
+                        impl = "lragent " + ("graph" if graphs else "eager")
+                        rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec, **t})
+                        print(f"{scheme} b={b} graphs={graphs} plan={spec or 'rule'}: {t['ms_per_token']:.3f} ms/token "
+                              f"({t['vs_floor']:.2f}x floor)")  # fmt: skip
+    finally:
+        if saved is None:
+            os.environ.pop("LRAGENT_DECODE_PLAN", None)
+        else:
+            os.environ["LRAGENT_DECODE_PLAN"] = saved
+        fld._PLANS.clear()
     for r in rows:
         base = next((x for x in rows if x["impl"] == "transformers eager" and x["batch"] == r["batch"]), None)
         r["speedup_vs_transformers"] = None if base is None else base["ms_per_token"] / r["ms_per_token"]
@@ -329,6 +362,7 @@ def decode(
         "weight_bytes_with_adapters": w_bytes_lora,
         "unread_embedding_bytes": unread_embedding_bytes(hf, 1),  # at batch 1; the floor excludes it per batch
         "embedding_floor": EMBEDDING_FLOOR,
+        "plans": plans,
         "rows": rows,
         "provenance": prov,
     }

@@ -510,17 +510,14 @@ _PLANS: dict[tuple, _DecodePlan] = {}
 _PLAN_KNOBS = ("programs_per_sm", "min_split_tiles", "block_n", "num_warps", "num_stages")  # _plan's integer knobs
 
 
-def plan_overrides() -> dict[str, int]:
-    """The rule's keyword arguments set in ``LRAGENT_DECODE_PLAN`` (``"min_split_tiles=4,num_warps=4"``), for
-    sweeps (``scripts/sweep_decode_plan.py`` at commit d89e4ca); empty when unset. Plans are cached per shape:
-    clear ``_PLANS`` after changing it.
+def parse_plan(spec: str) -> dict[str, int]:
+    """The rule's keyword arguments that ``spec`` sets (``"min_split_tiles=4,num_warps=4"``; ``""``: none).
 
     Raises:
         ValueError: an unknown name or a value that is not a positive integer, naming it and what is allowed.
     """
-    spec = os.environ.get("LRAGENT_DECODE_PLAN", "").strip()
     out: dict[str, int] = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
+    for item in filter(None, (x.strip() for x in spec.strip().split(","))):
         name, _, value = item.partition("=")
         name = name.strip()
         if name not in _PLAN_KNOBS:
@@ -529,6 +526,17 @@ def plan_overrides() -> dict[str, int]:
             raise ValueError(f"LRAGENT_DECODE_PLAN: {name} must be a positive integer, got {value.strip()!r}")
         out[name] = int(value)
     return out
+
+
+def plan_overrides() -> dict[str, int]:
+    """The rule's keyword arguments set in ``LRAGENT_DECODE_PLAN`` (:func:`parse_plan`'s syntax), for sweeps (``bench
+    decode --plans`` times several side by side); empty when unset. Plans are cached per shape: clear ``_PLANS`` after
+    changing it.
+
+    Raises:
+        ValueError: an unknown name or a value that is not a positive integer, naming it and what is allowed.
+    """
+    return parse_plan(os.environ.get("LRAGENT_DECODE_PLAN", ""))
 
 
 _WORKSPACES: dict[tuple, list] = {}  # key -> [fp32 workspace, int32 counters, counters_need_zeroing]

@@ -77,3 +77,35 @@ def test_an_earlier_record_is_refloored_from_its_own_bytes(tmp_path) -> None:
     assert main(["--refloor", str(tmp_path)]) == 0  # current now: unchanged by a second pass
     assert json.loads((tmp_path / "bench_decode.json").read_text()) == new
     assert main(["--refloor", str(tmp_path / "nothing")]) == 2
+
+
+def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> None:
+    """bench decode --plans times decode-attention kernel plans side by side: a bad setting is named before the GPU
+    check or any loading, and the report gains a plan column only when a plan other than the rule was timed."""
+    from eval_suite.bench_decode import decode, render
+
+    with pytest.raises(ValueError, match="unknown setting 'min_split'; allowed: programs_per_sm"):
+        decode(plans=["", "min_split=4"], out="/nonexistent/never_written")
+    with pytest.raises(ValueError, match="num_warps must be a positive integer, got '0'"):
+        decode(plans=["num_warps=0"], out="/nonexistent/never_written")
+
+    def row(impl, plan, ms):
+        r = {"impl": impl, "scheme": "base_lr_shared" if plan is not None else "-", "batch": 1, "ms_per_token": ms,
+             "tokens_per_s": 1e3 / ms, "speedup_vs_transformers": None}  # fmt: skip
+        if plan is not None:
+            r.update(plan=plan, floor_ms=5.0, vs_floor=ms / 5.0)
+        return r
+
+    record = {"model": "tiny-llama", "context": 8, "new_tokens": 4, "rank": 8, "copy_bandwidth_bytes_per_s": 2e12,
+              "weight_bytes": 1e9, "weight_bytes_with_adapters": 1e9, "unread_embedding_bytes": 0,
+              "plans": ["", "min_split_tiles=4"],
+              "rows": [row("transformers eager", None, 30.0), row("lragent graph", "", 6.5),
+                       row("lragent graph", "min_split_tiles=4", 6.2)],
+              "provenance": {"dtype": "torch.bfloat16", "device": {"name": "fake"}}}  # fmt: skip
+    md = render(record, "bfloat16")
+    assert "| impl | scheme | decode plan | batch |" in md
+    assert "| lragent graph | base_lr_shared | rule | 1 | 6.500 |" in md
+    assert "| lragent graph | base_lr_shared | min_split_tiles=4 | 1 | 6.200 |" in md
+    assert "| transformers eager | - | – | 1 |" in md
+    for older in ({k: v for k, v in record.items() if k != "plans"}, {**record, "plans": [""]}):
+        assert "decode plan" not in render(older, "bfloat16")  # records without a plan sweep read as before
