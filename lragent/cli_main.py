@@ -66,13 +66,25 @@ def _call(target: tuple[str, str], argv: list[str], prog: str) -> int:
     return run_command(getattr(module, func), argv, prog)
 
 
+def _observed() -> bool:
+    """True under a profiler, tracer or debugger (``python -m cProfile``, pdb, coverage): they write their results
+    after the program returns, so the process must end the usual way."""
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        return True
+    monitoring = getattr(sys, "monitoring", None)  # Python 3.12+: cProfile and coverage may use sys.monitoring
+    return monitoring is not None and any(monitoring.get_tool(i) is not None for i in range(6))
+
+
 def _exit_now(code: int) -> None:
     """Ends the process with ``code`` once its exit handlers ran and its output is flushed, without the interpreter's
     teardown of every module and object: after an eval (whose files are all written and closed by then) that teardown
-    took 1.2 s of a 12 s CPU eval, paid again by every ``--devices N`` shard."""
+    took 1.2 s of a 12 s CPU eval, paid again by every ``--devices N`` shard. Under a profiler, tracer or debugger it
+    returns instead (:func:`_observed`)."""
     import atexit
     import os
 
+    if _observed():
+        return
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

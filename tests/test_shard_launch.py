@@ -95,3 +95,14 @@ def test_a_console_eval_exits_with_its_status(tmp_path):
                           str(tmp_path / "o")], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "error:" in bad.stderr and "nosuch" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_profiled_console_eval_still_writes_its_profile(tmp_path):
+    """Under ``python -m cProfile`` (or a tracer, a debugger, coverage) the console eval ends the usual way, so the
+    profiler can write its results after the program returns."""
+    prof = tmp_path / "eval.prof"
+    run = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "lragent.cli_main", "eval",
+                          "--benchmark", "nosuch", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "unknown benchmark 'nosuch'" in run.stderr
+    assert prof.is_file() and prof.stat().st_size > 0
