@@ -202,24 +202,32 @@ def profile_batch(lm, scheme: str, batch: int, context: int, steps: int, device:
     with profile(activities=activities) as prof:
         eng.advance(max_steps=steps)
         _sync(device)
-    kernels = _kernel_events(prof.events())
-    by_name: Counter = Counter()
-    by_class: Counter = Counter()
-    for k in kernels:
-        us = k.time_range.end - k.time_range.start
-        by_name[k.name] += us
-        by_class[kernel_class(k.name)] += us
-    busy_ms = sum(by_name.values()) / 1e3 / steps
-    result.update(
-        graph_wall_ms_per_step=wall_ms,
-        graph_kernel_ms_per_step=busy_ms,
-        graph_idle_ms_per_step=max(wall_ms - busy_ms, 0.0),
-        graph_ms_per_step_by_kernel_class={c: v / 1e3 / steps for c, v in by_class.most_common()},
-        graph_top_kernels=[(n[:90], v / 1e3 / steps) for n, v in by_name.most_common(15)],
-    )
+    kernels = [(k.name, k.time_range.end - k.time_range.start) for k in _kernel_events(prof.events())]
+    result.update(graph_wall_ms_per_step=wall_ms, **summarize_kernels(kernels, steps, wall_ms))
     del eng
     torch.cuda.empty_cache()
     return result
+
+
+def summarize_kernels(kernels: list[tuple[str, float]], steps: int, wall_ms: float) -> dict:
+    """The graph pass's figures from its kernels ``(name, microseconds)`` over ``steps`` steps of ``wall_ms`` each:
+    busy and idle milliseconds per step, per class, the top 15 names with their launches per step, and the launches
+    per step in all (every launch is a graph node: the idle time between nodes grows with their number)."""
+    by_name: Counter = Counter()
+    launches: Counter = Counter()
+    by_class: Counter = Counter()
+    for name, us in kernels:
+        by_name[name] += us
+        launches[name] += 1
+        by_class[kernel_class(name)] += us
+    busy_ms = sum(by_name.values()) / 1e3 / steps
+    return {
+        "graph_kernel_ms_per_step": busy_ms,
+        "graph_idle_ms_per_step": max(wall_ms - busy_ms, 0.0),
+        "graph_kernels_per_step": len(kernels) / steps,
+        "graph_ms_per_step_by_kernel_class": {c: v / 1e3 / steps for c, v in by_class.most_common()},
+        "graph_top_kernels": [(n[:90], v / 1e3 / steps, launches[n] / steps) for n, v in by_name.most_common(15)],
+    }
 
 
 def profile_decode(
@@ -310,13 +318,16 @@ def _markdown(result: dict) -> str:
         table = [["wall"] + [f"{r['graph_wall_ms_per_step']:.3f}" for r in graph_rows]]
         table.append(["kernels"] + [f"{r['graph_kernel_ms_per_step']:.3f}" for r in graph_rows])
         table.append(["idle"] + [f"{r['graph_idle_ms_per_step']:.3f}" for r in graph_rows])
+        if all("graph_kernels_per_step" in r for r in graph_rows):  # records before it lack the count
+            table.append(["kernel launches (count)"] + [f"{r['graph_kernels_per_step']:.0f}" for r in graph_rows])
         for c in classes:
             table.append([c] + [f"{r['graph_ms_per_step_by_kernel_class'].get(c, 0.0):.3f}" for r in graph_rows])
         lines += ["", "CUDA-graph decoding: wall, kernel and idle time per step; kernels by name.", ""]
         lines.append(markdown_table(head, table))
         for r in graph_rows:
             lines += ["", f"Top kernels, b={r['batch']} (ms/step):", ""]
-            lines += [f"- `{n}`: {ms:.3f}" for n, ms in r["graph_top_kernels"]]
+            lines += [f"- `{k[0]}`: {k[1]:.3f}" + (f" ({k[2]:.0f} launches)" if len(k) > 2 else "")
+                      for k in r["graph_top_kernels"]]  # fmt: skip
     lines += ["", provenance_footer(result["provenance"])]
     return "\n".join(lines) + "\n"
 

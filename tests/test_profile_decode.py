@@ -33,3 +33,26 @@ def test_kernel_names_map_to_classes():
     assert P.kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == (
         "other (embedding, adds, bookkeeping)"
     )
+
+
+def test_graph_kernels_are_summed_per_class_and_counted_per_step():
+    """The graph pass's bookkeeping: time per class and per name over the steps, launches per name and in all, idle
+    as wall minus busy (never negative); the report shows the counts, and an older record without them still renders."""
+    kernels = [("_flash_lora_decode_kernel", 15.0), ("_rms_norm_kernel", 2.0), ("_rms_norm_kernel", 2.0)] * 32
+    out = P.summarize_kernels(kernels, steps=2, wall_ms=0.5)
+    assert out["graph_kernels_per_step"] == 48
+    assert out["graph_kernel_ms_per_step"] == (32 * 19.0) / 1e3 / 2
+    assert out["graph_idle_ms_per_step"] == 0.5 - 0.304
+    assert out["graph_ms_per_step_by_kernel_class"] == {"attention kernel": 0.24, "norms/RoPE/SiLU": 0.064}
+    assert out["graph_top_kernels"] == [("_flash_lora_decode_kernel", 0.24, 16.0), ("_rms_norm_kernel", 0.064, 32.0)]
+    assert P.summarize_kernels(kernels, steps=2, wall_ms=0.1)["graph_idle_ms_per_step"] == 0.0
+    row = {"batch": 1, "eager_ms_per_step_by_class": dict.fromkeys(P.CLASSES, 0.0), "eager_wall_ms_per_step": 1.0,
+           "graph_wall_ms_per_step": 0.5, **out}  # fmt: skip
+    result = {"model": "m", "scheme": "base_lr_shared", "context": 8, "steps": 2, "rows": [row],
+              "provenance": {"device": {"name": "fake"}, "dtype": "bfloat16"}}  # fmt: skip
+    md = P._markdown(result)
+    assert "| kernel launches (count) | 48 |" in md and "- `_rms_norm_kernel`: 0.064 (32 launches)" in md
+    old_row = {k: v for k, v in row.items() if k != "graph_kernels_per_step"}
+    old_row["graph_top_kernels"] = [(n, ms) for n, ms, _ in out["graph_top_kernels"]]
+    old = P._markdown({**result, "rows": [old_row]})
+    assert "kernel launches" not in old and "- `_rms_norm_kernel`: 0.064\n" in old
