@@ -37,6 +37,12 @@ def test_records_do_not_depend_on_the_other_episodes_in_the_batch(tmp_path: Path
     few, many = _records(tmp_path / "few"), _records(tmp_path / "many")
     assert len(few) == 6 and len(many) == 18
     assert {k: many[k] for k in few} == few
+    # an eval on a GPU caps its host threads (eval_suite/shard_launch.py: GPU_HOST_THREADS) unless the user set them
+    import os
+
+    threads = json.loads((tmp_path / "few" / "timing.json").read_text())["torch_threads"]
+    user = os.environ.get("OMP_NUM_THREADS")
+    assert threads == int(user) if user else 1 <= threads <= 4, threads
 
 
 def test_two_shards_give_the_records_of_one_process(tmp_path: Path) -> None:
