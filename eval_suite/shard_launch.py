@@ -26,7 +26,7 @@ from typing import IO
 # Host threads of an eval whose model runs on a GPU. Its host work is many small tensor ops (sampling, the search
 # tools, prompt building) that a wide OpenMP pool slows down: one Qwen-1.5B eval on an H100 of a 64-core host
 # (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran its episode loop in 157 s at 64
-# threads, 68 s at 16 and 64 s at 4. vLLM's workers default to one thread for the same reason.
+# threads, 68 s at 16 and 64 s at 4. vLLM sets OMP_NUM_THREADS=1 where the user has not, for the same reason.
 GPU_HOST_THREADS = 4
 
 
