@@ -84,12 +84,47 @@ def _cli_value(value: Any) -> str:
     return str(value)
 
 
-def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
+class _ShardProgress:
+    """Episodes the shards of ``eval --devices N`` have finished, read from their episode logs as they grow (one line
+    an episode, flushed as it ends), on one tqdm bar in the launching process."""
+
+    def __init__(self, logs: list[Path], total: int, desc: str, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.logs, self.offsets = logs, [0] * len(logs)
+        self.done = self._read()
+        self.bar = tqdm(total=total, initial=min(self.done, total), desc=desc, unit="ep", disable=not enabled)
+
+    def _read(self) -> int:
+        new = 0
+        for i, path in enumerate(self.logs):
+            try:
+                with path.open("rb") as f:
+                    f.seek(self.offsets[i])
+                    chunk = f.read()
+            except OSError:  # not written yet
+                continue
+            self.offsets[i] += len(chunk)
+            new += chunk.count(b"\n")  # a line still being written counts once its newline is there
+        return new
+
+    def update(self) -> None:
+        new = self._read()
+        self.done += new
+        self.bar.update(max(0, min(new, self.bar.total - self.bar.n)))
+
+    def close(self) -> None:
+        self.update()
+        self.bar.close()
+
+
+def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = None) -> int:
     """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
     ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
     every shard (their episode logs are resumable). Shards the console entry started early from the raw command line
     (:mod:`eval_suite.shard_launch`) are adopted when they are these. ``OUT/launch.json`` records where the wall time
-    went: this process's own start before the shards ran, each shard process's wall seconds, and the merge."""
+    went: this process's own start before the shards ran, each shard process's wall seconds, and the merge. Unless
+    ``--quiet``, a progress bar counts the episodes the shards have finished, out of ``total``."""
     import inspect
 
     started, age = time.perf_counter(), process_age_s()
@@ -118,13 +153,20 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path) -> int:
         procs, logs = spawn_shards(n, out_dir, args, gpus, call["device"], os.environ)
         spawned = time.perf_counter()
     shard_dirs = [out_dir / f"shard_{i}" for i in range(n)]
+    progress = _ShardProgress([d / EPISODES_FILE for d in shard_dirs], total or 0, f"eval {call['benchmark']} "
+                              f"({n} shards)", enabled=bool(total) and not call["quiet"])  # fmt: skip
     walls: dict[int, float] = {}
+    polls = 0
     while len(walls) < n:  # polled, so that each shard's own end time is known
         for i, proc in enumerate(procs):
             if i not in walls and proc.poll() is not None:
                 walls[i] = time.perf_counter() - spawned
                 logs[i].close()
+        polls += 1
+        if polls % 10 == 0:  # the bar about once a second
+            progress.update()
         time.sleep(0.1)
+    progress.close()
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
         print(f"error: shard(s) {failed} failed: see {out_dir}/shard_<i>.log; rerun the same command to resume "
@@ -475,7 +517,7 @@ def evaluate(
         return merge_outputs(_as_list(merge), out_dir)
     plan = check_eval_args(call)
     if devices > 1:
-        return fan_out(call, devices, out_dir)
+        return fan_out(call, devices, out_dir, total=len(plan.questions) * runs * len(plan.schemes))
     return run_plan(plan)
 
 

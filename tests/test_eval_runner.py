@@ -587,7 +587,7 @@ def _tiny_model_with_embedded_tokenizer(directory: Path) -> Path:
 
 
 @pytest.mark.model
-def test_devices_shards_equal_one_process(tmp_path):
+def test_devices_shards_equal_one_process(tmp_path, capsys):
     """eval --devices 2 (two shard processes, merged) gives the same episodes as one process: same questions, same
     seeds, same predictions and lengths. A tiny random model with the embedded tokenizer: what is pinned is which
     questions and seeds each shard runs, not the model."""
@@ -612,9 +612,11 @@ def test_devices_shards_equal_one_process(tmp_path):
     # called directly launches them after its checks: the same episodes either way
     assert json.loads((tmp_path / "two" / "launch.json").read_text())["early"] is True
     kw = {k.removeprefix("--"): v for k, v in zip(base[1::2], base[2::2], strict=True)}
-    kw.update(limit=4, max_steps=1, thought_tokens=4, argument_tokens=3, runs=1, quiet=True)
+    kw.update(limit=4, max_steps=1, thought_tokens=4, argument_tokens=3, runs=1, quiet=False)
+    capsys.readouterr()
     assert run_eval.evaluate(**kw, devices=2, out=str(tmp_path / "three")) == 0
     assert episodes(tmp_path / "three") == one
+    assert "eval hotpotqa (2 shards): 100%" in capsys.readouterr().err  # the launcher's bar over the shards' logs
     assert json.loads((tmp_path / "three" / "launch.json").read_text())["early"] is False
     shard_timing = [json.loads((tmp_path / "two" / f"shard_{i}" / "timing.json").read_text()) for i in (0, 1)]
     assert [t["episodes"] for t in shard_timing] == [2, 2]  # each shard's own loop, for the throughput ratio

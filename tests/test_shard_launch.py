@@ -106,3 +106,25 @@ def test_a_profiled_console_eval_still_writes_its_profile(tmp_path):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert "unknown benchmark 'nosuch'" in run.stderr
     assert prof.is_file() and prof.stat().st_size > 0
+
+
+def test_the_launchers_bar_counts_finished_lines_of_every_shard_log(tmp_path):
+    """The progress of eval --devices N: whole lines of every shard's episode log, read as they grow; a line still
+    being written counts once it ends; a log not yet created counts nothing; the bar never passes its total."""
+    from eval_suite.run_eval import _ShardProgress
+
+    logs = [tmp_path / "s0.jsonl", tmp_path / "s1.jsonl"]
+    logs[0].write_text('{"a": 1}\n{"a": 2}\n')  # resumed: two finished before
+    bar = _ShardProgress(logs, total=5, desc="eval", enabled=True)
+    assert bar.done == 2 and bar.bar.n == 2
+    with logs[1].open("a") as f:
+        f.write('{"b": 1}\n{"b": ')
+    bar.update()
+    assert bar.done == 3
+    with logs[1].open("a") as f:
+        f.write("2}\n")
+    with logs[0].open("a") as f:
+        f.write('{"a": 3}\n{"a": 4}\n')
+    bar.update()
+    assert bar.done == 6 and bar.bar.n == 5  # past the total (a duplicate line): the bar stops at it
+    bar.close()
