@@ -118,13 +118,24 @@ class _ShardProgress:
         self.bar.close()
 
 
+def _last_line(log: Path) -> str:
+    """A shard log's last non-empty line (its one-line error), or a note that there is none."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "no output"
+
+
 def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = None) -> int:
     """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
     ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
     every shard (their episode logs are resumable). Shards the console entry started early from the raw command line
     (:mod:`eval_suite.shard_launch`) are adopted when they are these. ``OUT/launch.json`` records where the wall time
     went: this process's own start before the shards ran, each shard process's wall seconds, and the merge. Unless
-    ``--quiet``, a progress bar counts the episodes the shards have finished, out of ``total``."""
+    ``--quiet``, a progress bar counts the episodes the shards have finished, out of ``total``. When a shard fails, the
+    others are stopped at once (the merge needs them all; every finished episode is kept) and the failure is named by
+    its log's last line."""
     import inspect
 
     started, age = time.perf_counter(), process_age_s()
@@ -157,20 +168,28 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
                               f"({n} shards)", enabled=bool(total) and not call["quiet"])  # fmt: skip
     walls: dict[int, float] = {}
     polls = 0
+    stopped: list[int] = []
     while len(walls) < n:  # polled, so that each shard's own end time is known
         for i, proc in enumerate(procs):
             if i not in walls and proc.poll() is not None:
                 walls[i] = time.perf_counter() - spawned
                 logs[i].close()
+                if proc.returncode != 0 and not stopped:  # one shard failed: the merge cannot run, stop the rest now
+                    stopped = [j for j, other in enumerate(procs) if j not in walls and other.poll() is None]
+                    for j in stopped:
+                        procs[j].terminate()
         polls += 1
         if polls % 10 == 0:  # the bar about once a second
             progress.update()
         time.sleep(0.1)
     progress.close()
-    failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
+    failed = [i for i, proc in enumerate(procs) if proc.returncode != 0 and i not in stopped]
     if failed:
-        print(f"error: shard(s) {failed} failed: see {out_dir}/shard_<i>.log; rerun the same command to resume "
-              "(finished episodes are kept)", file=sys.stderr)  # fmt: skip
+        for i in failed:
+            log = out_dir / f"shard_{i}.log"
+            print(f"error: shard {i}/{n} failed: {_last_line(log)} (log: {log})", file=sys.stderr)
+        others = f"; stopped shard(s) {stopped}" if stopped else ""
+        print(f"eval: finished episodes are kept{others}: rerun the same command to resume", file=sys.stderr)
         return 1
     with DirectoryLock(out_dir):
         summary = merge_dirs([str(d) for d in shard_dirs], out_dir, provenance(dtype=call["dtype"]))

@@ -128,3 +128,34 @@ def test_the_launchers_bar_counts_finished_lines_of_every_shard_log(tmp_path):
     bar.update()
     assert bar.done == 6 and bar.bar.n == 5  # past the total (a duplicate line): the bar stops at it
     bar.close()
+
+
+def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, monkeypatch, capsys):
+    """eval --devices N: when one shard fails, the merge cannot run, so the launcher stops the others at once (their
+    finished episodes stay in their logs) and names the failure by the last line of the shard's log."""
+    import inspect
+    import time
+
+    from eval_suite import run_eval
+
+    started: list[subprocess.Popen] = []
+
+    def spawn(n, out_dir, args, gpus, device, env):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
+        fail = "import sys, time; time.sleep(0.5); print('error: out of memory on the GPU'); sys.exit(2)"
+        codes = [fail] + ["import time; time.sleep(120)"] * (n - 1)
+        started.extend(subprocess.Popen([sys.executable, "-c", c], stdout=logs[i]) for i, c in enumerate(codes))
+        return list(started), logs
+
+    monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    call = {k: p.default for k, p in inspect.signature(run_eval.evaluate).parameters.items()}
+    call.update(device="cpu", quiet=True, out=str(tmp_path / "o"))
+    t0 = time.perf_counter()
+    assert run_eval.fan_out(call, 3, tmp_path / "o", total=6) == 1
+    assert time.perf_counter() - t0 < 60  # not the sleepers' 120 s
+    assert all(p.returncode is not None for p in started)
+    err = capsys.readouterr().err
+    assert "error: shard 0/3 failed: error: out of memory on the GPU (log: " in err
+    assert "stopped shard(s) [1, 2]: rerun the same command to resume" in err
+    assert "shard 1/3 failed" not in err  # the stopped ones are not reported as failures
