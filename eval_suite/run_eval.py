@@ -141,6 +141,7 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
     started, age = time.perf_counter(), process_age_s()
     import torch
 
+    from lragent.command import on_interrupt
     from lragent.provenance import provenance
 
     gpus = torch.cuda.device_count() if call["device"] in (None, "cuda") else 0
@@ -166,23 +167,34 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
     shard_dirs = [out_dir / f"shard_{i}" for i in range(n)]
     progress = _ShardProgress([d / EPISODES_FILE for d in shard_dirs], total or 0, f"eval {call['benchmark']} "
                               f"({n} shards)", enabled=bool(total) and not call["quiet"])  # fmt: skip
+    on_interrupt(f"the shards' finished episodes are in {out_dir}/shard_*/{EPISODES_FILE}; rerun the same command "
+                 "to resume")  # fmt: skip
     walls: dict[int, float] = {}
     polls = 0
     stopped: list[int] = []
-    while len(walls) < n:  # polled, so that each shard's own end time is known
-        for i, proc in enumerate(procs):
-            if i not in walls and proc.poll() is not None:
-                walls[i] = time.perf_counter() - spawned
-                logs[i].close()
-                if proc.returncode != 0 and not stopped:  # one shard failed: the merge cannot run, stop the rest now
-                    stopped = [j for j, other in enumerate(procs) if j not in walls and other.poll() is None]
-                    for j in stopped:
-                        procs[j].terminate()
-        polls += 1
-        if polls % 10 == 0:  # the bar about once a second
-            progress.update()
-        time.sleep(0.1)
-    progress.close()
+    try:
+        while len(walls) < n:  # polled, so that each shard's own end time is known
+            for i, proc in enumerate(procs):
+                if i not in walls and proc.poll() is not None:
+                    walls[i] = time.perf_counter() - spawned
+                    logs[i].close()
+                    if proc.returncode != 0 and not stopped:  # a shard failed: the merge cannot run, stop the rest
+                        stopped = [j for j, other in enumerate(procs) if j not in walls and other.poll() is None]
+                        for j in stopped:
+                            procs[j].terminate()
+            polls += 1
+            if polls % 10 == 0:  # the bar about once a second
+                progress.update()
+            time.sleep(0.1)
+    except KeyboardInterrupt:  # Ctrl-C reaches the shards too; a launcher stopped otherwise leaves none behind
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            proc.wait()
+        raise
+    finally:
+        progress.close()
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0 and i not in stopped]
     if failed:
         for i in failed:

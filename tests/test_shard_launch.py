@@ -159,3 +159,32 @@ def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, mon
     assert "error: shard 0/3 failed: error: out of memory on the GPU (log: " in err
     assert "stopped shard(s) [1, 2]: rerun the same command to resume" in err
     assert "shard 1/3 failed" not in err  # the stopped ones are not reported as failures
+
+
+def test_ctrl_c_in_the_launcher_stops_every_shard_and_says_where_the_episodes_are(tmp_path, monkeypatch):
+    """Ctrl-C while eval --devices N waits: every shard is stopped (none left running on its GPU) and the interrupt
+    note names where the finished episodes are, not "nothing was saved"."""
+    import inspect
+
+    from eval_suite import run_eval
+    from lragent import command
+
+    started: list[subprocess.Popen] = []
+
+    def spawn(n, out_dir, args, gpus, device, env):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
+        started.extend(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n))
+        return list(started), logs
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    monkeypatch.setattr(run_eval.time, "sleep", ctrl_c)
+    call = {k: p.default for k, p in inspect.signature(run_eval.evaluate).parameters.items()}
+    call.update(device="cpu", quiet=True, out=str(tmp_path / "o"))
+    with pytest.raises(KeyboardInterrupt):
+        run_eval.fan_out(call, 2, tmp_path / "o", total=4)
+    assert len(started) == 2 and all(p.returncode is not None for p in started)
+    assert command._INTERRUPT_NOTE and "shard_*/episodes.jsonl; rerun the same command" in command._INTERRUPT_NOTE[0]
