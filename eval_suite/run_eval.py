@@ -657,8 +657,14 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
         max_steps=a["max_steps"], thought_tokens=a["thought_tokens"], argument_tokens=a["argument_tokens"],
         max_context_tokens=max_context,
     )  # fmt: skip
+    questions = bench.load_questions(levels, a["limit"])
+    parts = max(n, a["devices"])  # a shard of n, or the launcher of --devices N
+    if len(questions) < parts:  # a shard without a question could never write its summary, nor the merge run
+        option = f"--devices {a['devices']}" if a["devices"] > 1 else f"--shard {a['shard']}"
+        raise ValueError(f"{option}: {len(questions)} question(s) to split over {parts} shards (--limit, --levels); "
+                         f"allowed at most {len(questions)} shards")  # fmt: skip
     return EvalPlan(
-        bench=bench, questions=bench.load_questions(levels, a["limit"])[i::n], schemes=schemes, constraints=cons,
+        bench=bench, questions=questions[i::n], schemes=schemes, constraints=cons,
         levels=levels, agent=agent, droidspeak_layers=layers, corpus_files=corpus_files, adapters=adapters,
         out_dir=Path(a["out"]), temperature=a["temperature"], top_p=top_p, max_context_tokens=max_context, args=a,
     )  # fmt: skip

@@ -135,6 +135,7 @@ class EarlyShards:
     logs: list[IO[str]] = field(default_factory=list)
     spawned_at: float = 0.0  # time.perf_counter() once every shard was started
     startup_s: float | None = None  # the launcher's age then
+    lines: list[str] = field(default_factory=list)  # where each shard runs, said once they are adopted
     adopted: bool = False
 
     def stop(self) -> None:
@@ -155,24 +156,41 @@ class EarlyShards:
 _EARLY: list[EarlyShards] = []  # the launch of this process's command line (at most one)
 
 
+def shard_lines(n: int, out_dir: Path, gpus: int, device: str | None, env: Mapping[str, str]) -> list[str]:
+    """One line per shard saying where it runs, with how many CPU threads, into which folder and log."""
+    lines = []
+    for i in range(n):
+        dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
+        where = f"GPU {shard_env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
+        lines.append(f"eval: shard {i}/{n} on {where} ({shard_env['OMP_NUM_THREADS']} CPU threads) -> "
+                     f"{out_dir / f'shard_{i}'} (log {out_dir / f'shard_{i}.log'})")  # fmt: skip
+    return lines
+
+
 def spawn_shards(
-    n: int, out_dir: Path, args: Sequence[str], gpus: int, device: str | None, env: Mapping[str, str]
+    n: int,
+    out_dir: Path,
+    args: Sequence[str],
+    gpus: int,
+    device: str | None,
+    env: Mapping[str, str],
+    announce: bool = True,
 ) -> tuple[list[subprocess.Popen], list[IO[str]]]:
     """Starts ``n`` ``eval --shard i/n`` processes with ``args`` (the command's other options), each into
-    ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``, and says where each runs (one line per shard)."""
+    ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``; with ``announce``, says where each runs
+    (:func:`shard_lines`; an early launch says it once the shards are adopted)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for i in range(n):
-        d = out_dir / f"shard_{i}"
         dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
-        cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out", str(d),
-               "--device", dev, "--quiet", "true"]  # fmt: skip
+        cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out",
+               str(out_dir / f"shard_{i}"), "--device", dev, "--quiet", "true"]  # fmt: skip
         log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed once the process ends)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=shard_env))
         logs.append(log)
-        where = f"GPU {shard_env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
-        print(f"eval: shard {i}/{n} on {where} ({shard_env['OMP_NUM_THREADS']} CPU threads) -> {d} "
-              f"(log {out_dir / f'shard_{i}.log'})", file=sys.stderr)  # fmt: skip
+    if announce:
+        for line in shard_lines(n, out_dir, gpus, device, env):
+            print(line, file=sys.stderr)
     return procs, logs
 
 
@@ -201,7 +219,8 @@ def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ea
         return None  # the usual path says how many GPUs there are
     age = process_age_s()
     early = EarlyShards(n=n, out_dir=Path(found["--out"]), gpus=gpus, device=device, startup_s=age)
-    early.procs, early.logs = spawn_shards(n, early.out_dir, rest, gpus, device, env)
+    early.procs, early.logs = spawn_shards(n, early.out_dir, rest, gpus, device, env, announce=False)
+    early.lines = shard_lines(n, early.out_dir, gpus, device, env)
     early.spawned_at = time.perf_counter()
     _EARLY[:] = [early]
     return early
@@ -218,6 +237,8 @@ def adopt_early(n: int, out_dir: Path, gpus: int, device: str | None) -> EarlySh
         early.stop()
         return None
     early.adopted = True
+    for line in early.lines:
+        print(line, file=sys.stderr)
     return early
 
 

@@ -19,7 +19,7 @@ def fake_spawn(monkeypatch):
     """spawn_shards replaced by long sleeps that record what each shard would have been given."""
     calls: list[dict] = []
 
-    def spawn(n, out_dir, args, gpus, device, env):
+    def spawn(n, out_dir, args, gpus, device, env, announce=True):
         procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(n)]
         calls.append({"n": n, "out_dir": out_dir, "args": list(args), "gpus": gpus, "device": device, "procs": procs})
         return procs, [open(Path(out_dir).parent / f"log_{len(calls)}_{i}", "w") for i in range(n)]  # noqa: SIM115
@@ -140,7 +140,7 @@ def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, mon
 
     started: list[subprocess.Popen] = []
 
-    def spawn(n, out_dir, args, gpus, device, env):
+    def spawn(n, out_dir, args, gpus, device, env, announce=True):
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
         fail = "import sys, time; time.sleep(0.5); print('error: out of memory on the GPU'); sys.exit(2)"
@@ -171,7 +171,7 @@ def test_ctrl_c_in_the_launcher_stops_every_shard_and_says_where_the_episodes_ar
 
     started: list[subprocess.Popen] = []
 
-    def spawn(n, out_dir, args, gpus, device, env):
+    def spawn(n, out_dir, args, gpus, device, env, announce=True):
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
         started.extend(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n))
@@ -188,3 +188,20 @@ def test_ctrl_c_in_the_launcher_stops_every_shard_and_says_where_the_episodes_ar
         run_eval.fan_out(call, 2, tmp_path / "o", total=4)
     assert len(started) == 2 and all(p.returncode is not None for p in started)
     assert command._INTERRUPT_NOTE and "shard_*/episodes.jsonl; rerun the same command" in command._INTERRUPT_NOTE[0]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--devices", "3"], "--devices 3: 2 question(s) to split over 3 shards"),
+        (["--shard", "2/3"], "--shard 2/3: 2 question(s) to split over 3 shards"),
+    ],
+)
+def test_more_shards_than_questions_is_refused_in_one_line(option, message, fake_spawn, tmp_path, capsys):
+    """A shard without a question could never write its summary (and the merge would never run): refused before
+    anything loads, naming the count and what is allowed; early shards are stopped."""
+    code = cli.main(["eval", "--benchmark", "hotpotqa", "--limit", "2", "--adapter_init", "random", "--device", "cpu",
+                     "--out", str(tmp_path / "o"), *option])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "allowed at most 2 shards" in err and "Traceback" not in err
+    assert all(p.returncode is not None for call in fake_spawn for p in call["procs"])
