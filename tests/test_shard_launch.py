@@ -205,3 +205,12 @@ def test_more_shards_than_questions_is_refused_in_one_line(option, message, fake
     err = capsys.readouterr().err
     assert code == 2 and message in err and "allowed at most 2 shards" in err and "Traceback" not in err
     assert all(p.returncode is not None for call in fake_spawn for p in call["procs"])
+
+
+def test_the_console_entry_starts_without_torch():
+    """The shards of eval --devices N start before the launcher imports torch: the entry point and the shard launcher
+    import no torch (lragent's package names load on first use), and those names still resolve."""
+    code = ("import sys; import lragent.cli_main, eval_suite.shard_launch; print('torch' in sys.modules); "
+            "import lragent; print(lragent.Scheme.BASE_LR_SHARED.value, lragent.RoleRouter.__name__)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "base_lr_shared", "RoleRouter"]
