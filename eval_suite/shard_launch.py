@@ -196,7 +196,8 @@ def spawn_shards(
 
 def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> EarlyShards | None:
     """Starts the shards of ``eval ARGV`` (the options after ``eval``) at once where it is a plain ``--devices N``
-    run with ``--out``: N > 1, no ``--shard``, ``--merge``, ``--config`` or help, and on GPUs at least N visible.
+    run with ``--out``: N > 1, no ``--shard``, ``--merge``, ``--config`` or help, and on GPUs at least N visible
+    (without torch: a run on the default device where no GPU is seen that way waits for torch's count).
     Anything else returns None and is launched, or refused, by the usual path after the arguments are checked."""
     env = os.environ if env is None else env
     if any(t.partition("=")[0] in _NOT_EARLY for t in argv):
@@ -217,6 +218,8 @@ def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ea
     gpus = visible_gpus(env) if device in (None, "cuda") else 0
     if 0 < gpus < n:
         return None  # the usual path says how many GPUs there are
+    if device in (None, "cuda") and not gpus:  # none seen without torch (no driver listing, ROCm, ...): torch decides
+        return None
     age = process_age_s()
     early = EarlyShards(n=n, out_dir=Path(found["--out"]), gpus=gpus, device=device, startup_s=age)
     early.procs, early.logs = spawn_shards(n, early.out_dir, rest, gpus, device, env, announce=False)

@@ -41,11 +41,14 @@ def fake_spawn(monkeypatch):
         ["--devices", "two", "--out", "o"],  # not a number: the usual path says so
         ["--devices", "3", "--out", "o", "--device", "cuda"],  # 2 GPUs visible below: fewer than asked
         ["--out", "o", "--devices"],  # an option without its value
+        ["--devices", "2", "--out", "o", "--device", "cuda", "NO GPU SEEN"],  # torch may see GPUs that /proc does not
+        ["--devices", "2", "--out", "o", "NO GPU SEEN"],  # the default device: the same
     ],
 )
 def test_what_is_not_a_plain_devices_run_is_left_to_the_usual_path(argv, fake_spawn, tmp_path):
-    argv = [str(tmp_path / a) if a == "o" else a for a in argv]
-    assert shard_launch.start_early(argv, env={"CUDA_VISIBLE_DEVICES": "0,1"}) is None
+    env = {"CUDA_VISIBLE_DEVICES": "" if "NO GPU SEEN" in argv else "0,1"}
+    argv = [str(tmp_path / a) if a == "o" else a for a in argv if a != "NO GPU SEEN"]
+    assert shard_launch.start_early(argv, env=env) is None
     assert fake_spawn == [] and shard_launch._EARLY == []
 
 
