@@ -52,7 +52,7 @@ from eval_suite.episode_log import EPISODES_FILE, UNTRAINED, EpisodeLog, read_ep
 from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
 from eval_suite.report import fmt_over_runs, write_json
-from eval_suite.shard_launch import adopt_early, host_threads, process_age_s, spawn_shards
+from eval_suite.shard_launch import adopt_early, host_threads, process_age_s, spawn_shards, stop_processes
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
 from lragent.device_share import allocation_lock, apply_memory_fraction, check_memory_fraction, is_oom, oom_line
@@ -162,8 +162,9 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
             ):
                 continue
             args += [f"--{key}", _cli_value(value)]
-        procs, logs = spawn_shards(n, out_dir, args, gpus, call["device"], os.environ)
+        procs, logs, lines = spawn_shards(n, out_dir, args, gpus, call["device"], os.environ)
         spawned = time.perf_counter()
+        print("\n".join(lines), file=sys.stderr)
     shard_dirs = [out_dir / f"shard_{i}" for i in range(n)]
     progress = _ShardProgress([d / EPISODES_FILE for d in shard_dirs], total or 0, f"eval {call['benchmark']} "
                               f"({n} shards)", enabled=bool(total) and not call["quiet"])  # fmt: skip
@@ -187,11 +188,7 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
                 progress.update()
             time.sleep(0.1)
     except KeyboardInterrupt:  # Ctrl-C reaches the shards too; a launcher stopped otherwise leaves none behind
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            proc.wait()
+        stop_processes(procs)
         raise
     finally:
         progress.close()

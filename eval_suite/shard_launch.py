@@ -36,7 +36,7 @@ def host_threads(device: str, env: Mapping[str, str], current: int) -> int | Non
     there the model's own matmuls use it."""
     if not device.startswith("cuda") or env.get("OMP_NUM_THREADS"):
         return None
-    return min(current, GPU_HOST_THREADS) if current > GPU_HOST_THREADS else None
+    return GPU_HOST_THREADS if current > GPU_HOST_THREADS else None
 
 
 def process_age_s() -> float | None:
@@ -78,9 +78,14 @@ def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, s
     out.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not gpus:
         return device or "cpu", out
-    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = _visible_devices(env)
     out["CUDA_VISIBLE_DEVICES"] = visible[i] if len(visible) > i else str(i)
     return "cuda", out
+
+
+def _visible_devices(env: Mapping[str, str]) -> list[str]:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` (empty where it is unset or empty)."""
+    return [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
 
 
 def visible_gpus(env: Mapping[str, str]) -> int:
@@ -88,7 +93,7 @@ def visible_gpus(env: Mapping[str, str]) -> int:
     ``CUDA_VISIBLE_DEVICES`` where it is set, else the NVIDIA driver's GPUs (``/proc/driver/nvidia/gpus``; 0 without
     the driver). :func:`eval_suite.run_eval.fan_out` checks it against ``torch.cuda.device_count()``."""
     if "CUDA_VISIBLE_DEVICES" in env:
-        return len([v for v in env["CUDA_VISIBLE_DEVICES"].split(",") if v.strip()])
+        return len(_visible_devices(env))
     try:
         return len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
     except OSError:
@@ -140,47 +145,46 @@ class EarlyShards:
 
     def stop(self) -> None:
         """Stops the shards (the arguments were bad, or fan_out launches its own) and closes their logs."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs)
         for log in self.logs:
             log.close()
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], timeout: float = 30.0) -> None:
+    """Terminates the processes still running and waits for them (killed after ``timeout`` seconds)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 _EARLY: list[EarlyShards] = []  # the launch of this process's command line (at most one)
 
 
-def shard_lines(n: int, out_dir: Path, gpus: int, device: str | None, env: Mapping[str, str]) -> list[str]:
-    """One line per shard saying where it runs, with how many CPU threads, into which folder and log."""
-    lines = []
-    for i in range(n):
-        dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
-        where = f"GPU {shard_env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
-        lines.append(f"eval: shard {i}/{n} on {where} ({shard_env['OMP_NUM_THREADS']} CPU threads) -> "
-                     f"{out_dir / f'shard_{i}'} (log {out_dir / f'shard_{i}.log'})")  # fmt: skip
-    return lines
+def _shard_line(i: int, n: int, out_dir: Path, gpus: int, dev: str, shard_env: Mapping[str, str]) -> str:
+    """Where shard ``i`` runs, with how many CPU threads, into which folder and log (one line)."""
+    where = f"GPU {shard_env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
+    return (f"eval: shard {i}/{n} on {where} ({shard_env['OMP_NUM_THREADS']} CPU threads) -> {out_dir / f'shard_{i}'} "
+            f"(log {out_dir / f'shard_{i}.log'})")  # fmt: skip
 
 
 def spawn_shards(
-    n: int,
-    out_dir: Path,
-    args: Sequence[str],
-    gpus: int,
-    device: str | None,
-    env: Mapping[str, str],
-    announce: bool = True,
-) -> tuple[list[subprocess.Popen], list[IO[str]]]:
+    n: int, out_dir: Path, args: Sequence[str], gpus: int, device: str | None, env: Mapping[str, str]
+) -> tuple[list[subprocess.Popen], list[IO[str]], list[str]]:
     """Starts ``n`` ``eval --shard i/n`` processes with ``args`` (the command's other options), each into
-    ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``; with ``announce``, says where each runs
-    (:func:`shard_lines`; an early launch says it once the shards are adopted)."""
+    ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``.
+
+    Returns:
+        ``(processes, their open logs, one line per shard saying where it runs)``: the caller says the lines (an
+        early launch once its shards are adopted).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
+    procs, logs, lines = [], [], []
     for i in range(n):
         dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
         cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out",
@@ -188,10 +192,8 @@ def spawn_shards(
         log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed once the process ends)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=shard_env))
         logs.append(log)
-    if announce:
-        for line in shard_lines(n, out_dir, gpus, device, env):
-            print(line, file=sys.stderr)
-    return procs, logs
+        lines.append(_shard_line(i, n, out_dir, gpus, dev, shard_env))
+    return procs, logs, lines
 
 
 def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> EarlyShards | None:
@@ -222,8 +224,7 @@ def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ea
         return None
     age = process_age_s()
     early = EarlyShards(n=n, out_dir=Path(found["--out"]), gpus=gpus, device=device, startup_s=age)
-    early.procs, early.logs = spawn_shards(n, early.out_dir, rest, gpus, device, env, announce=False)
-    early.lines = shard_lines(n, early.out_dir, gpus, device, env)
+    early.procs, early.logs, early.lines = spawn_shards(n, early.out_dir, rest, gpus, device, env)
     early.spawned_at = time.perf_counter()
     _EARLY[:] = [early]
     return early

@@ -19,10 +19,10 @@ def fake_spawn(monkeypatch):
     """spawn_shards replaced by long sleeps that record what each shard would have been given."""
     calls: list[dict] = []
 
-    def spawn(n, out_dir, args, gpus, device, env, announce=True):
+    def spawn(n, out_dir, args, gpus, device, env):
         procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(n)]
         calls.append({"n": n, "out_dir": out_dir, "args": list(args), "gpus": gpus, "device": device, "procs": procs})
-        return procs, [open(Path(out_dir).parent / f"log_{len(calls)}_{i}", "w") for i in range(n)]  # noqa: SIM115
+        return procs, [open(Path(out_dir).parent / f"log_{len(calls)}_{i}", "w") for i in range(n)], []  # noqa: SIM115
 
     monkeypatch.setattr(shard_launch, "spawn_shards", spawn)
     monkeypatch.setattr(shard_launch, "_EARLY", [])
@@ -143,13 +143,13 @@ def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, mon
 
     started: list[subprocess.Popen] = []
 
-    def spawn(n, out_dir, args, gpus, device, env, announce=True):
+    def spawn(n, out_dir, args, gpus, device, env):
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
         fail = "import sys, time; time.sleep(0.5); print('error: out of memory on the GPU'); sys.exit(2)"
         codes = [fail] + ["import time; time.sleep(120)"] * (n - 1)
         started.extend(subprocess.Popen([sys.executable, "-c", c], stdout=logs[i]) for i, c in enumerate(codes))
-        return list(started), logs
+        return list(started), logs, []
 
     monkeypatch.setattr(run_eval, "spawn_shards", spawn)
     call = {k: p.default for k, p in inspect.signature(run_eval.evaluate).parameters.items()}
@@ -168,20 +168,26 @@ def test_ctrl_c_in_the_launcher_stops_every_shard_and_says_where_the_episodes_ar
     """Ctrl-C while eval --devices N waits: every shard is stopped (none left running on its GPU) and the interrupt
     note names where the finished episodes are, not "nothing was saved"."""
     import inspect
+    import time
 
     from eval_suite import run_eval
     from lragent import command
 
     started: list[subprocess.Popen] = []
 
-    def spawn(n, out_dir, args, gpus, device, env, announce=True):
+    def spawn(n, out_dir, args, gpus, device, env):
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
         started.extend(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n))
-        return list(started), logs
+        return list(started), logs, []
 
-    def ctrl_c(seconds):
-        raise KeyboardInterrupt
+    real_sleep, pressed = time.sleep, []
+
+    def ctrl_c(seconds):  # the launcher's first wait is interrupted; later waits (the shards' shutdown) are real
+        if not pressed:
+            pressed.append(True)
+            raise KeyboardInterrupt
+        real_sleep(seconds)
 
     monkeypatch.setattr(run_eval, "spawn_shards", spawn)
     monkeypatch.setattr(run_eval.time, "sleep", ctrl_c)
