@@ -217,8 +217,10 @@ class BatchedExecutor:
 
         while queue or active:
             while free and queue:
-                row = free.pop(0)
                 task = queue.pop(0)
+                if not task.take():  # a shard of a shared queue took it first
+                    continue
+                row = free.pop(0)
                 eng.reset(row)
                 state = _Row(task)
                 active[row] = state

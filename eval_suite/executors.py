@@ -10,7 +10,7 @@ result to the episode log as soon as it arrives, so any order is safe.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from eval_suite.benchmarks import Question
@@ -28,6 +28,9 @@ class EpisodeTask:
         seed: the episode's sampling seed (a function of base seed, run and question: the same for every scheme).
         question: the question.
         episode: the request generator; its first request starts a fresh trajectory.
+        claim: asked once, when a row or the policy is about to start the episode: False means another process of
+            a shared queue (:class:`~eval_suite.work_queue.WorkQueue`) took it, and the executor skips it. None:
+            always run.
     """
 
     key: tuple[str, int, str]
@@ -35,6 +38,11 @@ class EpisodeTask:
     seed: int
     question: Question
     episode: Generator
+    claim: Callable[[], bool] | None = field(default=None, compare=False)
+
+    def take(self) -> bool:
+        """Whether this executor runs the task: its claim succeeds (or it has none)."""
+        return self.claim is None or self.claim()
 
 
 @runtime_checkable
@@ -42,7 +50,8 @@ class EpisodeExecutor(Protocol):
     """Runs episode tasks."""
 
     def run(self, tasks: Iterable[EpisodeTask]) -> Iterator[tuple[EpisodeTask, EpisodeResult]]:
-        """Runs every task (pulling them lazily is allowed) and yields each with its result, in any order."""
+        """Runs every task it takes (:meth:`EpisodeTask.take`, asked just before the task starts; pulling them
+        lazily is allowed) and yields each with its result, in any order."""
         ...
 
 
@@ -60,8 +69,11 @@ class SequentialExecutor:
         self.policy_factory = policy_factory
 
     def run(self, tasks: Iterable[EpisodeTask]) -> Iterator[tuple[EpisodeTask, EpisodeResult]]:
-        """Runs each task to its end (``policy.reset()``, then :func:`lragent.agents.drive`) and yields it."""
+        """Runs each task it takes (:meth:`EpisodeTask.take`) to its end (``policy.reset()``, then
+        :func:`lragent.agents.drive`) and yields it."""
         for task in tasks:
+            if not task.take():
+                continue
             policy = self.policy_factory(task)
             policy.reset()
             yield task, drive(task.episode, policy)

@@ -13,7 +13,8 @@ decoding is ``--temperature 0``. Constrained choices (``--constrain``) are an op
 
 An interrupted run resumes (finished records are read back, a torn last line is repaired, nothing is redone or
 duplicated). The output directory is locked while a run writes to it. ``--shard i/n`` takes every n-th question
-(one ``--out`` per shard); ``--merge [DIR,...]`` summarises several output directories together
+(one ``--out`` per shard), or with ``--work_queue DIR`` the next episode no shard has taken (``--devices N`` runs
+its shards so, :mod:`eval_suite.work_queue`); ``--merge [DIR,...]`` summarises several output directories together
 (:mod:`eval_suite.eval_report`).
 
 Usage::
@@ -23,6 +24,7 @@ Usage::
     python cli.py eval --benchmark scienceqa --constrain all --out out/sq_constrained
     python cli.py eval ... --shard 0/4 --out out/hp_s0     # one process per shard, then:
     python cli.py eval --merge [out/hp_s0,out/hp_s1,out/hp_s2,out/hp_s3,out/hp_untrained] --out out/hp
+    python cli.py eval ... --devices 4 --out out/hp         # four GPUs, one queue of episodes, merged into out/hp
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +55,7 @@ from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
 from eval_suite.report import fmt_over_runs, write_json
 from eval_suite.shard_launch import adopt_early, host_threads, process_age_s, spawn_shards, stop_processes
+from eval_suite.work_queue import WorkQueue, sibling_logs
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
 from lragent.device_share import allocation_lock, apply_memory_fraction, check_memory_fraction, is_oom, oom_line
@@ -156,7 +159,7 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
         args: list[str] = []
         for key, value in call.items():
             if (
-                key in ("devices", "shard", "out", "device", "merge", "quiet")
+                key in ("devices", "shard", "work_queue", "out", "device", "merge", "quiet")
                 or value is None
                 or value == defaults[key]
             ):
@@ -300,6 +303,8 @@ def run_episodes(
     max_episodes: int | None = None,
     progress: bool = True,
     provenance: dict | None = None,
+    work_queue: WorkQueue | None = None,
+    done_elsewhere: Collection[tuple[str, int, str]] = (),
 ) -> list[dict]:
     """Runs every missing (row, run, question) episode and appends its record to ``out_dir/episodes.jsonl``.
 
@@ -327,6 +332,10 @@ def run_episodes(
         max_episodes: stop after this many new episodes (None: all); for tests of resuming.
         progress: show a tqdm bar (total: questions × runs × rows; OOF so far in the postfix).
         provenance: recorded in every record.
+        work_queue: a queue shared with other processes (``eval --devices N``'s shards): an episode runs here only if
+            this process claims it first, when a row is free for it (:mod:`eval_suite.work_queue`).
+        done_elsewhere: keys of episodes that another process of the queue already holds in its log (an earlier,
+            interrupted launch): not run again.
 
     Returns:
         every record in the file after the run.
@@ -349,7 +358,7 @@ def run_episodes(
     keys = {(row, run, q.qid) for row, _, run, q in grid}
     with EpisodeLog(path) as log:
         done = {record_key(r): bool(r["oof"]) for r in log.records if record_key(r) in keys}
-        todo = [g for g in grid if (g[0], g[2], g[3].qid) not in done]
+        todo = [g for g in grid if (g[0], g[2], g[3].qid) not in done and (g[0], g[2], g[3].qid) not in done_elsewhere]
         if max_episodes is not None:
             todo = todo[:max_episodes]
         if todo and toolbox_factory is None:
@@ -366,11 +375,17 @@ def run_episodes(
                     answer_texts=bench.answer_texts(q, cons),
                     answer_score=text_score or "sum",
                 )
-                yield EpisodeTask((row, run, q.qid), scheme, episode_seed(seed, run, q.qid), q, episode)
+                key = (row, run, q.qid)
+                claim = (lambda key=key: work_queue.claim(key)) if work_queue is not None else None
+                yield EpisodeTask(key, scheme, episode_seed(seed, run, q.qid), q, episode, claim)
 
         oof = sum(done.values())
         bar = tqdm(
-            total=len(grid), initial=len(done), desc=f"eval {benchmark}", unit="ep", disable=not progress or not todo
+            total=len(grid),
+            initial=len(done) + len(keys & set(done_elsewhere)),
+            desc=f"eval {benchmark}",
+            unit="ep",
+            disable=not progress or not todo,
         )
         with bar:
             for task, result in executor.run(tasks()):
@@ -455,6 +470,7 @@ def evaluate(
     max_context_tokens: int | None = None,
     out: str = "eval_out",
     shard: str = "0/1",
+    work_queue: str | None = None,
     merge: list[str] | str | None = None,
     batch: int | Literal["auto"] = 0,
     capacity: int = 8192,
@@ -509,6 +525,10 @@ def evaluate(
         max_context_tokens: an episode is out of function past this many trajectory tokens (default: no limit).
         out: output directory (locked while this run writes to it).
         shard: i/n: this process takes every n-th question starting at i (give each shard its own --out).
+        work_queue: with --shard, a folder shared by the shards (empty at their start; e.g. on a filesystem several
+            machines see): instead of every n-th question each shard takes the next episode no shard has taken,
+            when it has a free row, so all end together; --out must be a shard_i folder beside the others', whose
+            finished episodes are not run again. --devices N does this itself (OUT/queue).
         merge: output directories to summarise together into --out (nothing is run).
         batch: episodes run at once on one engine (continuous refill; CUDA-graph decoding on a GPU); 0 runs them
             one after another through the session API; auto: the largest batch whose caches and workspace fit in
@@ -531,7 +551,8 @@ def evaluate(
             N, a resumed run and another --limit give the same episodes at the same --batch. Costs idle rows'
             compute at the end of a run.
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
-            --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT.
+            --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT. The shards take their
+            episodes from one queue (OUT/queue), each the next one when it has a free row, so they end together.
         memory_fraction: this process's share of the device's memory, in (0, 1]: --batch auto sizes within it
             and the CUDA allocator is capped there, so several evaluations can share one GPU (e.g. six at 0.15).
         quiet: no progress bar.
@@ -624,8 +645,9 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
     if batch and max_context > capacity - 2048:
         raise ValueError(f"--max_context_tokens {max_context} leaves no room for a cycle: allowed <= capacity - 2048")
     i, n = parse_shard(a["shard"])
-    if a["devices"] > 1 and a["shard"] != "0/1":
-        raise ValueError("--devices N runs its own shards: give --devices or --shard, not both")
+    if a["devices"] > 1 and (a["shard"] != "0/1" or a["work_queue"]):
+        option = "--shard" if a["shard"] != "0/1" else "--work_queue"
+        raise ValueError(f"--devices N runs its own shards and queue: give --devices or {option}, not both")
     adapters, adapter_init = a["adapters"], a["adapter_init"]
     if adapters is None and adapter_init is None:
         default = default_adapters(bench.name, model=a["model"])
@@ -661,7 +683,7 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
         raise ValueError(f"{option}: {len(questions)} question(s) to split over {parts} shards (--limit, --levels); "
                          f"allowed at most {len(questions)} shards")  # fmt: skip
     return EvalPlan(
-        bench=bench, questions=questions[i::n], schemes=schemes, constraints=cons,
+        bench=bench, questions=questions if a["work_queue"] else questions[i::n], schemes=schemes, constraints=cons,
         levels=levels, agent=agent, droidspeak_layers=layers, corpus_files=corpus_files, adapters=adapters,
         out_dir=Path(a["out"]), temperature=a["temperature"], top_p=top_p, max_context_tokens=max_context, args=a,
     )  # fmt: skip
@@ -680,6 +702,17 @@ def merge_outputs(dirs: list[str], out_dir: Path) -> int:
         summary = merge_dirs(dirs, out_dir, provenance())
     _print_summary(summary, out_dir)
     return 0
+
+
+def shard_queue(folder: str | None, shard: str, out_dir: Path) -> tuple[WorkQueue | None, set[tuple[str, int, str]]]:
+    """A shard's view of ``--work_queue`` (None without one) and the keys of the episodes that the shard folders
+    beside ``out_dir`` already hold (an earlier launch's: not run again)."""
+    if not folder:
+        return None, set()
+    elsewhere: set[tuple[str, int, str]] = set()
+    for log in sibling_logs(out_dir, EPISODES_FILE):
+        elsewhere |= {record_key(r) for r in read_episodes(log)}
+    return WorkQueue(folder, shard=shard), elsewhere
 
 
 def run_plan(plan: EvalPlan) -> int:
@@ -718,6 +751,7 @@ def run_plan(plan: EvalPlan) -> int:
             "agent": vars(plan.agent), "droidspeak_layers": plan.droidspeak_layers, "sampler": SAMPLER_VERSION,
             "schemes": plan.schemes, "batch_invariant": a["batch_invariant"],
             "runs": a["runs"], "levels": plan.levels, "limit": a["limit"], "shard": a["shard"],
+            "work_queue": a["work_queue"],
             "questions": len(plan.questions), "corpus": corpus_desc, "provenance": prov,
         }  # fmt: skip
         check_run_config(out_dir, config)
@@ -753,6 +787,7 @@ def run_plan(plan: EvalPlan) -> int:
             executor = executor_of(batch)
             if batch:
                 executor.reserve(plan.schemes[0], len(plan.questions) * a["runs"])
+        queue, elsewhere = shard_queue(a["work_queue"], a["shard"], out_dir)
         loop_started = time.perf_counter()
         before = len(read_episodes(out_dir / EPISODES_FILE))
         while True:
@@ -761,7 +796,7 @@ def run_plan(plan: EvalPlan) -> int:
                     plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
                     adapters=adapters_label, seed=a["seed"], agent_config=plan.agent, toolbox_factory=toolbox_factory,
                     constraints=plan.constraints, temperature=plan.temperature, top_p=plan.top_p,
-                    progress=not a["quiet"], provenance=prov,
+                    progress=not a["quiet"], provenance=prov, work_queue=queue, done_elsewhere=elsewhere,
                 )  # fmt: skip
                 break
             except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
@@ -779,7 +814,8 @@ def run_plan(plan: EvalPlan) -> int:
                 print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
                 executor = executor_of(batch)
         ended = time.perf_counter()
-        summary = write_summary(records, out_dir, prov)
+        # a shard of a queue holds whichever episodes it got: the launcher's merge is the summary
+        summary = write_summary(records, out_dir, prov) if queue is None else None
         # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards); what
         # came before run_plan (interpreter, imports, argument checks), its parts before the loop and the summary
         # after it: the fixed cost that --devices N pays once per shard
@@ -797,7 +833,11 @@ def run_plan(plan: EvalPlan) -> int:
             "advance_s": getattr(executor, "advance_s", None), "sync_s": getattr(executor, "sync_s", None),
             "agent_s": getattr(executor, "agent_s", None), "torch_threads": torch.get_num_threads(),
         })  # fmt: skip
-    _print_summary(summary, out_dir)
+    if summary is None:
+        print(f"eval: shard {a['shard']} ran {len(records) - before} episode(s) from the queue {a['work_queue']} "
+              f"-> {out_dir / EPISODES_FILE}")  # fmt: skip
+    else:
+        _print_summary(summary, out_dir)
     return 0
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from eval_suite.work_queue import clear_queue
+
 # Host threads of an eval whose model runs on a GPU. Its host work is many small tensor ops (sampling, the search
 # tools, prompt building) that a wide OpenMP pool slows down: one Qwen-1.5B eval on an H100 of a 64-core host
 # (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran its episode loop in 157 s at 64
@@ -103,7 +105,7 @@ def visible_gpus(env: Mapping[str, str]) -> int:
 # options of one shard's command line that the launcher sets itself
 _LAUNCHER_SETS = ("--devices", "--out", "--device", "--quiet")
 # options after which the command line is not a plain --devices N run: the usual path handles them
-_NOT_EARLY = ("--shard", "--merge", "--config", "--print_config", "-h", "--help")
+_NOT_EARLY = ("--shard", "--work_queue", "--merge", "--config", "--print_config", "-h", "--help")
 
 
 def _options(argv: Sequence[str]) -> tuple[dict[str, str], list[str]] | None:
@@ -177,18 +179,20 @@ def spawn_shards(
     n: int, out_dir: Path, args: Sequence[str], gpus: int, device: str | None, env: Mapping[str, str]
 ) -> tuple[list[subprocess.Popen], list[IO[str]], list[str]]:
     """Starts ``n`` ``eval --shard i/n`` processes with ``args`` (the command's other options), each into
-    ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``.
+    ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``, all taking their episodes from one queue,
+    ``out_dir/queue``, emptied first (:mod:`eval_suite.work_queue`).
 
     Returns:
         ``(processes, their open logs, one line per shard saying where it runs)``: the caller says the lines (an
         early launch once its shards are adopted).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    queue = clear_queue(out_dir)  # this launch's claims only: the shards' logs say what an earlier one finished
     procs, logs, lines = [], [], []
     for i in range(n):
         dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
-        cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--out",
-               str(out_dir / f"shard_{i}"), "--device", dev, "--quiet", "true"]  # fmt: skip
+        cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--work_queue",
+               str(queue), "--out", str(out_dir / f"shard_{i}"), "--device", dev, "--quiet", "true"]  # fmt: skip
         log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed once the process ends)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=shard_env))
         logs.append(log)

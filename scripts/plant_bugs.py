@@ -18,6 +18,45 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "work queue: a claim that always wins (not exclusive)": (
+        "eval_suite/work_queue.py",
+        "            fd = os.open(self.folder / claim_name(key), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)",
+        "            fd = os.open(self.folder / claim_name(key), os.O_CREAT | os.O_WRONLY, 0o644)",
+        "tests/test_work_queue.py",
+    ),
+    "work queue: a relaunch keeps the killed launch's claims": (
+        "eval_suite/work_queue.py",
+        "    shutil.rmtree(folder, ignore_errors=True)",
+        "    pass",
+        "tests/test_work_queue.py",
+    ),
+    "work queue: a shard ignores what the shard beside it finished": (
+        "eval_suite/run_eval.py",
+        "        elsewhere |= {record_key(r) for r in read_episodes(log)}",
+        "        pass",
+        "tests/test_work_queue.py",
+    ),
+    "work queue: the launcher gives its shards no queue": (
+        "eval_suite/shard_launch.py",
+        '"--work_queue",\n               str(queue), ',
+        "",
+        "tests/test_work_queue.py",
+    ),
+    "work queue: the batched executor claims every task before any row is free": (
+        "eval_suite/batched_executor.py",
+        (
+            "        queue = list(tasks)\n",
+            "                if not task.take():  # a shard of a shared queue took it first\n                    continue\n",
+        ),
+        ("        queue = [t for t in tasks if t.take()]\n", ""),
+        "tests/test_batched_executor_properties.py",
+    ),
+    "work queue: the sequential executor runs a task another shard took": (
+        "eval_suite/executors.py",
+        "            if not task.take():\n                continue\n",
+        "",
+        "tests/test_work_queue.py",
+    ),
     "device guard: a launch on another GPU not switched to it": (
         "kernels/device_guard.py",
         "        if index is not None and index != torch.cuda.current_device():",

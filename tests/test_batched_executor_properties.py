@@ -408,3 +408,29 @@ def test_no_special_tokens_enter_the_trajectory() -> None:
     ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=1)
     (replies,) = _run(ex, _tasks(plans)).values()
     assert replies[0].stats.trajectory_tokens == len("T0:Q") + len(replies[0].text)
+
+
+@given(st.lists(PLAN, min_size=1, max_size=6), st.integers(1, 3), st.lists(st.booleans(), min_size=6, max_size=6))
+@settings(max_examples=30, deadline=None)
+def test_a_task_runs_only_if_its_claim_succeeds_asked_once_when_a_row_is_free(plans, batch, wins) -> None:
+    """Tasks of a shared queue (eval --devices N): the executor asks each task's claim once, just before a free row
+    starts it, skips those another shard took, and runs the others as they would run alone."""
+    events: list[tuple[str, tuple]] = []
+    tasks = _tasks(plans)
+    for task, win in zip(tasks, wins, strict=False):
+        task.claim = lambda key=task.key, win=win: events.append(("claim", key)) or win
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=batch)
+    got = {}
+    for task, result in ex.run(tasks):
+        events.append(("done", task.key))
+        got[task.key] = result
+    won = [t for t, w in zip(tasks, wins, strict=False) if w]
+    assert got == {t.key: _alone(t, 0.0, 1.0) for t in _tasks(plans) if t.key in {w.key for w in won}}
+    assert [k for e, k in events if e == "claim"] == [t.key for t in tasks]  # each asked once, in order
+    running = 0
+    for event, key in events:  # a claim is asked only while a row is free: never more than `batch` running
+        if event == "claim" and key in got:
+            running += 1
+            assert running <= batch
+        elif event == "done":
+            running -= 1

@@ -619,14 +619,18 @@ def test_devices_shards_equal_one_process(tmp_path, capsys):
     assert "eval hotpotqa (2 shards): 100%" in capsys.readouterr().err  # the launcher's bar over the shards' logs
     assert json.loads((tmp_path / "three" / "launch.json").read_text())["early"] is False
     shard_timing = [json.loads((tmp_path / "two" / f"shard_{i}" / "timing.json").read_text()) for i in (0, 1)]
-    assert [t["episodes"] for t in shard_timing] == [2, 2]  # each shard's own loop, for the throughput ratio
+    # the shards took their episodes from one queue (eval_suite/work_queue.py): each of the 4 ran once, on one shard,
+    # and only the launcher's merge summarises (a shard holds whichever episodes it got)
+    assert sum(t["episodes"] for t in shard_timing) == 4
+    assert len(list((tmp_path / "two" / "queue").iterdir())) == 4
+    assert not (tmp_path / "two" / "shard_0" / "summary.json").exists()
     # each shard's torch pool got its share of the cores (shard_launch), as its timing.json records
     share = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 2))
     assert [t["torch_threads"] for t in shard_timing] == [share, share]
     # where the wall went: each shard's start before run_plan, its parts before the loop, and the launcher's record
     for t in shard_timing:
         assert 0 < t["startup_s"] < 120 and t["prepare_s"] + t["load_s"] + t["size_s"] == pytest.approx(t["setup_s"])
-        assert t["summary_s"] > 0
+        assert t["summary_s"] >= 0
     launch = json.loads((tmp_path / "two" / "launch.json").read_text())
     assert launch["devices"] == 2 and launch["launch_s"] >= 0 and launch["merge_s"] >= 0
     for wall, t in zip(launch["shard_wall_s"], shard_timing, strict=True):  # a shard's life holds its own clocks
