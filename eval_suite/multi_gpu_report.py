@@ -138,6 +138,26 @@ def busiest_process(directory: Path, key: str) -> float | None:
     return total if benches else None
 
 
+def shard_balance(directory: Path) -> dict[str, dict[str, Any]] | None:
+    """How evenly ``eval --devices N``'s shards shared the work, per benchmark folder ``directory/<b>``: each shard's
+    episodes and decode steps, and its slowest episode loop over their mean (1.0: all ended together). None when a
+    shard lacks those figures (older runs)."""
+    if not directory.is_dir():
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for b in sorted(d for d in directory.iterdir() if d.is_dir()):
+        rows = [_json(f) or {} for f in sorted(b.glob("shard_*/timing.json"))]
+        if not rows or any(r.get(k) is None for r in rows for k in ("episodes", "decode_steps", "episodes_s")):
+            return None
+        loops = [r["episodes_s"] for r in rows]
+        out[b.name] = {
+            "episodes": [r["episodes"] for r in rows],
+            "decode_steps": [r["decode_steps"] for r in rows],
+            "slowest_over_mean": max(loops) / (sum(loops) / len(loops)) if sum(loops) else None,
+        }
+    return out or None
+
+
 EV_PARTS = ("advance_s", "agent_s", "startup_s", "setup_s")  # timing.json figures the report sums per process
 
 
@@ -250,6 +270,7 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         for key in EV_PARTS:
             ev[f"{key}_{n}"] = busiest_process(out / f"ev{n}", key)
         ev[f"launch_s_{n}"] = launch_seconds(out / f"ev{n}")
+        ev[f"balance_{n}"] = shard_balance(out / f"ev{n}")
         if loop1 and loop_n:
             ev[f"loop_speedup_{n}"] = loop1 / loop_n
     res["eval_devices"] = ev
@@ -384,6 +405,11 @@ def markdown(res: dict[str, Any]) -> str:
             f"and setup (corpus, model, sizing) {_fmt(e.get('setup_s_1'), 1)} vs {_fmt(e.get(f'setup_s_{n}'), 1)}; "
             f"the launcher's own start {_fmt(e.get(f'launch_s_{n}'), 1)} s."
         )
+        for bench, bal in (e.get(f"balance_{n}") or {}).items():
+            lines.append(
+                f"  - {bench} shards: episodes {bal['episodes']}, decode steps {bal['decode_steps']}; slowest loop "
+                f"{_fmt(bal['slowest_over_mean'], 2)}x the mean."
+            )
     lines += [
         "",
         "## Phases",

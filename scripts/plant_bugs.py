@@ -18,6 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "multi-GPU report: the shards' balance read from the fastest shard": (
+        "eval_suite/multi_gpu_report.py",
+        '"slowest_over_mean": max(loops) / (sum(loops) / len(loops))',
+        '"slowest_over_mean": min(loops) / (sum(loops) / len(loops))',
+        "tests/test_multi_gpu_report.py",
+    ),
     "work queue: a claim that always wins (not exclusive)": (
         "eval_suite/work_queue.py",
         "            fd = os.open(self.folder / claim_name(key), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)",

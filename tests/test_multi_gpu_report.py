@@ -153,6 +153,13 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     assert "in the engine's decode calls 72.0 vs 22.2 and in the episodes' own work 36.0 vs 11.1;" in md
     assert "its start (interpreter, imports) 12.0 vs 3.7 and setup (corpus, model, sizing) 60.0 vs 60.0" in md
     assert "the launcher's own start 16.0 s." in md
+    # how evenly the shards shared each benchmark: their episodes, steps, and the slowest loop over the mean
+    bal = e["balance_4"]["hotpotqa"]
+    assert bal["episodes"] == [10] * 4 and bal["decode_steps"] == [200, 250, 180, 210]
+    assert bal["slowest_over_mean"] == pytest.approx(25.0 / 21.0)
+    assert e["balance_4"]["scienceqa"]["slowest_over_mean"] == pytest.approx(12.0 / 10.5)
+    assert e["balance_2"] is None  # ev2's scienceqa shard has no timing
+    assert "  - hotpotqa shards: episodes [10, 10, 10, 10], decode steps [200, 250, 180, 210]; slowest loop 1.19x" in md
 
 
 def test_a_stopped_eval_phase_is_checked_on_what_it_finished_and_not_timed(tmp_path: Path, report) -> None:
