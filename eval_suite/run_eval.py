@@ -645,6 +645,8 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
     if batch and max_context > capacity - 2048:
         raise ValueError(f"--max_context_tokens {max_context} leaves no room for a cycle: allowed <= capacity - 2048")
     i, n = parse_shard(a["shard"])
+    if a["work_queue"] and Path(a["work_queue"]).exists() and not Path(a["work_queue"]).is_dir():
+        raise ValueError(f"--work_queue {a['work_queue']} is a file: give a folder that the shards share")
     if a["devices"] > 1 and (a["shard"] != "0/1" or a["work_queue"]):
         option = "--shard" if a["shard"] != "0/1" else "--work_queue"
         raise ValueError(f"--devices N runs its own shards and queue: give --devices or {option}, not both")

@@ -119,3 +119,12 @@ def test_devices_with_its_own_shard_options_is_refused_in_one_line(extra, tmp_pa
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"error: --devices N runs its own shards and queue: give --devices or {extra[0]}, not both"
+
+
+def test_a_queue_that_is_a_file_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "q").write_text("")
+    argv = ["eval", "--benchmark", "hotpotqa", "--limit", "4", "--adapter_init", "random", "--device", "cpu",
+            "--shard", "0/2", "--work_queue", str(tmp_path / "q"), "--out", str(tmp_path / "o")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: --work_queue {tmp_path / 'q'} is a file: give a folder that the shards share"
