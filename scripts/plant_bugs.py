@@ -18,6 +18,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "fused GEMV: the RMSNorm's weight left out of the GEMV's input": (
+        "kernels/fused_gemv.py",
+        "                    xin = (nw * normed).to(X.dtype.element_ty).to(tl.float32)",
+        "                    xin = normed.to(tl.float32)",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: the residual added for the statistic but not for the product": (
+        "kernels/fused_gemv.py",
+        "                        h = (h + tl.load(RES + r * n_in + k0 + ks, mask=k_ok, other=0.0)).to(X.dtype.element_ty)\n                    normed",
+        "                        h = h\n                    normed",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: the new residual stream never written": (
+        "kernels/fused_gemv.py",
+        "                            tl.store(H_OUT + r * n_in + k0 + ks, h, mask=k_ok)",
+        "                            pass",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: SiLU left out of the down projection's input": (
+        "kernels/fused_gemv.py",
+        "                    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds",
+        "                    act = g",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: only the first input row computed": (
+        "kernels/fused_gemv.py",
+        ("        for r in tl.static_range(ROWS):\n            if r < n_rows:\n                row = X",),
+        ("        for r in tl.static_range(ROWS):\n            if r < 1:\n                row = X",),
+        "tests/test_fused_gemv.py",
+    ),
     "multi-GPU report: the shards' balance read from the fastest shard": (
         "eval_suite/multi_gpu_report.py",
         '"slowest_over_mean": max(loops) / (sum(loops) / len(loops))',

@@ -1,0 +1,200 @@
+"""RMSNorm or SiLU·mul fused into the matrix-vector product that reads its output (decode at a few rows).
+
+Why: at batch 1 a decode step of an 8B model is a chain of GEMVs with small elementwise kernels between them. On
+an H100 (``results/engine_h100/decode_profile_2026-11-27``) the two RMSNorms and the SiLU·mul of each layer take
+2 + 2 + 1.5 µs, and each is a graph node whose gap to the next adds about 1 µs: 0.26 ms of a 6.86 ms step, against
+issue 38's 0.8 ms to find. Computing the norm (or the activation) inside the GEMV that consumes it removes the kernel,
+its output's round trip through memory and its node. Whether a Triton GEMV keeps cuBLAS's bandwidth is what
+``python -m eval_suite.bench_fused_gemv`` measures; the decoder does not use these kernels until it does.
+
+What each computes, with the intermediate roundings of the unfused kernels (:mod:`kernels.fused_ops`), so the GEMV's
+input is bit for bit what the unfused path feeds cuBLAS; only the GEMV's summation order differs:
+
+- :func:`rms_norm_linear`: ``h = x (+ residual)``; ``y = (w_norm * (h * rsqrt(mean(h²) + eps))) @ Wᵀ`` and ``h``;
+- :func:`silu_mul_linear`: ``y = (silu(gate) * up) @ Wᵀ``.
+
+Each program computes ``BLOCK_N`` outputs of every input row (at most :data:`MAX_ROWS` rows: decode, not prefill),
+streaming its ``BLOCK_N × K`` slice of ``W`` once, with fp32 accumulation. The norm's statistic is recomputed by every
+program from the input row (K elements, from L2), which costs far less than a launch.
+
+Limits: CUDA fp16/bf16 (or ``TRITON_INTERPRET=1`` on the CPU); ``W`` row-major ``(N, K)``; anything else, and more
+than :data:`MAX_ROWS` rows, takes the unfused path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.device_guard import on_tensor_device
+from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+MAX_ROWS = 4
+"""Input rows a fused call takes (a decode step at small batch); more go through the unfused kernels and cuBLAS."""
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A launch of the fused GEMVs: outputs and inputs per block step, warps, software-pipeline stages."""
+
+    block_n: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_CONFIG = GemvConfig()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_gemv_kernel(
+        X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
+        HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` input rows."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        ks = tl.arange(0, BLOCK_K)
+        for r in tl.static_range(ROWS):
+            if r < n_rows:
+                row = X + r * n_in
+                # the row's statistic, as _rms_norm_kernel: sum of squares of h rounded to the input's dtype
+                sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, n_in, BLOCK_K):
+                    k_ok = k0 + ks < n_in
+                    h = tl.load(row + k0 + ks, mask=k_ok, other=0.0)
+                    if HAS_RES:
+                        h = (h + tl.load(RES + r * n_in + k0 + ks, mask=k_ok, other=0.0)).to(X.dtype.element_ty)
+                        if pid == 0:
+                            tl.store(H_OUT + r * n_in + k0 + ks, h, mask=k_ok)
+                    hf = h.to(tl.float32)
+                    sq += hf * hf
+                inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / n_in + eps)
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, n_in, BLOCK_K):
+                    k_ok = k0 + ks < n_in
+                    h = tl.load(row + k0 + ks, mask=k_ok, other=0.0)
+                    if HAS_RES:
+                        h = (h + tl.load(RES + r * n_in + k0 + ks, mask=k_ok, other=0.0)).to(X.dtype.element_ty)
+                    normed = (h.to(tl.float32) * inv).to(X.dtype.element_ty)
+                    nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
+                    xin = (nw * normed).to(X.dtype.element_ty).to(tl.float32)
+                    w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                other=0.0)  # fmt: skip
+                    acc += tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+                tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _silu_mul_gemv_kernel(
+        G, U, W, Y, n_rows, n_out, n_in, stride_g, stride_u,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (ceil(N / BLOCK_N),): y = (silu(g) * u) @ Wᵀ for outputs [pid·BLOCK_N, +BLOCK_N) of each row."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        ks = tl.arange(0, BLOCK_K)
+        for r in tl.static_range(ROWS):
+            if r < n_rows:
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, n_in, BLOCK_K):
+                    k_ok = k0 + ks < n_in
+                    g = tl.load(G + r * stride_g + k0 + ks, mask=k_ok, other=0.0)
+                    u = tl.load(U + r * stride_u + k0 + ks, mask=k_ok, other=0.0)
+                    gf = g.to(tl.float32)
+                    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds
+                    xin = (act * u).to(g.dtype).to(tl.float32)
+                    w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                other=0.0)  # fmt: skip
+                    acc += tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+                tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def _fusable(x: Tensor, weight: Tensor) -> bool:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        kernels_usable(x)
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and weight.shape[1] == x.shape[-1]
+        and 1 <= rows <= MAX_ROWS
+    )
+
+
+@on_tensor_device
+def rms_norm_linear(
+    x: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    residual: Tensor | None = None,
+    config: GemvConfig = DEFAULT_CONFIG,
+) -> tuple[Tensor, Tensor]:
+    """``linear(rms_norm(x (+ residual)), weight)`` in one launch at up to :data:`MAX_ROWS` rows.
+
+    Args:
+        x: ``(..., K)``.
+        norm_weight: ``(K,)`` the RMSNorm's weight.
+        eps: its variance epsilon.
+        weight: ``(N, K)`` the linear layer's weight (no bias).
+        residual: ``(..., K)`` added to ``x`` first, or None.
+        config: the launch (``python -m eval_suite.bench_fused_gemv`` sweeps them).
+
+    Returns:
+        ``(y, h)``: ``y`` ``(..., N)`` and ``h = x (+ residual)`` ``(..., K)`` (``x`` itself without a residual).
+    """
+    if not _fusable(x, weight):
+        normed, h = rms_norm(x, norm_weight, eps, residual)
+        return torch.nn.functional.linear(normed, weight), h
+    xc = x.contiguous()
+    n_in, n_out = xc.shape[-1], weight.shape[0]
+    rows = xc.numel() // n_in
+    y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
+    h_out = torch.empty_like(xc) if residual is not None else xc
+    res = residual.contiguous() if residual is not None else xc
+    _rms_norm_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
+        xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps),
+        HAS_RES=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y, h_out
+
+
+@on_tensor_device
+def silu_mul_linear(gate: Tensor, up: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tensor:
+    """``linear(silu(gate) * up, weight)`` in one launch at up to :data:`MAX_ROWS` rows.
+
+    Args:
+        gate: ``(..., K)`` (rows may be strided: a slice of the fused gate/up output).
+        up: ``(..., K)``, as ``gate``.
+        weight: ``(N, K)`` the down projection's weight (no bias).
+        config: the launch.
+
+    Returns:
+        ``(..., N)``.
+    """
+    if not _fusable(gate, weight) or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return torch.nn.functional.linear(silu_mul(gate, up), weight)
+    n_in, n_out = gate.shape[-1], weight.shape[0]
+    g2, u2 = gate.reshape(-1, n_in), up.reshape(-1, n_in)
+    rows = g2.shape[0]
+    y = torch.empty(*gate.shape[:-1], n_out, dtype=gate.dtype, device=gate.device)
+    _silu_mul_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
+        g2, u2, weight, y, rows, n_out, n_in, g2.stride(0), u2.stride(0),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS, num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return y
