@@ -33,6 +33,25 @@ from lragent.memory_plan import choose_batch, model_shape, transformers_baseline
 from lragent.provenance import provenance, provenance_footer
 
 
+def split_plan(spec: str) -> tuple[str, bool]:
+    """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, whether it sets
+    ``fused_gemv=1``: the norms and SiLU·mul inside the GEMVs).
+
+    Raises:
+        ValueError: ``fused_gemv`` other than 0 or 1.
+    """
+    kernel, fused = [], False
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name.strip() != "fused_gemv":
+            kernel.append(item)
+        elif value.strip() in ("0", "1"):
+            fused = value.strip() == "1"
+        else:
+            raise ValueError(f"--plans {spec!r}: fused_gemv must be 0 or 1, got {value.strip()!r}")
+    return ",".join(kernel), fused
+
+
 def measure_copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of ``reps``)."""
     src = torch.empty(n_bytes // 2, dtype=torch.float16, device=device).normal_()
@@ -286,9 +305,10 @@ def decode(
         dtype: compute dtype.
         eager: also time eager decoding (no CUDA graphs).
         transformers_baseline: also time stock transformers' eager loop (batch sizes up to 32).
-        plans: decode-attention kernel plans to time side by side, each in ``LRAGENT_DECODE_PLAN``'s syntax (``""``:
-            the launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), every scheme and batch
-            under each (default: the one ``LRAGENT_DECODE_PLAN`` sets now). Each row records its plan.
+        plans: decode plans to time side by side, each in ``LRAGENT_DECODE_PLAN``'s syntax (``""``: the attention
+            kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=1``:
+            the RMSNorms and SiLU·mul inside the GEMVs (``LRAGENT_FUSED_GEMV``, :mod:`kernels.fused_gemv`); every
+            scheme and batch under each (default: what the environment sets now). Each row records its plan.
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
@@ -300,7 +320,7 @@ def decode(
     batches = list(batches or [1, 32])
     plans = [os.environ.get("LRAGENT_DECODE_PLAN", "")] if plans is None else [str(p).strip() for p in plans]
     for spec in plans:  # a bad setting is named before anything loads
-        fld.parse_plan(spec)
+        fld.parse_plan(split_plan(spec)[0])
     if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
         raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")
     if not torch.cuda.is_available():
@@ -326,10 +346,12 @@ def decode(
                 print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
     lm = random_adapter_model(hf, rank)
     w_bytes_lora = weight_bytes(lm)
-    saved = os.environ.get("LRAGENT_DECODE_PLAN")
+    saved = {k: os.environ.get(k) for k in ("LRAGENT_DECODE_PLAN", "LRAGENT_FUSED_GEMV")}
     try:
         for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
-            os.environ["LRAGENT_DECODE_PLAN"] = spec
+            kernel_spec, fused_gemv = split_plan(spec)
+            os.environ["LRAGENT_DECODE_PLAN"] = kernel_spec
+            os.environ["LRAGENT_FUSED_GEMV"] = "1" if fused_gemv else saved["LRAGENT_FUSED_GEMV"] or "0"
             fld._PLANS.clear()
             for scheme in schemes:
                 for b in batches:
@@ -343,10 +365,11 @@ def decode(
                         print(f"{scheme} b={b} graphs={graphs} plan={spec or 'rule'}: {t['ms_per_token']:.3f} ms/token "
                               f"({t['vs_floor']:.2f}x floor)")  # fmt: skip
     finally:
-        if saved is None:
-            os.environ.pop("LRAGENT_DECODE_PLAN", None)
-        else:
-            os.environ["LRAGENT_DECODE_PLAN"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         fld._PLANS.clear()
     for r in rows:
         base = next((x for x in rows if x["impl"] == "transformers eager" and x["batch"] == r["batch"]), None)

@@ -11,7 +11,8 @@ What each computes, with the intermediate roundings of the unfused kernels (:mod
 input is bit for bit what the unfused path feeds cuBLAS; only the GEMV's summation order differs:
 
 - :func:`rms_norm_linear`: ``h = x (+ residual)``; ``y = (w_norm * (h * rsqrt(mean(h²) + eps))) @ Wᵀ`` and ``h``;
-- :func:`silu_mul_linear`: ``y = (silu(gate) * up) @ Wᵀ``.
+- :func:`silu_mul_linear`: ``y = (silu(gate) * up) @ Wᵀ``, optionally ``+ residual`` before the one rounding (as
+  ``addmm`` does for the decoder's down projection).
 
 Each program computes ``BLOCK_N`` outputs of every input row (at most :data:`MAX_ROWS` rows: decode, not prefill),
 streaming its ``BLOCK_N × K`` slice of ``W`` once, with fp32 accumulation. The norm's statistic is recomputed by every
@@ -98,10 +99,11 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_gemv_kernel(
-        G, U, W, Y, n_rows, n_out, n_in, stride_g, stride_u,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+        G, U, W, RES, Y, n_rows, n_out, n_in, stride_g, stride_u,
+        HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
-        """Grid (ceil(N / BLOCK_N),): y = (silu(g) * u) @ Wᵀ for outputs [pid·BLOCK_N, +BLOCK_N) of each row."""
+        """Grid (ceil(N / BLOCK_N),): y = (silu(g) * u) @ Wᵀ (+ res, added before the one rounding, as addmm) for
+        outputs [pid·BLOCK_N, +BLOCK_N) of each row."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -119,6 +121,8 @@ if triton is not None:
                     w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :],
                                 other=0.0)  # fmt: skip
                     acc += tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+                if HAS_RES:
+                    acc += tl.load(RES + r * n_out + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
 
@@ -174,26 +178,35 @@ def rms_norm_linear(
 
 
 @on_tensor_device
-def silu_mul_linear(gate: Tensor, up: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tensor:
-    """``linear(silu(gate) * up, weight)`` in one launch at up to :data:`MAX_ROWS` rows.
+def silu_mul_linear(
+    gate: Tensor, up: Tensor, weight: Tensor, residual: Tensor | None = None, config: GemvConfig = DEFAULT_CONFIG
+) -> Tensor:
+    """``linear(silu(gate) * up, weight)`` (``+ residual``, rounded once as ``addmm``) in one launch at up to
+    :data:`MAX_ROWS` rows.
 
     Args:
         gate: ``(..., K)`` (rows may be strided: a slice of the fused gate/up output).
         up: ``(..., K)``, as ``gate``.
         weight: ``(N, K)`` the down projection's weight (no bias).
+        residual: ``(..., N)`` added to the product before its rounding (the decoder's residual stream), or None.
         config: the launch.
 
     Returns:
         ``(..., N)``.
     """
     if not _fusable(gate, weight) or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        return torch.nn.functional.linear(silu_mul(gate, up), weight)
+        act = silu_mul(gate, up)
+        if residual is None:
+            return torch.nn.functional.linear(act, weight)
+        flat = torch.addmm(residual.reshape(-1, weight.shape[0]), act.reshape(-1, act.shape[-1]), weight.t())
+        return flat.view(*act.shape[:-1], weight.shape[0])
     n_in, n_out = gate.shape[-1], weight.shape[0]
     g2, u2 = gate.reshape(-1, n_in), up.reshape(-1, n_in)
     rows = g2.shape[0]
     y = torch.empty(*gate.shape[:-1], n_out, dtype=gate.dtype, device=gate.device)
+    res = residual.contiguous() if residual is not None else y
     _silu_mul_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
-        g2, u2, weight, y, rows, n_out, n_in, g2.stride(0), u2.stride(0),
+        g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), HAS_RES=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

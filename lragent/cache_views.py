@@ -19,6 +19,7 @@ On CUDA the decomposed prefill uses the fused Flash-LoRA-Attention kernel, and d
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -221,6 +222,11 @@ class DecodeView:
         max_len: a bound on ``pos + 1`` known on the host (eager decoding reads only that many positions), or
             ``None`` (graph capture: the whole capacity, lengths on the device).
         use_kernel: allow the fused decode kernel on CUDA.
+        fused: the fused kernels (default: where the decode kernel runs).
+
+    ``LRAGENT_FUSED_GEMV=1`` in the environment when the view is made also runs each RMSNorm and SiLU·mul inside the
+    GEMV that reads it (:mod:`kernels.fused_gemv`, on fused views at up to 4 rows): an experiment of issue 38, off
+    until ``python -m eval_suite.bench_fused_gemv`` and ``bench decode`` show it faster.
     """
 
     def __init__(
@@ -242,6 +248,7 @@ class DecodeView:
         kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None
         self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
         self.fused = self.kernel is not None if fused is None else fused
+        self.fuses_norm_gemv = bool(self.fused) and os.environ.get("LRAGENT_FUSED_GEMV", "0") == "1"
         if self.kernel is not None:  # int32 indices once per step, not per layer
             self.kv_lens32 = self.kv_lens.to(torch.int32)
             self.kv_slot32 = kv_slot.to(torch.int32)

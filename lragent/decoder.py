@@ -62,6 +62,7 @@ def _group_forward(
     role_ids: torch.Tensor | None,
     mask: MaskFn | None,
     no_b: tuple[int, ...] = (),
+    normed: tuple[torch.Tensor, nn.Module] | None = None,
 ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
     """The fused modules' outputs for ``x``: one GEMM, then every adapter's B.
 
@@ -75,14 +76,23 @@ def _group_forward(
             (:meth:`MultiLoraLinear._add_lora`).
         no_b: module indices whose B is not applied here (``v_proj`` of a decomposed cache: the attention applies
             it).
+        normed: ``(h, norm)``: ``x`` is the RMSNorm ``norm(h)`` and is not needed (None): the norm runs inside the
+            GEMM (:func:`kernels.fused_gemv.rms_norm_linear`; see :func:`_norm_gemv_ok` for when it may).
 
     Returns:
         ``(outputs, lrs)``: each module's ``(B, T, d_out)`` output (base + LoRA, except ``no_b``: base only) and
         each adapted module's ``(B, T, r)`` X·A, by module index.
     """
-    if group.lora and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    src = x if x is not None else normed[0]
+    if group.lora and not (src.is_cuda and torch.cuda.is_current_stream_capturing()):
         group.refresh()  # eager: the A rows follow the adapters (graph replays: the engine refreshes them)
-    y = F.linear(x, group.weight, group.bias)
+    if normed is not None:
+        from kernels.fused_gemv import rms_norm_linear
+
+        h, norm = normed
+        y = rms_norm_linear(h, norm.weight, norm.variance_epsilon, group.weight)[0]
+    else:
+        y = F.linear(x, group.weight, group.bias)
     parts = y.split(group.sizes, dim=-1)
     n = group.n_base
     outs = list(parts[:n])
@@ -113,6 +123,22 @@ def _group_forward(
         lm = cols[i] if i in cols else role_masked(lrs[i], mask(), m.rank)[:, :, 0]
         outs[i] = m.add_lora_masked(outs[i], lm)
     return outs, lrs
+
+
+def _norm_gemv_ok(view: object, group: FusedGroup | None, h: torch.Tensor) -> bool:
+    """Whether ``group``'s GEMM may take the RMSNorm before it into its launch (:mod:`kernels.fused_gemv`): the view
+    asks for it (``LRAGENT_FUSED_GEMV=1``), a few rows (decode), no bias, and every adapter's X·A from the GEMM (no
+    adapter then needs the normed input itself)."""
+    from kernels.fused_gemv import MAX_ROWS
+
+    if group is None or not getattr(view, "fuses_norm_gemv", False) or group.bias is not None:
+        return False
+    if h.numel() // h.shape[-1] > MAX_ROWS or group.weight.dtype != h.dtype:
+        return False
+    adapted = [i for i, m in enumerate(group.modules) if isinstance(m, MultiLoraLinear)]
+    return sorted(group.lora) == adapted and all(
+        not group.modules[i].training or isinstance(group.modules[i].dropout, nn.Identity) for i in adapted
+    )
 
 
 class DecoderEngine:
@@ -175,26 +201,37 @@ class DecoderEngine:
         fused: bool = False,
         mask: MaskFn | None = None,
         residual: torch.Tensor | None = None,
+        gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
+        silu_in_gemv: bool = False,
     ) -> torch.Tensor:
         """The MLP of ``layer`` on ``x`` ``(B, T, hidden)``; with ``residual`` (the fused path) ``residual + MLP(x)``,
-        the add done by the down projection's GEMM where it is a plain bias-free linear (one kernel less per layer)."""
+        the add done by the down projection's GEMM where it is a plain bias-free linear (one kernel less per layer).
+        ``gate_up``: the gate and up projections already computed (their GEMM took the norm: ``x`` is None);
+        ``silu_in_gemv``: SiLU·mul inside the down projection's GEMV where it can (:mod:`kernels.fused_gemv`)."""
         mlp = layer.mlp
         if not fused and not any(
             isinstance(getattr(mlp, n), MultiLoraLinear) for n in ("gate_proj", "up_proj", "down_proj")
         ):
             return mlp(x)
         gu = mlp.__dict__.get("_lragent_gu") if fused else None
-        if gu is not None:
+        if gate_up is not None:
+            gate, up = gate_up
+        elif gu is not None:
             (gate, up), _ = _group_forward(gu, x, role_ids, mask)
         else:
             gate, up = _proj_masked(mlp.gate_proj, x, role_ids, mask), _proj_masked(mlp.up_proj, x, role_ids, mask)
+        down = mlp.down_proj
+        if silu_in_gemv and fused and self._silu and residual is not None and type(down) is nn.Linear:
+            if down.bias is None and residual.dtype == gate.dtype == down.weight.dtype:
+                from kernels.fused_gemv import silu_mul_linear
+
+                return silu_mul_linear(gate, up, down.weight, residual=residual)
         if fused and self._silu:
             from kernels.fused_ops import silu_mul
 
             act = silu_mul(gate, up)
         else:
             act = mlp.act_fn(gate) * up
-        down = mlp.down_proj
         if residual is not None and type(down) is nn.Linear and down.bias is None and act.dtype == residual.dtype:
             # residual + act·Wᵀ in the GEMM's epilogue (rounded once, where h + (act·Wᵀ) rounds twice)
             flat = torch.addmm(residual.flatten(0, -2), act.flatten(0, -2), down.weight.t())
@@ -270,14 +307,16 @@ class DecoderEngine:
         cos, sin = rotary
         fused = getattr(view, "fused", False)
         view.capture(index, h)
-        x = self._norm(layer.input_layernorm, h, fused)
+        qkv = attn.__dict__.get("_lragent_qkv") if fused else None
+        # the input norm inside the q/k/v GEMM (decode with LRAGENT_FUSED_GEMV=1): x is then never made
+        norm_in_qkv = write_kv and kv_from == 0 and _norm_gemv_ok(view, qkv, h)
+        x = None if norm_in_qkv else self._norm(layer.input_layernorm, h, fused)
         v_mod = attn.v_proj
         low_rank = view.decomposed
         if low_rank and not isinstance(v_mod, MultiLoraLinear):
             raise ValueError("a decomposed cache (V_base + V_lr) needs a LoRA adapter on v_proj")
         if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
-        qkv = attn.__dict__.get("_lragent_qkv") if fused else None
         mask = self.role_mask_for(view, role_ids, h) if fused else None
         if write_kv and kv_from > 0:
             v_lr = v_mod.lora_input(x, role_ids)  # (B, T, r): every position gets this role's V_lr
@@ -299,7 +338,8 @@ class DecoderEngine:
             q_mod = attn.q_proj
             fold_q = mask is not None and isinstance(q_mod, MultiLoraLinear) and getattr(view, "folds_q_lora", False)
             no_b = (0,) * fold_q + (2,) * low_rank
-            (q, k, v), lrs = _group_forward(qkv, x, role_ids, mask, no_b=no_b)
+            normed = (h, layer.input_layernorm) if norm_in_qkv else None
+            (q, k, v), lrs = _group_forward(qkv, x, role_ids, mask, no_b=no_b, normed=normed)
             v_lr = lrs[2] if low_rank else None
             q = q.view(b, t, -1, self.head_dim)
             k = k.view(b, t, -1, self.head_dim)
@@ -331,11 +371,19 @@ class DecoderEngine:
         o = view.attend(index, q, v_mod.stacked_b() if low_rank else None, v_mod.scaling if low_rank else 1.0, role_ids)
         o = _proj_masked(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids, mask)
         if fused:
+            norm = layer.post_attention_layernorm
+            gemv = getattr(view, "fuses_norm_gemv", False)
+            gu = layer.mlp.__dict__.get("_lragent_gu")
+            if gemv and gu is not None and not gu.lora and _norm_gemv_ok(view, gu, o):
+                from kernels.fused_gemv import rms_norm_linear
+
+                y, h = rms_norm_linear(o, norm.weight, norm.variance_epsilon, gu.weight, residual=h)
+                gate, up = y.split(gu.sizes, dim=-1)
+                return self._mlp(layer, None, role_ids, fused, mask, residual=h, gate_up=(gate, up), silu_in_gemv=True)
             from kernels.fused_ops import rms_norm
 
-            norm = layer.post_attention_layernorm
             x2, h = rms_norm(o, norm.weight, norm.variance_epsilon, residual=h)
-            return self._mlp(layer, x2, role_ids, fused, mask, residual=h)
+            return self._mlp(layer, x2, role_ids, fused, mask, residual=h, silu_in_gemv=gemv)
         h = h + o
         x2 = layer.post_attention_layernorm(h)
         return h + self._mlp(layer, x2, role_ids, fused, mask)

@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "fused GEMV in the engine: the q/k/v GEMV normed with the post-attention norm's weight": (
+        "lragent/decoder.py",
+        "            normed = (h, layer.input_layernorm) if norm_in_qkv else None",
+        "            normed = (h, layer.post_attention_layernorm) if norm_in_qkv else None",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV in the engine: the post-attention norm's residual left out": (
+        "lragent/decoder.py",
+        "                y, h = rms_norm_linear(o, norm.weight, norm.variance_epsilon, gu.weight, residual=h)",
+        "                y, _ = rms_norm_linear(o, norm.weight, norm.variance_epsilon, gu.weight, residual=h)",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV in the engine: the down GEMV without the residual stream": (
+        "lragent/decoder.py",
+        "                return silu_mul_linear(gate, up, down.weight, residual=residual)",
+        "                return silu_mul_linear(gate, up, down.weight)",
+        "tests/test_fused_gemv.py",
+    ),
     "fused GEMV: the RMSNorm's weight left out of the GEMV's input": (
         "kernels/fused_gemv.py",
         "                    xin = (nw * normed).to(X.dtype.element_ty).to(tl.float32)",

@@ -17,10 +17,10 @@ from kernels.fused_ops import rms_norm_reference, silu_mul_reference
 EPS = 1e-5
 
 
-def _close(y: torch.Tensor, x_in: torch.Tensor, w: torch.Tensor) -> None:
-    """``y`` is ``x_in @ wᵀ`` (float64, rounded to y's dtype) to one unit in the last place, plus the bound that
-    last-unit differences of the input elements can add (2^-mantissa · Σ|w·x|)."""
-    exact = x_in.double() @ w.double().T
+def _close(y: torch.Tensor, x_in: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> None:
+    """``y`` is ``x_in @ wᵀ (+ add)`` (float64, rounded to y's dtype) to one unit in the last place, plus the bound
+    that last-unit differences of the input elements can add (2^-mantissa · Σ|w·x|)."""
+    exact = x_in.double() @ w.double().T + (0 if add is None else add.double())
     mant = torch.finfo(y.dtype).eps  # 2^-mantissa bits
     bound = mant * exact.abs() + mant * (x_in.double().abs() @ w.double().abs().T) + torch.finfo(y.dtype).tiny
     err = (y.double() - exact).abs()
@@ -48,6 +48,10 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
         y = silu_mul_linear(gate, up, w)
         assert y.shape == (rows, n)
         _close(y, silu_mul_reference(gate, up), w)
+        # with the residual stream added before the one rounding (the decoder's down projection, as addmm)
+        res_out = rand(rows, n)
+        y = silu_mul_linear(gate, up, w, residual=res_out)
+        _close(y, silu_mul_reference(gate, up), w, add=res_out)
     # a batch past MAX_ROWS (and a (B, T, K) input) goes the unfused way: the same as norm then linear
     x = rand(2, MAX_ROWS, k)
     y, _ = rms_norm_linear(x, norm_w, EPS, w)
@@ -69,8 +73,9 @@ def test_without_triton_kernels_the_cpu_path_is_norm_then_linear():
     x, norm_w, w = torch.randn(2, 16), torch.rand(16) + 0.5, torch.randn(5, 16)
     y, h = rms_norm_linear(x, norm_w, EPS, w)
     assert torch.equal(y, torch.nn.functional.linear(rms_norm_reference(x, norm_w, EPS)[0], w)) and h is x
-    g, u = torch.randn(2, 16), torch.randn(2, 16)
+    g, u, res = torch.randn(2, 16), torch.randn(2, 16), torch.randn(2, 5)
     assert torch.equal(silu_mul_linear(g, u, w), torch.nn.functional.linear(silu_mul_reference(g, u), w))
+    assert torch.equal(silu_mul_linear(g, u, w, residual=res), torch.addmm(res, silu_mul_reference(g, u), w.t()))
 
 
 @pytest.mark.parametrize(
@@ -94,3 +99,79 @@ def test_a_bad_launch_config_is_named(spec, message):
 @pytest.mark.parametrize(("k", "n"), [(4096, 6160), (14336, 4096), (576, 1539)])
 def test_fused_gemv_cuda(dtype, k, n):
     _check_all("cuda", dtype, k=k, n=n)
+
+
+def _engine_check(device: str) -> dict[str, int]:
+    """Decode with LRAGENT_FUSED_GEMV 0 and 1 (two rows of different roles, tiny LLaMA with q/v adapters and
+    norms that differ): the same tokens, logits within 2e-3, and the fused kernels used (their calls counted)."""
+    from conftest import tiny_multi_lora
+
+    import kernels.fused_gemv as fg
+    from lragent.engine import Engine, GenerationRequest
+
+    calls = {"norm": 0, "silu": 0}
+    raw_norm, raw_silu = fg.rms_norm_linear, fg.silu_mul_linear
+
+    def norm_spy(x, *a, **kw):
+        calls["norm"] += fg._fusable(x, a[2])
+        return raw_norm(x, *a, **kw)
+
+    def silu_spy(g, u, w, **kw):
+        calls["silu"] += fg._fusable(g, w)
+        return raw_silu(g, u, w, **kw)
+
+    saved = os.environ.get("LRAGENT_FUSED_GEMV")
+    fg.rms_norm_linear, fg.silu_mul_linear = norm_spy, silu_spy
+    try:
+        for scheme in ("base_lr_shared", "full_shared"):
+            outs = []
+            for flag in ("0", "1"):
+                os.environ["LRAGENT_FUSED_GEMV"] = flag
+                m = tiny_multi_lora("tiny-llama", b_std=0.3)
+                g = torch.Generator().manual_seed(3)  # norms that differ from each other (a tiny model's are ones)
+                for layer in m.model.model.layers:
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                        norm.weight.data.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+                m.to(device)
+                m.model.half()
+                eng = Engine(m, scheme, rows=2, capacity=32, eos_token_ids=[], fuse_ops=True, fuse_lora=True)
+                for r, role in ((0, 1), (1, 2)):
+                    eng.append(r, list(range(5 + r, 12 + r)))
+                    eng.start(r, GenerationRequest(role=role, max_new_tokens=4, return_logits=True))
+                res = []
+                while eng._pending:
+                    res.extend(eng.advance())
+                outs.append(sorted(res, key=lambda x: x.row))
+            for a, b in zip(*outs, strict=True):
+                assert a.generated_ids == b.generated_ids, (scheme, a.generated_ids, b.generated_ids)
+                assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
+    finally:
+        fg.rms_norm_linear, fg.silu_mul_linear = raw_norm, raw_silu
+        if saved is None:
+            os.environ.pop("LRAGENT_FUSED_GEMV", None)
+        else:
+            os.environ["LRAGENT_FUSED_GEMV"] = saved
+    # per decode step and layer: the input norm in the q/k/v GEMV and the post-attention norm in gate/up, SiLU in down
+    assert calls["norm"] > 0 and calls["silu"] > 0 and calls["norm"] == 2 * calls["silu"], calls
+    return calls
+
+
+def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_interpreter():
+    """fp16 under TRITON_INTERPRET=1 (a fresh process): with LRAGENT_FUSED_GEMV=1 each decode step's RMSNorms and
+    SiLU·mul run inside the q/k/v, gate/up and down GEMVs (through the Triton kernels, two rows of different roles,
+    the shared A rows of q and v in the q/k/v GEMV) and the engine gives the unfused path's tokens and logits."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); import tests.test_fused_gemv as t; "
+        "print('ok', t._engine_check('cpu'))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("ok")
+
+
+@pytest.mark.gpu
+def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_on_a_gpu():
+    """The same on a GPU, decode steps captured and replayed as CUDA graphs."""
+    _engine_check("cuda")
