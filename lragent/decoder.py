@@ -129,10 +129,10 @@ def _norm_gemv_ok(view: object, group: FusedGroup | None, h: torch.Tensor) -> bo
     """Whether ``group``'s GEMM may take the RMSNorm before it into its launch (:mod:`kernels.fused_gemv`): the view
     asks for it (``LRAGENT_FUSED_GEMV=1``), a few rows (decode), no bias, and every adapter's X·A from the GEMM (no
     adapter then needs the normed input itself)."""
-    from kernels.fused_gemv import MAX_ROWS
-
     if group is None or not getattr(view, "fuses_norm_gemv", False) or group.bias is not None:
         return False
+    from kernels.fused_gemv import MAX_ROWS
+
     if h.numel() // h.shape[-1] > MAX_ROWS or group.weight.dtype != h.dtype:
         return False
     adapted = [i for i, m in enumerate(group.modules) if isinstance(m, MultiLoraLinear)]
