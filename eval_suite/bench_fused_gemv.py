@@ -6,7 +6,8 @@ replay, the median of 5 rounds):
 
 - ``unfused``: the elementwise kernel (:mod:`kernels.fused_ops`) then ``F.linear`` (cuBLAS), what the decoder runs;
 - ``cublas``: ``F.linear`` alone on the prepared input (the GEMV the fusion must keep up with);
-- ``fused <config>``: one launch per config of ``--configs``;
+- ``fused <config>``: one launch per config of ``--configs`` (for the o projection, which nothing precedes, the plain
+  Triton GEMV the fused ones are built on: whether Triton beats cuBLAS's 83% of the floor there);
 
 against the floor: the weight's bytes over the device-to-device copy bandwidth measured in the same run. Each fused
 row also records its largest difference to the unfused output (relative to that output's largest magnitude).
@@ -34,6 +35,7 @@ SHAPES: dict[str, tuple[str, int, int]] = {
     "q/k/v + A (input norm)": ("norm", 4096, 4096 + 2 * 1024 + 16),
     "gate/up (post-attention norm)": ("norm", 4096, 2 * 14336),
     "down (SiLU·mul)": ("silu", 14336, 4096),
+    "o (nothing before it: the plain Triton GEMV)": ("plain", 4096, 4096),
 }
 DEFAULT_CONFIGS = (  # more outputs per program read the input row (and the norm's statistic) fewer times from L2
     "block_n=8,block_k=512",
@@ -101,7 +103,7 @@ def bench_fused_gemv(
         0.
     """
     from eval_suite.bench_decode import measure_copy_bandwidth
-    from kernels.fused_gemv import MAX_ROWS, rms_norm_linear, silu_mul_linear
+    from kernels.fused_gemv import MAX_ROWS, gemv, rms_norm_linear, silu_mul_linear
     from kernels.fused_ops import rms_norm, silu_mul
 
     rows = rows or [1, 4]
@@ -132,6 +134,14 @@ def bench_fused_gemv(
 
                 def fused(cfg, x=x, res=res, norm_w=norm_w, w=w):
                     return rms_norm_linear(x, norm_w, 1e-5, w, res, config=cfg)[0]
+            elif kind == "plain":
+                prepared = torch.randn(r, k, device=dev, generator=g).to(dt)
+
+                def unfused(p=prepared, w=w):
+                    return torch.nn.functional.linear(p, w)
+
+                def fused(cfg, p=prepared, w=w):
+                    return gemv(p, w, config=cfg)
             else:
                 gu = torch.randn(r, 2 * k, device=dev, generator=g).to(dt)
                 gate, up = gu[:, :k], gu[:, k:]

@@ -126,6 +126,29 @@ if triton is not None:
                 tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(
+        X, W, Y, n_rows, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr
+    ):  # fmt: skip
+        """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ for outputs [pid·BLOCK_N, +BLOCK_N) of each row (fp32 sums)."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        ks = tl.arange(0, BLOCK_K)
+        for r in tl.static_range(ROWS):
+            if r < n_rows:
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, n_in, BLOCK_K):
+                    k_ok = k0 + ks < n_in
+                    xin = tl.load(X + r * n_in + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                    w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                other=0.0)  # fmt: skip
+                    acc += tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+                tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+
+
 def _fusable(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
@@ -209,5 +232,30 @@ def silu_mul_linear(
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), HAS_RES=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS, num_warps=config.num_warps,
         num_stages=config.num_stages,
+    )  # fmt: skip
+    return y
+
+
+@on_tensor_device
+def gemv(x: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tensor:
+    """``linear(x, weight)`` by the same Triton GEMV at up to :data:`MAX_ROWS` rows (cuBLAS otherwise): the plain
+    kernel the fused ones are built on, timed against cuBLAS where no norm precedes (the o projection).
+
+    Args:
+        x: ``(..., K)``.
+        weight: ``(N, K)``.
+        config: the launch.
+
+    Returns:
+        ``(..., N)``.
+    """
+    if not _fusable(x, weight):
+        return torch.nn.functional.linear(x, weight)
+    xc = x.contiguous()
+    n_in, n_out = xc.shape[-1], weight.shape[0]
+    y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
+    _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
+        xc, weight, y, xc.numel() // n_in, n_out, n_in, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -18,6 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "fused GEMV: the plain GEMV drops its last K block": (
+        "kernels/fused_gemv.py",
+        "                for k0 in range(0, n_in, BLOCK_K):\n                    k_ok = k0 + ks < n_in\n                    xin = tl.load(X + r * n_in + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)",
+        "                for k0 in range(0, n_in - BLOCK_K, BLOCK_K):\n                    k_ok = k0 + ks < n_in\n                    xin = tl.load(X + r * n_in + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)",
+        "tests/test_fused_gemv.py",
+    ),
     "fused GEMV in the engine: the q/k/v GEMV normed with the post-attention norm's weight": (
         "lragent/decoder.py",
         "            normed = (h, layer.input_layernorm) if norm_in_qkv else None",

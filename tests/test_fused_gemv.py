@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kernels.fused_gemv import MAX_ROWS, rms_norm_linear, silu_mul_linear
+from kernels.fused_gemv import MAX_ROWS, gemv, rms_norm_linear, silu_mul_linear
 from kernels.fused_ops import rms_norm_reference, silu_mul_reference
 
 EPS = 1e-5
@@ -52,6 +52,7 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
         res_out = rand(rows, n)
         y = silu_mul_linear(gate, up, w, residual=res_out)
         _close(y, silu_mul_reference(gate, up), w, add=res_out)
+        _close(gemv(x, w), x, w)  # the plain kernel they are built on
     # a batch past MAX_ROWS (and a (B, T, K) input) goes the unfused way: the same as norm then linear
     x = rand(2, MAX_ROWS, k)
     y, _ = rms_norm_linear(x, norm_w, EPS, w)
