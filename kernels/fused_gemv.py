@@ -59,6 +59,12 @@ DEFAULT_CONFIG = GemvConfig()
 if triton is not None:
 
     @triton.jit
+    def _w_tile_dot(W, offs_n, n_ok, cols, k_ok, n_in, xin):
+        """Σ_k W[n, k]·x[k] over one (BLOCK_N, BLOCK_K) tile of W, in fp32 (the GEMVs' inner step)."""
+        w = tl.load(W + offs_n[:, None] * n_in + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+
+    @triton.jit
     def _rms_norm_gemv_kernel(
         X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
@@ -92,9 +98,7 @@ if triton is not None:
                     normed = (h.to(tl.float32) * inv).to(X.dtype.element_ty)
                     nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
                     xin = (nw * normed).to(X.dtype.element_ty).to(tl.float32)
-                    w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                                other=0.0)  # fmt: skip
-                    acc += tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+                    acc += _w_tile_dot(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin)
                 tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
     @triton.jit
@@ -118,9 +122,7 @@ if triton is not None:
                     gf = g.to(tl.float32)
                     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds
                     xin = (act * u).to(g.dtype).to(tl.float32)
-                    w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                                other=0.0)  # fmt: skip
-                    acc += tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+                    acc += _w_tile_dot(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin)
                 if HAS_RES:
                     acc += tl.load(RES + r * n_out + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
@@ -143,9 +145,7 @@ if triton is not None:
                 for k0 in range(0, n_in, BLOCK_K):
                     k_ok = k0 + ks < n_in
                     xin = tl.load(X + r * n_in + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                                other=0.0)  # fmt: skip
-                    acc += tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+                    acc += _w_tile_dot(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin)
                 tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
 
