@@ -102,12 +102,12 @@ if triton is not None:
                 tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _silu_mul_gemv_kernel(
+    def _gemv_kernel(
         G, U, W, RES, Y, n_rows, n_out, n_in, stride_g, stride_u,
-        HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+        SILU: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
-        """Grid (ceil(N / BLOCK_N),): y = (silu(g) * u) @ Wᵀ (+ res, added before the one rounding, as addmm) for
-        outputs [pid·BLOCK_N, +BLOCK_N) of each row."""
+        """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ (+ res, added before the one rounding, as addmm) for outputs
+        [pid·BLOCK_N, +BLOCK_N) of each row, where x = silu(g) * u with ``SILU``, else g."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -118,34 +118,16 @@ if triton is not None:
                 for k0 in range(0, n_in, BLOCK_K):
                     k_ok = k0 + ks < n_in
                     g = tl.load(G + r * stride_g + k0 + ks, mask=k_ok, other=0.0)
-                    u = tl.load(U + r * stride_u + k0 + ks, mask=k_ok, other=0.0)
-                    gf = g.to(tl.float32)
-                    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds
-                    xin = (act * u).to(g.dtype).to(tl.float32)
+                    if SILU:
+                        u = tl.load(U + r * stride_u + k0 + ks, mask=k_ok, other=0.0)
+                        gf = g.to(tl.float32)
+                        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds
+                        xin = (act * u).to(g.dtype).to(tl.float32)
+                    else:
+                        xin = g.to(tl.float32)
                     acc += _w_tile_dot(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin)
                 if HAS_RES:
                     acc += tl.load(RES + r * n_out + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _gemv_kernel(
-        X, W, Y, n_rows, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr
-    ):  # fmt: skip
-        """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ for outputs [pid·BLOCK_N, +BLOCK_N) of each row (fp32 sums)."""
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_out
-        ks = tl.arange(0, BLOCK_K)
-        for r in tl.static_range(ROWS):
-            if r < n_rows:
-                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, n_in, BLOCK_K):
-                    k_ok = k0 + ks < n_in
-                    xin = tl.load(X + r * n_in + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                    acc += _w_tile_dot(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin)
                 tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
 
 
@@ -228,8 +210,8 @@ def silu_mul_linear(
     rows = g2.shape[0]
     y = torch.empty(*gate.shape[:-1], n_out, dtype=gate.dtype, device=gate.device)
     res = residual.contiguous() if residual is not None else y
-    _silu_mul_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
-        g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), HAS_RES=residual is not None,
+    _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
+        g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=True, HAS_RES=residual is not None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -255,7 +237,8 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tens
     n_in, n_out = xc.shape[-1], weight.shape[0]
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
-        xc, weight, y, xc.numel() // n_in, n_out, n_in, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        xc, xc, weight, y, y, xc.numel() // n_in, n_out, n_in, n_in, n_in, SILU=False, HAS_RES=False,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -29,6 +29,7 @@ def questions():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, questions):
+    """One process's summary of the same episodes."""
     out = tmp_path_factory.mktemp("one")
     records, _ = _run(out, questions)
     return write_summary(records, out)
