@@ -15,8 +15,8 @@ input is bit for bit what the unfused path feeds cuBLAS; only the GEMV's summati
   ``addmm`` does for the decoder's down projection).
 
 Each program computes ``BLOCK_N`` outputs of every input row (at most :data:`MAX_ROWS` rows: decode, not prefill),
-streaming its ``BLOCK_N × K`` slice of ``W`` once, with fp32 accumulation. The norm's statistic is recomputed by every
-program from the input row (K elements, from L2), which costs far less than a launch.
+streaming its ``BLOCK_N × K`` slice of ``W`` once for all rows, with fp32 accumulation. The norm's statistic is
+recomputed by every program from the input row (K elements, from L2), which costs far less than a launch.
 
 Limits: CUDA fp16/bf16 (or ``TRITON_INTERPRET=1`` on the CPU); ``W`` row-major ``(N, K)``; anything else, and more
 than :data:`MAX_ROWS` rows, takes the unfused path.
@@ -59,47 +59,56 @@ DEFAULT_CONFIG = GemvConfig()
 if triton is not None:
 
     @triton.jit
-    def _w_tile_dot(W, offs_n, n_ok, cols, k_ok, n_in, xin):
-        """Σ_k W[n, k]·x[k] over one (BLOCK_N, BLOCK_K) tile of W, in fp32 (the GEMVs' inner step)."""
+    def _rows_times_w(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc, rows, ROWS: tl.constexpr):
+        """``acc[r] += Σ_k W[n, k]·xin[r, k]`` over one (BLOCK_N, BLOCK_K) tile of W, loaded once for all ``ROWS``
+        rows, in fp32 (the GEMVs' inner step)."""
         w = tl.load(W + offs_n[:, None] * n_in + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        return tl.sum(w.to(tl.float32) * xin[None, :], axis=1)
+        w = w.to(tl.float32)
+        for r in tl.static_range(ROWS):
+            xr = tl.sum(tl.where(rows[:, None] == r, xin, 0.0), axis=0)  # row r of xin: (BLOCK_K,)
+            acc = tl.where(rows[:, None] == r, acc + tl.sum(w * xr[None, :], axis=1)[None, :], acc)
+        return acc
 
     @triton.jit
     def _rms_norm_gemv_kernel(
         X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
     ):  # fmt: skip
-        """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` input rows."""
+        """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
         ks = tl.arange(0, BLOCK_K)
-        for r in tl.static_range(ROWS):
-            if r < n_rows:
-                row = X + r * n_in
-                # the row's statistic, as _rms_norm_kernel: sum of squares of h rounded to the input's dtype
-                sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-                for k0 in range(0, n_in, BLOCK_K):
-                    k_ok = k0 + ks < n_in
-                    h = tl.load(row + k0 + ks, mask=k_ok, other=0.0)
-                    if HAS_RES:
-                        h = (h + tl.load(RES + r * n_in + k0 + ks, mask=k_ok, other=0.0)).to(X.dtype.element_ty)
-                        if pid == 0:
-                            tl.store(H_OUT + r * n_in + k0 + ks, h, mask=k_ok)
-                    hf = h.to(tl.float32)
-                    sq += hf * hf
-                inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / n_in + eps)
-                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, n_in, BLOCK_K):
-                    k_ok = k0 + ks < n_in
-                    h = tl.load(row + k0 + ks, mask=k_ok, other=0.0)
-                    if HAS_RES:
-                        h = (h + tl.load(RES + r * n_in + k0 + ks, mask=k_ok, other=0.0)).to(X.dtype.element_ty)
-                    normed = (h.to(tl.float32) * inv).to(X.dtype.element_ty)
-                    nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
-                    xin = (nw * normed).to(X.dtype.element_ty).to(tl.float32)
-                    acc += _w_tile_dot(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin)
-                tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+        rows = tl.arange(0, ROWS)
+        r_ok = rows < n_rows
+        # each row's statistic, as _rms_norm_kernel: the sum of squares of h rounded to the input's dtype
+        sq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = k0 + ks < n_in
+            at = rows[:, None] * n_in + (k0 + ks)[None, :]
+            m2 = r_ok[:, None] & k_ok[None, :]
+            h = tl.load(X + at, mask=m2, other=0.0)
+            if HAS_RES:
+                h = (h + tl.load(RES + at, mask=m2, other=0.0)).to(X.dtype.element_ty)
+                if pid == 0:
+                    tl.store(H_OUT + at, h, mask=m2)
+            hf = h.to(tl.float32)
+            sq += hf * hf
+        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = k0 + ks < n_in
+            at = rows[:, None] * n_in + (k0 + ks)[None, :]
+            m2 = r_ok[:, None] & k_ok[None, :]
+            h = tl.load(X + at, mask=m2, other=0.0)
+            if HAS_RES:
+                h = (h + tl.load(RES + at, mask=m2, other=0.0)).to(X.dtype.element_ty)
+            normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
+            nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
+            xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
+            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, rows, ROWS)
+        out = rows[:, None] * n_out + offs_n[None, :]
+        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _gemv_kernel(
@@ -112,23 +121,30 @@ if triton is not None:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
         ks = tl.arange(0, BLOCK_K)
-        for r in tl.static_range(ROWS):
-            if r < n_rows:
-                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for k0 in range(0, n_in, BLOCK_K):
-                    k_ok = k0 + ks < n_in
-                    g = tl.load(G + r * stride_g + k0 + ks, mask=k_ok, other=0.0)
-                    if SILU:
-                        u = tl.load(U + r * stride_u + k0 + ks, mask=k_ok, other=0.0)
-                        gf = g.to(tl.float32)
-                        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds
-                        xin = (act * u).to(g.dtype).to(tl.float32)
-                    else:
-                        xin = g.to(tl.float32)
-                    acc += _w_tile_dot(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin)
-                if HAS_RES:
-                    acc += tl.load(RES + r * n_out + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                tl.store(Y + r * n_out + offs_n, acc.to(Y.dtype.element_ty), mask=n_ok)
+        rows = tl.arange(0, ROWS)
+        r_ok = rows < n_rows
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = k0 + ks < n_in
+            m2 = r_ok[:, None] & k_ok[None, :]
+            g = tl.load(G + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=m2, other=0.0)
+            if SILU:
+                u = tl.load(U + rows[:, None] * stride_u + (k0 + ks)[None, :], mask=m2, other=0.0)
+                gf = g.to(tl.float32)
+                act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds
+                xin = (act * u).to(g.dtype).to(tl.float32)
+            else:
+                xin = g.to(tl.float32)
+            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, rows, ROWS)
+        out = rows[:, None] * n_out + offs_n[None, :]
+        if HAS_RES:
+            acc += tl.load(RES + out, mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+
+
+def _rows_pow2(rows: int) -> int:
+    """The kernels' row block: the rows rounded up to a power of two (1, 2 or 4), one compiled kernel each."""
+    return 1 << (rows - 1).bit_length()
 
 
 def _fusable(x: Tensor, weight: Tensor) -> bool:
@@ -176,7 +192,7 @@ def rms_norm_linear(
     res = residual.contiguous() if residual is not None else xc
     _rms_norm_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps),
-        HAS_RES=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS,
+        HAS_RES=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y, h_out
@@ -212,7 +228,7 @@ def silu_mul_linear(
     res = residual.contiguous() if residual is not None else y
     _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=True, HAS_RES=residual is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS, num_warps=config.num_warps,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return y
@@ -235,10 +251,11 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tens
         return torch.nn.functional.linear(x, weight)
     xc = x.contiguous()
     n_in, n_out = xc.shape[-1], weight.shape[0]
+    rows = xc.numel() // n_in
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
-        xc, xc, weight, y, y, xc.numel() // n_in, n_out, n_in, n_in, n_in, SILU=False, HAS_RES=False,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS, num_warps=config.num_warps,
+        xc, xc, weight, y, y, rows, n_out, n_in, n_in, n_in, SILU=False, HAS_RES=False,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -20,8 +20,44 @@ RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "resul
 BUGS = {
     "fused GEMV: the plain GEMV drops its last K block": (
         "kernels/fused_gemv.py",
-        "                    else:\n                        xin = g.to(tl.float32)",
-        "                    else:\n                        xin = tl.where(k0 + ks < n_in - BLOCK_K, g.to(tl.float32), 0.0)",
+        "            else:\n                xin = g.to(tl.float32)",
+        "            else:\n                xin = tl.where((k0 + ks < n_in - BLOCK_K)[None, :], g.to(tl.float32), 0.0)",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: the RMSNorm's weight left out of the GEMV's input": (
+        "kernels/fused_gemv.py",
+        "            xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)",
+        "            xin = normed.to(tl.float32)",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: the residual added for the statistic but not for the product": (
+        "kernels/fused_gemv.py",
+        "                h = (h + tl.load(RES + at, mask=m2, other=0.0)).to(X.dtype.element_ty)\n            normed",
+        "                h = h\n            normed",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: the new residual stream never written": (
+        "kernels/fused_gemv.py",
+        "                    tl.store(H_OUT + at, h, mask=m2)",
+        "                    pass",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: SiLU left out of the down projection's input": (
+        "kernels/fused_gemv.py",
+        "                act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds",
+        "                act = g",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: only the first input row computed": (
+        "kernels/fused_gemv.py",
+        "        r_ok = rows < n_rows\n        # each row's statistic",
+        "        r_ok = rows < 1\n        # each row's statistic",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV: every row multiplied with the first row's input": (
+        "kernels/fused_gemv.py",
+        "            xr = tl.sum(tl.where(rows[:, None] == r, xin, 0.0), axis=0)  # row r of xin: (BLOCK_K,)",
+        "            xr = tl.sum(tl.where(rows[:, None] == 0, xin, 0.0), axis=0)  # row r of xin: (BLOCK_K,)",
         "tests/test_fused_gemv.py",
     ),
     "fused GEMV in the engine: the q/k/v GEMV normed with the post-attention norm's weight": (
@@ -40,36 +76,6 @@ BUGS = {
         "lragent/decoder.py",
         "                return silu_mul_linear(gate, up, down.weight, residual=residual)",
         "                return silu_mul_linear(gate, up, down.weight)",
-        "tests/test_fused_gemv.py",
-    ),
-    "fused GEMV: the RMSNorm's weight left out of the GEMV's input": (
-        "kernels/fused_gemv.py",
-        "                    xin = (nw * normed).to(X.dtype.element_ty).to(tl.float32)",
-        "                    xin = normed.to(tl.float32)",
-        "tests/test_fused_gemv.py",
-    ),
-    "fused GEMV: the residual added for the statistic but not for the product": (
-        "kernels/fused_gemv.py",
-        "                        h = (h + tl.load(RES + r * n_in + k0 + ks, mask=k_ok, other=0.0)).to(X.dtype.element_ty)\n                    normed",
-        "                        h = h\n                    normed",
-        "tests/test_fused_gemv.py",
-    ),
-    "fused GEMV: the new residual stream never written": (
-        "kernels/fused_gemv.py",
-        "                            tl.store(H_OUT + r * n_in + k0 + ks, h, mask=k_ok)",
-        "                            pass",
-        "tests/test_fused_gemv.py",
-    ),
-    "fused GEMV: SiLU left out of the down projection's input": (
-        "kernels/fused_gemv.py",
-        "                        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as _silu_mul_kernel rounds",
-        "                        act = g",
-        "tests/test_fused_gemv.py",
-    ),
-    "fused GEMV: only the first input row computed": (
-        "kernels/fused_gemv.py",
-        ("        for r in tl.static_range(ROWS):\n            if r < n_rows:\n                row = X",),
-        ("        for r in tl.static_range(ROWS):\n            if r < 1:\n                row = X",),
         "tests/test_fused_gemv.py",
     ),
     "multi-GPU report: the shards' balance read from the fastest shard": (
