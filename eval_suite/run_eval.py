@@ -358,7 +358,8 @@ def run_episodes(
     keys = {(row, run, q.qid) for row, _, run, q in grid}
     with EpisodeLog(path) as log:
         done = {record_key(r): bool(r["oof"]) for r in log.records if record_key(r) in keys}
-        todo = [g for g in grid if (g[0], g[2], g[3].qid) not in done and (g[0], g[2], g[3].qid) not in done_elsewhere]
+        skip = done.keys() | set(done_elsewhere)  # finished here, or by another process of the queue
+        todo = [g for g in grid if (g[0], g[2], g[3].qid) not in skip]
         if max_episodes is not None:
             todo = todo[:max_episodes]
         if todo and toolbox_factory is None:
@@ -382,7 +383,7 @@ def run_episodes(
         oof = sum(done.values())
         bar = tqdm(
             total=len(grid),
-            initial=len(done) + len(keys & set(done_elsewhere)),
+            initial=len(keys & skip),
             desc=f"eval {benchmark}",
             unit="ep",
             disable=not progress or not todo,

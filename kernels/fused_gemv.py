@@ -221,17 +221,7 @@ def silu_mul_linear(
             return torch.nn.functional.linear(act, weight)
         flat = torch.addmm(residual.reshape(-1, weight.shape[0]), act.reshape(-1, act.shape[-1]), weight.t())
         return flat.view(*act.shape[:-1], weight.shape[0])
-    n_in, n_out = gate.shape[-1], weight.shape[0]
-    g2, u2 = gate.reshape(-1, n_in), up.reshape(-1, n_in)
-    rows = g2.shape[0]
-    y = torch.empty(*gate.shape[:-1], n_out, dtype=gate.dtype, device=gate.device)
-    res = residual.contiguous() if residual is not None else y
-    _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
-        g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=True, HAS_RES=residual is not None,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows), num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )  # fmt: skip
-    return y
+    return _launch_gemv(gate, up, weight, residual, config)
 
 
 @on_tensor_device
@@ -249,13 +239,21 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tens
     """
     if not _fusable(x, weight):
         return torch.nn.functional.linear(x, weight)
-    xc = x.contiguous()
-    n_in, n_out = xc.shape[-1], weight.shape[0]
-    rows = xc.numel() // n_in
-    y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
+    return _launch_gemv(x.contiguous(), None, weight, None, config)
+
+
+def _launch_gemv(g: Tensor, up: Tensor | None, weight: Tensor, residual: Tensor | None, config: GemvConfig) -> Tensor:
+    """``_gemv_kernel`` over the rows of ``g`` (last dim contiguous, rows may be strided): the input is
+    ``silu(g) * up``, or ``g`` itself without ``up``; ``residual`` added before the rounding."""
+    n_in, n_out = g.shape[-1], weight.shape[0]
+    g2 = g.reshape(-1, n_in)
+    u2 = g2 if up is None else up.reshape(-1, n_in)
+    rows = g2.shape[0]
+    y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
+    res = residual.contiguous() if residual is not None else y
     _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
-        xc, xc, weight, y, y, rows, n_out, n_in, n_in, n_in, SILU=False, HAS_RES=False,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
+        HAS_RES=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -221,10 +221,11 @@ class DecoderEngine:
         else:
             gate, up = _proj_masked(mlp.gate_proj, x, role_ids, mask), _proj_masked(mlp.up_proj, x, role_ids, mask)
         down = mlp.down_proj
-        if silu_in_gemv and fused and self._silu and residual is not None and type(down) is nn.Linear:
-            if down.bias is None and residual.dtype == gate.dtype == down.weight.dtype:
-                from kernels.fused_gemv import silu_mul_linear
+        plain_down = type(down) is nn.Linear and down.bias is None
+        if silu_in_gemv and fused and self._silu and plain_down and residual is not None:
+            from kernels.fused_gemv import silu_mul_linear
 
+            if residual.dtype == gate.dtype == down.weight.dtype:
                 return silu_mul_linear(gate, up, down.weight, residual=residual)
         if fused and self._silu:
             from kernels.fused_ops import silu_mul
@@ -372,9 +373,8 @@ class DecoderEngine:
         o = _proj_masked(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids, mask)
         if fused:
             norm = layer.post_attention_layernorm
-            gemv = getattr(view, "fuses_norm_gemv", False)
             gu = layer.mlp.__dict__.get("_lragent_gu")
-            if gemv and gu is not None and not gu.lora and _norm_gemv_ok(view, gu, o):
+            if _norm_gemv_ok(view, gu, o) and not gu.lora:  # gate/up carry no adapter: no B to add after the GEMV
                 from kernels.fused_gemv import rms_norm_linear
 
                 y, h = rms_norm_linear(o, norm.weight, norm.variance_epsilon, gu.weight, residual=h)
@@ -383,7 +383,8 @@ class DecoderEngine:
             from kernels.fused_ops import rms_norm
 
             x2, h = rms_norm(o, norm.weight, norm.variance_epsilon, residual=h)
-            return self._mlp(layer, x2, role_ids, fused, mask, residual=h, silu_in_gemv=gemv)
+            silu_in_gemv = getattr(view, "fuses_norm_gemv", False)
+            return self._mlp(layer, x2, role_ids, fused, mask, residual=h, silu_in_gemv=silu_in_gemv)
         h = h + o
         x2 = layer.post_attention_layernorm(h)
         return h + self._mlp(layer, x2, role_ids, fused, mask)
