@@ -33,22 +33,25 @@ from lragent.memory_plan import choose_batch, model_shape, transformers_baseline
 from lragent.provenance import provenance, provenance_footer
 
 
-def split_plan(spec: str) -> tuple[str, bool]:
-    """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, whether it sets
-    ``fused_gemv=1``: the norms and SiLU·mul inside the GEMVs).
+def split_plan(spec: str) -> tuple[str, int]:
+    """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, its ``fused_gemv=N``:
+    the norms and SiLU·mul inside the GEMVs in steps of at most N rows, 0 without it).
 
     Raises:
-        ValueError: ``fused_gemv`` other than 0 or 1.
+        ValueError: ``fused_gemv`` other than 0..:data:`kernels.fused_gemv.MAX_ROWS`.
     """
-    kernel, fused = [], False
+    from kernels.fused_gemv import fused_gemv_rows
+
+    kernel, fused = [], 0
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, value = item.partition("=")
         if name.strip() != "fused_gemv":
             kernel.append(item)
-        elif value.strip() in ("0", "1"):
-            fused = value.strip() == "1"
-        else:
-            raise ValueError(f"--plans {spec!r}: fused_gemv must be 0 or 1, got {value.strip()!r}")
+            continue
+        try:
+            fused = fused_gemv_rows(value)
+        except ValueError as exc:
+            raise ValueError(f"--plans {spec!r}: {exc}") from None
     return ",".join(kernel), fused
 
 
@@ -306,9 +309,10 @@ def decode(
         eager: also time eager decoding (no CUDA graphs).
         transformers_baseline: also time stock transformers' eager loop (batch sizes up to 32).
         plans: decode plans to time side by side, each in ``LRAGENT_DECODE_PLAN``'s syntax (``""``: the attention
-            kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=1``:
-            the RMSNorms and SiLU·mul inside the GEMVs (``LRAGENT_FUSED_GEMV``, :mod:`kernels.fused_gemv`); every
-            scheme and batch under each (default: what the environment sets now). Each row records its plan.
+            kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=N``:
+            the RMSNorms and SiLU·mul inside the GEMVs at steps of at most N rows (``LRAGENT_FUSED_GEMV``,
+            :mod:`kernels.fused_gemv`); every scheme and batch under each (default: what the environment sets now).
+            Each row records its plan.
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
@@ -351,7 +355,7 @@ def decode(
         for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
             kernel_spec, fused_gemv = split_plan(spec)
             os.environ["LRAGENT_DECODE_PLAN"] = kernel_spec
-            os.environ["LRAGENT_FUSED_GEMV"] = "1" if fused_gemv else saved["LRAGENT_FUSED_GEMV"] or "0"
+            os.environ["LRAGENT_FUSED_GEMV"] = str(fused_gemv) if fused_gemv else saved["LRAGENT_FUSED_GEMV"] or "0"
             fld._PLANS.clear()
             for scheme in schemes:
                 for b in batches:

@@ -19,7 +19,6 @@ On CUDA the decomposed prefill uses the fused Flash-LoRA-Attention kernel, and d
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
@@ -128,6 +127,13 @@ def _fused_decode():
     return flash_lora_decode
 
 
+def _fused_gemv_rows() -> int:
+    """``LRAGENT_FUSED_GEMV``: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs."""
+    from kernels.fused_gemv import fused_gemv_rows
+
+    return fused_gemv_rows()
+
+
 class PrefillView:
     """Contiguous new positions of one trajectory (batch 1) in a static pool.
 
@@ -224,9 +230,9 @@ class DecodeView:
         use_kernel: allow the fused decode kernel on CUDA.
         fused: the fused kernels (default: where the decode kernel runs).
 
-    ``LRAGENT_FUSED_GEMV=1`` in the environment when the view is made also runs each RMSNorm and SiLU·mul inside the
-    GEMV that reads it (:mod:`kernels.fused_gemv`, on fused views at up to 4 rows): an experiment of issue 38, off
-    until ``python -m eval_suite.bench_fused_gemv`` and ``bench decode`` show it faster.
+    ``LRAGENT_FUSED_GEMV=N`` in the environment when the view is made also runs each RMSNorm and SiLU·mul inside the
+    GEMV that reads it (:mod:`kernels.fused_gemv`, on fused views, in steps of at most N <= 4 rows): off by default;
+    N = 1 made batch-1 decode 4% faster on an H100 (issue 38).
     """
 
     def __init__(
@@ -248,7 +254,7 @@ class DecodeView:
         kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None
         self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
         self.fused = self.kernel is not None if fused is None else fused
-        self.fuses_norm_gemv = bool(self.fused) and os.environ.get("LRAGENT_FUSED_GEMV", "0") == "1"
+        self.norm_gemv_rows = _fused_gemv_rows() if self.fused else 0  # 0: the unfused norms and SiLU·mul
         if self.kernel is not None:  # int32 indices once per step, not per layer
             self.kv_lens32 = self.kv_lens.to(torch.int32)
             self.kv_slot32 = kv_slot.to(torch.int32)

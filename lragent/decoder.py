@@ -127,13 +127,11 @@ def _group_forward(
 
 def _norm_gemv_ok(view: object, group: FusedGroup | None, h: torch.Tensor) -> bool:
     """Whether ``group``'s GEMM may take the RMSNorm before it into its launch (:mod:`kernels.fused_gemv`): the view
-    asks for it (``LRAGENT_FUSED_GEMV=1``), a few rows (decode), no bias, and every adapter's X·A from the GEMM (no
-    adapter then needs the normed input itself)."""
-    if group is None or not getattr(view, "fuses_norm_gemv", False) or group.bias is not None:
+    asks for it at this many rows (``LRAGENT_FUSED_GEMV=N``: steps of at most N rows), no bias, and every adapter's
+    X·A from the GEMM (no adapter then needs the normed input itself)."""
+    if group is None or group.bias is not None or group.weight.dtype != h.dtype:
         return False
-    from kernels.fused_gemv import MAX_ROWS
-
-    if h.numel() // h.shape[-1] > MAX_ROWS or group.weight.dtype != h.dtype:
+    if h.numel() // h.shape[-1] > getattr(view, "norm_gemv_rows", 0):  # 0: not asked for
         return False
     adapted = [i for i, m in enumerate(group.modules) if isinstance(m, MultiLoraLinear)]
     return sorted(group.lora) == adapted and all(
@@ -309,7 +307,7 @@ class DecoderEngine:
         fused = getattr(view, "fused", False)
         view.capture(index, h)
         qkv = attn.__dict__.get("_lragent_qkv") if fused else None
-        # the input norm inside the q/k/v GEMM (decode with LRAGENT_FUSED_GEMV=1): x is then never made
+        # the input norm inside the q/k/v GEMM (decode with LRAGENT_FUSED_GEMV=N, at most N rows): x is then never made
         norm_in_qkv = write_kv and kv_from == 0 and _norm_gemv_ok(view, qkv, h)
         x = None if norm_in_qkv else self._norm(layer.input_layernorm, h, fused)
         v_mod = attn.v_proj
@@ -383,7 +381,7 @@ class DecoderEngine:
             from kernels.fused_ops import rms_norm
 
             x2, h = rms_norm(o, norm.weight, norm.variance_epsilon, residual=h)
-            silu_in_gemv = getattr(view, "fuses_norm_gemv", False)
+            silu_in_gemv = x2.numel() // x2.shape[-1] <= getattr(view, "norm_gemv_rows", 0)
             return self._mlp(layer, x2, role_ids, fused, mask, residual=h, silu_in_gemv=silu_in_gemv)
         h = h + o
         x2 = layer.post_attention_layernorm(h)

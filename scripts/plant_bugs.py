@@ -78,6 +78,30 @@ BUGS = {
         "                return silu_mul_linear(gate, up, down.weight)",
         "tests/test_fused_gemv.py",
     ),
+    "fused GEMV rows: the q/k/v and gate/up GEMVs fuse past the switch's row count": (
+        "lragent/decoder.py",
+        '    if h.numel() // h.shape[-1] > getattr(view, "norm_gemv_rows", 0):  # 0: not asked for',
+        '    if not getattr(view, "norm_gemv_rows", 0) or h.numel() // h.shape[-1] > 4:',
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV rows: SiLU in the down GEMV whenever the switch is on, at any row count": (
+        "lragent/decoder.py",
+        '            silu_in_gemv = x2.numel() // x2.shape[-1] <= getattr(view, "norm_gemv_rows", 0)',
+        '            silu_in_gemv = getattr(view, "norm_gemv_rows", 0) > 0',
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV rows: a switch past MAX_ROWS accepted": (
+        "kernels/fused_gemv.py",
+        "    if not raw.isdigit() or int(raw) > MAX_ROWS:",
+        "    if not raw.isdigit():",
+        "tests/test_fused_gemv.py tests/test_decode_floor.py",
+    ),
+    "fused GEMV bench: one weight timed over and over (L2-hot)": (
+        "eval_suite/bench_fused_gemv.py",
+        "    return max(1, -(-2 * l2_bytes // max(1, weight_bytes)))",
+        "    return 1",
+        "tests/test_fused_gemv.py",
+    ),
     "multi-GPU report: the shards' balance read from the fastest shard": (
         "eval_suite/multi_gpu_report.py",
         '"slowest_over_mean": max(loops) / (sum(loops) / len(loops))',

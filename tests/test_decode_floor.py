@@ -88,16 +88,14 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> N
         decode(plans=["", "min_split=4"], out="/nonexistent/never_written")
     with pytest.raises(ValueError, match="num_warps must be a positive integer, got '0'"):
         decode(plans=["num_warps=0"], out="/nonexistent/never_written")
-    with pytest.raises(ValueError, match="fused_gemv must be 0 or 1, got '2'"):
-        decode(plans=["fused_gemv=2"], out="/nonexistent/never_written")
+    with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='5': allowed 0 \(off\) to 4"):
+        decode(plans=["fused_gemv=5"], out="/nonexistent/never_written")
     # fused_gemv is the engine's switch (LRAGENT_FUSED_GEMV), the rest the attention kernel's plan
     from eval_suite.bench_decode import split_plan
 
-    assert split_plan("fused_gemv=1,min_split_tiles=4") == ("min_split_tiles=4", True)
-    assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", False) and split_plan("") == (
-        "",
-        False,
-    )
+    assert split_plan("fused_gemv=1,min_split_tiles=4") == ("min_split_tiles=4", 1)
+    assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", 0) and split_plan("") == ("", 0)
+    assert split_plan("fused_gemv=4") == ("", 4)
 
     def row(impl, plan, ms):
         r = {"impl": impl, "scheme": "base_lr_shared" if plan is not None else "-", "batch": 1, "ms_per_token": ms,

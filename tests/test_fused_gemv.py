@@ -5,6 +5,7 @@ differences can move it; the residual sum comes back exact; more rows than the k
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -103,8 +104,9 @@ def test_fused_gemv_cuda(dtype, k, n):
 
 
 def _engine_check(device: str) -> dict[str, int]:
-    """Decode with LRAGENT_FUSED_GEMV 0 and 1 (two rows of different roles, tiny LLaMA with q/v adapters and
-    norms that differ): the same tokens, logits within 2e-3, and the fused kernels used (their calls counted)."""
+    """Decode with LRAGENT_FUSED_GEMV 0, 2 and 1 (two rows of different roles, tiny LLaMA with q/v adapters and
+    norms that differ): at 2 the same tokens as 0, logits within 2e-3, the fused kernels used (their calls counted);
+    at 1 (steps of one row only) a two-row step keeps the unfused path: no fused call, the same logits as 0."""
     from conftest import tiny_multi_lora
 
     import kernels.fused_gemv as fg
@@ -123,11 +125,13 @@ def _engine_check(device: str) -> dict[str, int]:
 
     saved = os.environ.get("LRAGENT_FUSED_GEMV")
     fg.rms_norm_linear, fg.silu_mul_linear = norm_spy, silu_spy
+    counted = {}
     try:
         for scheme in ("base_lr_shared", "full_shared"):
-            outs = []
-            for flag in ("0", "1"):
+            outs = {}
+            for flag in ("0", "2", "1"):
                 os.environ["LRAGENT_FUSED_GEMV"] = flag
+                before = dict(calls)
                 m = tiny_multi_lora("tiny-llama", b_std=0.3)
                 g = torch.Generator().manual_seed(3)  # norms that differ from each other (a tiny model's are ones)
                 for layer in m.model.model.layers:
@@ -142,10 +146,13 @@ def _engine_check(device: str) -> dict[str, int]:
                 res = []
                 while eng._pending:
                     res.extend(eng.advance())
-                outs.append(sorted(res, key=lambda x: x.row))
-            for a, b in zip(*outs, strict=True):
-                assert a.generated_ids == b.generated_ids, (scheme, a.generated_ids, b.generated_ids)
+                outs[flag] = sorted(res, key=lambda x: x.row)
+                counted[(scheme, flag)] = {k: calls[k] - before[k] for k in calls}
+            for a, b, c in zip(outs["0"], outs["2"], outs["1"], strict=True):
+                assert a.generated_ids == b.generated_ids == c.generated_ids, (scheme, a.generated_ids, b.generated_ids)
                 assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
+                assert torch.equal(a.logits, c.logits), scheme  # two rows past the cap of 1: the unfused path
+            assert counted[(scheme, "1")] == {"norm": 0, "silu": 0}, counted
     finally:
         fg.rms_norm_linear, fg.silu_mul_linear = raw_norm, raw_silu
         if saved is None:
@@ -158,8 +165,8 @@ def _engine_check(device: str) -> dict[str, int]:
 
 
 def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_interpreter():
-    """fp16 under TRITON_INTERPRET=1 (a fresh process): with LRAGENT_FUSED_GEMV=1 each decode step's RMSNorms and
-    SiLU·mul run inside the q/k/v, gate/up and down GEMVs (through the Triton kernels, two rows of different roles,
+    """fp16 under TRITON_INTERPRET=1 (a fresh process): with LRAGENT_FUSED_GEMV=2 each two-row decode step's RMSNorms
+    and SiLU·mul run inside the q/k/v, gate/up and down GEMVs (through the Triton kernels, two rows of different roles,
     the shared A rows of q and v in the q/k/v GEMV) and the engine gives the unfused path's tokens and logits."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (
@@ -176,3 +183,31 @@ def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_
 def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_on_a_gpu():
     """The same on a GPU, decode steps captured and replayed as CUDA graphs."""
     _engine_check("cuda")
+
+
+def test_the_switch_names_the_most_rows_of_a_fused_step(monkeypatch):
+    """LRAGENT_FUSED_GEMV is a row count: unset or 0 off, 1..MAX_ROWS the widest fused step; anything else refused
+    with the value and what is allowed (never silently off)."""
+    from kernels.fused_gemv import MAX_ROWS, fused_gemv_rows
+
+    monkeypatch.delenv("LRAGENT_FUSED_GEMV", raising=False)
+    assert fused_gemv_rows() == 0
+    for value in range(MAX_ROWS + 1):
+        monkeypatch.setenv("LRAGENT_FUSED_GEMV", str(value))
+        assert fused_gemv_rows() == value
+    for bad in ("5", "-1", "yes", "1.5"):
+        with pytest.raises(ValueError, match=rf"LRAGENT_FUSED_GEMV='{re.escape(bad)}': allowed 0 \(off\) to 4"):
+            fused_gemv_rows(bad)
+
+
+def test_weight_copies_outgrow_the_l2():
+    """The bench cycles through enough copies of a weight that each is read from DRAM (twice the L2 in all): an
+    o projection (33.5 MB) on an H100's 50 MiB L2 takes 4 (3 make 100.7 MB, short of 104.9), gate/up (235 MB) one."""
+    from eval_suite.bench_fused_gemv import weight_copies
+
+    l2 = 50 * 2**20
+    assert weight_copies(4096 * 4096 * 2, l2) == 4
+    assert weight_copies(2 * 14336 * 4096 * 2, l2) == 1
+    for w in (1, 10**6, 33554432, 10**9):
+        n = weight_copies(w, l2)
+        assert n * w >= 2 * l2 and (n - 1) * w < 2 * l2 or n == 1 and w >= 2 * l2
