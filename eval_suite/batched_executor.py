@@ -24,12 +24,15 @@ from lragent.agents.requests import Choose, Generate, Reply, StepStats, best_opt
 from lragent.engine import Engine, GenerationRequest, StepResult
 from lragent.lora_model import MultiLoraModel
 
-PREFILL_IN_DECODE = 128
-"""On CUDA, agent calls that append up to this many tokens are fed through the batched decode graph."""
-FEED_BUDGET = 0
-"""On CUDA, the extra token rows of a decode step for fed tokens (``Engine``'s ``feed_budget``). None by default (0): on
-an H100 ``--feed_budget 64`` cut the decode steps by about 40% but the episode loops by 2-4%, and in bf16 it gives
-other records than one-token feeding (docs/engine.md); steps where no row feeds have no extra rows either way."""
+PREFILL_IN_DECODE = 2048
+"""On CUDA, agent calls that append up to this many tokens are fed through the batched decode graph: with
+:data:`FEED_BUDGET` that takes in the prompts too (a HotpotQA prompt with its paragraphs is about 1,400 tokens), whose
+eager prefill on a row alone, hundreds of kernel launches from Python, was most of the host's time between decode steps
+(results/eval_speed/README.md, 2026-11-27: an H100's HotpotQA loop 1.95x shorter than at 128 without a budget)."""
+FEED_BUDGET = 256
+"""On CUDA, the extra token rows of a decode step for fed tokens (``Engine``'s ``feed_budget``), lent in row order to
+the rows that feed. Records in bf16 differ from one-token feeding (``--feed_budget 0 --prefill_in_decode 128`` gives
+the records of runs before 2026-11-27); the same at any ``--devices`` with ``--batch_invariant true``."""
 
 
 @dataclass

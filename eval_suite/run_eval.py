@@ -540,12 +540,13 @@ def evaluate(
             it: --max_context_tokens defaults to capacity - 2048 there).
         cuda_graphs: decode with CUDA graphs on a GPU (false: eager, for debugging).
         prefill_in_decode: with --batch, agent calls that append at most this many tokens feed them through the
-            batched decode step (all rows together) instead of prefilling their row alone; default 128 on a GPU,
-            0 (off) on the CPU.
+            batched decode step (all rows together) instead of prefilling their row alone; default 2048 on a GPU
+            (the prompts too), 0 (off) on the CPU.
         feed_budget: with --prefill_in_decode, extra token rows per decode step for the fed text, lent in row
-            order to the rows that feed: a call's new text then goes through in one step or a few instead of one per
-            token; default 0 (exact on the CPU at any value; on a GPU other bf16 records than 0's, and on an H100
-            40% fewer steps but only 2-4% shorter episode loops).
+            order to the rows that feed: a call's new text then goes through in a few steps instead of one per
+            token; default 256 on a GPU (with the prompts fed, an H100's HotpotQA episode loop 1.95x shorter than
+            at 128 and 0), 0 on the CPU (exact there at any value). In bf16 other records than 0's: --prefill_in_decode
+            128 --feed_budget 0 gives the records of runs before 2026-11-27.
         batch_invariant: with --batch, decode every step at the full batch width (idle rows masked) and size the
             engine to --batch even for fewer episodes: an episode's tokens then depend on its own inputs only, not
             on how many others run beside it (GPU kernels sum in an order chosen by the batch width), so --devices

@@ -300,10 +300,11 @@ def test_constructor_defaults_and_prefill_in_decode_by_device() -> None:
     assert (ex.batch, ex.capacity, ex.temperature, ex.top_p, ex.use_kernel) == (64, 8192, 0.0, 1.0, True)
     assert (ex.cuda_graphs, ex.droidspeak_layers, ex.eos_token_ids, ex.generated_tokens) == (None, None, None, 0)
     assert ex.prefill_in_decode == 0  # off where eager decode steps gain nothing
-    assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).prefill_in_decode == 128 == be.PREFILL_IN_DECODE
+    # on CUDA the prompts are fed too (a HotpotQA prompt is about 1,400 tokens), with extra token rows to feed them
+    assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).prefill_in_decode == 2048 == be.PREFILL_IN_DECODE
     assert BatchedExecutor(_fake_model("cuda"), Tokenizer(), prefill_in_decode=0).prefill_in_decode == 0
-    # the CUDA default where feeding is on (none until the extra rows are measured there), none where it is off
-    assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).feed_budget == be.FEED_BUDGET
+    # the CUDA default where feeding is on, none where it is off
+    assert BatchedExecutor(_fake_model("cuda"), Tokenizer()).feed_budget == 256 == be.FEED_BUDGET
     assert BatchedExecutor(_fake_model("cuda"), Tokenizer(), prefill_in_decode=0).feed_budget == 0
     assert ex.feed_budget == 0 and BatchedExecutor(_fake_model("cpu"), Tokenizer(), feed_budget=4).feed_budget == 4
     with pytest.raises(ValueError, match="feed_budget must be >= 0, got -1"):
