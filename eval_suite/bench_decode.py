@@ -33,23 +33,23 @@ from lragent.memory_plan import choose_batch, model_shape, transformers_baseline
 from lragent.provenance import provenance, provenance_footer
 
 
-def split_plan(spec: str) -> tuple[str, int]:
+def split_plan(spec: str) -> tuple[str, int | None]:
     """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, its ``fused_gemv=N``:
-    the norms and SiLU·mul inside the GEMVs in steps of at most N rows, 0 without it).
+    the norms and SiLU·mul inside the GEMVs in steps of at most N rows, 0 off; None without it: the environment's).
 
     Raises:
         ValueError: ``fused_gemv`` other than 0..:data:`kernels.fused_gemv.MAX_ROWS`.
     """
     from kernels.fused_gemv import fused_gemv_rows
 
-    kernel, fused = [], 0
+    kernel, fused = [], None
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, value = item.partition("=")
         if name.strip() != "fused_gemv":
             kernel.append(item)
             continue
         try:
-            fused = fused_gemv_rows(value)
+            fused = fused_gemv_rows(value if value.strip() else "x")
         except ValueError as exc:
             raise ValueError(f"--plans {spec!r}: {exc}") from None
     return ",".join(kernel), fused
@@ -310,13 +310,14 @@ def decode(
         transformers_baseline: also time stock transformers' eager loop (batch sizes up to 32).
         plans: decode plans to time side by side, each in ``LRAGENT_DECODE_PLAN``'s syntax (``""``: the attention
             kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=N``:
-            the RMSNorms and SiLU·mul inside the GEMVs at steps of at most N rows (``LRAGENT_FUSED_GEMV``,
-            :mod:`kernels.fused_gemv`); every scheme and batch under each (default: what the environment sets now).
-            Each row records its plan.
+            the RMSNorms and SiLU·mul inside the GEMVs at steps of at most N rows, 0 off (``LRAGENT_FUSED_GEMV``,
+            :mod:`kernels.fused_gemv`; off by default); every scheme and batch under each (default: what the
+            environment sets now). Each row records its plan and the fused rows it ran with.
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
     from kernels import flash_lora_decode as fld
+    from kernels.fused_gemv import fused_gemv_rows
     from lragent.models import load_model, parse_dtype
     from lragent.schemes import resolve_schemes
 
@@ -355,7 +356,12 @@ def decode(
         for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
             kernel_spec, fused_gemv = split_plan(spec)
             os.environ["LRAGENT_DECODE_PLAN"] = kernel_spec
-            os.environ["LRAGENT_FUSED_GEMV"] = str(fused_gemv) if fused_gemv else saved["LRAGENT_FUSED_GEMV"] or "0"
+            if fused_gemv is not None:
+                os.environ["LRAGENT_FUSED_GEMV"] = str(fused_gemv)
+            elif saved["LRAGENT_FUSED_GEMV"] is None:
+                os.environ.pop("LRAGENT_FUSED_GEMV", None)  # the default (kernels.fused_gemv.DEFAULT_ROWS)
+            else:
+                os.environ["LRAGENT_FUSED_GEMV"] = saved["LRAGENT_FUSED_GEMV"]
             fld._PLANS.clear()
             for scheme in schemes:
                 for b in batches:
@@ -365,7 +371,8 @@ def decode(
                         t["floor_ms"] = 1e3 * read / bandwidth
                         t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
                         impl = "lragent " + ("graph" if graphs else "eager")
-                        rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec, **t})
+                        rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec,
+                                     "fused_gemv_rows": fused_gemv_rows(), **t})  # fmt: skip
                         print(f"{scheme} b={b} graphs={graphs} plan={spec or 'rule'}: {t['ms_per_token']:.3f} ms/token "
                               f"({t['vs_floor']:.2f}x floor)")  # fmt: skip
     finally:

@@ -6,8 +6,8 @@ an H100 (``results/engine_h100/decode_profile_2026-11-27``) the two RMSNorms and
 issue 38's 0.8 ms to find. Computing the norm (or the activation) inside the GEMV that consumes it removes the kernel,
 its output's round trip through memory and its node. Whether a Triton GEMV keeps cuBLAS's bandwidth is what
 ``python -m eval_suite.bench_fused_gemv`` measures: on an H100, 1.01-1.06x the unfused pair at one row (the 8B batch-1
-step 4% faster), 3.6-4.3x slower at four, so the decoder takes them at the rows ``LRAGENT_FUSED_GEMV`` names (off by
-default; 1 for batch-1 decode: kernels/NOTES.md).
+step 4% faster), 3.6-4.3x slower at four, so the decoder takes them at the rows ``LRAGENT_FUSED_GEMV`` names (1:
+batch-1 decode; off by default; kernels/NOTES.md).
 
 What each computes, with the intermediate roundings of the unfused kernels (:mod:`kernels.fused_ops`), so the GEMV's
 input is bit for bit what the unfused path feeds cuBLAS; only the GEMV's summation order differs:
@@ -48,17 +48,22 @@ ROWS_ENV = "LRAGENT_FUSED_GEMV"
 """The decoder's switch: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs (0: off)."""
 
 
+DEFAULT_ROWS = 0
+"""Without ``LRAGENT_FUSED_GEMV``: off, until the whole GPU suite has run with it on. ``1`` (batch-1 steps fuse) took an
+H100's 8B batch-1 step from 6.81 to 6.50 ms (results/engine_h100/fused_gemv_2026-11-27); at four rows the fused kernels
+are 3.6-4.3x slower than unfused (each tile's product is taken row by row), so wider steps should not."""
+
+
 def fused_gemv_rows(value: str | None = None) -> int:
-    """The rows up to which decode views fuse (``LRAGENT_FUSED_GEMV``, or ``value``): 0 (unset: off) to
-    :data:`MAX_ROWS`. 1 is what an H100 measured faster (``results/engine_h100``: 1.01-1.06x per GEMV at one row,
-    3.6-4.3x slower at four, where each tile's product is taken row by row).
+    """The rows up to which decode views fuse (``LRAGENT_FUSED_GEMV``, or ``value``): 0 (off) to :data:`MAX_ROWS`;
+    unset or empty: :data:`DEFAULT_ROWS`.
 
     Raises:
         ValueError: anything but an integer in 0..MAX_ROWS, named with what is allowed.
     """
     import os
 
-    raw = (os.environ.get(ROWS_ENV, "0") if value is None else value).strip() or "0"
+    raw = (os.environ.get(ROWS_ENV, "") if value is None else value).strip() or str(DEFAULT_ROWS)
     if not raw.isdigit() or int(raw) > MAX_ROWS:
         raise ValueError(f"{ROWS_ENV}={raw!r}: allowed 0 (off) to {MAX_ROWS}, the most rows of a fused decode step")
     return int(raw)

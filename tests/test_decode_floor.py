@@ -94,8 +94,10 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> N
     from eval_suite.bench_decode import split_plan
 
     assert split_plan("fused_gemv=1,min_split_tiles=4") == ("min_split_tiles=4", 1)
-    assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", 0) and split_plan("") == ("", 0)
-    assert split_plan("fused_gemv=4") == ("", 4)
+    assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", 0)
+    assert split_plan("") == ("", None) and split_plan("fused_gemv=4") == ("", 4)  # None: the environment's
+    with pytest.raises(ValueError, match="LRAGENT_FUSED_GEMV='x'"):
+        split_plan("fused_gemv=")
 
     def row(impl, plan, ms):
         r = {"impl": impl, "scheme": "base_lr_shared" if plan is not None else "-", "batch": 1, "ms_per_token": ms,
