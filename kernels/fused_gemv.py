@@ -6,8 +6,8 @@ an H100 (``results/engine_h100/decode_profile_2026-11-27``) the two RMSNorms and
 issue 38's 0.8 ms to find. Computing the norm (or the activation) inside the GEMV that consumes it removes the kernel,
 its output's round trip through memory and its node. Whether a Triton GEMV keeps cuBLAS's bandwidth is what
 ``python -m eval_suite.bench_fused_gemv`` measures: on an H100, 1.01-1.06x the unfused pair at one row (the 8B batch-1
-step 4% faster), 3.6-4.3x slower at four, so the decoder takes them at the rows ``LRAGENT_FUSED_GEMV`` names (1:
-batch-1 decode; off by default; kernels/NOTES.md).
+step 4% faster), 3.6-4.3x slower at four with the rows taken one by one (now one tensor-core dot, untimed), so the
+decoder takes them at the rows ``LRAGENT_FUSED_GEMV`` names (1: batch-1 decode; off by default; kernels/NOTES.md).
 
 What each computes, with the intermediate roundings of the unfused kernels (:mod:`kernels.fused_ops`), so the GEMV's
 input is bit for bit what the unfused path feeds cuBLAS; only the GEMV's summation order differs:
@@ -41,8 +41,9 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-MAX_ROWS = 4
-"""Input rows a fused call takes (a decode step at small batch); more go through the unfused kernels and cuBLAS."""
+MAX_ROWS = 16
+"""Input rows a fused call takes (a decode step at small batch: one tensor-core row block); more go through the unfused
+kernels and cuBLAS."""
 
 ROWS_ENV = "LRAGENT_FUSED_GEMV"
 """The decoder's switch: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs (0: off)."""
@@ -50,8 +51,9 @@ ROWS_ENV = "LRAGENT_FUSED_GEMV"
 
 DEFAULT_ROWS = 0
 """Without ``LRAGENT_FUSED_GEMV``: off, until the whole GPU suite has run with it on. ``1`` (batch-1 steps fuse) took an
-H100's 8B batch-1 step from 6.81 to 6.50 ms (results/engine_h100/fused_gemv_2026-11-27); at four rows the fused kernels
-are 3.6-4.3x slower than unfused (each tile's product is taken row by row), so wider steps should not."""
+H100's 8B batch-1 step from 6.81 to 6.50 ms (results/engine_h100/fused_gemv_2026-11-27). At four rows the kernels were
+then 3.6-4.3x slower than unfused (each tile's product taken row by row); several rows now go through one tensor-core
+dot, not yet timed on a GPU."""
 
 
 def fused_gemv_rows(value: str | None = None) -> int:
@@ -92,14 +94,17 @@ share the per-program norm statistic over twice the outputs."""
 if triton is not None:
 
     @triton.jit
-    def _rows_times_w(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc, rows, ROWS: tl.constexpr):
+    def _rows_times_w(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc, ROWS: tl.constexpr):
         """``acc[r] += Σ_k W[n, k]·xin[r, k]`` over one (BLOCK_N, BLOCK_K) tile of W, loaded once for all ``ROWS``
-        rows, in fp32 (the GEMVs' inner step)."""
+        rows, with fp32 accumulation (the GEMVs' inner step). One row: a broadcast product summed over K on the CUDA
+        cores. More (a 16-row block, the idle rows zero): one tensor-core ``tl.dot``, where taking the rows one by one
+        made four rows 3.6-4.3x slower than unfused on an H100. ``xin`` holds values already rounded to W's dtype, so
+        casting it back is exact."""
         w = tl.load(W + offs_n[:, None] * n_in + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        w = w.to(tl.float32)
-        for r in tl.static_range(ROWS):
-            xr = tl.sum(tl.where(rows[:, None] == r, xin, 0.0), axis=0)  # row r of xin: (BLOCK_K,)
-            acc = tl.where(rows[:, None] == r, acc + tl.sum(w * xr[None, :], axis=1)[None, :], acc)
+        if ROWS == 1:
+            acc += tl.sum(w.to(tl.float32) * xin, axis=1)[None, :]
+        else:
+            acc += tl.dot(xin.to(w.dtype), tl.trans(w))
         return acc
 
     @triton.jit
@@ -139,7 +144,7 @@ if triton is not None:
             normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
             nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
             xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
-            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, rows, ROWS)
+            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
         out = rows[:, None] * n_out + offs_n[None, :]
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
@@ -168,16 +173,25 @@ if triton is not None:
                 xin = (act * u).to(g.dtype).to(tl.float32)
             else:
                 xin = g.to(tl.float32)
-            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, rows, ROWS)
+            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
         out = rows[:, None] * n_out + offs_n[None, :]
         if HAS_RES:
             acc += tl.load(RES + out, mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-def _rows_pow2(rows: int) -> int:
-    """The kernels' row block: the rows rounded up to a power of two (1, 2 or 4), one compiled kernel each."""
-    return 1 << (rows - 1).bit_length()
+DOT_ROWS = 16
+"""The row block of a call with several rows: the smallest M of a tensor-core ``tl.dot`` (idle rows masked to zero)."""
+
+
+def _row_block(rows: int) -> int:
+    """The kernels' row block: 1 for one row (CUDA-core products), else :data:`DOT_ROWS` (one tensor-core dot)."""
+    return 1 if rows == 1 else DOT_ROWS
+
+
+def _block_n(config: GemvConfig, rows: int) -> int:
+    """Outputs per program: the config's, at least 16 where a tensor-core dot takes the rows (its N must be)."""
+    return config.block_n if rows == 1 else max(config.block_n, 16)
 
 
 def _fusable(x: Tensor, weight: Tensor) -> bool:
@@ -223,9 +237,10 @@ def rms_norm_linear(
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
-    _rms_norm_gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
+    block_n = _block_n(config, rows)
+    _rms_norm_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps),
-        HAS_RES=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows),
+        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=config.block_k, ROWS=_row_block(rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y, h_out
@@ -284,9 +299,10 @@ def _launch_gemv(g: Tensor, up: Tensor | None, weight: Tensor, residual: Tensor 
     rows = g2.shape[0]
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
-    _gemv_kernel[(triton.cdiv(n_out, config.block_n),)](
+    block_n = _block_n(config, rows)
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
-        HAS_RES=residual is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=_rows_pow2(rows),
+        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=config.block_k, ROWS=_row_block(rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -56,8 +56,8 @@ BUGS = {
     ),
     "fused GEMV: every row multiplied with the first row's input": (
         "kernels/fused_gemv.py",
-        "            xr = tl.sum(tl.where(rows[:, None] == r, xin, 0.0), axis=0)  # row r of xin: (BLOCK_K,)",
-        "            xr = tl.sum(tl.where(rows[:, None] == 0, xin, 0.0), axis=0)  # row r of xin: (BLOCK_K,)",
+        "            acc += tl.dot(xin.to(w.dtype), tl.trans(w))",
+        "            acc += tl.dot(tl.broadcast_to(tl.sum(xin, axis=0)[None, :], xin.shape).to(w.dtype), tl.trans(w))",
         "tests/test_fused_gemv.py",
     ),
     "fused GEMV in the engine: the q/k/v GEMV normed with the post-attention norm's weight": (

@@ -36,7 +36,7 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
 
     w = rand(n, k, scale=k**-0.5)
     norm_w = rand(k, scale=0.5) + 1
-    for rows in (1, 3):
+    for rows in (1, 3, 16):  # one row (CUDA cores), a few and a full 16-row block (one tensor-core dot)
         x, res = rand(rows, k), rand(rows, k)
         for residual in (None, res):
             y, h = rms_norm_linear(x, norm_w, EPS, w, residual)
@@ -197,8 +197,8 @@ def test_the_switch_names_the_most_rows_of_a_fused_step(monkeypatch):
     for value in range(MAX_ROWS + 1):
         monkeypatch.setenv("LRAGENT_FUSED_GEMV", str(value))
         assert fused_gemv_rows() == value
-    for bad in ("5", "-1", "yes", "1.5"):
-        with pytest.raises(ValueError, match=rf"LRAGENT_FUSED_GEMV='{re.escape(bad)}': allowed 0 \(off\) to 4"):
+    for bad in ("17", "-1", "yes", "1.5"):
+        with pytest.raises(ValueError, match=rf"LRAGENT_FUSED_GEMV='{re.escape(bad)}': allowed 0 \(off\) to 16"):
             fused_gemv_rows(bad)
 
 
