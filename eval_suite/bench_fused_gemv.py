@@ -13,7 +13,7 @@ against the floor: the weight's bytes over the device-to-device copy bandwidth m
 through copies of the weight, twice the L2 in all, so each reads its weight from DRAM as a decode step does. Each fused
 row also records its largest difference to the unfused output (relative to that output's largest magnitude).
 
-    python -m eval_suite.bench_fused_gemv --rows [1,4,16] --out bench_out/fused_gemv
+    python -m eval_suite.bench_fused_gemv --rows [1,4,16,32] --out bench_out/fused_gemv
     python -m eval_suite.bench_fused_gemv --configs '["block_n=8,block_k=512", "block_n=16,block_k=256,num_warps=8"]'
 
 writes ``OUT/fused_gemv.json`` and ``OUT/fused_gemv.md``.
@@ -104,7 +104,7 @@ def bench_fused_gemv(
     """Fused RMSNorm/SiLU GEMVs against the unfused kernels + cuBLAS and the bandwidth floor (one GPU, one run).
 
     Args:
-        rows: input rows (decode batch) to time (default [1, 4, 16]; at most kernels.fused_gemv.MAX_ROWS).
+        rows: input rows (decode batch) to time (default [1, 4, 16, 32]; at most kernels.fused_gemv.MAX_ROWS).
         configs: fused launches, each ``"block_n=8,block_k=512[,num_warps=4][,num_stages=3]"`` (default five).
         dtype: bfloat16 or float16.
         out: output directory.
@@ -116,7 +116,7 @@ def bench_fused_gemv(
     from kernels.fused_gemv import MAX_ROWS, gemv, rms_norm_linear, silu_mul_linear
     from kernels.fused_ops import rms_norm, silu_mul
 
-    rows = rows or [1, 4, 16]
+    rows = rows or [1, 4, 16, 32]
     bad = [r for r in rows if not 1 <= r <= MAX_ROWS]
     if bad:
         raise ValueError(f"--rows {bad}: allowed 1..{MAX_ROWS} (the fused GEMVs are for decode)")

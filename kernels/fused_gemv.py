@@ -41,9 +41,9 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-MAX_ROWS = 16
-"""Input rows a fused call takes (a decode step at small batch: one tensor-core row block); more go through the unfused
-kernels and cuBLAS."""
+MAX_ROWS = 32
+"""Input rows a fused call takes (a decode step at small batch: one or two tensor-core row blocks); more go through the
+unfused kernels and cuBLAS."""
 
 ROWS_ENV = "LRAGENT_FUSED_GEMV"
 """The decoder's switch: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs (0: off)."""
@@ -52,8 +52,8 @@ ROWS_ENV = "LRAGENT_FUSED_GEMV"
 DEFAULT_ROWS = 0
 """Without ``LRAGENT_FUSED_GEMV``: off, until the whole GPU suite has run with it on. ``1`` (batch-1 steps fuse) took an
 H100's 8B batch-1 step from 6.81 to 6.50 ms (results/engine_h100/fused_gemv_2026-11-27). At four rows the kernels were
-then 3.6-4.3x slower than unfused (each tile's product taken row by row); several rows now go through one tensor-core
-dot, not yet timed on a GPU."""
+then 3.6-4.3x slower than unfused (each tile's product taken row by row); several rows (up to 32) now go through one
+tensor-core dot, not yet timed on a GPU."""
 
 
 def fused_gemv_rows(value: str | None = None) -> int:
@@ -97,9 +97,9 @@ if triton is not None:
     def _rows_times_w(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc, ROWS: tl.constexpr):
         """``acc[r] += Σ_k W[n, k]·xin[r, k]`` over one (BLOCK_N, BLOCK_K) tile of W, loaded once for all ``ROWS``
         rows, with fp32 accumulation (the GEMVs' inner step). One row: a broadcast product summed over K on the CUDA
-        cores. More (a 16-row block, the idle rows zero): one tensor-core ``tl.dot``, where taking the rows one by one
-        made four rows 3.6-4.3x slower than unfused on an H100. ``xin`` holds values already rounded to W's dtype, so
-        casting it back is exact."""
+        cores. More (a 16- or 32-row block, the idle rows zero): one tensor-core ``tl.dot``, where taking the rows one
+        by one made four rows 3.6-4.3x slower than unfused on an H100. ``xin`` holds values already rounded to W's
+        dtype, so casting it back is exact."""
         w = tl.load(W + offs_n[:, None] * n_in + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if ROWS == 1:
             acc += tl.sum(w.to(tl.float32) * xin, axis=1)[None, :]
@@ -183,10 +183,24 @@ if triton is not None:
 DOT_ROWS = 16
 """The row block of a call with several rows: the smallest M of a tensor-core ``tl.dot`` (idle rows masked to zero)."""
 
+TILE_ELEMENTS = DOT_ROWS * 512
+"""The most input elements (row block × K block) a program holds at once: a 16-row block at the configs' K block of
+512. A 32-row block halves its K block, so its registers per thread stay those of 16 rows (no spills)."""
+
 
 def _row_block(rows: int) -> int:
-    """The kernels' row block: 1 for one row (CUDA-core products), else :data:`DOT_ROWS` (one tensor-core dot)."""
-    return 1 if rows == 1 else DOT_ROWS
+    """The kernels' row block: 1 for one row (CUDA-core products), else the rows rounded up to a multiple of
+    :data:`DOT_ROWS` (16 or 32: one tensor-core dot per W tile either way)."""
+    return 1 if rows == 1 else -(-rows // DOT_ROWS) * DOT_ROWS
+
+
+def _block_k(config: GemvConfig, rows: int) -> int:
+    """Inputs per block step: the config's, halved as often as the row block needs to keep within
+    :data:`TILE_ELEMENTS` (never below 16, a tensor-core dot's smallest K)."""
+    block_k, row_block = config.block_k, _row_block(rows)
+    while row_block * block_k > TILE_ELEMENTS and block_k > 16:
+        block_k //= 2
+    return block_k
 
 
 def _block_n(config: GemvConfig, rows: int) -> int:
@@ -240,7 +254,7 @@ def rms_norm_linear(
     block_n = _block_n(config, rows)
     _rms_norm_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps),
-        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=config.block_k, ROWS=_row_block(rows),
+        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y, h_out
@@ -302,7 +316,7 @@ def _launch_gemv(g: Tensor, up: Tensor | None, weight: Tensor, residual: Tensor 
     block_n = _block_n(config, rows)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
-        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=config.block_k, ROWS=_row_block(rows),
+        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y

@@ -90,6 +90,18 @@ BUGS = {
         '            silu_in_gemv = getattr(view, "norm_gemv_rows", 0) > 0',
         "tests/test_fused_gemv.py",
     ),
+    "fused GEMV rows: 17-32 rows launched with a 16-row block (rows past 16 never computed)": (
+        "kernels/fused_gemv.py",
+        "    return 1 if rows == 1 else -(-rows // DOT_ROWS) * DOT_ROWS",
+        "    return 1 if rows == 1 else DOT_ROWS",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV rows: a 32-row block keeps the full K block (twice the registers of 16 rows)": (
+        "kernels/fused_gemv.py",
+        "    while row_block * block_k > TILE_ELEMENTS and block_k > 16:",
+        "    while False:",
+        "tests/test_fused_gemv.py",
+    ),
     "fused GEMV rows: a switch past MAX_ROWS accepted": (
         "kernels/fused_gemv.py",
         "    if not raw.isdigit() or int(raw) > MAX_ROWS:",

@@ -88,8 +88,8 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> N
         decode(plans=["", "min_split=4"], out="/nonexistent/never_written")
     with pytest.raises(ValueError, match="num_warps must be a positive integer, got '0'"):
         decode(plans=["num_warps=0"], out="/nonexistent/never_written")
-    with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='17': allowed 0 \(off\) to 16"):
-        decode(plans=["fused_gemv=17"], out="/nonexistent/never_written")
+    with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='33': allowed 0 \(off\) to 32"):
+        decode(plans=["fused_gemv=33"], out="/nonexistent/never_written")
     # fused_gemv is the engine's switch (LRAGENT_FUSED_GEMV), the rest the attention kernel's plan
     from eval_suite.bench_decode import split_plan
 

@@ -36,7 +36,9 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
 
     w = rand(n, k, scale=k**-0.5)
     norm_w = rand(k, scale=0.5) + 1
-    for rows in (1, 3, 16):  # one row (CUDA cores), a few and a full 16-row block (one tensor-core dot)
+    # one row (CUDA cores), a few and a full 16-row block (one tensor-core dot), one past it and a full 32-row block
+    # (a dot over 32 rows, its K block halved: 600 inputs take three K steps, the last one partial)
+    for rows in (1, 3, 16, 17, 32):
         x, res = rand(rows, k), rand(rows, k)
         for residual in (None, res):
             y, h = rms_norm_linear(x, norm_w, EPS, w, residual)
@@ -197,8 +199,8 @@ def test_the_switch_names_the_most_rows_of_a_fused_step(monkeypatch):
     for value in range(MAX_ROWS + 1):
         monkeypatch.setenv("LRAGENT_FUSED_GEMV", str(value))
         assert fused_gemv_rows() == value
-    for bad in ("17", "-1", "yes", "1.5"):
-        with pytest.raises(ValueError, match=rf"LRAGENT_FUSED_GEMV='{re.escape(bad)}': allowed 0 \(off\) to 16"):
+    for bad in ("33", "-1", "yes", "1.5"):
+        with pytest.raises(ValueError, match=rf"LRAGENT_FUSED_GEMV='{re.escape(bad)}': allowed 0 \(off\) to 32"):
             fused_gemv_rows(bad)
 
 
@@ -213,3 +215,18 @@ def test_weight_copies_outgrow_the_l2():
     for w in (1, 10**6, 33554432, 10**9):
         n = weight_copies(w, l2)
         assert n * w >= 2 * l2 and (n - 1) * w < 2 * l2 or n == 1 and w >= 2 * l2
+
+
+def test_every_row_count_gets_a_block_that_holds_it_within_the_register_budget():
+    """Each row count up to MAX_ROWS launches a row block that holds all its rows (a power-of-two multiple of the dot's
+    16 for several rows), with a K block that keeps row block × K block within the 16-row footprint; one row keeps the
+    configs' own K block."""
+    from kernels.fused_gemv import DEFAULT_CONFIG, NORM_CONFIG, TILE_ELEMENTS, _block_k, _row_block
+
+    for config in (DEFAULT_CONFIG, NORM_CONFIG):
+        assert _row_block(1) == 1 and _block_k(config, 1) == config.block_k
+        for rows in range(2, MAX_ROWS + 1):
+            block = _row_block(rows)
+            assert rows <= block and block % 16 == 0 and block < rows + 16
+            assert block * _block_k(config, rows) <= TILE_ELEMENTS and _block_k(config, rows) >= 16
+        assert _block_k(config, 16) == config.block_k and _block_k(config, 32) == config.block_k // 2
