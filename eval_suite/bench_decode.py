@@ -32,27 +32,41 @@ from eval_suite.report import markdown_table, write_json, write_text
 from lragent.memory_plan import choose_batch, model_shape, transformers_baseline_bytes
 from lragent.provenance import provenance, provenance_footer
 
+ENGINE_SWITCHES: dict[str, tuple[str, str]] = {
+    "fused_gemv": ("LRAGENT_FUSED_GEMV", "kernels.fused_gemv:fused_gemv_rows"),
+    "l2_prefetch": ("LRAGENT_L2_PREFETCH", "kernels.l2_prefetch:l2_prefetch_rows"),
+}
+"""The ``--plans`` names that set an engine switch rather than the attention kernel's plan: name -> (environment
+variable, the parser that checks its value and reads it back)."""
 
-def split_plan(spec: str) -> tuple[str, int | None]:
-    """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, its ``fused_gemv=N``:
-    the norms and SiLU·mul inside the GEMVs in steps of at most N rows, 0 off; None without it: the environment's).
+
+def _switch_parser(name: str):
+    import importlib
+
+    module, _, fn = ENGINE_SWITCHES[name][1].partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def split_plan(spec: str) -> tuple[str, dict[str, int]]:
+    """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, the engine switches it
+    sets: ``fused_gemv=N`` (the norms and SiLU·mul inside the GEMVs in steps of at most N rows) and ``l2_prefetch=N``
+    (o_proj's weight prefetched into L2 during the attention, steps of at most N rows), 0 off; a switch it does not
+    name keeps the environment's value).
 
     Raises:
-        ValueError: ``fused_gemv`` other than 0..:data:`kernels.fused_gemv.MAX_ROWS`.
+        ValueError: a switch's value outside what its parser allows (named with the range).
     """
-    from kernels.fused_gemv import fused_gemv_rows
-
-    kernel, fused = [], None
+    kernel, switches = [], {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, value = item.partition("=")
-        if name.strip() != "fused_gemv":
+        if name.strip() not in ENGINE_SWITCHES:
             kernel.append(item)
             continue
         try:
-            fused = fused_gemv_rows(value if value.strip() else "x")
+            switches[name.strip()] = _switch_parser(name.strip())(value if value.strip() else "x")
         except ValueError as exc:
             raise ValueError(f"--plans {spec!r}: {exc}") from None
-    return ",".join(kernel), fused
+    return ",".join(kernel), switches
 
 
 def measure_copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, reps: int = 10) -> float:
@@ -311,13 +325,14 @@ def decode(
         plans: decode plans to time side by side, each in ``LRAGENT_DECODE_PLAN``'s syntax (``""``: the attention
             kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=N``:
             the RMSNorms and SiLU·mul inside the GEMVs at steps of at most N rows, 0 off (``LRAGENT_FUSED_GEMV``,
-            :mod:`kernels.fused_gemv`; off by default); every scheme and batch under each (default: what the
-            environment sets now). Each row records its plan and the fused rows it ran with.
+            :mod:`kernels.fused_gemv`; off by default), and ``l2_prefetch=N``: o_proj's weight streamed into L2
+            during the attention (``LRAGENT_L2_PREFETCH``, :mod:`kernels.l2_prefetch`; off by default); every scheme
+            and batch under each (default: what the environment sets now). Each row records its plan and the switches
+            it ran with (``fused_gemv_rows``, ``l2_prefetch_rows``).
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
     from kernels import flash_lora_decode as fld
-    from kernels.fused_gemv import fused_gemv_rows
     from lragent.models import load_model, parse_dtype
     from lragent.schemes import resolve_schemes
 
@@ -351,17 +366,18 @@ def decode(
                 print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
     lm = random_adapter_model(hf, rank)
     w_bytes_lora = weight_bytes(lm)
-    saved = {k: os.environ.get(k) for k in ("LRAGENT_DECODE_PLAN", "LRAGENT_FUSED_GEMV")}
+    env_names = {name: env for name, (env, _) in ENGINE_SWITCHES.items()}
+    saved = {k: os.environ.get(k) for k in ("LRAGENT_DECODE_PLAN", *env_names.values())}
     try:
         for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
-            kernel_spec, fused_gemv = split_plan(spec)
+            kernel_spec, switches = split_plan(spec)
             os.environ["LRAGENT_DECODE_PLAN"] = kernel_spec
-            if fused_gemv is not None:
-                os.environ["LRAGENT_FUSED_GEMV"] = str(fused_gemv)
-            elif saved["LRAGENT_FUSED_GEMV"] is None:
-                os.environ.pop("LRAGENT_FUSED_GEMV", None)  # the default (kernels.fused_gemv.DEFAULT_ROWS)
-            else:
-                os.environ["LRAGENT_FUSED_GEMV"] = saved["LRAGENT_FUSED_GEMV"]
+            for name, env in env_names.items():  # a switch the plan does not name: the environment's (or default)
+                value = str(switches[name]) if name in switches else saved[env]
+                if value is None:
+                    os.environ.pop(env, None)
+                else:
+                    os.environ[env] = value
             fld._PLANS.clear()
             for scheme in schemes:
                 for b in batches:
@@ -372,7 +388,7 @@ def decode(
                         t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
                         impl = "lragent " + ("graph" if graphs else "eager")
                         rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec,
-                                     "fused_gemv_rows": fused_gemv_rows(), **t})  # fmt: skip
+                                     **{f"{n}_rows": _switch_parser(n)() for n in ENGINE_SWITCHES}, **t})  # fmt: skip
                         print(f"{scheme} b={b} graphs={graphs} plan={spec or 'rule'}: {t['ms_per_token']:.3f} ms/token "
                               f"({t['vs_floor']:.2f}x floor)")  # fmt: skip
     finally:

@@ -139,6 +139,22 @@ def _norm_gemv_ok(view: object, group: FusedGroup | None, h: torch.Tensor) -> bo
     )
 
 
+def _base_weight(module: nn.Module) -> torch.Tensor:
+    """The frozen weight a projection's GEMM reads (a LoRA module's base layer's)."""
+    return module.base.weight if isinstance(module, MultiLoraLinear) else module.weight
+
+
+def _prefetch_ok(view: object, o_proj: nn.Module, h: torch.Tensor) -> bool:
+    """Whether this step prefetches ``o_proj``'s weight into L2 during the attention (:mod:`kernels.l2_prefetch`): the
+    view asks for it at this many rows (``LRAGENT_L2_PREFETCH=N``: steps of at most N rows), in the Triton kernels'
+    dtypes, on CUDA or under the interpreter."""
+    if h.numel() // h.shape[-1] > getattr(view, "l2_prefetch_rows", 0):  # 0: not asked for
+        return False
+    from kernels.fused_ops import kernels_usable
+
+    return kernels_usable(_base_weight(o_proj))
+
+
 class DecoderEngine:
     """Runs the decoder layers of a causal LM over cache views.
 
@@ -303,6 +319,7 @@ class DecoderEngine:
         layer = self.layers[index]
         attn = layer.self_attn
         b, t, _ = h.shape
+        o_fork = None
         cos, sin = rotary
         fused = getattr(view, "fused", False)
         view.capture(index, h)
@@ -339,6 +356,10 @@ class DecoderEngine:
             no_b = (0,) * fold_q + (2,) * low_rank
             normed = (h, layer.input_layernorm) if norm_in_qkv else None
             (q, k, v), lrs = _group_forward(qkv, x, role_ids, mask, no_b=no_b, normed=normed)
+            if _prefetch_ok(view, attn.o_proj, h):  # o_proj's weight streams into L2 while RoPE and attention run
+                from kernels.l2_prefetch import PrefetchFork
+
+                o_fork = PrefetchFork(_base_weight(attn.o_proj))
             v_lr = lrs[2] if low_rank else None
             q = q.view(b, t, -1, self.head_dim)
             k = k.view(b, t, -1, self.head_dim)
@@ -368,7 +389,15 @@ class DecoderEngine:
         if role_ids is None:
             role_ids = torch.zeros(b, dtype=torch.long, device=h.device)
         o = view.attend(index, q, v_mod.stacked_b() if low_rank else None, v_mod.scaling if low_rank else 1.0, role_ids)
-        o = _proj_masked(attn.o_proj, o.transpose(1, 2).reshape(b, t, -1), role_ids, mask)
+        o = o.transpose(1, 2).reshape(b, t, -1)
+        if o_fork is not None:
+            o_fork.join()
+        if o_fork is not None and type(attn.o_proj) is nn.Linear and attn.o_proj.bias is None:
+            from kernels.fused_gemv import gemv
+
+            o = gemv(o, attn.o_proj.weight)  # the Triton GEMV: read from L2 it was faster than cuBLAS (module doc)
+        else:
+            o = _proj_masked(attn.o_proj, o, role_ids, mask)
         if fused:
             norm = layer.post_attention_layernorm
             gu = layer.mlp.__dict__.get("_lragent_gu")

@@ -102,6 +102,30 @@ BUGS = {
         "    while False:",
         "tests/test_fused_gemv.py",
     ),
+    "L2 prefetch: the last word of the tensor never read": (
+        "kernels/l2_prefetch.py",
+        '            acc ^= tl.load(SRC + idx, mask=idx < n_words, other=0, cache_modifier=".cg")',
+        '            acc ^= tl.load(SRC + idx, mask=idx < n_words - 1, other=0, cache_modifier=".cg")',
+        "tests/test_l2_prefetch.py",
+    ),
+    "L2 prefetch: each program's chunk starts one loop step late (its first words skipped)": (
+        "kernels/l2_prefetch.py",
+        "        for start in range(0, CHUNK, BLOCK):",
+        "        for start in range(BLOCK, CHUNK + BLOCK, BLOCK):",
+        "tests/test_l2_prefetch.py",
+    ),
+    "L2 prefetch in the engine: steps wider than the switch's rows prefetch too": (
+        "lragent/decoder.py",
+        '    if h.numel() // h.shape[-1] > getattr(view, "l2_prefetch_rows", 0):  # 0: not asked for',
+        '    if not getattr(view, "l2_prefetch_rows", 0):',
+        "tests/test_l2_prefetch.py",
+    ),
+    "L2 prefetch in the engine: the o projection's GEMV reads the q projection's weight": (
+        "lragent/decoder.py",
+        "            o = gemv(o, attn.o_proj.weight)  # the Triton GEMV",
+        "            o = gemv(o, _base_weight(attn.q_proj)[: attn.o_proj.weight.shape[0]])  # the Triton GEMV",
+        "tests/test_l2_prefetch.py",
+    ),
     "fused GEMV rows: a switch past MAX_ROWS accepted": (
         "kernels/fused_gemv.py",
         "    if not raw.isdigit() or int(raw) > MAX_ROWS:",

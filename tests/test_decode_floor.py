@@ -93,11 +93,14 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> N
     # fused_gemv is the engine's switch (LRAGENT_FUSED_GEMV), the rest the attention kernel's plan
     from eval_suite.bench_decode import split_plan
 
-    assert split_plan("fused_gemv=1,min_split_tiles=4") == ("min_split_tiles=4", 1)
-    assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", 0)
-    assert split_plan("") == ("", None) and split_plan("fused_gemv=4") == ("", 4)  # None: the environment's
+    assert split_plan("fused_gemv=1,min_split_tiles=4") == ("min_split_tiles=4", {"fused_gemv": 1})
+    assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", {"fused_gemv": 0})
+    assert split_plan("") == ("", {}) and split_plan("fused_gemv=4") == ("", {"fused_gemv": 4})  # {}: the environment's
+    assert split_plan("l2_prefetch=1,fused_gemv=1,num_warps=4") == ("num_warps=4", {"l2_prefetch": 1, "fused_gemv": 1})
     with pytest.raises(ValueError, match="LRAGENT_FUSED_GEMV='x'"):
         split_plan("fused_gemv=")
+    with pytest.raises(ValueError, match=r"LRAGENT_L2_PREFETCH='65': allowed 0 \(off\) to 64"):
+        decode(plans=["l2_prefetch=65"], out="/nonexistent/never_written")
 
     def row(impl, plan, ms):
         r = {"impl": impl, "scheme": "base_lr_shared" if plan is not None else "-", "batch": 1, "ms_per_token": ms,
