@@ -32,26 +32,29 @@ from eval_suite.report import markdown_table, write_json, write_text
 from lragent.memory_plan import choose_batch, model_shape, transformers_baseline_bytes
 from lragent.provenance import provenance, provenance_footer
 
-ENGINE_SWITCHES: dict[str, tuple[str, str]] = {
-    "fused_gemv": ("LRAGENT_FUSED_GEMV", "kernels.fused_gemv:fused_gemv_rows"),
-    "l2_prefetch": ("LRAGENT_L2_PREFETCH", "kernels.l2_prefetch:l2_prefetch_rows"),
+ENGINE_SWITCHES: dict[str, tuple[str, str, str]] = {
+    "fused_gemv": ("LRAGENT_FUSED_GEMV", "kernels.fused_gemv:fused_gemv_rows", "fused_gemv_rows"),
+    "l2_prefetch": ("LRAGENT_L2_PREFETCH", "kernels.l2_prefetch:l2_prefetch_rows", "l2_prefetch_rows"),
+    "pdl": ("LRAGENT_PDL", "kernels.pdl:pdl_requested", "pdl"),
 }
 """The ``--plans`` names that set an engine switch rather than the attention kernel's plan: name -> (environment
-variable, the parser that checks its value and reads it back)."""
+variable, the parser that checks its value and reads it back, the key each result row records it under)."""
 
 
-def _switch_parser(name: str):
+def _switch_value(name: str, value: str | None = None) -> int:
+    """Switch ``name``'s value as its parser reads it (from ``value``, or the environment when None), as an int."""
     import importlib
 
     module, _, fn = ENGINE_SWITCHES[name][1].partition(":")
-    return getattr(importlib.import_module(module), fn)
+    return int(getattr(importlib.import_module(module), fn)(value))
 
 
 def split_plan(spec: str) -> tuple[str, dict[str, int]]:
     """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, the engine switches it
-    sets: ``fused_gemv=N`` (the norms and SiLU·mul inside the GEMVs in steps of at most N rows) and ``l2_prefetch=N``
-    (o_proj's weight prefetched into L2 during the attention, steps of at most N rows), 0 off; a switch it does not
-    name keeps the environment's value).
+    sets: ``fused_gemv=N`` (the norms and SiLU·mul inside the GEMVs in steps of at most N rows), ``l2_prefetch=N``
+    (o_proj's weight prefetched into L2 during the attention, steps of at most N rows), 0 off, and ``pdl=1`` (the
+    step's Triton kernels launched with programmatic dependent launch); a switch it does not name keeps the
+    environment's value).
 
     Raises:
         ValueError: a switch's value outside what its parser allows (named with the range).
@@ -63,7 +66,7 @@ def split_plan(spec: str) -> tuple[str, dict[str, int]]:
             kernel.append(item)
             continue
         try:
-            switches[name.strip()] = _switch_parser(name.strip())(value if value.strip() else "x")
+            switches[name.strip()] = _switch_value(name.strip(), value if value.strip() else "x")
         except ValueError as exc:
             raise ValueError(f"--plans {spec!r}: {exc}") from None
     return ",".join(kernel), switches
@@ -326,9 +329,10 @@ def decode(
             kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=N``:
             the RMSNorms and SiLU·mul inside the GEMVs at steps of at most N rows, 0 off (``LRAGENT_FUSED_GEMV``,
             :mod:`kernels.fused_gemv`; off by default), and ``l2_prefetch=N``: o_proj's weight streamed into L2
-            during the attention (``LRAGENT_L2_PREFETCH``, :mod:`kernels.l2_prefetch`; off by default); every scheme
-            and batch under each (default: what the environment sets now). Each row records its plan and the switches
-            it ran with (``fused_gemv_rows``, ``l2_prefetch_rows``).
+            during the attention (``LRAGENT_L2_PREFETCH``, :mod:`kernels.l2_prefetch`; off by default), and ``pdl=1``:
+            programmatic dependent launch of the step's Triton kernels (``LRAGENT_PDL``, :mod:`kernels.pdl`; off by
+            default); every scheme and batch under each (default: what the environment sets now). Each row records
+            its plan and the switches it ran with (``fused_gemv_rows``, ``l2_prefetch_rows``, ``pdl``).
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
@@ -366,7 +370,7 @@ def decode(
                 print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
     lm = random_adapter_model(hf, rank)
     w_bytes_lora = weight_bytes(lm)
-    env_names = {name: env for name, (env, _) in ENGINE_SWITCHES.items()}
+    env_names = {name: env for name, (env, _, _) in ENGINE_SWITCHES.items()}
     saved = {k: os.environ.get(k) for k in ("LRAGENT_DECODE_PLAN", *env_names.values())}
     try:
         for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
@@ -388,7 +392,8 @@ def decode(
                         t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
                         impl = "lragent " + ("graph" if graphs else "eager")
                         rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec,
-                                     **{f"{n}_rows": _switch_parser(n)() for n in ENGINE_SWITCHES}, **t})  # fmt: skip
+                                     **{key: _switch_value(n) for n, (_, _, key) in ENGINE_SWITCHES.items()},
+                                     **t})  # fmt: skip
                         print(f"{scheme} b={b} graphs={graphs} plan={spec or 'rule'}: {t['ms_per_token']:.3f} ms/token "
                               f"({t['vs_floor']:.2f}x floor)")  # fmt: skip
     finally:

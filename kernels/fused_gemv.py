@@ -33,10 +33,13 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
+from kernels.pdl import pdl_launch
 
 try:
     import triton
     import triton.language as tl
+
+    from kernels.pdl import pdl_prologue
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -111,8 +114,10 @@ if triton is not None:
     def _rms_norm_gemv_kernel(
         X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
+        pdl_prologue(USE_PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -152,9 +157,11 @@ if triton is not None:
     def _gemv_kernel(
         G, U, W, RES, Y, n_rows, n_out, n_in, stride_g, stride_u,
         SILU: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ (+ res, added before the one rounding, as addmm) for outputs
         [pid·BLOCK_N, +BLOCK_N) of each row, where x = silu(g) * u with ``SILU``, else g."""
+        pdl_prologue(USE_PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -255,7 +262,7 @@ def rms_norm_linear(
     _rms_norm_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps),
         HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(xc),
     )  # fmt: skip
     return y, h_out
 
@@ -317,6 +324,6 @@ def _launch_gemv(g: Tensor, up: Tensor | None, weight: Tensor, residual: Tensor 
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
         HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(g2),
     )  # fmt: skip
     return y

@@ -851,6 +851,30 @@ BUGS = {
         "",
         "tests/test_profile_decode.py",
     ),
+    "PDL: the switch turns it on for CPU tensors too (the interpreter has no griddepcontrol)": (
+        "kernels/pdl.py",
+        "    on = t.is_cuda and pdl_requested() and torch.cuda.get_device_capability(t.device)[0] >= 9",
+        "    on = pdl_requested()",
+        "tests/test_pdl.py",
+    ),
+    "PDL: any value of the switch taken as off": (
+        "kernels/pdl.py",
+        '    if raw not in ("0", "1"):\n',
+        '    if False:\n',
+        "tests/test_pdl.py",
+    ),
+    "GPU: PDL launches with the waits compiled out (a kernel may read its predecessor's output early)": (
+        "kernels/pdl.py",
+        '    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}',
+        '    return {"USE_PDL": False, "launch_pdl": True} if on else {"USE_PDL": False}',
+        "tests/test_pdl.py",
+    ),
+    "GPU: the L2 prefetch's side stream never joined (the capture ends with a stream left out)": (
+        "lragent/decoder.py",
+        "        if o_fork is not None:\n            o_fork.join()",
+        "        if o_fork is not None:\n            pass",
+        "tests/test_l2_prefetch.py",
+    ),
     "GPU: decode kernel switched off": (
         "lragent/cache_views.py",
         "        kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None",

@@ -97,6 +97,9 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> N
     assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", {"fused_gemv": 0})
     assert split_plan("") == ("", {}) and split_plan("fused_gemv=4") == ("", {"fused_gemv": 4})  # {}: the environment's
     assert split_plan("l2_prefetch=1,fused_gemv=1,num_warps=4") == ("num_warps=4", {"l2_prefetch": 1, "fused_gemv": 1})
+    assert split_plan("pdl=1") == ("", {"pdl": 1}) and split_plan("pdl=0") == ("", {"pdl": 0})
+    with pytest.raises(ValueError, match=r"LRAGENT_PDL='yes': allowed 0 \(plain launches\) or 1"):
+        split_plan("pdl=yes")
     with pytest.raises(ValueError, match="LRAGENT_FUSED_GEMV='x'"):
         split_plan("fused_gemv=")
     with pytest.raises(ValueError, match=r"LRAGENT_L2_PREFETCH='65': allowed 0 \(off\) to 64"):
