@@ -33,8 +33,12 @@ except ImportError:  # pragma: no cover
     tl = None
 
 try:
+    from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - a Triton without griddepcontrol: PDL cannot be turned on
+
+    if "launch_pdl" not in CUDAOptions.__dataclass_fields__:  # griddepcontrol without the launch attribute
+        raise ImportError("launch_pdl")
+except ImportError:  # pragma: no cover - a Triton without PDL: it cannot be turned on
     gdc_wait = gdc_launch_dependents = None
 
 ENV = "LRAGENT_PDL"
@@ -45,15 +49,15 @@ def pdl_requested(value: str | None = None) -> bool:
     """Whether ``LRAGENT_PDL`` (or ``value``) asks for PDL.
 
     Raises:
-        ValueError: anything but ``0``, ``1`` or empty, named with what is allowed; ``1`` with a Triton that has no
-            griddepcontrol.
+        ValueError: anything but ``0``, ``1`` or empty, named with what is allowed; ``1`` with a Triton without PDL
+            (``launch_pdl`` and ``griddepcontrol``).
     """
     raw = (os.environ.get(ENV, "") if value is None else value).strip() or "0"
     if raw not in ("0", "1"):
         raise ValueError(f"{ENV}={raw!r}: allowed 0 (plain launches) or 1 (programmatic dependent launch)")
     if raw == "1" and gdc_wait is None:
         version = getattr(triton, "__version__", "not installed")
-        raise ValueError(f"{ENV}=1 needs Triton's griddepcontrol (extra.cuda.gdc_wait), not in Triton {version}")
+        raise ValueError(f"{ENV}=1 needs Triton's PDL (launch_pdl, extra.cuda.gdc_wait), not in Triton {version}")
     return raw == "1"
 
 
