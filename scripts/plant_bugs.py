@@ -860,7 +860,7 @@ BUGS = {
     "PDL: any value of the switch taken as off": (
         "kernels/pdl.py",
         '    if raw not in ("0", "1"):\n',
-        '    if False:\n',
+        "    if False:\n",
         "tests/test_pdl.py",
     ),
     "GPU: PDL launches with the waits compiled out (a kernel may read its predecessor's output early)": (
