@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval_suite.metrics import (
+from eval_suite.answer_scores import (
     HOTPOTQA_LEVELS,
     SCIENCEQA_BANDS,
     exact_match_score,

@@ -16,6 +16,11 @@ from types import TracebackType
 
 from lragent.schemes import SCHEMES
 
+ROLE_FIELDS: tuple[str, ...] = (
+    "calls", "prefill_tokens", "decode_tokens", "prefill_s", "decode_s", "recomputed_tokens",
+)  # fmt: skip
+"""What a record keeps of each role's calls in an episode (``record["roles"][role]``)."""
+
 EPISODES_FILE = "episodes.jsonl"
 UNTRAINED = "untrained"
 """The row of the base model (adapters with B = 0: every scheme is the base model)."""

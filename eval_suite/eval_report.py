@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eval_suite.benchmarks import get_benchmark
-from eval_suite.episode_log import EPISODES_FILE, dedupe, read_episodes, row_order
+from eval_suite.episode_log import EPISODES_FILE, ROLE_FIELDS, dedupe, read_episodes, row_order
 from eval_suite.metrics import (
     GroupedMetric,
     HotpotQAExactMatch,
@@ -38,9 +38,6 @@ from lragent.agents.loop import ROLES
 from lragent.provenance import provenance_footer
 from lragent.sampling import recorded_sampler
 
-ROLE_FIELDS: tuple[str, ...] = (
-    "calls", "prefill_tokens", "decode_tokens", "prefill_s", "decode_s", "recomputed_tokens",
-)  # fmt: skip
 METRIC_TITLES = {"em": "exact match", "f1": "F1", "accuracy": "accuracy"}
 _MAKERS = {
     "em": HotpotQAExactMatch,

@@ -1,12 +1,8 @@
-"""Accuracy metrics of the agent evaluation, as torchmetrics ``Metric`` objects.
+"""Accuracy metrics of the agent evaluation, as torchmetrics ``Metric`` objects over the per-answer scores of
+:mod:`eval_suite.answer_scores` (re-exported here).
 
-* HotpotQA: exact match and F1 after the official answer normalisation (lower case, punctuation and
-  the articles a/an/the removed, whitespace collapsed), with the official rule that a ``yes``/``no``/
-  ``noanswer`` prediction or gold answer scores F1 0 unless both are equal
-  (``hotpot_evaluate_v1.py``; the same functions are in AutoAct/LRAgent's agent code).
-* ScienceQA: choice accuracy; a prediction (a letter ``A`` / ``(B)``, the choice text, or an int index)
-  is mapped to a choice index by :func:`parse_choice`, which never applies article stripping (so ``A``
-  stays option A).
+* HotpotQA: exact match and F1 after the official answer normalisation (:func:`exact_match_score`, :func:`f1_score`).
+* ScienceQA: choice accuracy; a prediction is mapped to a choice index by :func:`parse_choice`.
 * Out-of-function (OOF) rate: the share of episodes with no final answer within the step limit.
 * :class:`GroupedMetric`: any of these per level / grade band, plus the average over groups.
 * :class:`RunMeanStd` and :func:`aggregate_runs`: mean and standard deviation over repeated runs.
@@ -17,9 +13,6 @@ Predictions of ``None`` (no answer: OOF) count as wrong everywhere.
 from __future__ import annotations
 
 import math
-import re
-import string
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,46 +21,15 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.wrappers.abstract import WrapperMetric
 
-HOTPOTQA_LEVELS: tuple[str, ...] = ("easy", "medium", "hard")
-SCIENCEQA_BANDS: tuple[str, ...] = ("1-4", "5-8", "9-12")
-
-_PUNCT = set(string.punctuation)
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_LETTER_ONLY = re.compile(r"^\s*(?:option|answer|choice)?\s*[\(\[]?\s*([A-Za-z])\s*[\)\]]?\s*[.:]?\s*$", re.I)
-_LETTER_PREFIX = re.compile(r"^\s*(?:option|answer|choice)?\s*(?:\(([A-Za-z])\)|([A-Z])\))\s*\S", re.I)
-
-
-# --------------------------------------------------------------------------------------------- HotpotQA
-def normalize_answer(s: str) -> str:
-    """Official SQuAD/HotpotQA normalisation: lower, drop punctuation, drop articles, collapse whitespace."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in _PUNCT)
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
-
-
-def exact_match_score(prediction: str | None, ground_truth: str) -> float:
-    """1.0 if the normalised strings are equal, else 0.0 (None: 0.0)."""
-    if prediction is None:
-        return 0.0
-    return float(normalize_answer(prediction) == normalize_answer(ground_truth))
-
-
-def f1_score(prediction: str | None, ground_truth: str) -> float:
-    """Official HotpotQA token F1 (``yes``/``no``/``noanswer`` must match exactly; None: 0.0)."""
-    if prediction is None:
-        return 0.0
-    pred, gold = normalize_answer(prediction), normalize_answer(ground_truth)
-    special = ("yes", "no", "noanswer")
-    if (pred in special or gold in special) and pred != gold:
-        return 0.0
-    pred_tokens, gold_tokens = pred.split(), gold.split()
-    num_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
-    if num_same == 0:
-        return 0.0
-    precision = num_same / len(pred_tokens)
-    recall = num_same / len(gold_tokens)
-    return 2 * precision * recall / (precision + recall)
+from eval_suite.answer_scores import (  # noqa: F401  (re-exported: the metrics' public names)
+    HOTPOTQA_LEVELS,
+    SCIENCEQA_BANDS,
+    exact_match_score,
+    f1_score,
+    grade_band,
+    normalize_answer,
+    parse_choice,
+)
 
 
 def _check_lengths(**seqs: Sequence[Any]) -> int:
@@ -129,63 +91,6 @@ class HotpotQAF1(_MeanScore):
 
 
 # -------------------------------------------------------------------------------------------- ScienceQA
-def _norm_choice(s: str) -> str:
-    """Lower case, punctuation dropped, whitespace collapsed; articles kept on purpose."""
-    s = "".join(ch if ch not in _PUNCT else " " for ch in s.lower())
-    return " ".join(s.split())
-
-
-def parse_choice(prediction: str | int | None, choices: Sequence[str]) -> int | None:
-    """Maps a prediction to a choice index, or None when it names no choice.
-
-    Rules, in order: an int is the 0-based index; a string equal to exactly one choice's text (compared
-    as is, then ignoring case, then ignoring punctuation and spacing) is that choice; a lone letter
-    (``A``, ``(b)``, ``[C]``, ``Option D.``) or a letter in parentheses before text (``(B) Wind power``,
-    ``B) Wind power``) is that option; a string that contains exactly one choice's text as whole words is
-    that choice; otherwise the choice with the strictly highest word-overlap F1 (> 0). Articles are never
-    removed, so ``A`` cannot become ``""``. Unlike AutoAct's fallback, a prediction that names no choice
-    scores wrong instead of defaulting to the best (possibly zero) overlap.
-
-    Args:
-        prediction: the agent's answer.
-        choices: the options, in order.
-    """
-    n = len(choices)
-    if prediction is None or n == 0:
-        return None
-    if isinstance(prediction, bool):
-        return None
-    if isinstance(prediction, int):
-        return prediction if 0 <= prediction < n else None
-    text = str(prediction)
-    for key in (str.strip, lambda s: s.strip().casefold(), _norm_choice):  # strictest text match first
-        k = key(text)
-        hits = [i for i, c in enumerate(choices) if k and key(c) == k]
-        if len(hits) == 1:
-            return hits[0]
-    norm = _norm_choice(text)
-    norm_choices = [_norm_choice(c) for c in choices]
-    m = _LETTER_ONLY.match(text) or _LETTER_PREFIX.match(text)
-    if m:
-        letter = next(g for g in m.groups() if g).upper()
-        idx = ord(letter) - ord("A")
-        return idx if idx < n else None
-    if not norm:
-        return None
-    contained = [i for i, c in enumerate(norm_choices) if c and re.search(rf"(?<!\w){re.escape(c)}(?!\w)", norm)]
-    if len(contained) == 1:
-        return contained[0]
-    scores = []
-    pred_tokens = norm.split()
-    for c in norm_choices:
-        common = sum((Counter(pred_tokens) & Counter(c.split())).values())
-        scores.append(0.0 if common == 0 else 2 * common / (len(pred_tokens) + len(c.split())))
-    best = max(scores)
-    if best > 0 and scores.count(best) == 1:
-        return scores.index(best)
-    return None
-
-
 class ScienceQAAccuracy(_MeanScore):
     """ScienceQA choice accuracy: :func:`parse_choice` of the prediction equals the gold index."""
 
@@ -201,18 +106,6 @@ class ScienceQAAccuracy(_MeanScore):
         """
         _check_lengths(preds=preds, targets=targets, choices=choices)
         self._add([float(parse_choice(p, c) == int(t)) for p, t, c in zip(preds, targets, choices, strict=True)])
-
-
-def grade_band(grade: int | str) -> str:
-    """Returns the ScienceQA grade band (``1-4``, ``5-8``, ``9-12``) of a grade (``3`` or ``"grade3"``)."""
-    g = int(re.sub(r"\D", "", str(grade)) or -1)
-    if 1 <= g <= 4:
-        return "1-4"
-    if 5 <= g <= 8:
-        return "5-8"
-    if 9 <= g <= 12:
-        return "9-12"
-    raise ValueError(f"grade must be 1..12, got {grade!r}")
 
 
 # ------------------------------------------------------------------------------------------------- OOF

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from eval_suite.metrics import _LETTER_ONLY
+from eval_suite.answer_scores import _LETTER_ONLY
 
 
 def valid_letter(prediction: str | None, n_choices: int) -> bool:

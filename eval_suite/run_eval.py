@@ -50,8 +50,7 @@ from eval_suite.benchmarks import (
     row_name,
 )
 from eval_suite.dir_lock import DirectoryLock
-from eval_suite.episode_log import EPISODES_FILE, UNTRAINED, EpisodeLog, read_episodes, record_key
-from eval_suite.eval_report import ROLE_FIELDS, merge_dirs, write_summary
+from eval_suite.episode_log import EPISODES_FILE, ROLE_FIELDS, UNTRAINED, EpisodeLog, read_episodes, record_key
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
 from eval_suite.report import fmt_over_runs, write_json
 from eval_suite.shard_launch import adopt_early, host_threads, process_age_s, spawn_shards, stop_processes
@@ -203,6 +202,8 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
         others = f"; stopped shard(s) {stopped}" if stopped else ""
         print(f"eval: finished episodes are kept{others}: rerun the same command to resume", file=sys.stderr)
         return 1
+    from eval_suite.eval_report import merge_dirs  # the summary's metrics: imported where a summary is written
+
     with DirectoryLock(out_dir):
         summary = merge_dirs([str(d) for d in shard_dirs], out_dir, provenance(dtype=call["dtype"]))
     write_json(out_dir / LAUNCH_FILE, {
@@ -695,6 +696,7 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
 
 def merge_outputs(dirs: list[str], out_dir: Path) -> int:
     """``eval --merge``: summarises several output directories together into ``out_dir`` (nothing is run)."""
+    from eval_suite.eval_report import merge_dirs
     from lragent.provenance import provenance
 
     if not dirs:
@@ -818,8 +820,13 @@ def run_plan(plan: EvalPlan) -> int:
                 print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
                 executor = executor_of(batch)
         ended = time.perf_counter()
-        # a shard of a queue holds whichever episodes it got: the launcher's merge is the summary
-        summary = write_summary(records, out_dir, prov) if queue is None else None
+        # a shard of a queue holds whichever episodes it got: the launcher's merge is the summary, and the shard never
+        # imports the summary's metrics (torchmetrics and what it pulls in: seconds of a shard's start on a GPU host)
+        summary = None
+        if queue is None:
+            from eval_suite.eval_report import write_summary
+
+            summary = write_summary(records, out_dir, prov)
         # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards); what
         # came before run_plan (interpreter, imports, argument checks), its parts before the loop and the summary
         # after it: the fixed cost that --devices N pays once per shard

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eval_suite.answer_scores import exact_match_score, f1_score
 from eval_suite.benchmarks import get_benchmark
-from eval_suite.metrics import exact_match_score, f1_score
 from eval_suite.paired import bootstrap_mean_interval
 
 LETTERS = "ABCDEFGHIJ"

@@ -863,6 +863,12 @@ BUGS = {
         "    if False:\n",
         "tests/test_pdl.py",
     ),
+    "eval: the per-answer scores taken from the metrics module again (torchmetrics in every shard's start)": (
+        "eval_suite/benchmarks.py",
+        "from eval_suite.answer_scores import (",
+        "from eval_suite.metrics import (",
+        "tests/test_shard_launch.py -k summary_metrics",
+    ),
     "GPU: PDL launches with the waits compiled out (a kernel may read its predecessor's output early)": (
         "kernels/pdl.py",
         '    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}',

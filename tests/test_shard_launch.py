@@ -223,3 +223,16 @@ def test_the_console_entry_starts_without_torch():
             "import lragent; print(lragent.Scheme.BASE_LR_SHARED.value, lragent.RoleRouter.__name__)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "base_lr_shared", "RoleRouter"]
+
+
+def test_an_eval_process_imports_the_summary_metrics_only_to_write_a_summary():
+    """What runs and scores episodes (the eval command's module, the benchmarks' per-answer scores) imports no
+    torchmetrics: a shard of eval --devices N never writes a summary, so it never pays for torchmetrics and what it
+    pulls in (pandas, matplotlib, scipy.signal and, where installed, torchvision: 649 modules on the 2-core CPU machine,
+    whose import of eval_suite.run_eval went from 5.0 to 4.1 s); the summary still gets the metrics when written."""
+    code = (
+        "import sys; import eval_suite.run_eval, eval_suite.benchmarks; print('torchmetrics' in sys.modules); "
+        "from eval_suite.eval_report import write_summary; print('torchmetrics' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True"]
