@@ -45,6 +45,8 @@ DEFAULT_CONFIGS = (  # more outputs per program read the input row (and the norm
     "block_n=32,block_k=256",
     "block_n=16,block_k=512,num_warps=8",
     "block_n=32,block_k=512,num_warps=8",
+    "block_n=64,block_k=256,num_warps=8",  # kernels.fused_gemv.ROWS_CONFIG: several rows
+    "block_n=128,block_k=128,num_warps=8",
 )
 
 

@@ -93,6 +93,20 @@ NORM_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=8)
 21.4 µs, where DEFAULT_CONFIG took 23.2 and the unfused pair 22.6; gate/up 81.9 against 82.6 and 84.9): eight warps
 share the per-program norm statistic over twice the outputs."""
 
+ROWS_CONFIG = GemvConfig(block_n=64, block_k=256, num_warps=8)
+"""The launch of a call with several rows (not yet timed on a GPU; ``bench_fused_gemv --rows [16,32]`` sweeps it with
+the others). Every program reads all its rows' inputs from L2 (the norm GEMV twice: statistic, then product), so
+those reads grow with rows × programs: at 32 rows the 8B gate/up GEMV with 16 outputs per program would read 917 MB
+from L2 for its 235 MB weight, with 64 outputs 229 MB. The tensor-core dot takes a 64-wide W tile as readily."""
+
+
+def default_config(rows: int, norm: bool) -> GemvConfig:
+    """The launch a call takes without one: one row, the measured :data:`NORM_CONFIG` (a norm GEMV) or
+    :data:`DEFAULT_CONFIG`; several rows, :data:`ROWS_CONFIG`."""
+    if rows > 1:
+        return ROWS_CONFIG
+    return NORM_CONFIG if norm else DEFAULT_CONFIG
+
 
 if triton is not None:
 
@@ -234,7 +248,7 @@ def rms_norm_linear(
     eps: float,
     weight: Tensor,
     residual: Tensor | None = None,
-    config: GemvConfig = NORM_CONFIG,
+    config: GemvConfig | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``linear(rms_norm(x (+ residual)), weight)`` in one launch at up to :data:`MAX_ROWS` rows.
 
@@ -244,7 +258,7 @@ def rms_norm_linear(
         eps: its variance epsilon.
         weight: ``(N, K)`` the linear layer's weight (no bias).
         residual: ``(..., K)`` added to ``x`` first, or None.
-        config: the launch (``python -m eval_suite.bench_fused_gemv`` sweeps them).
+        config: the launch (``python -m eval_suite.bench_fused_gemv`` sweeps them); default :func:`default_config`.
 
     Returns:
         ``(y, h)``: ``y`` ``(..., N)`` and ``h = x (+ residual)`` ``(..., K)`` (``x`` itself without a residual).
@@ -255,6 +269,7 @@ def rms_norm_linear(
     xc = x.contiguous()
     n_in, n_out = xc.shape[-1], weight.shape[0]
     rows = xc.numel() // n_in
+    config = config or default_config(rows, norm=True)
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
@@ -269,7 +284,7 @@ def rms_norm_linear(
 
 @on_tensor_device
 def silu_mul_linear(
-    gate: Tensor, up: Tensor, weight: Tensor, residual: Tensor | None = None, config: GemvConfig = DEFAULT_CONFIG
+    gate: Tensor, up: Tensor, weight: Tensor, residual: Tensor | None = None, config: GemvConfig | None = None
 ) -> Tensor:
     """``linear(silu(gate) * up, weight)`` (``+ residual``, rounded once as ``addmm``) in one launch at up to
     :data:`MAX_ROWS` rows.
@@ -279,7 +294,7 @@ def silu_mul_linear(
         up: ``(..., K)``, as ``gate``.
         weight: ``(N, K)`` the down projection's weight (no bias).
         residual: ``(..., N)`` added to the product before its rounding (the decoder's residual stream), or None.
-        config: the launch.
+        config: the launch; default :func:`default_config`.
 
     Returns:
         ``(..., N)``.
@@ -294,14 +309,14 @@ def silu_mul_linear(
 
 
 @on_tensor_device
-def gemv(x: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, config: GemvConfig | None = None) -> Tensor:
     """``linear(x, weight)`` by the same Triton GEMV at up to :data:`MAX_ROWS` rows (cuBLAS otherwise): the plain
     kernel the fused ones are built on, timed against cuBLAS where no norm precedes (the o projection).
 
     Args:
         x: ``(..., K)``.
         weight: ``(N, K)``.
-        config: the launch.
+        config: the launch; default :func:`default_config`.
 
     Returns:
         ``(..., N)``.
@@ -311,13 +326,16 @@ def gemv(x: Tensor, weight: Tensor, config: GemvConfig = DEFAULT_CONFIG) -> Tens
     return _launch_gemv(x.contiguous(), None, weight, None, config)
 
 
-def _launch_gemv(g: Tensor, up: Tensor | None, weight: Tensor, residual: Tensor | None, config: GemvConfig) -> Tensor:
+def _launch_gemv(
+    g: Tensor, up: Tensor | None, weight: Tensor, residual: Tensor | None, config: GemvConfig | None
+) -> Tensor:
     """``_gemv_kernel`` over the rows of ``g`` (last dim contiguous, rows may be strided): the input is
     ``silu(g) * up``, or ``g`` itself without ``up``; ``residual`` added before the rounding."""
     n_in, n_out = g.shape[-1], weight.shape[0]
     g2 = g.reshape(-1, n_in)
     u2 = g2 if up is None else up.reshape(-1, n_in)
     rows = g2.shape[0]
+    config = config or default_config(rows, norm=False)
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
     block_n = _block_n(config, rows)

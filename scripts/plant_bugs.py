@@ -126,6 +126,12 @@ BUGS = {
         "            o = gemv(o, _base_weight(attn.q_proj)[: attn.o_proj.weight.shape[0]])  # the Triton GEMV",
         "tests/test_l2_prefetch.py",
     ),
+    "fused GEMV rows: several rows launched with the one-row configs (16 outputs per program, 4x the input re-reads)": (
+        "kernels/fused_gemv.py",
+        "    if rows > 1:\n        return ROWS_CONFIG\n",
+        "",
+        "tests/test_fused_gemv.py",
+    ),
     "fused GEMV rows: a switch past MAX_ROWS accepted": (
         "kernels/fused_gemv.py",
         "    if not raw.isdigit() or int(raw) > MAX_ROWS:",

@@ -56,6 +56,12 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
         y = silu_mul_linear(gate, up, w, residual=res_out)
         _close(y, silu_mul_reference(gate, up), w, add=res_out)
         _close(gemv(x, w), x, w)  # the plain kernel they are built on
+        if rows > 1:  # several rows at the one-row launches too (16 outputs per program, not ROWS_CONFIG's 64)
+            from kernels.fused_gemv import DEFAULT_CONFIG, NORM_CONFIG
+
+            _close(gemv(x, w, config=DEFAULT_CONFIG), x, w)
+            normed, _ = rms_norm_reference(x, norm_w, EPS, res)
+            _close(rms_norm_linear(x, norm_w, EPS, w, res, config=NORM_CONFIG)[0], normed, w)
     # a batch past MAX_ROWS (and a (B, T, K) input) goes the unfused way: the same as norm then linear
     x = rand(2, MAX_ROWS, k)
     y, _ = rms_norm_linear(x, norm_w, EPS, w)
@@ -221,8 +227,20 @@ def test_every_row_count_gets_a_block_that_holds_it_within_the_register_budget()
     """Each row count up to MAX_ROWS launches a row block that holds all its rows (a power-of-two multiple of the dot's
     16 for several rows), with a K block that keeps row block × K block within the 16-row footprint; one row keeps the
     configs' own K block."""
-    from kernels.fused_gemv import DEFAULT_CONFIG, NORM_CONFIG, TILE_ELEMENTS, _block_k, _row_block
+    from kernels.fused_gemv import (
+        DEFAULT_CONFIG,
+        NORM_CONFIG,
+        ROWS_CONFIG,
+        TILE_ELEMENTS,
+        _block_k,
+        _row_block,
+        default_config,
+    )
 
+    # one row keeps the configs measured at one row; several rows take more outputs per program (fewer re-reads)
+    assert default_config(1, norm=True) == NORM_CONFIG and default_config(1, norm=False) == DEFAULT_CONFIG
+    assert default_config(2, norm=True) == default_config(32, norm=False) == ROWS_CONFIG
+    assert ROWS_CONFIG.block_n >= 4 * NORM_CONFIG.block_n
     for config in (DEFAULT_CONFIG, NORM_CONFIG):
         assert _row_block(1) == 1 and _block_k(config, 1) == config.block_k
         for rows in range(2, MAX_ROWS + 1):
