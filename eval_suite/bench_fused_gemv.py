@@ -47,6 +47,8 @@ DEFAULT_CONFIGS = (  # more outputs per program read the input row (and the norm
     "block_n=32,block_k=512,num_warps=8",
     "block_n=64,block_k=256,num_warps=8",  # kernels.fused_gemv.ROWS_CONFIG: several rows
     "block_n=128,block_k=128,num_warps=8",
+    "block_n=8,block_k=512,deferred=1",  # one row: the sum over K taken once, after the loop
+    "block_n=16,block_k=512,num_warps=8,deferred=1",
 )
 
 
@@ -58,10 +60,12 @@ def parse_config(spec: str):
     values: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, value = part.partition("=")
-        if key not in fields or not value.isdigit() or int(value) < 1:
+        if key not in fields or not value.isdigit() or int(value) < (0 if key == "deferred" else 1):
             raise ValueError(f"--configs {spec!r}: {part!r} must be one of {sorted(fields)} = a positive integer")
         values[key] = int(value)
     config = GemvConfig(**values)
+    if config.deferred not in (0, 1):
+        raise ValueError(f"--configs {spec!r}: deferred must be 0 or 1")
     for key in ("block_n", "block_k"):
         if getattr(config, key) & (getattr(config, key) - 1):
             raise ValueError(f"--configs {spec!r}: {key} must be a power of two")

@@ -82,6 +82,10 @@ class GemvConfig:
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
+    deferred: int = 0
+    """1: a one-row call keeps a (block_n, block_k) fp32 accumulator and sums it over K once, after the loop, instead
+    of reducing every tile across threads (the shuffles then leave the loop; 32 more registers a thread at 16 × 512
+    over 8 warps). Not yet timed on a GPU."""
 
 
 DEFAULT_CONFIG = GemvConfig()
@@ -125,10 +129,17 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _row_times_w_deferred(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc2):
+        """One row, the reduction deferred: ``acc2[n, k] += W[n, k]·xin[0, k]`` over one (BLOCK_N, BLOCK_K) tile, in
+        fp32; the caller sums ``acc2`` over K once after its loop."""
+        w = tl.load(W + offs_n[:, None] * n_in + cols[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        return acc2 + w.to(tl.float32) * xin
+
+    @triton.jit
     def _rms_norm_gemv_kernel(
         X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        DEFERRED: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
         pdl_prologue(USE_PDL)
@@ -153,6 +164,7 @@ if triton is not None:
             sq += hf * hf
         inv = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
             at = rows[:, None] * n_in + (k0 + ks)[None, :]
@@ -163,7 +175,12 @@ if triton is not None:
             normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
             nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
             xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
-            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
+            if DEFERRED:
+                acc2 = _row_times_w_deferred(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc2)
+            else:
+                acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
+        if DEFERRED:
+            acc = tl.sum(acc2, axis=1)[None, :]
         out = rows[:, None] * n_out + offs_n[None, :]
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
@@ -171,7 +188,7 @@ if triton is not None:
     def _gemv_kernel(
         G, U, W, RES, Y, n_rows, n_out, n_in, stride_g, stride_u,
         SILU: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        DEFERRED: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ (+ res, added before the one rounding, as addmm) for outputs
         [pid·BLOCK_N, +BLOCK_N) of each row, where x = silu(g) * u with ``SILU``, else g."""
@@ -183,6 +200,7 @@ if triton is not None:
         rows = tl.arange(0, ROWS)
         r_ok = rows < n_rows
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
             m2 = r_ok[:, None] & k_ok[None, :]
@@ -194,7 +212,12 @@ if triton is not None:
                 xin = (act * u).to(g.dtype).to(tl.float32)
             else:
                 xin = g.to(tl.float32)
-            acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
+            if DEFERRED:
+                acc2 = _row_times_w_deferred(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc2)
+            else:
+                acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
+        if DEFERRED:
+            acc = tl.sum(acc2, axis=1)[None, :]
         out = rows[:, None] * n_out + offs_n[None, :]
         if HAS_RES:
             acc += tl.load(RES + out, mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
@@ -277,7 +300,8 @@ def rms_norm_linear(
     _rms_norm_gemv_kernel[(triton.cdiv(n_out, block_n),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps),
         HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(xc),
+        DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(xc),
     )  # fmt: skip
     return y, h_out
 
@@ -342,6 +366,7 @@ def _launch_gemv(
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
         HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(g2),
+        DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(g2),
     )  # fmt: skip
     return y

@@ -132,6 +132,18 @@ BUGS = {
         "",
         "tests/test_fused_gemv.py",
     ),
+    "fused GEMV deferred sum: each tile's products kept, not added to the running sum": (
+        "kernels/fused_gemv.py",
+        "        return acc2 + w.to(tl.float32) * xin",
+        "        return w.to(tl.float32) * xin",
+        "tests/test_fused_gemv.py",
+    ),
+    "fused GEMV deferred sum: a config's deferred flag accepted at any value": (
+        "eval_suite/bench_fused_gemv.py",
+        "    if config.deferred not in (0, 1):",
+        "    if False:",
+        "tests/test_fused_gemv.py",
+    ),
     "fused GEMV rows: a switch past MAX_ROWS accepted": (
         "kernels/fused_gemv.py",
         "    if not raw.isdigit() or int(raw) > MAX_ROWS:",

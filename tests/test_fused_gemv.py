@@ -56,12 +56,19 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
         y = silu_mul_linear(gate, up, w, residual=res_out)
         _close(y, silu_mul_reference(gate, up), w, add=res_out)
         _close(gemv(x, w), x, w)  # the plain kernel they are built on
-        if rows > 1:  # several rows at the one-row launches too (16 outputs per program, not ROWS_CONFIG's 64)
-            from kernels.fused_gemv import DEFAULT_CONFIG, NORM_CONFIG
+        from kernels.fused_gemv import DEFAULT_CONFIG, NORM_CONFIG, GemvConfig
 
+        if rows > 1:  # several rows at the one-row launches too (16 outputs per program, not ROWS_CONFIG's 64)
             _close(gemv(x, w, config=DEFAULT_CONFIG), x, w)
             normed, _ = rms_norm_reference(x, norm_w, EPS, res)
             _close(rms_norm_linear(x, norm_w, EPS, w, res, config=NORM_CONFIG)[0], normed, w)
+        # the sum over K deferred to after the loop (one row; ignored with several): all three kernels
+        deferred = GemvConfig(block_n=16, block_k=256, num_warps=8, deferred=1)
+        _close(gemv(x, w, config=deferred), x, w)
+        normed, _ = rms_norm_reference(x, norm_w, EPS, res)
+        _close(rms_norm_linear(x, norm_w, EPS, w, res, config=deferred)[0], normed, w)
+        _close(silu_mul_linear(gate, up, w, residual=res_out, config=deferred), silu_mul_reference(gate, up), w,
+               add=res_out)  # fmt: skip
     # a batch past MAX_ROWS (and a (B, T, K) input) goes the unfused way: the same as norm then linear
     x = rand(2, MAX_ROWS, k)
     y, _ = rms_norm_linear(x, norm_w, EPS, w)
@@ -94,6 +101,7 @@ def test_without_triton_kernels_the_cpu_path_is_norm_then_linear():
         ("block_n=3", "block_n must be a power of two"),
         ("block_k=0", "'block_k=0' must be one of"),
         ("warps=4", "'warps=4' must be one of"),
+        ("deferred=2", "deferred must be 0 or 1"),
     ],
 )
 def test_a_bad_launch_config_is_named(spec, message):
