@@ -136,6 +136,22 @@ if triton is not None:
         return acc2 + w.to(tl.float32) * xin
 
     @triton.jit
+    def _tile_step(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc, acc2, ROWS: tl.constexpr, DEFERRED: tl.constexpr):
+        """The GEMVs' inner step over one W tile: into ``acc2`` (the deferred sum) or ``acc``; both returned."""
+        if DEFERRED:
+            acc2 = _row_times_w_deferred(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc2)
+        else:
+            acc = _rows_times_w(W, offs_n, n_ok, cols, k_ok, n_in, xin, acc, ROWS)
+        return acc, acc2
+
+    @triton.jit
+    def _summed(acc, acc2, DEFERRED: tl.constexpr):
+        """The ``(ROWS, BLOCK_N)`` products after the loop: the deferred sum taken over K now, or ``acc`` itself."""
+        if DEFERRED:
+            acc = tl.sum(acc2, axis=1)[None, :]
+        return acc
+
+    @triton.jit
     def _rms_norm_gemv_kernel(
         X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
@@ -175,12 +191,8 @@ if triton is not None:
             normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
             nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
             xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
-            if DEFERRED:
-                acc2 = _row_times_w_deferred(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc2)
-            else:
-                acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
-        if DEFERRED:
-            acc = tl.sum(acc2, axis=1)[None, :]
+            acc, acc2 = _tile_step(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, acc2, ROWS, DEFERRED)
+        acc = _summed(acc, acc2, DEFERRED)
         out = rows[:, None] * n_out + offs_n[None, :]
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
@@ -212,12 +224,8 @@ if triton is not None:
                 xin = (act * u).to(g.dtype).to(tl.float32)
             else:
                 xin = g.to(tl.float32)
-            if DEFERRED:
-                acc2 = _row_times_w_deferred(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc2)
-            else:
-                acc = _rows_times_w(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, ROWS)
-        if DEFERRED:
-            acc = tl.sum(acc2, axis=1)[None, :]
+            acc, acc2 = _tile_step(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, acc2, ROWS, DEFERRED)
+        acc = _summed(acc, acc2, DEFERRED)
         out = rows[:, None] * n_out + offs_n[None, :]
         if HAS_RES:
             acc += tl.load(RES + out, mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)

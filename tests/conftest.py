@@ -111,6 +111,38 @@ def drive_rows(eng, rows: int, launch, launches: int) -> list[list]:
     return out
 
 
+def decode_rows(
+    model, scheme: str, *, rows: int = 2, capacity: int = 32, prompt_len: int = 7, max_new_tokens: int = 4, **engine_kw
+) -> list:
+    """Decodes one request per row on a fused batched engine (row r: prompt ``5 + r ..``, role ``1 + r % 2``, logits
+    kept) until every row is done; the results sorted by row. ``engine_kw`` goes to ``Engine`` (``fuse_ops`` and
+    ``fuse_lora`` default on: the path the decode kernels and switches take)."""
+    from lragent.engine import Engine, GenerationRequest
+
+    engine_kw = {"fuse_ops": True, "fuse_lora": True, **engine_kw}
+    eng = Engine(model, scheme, rows=rows, capacity=capacity, eos_token_ids=[], **engine_kw)
+    for r in range(rows):
+        eng.append(r, list(range(5 + r, 5 + r + prompt_len)))
+        eng.start(r, GenerationRequest(role=1 + r % 2, max_new_tokens=max_new_tokens, return_logits=True))
+    res = []
+    while eng._pending:
+        res.extend(eng.advance())
+    return sorted(res, key=lambda x: x.row)
+
+
+def run_under_interpreter(code: str, timeout: int = 600) -> str:
+    """Runs ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (the flag is read when Triton is imported) from the
+    repository root, ``tests/`` importable; fails the test with the end of its stderr unless it exits 0. Returns its
+    stdout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
 def load_script(name: str) -> ModuleType:
     """The module of ``scripts/<name>.py`` (scripts are not a package), registered under ``name`` (dataclasses look
     their module up)."""

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_under_interpreter
 
 from kernels.fused_gemv import MAX_ROWS, gemv, rms_norm_linear, silu_mul_linear
 from kernels.fused_ops import rms_norm_reference, silu_mul_reference
@@ -79,11 +78,7 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
 def test_fused_gemv_under_the_interpreter():
     """The Triton kernels under TRITON_INTERPRET=1 (a fresh process: the flag is read at import), with K past one
     K block (512) and N not a multiple of the 8-output block."""
-    code = "import torch, tests.test_fused_gemv as t; t._check_all('cpu', torch.float16, k=600, n=37)"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_under_interpreter("import torch, tests.test_fused_gemv as t; t._check_all('cpu', torch.float16, k=600, n=37)")
 
 
 def test_without_triton_kernels_the_cpu_path_is_norm_then_linear():
@@ -123,10 +118,9 @@ def _engine_check(device: str) -> dict[str, int]:
     """Decode with LRAGENT_FUSED_GEMV 0, 2 and 1 (two rows of different roles, tiny LLaMA with q/v adapters and
     norms that differ): at 2 the same tokens as 0, logits within 2e-3, the fused kernels used (their calls counted);
     at 1 (steps of one row only) a two-row step keeps the unfused path: no fused call, the same logits as 0."""
-    from conftest import tiny_multi_lora
+    from conftest import decode_rows, tiny_multi_lora
 
     import kernels.fused_gemv as fg
-    from lragent.engine import Engine, GenerationRequest
 
     calls = {"norm": 0, "silu": 0}
     raw_norm, raw_silu = fg.rms_norm_linear, fg.silu_mul_linear
@@ -155,14 +149,7 @@ def _engine_check(device: str) -> dict[str, int]:
                         norm.weight.data.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
                 m.to(device)
                 m.model.half()
-                eng = Engine(m, scheme, rows=2, capacity=32, eos_token_ids=[], fuse_ops=True, fuse_lora=True)
-                for r, role in ((0, 1), (1, 2)):
-                    eng.append(r, list(range(5 + r, 12 + r)))
-                    eng.start(r, GenerationRequest(role=role, max_new_tokens=4, return_logits=True))
-                res = []
-                while eng._pending:
-                    res.extend(eng.advance())
-                outs[flag] = sorted(res, key=lambda x: x.row)
+                outs[flag] = decode_rows(m, scheme)
                 counted[(scheme, flag)] = {k: calls[k] - before[k] for k in calls}
             for a, b, c in zip(outs["0"], outs["2"], outs["1"], strict=True):
                 assert a.generated_ids == b.generated_ids == c.generated_ids, (scheme, a.generated_ids, b.generated_ids)
@@ -184,15 +171,9 @@ def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_
     """fp16 under TRITON_INTERPRET=1 (a fresh process): with LRAGENT_FUSED_GEMV=2 each two-row decode step's RMSNorms
     and SiLU·mul run inside the q/k/v, gate/up and down GEMVs (through the Triton kernels, two rows of different roles,
     the shared A rows of q and v in the q/k/v GEMV) and the engine gives the unfused path's tokens and logits."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = (
-        "import sys; sys.path.insert(0, 'tests'); import tests.test_fused_gemv as t; "
-        "print('ok', t._engine_check('cpu'))"
+    assert run_under_interpreter("import tests.test_fused_gemv as t; print('ok', t._engine_check('cpu'))").startswith(
+        "ok"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.startswith("ok")
 
 
 @pytest.mark.gpu

@@ -5,14 +5,11 @@ loop step and fewer words than programs), and the engine with the switch on deco
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import run_under_interpreter
 
 
 def _xor_reference(t: torch.Tensor) -> int:
@@ -41,10 +38,7 @@ def _check_checksums(device: str) -> None:
 
 
 def test_the_prefetch_kernel_reads_every_word_once_under_the_interpreter():
-    code = "import tests.test_l2_prefetch as t; t._check_checksums('cpu'); print('ok')"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+    assert run_under_interpreter("import tests.test_l2_prefetch as t; t._check_checksums('cpu'); print('ok')") == "ok\n"
 
 
 @pytest.mark.gpu
@@ -79,11 +73,10 @@ def _engine_check(device: str) -> dict[str, int]:
     every layer of every decode step prefetches o_proj's weight and reads it through the Triton GEMV, with the same
     tokens as 0 and logits within 2e-3; at 1 (steps of one row only) the two-row steps prefetch nothing and give 0's
     logits exactly."""
-    from conftest import tiny_multi_lora
+    from conftest import decode_rows, tiny_multi_lora
 
     import kernels.fused_gemv as fg
     import kernels.l2_prefetch as lp
-    from lragent.engine import Engine, GenerationRequest
 
     calls = {"prefetch": 0, "gemv": 0}
     raw, raw_gemv = lp.prefetch, fg.gemv
@@ -109,14 +102,7 @@ def _engine_check(device: str) -> dict[str, int]:
                 layers = len(m.model.model.layers)
                 m.to(device)
                 m.model.half()
-                eng = Engine(m, scheme, rows=2, capacity=32, eos_token_ids=[], fuse_ops=True, fuse_lora=True)
-                for r, role in ((0, 1), (1, 2)):
-                    eng.append(r, list(range(5 + r, 12 + r)))
-                    eng.start(r, GenerationRequest(role=role, max_new_tokens=4, return_logits=True))
-                res = []
-                while eng._pending:
-                    res.extend(eng.advance())
-                outs[flag] = sorted(res, key=lambda x: x.row)
+                outs[flag] = decode_rows(m, scheme)
                 counted[(scheme, flag)] = {k: calls[k] - before[k] for k in calls}
             for a, b, c in zip(outs["0"], outs["2"], outs["1"], strict=True):
                 assert a.generated_ids == b.generated_ids == c.generated_ids, (scheme, a.generated_ids, b.generated_ids)
@@ -137,13 +123,9 @@ def _engine_check(device: str) -> dict[str, int]:
 
 
 def test_the_engine_decodes_the_same_with_the_prefetch_under_the_interpreter():
-    code = (
-        "import sys; sys.path.insert(0, 'tests'); import tests.test_l2_prefetch as t; "
-        "print('ok', t._engine_check('cpu'))"
+    assert run_under_interpreter("import tests.test_l2_prefetch as t; print('ok', t._engine_check('cpu'))").startswith(
+        "ok"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
 
 
 @pytest.mark.gpu

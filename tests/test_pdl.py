@@ -32,22 +32,13 @@ def test_a_cpu_tensor_never_launches_with_pdl(monkeypatch):
 
 
 def _decode(device: str, pdl: str, scheme: str, rows: int) -> list:
-    from conftest import tiny_multi_lora
-
-    from lragent.engine import Engine, GenerationRequest
+    from conftest import decode_rows, tiny_multi_lora
 
     os.environ["LRAGENT_PDL"] = pdl
     m = tiny_multi_lora("tiny-llama", b_std=0.3)
     m.to(device)
     m.model.half()
-    eng = Engine(m, scheme, rows=rows, capacity=48, eos_token_ids=[], fuse_ops=True, fuse_lora=True)
-    for r in range(rows):
-        eng.append(r, list(range(5 + r, 14 + r)))
-        eng.start(r, GenerationRequest(role=1 + r % 2, max_new_tokens=6, return_logits=True))
-    res = []
-    while eng._pending:
-        res.extend(eng.advance())
-    return sorted(res, key=lambda x: x.row)
+    return decode_rows(m, scheme, rows=rows, capacity=48, prompt_len=9, max_new_tokens=6)
 
 
 @pytest.mark.gpu
