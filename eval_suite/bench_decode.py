@@ -343,8 +343,10 @@ def decode(
     schemes = resolve_schemes(schemes, ["full_shared", "base_lr_shared"])  # parsed once
     batches = list(batches or [1, 32])
     plans = [os.environ.get("LRAGENT_DECODE_PLAN", "")] if plans is None else [str(p).strip() for p in plans]
-    for spec in plans:  # a bad setting is named before anything loads
+    for spec in plans:  # a bad setting is named before anything loads, the environment's switches too
         fld.parse_plan(split_plan(spec)[0])
+    for name in ENGINE_SWITCHES:
+        _switch_value(name)
     if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
         raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")
     if not torch.cuda.is_available():

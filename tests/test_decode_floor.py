@@ -79,7 +79,7 @@ def test_an_earlier_record_is_refloored_from_its_own_bytes(tmp_path) -> None:
     assert main(["--refloor", str(tmp_path / "nothing")]) == 2
 
 
-def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> None:
+def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkeypatch) -> None:
     """bench decode --plans times decode-attention kernel plans side by side: a bad setting is named before the GPU
     check or any loading, and the report gains a plan column only when a plan other than the rule was timed."""
     from eval_suite.bench_decode import decode, render
@@ -100,6 +100,9 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row() -> N
     assert split_plan("pdl=1") == ("", {"pdl": 1}) and split_plan("pdl=0") == ("", {"pdl": 0})
     with pytest.raises(ValueError, match=r"LRAGENT_PDL='yes': allowed 0 \(plain launches\) or 1"):
         split_plan("pdl=yes")
+    monkeypatch.setenv("LRAGENT_L2_PREFETCH", "all")  # a bad switch in the environment: named before anything loads
+    with pytest.raises(ValueError, match=r"LRAGENT_L2_PREFETCH='all': allowed 0 \(off\) to 64"):
+        decode(plans=["fused_gemv=1"], out="/nonexistent/never_written")
     with pytest.raises(ValueError, match="LRAGENT_FUSED_GEMV='x'"):
         split_plan("fused_gemv=")
     with pytest.raises(ValueError, match=r"LRAGENT_L2_PREFETCH='65': allowed 0 \(off\) to 64"):
