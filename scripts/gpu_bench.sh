@@ -5,6 +5,10 @@
 #   bash scripts/gpu_bench.sh trace  [options]   python cli.py bench trace  (the paper's 17-step trace per scheme)
 #   bash scripts/gpu_bench.sh kernel [options]   python cli.py bench kernel (fused vs SDPA vs naive expansion)
 #   bash scripts/gpu_bench.sh train  [options]   python cli.py bench train  (training steps vs transformers + peft)
+#   bash scripts/gpu_bench.sh gemv   [options]   python -m eval_suite.bench_fused_gemv (the fused GEMVs' launches vs
+#                                                unfused + cuBLAS, against the weights' floor)
+#   bash scripts/gpu_bench.sh profile [options]  python -m eval_suite.profile_decode (where a decode step's time goes;
+#                                                the engine switches as set in the environment, e.g. LRAGENT_PDL=1)
 #   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
 #                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
 #                                                FIT_STEPS2, exported (one PEFT directory per role)
@@ -18,9 +22,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  decode | trace | kernel | train | fit8b) BENCH=$1; shift ;;
+  decode | trace | kernel | train | fit8b | gemv | profile) BENCH=$1; shift ;;
   -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;;
-  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b (--help)" >&2; exit 2 ;;
+  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b, gemv, profile (--help)" >&2; exit 2 ;;
 esac
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > /dev/null
 OUT=${OUT:-bench_out}
@@ -38,10 +42,12 @@ phase() {  # phase NAME command...: runs, logs to $OUT/NAME.log, records wall se
   tail -n 25 "$OUT/$name.log"
 }
 
-if [ "$BENCH" != fit8b ]; then
-  phase "$BENCH" "$PY" cli.py bench "$BENCH" "$@" --out "$OUT/$BENCH"
-  exit 0
-fi
+case "$BENCH" in
+  gemv) phase gemv "$PY" -m eval_suite.bench_fused_gemv "$@" --out "$OUT/gemv"; exit 0 ;;
+  profile) phase profile "$PY" -m eval_suite.profile_decode "$@" --out "$OUT/profile"; exit 0 ;;
+  fit8b) ;;
+  *) phase "$BENCH" "$PY" cli.py bench "$BENCH" "$@" --out "$OUT/$BENCH"; exit 0 ;;
+esac
 
 # fit8b: configs/hotpotqa.yaml (the paper's settings) on LLaMA-3.1-8B shapes, byte tokens, with a FitSpeed callback
 RUN=${RUN:-runs/gpu_fit_8b}  # checkpoints stay out of $OUT (their size)
