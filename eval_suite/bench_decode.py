@@ -20,9 +20,10 @@ Writes ``bench_decode.json`` (with provenance) and ``bench_decode.md``; prints t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -70,6 +71,46 @@ def split_plan(spec: str) -> tuple[str, dict[str, int]]:
         except ValueError as exc:
             raise ValueError(f"--plans {spec!r}: {exc}") from None
     return ",".join(kernel), switches
+
+
+def check_plans(plans: list[str]) -> None:
+    """Names a bad ``--plans`` entry, or a bad engine switch in the environment, before anything loads.
+
+    Raises:
+        ValueError: the setting, with what is allowed.
+    """
+    from kernels import flash_lora_decode as fld
+
+    for spec in plans:
+        fld.parse_plan(split_plan(spec)[0])
+    for name in ENGINE_SWITCHES:
+        _switch_value(name)
+
+
+@contextlib.contextmanager
+def plan_environment(spec: str) -> Iterator[dict[str, int]]:
+    """The body runs under one ``--plans`` entry: its attention-kernel part in ``LRAGENT_DECODE_PLAN`` and its engine
+    switches in their variables (a switch it does not name keeps the environment's value); the kernel's plan cache is
+    cleared on the way in and out and the environment restored after. Engines made inside capture their graphs with
+    these launches. Yields every switch as it reads back, under its record key (``fused_gemv_rows``, ...)."""
+    from kernels import flash_lora_decode as fld
+
+    kernel_spec, switches = split_plan(spec)
+    names = ["LRAGENT_DECODE_PLAN", *(env for env, _, _ in ENGINE_SWITCHES.values())]
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        os.environ["LRAGENT_DECODE_PLAN"] = kernel_spec
+        for name, value in switches.items():
+            os.environ[ENGINE_SWITCHES[name][0]] = str(value)
+        fld._PLANS.clear()
+        yield {key: _switch_value(n) for n, (_, _, key) in ENGINE_SWITCHES.items()}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        fld._PLANS.clear()
 
 
 def measure_copy_bandwidth(device: torch.device, n_bytes: int = 2 << 30, reps: int = 10) -> float:
@@ -336,17 +377,13 @@ def decode(
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
-    from kernels import flash_lora_decode as fld
     from lragent.models import load_model, parse_dtype
     from lragent.schemes import resolve_schemes
 
     schemes = resolve_schemes(schemes, ["full_shared", "base_lr_shared"])  # parsed once
     batches = list(batches or [1, 32])
     plans = [os.environ.get("LRAGENT_DECODE_PLAN", "")] if plans is None else [str(p).strip() for p in plans]
-    for spec in plans:  # a bad setting is named before anything loads, the environment's switches too
-        fld.parse_plan(split_plan(spec)[0])
-    for name in ENGINE_SWITCHES:
-        _switch_value(name)
+    check_plans(plans)  # a bad setting is named before anything loads, the environment's switches too
     if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
         raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")
     if not torch.cuda.is_available():
@@ -372,19 +409,8 @@ def decode(
                 print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
     lm = random_adapter_model(hf, rank)
     w_bytes_lora = weight_bytes(lm)
-    env_names = {name: env for name, (env, _, _) in ENGINE_SWITCHES.items()}
-    saved = {k: os.environ.get(k) for k in ("LRAGENT_DECODE_PLAN", *env_names.values())}
-    try:
-        for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
-            kernel_spec, switches = split_plan(spec)
-            os.environ["LRAGENT_DECODE_PLAN"] = kernel_spec
-            for name, env in env_names.items():  # a switch the plan does not name: the environment's (or default)
-                value = str(switches[name]) if name in switches else saved[env]
-                if value is None:
-                    os.environ.pop(env, None)
-                else:
-                    os.environ[env] = value
-            fld._PLANS.clear()
+    for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
+        with plan_environment(spec) as switched:
             for scheme in schemes:
                 for b in batches:
                     for graphs in (True, False) if eager else (True,):
@@ -393,18 +419,9 @@ def decode(
                         t["floor_ms"] = 1e3 * read / bandwidth
                         t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
                         impl = "lragent " + ("graph" if graphs else "eager")
-                        rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec,
-                                     **{key: _switch_value(n) for n, (_, _, key) in ENGINE_SWITCHES.items()},
-                                     **t})  # fmt: skip
+                        rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec, **switched, **t})
                         print(f"{scheme} b={b} graphs={graphs} plan={spec or 'rule'}: {t['ms_per_token']:.3f} ms/token "
                               f"({t['vs_floor']:.2f}x floor)")  # fmt: skip
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        fld._PLANS.clear()
     for r in rows:
         base = next((x for x in rows if x["impl"] == "transformers eager" and x["batch"] == r["batch"]), None)
         r["speedup_vs_transformers"] = None if base is None else base["ms_per_token"] / r["ms_per_token"]

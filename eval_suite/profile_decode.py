@@ -16,6 +16,7 @@ Classes: GEMV (base weights), LoRA, attention kernel, norms/RoPE/SiLU, LM head, 
 residual adds, the step's bookkeeping), and idle.
 
     python -m eval_suite.profile_decode --model llama-3.1-8b --context 2048 --batches [1,32] --out bench_out/decode
+    python -m eval_suite.profile_decode ... --plans '["fused_gemv=1", "fused_gemv=1,pdl=1"]'   # switches side by side
 
 writes ``OUT/decode_profile.json`` and ``OUT/decode_profile.md``. On the CPU (``--device cpu``, tests) the eager pass
 runs alone and the classes hold CPU op time.
@@ -240,6 +241,7 @@ def profile_decode(
     dtype: str = "bfloat16",
     device: str = "cuda",
     overrides: dict | None = None,
+    plans: list[str] | None = None,
     out: str = "bench_out/decode",
 ) -> int:
     """Per-step decode time per op class (torch profiler), eager with labels and under CUDA graphs.
@@ -254,8 +256,12 @@ def profile_decode(
         dtype: compute dtype.
         device: cuda (the profile the benchmark needs) or cpu (eager pass only; tests).
         overrides: config fields to change (e.g. ``{"num_hidden_layers": 2}`` for a quick look).
+        plans: decode plans profiled one after the other on the same model, each as ``bench decode --plans`` takes
+            them (the attention kernel's knobs, ``fused_gemv=N``, ``l2_prefetch=N``, ``pdl=1``); default: the
+            environment's settings. Each row records its plan and switches.
         out: output directory (``decode_profile.json`` and ``.md``; the decode benchmark's directory by default).
     """
+    from eval_suite.bench_decode import check_plans, plan_environment
     from eval_suite.bench_model import random_adapter_model
     from lragent.memory_plan import choose_batch
     from lragent.models import load_model, parse_dtype
@@ -263,6 +269,8 @@ def profile_decode(
 
     scheme = Scheme.parse(scheme)  # parsed once
     batches = list(batches or [1, 32])
+    plans = [""] if plans is None else [str(p).strip() for p in plans]
+    check_plans(plans)  # a bad plan or switch is named before anything loads
     if any(b < 1 for b in batches) or context < 1 or steps < 1:
         raise ValueError(f"batches, context and steps must be >= 1, got {batches}, {context}, {steps}")
     dev = torch.device(device)
@@ -277,9 +285,11 @@ def profile_decode(
     lm = random_adapter_model(hf, rank)
     rows = []
     with torch.no_grad():
-        for b in batches:
-            rows.append(profile_batch(lm, scheme, b, context, steps, dev))
-            print(f"b={b}: {rows[-1]}", flush=True)
+        for spec in plans:
+            with plan_environment(spec) as switched:
+                for b in batches:
+                    rows.append({**profile_batch(lm, scheme, b, context, steps, dev), "plan": spec, **switched})
+                    print(f"b={b} plan={spec or 'environment'}: {rows[-1]}", flush=True)
     result = {
         "model": model,
         "scheme": scheme,
@@ -298,8 +308,13 @@ def profile_decode(
     return 0
 
 
+def _column(r: dict) -> str:
+    """A row's column title: its batch, and its plan where it names one (records before plans had none)."""
+    return f"b={r['batch']}" + (f" {r['plan']}" if r.get("plan") else "")
+
+
 def _markdown(result: dict) -> str:
-    head = ["class"] + [f"eager b={r['batch']} (ms/step)" for r in result["rows"]]
+    head = ["class"] + [f"eager {_column(r)} (ms/step)" for r in result["rows"]]
     table = [[c] + [f"{r['eager_ms_per_step_by_class'][c]:.3f}" for r in result["rows"]] for c in CLASSES]
     table.append(["eager wall"] + [f"{r['eager_wall_ms_per_step']:.3f}" for r in result["rows"]])
     lines = [
@@ -314,7 +329,7 @@ def _markdown(result: dict) -> str:
     graph_rows = [r for r in result["rows"] if "graph_wall_ms_per_step" in r]
     if graph_rows:
         classes = sorted({c for r in graph_rows for c in r["graph_ms_per_step_by_kernel_class"]})
-        head = ["CUDA graphs"] + [f"b={r['batch']} (ms/step)" for r in graph_rows]
+        head = ["CUDA graphs"] + [f"{_column(r)} (ms/step)" for r in graph_rows]
         table = [["wall"] + [f"{r['graph_wall_ms_per_step']:.3f}" for r in graph_rows]]
         table.append(["kernels"] + [f"{r['graph_kernel_ms_per_step']:.3f}" for r in graph_rows])
         table.append(["idle"] + [f"{r['graph_idle_ms_per_step']:.3f}" for r in graph_rows])
@@ -325,7 +340,7 @@ def _markdown(result: dict) -> str:
         lines += ["", "CUDA-graph decoding: wall, kernel and idle time per step; kernels by name.", ""]
         lines.append(markdown_table(head, table))
         for r in graph_rows:
-            lines += ["", f"Top kernels, b={r['batch']} (ms/step):", ""]
+            lines += ["", f"Top kernels, {_column(r)} (ms/step):", ""]
             lines += [f"- `{k[0]}`: {k[1]:.3f}" + (f" ({k[2]:.0f} launches)" if len(k) > 2 else "")
                       for k in r["graph_top_kernels"]]  # fmt: skip
     lines += ["", provenance_footer(result["provenance"])]

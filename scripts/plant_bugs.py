@@ -156,6 +156,18 @@ BUGS = {
         "",
         "tests/test_decode_floor.py",
     ),
+    "decode plans: the environment left as the last plan set it": (
+        "eval_suite/bench_decode.py",
+        "    saved = {k: os.environ.get(k) for k in names}",
+        "    saved = {}",
+        "tests/test_profile_decode.py tests/test_decode_floor.py",
+    ),
+    "decode plans: a plan's switches not applied (every plan runs the environment's)": (
+        "eval_suite/bench_decode.py",
+        "            os.environ[ENGINE_SWITCHES[name][0]] = str(value)",
+        "            pass",
+        "tests/test_profile_decode.py tests/test_decode_floor.py",
+    ),
     "fused GEMV bench: one weight timed over and over (L2-hot)": (
         "eval_suite/bench_fused_gemv.py",
         "    return max(1, -(-2 * l2_bytes // max(1, weight_bytes)))",

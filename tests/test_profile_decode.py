@@ -3,6 +3,8 @@ labels are removed afterwards, and kernel names map to their classes (the CUDA p
 
 from __future__ import annotations
 
+import os
+
 import torch
 from conftest import tiny_multi_lora
 
@@ -56,3 +58,27 @@ def test_graph_kernels_are_summed_per_class_and_counted_per_step():
     old_row["graph_top_kernels"] = [(n, ms) for n, ms, _ in out["graph_top_kernels"]]
     old = P._markdown({**result, "rows": [old_row]})
     assert "kernel launches" not in old and "- `_rms_norm_kernel`: 0.064\n" in old
+
+
+def test_plans_are_profiled_one_after_the_other_and_the_environment_restored(tmp_path, monkeypatch):
+    """--plans: every batch under every plan on the one model, each row with its plan and the switches it ran with (the
+    environment's where the plan names none), the environment as before afterwards, the plan in each column's title;
+    a bad plan is refused before the model loads."""
+    import json
+
+    import pytest
+
+    monkeypatch.setenv("LRAGENT_FUSED_GEMV", "0")
+    monkeypatch.delenv("LRAGENT_PDL", raising=False)
+    monkeypatch.delenv("LRAGENT_L2_PREFETCH", raising=False)
+    with pytest.raises(ValueError, match="LRAGENT_PDL='2'"):
+        P.profile_decode(model="tiny-llama", device="cpu", plans=["pdl=2"], out=str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
+    P.profile_decode(model="tiny-llama", context=8, batches=[1, 2], steps=2, device="cpu",
+                     plans=["", "fused_gemv=3,l2_prefetch=2"], out=str(tmp_path))  # fmt: skip
+    rows = json.loads((tmp_path / "decode_profile.json").read_text())["rows"]
+    assert [(r["batch"], r["plan"]) for r in rows] == [(1, ""), (2, ""), (1, "fused_gemv=3,l2_prefetch=2"),
+                                                       (2, "fused_gemv=3,l2_prefetch=2")]  # fmt: skip
+    assert [(r["fused_gemv_rows"], r["l2_prefetch_rows"], r["pdl"]) for r in rows] == [(0, 0, 0)] * 2 + [(3, 2, 0)] * 2
+    assert os.environ["LRAGENT_FUSED_GEMV"] == "0" and "LRAGENT_L2_PREFETCH" not in os.environ
+    assert "eager b=2 fused_gemv=3,l2_prefetch=2 (ms/step)" in (tmp_path / "decode_profile.md").read_text()
