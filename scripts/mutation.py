@@ -45,6 +45,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     ),
     "paired": ("eval_suite/paired.py", "", ["tests/test_paired_properties.py", "tests/test_paired.py"]),
     "metrics": ("eval_suite/metrics.py", "", ["tests/test_metrics_properties.py", "tests/test_eval_metrics.py"]),
+    "answer_scores": (
+        "eval_suite/answer_scores.py",
+        "",
+        ["tests/test_metrics_properties.py", "tests/test_eval_metrics.py"],
+    ),
     "option_variants": (
         "datamodules/option_variants.py",
         "",
