@@ -106,7 +106,7 @@ def _launch(t: Tensor, programs: int, flag: Tensor, sink: Tensor) -> None:
 @on_tensor_device
 def checksum(t: Tensor, programs: int | None = None) -> int:
     """The XOR of all 32-bit words of ``t``, computed by the prefetch kernel with its flag set (the tests' proof that
-    it reads every word once; torch's ``bitwise_xor`` reduction is the reference).
+    it reads every word once, against numpy's ``bitwise_xor`` reduction).
 
     Args:
         t: any contiguous tensor whose size is a multiple of 4 bytes.
