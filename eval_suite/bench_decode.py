@@ -73,6 +73,12 @@ def split_plan(spec: str) -> tuple[str, dict[str, int]]:
     return ",".join(kernel), switches
 
 
+def plan_turns(plans: list[str], repeats: int) -> list[tuple[int, str]]:
+    """``(turn, plan)`` in the order ``bench decode --repeats`` times them: every plan once per turn, turn after turn
+    (A, B, A, B: a drift during the run falls on every plan alike, where A, A, B, B would put it on one)."""
+    return [(rep, spec) for rep in range(repeats) for spec in plans]
+
+
 def check_plans(plans: list[str]) -> None:
     """Names a bad ``--plans`` entry, or a bad engine switch in the environment, before anything loads.
 
@@ -205,11 +211,13 @@ def render(result: dict, dtype: str) -> str:
     """``bench_decode.md`` from a record (as :func:`decode` writes it)."""
     rows, prov, model = result["rows"], result["provenance"], result["model"]
     with_plan = any(result.get("plans") or [])  # a plan other than the launch rule was timed
+    with_turn = any("repeat" in r for r in rows)  # --repeats 2 and more
     body = [
         [
             r["impl"],
             r["scheme"],
             *([(r.get("plan") or "rule") if r["impl"].startswith("lragent") else "–"] if with_plan else []),
+            *([str(r.get("repeat", "–"))] if with_turn else []),
             str(r["batch"]),
             f"{r['ms_per_token']:.3f}",
             f"{r['tokens_per_s']:.0f}",
@@ -236,6 +244,7 @@ def render(result: dict, dtype: str) -> str:
                 "impl",
                 "scheme",
                 *(["decode plan"] if with_plan else []),
+                *(["turn"] if with_turn else []),
                 "batch",
                 "ms/token",
                 "tokens/s",
@@ -352,6 +361,7 @@ def decode(
     eager: bool = True,
     transformers_baseline: bool = True,
     plans: list[str] | None = None,
+    repeats: int = 1,
     out: str = "bench_out/decode",
 ) -> int:
     """Decode latency per token vs the bandwidth floor and stock transformers (one GPU, one run).
@@ -374,6 +384,8 @@ def decode(
             programmatic dependent launch of the step's Triton kernels (``LRAGENT_PDL``, :mod:`kernels.pdl`; off by
             default); every scheme and batch under each (default: what the environment sets now). Each row records
             its plan and the switches it ran with (``fused_gemv_rows``, ``l2_prefetch_rows``, ``pdl``).
+        repeats: times every plan is timed, in turns (plan A, B, A, B, ...: a drift of the GPU's clock or of the
+            host during the run falls on every plan alike); rows of 2 and more record their turn (``repeat``).
         out: output directory.
     """
     from eval_suite.bench_model import random_adapter_model
@@ -384,8 +396,9 @@ def decode(
     batches = list(batches or [1, 32])
     plans = [os.environ.get("LRAGENT_DECODE_PLAN", "")] if plans is None else [str(p).strip() for p in plans]
     check_plans(plans)  # a bad setting is named before anything loads, the environment's switches too
-    if any(b < 1 for b in batches) or context < 1 or new_tokens < 1:
-        raise ValueError(f"batches, context and new_tokens must be >= 1, got {batches}, {context}, {new_tokens}")
+    if any(b < 1 for b in batches) or context < 1 or new_tokens < 1 or repeats < 1:
+        raise ValueError(f"batches, context, new_tokens and repeats must be >= 1, got {batches}, {context}, "
+                         f"{new_tokens}, {repeats}")  # fmt: skip
     if not torch.cuda.is_available():
         raise ValueError("bench decode needs a CUDA GPU")
     dt = parse_dtype(dtype)
@@ -409,7 +422,7 @@ def decode(
                 print(f"transformers b={b}: {t['ms_per_token']:.3f} ms/token", flush=True)
     lm = random_adapter_model(hf, rank)
     w_bytes_lora = weight_bytes(lm)
-    for spec in plans:  # each plan on fresh engines (graphs captured with its launches)
+    for rep, spec in plan_turns(plans, repeats):  # each plan on fresh engines (graphs captured with its launches)
         with plan_environment(spec) as switched:
             for scheme in schemes:
                 for b in batches:
@@ -419,7 +432,8 @@ def decode(
                         t["floor_ms"] = 1e3 * read / bandwidth
                         t["vs_floor"] = t["ms_per_token"] / t["floor_ms"]
                         impl = "lragent " + ("graph" if graphs else "eager")
-                        rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec, **switched, **t})
+                        turn = {"repeat": rep + 1} if repeats > 1 else {}
+                        rows.append({"impl": impl, "scheme": scheme, "batch": b, "plan": spec, **switched, **turn, **t})
                         print(f"{scheme} b={b} graphs={graphs} plan={spec or 'rule'}: {t['ms_per_token']:.3f} ms/token "
                               f"({t['vs_floor']:.2f}x floor)")  # fmt: skip
     for r in rows:

@@ -168,6 +168,18 @@ BUGS = {
         "            pass",
         "tests/test_profile_decode.py tests/test_decode_floor.py",
     ),
+    "bench decode --repeats: each plan's repeats back to back (A, A, B, B)": (
+        "eval_suite/bench_decode.py",
+        "    return [(rep, spec) for rep in range(repeats) for spec in plans]",
+        "    return [(rep, spec) for spec in plans for rep in range(repeats)]",
+        "tests/test_decode_floor.py",
+    ),
+    "bench decode --repeats: the turn column left out of the table": (
+        "eval_suite/bench_decode.py",
+        '            *([str(r.get("repeat", "–"))] if with_turn else []),',
+        "",
+        "tests/test_decode_floor.py",
+    ),
     "fused GEMV bench: one weight timed over and over (L2-hot)": (
         "eval_suite/bench_fused_gemv.py",
         "    return max(1, -(-2 * l2_bytes // max(1, weight_bytes)))",

@@ -128,3 +128,17 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     assert "| transformers eager | - | – | 1 |" in md
     for older in ({k: v for k, v in record.items() if k != "plans"}, {**record, "plans": [""]}):
         assert "decode plan" not in render(older, "bfloat16")  # records without a plan sweep read as before
+    assert "turn" not in md  # one turn: no column
+    # --repeats 2: the plans timed in turns, each row with its turn; a repeat below 1 is refused before anything loads
+    turns = [{**row("lragent graph", p, ms), "repeat": k} for k, p, ms in ((1, "", 6.5), (1, "pdl=1", 6.3),
+                                                                        (2, "", 6.6), (2, "pdl=1", 6.2))]  # fmt: skip
+    md = render({**record, "plans": ["", "pdl=1"], "rows": [row("transformers eager", None, 30.0), *turns]}, "bfloat16")
+    assert "| impl | scheme | decode plan | turn | batch |" in md
+    assert "| lragent graph | base_lr_shared | pdl=1 | 2 | 1 | 6.200 |" in md and "| – | – | 1 | 30.000 |" in md
+    from eval_suite.bench_decode import plan_turns
+
+    assert plan_turns(["", "pdl=1"], 2) == [(0, ""), (0, "pdl=1"), (1, ""), (1, "pdl=1")]  # in turns, not A A B B
+    assert plan_turns(["x"], 1) == [(0, "x")]
+    monkeypatch.delenv("LRAGENT_L2_PREFETCH")
+    with pytest.raises(ValueError, match="repeats must be >= 1, got .* 0"):
+        decode(repeats=0, out="/nonexistent/never_written")
