@@ -130,6 +130,42 @@ def decode_rows(
     return sorted(res, key=lambda x: x.row)
 
 
+def decode_under_switch(env: str, device: str, calls: dict[str, int], prepare=None) -> dict[tuple[str, str], dict]:
+    """What every row-count switch of the decode step must keep: two rows of different roles (tiny LLaMA, q/v adapters,
+    fp16) decode under ``env`` set to 0, 2 and 1, for both shared schemes; at 2 (two-row steps switched on) the
+    tokens of 0 and logits within 2e-3, at 1 (steps of one row only: the two-row steps keep the plain path) 0's logits
+    exactly. ``prepare(model)`` may change the model first; ``calls`` are the caller's spies' counters.
+
+    Returns:
+        how much each counter of ``calls`` grew, per ``(scheme, value)``.
+    """
+    saved = os.environ.get(env)
+    counted: dict[tuple[str, str], dict] = {}
+    try:
+        for scheme in ("base_lr_shared", "full_shared"):
+            outs = {}
+            for flag in ("0", "2", "1"):
+                os.environ[env] = flag
+                before = dict(calls)
+                m = tiny_multi_lora("tiny-llama", b_std=0.3)
+                if prepare is not None:
+                    prepare(m)
+                m.to(device)
+                m.model.half()
+                outs[flag] = decode_rows(m, scheme)
+                counted[(scheme, flag)] = {k: calls[k] - before[k] for k in calls}
+            for a, b, c in zip(outs["0"], outs["2"], outs["1"], strict=True):
+                assert a.generated_ids == b.generated_ids == c.generated_ids, (scheme, a.generated_ids, b.generated_ids)
+                assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
+                assert torch.equal(a.logits, c.logits), scheme  # two rows past the cap of 1: the plain path
+    finally:
+        if saved is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = saved
+    return counted
+
+
 def run_under_interpreter(code: str, timeout: int = 600) -> str:
     """Runs ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (the flag is read when Triton is imported) from the
     repository root, ``tests/`` importable; fails the test with the end of its stderr unless it exits 0. Returns its

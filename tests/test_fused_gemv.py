@@ -4,7 +4,6 @@ differences can move it; the residual sum comes back exact; more rows than the k
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -118,7 +117,7 @@ def _engine_check(device: str) -> dict[str, int]:
     """Decode with LRAGENT_FUSED_GEMV 0, 2 and 1 (two rows of different roles, tiny LLaMA with q/v adapters and
     norms that differ): at 2 the same tokens as 0, logits within 2e-3, the fused kernels used (their calls counted);
     at 1 (steps of one row only) a two-row step keeps the unfused path: no fused call, the same logits as 0."""
-    from conftest import decode_rows, tiny_multi_lora
+    from conftest import decode_under_switch
 
     import kernels.fused_gemv as fg
 
@@ -133,35 +132,19 @@ def _engine_check(device: str) -> dict[str, int]:
         calls["silu"] += fg._fusable(g, w)
         return raw_silu(g, u, w, **kw)
 
-    saved = os.environ.get("LRAGENT_FUSED_GEMV")
+    def distinct_norms(m) -> None:  # norms that differ from each other (a tiny model's are ones)
+        g = torch.Generator().manual_seed(3)
+        for layer in m.model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.data.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
+
     fg.rms_norm_linear, fg.silu_mul_linear = norm_spy, silu_spy
-    counted = {}
     try:
-        for scheme in ("base_lr_shared", "full_shared"):
-            outs = {}
-            for flag in ("0", "2", "1"):
-                os.environ["LRAGENT_FUSED_GEMV"] = flag
-                before = dict(calls)
-                m = tiny_multi_lora("tiny-llama", b_std=0.3)
-                g = torch.Generator().manual_seed(3)  # norms that differ from each other (a tiny model's are ones)
-                for layer in m.model.model.layers:
-                    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                        norm.weight.data.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
-                m.to(device)
-                m.model.half()
-                outs[flag] = decode_rows(m, scheme)
-                counted[(scheme, flag)] = {k: calls[k] - before[k] for k in calls}
-            for a, b, c in zip(outs["0"], outs["2"], outs["1"], strict=True):
-                assert a.generated_ids == b.generated_ids == c.generated_ids, (scheme, a.generated_ids, b.generated_ids)
-                assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
-                assert torch.equal(a.logits, c.logits), scheme  # two rows past the cap of 1: the unfused path
-            assert counted[(scheme, "1")] == {"norm": 0, "silu": 0}, counted
+        counted = decode_under_switch("LRAGENT_FUSED_GEMV", device, calls, prepare=distinct_norms)
     finally:
         fg.rms_norm_linear, fg.silu_mul_linear = raw_norm, raw_silu
-        if saved is None:
-            os.environ.pop("LRAGENT_FUSED_GEMV", None)
-        else:
-            os.environ["LRAGENT_FUSED_GEMV"] = saved
+    for scheme in ("base_lr_shared", "full_shared"):
+        assert counted[(scheme, "1")] == {"norm": 0, "silu": 0}, counted
     # per decode step and layer: the input norm in the q/k/v GEMV and the post-attention norm in gate/up, SiLU in down
     assert calls["norm"] > 0 and calls["silu"] > 0 and calls["norm"] == 2 * calls["silu"], calls
     return calls

@@ -4,8 +4,6 @@ loop step and fewer words than programs), and the engine with the switch on deco
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -73,7 +71,7 @@ def _engine_check(device: str) -> dict[str, int]:
     every layer of every decode step prefetches o_proj's weight and reads it through the Triton GEMV, with the same
     tokens as 0 and logits within 2e-3; at 1 (steps of one row only) the two-row steps prefetch nothing and give 0's
     logits exactly."""
-    from conftest import decode_rows, tiny_multi_lora
+    from conftest import decode_under_switch
 
     import kernels.fused_gemv as fg
     import kernels.l2_prefetch as lp
@@ -89,36 +87,19 @@ def _engine_check(device: str) -> dict[str, int]:
         calls["gemv"] += 1
         return raw_gemv(x, w, *a, **kw)
 
-    saved = os.environ.get("LRAGENT_L2_PREFETCH")
+    layers: list[int] = []
     lp.prefetch, fg.gemv = spy, gemv_spy
-    counted, layers = {}, 0
     try:
-        for scheme in ("base_lr_shared", "full_shared"):
-            outs = {}
-            for flag in ("0", "2", "1"):
-                os.environ["LRAGENT_L2_PREFETCH"] = flag
-                before = dict(calls)
-                m = tiny_multi_lora("tiny-llama", b_std=0.3)
-                layers = len(m.model.model.layers)
-                m.to(device)
-                m.model.half()
-                outs[flag] = decode_rows(m, scheme)
-                counted[(scheme, flag)] = {k: calls[k] - before[k] for k in calls}
-            for a, b, c in zip(outs["0"], outs["2"], outs["1"], strict=True):
-                assert a.generated_ids == b.generated_ids == c.generated_ids, (scheme, a.generated_ids, b.generated_ids)
-                assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
-                assert torch.equal(a.logits, c.logits), scheme
-            assert counted[(scheme, "0")] == counted[(scheme, "1")] == {"prefetch": 0, "gemv": 0}, counted
-            # every layer of each decode step, and its o projection through the GEMV (a graph-captured step calls them
-            # once per capture, eager ones once per step)
-            n = counted[(scheme, "2")]
-            assert n["prefetch"] > 0 and n["prefetch"] % layers == 0 and n["gemv"] == n["prefetch"], counted
+        counted = decode_under_switch("LRAGENT_L2_PREFETCH", device, calls,
+                                      prepare=lambda m: layers.append(len(m.model.model.layers)))  # fmt: skip
     finally:
         lp.prefetch, fg.gemv = raw, raw_gemv
-        if saved is None:
-            os.environ.pop("LRAGENT_L2_PREFETCH", None)
-        else:
-            os.environ["LRAGENT_L2_PREFETCH"] = saved
+    for scheme in ("base_lr_shared", "full_shared"):
+        assert counted[(scheme, "0")] == counted[(scheme, "1")] == {"prefetch": 0, "gemv": 0}, counted
+        # every layer of each decode step, and its o projection through the GEMV (a graph-captured step calls them
+        # once per capture, eager ones once per step)
+        n = counted[(scheme, "2")]
+        assert n["prefetch"] > 0 and n["prefetch"] % layers[0] == 0 and n["gemv"] == n["prefetch"], counted
     return counted
 
 
