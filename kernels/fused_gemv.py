@@ -260,6 +260,16 @@ def _block_n(config: GemvConfig, rows: int) -> int:
     return config.block_n if rows == 1 else max(config.block_n, 16)
 
 
+def _launch_args(config: GemvConfig, rows: int, x: Tensor) -> dict:
+    """The launch arguments both GEMV kernels take for ``rows`` input rows under ``config`` (``x``: the input, for the
+    PDL switch): outputs and inputs per block step, the row block, the deferred sum (one row only), warps, stages."""
+    return dict(
+        BLOCK_N=_block_n(config, rows), BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
+        DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_launch(x),
+    )  # fmt: skip
+
+
 def _fusable(x: Tensor, weight: Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
@@ -304,12 +314,9 @@ def rms_norm_linear(
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
-    block_n = _block_n(config, rows)
-    _rms_norm_gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps),
-        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
-        DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch(xc),
+    launch = _launch_args(config, rows, xc)
+    _rms_norm_gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
+        xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps), HAS_RES=residual is not None, **launch,
     )  # fmt: skip
     return y, h_out
 
@@ -370,11 +377,9 @@ def _launch_gemv(
     config = config or default_config(rows, norm=False)
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
-    block_n = _block_n(config, rows)
-    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+    launch = _launch_args(config, rows, g2)
+    _gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
-        HAS_RES=residual is not None, BLOCK_N=block_n, BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
-        DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch(g2),
+        HAS_RES=residual is not None, **launch,
     )  # fmt: skip
     return y
