@@ -35,8 +35,6 @@ from lragent.provenance import provenance, provenance_footer
 
 ENGINE_SWITCHES: dict[str, tuple[str, str, str]] = {
     "fused_gemv": ("LRAGENT_FUSED_GEMV", "kernels.fused_gemv:fused_gemv_rows", "fused_gemv_rows"),
-    "l2_prefetch": ("LRAGENT_L2_PREFETCH", "kernels.l2_prefetch:l2_prefetch_rows", "l2_prefetch_rows"),
-    "pdl": ("LRAGENT_PDL", "kernels.pdl:pdl_requested", "pdl"),
 }
 """The ``--plans`` names that set an engine switch rather than the attention kernel's plan: name -> (environment
 variable, the parser that checks its value and reads it back, the key each result row records it under)."""
@@ -52,10 +50,8 @@ def _switch_value(name: str, value: str | None = None) -> int:
 
 def split_plan(spec: str) -> tuple[str, dict[str, int]]:
     """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, the engine switches it
-    sets: ``fused_gemv=N`` (the norms and SiLU·mul inside the GEMVs in steps of at most N rows), ``l2_prefetch=N``
-    (o_proj's weight prefetched into L2 during the attention, steps of at most N rows), 0 off, and ``pdl=1`` (the
-    step's Triton kernels launched with programmatic dependent launch); a switch it does not name keeps the
-    environment's value).
+    sets: ``fused_gemv=N`` (the norms and SiLU·mul inside the GEMVs, and the o projection on the Triton GEMV, in steps
+    of at most N rows; 0 off); a switch it does not name keeps the environment's value).
 
     Raises:
         ValueError: a switch's value outside what its parser allows (named with the range).
@@ -378,12 +374,10 @@ def decode(
         transformers_baseline: also time stock transformers' eager loop (batch sizes up to 32).
         plans: decode plans to time side by side, each in ``LRAGENT_DECODE_PLAN``'s syntax (``""``: the attention
             kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=N``:
-            the RMSNorms and SiLU·mul inside the GEMVs at steps of at most N rows, 0 off (``LRAGENT_FUSED_GEMV``,
-            :mod:`kernels.fused_gemv`; off by default), and ``l2_prefetch=N``: o_proj's weight streamed into L2
-            during the attention (``LRAGENT_L2_PREFETCH``, :mod:`kernels.l2_prefetch`; off by default), and ``pdl=1``:
-            programmatic dependent launch of the step's Triton kernels (``LRAGENT_PDL``, :mod:`kernels.pdl`; off by
-            default); every scheme and batch under each (default: what the environment sets now). Each row records
-            its plan and the switches it ran with (``fused_gemv_rows``, ``l2_prefetch_rows``, ``pdl``).
+            the RMSNorms and SiLU·mul inside the GEMVs and o_proj on the Triton GEMV at steps of at most N rows, 0
+            off (``LRAGENT_FUSED_GEMV``, :mod:`kernels.fused_gemv`; default 1); every scheme and batch under each
+            (default: what the environment sets now). Each row records its plan and the switch it ran with
+            (``fused_gemv_rows``).
         repeats: times every plan is timed, in turns (plan A, B, A, B, ...: a drift of the GPU's clock or of the
             host during the run falls on every plan alike); rows of 2 and more record their turn (``repeat``).
         out: output directory.

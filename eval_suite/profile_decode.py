@@ -16,7 +16,7 @@ Classes: GEMV (base weights), LoRA, attention kernel, norms/RoPE/SiLU, LM head, 
 residual adds, the step's bookkeeping), and idle.
 
     python -m eval_suite.profile_decode --model llama-3.1-8b --context 2048 --batches [1,32] --out bench_out/decode
-    python -m eval_suite.profile_decode ... --plans '["fused_gemv=1", "fused_gemv=1,pdl=1"]'   # switches side by side
+    python -m eval_suite.profile_decode ... --plans '["fused_gemv=0", "fused_gemv=1"]'   # switches side by side
 
 writes ``OUT/decode_profile.json`` and ``OUT/decode_profile.md``. On the CPU (``--device cpu``, tests) the eager pass
 runs alone and the classes hold CPU op time.
@@ -257,7 +257,7 @@ def profile_decode(
         device: cuda (the profile the benchmark needs) or cpu (eager pass only; tests).
         overrides: config fields to change (e.g. ``{"num_hidden_layers": 2}`` for a quick look).
         plans: decode plans profiled one after the other on the same model, each as ``bench decode --plans`` takes
-            them (the attention kernel's knobs, ``fused_gemv=N``, ``l2_prefetch=N``, ``pdl=1``); default: the
+            them (the attention kernel's knobs, ``fused_gemv=N``); default: the
             environment's settings. Each row records its plan and switches.
         out: output directory (``decode_profile.json`` and ``.md``; the decode benchmark's directory by default).
     """

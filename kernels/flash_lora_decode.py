@@ -50,14 +50,12 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.flash_lora_attention import _interpreting, _next_pow2, _num_sms
-from kernels.pdl import pdl_launch
 
 try:
     import triton
     import triton.language as tl
 
     from kernels.flash_lora_attention import _lora_up
-    from kernels.pdl import pdl_prologue
 except ImportError:  # pragma: no cover - platforms without Triton: only the torch path is available
     triton = None
     tl = None
@@ -419,14 +417,12 @@ if triton is not None:
         BLOCK_M: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
         N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, S_CHUNK: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_ROLE: tl.constexpr, HAS_KVSLOT: tl.constexpr, HAS_LRSLOT: tl.constexpr,
-        USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * Hkv * ROW_BLOCKS, N_SPLITS): program (pid, s) runs split s of row b, KV head g, row block rb.
 
         Splits are the slow grid axis, so the first splits of every row (the only ones short rows use) are
         scheduled first; a program whose split is past the row's active count exits after one load.
         """
-        pdl_prologue(USE_PDL)
         pid = tl.program_id(0)
         pid_s = tl.program_id(1)
         b = pid // (N_KV_HEADS * ROW_BLOCKS)
@@ -598,7 +594,7 @@ def _launch_decode(
         BLOCK_M=plan.block_m, ROWS=plan.rows, ROW_BLOCKS=plan.row_blocks, BLOCK_N=plan.block_n,
         N_SPLITS=plan.n_splits, MIN_SPLIT=plan.min_split, S_CHUNK=plan.s_chunk, HAS_LORA=has_lora,
         HAS_ROLE=has_lora and role_ids is not None, HAS_KVSLOT=kv_slot is not None, HAS_LRSLOT=lr_slot is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_launch(q),
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 

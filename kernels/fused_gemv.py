@@ -6,8 +6,8 @@ an H100 (``results/engine_h100/decode_profile_2026-11-27``) the two RMSNorms and
 issue 38's 0.8 ms to find. Computing the norm (or the activation) inside the GEMV that consumes it removes the kernel,
 its output's round trip through memory and its node. Whether a Triton GEMV keeps cuBLAS's bandwidth is what
 ``python -m eval_suite.bench_fused_gemv`` measures: on an H100, 1.01-1.06x the unfused pair at one row (the 8B batch-1
-step 4% faster), 3.6-4.3x slower at four with the rows taken one by one (now one tensor-core dot, untimed), so the
-decoder takes them at the rows ``LRAGENT_FUSED_GEMV`` names (1: batch-1 decode; off by default; kernels/NOTES.md).
+step 5% faster), and slower than unfused at 4 to 32 rows even through one tensor-core dot per tile, so the decoder takes
+them at the rows ``LRAGENT_FUSED_GEMV`` names (default 1: batch-1 decode; kernels/NOTES.md).
 
 What each computes, with the intermediate roundings of the unfused kernels (:mod:`kernels.fused_ops`), so the GEMV's
 input is bit for bit what the unfused path feeds cuBLAS; only the GEMV's summation order differs:
@@ -33,13 +33,11 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
-from kernels.pdl import pdl_launch
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.pdl import pdl_prologue
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -52,11 +50,11 @@ ROWS_ENV = "LRAGENT_FUSED_GEMV"
 """The decoder's switch: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs (0: off)."""
 
 
-DEFAULT_ROWS = 0
-"""Without ``LRAGENT_FUSED_GEMV``: off, until the whole GPU suite has run with it on. ``1`` (batch-1 steps fuse) took an
-H100's 8B batch-1 step from 6.81 to 6.50 ms (results/engine_h100/fused_gemv_2026-11-27). At four rows the kernels were
-then 3.6-4.3x slower than unfused (each tile's product taken row by row); several rows (up to 32) now go through one
-tensor-core dot, not yet timed on a GPU."""
+DEFAULT_ROWS = 1
+"""Without ``LRAGENT_FUSED_GEMV``: batch-1 steps fuse. On an H100 (8B shapes, results/engine_h100/decode_2026-11-27b)
+that took the batch-1 step from 6.77 to 6.42 ms; several rows through the tensor-core dot were slower than the unfused
+kernels at every size timed (4, 16, 32 rows: 0.18-0.89x; the 8B batch-32 step 9.7 -> 20.4 ms), so wider steps fuse
+only where a user asks (``LRAGENT_FUSED_GEMV=N``)."""
 
 
 def fused_gemv_rows(value: str | None = None) -> int:
@@ -85,23 +83,25 @@ class GemvConfig:
     deferred: int = 0
     """1: a one-row call keeps a (block_n, block_k) fp32 accumulator and sums it over K once, after the loop, instead
     of reducing every tile across threads (the shuffles then leave the loop; 32 more registers a thread at 16 × 512
-    over 8 warps). Not yet timed on a GPU."""
+    over 8 warps). On an H100 the fastest one-row launch of each 8B GEMV has it (``DEFAULT_CONFIG``,
+    ``NORM_CONFIG``)."""
 
 
-DEFAULT_CONFIG = GemvConfig()
-"""The SiLU·mul and plain GEMVs' launch: on an H100 at one row the fastest of five for the 8B down projection (45.2 µs
-against 45.5 for the unfused pair; results/engine_h100/fused_gemv_2026-11-27)."""
+DEFAULT_CONFIG = GemvConfig(deferred=1)
+"""The SiLU·mul and plain GEMVs' launch: on an H100 at one row the fastest of nine for the 8B down projection (43.6 µs
+against 45.5 for the unfused pair and 43.7 for cuBLAS alone) and the o projection (13.8 µs against cuBLAS's 16.1;
+``results/engine_h100/decode_2026-11-27b/fused_gemv.md``, each weight read from DRAM)."""
 
-NORM_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=8)
-"""The RMSNorm GEMVs' launch: on an H100 at one row the fastest of five for both 8B norm GEMVs (q/k/v with the A rows
-21.4 µs, where DEFAULT_CONFIG took 23.2 and the unfused pair 22.6; gate/up 81.9 against 82.6 and 84.9): eight warps
-share the per-program norm statistic over twice the outputs."""
+NORM_CONFIG = GemvConfig(block_n=16, block_k=512, num_warps=8, deferred=1)
+"""The RMSNorm GEMVs' launch: on an H100 at one row the fastest of nine for both 8B norm GEMVs (q/k/v with the A rows
+21.2 µs, where the unfused pair took 23.2; gate/up 80.6 against 88.2, at the 81.6 µs floor of the measured copy
+bandwidth): eight warps share the per-program norm statistic over twice the outputs."""
 
 ROWS_CONFIG = GemvConfig(block_n=64, block_k=256, num_warps=8)
-"""The launch of a call with several rows (not yet timed on a GPU; ``bench_fused_gemv --rows [16,32]`` sweeps it with
-the others). Every program reads all its rows' inputs from L2 (the norm GEMV twice: statistic, then product), so
-those reads grow with rows × programs: at 32 rows the 8B gate/up GEMV with 16 outputs per program would read 917 MB
-from L2 for its 235 MB weight, with 64 outputs 229 MB. The tensor-core dot takes a 64-wide W tile as readily."""
+"""The launch of a call with several rows. Every program reads all its rows' inputs from L2 (the norm GEMV twice:
+statistic, then product), so those reads grow with rows × programs: at 32 rows the 8B gate/up GEMV with 16 outputs per
+program would read 917 MB from L2 for its 235 MB weight, with 64 outputs 229 MB. Timed on an H100 it was not the best
+of nine at 4-32 rows (32 outputs per program were), and no launch beat the unfused kernels there (the module doc)."""
 
 
 def default_config(rows: int, norm: bool) -> GemvConfig:
@@ -155,10 +155,9 @@ if triton is not None:
     def _rms_norm_gemv_kernel(
         X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        DEFERRED: tl.constexpr, USE_PDL: tl.constexpr,
+        DEFERRED: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
-        pdl_prologue(USE_PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -200,11 +199,10 @@ if triton is not None:
     def _gemv_kernel(
         G, U, W, RES, Y, n_rows, n_out, n_in, stride_g, stride_u,
         SILU: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        DEFERRED: tl.constexpr, USE_PDL: tl.constexpr,
+        DEFERRED: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ (+ res, added before the one rounding, as addmm) for outputs
         [pid·BLOCK_N, +BLOCK_N) of each row, where x = silu(g) * u with ``SILU``, else g."""
-        pdl_prologue(USE_PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -260,13 +258,12 @@ def _block_n(config: GemvConfig, rows: int) -> int:
     return config.block_n if rows == 1 else max(config.block_n, 16)
 
 
-def _launch_args(config: GemvConfig, rows: int, x: Tensor) -> dict:
-    """The launch arguments both GEMV kernels take for ``rows`` input rows under ``config`` (``x``: the input, for the
-    PDL switch): outputs and inputs per block step, the row block, the deferred sum (one row only), warps, stages."""
+def _launch_args(config: GemvConfig, rows: int) -> dict:
+    """The launch arguments both GEMV kernels take for ``rows`` input rows under ``config``: outputs and inputs per
+    block step, the row block, the deferred sum (one row only), warps, stages."""
     return dict(
         BLOCK_N=_block_n(config, rows), BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
         DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_launch(x),
     )  # fmt: skip
 
 
@@ -314,7 +311,7 @@ def rms_norm_linear(
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
-    launch = _launch_args(config, rows, xc)
+    launch = _launch_args(config, rows)
     _rms_norm_gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps), HAS_RES=residual is not None, **launch,
     )  # fmt: skip
@@ -377,7 +374,7 @@ def _launch_gemv(
     config = config or default_config(rows, norm=False)
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
-    launch = _launch_args(config, rows, g2)
+    launch = _launch_args(config, rows)
     _gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
         HAS_RES=residual is not None, **launch,

@@ -25,13 +25,11 @@ import torch
 from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
-from kernels.pdl import pdl_launch
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.pdl import pdl_prologue
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -75,10 +73,9 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(
         X, RES, W, OUT, H_OUT, n_cols, eps,
-        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+        HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """One row per program: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)).to(dtype)."""
-        pdl_prologue(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -107,12 +104,11 @@ if triton is not None:
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
         stride_qlrn, stride_qbr, stride_qbo, n_q_heads, n_kv_heads, rank, q_rank, q_scaling,
         HALF: tl.constexpr, HAS_LR: tl.constexpr, R_PAD: tl.constexpr, HAS_QLORA: tl.constexpr,
-        QR_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+        QR_PAD: tl.constexpr,
     ):  # fmt: skip
         """Grid (N tokens, Hq + Hkv): program (n, h) ropes query head h (after adding its LoRA term
         ``s · lr_q · B_roleᵀ`` with ``HAS_QLORA``, rounded to q's dtype first, as a GEMM's epilogue rounds), or ropes
         and stores key head h - Hq and stores its value head (and, for the first key head, the low-rank values)."""
-        pdl_prologue(USE_PDL)
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
@@ -159,9 +155,8 @@ if triton is not None:
                     tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + r, lr, mask=r < rank)
 
     @triton.jit
-    def _silu_mul_kernel(G, U, OUT, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _silu_mul_kernel(G, U, OUT, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
         """Grid (rows, column blocks): out[row] = silu(g[row]) * u[row], rows of g and u strided."""
-        pdl_prologue(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -194,7 +189,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(rows,)](
         xc, res, weight, out, h_out, n_cols, float(eps), HAS_RES=residual is not None, BLOCK=block,
-        num_warps=4 if block <= 2048 else 8, **pdl_launch(xc),
+        num_warps=4 if block <= 2048 else 8,
     )  # fmt: skip
     return out, h_out
 
@@ -273,7 +268,7 @@ def rope_store(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         *lr_strides, *ql_strides, hq, hkv, rank, q_rank, q_s,
         HALF=d // 2, HAS_LR=has_lr, R_PAD=max(2, triton.next_power_of_2(rank)), HAS_QLORA=has_ql,
-        QR_PAD=max(2, triton.next_power_of_2(q_rank)), num_warps=1, **pdl_launch(q),
+        QR_PAD=max(2, triton.next_power_of_2(q_rank)), num_warps=1,
     )  # fmt: skip
     return q_out
 
@@ -290,6 +285,6 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(n_cols))
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n_cols, block))](
-        g2, u2, out, n_cols, g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4, **pdl_launch(g2)
+        g2, u2, out, n_cols, g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4
     )
     return out

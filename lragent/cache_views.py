@@ -134,13 +134,6 @@ def _fused_gemv_rows() -> int:
     return fused_gemv_rows()
 
 
-def _l2_prefetch_rows() -> int:
-    """``LRAGENT_L2_PREFETCH``: the most rows of a decode step that prefetches its o projection's weight into L2."""
-    from kernels.l2_prefetch import l2_prefetch_rows
-
-    return l2_prefetch_rows()
-
-
 class PrefillView:
     """Contiguous new positions of one trajectory (batch 1) in a static pool.
 
@@ -238,10 +231,8 @@ class DecodeView:
         fused: the fused kernels (default: where the decode kernel runs).
 
     ``LRAGENT_FUSED_GEMV=N`` in the environment when the view is made also runs each RMSNorm and SiLU·mul inside the
-    GEMV that reads it (:mod:`kernels.fused_gemv`, on fused views, in steps of at most N <= 32 rows): off by default;
-    N = 1 made batch-1 decode 4% faster on an H100 (issue 38). ``LRAGENT_L2_PREFETCH=N`` streams each layer's o
-    projection weight into L2 on a side stream while the attention runs, in steps of at most N rows
-    (:mod:`kernels.l2_prefetch`; off by default, not yet timed on a GPU).
+    GEMV that reads it, and the o projection on the same Triton GEMV (:mod:`kernels.fused_gemv`, on fused views, in
+    steps of at most N <= 32 rows; default 1: batch-1 decode 5% faster on an H100, issue 38; 0 off).
     """
 
     def __init__(
@@ -264,7 +255,6 @@ class DecodeView:
         self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
         self.fused = self.kernel is not None if fused is None else fused
         self.norm_gemv_rows = _fused_gemv_rows() if self.fused else 0  # 0: the unfused norms and SiLU·mul
-        self.l2_prefetch_rows = _l2_prefetch_rows() if self.fused else 0  # 0: o_proj's weight read from DRAM
         if self.kernel is not None:  # int32 indices once per step, not per layer
             self.kv_lens32 = self.kv_lens.to(torch.int32)
             self.kv_slot32 = kv_slot.to(torch.int32)

@@ -8,7 +8,7 @@
 #   bash scripts/gpu_bench.sh gemv   [options]   python -m eval_suite.bench_fused_gemv (the fused GEMVs' launches vs
 #                                                unfused + cuBLAS, against the weights' floor)
 #   bash scripts/gpu_bench.sh profile [options]  python -m eval_suite.profile_decode (where a decode step's time goes;
-#                                                the engine switches as set in the environment, e.g. LRAGENT_PDL=1)
+#                                                the engine switches as set in the environment, e.g. LRAGENT_FUSED_GEMV=0)
 #   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
 #                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
 #                                                FIT_STEPS2, exported (one PEFT directory per role)

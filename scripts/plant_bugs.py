@@ -102,29 +102,17 @@ BUGS = {
         "    while False:",
         "tests/test_fused_gemv.py",
     ),
-    "L2 prefetch: the last word of the tensor never read": (
-        "kernels/l2_prefetch.py",
-        '            acc ^= tl.load(SRC + idx, mask=idx < n_words, other=0, cache_modifier=".cg")',
-        '            acc ^= tl.load(SRC + idx, mask=idx < n_words - 1, other=0, cache_modifier=".cg")',
-        "tests/test_l2_prefetch.py",
-    ),
-    "L2 prefetch: each program's chunk starts one loop step late (its first words skipped)": (
-        "kernels/l2_prefetch.py",
-        "        for start in range(0, CHUNK, BLOCK):",
-        "        for start in range(BLOCK, CHUNK + BLOCK, BLOCK):",
-        "tests/test_l2_prefetch.py",
-    ),
-    "L2 prefetch in the engine: steps wider than the switch's rows prefetch too": (
+    "fused GEMV in the engine: o_proj on the Triton GEMV at steps wider than the switch's rows": (
         "lragent/decoder.py",
-        '    if h.numel() // h.shape[-1] > getattr(view, "l2_prefetch_rows", 0):  # 0: not asked for',
-        '    if not getattr(view, "l2_prefetch_rows", 0):',
-        "tests/test_l2_prefetch.py",
+        '    return o.numel() // o.shape[-1] <= getattr(view, "norm_gemv_rows", 0)  # 0: not asked for',
+        '    return getattr(view, "norm_gemv_rows", 0) > 0',
+        "tests/test_fused_gemv.py -k engine",
     ),
-    "L2 prefetch in the engine: the o projection's GEMV reads the q projection's weight": (
+    "fused GEMV in the engine: o_proj's GEMV reads its weight's rows in reverse": (
         "lragent/decoder.py",
-        "            o = gemv(o, attn.o_proj.weight)  # the Triton GEMV",
-        "            o = gemv(o, _base_weight(attn.q_proj)[: attn.o_proj.weight.shape[0]])  # the Triton GEMV",
-        "tests/test_l2_prefetch.py",
+        "            o = gemv(o, attn.o_proj.weight)  # one launch",
+        "            o = gemv(o, attn.o_proj.weight.flip(0).contiguous())  # one launch",
+        "tests/test_fused_gemv.py -k engine",
     ),
     "fused GEMV rows: several rows launched with the one-row configs (16 outputs per program, 4x the input re-reads)": (
         "kernels/fused_gemv.py",
@@ -899,35 +887,11 @@ BUGS = {
         "",
         "tests/test_profile_decode.py",
     ),
-    "PDL: the switch turns it on for CPU tensors too (the interpreter has no griddepcontrol)": (
-        "kernels/pdl.py",
-        "    on = t.is_cuda and pdl_requested() and torch.cuda.get_device_capability(t.device)[0] >= 9",
-        "    on = pdl_requested()",
-        "tests/test_pdl.py",
-    ),
-    "PDL: any value of the switch taken as off": (
-        "kernels/pdl.py",
-        '    if raw not in ("0", "1"):\n',
-        "    if False:\n",
-        "tests/test_pdl.py",
-    ),
     "eval: the per-answer scores taken from the metrics module again (torchmetrics in every shard's start)": (
         "eval_suite/benchmarks.py",
         "from eval_suite.answer_scores import (",
         "from eval_suite.metrics import (",
         "tests/test_shard_launch.py -k summary_metrics",
-    ),
-    "GPU: PDL without the wait (each kernel lets the next start at once, which then reads its inputs early)": (
-        "kernels/pdl.py",
-        "            gdc_wait()\n            gdc_launch_dependents()",
-        "            gdc_launch_dependents()",
-        "tests/test_pdl.py",
-    ),
-    "GPU: the L2 prefetch's side stream never joined (the capture ends with a stream left out)": (
-        "lragent/decoder.py",
-        "        if o_fork is not None:\n            o_fork.join()",
-        "        if o_fork is not None:\n            pass",
-        "tests/test_l2_prefetch.py",
     ),
     "GPU: decode kernel switched off": (
         "lragent/cache_views.py",

@@ -96,17 +96,12 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     assert split_plan("fused_gemv=1,min_split_tiles=4") == ("min_split_tiles=4", {"fused_gemv": 1})
     assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", {"fused_gemv": 0})
     assert split_plan("") == ("", {}) and split_plan("fused_gemv=4") == ("", {"fused_gemv": 4})  # {}: the environment's
-    assert split_plan("l2_prefetch=1,fused_gemv=1,num_warps=4") == ("num_warps=4", {"l2_prefetch": 1, "fused_gemv": 1})
-    assert split_plan("pdl=1") == ("", {"pdl": 1}) and split_plan("pdl=0") == ("", {"pdl": 0})
-    with pytest.raises(ValueError, match=r"LRAGENT_PDL='yes': allowed 0 \(plain launches\) or 1"):
-        split_plan("pdl=yes")
-    monkeypatch.setenv("LRAGENT_L2_PREFETCH", "all")  # a bad switch in the environment: named before anything loads
-    with pytest.raises(ValueError, match=r"LRAGENT_L2_PREFETCH='all': allowed 0 \(off\) to 64"):
-        decode(plans=["fused_gemv=1"], out="/nonexistent/never_written")
+    assert split_plan("num_warps=4,fused_gemv=1,block_n=32") == ("num_warps=4,block_n=32", {"fused_gemv": 1})
     with pytest.raises(ValueError, match="LRAGENT_FUSED_GEMV='x'"):
         split_plan("fused_gemv=")
-    with pytest.raises(ValueError, match=r"LRAGENT_L2_PREFETCH='65': allowed 0 \(off\) to 64"):
-        decode(plans=["l2_prefetch=65"], out="/nonexistent/never_written")
+    monkeypatch.setenv("LRAGENT_FUSED_GEMV", "all")  # a bad switch in the environment: named before anything loads
+    with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='all': allowed 0 \(off\) to 32"):
+        decode(plans=["num_warps=4"], out="/nonexistent/never_written")
 
     def row(impl, plan, ms):
         r = {"impl": impl, "scheme": "base_lr_shared" if plan is not None else "-", "batch": 1, "ms_per_token": ms,
@@ -130,15 +125,16 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
         assert "decode plan" not in render(older, "bfloat16")  # records without a plan sweep read as before
     assert "turn" not in md  # one turn: no column
     # --repeats 2: the plans timed in turns, each row with its turn; a repeat below 1 is refused before anything loads
-    turns = [{**row("lragent graph", p, ms), "repeat": k} for k, p, ms in ((1, "", 6.5), (1, "pdl=1", 6.3),
-                                                                        (2, "", 6.6), (2, "pdl=1", 6.2))]  # fmt: skip
-    md = render({**record, "plans": ["", "pdl=1"], "rows": [row("transformers eager", None, 30.0), *turns]}, "bfloat16")
+    b = "fused_gemv=0"
+    turns = [{**row("lragent graph", p, ms), "repeat": k} for k, p, ms in ((1, "", 6.5), (1, b, 6.3), (2, "", 6.6),
+                                                                        (2, b, 6.2))]  # fmt: skip
+    md = render({**record, "plans": ["", b], "rows": [row("transformers eager", None, 30.0), *turns]}, "bfloat16")
     assert "| impl | scheme | decode plan | turn | batch |" in md
-    assert "| lragent graph | base_lr_shared | pdl=1 | 2 | 1 | 6.200 |" in md and "| – | – | 1 | 30.000 |" in md
+    assert "| lragent graph | base_lr_shared | fused_gemv=0 | 2 | 1 | 6.200 |" in md and "| – | – | 1 | 30.000 |" in md
     from eval_suite.bench_decode import plan_turns
 
-    assert plan_turns(["", "pdl=1"], 2) == [(0, ""), (0, "pdl=1"), (1, ""), (1, "pdl=1")]  # in turns, not A A B B
+    assert plan_turns(["", b], 2) == [(0, ""), (0, b), (1, ""), (1, b)]  # in turns, not A A B B
     assert plan_turns(["x"], 1) == [(0, "x")]
-    monkeypatch.delenv("LRAGENT_L2_PREFETCH")
+    monkeypatch.delenv("LRAGENT_FUSED_GEMV")
     with pytest.raises(ValueError, match="repeats must be >= 1, got .* 0"):
         decode(repeats=0, out="/nonexistent/never_written")

@@ -115,14 +115,15 @@ def test_fused_gemv_cuda(dtype, k, n):
 
 def _engine_check(device: str) -> dict[str, int]:
     """Decode with LRAGENT_FUSED_GEMV 0, 2 and 1 (two rows of different roles, tiny LLaMA with q/v adapters and
-    norms that differ): at 2 the same tokens as 0, logits within 2e-3, the fused kernels used (their calls counted);
-    at 1 (steps of one row only) a two-row step keeps the unfused path: no fused call, the same logits as 0."""
+    norms that differ): at 2 the same tokens as 0, logits within 2e-3, the fused kernels used (their calls counted)
+    and the o projection on the Triton GEMV, one call per fused norm pair; at 1 (steps of one row only) a two-row step
+    keeps the unfused path: no fused call, no Triton GEMV, the same logits as 0."""
     from conftest import decode_under_switch
 
     import kernels.fused_gemv as fg
 
-    calls = {"norm": 0, "silu": 0}
-    raw_norm, raw_silu = fg.rms_norm_linear, fg.silu_mul_linear
+    calls = {"norm": 0, "silu": 0, "o": 0}
+    raw_norm, raw_silu, raw_gemv = fg.rms_norm_linear, fg.silu_mul_linear, fg.gemv
 
     def norm_spy(x, *a, **kw):
         calls["norm"] += fg._fusable(x, a[2])
@@ -132,21 +133,26 @@ def _engine_check(device: str) -> dict[str, int]:
         calls["silu"] += fg._fusable(g, w)
         return raw_silu(g, u, w, **kw)
 
+    def gemv_spy(x, w, *a, **kw):  # the decoder's only plain-GEMV call: o_proj (no norm before it)
+        calls["o"] += fg._fusable(x, w) and w.shape == (x.shape[-1], x.shape[-1])
+        return raw_gemv(x, w, *a, **kw)
+
     def distinct_norms(m) -> None:  # norms that differ from each other (a tiny model's are ones)
         g = torch.Generator().manual_seed(3)
         for layer in m.model.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.data.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
 
-    fg.rms_norm_linear, fg.silu_mul_linear = norm_spy, silu_spy
+    fg.rms_norm_linear, fg.silu_mul_linear, fg.gemv = norm_spy, silu_spy, gemv_spy
     try:
         counted = decode_under_switch("LRAGENT_FUSED_GEMV", device, calls, prepare=distinct_norms)
     finally:
-        fg.rms_norm_linear, fg.silu_mul_linear = raw_norm, raw_silu
+        fg.rms_norm_linear, fg.silu_mul_linear, fg.gemv = raw_norm, raw_silu, raw_gemv
     for scheme in ("base_lr_shared", "full_shared"):
-        assert counted[(scheme, "1")] == {"norm": 0, "silu": 0}, counted
-    # per decode step and layer: the input norm in the q/k/v GEMV and the post-attention norm in gate/up, SiLU in down
-    assert calls["norm"] > 0 and calls["silu"] > 0 and calls["norm"] == 2 * calls["silu"], calls
+        assert counted[(scheme, "1")] == counted[(scheme, "0")] == {"norm": 0, "silu": 0, "o": 0}, counted
+    # per decode step and layer: the input norm in the q/k/v GEMV and the post-attention norm in gate/up, SiLU in down,
+    # o_proj on the plain GEMV
+    assert calls["norm"] > 0 and calls["norm"] == 2 * calls["silu"] == 2 * calls["o"], calls
     return calls
 
 
@@ -166,12 +172,12 @@ def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_on_a_gpu()
 
 
 def test_the_switch_names_the_most_rows_of_a_fused_step(monkeypatch):
-    """LRAGENT_FUSED_GEMV is a row count: 0 off, 1..MAX_ROWS the widest fused step, unset the default (off); anything
+    """LRAGENT_FUSED_GEMV is a row count: 0 off, 1..MAX_ROWS the widest fused step, unset the default (1); anything
     else refused with the value and what is allowed (never silently off)."""
     from kernels.fused_gemv import DEFAULT_ROWS, MAX_ROWS, fused_gemv_rows
 
     monkeypatch.delenv("LRAGENT_FUSED_GEMV", raising=False)
-    assert fused_gemv_rows() == DEFAULT_ROWS == 0  # unset: off until the GPU suite has run with 1 (faster on an H100)
+    assert fused_gemv_rows() == DEFAULT_ROWS == 1  # unset: batch-1 steps (faster on an H100; wider steps were slower)
     monkeypatch.setenv("LRAGENT_FUSED_GEMV", "")
     assert fused_gemv_rows() == DEFAULT_ROWS
     for value in range(MAX_ROWS + 1):

@@ -69,16 +69,15 @@ def test_plans_are_profiled_one_after_the_other_and_the_environment_restored(tmp
     import pytest
 
     monkeypatch.setenv("LRAGENT_FUSED_GEMV", "0")
-    monkeypatch.delenv("LRAGENT_PDL", raising=False)
-    monkeypatch.delenv("LRAGENT_L2_PREFETCH", raising=False)
-    with pytest.raises(ValueError, match="LRAGENT_PDL='2'"):
-        P.profile_decode(model="tiny-llama", device="cpu", plans=["pdl=2"], out=str(tmp_path / "never"))
+    monkeypatch.delenv("LRAGENT_DECODE_PLAN", raising=False)
+    with pytest.raises(ValueError, match="LRAGENT_FUSED_GEMV='33'"):
+        P.profile_decode(model="tiny-llama", device="cpu", plans=["fused_gemv=33"], out=str(tmp_path / "never"))
     assert not (tmp_path / "never").exists()
     P.profile_decode(model="tiny-llama", context=8, batches=[1, 2], steps=2, device="cpu",
-                     plans=["", "fused_gemv=3,l2_prefetch=2"], out=str(tmp_path))  # fmt: skip
+                     plans=["", "fused_gemv=3,num_warps=4"], out=str(tmp_path))  # fmt: skip
     rows = json.loads((tmp_path / "decode_profile.json").read_text())["rows"]
-    assert [(r["batch"], r["plan"]) for r in rows] == [(1, ""), (2, ""), (1, "fused_gemv=3,l2_prefetch=2"),
-                                                       (2, "fused_gemv=3,l2_prefetch=2")]  # fmt: skip
-    assert [(r["fused_gemv_rows"], r["l2_prefetch_rows"], r["pdl"]) for r in rows] == [(0, 0, 0)] * 2 + [(3, 2, 0)] * 2
-    assert os.environ["LRAGENT_FUSED_GEMV"] == "0" and "LRAGENT_L2_PREFETCH" not in os.environ
-    assert "eager b=2 fused_gemv=3,l2_prefetch=2 (ms/step)" in (tmp_path / "decode_profile.md").read_text()
+    assert [(r["batch"], r["plan"]) for r in rows] == [(1, ""), (2, ""), (1, "fused_gemv=3,num_warps=4"),
+                                                       (2, "fused_gemv=3,num_warps=4")]  # fmt: skip
+    assert [r["fused_gemv_rows"] for r in rows] == [0, 0, 3, 3]
+    assert os.environ["LRAGENT_FUSED_GEMV"] == "0" and "LRAGENT_DECODE_PLAN" not in os.environ
+    assert "eager b=2 fused_gemv=3,num_warps=4 (ms/step)" in (tmp_path / "decode_profile.md").read_text()
