@@ -34,6 +34,9 @@ FEED_BUDGET = 256
 the rows that feed. Records in bf16 differ from one-token feeding (``--feed_budget 0 --prefill_in_decode 128`` gives
 the records of runs before 2026-11-27); the same at any ``--devices`` with ``--batch_invariant true``."""
 
+_ENGINE_COUNTERS = ("decode_steps", "advance_s", "sync_s", "replay_s", "wait_s")
+"""The engine's counters an executor sums over its engines (its timing.json figures)."""
+
 
 @dataclass
 class _Row:
@@ -112,6 +115,8 @@ class BatchedExecutor:
         # and serving the episodes' requests between them (tools, tokenizer, prompts, eager engine calls)
         self.advance_s = 0.0
         self.sync_s = 0.0
+        self.replay_s = 0.0  # of advance_s: the CUDA-graph replay calls (lragent.engine.Engine.replay_s)
+        self.wait_s = 0.0  # of sync_s: the first read-back of each sync, the wait for the device
         self.agent_s = 0.0
         self._reserved: tuple[str, int, Engine] | None = None
 
@@ -232,11 +237,10 @@ class BatchedExecutor:
                     del active[row]
                     free.append(row)
                     yield task, result
-            before = (eng.decode_steps, eng.advance_s, eng.sync_s)
+            before = {k: getattr(eng, k) for k in _ENGINE_COUNTERS}
             finished = eng.advance()
-            self.decode_steps += eng.decode_steps - before[0]
-            self.advance_s += eng.advance_s - before[1]
-            self.sync_s += eng.sync_s - before[2]
+            for k in _ENGINE_COUNTERS:
+                setattr(self, k, getattr(self, k) + getattr(eng, k) - before[k])
             for res in finished:
                 self.generated_tokens += len(res.generated_ids)
                 state = active[res.row]

@@ -158,6 +158,29 @@ def shard_balance(directory: Path) -> dict[str, dict[str, Any]] | None:
     return out or None
 
 
+def per_step_ms(directory: Path) -> tuple[float, float, float, float] | None:
+    """An ``eval`` output's loop per decode step, in ms, over every process together (all shards' ``timing.json``
+    summed): the wait for the GPU (``wait_s``), the graph replay calls (``replay_s``), the engine's other host work
+    (``advance_s`` less both) and the episodes' own work (``agent_s``). None where a figure is missing (records from
+    before ``replay_s`` and ``wait_s`` were kept)."""
+    if not directory.is_dir():
+        return None
+    keys = ("decode_steps", "wait_s", "replay_s", "advance_s", "agent_s")
+    total = dict.fromkeys(keys, 0.0)
+    files = [f for b in sorted(directory.iterdir()) if b.is_dir()
+             for f in (sorted(b.glob("shard_*/timing.json")) or [b / "timing.json"])]  # fmt: skip
+    for f in files:
+        t = _json(f) or {}
+        if any(t.get(k) is None for k in keys):
+            return None
+        for k in keys:
+            total[k] += t[k]
+    if not files or not total["decode_steps"]:
+        return None
+    steps, wait, replay, advance, agent = (total[k] for k in keys)
+    return tuple(1000 * x / steps for x in (wait, replay, advance - wait - replay, agent))
+
+
 EV_PARTS = ("advance_s", "agent_s", "startup_s", "setup_s")  # timing.json figures the report sums per process
 
 
@@ -250,6 +273,7 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     # its loop: its start (interpreter, imports, checks) and setup (corpus, model, sizing)
     for key in EV_PARTS:
         ev[f"{key}_1"] = busiest_process(out / "ev1", key)
+    ev["per_step_ms_1"] = per_step_ms(out / "ev1")
     for n in sizes:
         en = episodes(out / f"ev{n}")
         ev[f"episodes_{n}"] = None if en is None else len(en)
@@ -269,6 +293,7 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         ev[f"decode_steps_{n}"] = busiest_process(out / f"ev{n}", "decode_steps")
         for key in EV_PARTS:
             ev[f"{key}_{n}"] = busiest_process(out / f"ev{n}", key)
+        ev[f"per_step_ms_{n}"] = per_step_ms(out / f"ev{n}")
         ev[f"launch_s_{n}"] = launch_seconds(out / f"ev{n}")
         ev[f"balance_{n}"] = shard_balance(out / f"ev{n}")
         if loop1 and loop_n:
@@ -405,6 +430,11 @@ def markdown(res: dict[str, Any]) -> str:
             f"and setup (corpus, model, sizing) {_fmt(e.get('setup_s_1'), 1)} vs {_fmt(e.get(f'setup_s_{n}'), 1)}; "
             f"the launcher's own start {_fmt(e.get(f'launch_s_{n}'), 1)} s."
         )
+        per_step = [e.get("per_step_ms_1"), e.get(f"per_step_ms_{n}")]
+        if all(per_step):
+            parts = ("waiting for the GPU", "graph replay calls", "the engine's other host work", "the episodes' work")
+            lines.append("  - per decode step, all processes together, 1 vs " + f"{n} devices (ms): " + "; ".join(
+                f"{name} {a:.2f} vs {b:.2f}" for name, a, b in zip(parts, *per_step, strict=True)) + ".")  # fmt: skip
         for bench, bal in (e.get(f"balance_{n}") or {}).items():
             lines.append(
                 f"  - {bench} shards: episodes {bal['episodes']}, decode steps {bal['decode_steps']}; slowest loop "

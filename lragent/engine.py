@@ -322,6 +322,10 @@ class Engine:
         # checks): where a run's time goes between the device and the host, without a profiler
         self.advance_s = 0.0
         self.sync_s = 0.0
+        # finer splits for finding host overhead (several processes on one host): the graph-replay calls, and of
+        # sync_s the first read-back (the wait for the device's steps) alone
+        self.replay_s = 0.0
+        self.wait_s = 0.0
         self._pending: dict[int, _Pending] = {}
         self._lora_modules = list(model.lora_modules().values())
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -828,8 +832,10 @@ class Engine:
                     n = max(1, feeding)  # back to plain steps once the feeding is done (it may end before n)
             if graphs:
                 graph = self._graph_for(b, sampling, extra)
+                launched = time.perf_counter()
                 for _ in range(n):
                     graph.replay()
+                self.replay_s += time.perf_counter() - launched
             else:
                 # a bound on every read position, with extra rows or not: a feeding row reads below len0 (its
                 # trajectory, fed tokens included), a sampling one at most len0 + steps
@@ -857,7 +863,9 @@ class Engine:
                 p.positions.append(int(self.d_pos[row]) - 1)
 
     def _collect_finished(self) -> list[StepResult]:
-        active = self.d_active.cpu()
+        waited = time.perf_counter()
+        active = self.d_active.cpu()  # the first read-back waits for the steps in flight
+        self.wait_s += time.perf_counter() - waited
         count = self.d_count.cpu()
         out: list[StepResult] = []
         for row in sorted(self._pending):

@@ -119,6 +119,8 @@ def test_kernel_is_used_on_cuda(model, monkeypatch):
         ran = gpu_kernel_counts(prof)
         assert _counts(launches) == {"prefill": 0, "decode": 0}, (scheme, _counts(launches))  # nothing launched eagerly
         assert _counts(ran) == {"prefill": 0, "decode": eng.sync_every * n_layers}, (scheme, _counts(ran))
+        # timing.json's splits: the replays inside advance(), the wait for the device inside the read-back
+        assert 0 < eng.replay_s <= eng.advance_s - eng.sync_s and 0 < eng.wait_s <= eng.sync_s, scheme
 
 
 # ---- capture, repeatedly -----------------------------------------------------------------------------------------

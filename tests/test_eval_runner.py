@@ -629,6 +629,7 @@ def test_devices_shards_equal_one_process(tmp_path, capsys):
     assert [t["torch_threads"] for t in shard_timing] == [share, share]
     # where the wall went: each shard's start before run_plan, its parts before the loop, and the launcher's record
     for t in shard_timing:
+        assert {"advance_s", "sync_s", "replay_s", "wait_s", "agent_s"} <= set(t), sorted(t)  # the loop's splits
         assert 0 < t["startup_s"] < 120 and t["prepare_s"] + t["load_s"] + t["size_s"] == pytest.approx(t["setup_s"])
         assert t["summary_s"] >= 0
     launch = json.loads((tmp_path / "two" / "launch.json").read_text())

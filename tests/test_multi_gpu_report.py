@@ -199,3 +199,34 @@ def test_the_peft_line_names_the_worst_diff_and_whether_the_adapters_were_resolv
     old = {"rel_tol": 0.03, "roles": {"plan": {"rel_diff": 0.0485}}}  # a record from before the key
     assert _peft_detail(old) == " (largest relative diff 4.85e-02 against 0.03)"
     assert _peft_detail({}) == ""
+
+
+def test_the_loop_per_decode_step_sums_every_process(tmp_path: Path, report) -> None:
+    """Per decode step, over every process of a run (all shards summed): the wait for the GPU, the replay calls, the
+    engine's other host work and the episodes' work, in ms; the report's line shows 1 vs N; runs whose timing.json
+    lacks a figure (kept before replay_s / wait_s) give none."""
+
+    def timing(d: Path, steps: int, wait: float, replay: float, advance: float, agent: float) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        body = {"episodes_s": 1.0, "decode_steps": steps, "wait_s": wait, "replay_s": replay, "advance_s": advance,
+                "agent_s": agent}  # fmt: skip
+        (d / "timing.json").write_text(json.dumps(body))
+
+    timing(tmp_path / "ev1" / "hotpotqa", 1000, 6.0, 0.5, 7.0, 1.0)
+    timing(tmp_path / "ev1" / "scienceqa", 1000, 6.0, 0.5, 7.0, 3.0)
+    timing(tmp_path / "ev4" / "hotpotqa" / "shard_0", 300, 1.8, 0.3, 2.7, 0.3)
+    timing(tmp_path / "ev4" / "hotpotqa" / "shard_1", 200, 1.2, 0.2, 1.8, 0.2)
+    assert report.per_step_ms(tmp_path / "ev1") == pytest.approx((6.0, 0.5, 0.5, 2.0))
+    assert report.per_step_ms(tmp_path / "ev4") == pytest.approx((6.0, 1.0, 2.0, 1.0))  # 500 steps over both shards
+    md = report.markdown(report.collect(tmp_path, None, [4]))
+    line = (
+        "  - per decode step, all processes together, 1 vs 4 devices (ms): waiting for the GPU 6.00 vs 6.00; graph "
+        "replay calls 0.50 vs 1.00; the engine's other host work 0.50 vs 2.00; the episodes' work 2.00 vs 1.00."
+    )
+    assert line in md
+    old = tmp_path / "old" / "hotpotqa"
+    timing(old, 10, 1.0, 0.1, 1.5, 0.5)
+    body = json.loads((old / "timing.json").read_text())
+    del body["replay_s"]
+    (old / "timing.json").write_text(json.dumps(body))
+    assert report.per_step_ms(tmp_path / "old") is None and report.per_step_ms(tmp_path / "missing") is None
