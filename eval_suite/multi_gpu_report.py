@@ -38,6 +38,22 @@ def timings(out: Path) -> dict[str, dict[str, int]]:
         if len(parts) == 3 and parts[1].startswith("rc=") and parts[2].startswith("seconds="):
             rc = parts[1][3:]  # an exit status, or "skipped" (past gpu_multi.sh's BUDGET_S)
             rows[parts[0]] = {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "seconds": int(parts[2][8:])}
+    return _joined_eval_parts(rows)
+
+
+def _joined_eval_parts(rows: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Adds ``evN`` from its per-benchmark phases ``evN-<benchmark>`` (gpu_multi.sh runs one benchmark per call where
+    the whole is too long for one), where no plain ``evN`` ran: the parts' seconds summed, the first failing part's
+    status (0 when every part finished)."""
+    parts: dict[str, list[dict[str, int]]] = {}
+    for name, row in rows.items():
+        head, sep, _ = name.partition("-")
+        if sep and head.startswith("ev") and head[2:].isdigit():
+            parts.setdefault(head, []).append(row)
+    for head, got in parts.items():
+        if head not in rows:
+            failed = [r["rc"] for r in got if r["rc"] != 0]
+            rows[head] = {"rc": failed[0] if failed else 0, "seconds": sum(r["seconds"] for r in got)}
     return rows
 
 

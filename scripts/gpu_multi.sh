@@ -22,7 +22,9 @@
 #   peftN.log, peftN.json            fsdpNr's export loaded in peft.PeftModel.from_pretrained, role by role, its logits
 #                                    against lragent's (eval_suite/peft_check.py)
 #   ev1.log, ev1/ ; evN.log, evN/    eval --devices 1 and --devices N, dev questions of $EV_BENCHMARKS (base_lr_shared,
-#                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio
+#                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio;
+#                                    phase evN-<benchmark> runs one benchmark into evN/<benchmark> (a run too long for
+#                                    one call: one benchmark per call, APPEND=1; the report adds the parts' seconds)
 #   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
 #   multi_gpu.json, multi_gpu.md     eval_suite/multi_gpu_report.py: the figures and checks, with provenance
 #
@@ -178,6 +180,13 @@ V=(--scheme base_lr_shared --limit "$EV_LIMIT" --runs "$EV_RUNS" --quiet true "$
                                                      # outnumber one GPU's batch (else each shard waits as long)
 
 
+ev_phase() {  # ev_phase NAME evN BENCHMARKS: eval --devices N on each benchmark in turn, into evN/<benchmark>
+  phase "$1" bash -c 'py=$1 n=$2 out=$3 benchmarks=$4 ad=$5; shift 5
+    for b in $benchmarks; do
+      "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --devices "$n" --out "$out/ev$n/$b" || exit
+    done' _ "$PY" "${2#ev}" "$OUT" "$3" "${EV_ADAPTERS:-}" "${V[@]}"
+}
+
 run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
   local n=${1##*[!0-9]} base=${1%%[0-9]*}
   case $1 in
@@ -209,11 +218,9 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           --device "$EXPORT_DEVICE" ;;
     peft[0-9]*) phase "$1" "$PY" -m eval_suite.peft_check --export "$OUT/fsdp${n}r_export" "${PEFT[@]}" \
           --out "$OUT/$1.json" ;;
-    ev[0-9]*) phase "$1" bash -c 'py=$1 n=$2 out=$3 benchmarks=$4 ad=$5; shift 5  # each benchmark in turn: evN/<benchmark>
-          for b in $benchmarks; do
-            "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --devices "$n" --out "$out/ev$n/$b" || exit
-          done' _ "$PY" "$n" "$OUT" "$EV_BENCHMARKS" "${EV_ADAPTERS:-}" "${V[@]}" ;;
-    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] ddpN q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN ev1 evN" >&2
+    ev[0-9]*-*) ev_phase "$1" "${1%%-*}" "${1#*-}" ;;  # evN-<benchmark>: that benchmark alone (one call each)
+    ev[0-9]*) ev_phase "$1" "$1" "$EV_BENCHMARKS" ;;
+    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] ddpN q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN ev1 evN evN-<benchmark>" >&2
        exit 2 ;;
   esac
 }

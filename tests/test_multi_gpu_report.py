@@ -230,3 +230,18 @@ def test_the_loop_per_decode_step_sums_every_process(tmp_path: Path, report) -> 
     del body["replay_s"]
     (old / "timing.json").write_text(json.dumps(body))
     assert report.per_step_ms(tmp_path / "old") is None and report.per_step_ms(tmp_path / "missing") is None
+
+
+def test_an_eval_run_in_one_call_per_benchmark_counts_as_one_phase(tmp_path: Path, report) -> None:
+    """gpu_multi.sh's evN-<benchmark> phases (one benchmark per call) make evN: the parts' seconds summed, the first
+    failing part's status; a plain evN that ran stays as it is."""
+    (tmp_path / "timings.txt").write_text(
+        "ev1-hotpotqa rc=0 seconds=300\nev1-scienceqa rc=0 seconds=150\nev4 rc=0 seconds=140\n"
+        "ev2-hotpotqa rc=0 seconds=160\nev2-scienceqa rc=124 seconds=40\nev4-hotpotqa rc=0 seconds=1\n"
+    )
+    t = report.timings(tmp_path)
+    assert t["ev1"] == {"rc": 0, "seconds": 450} and t["ev2"] == {"rc": 124, "seconds": 200}
+    assert t["ev4"] == {"rc": 0, "seconds": 140}  # ran whole: its parts do not replace it
+    e = report.collect(tmp_path, None, [2, 4])["eval_devices"]
+    assert e["wall_seconds_1"] == 450 and e["speedup_4"] == pytest.approx(450 / 140)
+    assert e["stopped_2"] == 124 and "speedup_2" not in e
