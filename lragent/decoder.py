@@ -125,13 +125,19 @@ def _group_forward(
     return outs, lrs
 
 
+def _fused_step(view: object, x: torch.Tensor) -> bool:
+    """Whether the view fuses a decode step of ``x``'s rows into the Triton GEMVs (``LRAGENT_FUSED_GEMV=N``: steps of
+    at most N rows; a view without the attribute, or 0, never)."""
+    return x.numel() // x.shape[-1] <= getattr(view, "norm_gemv_rows", 0)
+
+
 def _norm_gemv_ok(view: object, group: FusedGroup | None, h: torch.Tensor) -> bool:
     """Whether ``group``'s GEMM may take the RMSNorm before it into its launch (:mod:`kernels.fused_gemv`): the view
     asks for it at this many rows (``LRAGENT_FUSED_GEMV=N``: steps of at most N rows), no bias, and every adapter's
     X·A from the GEMM (no adapter then needs the normed input itself)."""
     if group is None or group.bias is not None or group.weight.dtype != h.dtype:
         return False
-    if h.numel() // h.shape[-1] > getattr(view, "norm_gemv_rows", 0):  # 0: not asked for
+    if not _fused_step(view, h):
         return False
     adapted = [i for i, m in enumerate(group.modules) if isinstance(m, MultiLoraLinear)]
     return sorted(group.lora) == adapted and all(
@@ -145,7 +151,7 @@ def _plain_gemv_ok(view: object, o_proj: nn.Module, o: torch.Tensor) -> bool:
     at one row it read the 8B o projection in 13.8 µs against cuBLAS's 16.1 (its split-K launch and reduction)."""
     if type(o_proj) is not nn.Linear or o_proj.bias is not None or o_proj.weight.dtype != o.dtype:
         return False
-    return o.numel() // o.shape[-1] <= getattr(view, "norm_gemv_rows", 0)  # 0: not asked for
+    return _fused_step(view, o)
 
 
 class DecoderEngine:
@@ -396,7 +402,7 @@ class DecoderEngine:
             from kernels.fused_ops import rms_norm
 
             x2, h = rms_norm(o, norm.weight, norm.variance_epsilon, residual=h)
-            silu_in_gemv = x2.numel() // x2.shape[-1] <= getattr(view, "norm_gemv_rows", 0)
+            silu_in_gemv = _fused_step(view, x2)
             return self._mlp(layer, x2, role_ids, fused, mask, residual=h, silu_in_gemv=silu_in_gemv)
         h = h + o
         x2 = layer.post_attention_layernorm(h)

@@ -80,13 +80,13 @@ BUGS = {
     ),
     "fused GEMV rows: the q/k/v and gate/up GEMVs fuse past the switch's row count": (
         "lragent/decoder.py",
-        '    if h.numel() // h.shape[-1] > getattr(view, "norm_gemv_rows", 0):  # 0: not asked for',
+        "    if not _fused_step(view, h):",
         '    if not getattr(view, "norm_gemv_rows", 0) or h.numel() // h.shape[-1] > 4:',
         "tests/test_fused_gemv.py",
     ),
     "fused GEMV rows: SiLU in the down GEMV whenever the switch is on, at any row count": (
         "lragent/decoder.py",
-        '            silu_in_gemv = x2.numel() // x2.shape[-1] <= getattr(view, "norm_gemv_rows", 0)',
+        "            silu_in_gemv = _fused_step(view, x2)",
         '            silu_in_gemv = getattr(view, "norm_gemv_rows", 0) > 0',
         "tests/test_fused_gemv.py",
     ),
@@ -128,7 +128,7 @@ BUGS = {
     ),
     "fused GEMV in the engine: o_proj on the Triton GEMV at steps wider than the switch's rows": (
         "lragent/decoder.py",
-        '    return o.numel() // o.shape[-1] <= getattr(view, "norm_gemv_rows", 0)  # 0: not asked for',
+        "    return _fused_step(view, o)",
         '    return getattr(view, "norm_gemv_rows", 0) > 0',
         "tests/test_fused_gemv.py -k engine",
     ),
