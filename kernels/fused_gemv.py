@@ -37,7 +37,6 @@ from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
 try:
     import triton
     import triton.language as tl
-
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
@@ -101,7 +100,8 @@ ROWS_CONFIG = GemvConfig(block_n=64, block_k=256, num_warps=8)
 """The launch of a call with several rows. Every program reads all its rows' inputs from L2 (the norm GEMV twice:
 statistic, then product), so those reads grow with rows × programs: at 32 rows the 8B gate/up GEMV with 16 outputs per
 program would read 917 MB from L2 for its 235 MB weight, with 64 outputs 229 MB. Timed on an H100 it was not the best
-of nine at 4-32 rows (32 outputs per program were), and no launch beat the unfused kernels there (the module doc)."""
+of nine at 4-32 rows (the best had 32 or 128 outputs per program, by GEMV), and no launch beat the unfused kernels
+there (the module doc)."""
 
 
 def default_config(rows: int, norm: bool) -> GemvConfig:

@@ -29,7 +29,6 @@ from kernels.device_guard import on_tensor_device
 try:
     import triton
     import triton.language as tl
-
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
