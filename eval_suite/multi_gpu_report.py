@@ -135,23 +135,33 @@ def episodes(directory: Path) -> list[tuple] | None:
     return sorted(rows, key=repr)
 
 
+def _process_timings(directory: Path) -> dict[str, list[dict[str, Any]]] | None:
+    """Each benchmark folder ``directory/<b>``'s processes' ``timing.json`` (a ``--devices N`` output's shards', else
+    its own; none where it has none), by benchmark. None without the folder."""
+    if not directory.is_dir():
+        return None
+    out: dict[str, list[dict[str, Any]]] = {}
+    for b in sorted(d for d in directory.iterdir() if d.is_dir()):
+        own = [b / "timing.json"] if (b / "timing.json").is_file() else []
+        out[b.name] = [_json(f) or {} for f in sorted(b.glob("shard_*/timing.json")) or own]
+    return out
+
+
 def busiest_process(directory: Path, key: str) -> float | None:
     """One figure of an ``eval`` output's ``timing.json`` (``episodes_s``: the episode loop's seconds;
     ``decode_steps``; ``advance_s``, ``agent_s``), per benchmark folder ``directory/<b>`` summed over benchmarks; a
     ``--devices N`` output counts its shard with the largest (``shard_i/timing.json``). None when a benchmark folder
     has no such figure."""
-    if not directory.is_dir():
+    procs = _process_timings(directory)
+    if not procs:
         return None
     total = 0.0
-    benches = [d for d in sorted(directory.iterdir()) if d.is_dir()]
-    for b in benches:
-        shards = sorted(b.glob("shard_*/timing.json"))
-        files = shards or ([b / "timing.json"] if (b / "timing.json").is_file() else [])
-        times = [(_json(f) or {}).get(key) for f in files]
+    for rows in procs.values():
+        times = [r.get(key) for r in rows]
         if not times or any(x is None for x in times):
             return None
         total += max(times)
-    return total if benches else None
+    return total
 
 
 def shard_balance(directory: Path) -> dict[str, dict[str, Any]] | None:
@@ -179,19 +189,13 @@ def per_step_ms(directory: Path) -> tuple[float, float, float, float] | None:
     summed): the wait for the GPU (``wait_s``), the graph replay calls (``replay_s``), the engine's other host work
     (``advance_s`` less both) and the episodes' own work (``agent_s``). None where a figure is missing (records from
     before ``replay_s`` and ``wait_s`` were kept)."""
-    if not directory.is_dir():
-        return None
+    procs = _process_timings(directory) or {}
+    rows = [r for rs in procs.values() for r in rs]
     keys = ("decode_steps", "wait_s", "replay_s", "advance_s", "agent_s")
-    total = dict.fromkeys(keys, 0.0)
-    files = [f for b in sorted(directory.iterdir()) if b.is_dir()
-             for f in (sorted(b.glob("shard_*/timing.json")) or [b / "timing.json"])]  # fmt: skip
-    for f in files:
-        t = _json(f) or {}
-        if any(t.get(k) is None for k in keys):
-            return None
-        for k in keys:
-            total[k] += t[k]
-    if not files or not total["decode_steps"]:
+    if not rows or any(not rs for rs in procs.values()) or any(r.get(k) is None for r in rows for k in keys):
+        return None
+    total = {k: sum(r[k] for r in rows) for k in keys}
+    if not total["decode_steps"]:
         return None
     steps, wait, replay, advance, agent = (total[k] for k in keys)
     return tuple(1000 * x / steps for x in (wait, replay, advance - wait - replay, agent))
