@@ -34,7 +34,7 @@ FEED_BUDGET = 256
 the rows that feed. Records in bf16 differ from one-token feeding (``--feed_budget 0 --prefill_in_decode 128`` gives
 the records of runs before 2026-11-27); the same at any ``--devices`` with ``--batch_invariant true``."""
 
-_ENGINE_COUNTERS = ("decode_steps", "advance_s", "sync_s", "replay_s", "wait_s")
+_ENGINE_COUNTERS = ("decode_steps", "advance_s", "sync_s", "replay_s", "wait_s", "capture_s")
 """The engine's counters an executor sums over its engines (its timing.json figures)."""
 
 
@@ -117,6 +117,7 @@ class BatchedExecutor:
         self.sync_s = 0.0
         self.replay_s = 0.0  # of advance_s: the CUDA-graph replay calls (lragent.engine.Engine.replay_s)
         self.wait_s = 0.0  # of sync_s: the first read-back of each sync, the wait for the device
+        self.capture_s = 0.0  # of advance_s: the graph captures, kernel compiles included (a fixed cost)
         self.agent_s = 0.0
         self._reserved: tuple[str, int, Engine] | None = None
 

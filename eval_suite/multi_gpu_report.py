@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import heapq
 import json
 import sys
 from pathlib import Path
@@ -135,6 +136,46 @@ def episodes(directory: Path) -> list[tuple] | None:
     return sorted(rows, key=repr)
 
 
+def list_schedule_s(durations: list[float], rows: int) -> float:
+    """Seconds until the last of ``durations`` (in queue order) ends when ``rows`` rows each take the next one as
+    they free up: the shared queue of ``eval --devices N`` with ``rows`` rows over all its processes."""
+    free = [0.0] * max(1, rows)  # a heap of the times the rows free up
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        heapq.heappush(free, t)
+        end = max(end, t)
+    return end
+
+
+def queue_bound(directory: Path, n: int) -> dict[str, float] | None:
+    """What the episodes' lengths allow ``eval --devices n`` against one device, from one device's run
+    ``directory/<b>/`` (its ``episodes.jsonl`` and ``timing.json``): each benchmark's episode times (``wall_s``) in
+    the order one device finished them, scheme by scheme (one engine at a time), list-scheduled on its ``batch`` rows
+    and on ``n`` times as many, summed over benchmarks. The steps cost what one device's did and nothing is fixed:
+    the gap between the two is the queue's tail alone (the last episodes' rows emptying one by one while one runs
+    on). None where a figure is missing (a run without rows)."""
+    procs = _process_timings(directory)
+    if not procs:
+        return None
+    one = many = 0.0
+    for bench, rows in procs.items():
+        batch = rows[0].get("batch") if len(rows) == 1 else None
+        path = directory / bench / "episodes.jsonl"
+        if not isinstance(batch, int) or batch < 1 or not path.is_file():
+            return None
+        groups: dict[str, list[float]] = {}  # by scheme, in the order the schemes ran
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                if r.get("wall_s") is None:
+                    return None
+                groups.setdefault(str(r.get("row", r.get("scheme"))), []).append(float(r["wall_s"]))
+        one += sum(list_schedule_s(d, batch) for d in groups.values())
+        many += sum(list_schedule_s(d, batch * n) for d in groups.values())
+    return {"loop_s_1": one, f"loop_s_{n}": many, "bound": one / many if many else None}
+
+
 def _process_timings(directory: Path) -> dict[str, list[dict[str, Any]]] | None:
     """Each benchmark folder ``directory/<b>``'s processes' ``timing.json`` (a ``--devices N`` output's shards', else
     its own; none where it has none), by benchmark. None without the folder."""
@@ -187,8 +228,9 @@ def shard_balance(directory: Path) -> dict[str, dict[str, Any]] | None:
 def per_step_ms(directory: Path) -> tuple[float, float, float, float] | None:
     """An ``eval`` output's loop per decode step, in ms, over every process together (all shards' ``timing.json``
     summed): the wait for the GPU (``wait_s``), the graph replay calls (``replay_s``), the engine's other host work
-    (``advance_s`` less both) and the episodes' own work (``agent_s``). None where a figure is missing (records from
-    before ``replay_s`` and ``wait_s`` were kept)."""
+    (``advance_s`` less both and less the graph captures, ``capture_s``: a fixed cost of each process, not a step's;
+    counted as 0 in records from before it was kept) and the episodes' own work (``agent_s``). None where another
+    figure is missing (records from before ``replay_s`` and ``wait_s`` were kept)."""
     procs = _process_timings(directory) or {}
     rows = [r for rs in procs.values() for r in rs]
     keys = ("decode_steps", "wait_s", "replay_s", "advance_s", "agent_s")
@@ -198,10 +240,11 @@ def per_step_ms(directory: Path) -> tuple[float, float, float, float] | None:
     if not total["decode_steps"]:
         return None
     steps, wait, replay, advance, agent = (total[k] for k in keys)
-    return tuple(1000 * x / steps for x in (wait, replay, advance - wait - replay, agent))
+    capture = sum(r.get("capture_s") or 0.0 for r in rows)
+    return tuple(1000 * x / steps for x in (wait, replay, advance - wait - replay - capture, agent))
 
 
-EV_PARTS = ("advance_s", "agent_s", "startup_s", "setup_s")  # timing.json figures the report sums per process
+EV_PARTS = ("advance_s", "agent_s", "startup_s", "setup_s", "capture_s")  # timing.json figures summed per process
 
 
 def launch_seconds(directory: Path) -> float | None:
@@ -318,6 +361,7 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         ev[f"balance_{n}"] = shard_balance(out / f"ev{n}")
         if loop1 and loop_n:
             ev[f"loop_speedup_{n}"] = loop1 / loop_n
+        ev[f"queue_bound_{n}"] = queue_bound(out / "ev1", n)
     res["eval_devices"] = ev
 
     prov = provenance(device="cpu" if cpu else "cuda", dtype="float32" if cpu else "bfloat16", command=command)
@@ -448,13 +492,22 @@ def markdown(res: dict[str, Any]) -> str:
             f"episodes' own work {_fmt(e.get('agent_s_1'), 1)} vs {_fmt(e.get(f'agent_s_{n}'), 1)}; before its loop, "
             f"its start (interpreter, imports) {_fmt(e.get('startup_s_1'), 1)} vs {_fmt(e.get(f'startup_s_{n}'), 1)} "
             f"and setup (corpus, model, sizing) {_fmt(e.get('setup_s_1'), 1)} vs {_fmt(e.get(f'setup_s_{n}'), 1)}; "
-            f"the launcher's own start {_fmt(e.get(f'launch_s_{n}'), 1)} s."
+            f"in its loop, the graph captures (kernel compiles included) {_fmt(e.get('capture_s_1'), 1)} vs "
+            f"{_fmt(e.get(f'capture_s_{n}'), 1)}; the launcher's own start {_fmt(e.get(f'launch_s_{n}'), 1)} s."
         )
         per_step = [e.get("per_step_ms_1"), e.get(f"per_step_ms_{n}")]
         if all(per_step):
             parts = ("waiting for the GPU", "graph replay calls", "the engine's other host work", "the episodes' work")
             lines.append("  - per decode step, all processes together, 1 vs " + f"{n} devices (ms): " + "; ".join(
                 f"{name} {a:.2f} vs {b:.2f}" for name, a, b in zip(parts, *per_step, strict=True)) + ".")  # fmt: skip
+        bound = e.get(f"queue_bound_{n}")
+        if bound and bound.get("bound"):
+            lines.append(
+                f"  - what the episodes' lengths allow: one device's episode times, list-scheduled scheme by scheme on "
+                f"its rows and on {n}x as many, {bound['loop_s_1']:.1f} vs {bound[f'loop_s_{n}']:.1f} s, at most "
+                f"**{bound['bound']:.2f}x** for the loops (the queue's tail alone: steps as fast as one device's, no "
+                f"fixed cost)."
+            )
         for bench, bal in (e.get(f"balance_{n}") or {}).items():
             lines.append(
                 f"  - {bench} shards: episodes {bal['episodes']}, decode steps {bal['decode_steps']}; slowest loop "

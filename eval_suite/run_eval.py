@@ -845,6 +845,8 @@ def run_plan(plan: EvalPlan) -> int:
             "agent_s": getattr(executor, "agent_s", None), "torch_threads": torch.get_num_threads(),
             # of advance_s the graph-replay calls, of sync_s the wait for the device (host overhead = the rest)
             "replay_s": getattr(executor, "replay_s", None), "wait_s": getattr(executor, "wait_s", None),
+            # of advance_s the graph captures (kernel compiles and loads included): paid once per graph, not per step
+            "capture_s": getattr(executor, "capture_s", None),
         })  # fmt: skip
     if summary is None:
         print(f"eval: shard {a['shard']} ran {len(records) - before} episode(s) from the queue {a['work_queue']} "

@@ -326,6 +326,9 @@ class Engine:
         # sync_s the first read-back (the wait for the device's steps) alone
         self.replay_s = 0.0
         self.wait_s = 0.0
+        # of advance_s, the graph captures (their warm-up steps, which compile or load the kernels, included): a
+        # process's fixed cost, paid once per graph, not per step
+        self.capture_s = 0.0
         self._pending: dict[int, _Pending] = {}
         self._lora_modules = list(model.lora_modules().values())
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -777,6 +780,7 @@ class Engine:
         key = (b, sampling, extra)
         if key in self._graphs:
             return self._graphs[key]
+        started = time.perf_counter()
         state = [
             self.d_tok, self.d_pos, self.d_active, self.d_remaining, self.d_count, self.d_gen, self.d_logits,
             self.d_forced_count,
@@ -796,6 +800,8 @@ class Engine:
         for t, s in zip(state, saved, strict=True):
             t.copy_(s)
         self._graphs[key] = graph
+        torch.cuda.current_stream(self.device).synchronize()  # the capture's own device work, timed with it
+        self.capture_s += time.perf_counter() - started
         return graph
 
     @torch.no_grad()

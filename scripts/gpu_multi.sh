@@ -25,6 +25,9 @@
 #                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio;
 #                                    phase evN-<benchmark> runs one benchmark into evN/<benchmark> (a run too long for
 #                                    one call: one benchmark per call, APPEND=1; the report adds the parts' seconds)
+#   evwarm.log, evwarm/              before them (not timed against anything): the same eval options on 2 questions x 1
+#                                    run, so that every timed run finds the kernels compiled (Triton's cache on disk)
+#                                    and the files read once: whichever of ev1 and evN came first paid that alone
 #   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
 #   multi_gpu.json, multi_gpu.md     eval_suite/multi_gpu_report.py: the figures and checks, with provenance
 #
@@ -106,7 +109,7 @@ if [ -z "${PHASES:-}" ]; then
   PHASES="emb1 emb1s"; for n in $SIZES; do PHASES+=" ddp$n"; done
   [ -z "$CPU" ] && [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && { PHASES+=" q1 q1s"; for n in $SIZES; do PHASES+=" qddp$n"; done; }
   PHASES+=" b1"; for n in $SIZES; do PHASES+=" fsdp$n fsdp${n}r ddp8b$n fx$n peft$n"; done
-  PHASES+=" ev1"; for n in $SIZES; do PHASES+=" ev$n"; done
+  PHASES+=" evwarm ev1"; for n in $SIZES; do PHASES+=" ev$n"; done
 fi
 DEADLINE=$((SECONDS + ${BUDGET_S:-100000}))  # a phase still running at the deadline is stopped (exit 124)
 
@@ -218,9 +221,14 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           --device "$EXPORT_DEVICE" ;;
     peft[0-9]*) phase "$1" "$PY" -m eval_suite.peft_check --export "$OUT/fsdp${n}r_export" "${PEFT[@]}" \
           --out "$OUT/$1.json" ;;
+    evwarm) phase evwarm bash -c 'py=$1 out=$2 benchmarks=$3 ad=$4; shift 4
+        for b in $benchmarks; do
+          "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --limit 2 --runs 1 --devices 1 \
+            --out "$out/evwarm/$b" || exit
+        done' _ "$PY" "$OUT" "$EV_BENCHMARKS" "${EV_ADAPTERS:-}" "${V[@]}" ;;
     ev[0-9]*-*) ev_phase "$1" "${1%%-*}" "${1#*-}" ;;  # evN-<benchmark>: that benchmark alone (one call each)
     ev[0-9]*) ev_phase "$1" "$1" "$EV_BENCHMARKS" ;;
-    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] ddpN q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN ev1 evN evN-<benchmark>" >&2
+    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] ddpN q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN evwarm ev1 evN evN-<benchmark>" >&2
        exit 2 ;;
   esac
 }

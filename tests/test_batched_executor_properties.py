@@ -94,6 +94,7 @@ class FakeEngine:
         self.sync_s = 0.0
         self.replay_s = 0.0  # of advance_s: graph replays; of sync_s: the wait for the device (fake)
         self.wait_s = 0.0
+        self.capture_s = 0.0  # of advance_s: graph captures (fake: the first call captures)
         FakeEngine.built.append(self)
 
     def _row(self, row: int) -> list[int]:
@@ -134,6 +135,7 @@ class FakeEngine:
         self.sync_s += 0.1
         self.replay_s += 0.2
         self.wait_s += 0.05
+        self.capture_s = 0.3  # once per engine
         for row in sorted(self.pending, reverse=True):  # results come in no particular row order
             self.pending[row][1] -= 1
             if self.pending[row][1] == 0:
@@ -285,9 +287,9 @@ def test_decode_steps_are_summed_over_the_engines() -> None:
 
 
 def test_the_loop_time_is_split_between_the_engines_and_the_episodes() -> None:
-    """advance_s / sync_s (and their parts replay_s / wait_s) are the engines' own (summed over schemes, counted by
-    them), agent_s the wall time spent serving the episodes between decode calls: positive, and within the whole run's
-    wall time."""
+    """advance_s / sync_s (and their parts replay_s / wait_s / capture_s) are the engines' own (summed over schemes,
+    counted by them), agent_s the wall time spent serving the episodes between decode calls: positive, and within the
+    whole run's wall time."""
     import time
 
     ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
@@ -298,6 +300,7 @@ def test_the_loop_time_is_split_between_the_engines_and_the_episodes() -> None:
     calls = sum(e.decode_steps for e in FakeEngine.built) // 3
     assert ex.advance_s == pytest.approx(0.5 * calls) and ex.sync_s == pytest.approx(0.1 * calls) and calls > 0
     assert ex.replay_s == pytest.approx(0.2 * calls) and ex.wait_s == pytest.approx(0.05 * calls)
+    assert ex.capture_s == pytest.approx(0.3 * len(FakeEngine.built))  # a fixed cost per engine, summed over them
     assert 0 < ex.agent_s < wall
 
 

@@ -173,7 +173,7 @@ def test_sampling_reproducible_and_batch_independent():
     assert got[3] == outs[0]
     # the engine's own clock (timing.json): advance() time, reading results back a part of it
     assert eng.decode_steps > 0 and 0 < eng.sync_s <= eng.advance_s
-    assert 0 < eng.wait_s <= eng.sync_s and eng.replay_s == 0  # eager on the CPU: no graph replayed
+    assert 0 < eng.wait_s <= eng.sync_s and eng.replay_s == 0 == eng.capture_s  # eager on the CPU: no graph
     spent = eng.advance_s
     assert eng.advance() == [] and eng.advance_s == spent  # nothing pending: no time counted
 

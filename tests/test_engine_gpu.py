@@ -111,6 +111,8 @@ def test_kernel_is_used_on_cuda(model, monkeypatch):
         launches.clear()
         eng.advance(max_steps=eng.sync_every)  # warm-up (two eager steps) and capture of the batch-2 graph
         assert len(eng._graphs) == 1, list(eng._graphs)
+        captured = eng.capture_s  # the capture's time, inside advance() and outside the replays and read-backs
+        assert 0 < captured <= eng.advance_s - eng.sync_s - eng.replay_s, scheme
         assert _counts(launches) == {"prefill": 0, "decode": 3 * n_layers}, (scheme, _counts(launches))
         launches.clear()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -121,6 +123,7 @@ def test_kernel_is_used_on_cuda(model, monkeypatch):
         assert _counts(ran) == {"prefill": 0, "decode": eng.sync_every * n_layers}, (scheme, _counts(ran))
         # timing.json's splits: the replays inside advance(), the wait for the device inside the read-back
         assert 0 < eng.replay_s <= eng.advance_s - eng.sync_s and 0 < eng.wait_s <= eng.sync_s, scheme
+        assert eng.capture_s == captured, scheme  # a replay captures nothing
 
 
 # ---- capture, repeatedly -----------------------------------------------------------------------------------------

@@ -125,7 +125,8 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     def timing(d: Path, seconds: float) -> None:
         d.mkdir(parents=True, exist_ok=True)
         body = {"setup_s": 30.0, "episodes_s": seconds, "episodes": 10, "decode_steps": int(10 * seconds),
-                "advance_s": 0.6 * seconds, "agent_s": 0.3 * seconds, "startup_s": seconds / 10}  # fmt: skip
+                "advance_s": 0.6 * seconds, "agent_s": 0.3 * seconds, "startup_s": seconds / 10,
+                "capture_s": seconds / 20}  # fmt: skip
         (d / "timing.json").write_text(json.dumps(body))
 
     timing(tmp_path / "ev1" / "hotpotqa", 80.0)
@@ -152,7 +153,7 @@ def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_pat
     assert "episode loops alone (the slowest shard) 120.0 vs 37.0 s, 3.24x; decode steps of the busiest process" in md
     assert "in the engine's decode calls 72.0 vs 22.2 and in the episodes' own work 36.0 vs 11.1;" in md
     assert "its start (interpreter, imports) 12.0 vs 3.7 and setup (corpus, model, sizing) 60.0 vs 60.0" in md
-    assert "the launcher's own start 16.0 s." in md
+    assert "the graph captures (kernel compiles included) 6.0 vs 1.9; the launcher's own start 16.0 s." in md
     # how evenly the shards shared each benchmark: their episodes, steps, and the slowest loop over the mean
     bal = e["balance_4"]["hotpotqa"]
     assert bal["episodes"] == [10] * 4 and bal["decode_steps"] == [200, 250, 180, 210]
@@ -245,3 +246,28 @@ def test_an_eval_run_in_one_call_per_benchmark_counts_as_one_phase(tmp_path: Pat
     e = report.collect(tmp_path, None, [2, 4])["eval_devices"]
     assert e["wall_seconds_1"] == 450 and e["speedup_4"] == pytest.approx(450 / 140)
     assert e["stopped_2"] == 124 and "speedup_2" not in e
+
+
+def test_the_queue_bound_list_schedules_one_devices_episode_times(tmp_path: Path, report) -> None:
+    """What the episodes' lengths allow --devices N: one device's episode times (wall_s), scheme by scheme, list-
+    scheduled on its rows and on N times as many. Worked by hand: rows take the next episode as they free up."""
+    assert report.list_schedule_s([], 2) == 0.0
+    assert report.list_schedule_s([3.0, 1.0, 1.0, 1.0], 2) == pytest.approx(3.0)  # row 2 takes 1, 1, 1
+    assert report.list_schedule_s([1.0, 1.0, 1.0, 3.0], 2) == pytest.approx(4.0)  # the long one last: a tail
+    assert report.list_schedule_s([1.0, 1.0, 1.0, 3.0], 4) == pytest.approx(3.0)
+    d = tmp_path / "ev1" / "hotpotqa"
+    d.mkdir(parents=True)
+    (d / "timing.json").write_text(json.dumps({"batch": 2}))
+    recs = [("a", 1.0), ("a", 1.0), ("a", 1.0), ("a", 3.0), ("b", 2.0), ("b", 2.0)]  # two schemes, one after the other
+    lines = (json.dumps({"qid": f"q{i}", "row": r, "wall_s": w}) + "\n" for i, (r, w) in enumerate(recs))
+    (d / "episodes.jsonl").write_text("".join(lines))
+    bound = report.queue_bound(tmp_path / "ev1", 2)
+    assert bound == pytest.approx({"loop_s_1": 4.0 + 2.0, "loop_s_2": 3.0 + 2.0, "bound": 6.0 / 5.0})
+    (d / "timing.json").write_text(json.dumps({}))  # no rows (the sequential executor): no bound
+    assert report.queue_bound(tmp_path / "ev1", 2) is None
+    (d / "timing.json").write_text(json.dumps({"batch": 2}))
+    ev4 = tmp_path / "ev4" / "hotpotqa" / "shard_0"
+    ev4.mkdir(parents=True)
+    (ev4 / "timing.json").write_text(json.dumps({"episodes_s": 1.0}))
+    md = report.markdown(report.collect(tmp_path, None, [2]))
+    assert "list-scheduled scheme by scheme on its rows and on 2x as many, 6.0 vs 5.0 s, at most **1.20x**" in md
