@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "several GPUs: the per-step host work keeps the graph captures": (
+        "eval_suite/multi_gpu_report.py",
+        "advance - wait - replay - capture, agent",
+        "advance - wait - replay, agent",
+        "tests/test_multi_gpu_report.py",
+    ),
+    "several GPUs: the queue's list schedule gives the next episode to the row that frees up last": (
+        "eval_suite/multi_gpu_report.py",
+        "        t = heapq.heappop(free) + d\n        heapq.heappush(free, t)",
+        "        free.sort()\n        t = free.pop() + d\n        free.append(t)\n        heapq.heapify(free)",
+        "tests/test_multi_gpu_report.py",
+    ),
+    "several GPUs: the queue bound schedules every scheme's episodes as one queue": (
+        "eval_suite/multi_gpu_report.py",
+        "groups.setdefault(str(r.get(\"row\", r.get(\"scheme\"))), [])",
+        "groups.setdefault(\"all\", [])",
+        "tests/test_multi_gpu_report.py",
+    ),
+    "GPU: engine: a graph's capture time not counted": (
+        "lragent/engine.py",
+        "        self.capture_s += time.perf_counter() - started\n",
+        "",
+        "tests/test_engine_gpu.py",
+    ),
     "fused GEMV: the plain GEMV drops its last K block": (
         "kernels/fused_gemv.py",
         "            else:\n                xin = g.to(tl.float32)",
