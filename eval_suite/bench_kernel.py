@@ -268,7 +268,7 @@ def sweep_decode(bsz: int, lengths: list[int], dtype: torch.dtype, log: Callable
     args = [x[k] for k in ("q", "k_cache", "v_cache", "kv_lens", "v_lr_cache", "lora_b")]
     rows = []
     for name, over in variants.items():
-        plan = _plan(bsz, HKV, HQ // HKV, cap, HEAD_DIM, _num_sms(x["q"].device), **over)
+        plan = _plan(bsz, HKV, HQ // HKV, cap, HEAD_DIM, _num_sms(x["q"].device), lora=True, **over)
         row = {"batch": bsz, "variant": name, "plan": dataclasses.asdict(plan), "graph_ms": {}}
         for seq in lengths:
             x["kv_lens"].fill_(seq)

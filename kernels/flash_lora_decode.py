@@ -264,6 +264,12 @@ _MAX_SPLITS = 128
 # 0.08 ms per 8B decode step on an H100 (scripts/sweep_decode_plan.py at commit d89e4ca,
 # results/engine_h100/decode_plan_2026-11-25/)
 _MIN_SPLIT_TILES = 4
+# a LoRA kernel (the V_lr accumulator beside V's) that splits each row 3 ways or more at 64-key tiles takes 32-key
+# tiles (twice the splits): with the L2 cold, as in a decode step (32 layers' caches, one launch each), 8B shapes on
+# an H100 at a 2k cache 12.96 -> 10.85 us at batch 1, 23.6 -> 20.6 at 4, 35.8 -> 32.5 at 8, 35.9 -> 34.5 at batch 1 of
+# a 16k cache; at 2 splits or 1 (batch 16 and up) 32-key tiles are slower (54.1 -> 55.5 at 16, 95.9 -> 98.5 at 32),
+# and the plain kernel gains nothing (kernels/NOTES.md, 2026-11-27 night)
+_SMALL_TILE_SPLITS = 3
 
 
 @dataclass(frozen=True)
@@ -294,16 +300,26 @@ def _plan(
     block_n: int | None = None,
     num_warps: int = 2,
     num_stages: int | None = None,
+    lora: bool = False,
 ) -> _DecodePlan:
     """The rule; the keyword arguments exist for the benchmark's sweep (``kernels/NOTES.md`` has the one that chose
-    the defaults). Splits fill ``programs_per_sm`` programs per SM without starting a second wave."""
+    the defaults). Splits fill ``programs_per_sm`` programs per SM without starting a second wave; ``lora`` (the
+    kernel accumulates ``p · V_lr`` too) takes 32-key tiles where 64-key ones would split a row
+    :data:`_SMALL_TILE_SPLITS` ways or more."""
     block_m = min(64, max(16, _next_pow2(group)))
     rows = min(block_m, _next_pow2(group))
     row_blocks = -(-group // block_m)
-    block_n = block_n or (64 if head_dim <= 128 else 32)
-    min_split = min_split_tiles * block_n
     base = bsz * hkv * row_blocks
-    n_splits = max(1, min(programs_per_sm * sms // base, -(-capacity // min_split), _MAX_SPLITS))
+
+    def splits(tile: int) -> int:
+        return max(1, min(programs_per_sm * sms // base, -(-capacity // (min_split_tiles * tile)), _MAX_SPLITS))
+
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+        if lora and block_n == 64 and splits(64) >= _SMALL_TILE_SPLITS:
+            block_n = 32
+    min_split = min_split_tiles * block_n
+    n_splits = splits(block_n)
     s_chunk = max(1, min(_next_pow2(n_splits), (4096 * num_warps) // (rows * head_dim)))  # <= 128 fp32 regs/thread
     return _DecodePlan(
         n_splits=n_splits,
@@ -676,10 +692,11 @@ def flash_lora_decode(
             raise ValueError(f"{fn}: {name} must be contiguous in its last dim (strides {t.stride()})")
     bsz, hq, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
-    key = (bsz, hkv, hq // hkv, cap, d, q.device)
+    lora = v_lr_cache is not None
+    key = (bsz, hkv, hq // hkv, cap, d, q.device, lora)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(bsz, hkv, hq // hkv, cap, d, _num_sms(q.device), **plan_overrides())
+        plan = _PLANS[key] = _plan(bsz, hkv, hq // hkv, cap, d, _num_sms(q.device), lora=lora, **plan_overrides())
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return _launch_decode(

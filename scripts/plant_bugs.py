@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "decode rule: the LoRA kernel's 32-key tiles never taken": (
+        "kernels/flash_lora_decode.py",
+        "        if lora and block_n == 64 and splits(64) >= _SMALL_TILE_SPLITS:",
+        "        if False:",
+        "tests/test_kernel_decode.py",
+    ),
+    "decode rule: 32-key tiles at any split count": (
+        "kernels/flash_lora_decode.py",
+        "        if lora and block_n == 64 and splits(64) >= _SMALL_TILE_SPLITS:",
+        "        if lora and block_n == 64:",
+        "tests/test_kernel_decode.py",
+    ),
+    "decode rule: the plans cached without the LoRA flag (a plain call's plan reused for LoRA)": (
+        "kernels/flash_lora_decode.py",
+        "    key = (bsz, hkv, hq // hkv, cap, d, q.device, lora)",
+        "    key = (bsz, hkv, hq // hkv, cap, d, q.device, False)",
+        "tests/test_kernel_decode.py",
+    ),
     "several GPUs: the per-step host work keeps the graph captures": (
         "eval_suite/multi_gpu_report.py",
         "advance - wait - replay - capture, agent",
@@ -32,8 +50,8 @@ BUGS = {
     ),
     "several GPUs: the queue bound schedules every scheme's episodes as one queue": (
         "eval_suite/multi_gpu_report.py",
-        "groups.setdefault(str(r.get(\"row\", r.get(\"scheme\"))), [])",
-        "groups.setdefault(\"all\", [])",
+        'groups.setdefault(str(r.get("row", r.get("scheme"))), [])',
+        'groups.setdefault("all", [])',
         "tests/test_multi_gpu_report.py",
     ),
     "GPU: engine: a graph's capture time not counted": (

@@ -207,6 +207,20 @@ def test_plan_fills_the_gpu_and_depends_on_shape_only():
     assert _plan(1, 8, 4, 65536, 256, 132).block_n == 32  # D = 256 halves the tile
 
 
+def test_plan_takes_small_tiles_for_a_lora_kernel_that_splits_its_rows():
+    """The LoRA kernel takes 32-key tiles (twice the splits) where 64-key tiles would split a row 3 ways or more (the
+    cold-L2 sweep in kernels/NOTES.md); the plain kernel, and batches split 2 ways or less, keep 64."""
+    at = lambda b, cap=2120, **kw: _plan(b, 8, 4, cap, 128, 132, **kw)  # noqa: E731 (8B shapes on an H100)
+    assert (at(1).block_n, at(1).n_splits) == (64, 9)
+    assert (at(1, lora=True).block_n, at(1, lora=True).n_splits) == (32, 17)
+    assert [at(b, lora=True).block_n for b in (1, 2, 4, 8, 16, 32)] == [32, 32, 32, 32, 64, 64]
+    assert at(16, lora=True).n_splits == 2 and at(8).n_splits == 4
+    assert at(1, cap=584, lora=True).block_n == 32  # 3 splits of a 584-key cache at 64
+    assert at(1, cap=200, lora=True).block_n == 64  # one split
+    assert at(1, lora=True, block_n=64).block_n == 64  # a sweep's setting holds
+    assert _plan(1, 8, 4, 2120, 256, 132, lora=True).block_n == 32  # D = 256 is at 32 already
+
+
 # ------------------------------------------------------------------------------------------------
 # Triton kernel logic on CPU via the interpreter (subprocess: TRITON_INTERPRET must be set before import)
 # ------------------------------------------------------------------------------------------------
@@ -226,7 +240,7 @@ for (bsz, hq, hkv, cap, d, rank, lens, roles, slots, over) in CASES:
         kw["kv_slot"] = torch.tensor(slots, dtype=torch.int32)
     if over is None:
         out = fld.flash_lora_decode(**x, **kw)
-        plan = fld._PLANS[(bsz, hkv, hq // hkv, cap, d, x["q"].device)]
+        plan = fld._PLANS[(bsz, hkv, hq // hkv, cap, d, x["q"].device, x.get("v_lr_cache") is not None)]
     else:
         plan = fld._plan(bsz, hkv, hq // hkv, cap, d, 8, **{k: v for k, v in over.items() if k in rule_args})
         plan = dataclasses.replace(plan, **{k: v for k, v in over.items() if k not in rule_args})
@@ -238,7 +252,7 @@ for (bsz, hq, hkv, cap, d, rank, lens, roles, slots, over) in CASES:
     zero_rows = [b for b, n in enumerate(lens) if n == 0]
     res.append([(out.float() - exact).abs().max().item(), (eager - exact).abs().max().item(),
                 bool(torch.isfinite(out).all()), all(bool((out[b] == 0).all()) for b in zero_rows),
-                plan.n_splits, plan.s_chunk])
+                plan.n_splits, plan.s_chunk, plan.block_n])
 print(json.dumps(res))
 """
 
@@ -274,6 +288,7 @@ INTERPRET_CASES = [
     (2, 6, 3, 100, 16, None, [100, 5], None, [1, 0], {"programs_per_sm": 8}),  # plain cache
     (1, 32, 1, 64, 16, 2, [40], [1], None, {"block_n": 16, "block_m": 16, "rows": 16, "row_blocks": 2}),  # G = 32
     (2, 8, 8, 200, 64, 64, [200, 1], [0, 1], None, None),  # G = 1, rank 64, D = 64
+    (1, 8, 2, 600, 32, 8, [600], [1], None, None),  # the rule's 32-key tiles: 64-key ones would split 3 ways
 ]
 
 
@@ -290,6 +305,7 @@ def test_decode_kernel_under_interpreter():
         assert finite and zero_rows_zero, case
         assert err <= 2 * eager_err + 1e-3, (case, err, eager_err)
     assert [r[4] for r in results][:3] == [2, 5, 33] and results[2][5] == 4  # the paths meant: merge, steps
+    assert (results[-1][4], results[-1][6], results[0][6]) == (5, 32, 64)  # LoRA at >= 3 splits: 32-key tiles
 
 
 def test_plan_overrides_from_the_environment(monkeypatch):

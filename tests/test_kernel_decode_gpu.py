@@ -145,7 +145,7 @@ def test_decode_is_deterministic_across_split_arrival_orders():
     lens = torch.tensor([65536, 40000], dtype=torch.int32, device="cuda")
     roles = torch.tensor([2, 1], device="cuda")
     first = flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles)
-    assert fld._PLANS[(2, 8, 4, 65536, 128, first.device)].n_splits > 1  # the merge path runs
+    assert fld._PLANS[(2, 8, 4, 65536, 128, first.device, True)].n_splits > 1  # the merge path runs
     for _ in range(5):
         assert torch.equal(flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles), first)
 
