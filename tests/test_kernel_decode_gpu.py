@@ -119,11 +119,13 @@ def test_decode_graph_captured_once_replays_at_three_lengths():
 
 
 def test_decode_launcher_never_syncs_and_reuses_its_workspace():
-    """After a warm-up: no host synchronisation (sync debug mode raises on one), no new allocation at new lengths."""
+    """After a warm-up of each path (the LoRA and the plain kernel have plans of their own, hence workspaces): no host
+    synchronisation (sync debug mode raises on one), no new allocation at new lengths."""
     x = make_decode_inputs(3, 16, 4, 5000, 128, 8, torch.bfloat16, n_slots=5, device="cuda", seed=6)  # slots < 3 + 2
     rows = mixed_rows(3, 5000, 3, seed=6)
     out = torch.empty_like(x["q"])
     flash_lora_decode(**x, **rows, scaling=2.0, out=out)
+    flash_lora_decode(x["q"], x["k_cache"], x["v_cache"], rows["kv_lens"], out=out)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.set_sync_debug_mode("error")
