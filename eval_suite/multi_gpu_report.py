@@ -31,14 +31,22 @@ def _json(path: Path) -> dict[str, Any] | None:
 
 
 def timings(out: Path) -> dict[str, dict[str, int]]:
-    """``{phase: {"rc", "seconds"}}`` from ``timings.txt`` (``rc`` an exit status or ``"skipped"``)."""
+    """``{phase: {"rc", "seconds"}}`` from ``timings.txt`` (``rc`` an exit status or ``"skipped"``). A phase run again
+    in a later call (an eval stopped at one call's limit resumes from its log in the next, APPEND=1) counts as one:
+    its runs' seconds summed, the last run's status, ``calls`` how many ran."""
     rows: dict[str, dict[str, int]] = {}
     path = out / "timings.txt"
     for line in path.read_text().splitlines() if path.is_file() else []:
         parts = line.split()
         if len(parts) == 3 and parts[1].startswith("rc=") and parts[2].startswith("seconds="):
             rc = parts[1][3:]  # an exit status, or "skipped" (past gpu_multi.sh's BUDGET_S)
-            rows[parts[0]] = {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "seconds": int(parts[2][8:])}
+            row = {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "seconds": int(parts[2][8:])}
+            if parts[0] in rows and row["rc"] != "skipped":
+                before = rows[parts[0]]
+                row = {**row, "seconds": before["seconds"] + row["seconds"], "calls": before.get("calls", 1) + 1}
+            elif parts[0] in rows:  # a later call that skipped it: what ran stands
+                continue
+            rows[parts[0]] = row
     return _joined_eval_parts(rows)
 
 

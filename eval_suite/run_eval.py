@@ -51,6 +51,7 @@ from eval_suite.benchmarks import (
 )
 from eval_suite.dir_lock import DirectoryLock
 from eval_suite.episode_log import EPISODES_FILE, ROLE_FIELDS, UNTRAINED, EpisodeLog, read_episodes, record_key
+from eval_suite.eval_timing import EvalTiming
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
 from eval_suite.report import fmt_over_runs, write_json
 from eval_suite.shard_launch import adopt_early, host_threads, process_age_s, spawn_shards, stop_processes
@@ -306,6 +307,7 @@ def run_episodes(
     provenance: dict | None = None,
     work_queue: WorkQueue | None = None,
     done_elsewhere: Collection[tuple[str, int, str]] = (),
+    on_record: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """Runs every missing (row, run, question) episode and appends its record to ``out_dir/episodes.jsonl``.
 
@@ -337,6 +339,8 @@ def run_episodes(
             this process claims it first, when a row is free for it (:mod:`eval_suite.work_queue`).
         done_elsewhere: keys of episodes that another process of the queue already holds in its log (an earlier,
             interrupted launch): not run again.
+        on_record: called with the number of records this call has appended, after each (``run_plan`` rewrites
+            ``timing.json`` there).
 
     Returns:
         every record in the file after the run.
@@ -389,6 +393,7 @@ def run_episodes(
             unit="ep",
             disable=not progress or not todo,
         )
+        appended = 0
         with bar:
             for task, result in executor.run(tasks()):
                 rec = episode_record(task, result, bench, adapters=adapters, protocol=protocol, provenance=provenance)
@@ -397,6 +402,9 @@ def run_episodes(
                 oof += bool(result.oof)
                 bar.update(1)
                 bar.set_postfix(oof=f"{oof}/{len(done)}")
+                appended += 1
+                if on_record is not None:
+                    on_record(appended)
     return read_episodes(path)
 
 
@@ -573,7 +581,8 @@ def evaluate(
     return run_plan(plan)
 
 
-TIMING_FILE = "timing.json"  # one eval process's setup and episode-loop seconds (rewritten by each run into OUT)
+TIMING_FILE = "timing.json"  # the eval's setup and episode-loop seconds, per process and summed (eval_timing.py)
+TIMING_EVERY_S = 5.0  # timing.json is rewritten at most this often while the episodes run
 LAUNCH_FILE = "launch.json"  # eval --devices N: the launching process's seconds and each shard process's wall
 
 
@@ -721,6 +730,24 @@ def shard_queue(folder: str | None, shard: str, out_dir: Path) -> tuple[WorkQueu
     return WorkQueue(folder, shard=shard), elsewhere
 
 
+def _stop_on_sigterm() -> Callable[[], None]:
+    """Makes SIGTERM (``timeout``'s signal: a device call's limit, a scheduler) raise KeyboardInterrupt in this
+    process, as Ctrl-C does, so the episode loop stops through the same path: the records written stay, the loop's
+    time goes into ``timing.json`` and the command says so in one line. Returns what puts the old handler back (a
+    no-op off the main thread, where no handler can be set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, old)
+
+
 def run_plan(plan: EvalPlan) -> int:
     """One eval process: checks the batch before the model loads, sizes ``--batch auto`` once it is loaded (under the
     device's allocation lock), then runs every missing episode of the plan into its output directory and writes the
@@ -796,29 +823,75 @@ def run_plan(plan: EvalPlan) -> int:
         queue, elsewhere = shard_queue(a["work_queue"], a["shard"], out_dir)
         loop_started = time.perf_counter()
         before = len(read_episodes(out_dir / EPISODES_FILE))
-        while True:
-            try:
-                records = run_episodes(
-                    plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
-                    adapters=adapters_label, seed=a["seed"], agent_config=plan.agent, toolbox_factory=toolbox_factory,
-                    constraints=plan.constraints, temperature=plan.temperature, top_p=plan.top_p,
-                    progress=not a["quiet"], provenance=prov, work_queue=queue, done_elsewhere=elsewhere,
-                )  # fmt: skip
-                break
-            except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
-                if not is_oom(exc):
+        timing = EvalTiming(out_dir / TIMING_FILE)  # after the runs this one resumes, if any
+
+        def timing_part(ran: int, loop_s: float, summary_s: float | None = None) -> dict[str, Any]:
+            """This process's figures so far: setup, then the episode loop (the throughput of --devices N shards);
+            what came before run_plan (interpreter, imports, argument checks), its parts before the loop and the
+            summary after it: the fixed cost that --devices N pays once per shard."""
+            return {
+                "setup_s": loop_started - started, "episodes_s": loop_s,
+                "startup_s": age, "prepare_s": load_started - started, "load_s": loaded - load_started,
+                "size_s": loop_started - loaded, "summary_s": summary_s,
+                "episodes": ran, "batch": batch, "device": run_device,
+                # the decode settings that shape a GPU run's numbers (None: the sequential executor)
+                "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
+                "feed_budget": getattr(executor, "feed_budget", None),
+                "decode_steps": getattr(executor, "decode_steps", None),
+                # where the loop's time went (None: the sequential executor): the engines' decode calls, the part of
+                # them reading results back, the episodes' own work between them; and the host's torch threads
+                "advance_s": getattr(executor, "advance_s", None), "sync_s": getattr(executor, "sync_s", None),
+                "agent_s": getattr(executor, "agent_s", None), "torch_threads": torch.get_num_threads(),
+                # of advance_s the graph-replay calls, of sync_s the wait for the device (host overhead = the rest)
+                "replay_s": getattr(executor, "replay_s", None), "wait_s": getattr(executor, "wait_s", None),
+                # of advance_s the graph captures (kernel compiles and loads included): once per graph, not per step
+                "capture_s": getattr(executor, "capture_s", None),
+            }  # fmt: skip
+
+        written = [time.perf_counter()]
+        counted = [0, 0]  # episodes appended by this process's earlier run_episodes calls (out of memory) and this one
+
+        def on_record(ran: int) -> None:  # timing.json as the episodes finish: a killed run keeps its time
+            counted[1] = ran
+            now = time.perf_counter()
+            if now - written[0] >= TIMING_EVERY_S:
+                timing.write(timing_part(counted[0] + ran, now - loop_started), complete=False)
+                written[0] = now
+
+        restore_sigterm = _stop_on_sigterm()  # a call's time limit (SIGTERM) stops the loop like Ctrl-C
+        try:
+            while True:
+                try:
+                    records = run_episodes(
+                        plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
+                        adapters=adapters_label, seed=a["seed"], agent_config=plan.agent,
+                        toolbox_factory=toolbox_factory, constraints=plan.constraints, temperature=plan.temperature,
+                        top_p=plan.top_p,
+                        progress=not a["quiet"], provenance=prov, work_queue=queue, done_elsewhere=elsewhere,
+                        on_record=on_record,
+                    )  # fmt: skip
+                    break
+                except KeyboardInterrupt:  # stopped: what ran is in the episode log, and its time in timing.json
+                    timing.write(timing_part(sum(counted), time.perf_counter() - loop_started), complete=False)
                     raise
-                options = "a smaller --capacity, a larger --memory_fraction, or fewer processes on the device"
-                line = oom_line(exc, run_device, options if batch else "--batch N, or fewer processes on the device")
-                del executor
-                gc.collect()
-                if run_device.startswith("cuda"):
-                    torch.cuda.empty_cache()
-                if not batch or batch == 1:
-                    raise ValueError(f"{line} (finished episodes are kept in {out_dir / EPISODES_FILE})") from None
-                batch = max(1, batch // 2)
-                print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
-                executor = executor_of(batch)
+                except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
+                    if not is_oom(exc):
+                        raise
+                    fewer = "fewer processes on the device"
+                    options = f"a smaller --capacity, a larger --memory_fraction, or {fewer}"
+                    line = oom_line(exc, run_device, options if batch else f"--batch N, or {fewer}")
+                    del executor
+                    gc.collect()
+                    if run_device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                    if not batch or batch == 1:
+                        raise ValueError(f"{line} (finished episodes are kept in {out_dir / EPISODES_FILE})") from None
+                    batch = max(1, batch // 2)
+                    counted[0], counted[1] = counted[0] + counted[1], 0
+                    print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
+                    executor = executor_of(batch)
+        finally:
+            restore_sigterm()
         ended = time.perf_counter()
         # a shard of a queue holds whichever episodes it got: the launcher's merge is the summary, and the shard never
         # imports the summary's metrics (torchmetrics and what it pulls in: seconds of a shard's start on a GPU host)
@@ -827,27 +900,9 @@ def run_plan(plan: EvalPlan) -> int:
             from eval_suite.eval_report import write_summary
 
             summary = write_summary(records, out_dir, prov)
-        # this process's time: loading and sizing, then the episode loop (the throughput of --devices N shards); what
-        # came before run_plan (interpreter, imports, argument checks), its parts before the loop and the summary
-        # after it: the fixed cost that --devices N pays once per shard
-        write_json(out_dir / TIMING_FILE, {
-            "setup_s": loop_started - started, "episodes_s": ended - loop_started,
-            "startup_s": age, "prepare_s": load_started - started, "load_s": loaded - load_started,
-            "size_s": loop_started - loaded, "summary_s": time.perf_counter() - ended,
-            "episodes": len(records) - before, "batch": batch, "device": run_device,
-            # the decode settings that shape a GPU run's numbers (None: the sequential executor)
-            "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
-            "feed_budget": getattr(executor, "feed_budget", None),
-            "decode_steps": getattr(executor, "decode_steps", None),
-            # where the loop's time went (None: the sequential executor): the engines' decode calls, the part of
-            # them reading results back, the episodes' own work between them; and the host's torch threads
-            "advance_s": getattr(executor, "advance_s", None), "sync_s": getattr(executor, "sync_s", None),
-            "agent_s": getattr(executor, "agent_s", None), "torch_threads": torch.get_num_threads(),
-            # of advance_s the graph-replay calls, of sync_s the wait for the device (host overhead = the rest)
-            "replay_s": getattr(executor, "replay_s", None), "wait_s": getattr(executor, "wait_s", None),
-            # of advance_s the graph captures (kernel compiles and loads included): paid once per graph, not per step
-            "capture_s": getattr(executor, "capture_s", None),
-        })  # fmt: skip
+        ran = len(records) - before
+        if ran or not timing.earlier:  # a rerun that found nothing to do leaves the runs' timing as it was
+            timing.write(timing_part(ran, ended - loop_started, time.perf_counter() - ended), complete=True)
     if summary is None:
         print(f"eval: shard {a['shard']} ran {len(records) - before} episode(s) from the queue {a['work_queue']} "
               f"-> {out_dir / EPISODES_FILE}")  # fmt: skip

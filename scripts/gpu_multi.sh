@@ -24,7 +24,9 @@
 #   ev1.log, ev1/ ; evN.log, evN/    eval --devices 1 and --devices N, dev questions of $EV_BENCHMARKS (base_lr_shared,
 #                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio;
 #                                    phase evN-<benchmark> runs one benchmark into evN/<benchmark> (a run too long for
-#                                    one call: one benchmark per call, APPEND=1; the report adds the parts' seconds)
+#                                    one call: one benchmark per call, APPEND=1; the report adds the parts' seconds;
+#                                    an eval stopped at the call's BUDGET_S resumes from its log when the same phase
+#                                    runs in the next call, and the report counts both calls' seconds as one phase)
 #   evwarm.log, evwarm/              before them (not timed against anything): the same eval options on 2 questions x 1
 #                                    run, so that every timed run finds the kernels compiled (Triton's cache on disk)
 #                                    and the files read once: whichever of ev1 and evN came first paid that alone
@@ -118,7 +120,7 @@ phase() {  # phase NAME command...: runs into $OUT/NAME.log, records wall second
   shift
   local t0=$SECONDS rc=0 left=$((DEADLINE - SECONDS))
   if [ "$left" -le 10 ]; then echo "$name rc=skipped seconds=0" | tee -a "$OUT/timings.txt"; return 0; fi
-  echo "== $name: $*" | tee "$OUT/$name.log"
+  echo "== $name: $*" | tee ${APPEND:+-a} "$OUT/$name.log"  # a phase run again (APPEND=1: resumed) keeps its log
   timeout -k 10 "$left" "$@" >> "$OUT/$name.log" 2>&1 || rc=$?
   echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$OUT/timings.txt"
   tail -n 5 "$OUT/$name.log"

@@ -18,6 +18,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "eval timing: a stopped run's part not written on the way out": (
+        "eval_suite/run_eval.py",
+        "                    timing.write(timing_part(sum(counted), time.perf_counter() - loop_started), complete=False)\n",
+        "",
+        "tests/test_eval_runner.py -k 'sigterm or killed'",
+    ),
+    "eval timing: SIGTERM left to kill the process": (
+        "eval_suite/run_eval.py",
+        "    old = signal.signal(signal.SIGTERM, interrupt)",
+        "    old = signal.getsignal(signal.SIGTERM)",
+        "tests/test_eval_runner.py -k sigterm",
+    ),
+    "eval timing: a resumed run drops the earlier runs' parts": (
+        "eval_suite/eval_timing.py",
+        "            self.earlier = list(parts) if isinstance(parts, list) else [earlier]",
+        "            self.earlier = []",
+        "tests/test_eval_timing.py",
+    ),
+    "eval timing: the top level is the last part's, not the sum": (
+        "eval_suite/eval_timing.py",
+        "            out[key] = sum(values) if values else None",
+        "            out[key] = values[-1] if values else None",
+        "tests/test_eval_timing.py",
+    ),
+    "several GPUs: a phase resumed in a later call counts only that call": (
+        "eval_suite/multi_gpu_report.py",
+        'row = {**row, "seconds": before["seconds"] + row["seconds"], "calls": before.get("calls", 1) + 1}',
+        'row = {**row, "calls": before.get("calls", 1) + 1}',
+        "tests/test_multi_gpu_report.py",
+    ),
     "decode rule: the LoRA kernel's 32-key tiles never taken": (
         "kernels/flash_lora_decode.py",
         "        if lora and block_n == 64 and splits(64) >= _SMALL_TILE_SPLITS:",

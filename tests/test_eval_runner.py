@@ -568,7 +568,8 @@ def test_eval_command_end_to_end_on_the_embedded_model(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(argv) == 0  # resume: nothing left to run
     assert len(read_episodes(out / EPISODES_FILE)) == 1
-    assert json.loads((out / "timing.json").read_text())["episodes"] == 0  # the resumed process ran none
+    again = json.loads((out / "timing.json").read_text())  # a rerun that ran nothing leaves the timing as it was
+    assert again == timing and again["runs_resumed"] == 0 and again["complete"] is True
 
 
 def _tiny_model_with_embedded_tokenizer(directory: Path) -> Path:
@@ -584,6 +585,71 @@ def _tiny_model_with_embedded_tokenizer(directory: Path) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.mark.model
+def test_a_killed_eval_keeps_its_timing_and_the_resumed_run_adds_to_it(tmp_path, monkeypatch):
+    """timing.json is written as the episodes finish (a kill keeps what the run spent) and a resumed run adds its
+    part: the top level sums both, ``parts`` keeps each. A tiny random model with the embedded tokenizer."""
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
+    out = tmp_path / "killed"
+    argv = ["eval", "--benchmark", "hotpotqa", "--scheme", "non_shared", "--limit", "3", "--max_steps", "1",
+            "--thought_tokens", "4", "--argument_tokens", "3", "--model", str(tiny), "--adapter_init", "random",
+            "--runs", "1", "--device", "cpu", "--quiet", "true", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(run_eval, "TIMING_EVERY_S", 0.0)  # every finished episode rewrites timing.json
+    real = run_eval.run_episodes
+
+    def killed_after_two(*args, on_record=None, **kwargs):
+        def record(n: int) -> None:
+            on_record(n)
+            if n == 2:
+                raise KeyboardInterrupt  # the call's time limit, after two episodes were written
+
+        return real(*args, on_record=record, **kwargs)
+
+    monkeypatch.setattr(run_eval, "run_episodes", killed_after_two)
+    assert cli.main(argv) == 130  # "interrupted: finished episodes are in ..."
+    first = json.loads((out / "timing.json").read_text())
+    assert first["complete"] is False and first["episodes"] == 2 and first["episodes_s"] > 0
+    assert len(read_episodes(out / EPISODES_FILE)) == 2
+    monkeypatch.setattr(run_eval, "run_episodes", real)
+    assert cli.main(argv) == 0  # resumes: the third episode
+    t = json.loads((out / "timing.json").read_text())
+    assert t["complete"] is True and t["runs_resumed"] == 1 and [p["episodes"] for p in t["parts"]] == [2, 1]
+    assert [p["complete"] for p in t["parts"]] == [False, True]
+    for key in ("episodes", "episodes_s", "setup_s", "startup_s"):  # the top level: both runs together
+        assert t[key] == pytest.approx(sum(p[key] for p in t["parts"])), key
+    assert t["parts"][0]["episodes_s"] == pytest.approx(first["episodes_s"])
+
+
+@pytest.mark.model
+def test_sigterm_stops_an_eval_like_ctrl_c_with_its_records_and_time_kept(tmp_path):
+    """``timeout``'s SIGTERM (a device call's limit) mid-loop: exit 130 with one line, no traceback, and timing.json
+    holds exactly the episodes the log holds (written on the way out, not only every few seconds)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
+    out = tmp_path / "termed"
+    repo = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, str(repo / "cli.py"), "eval", "--benchmark", "hotpotqa", "--scheme", "non_shared",
+            "--limit", "30", "--max_steps", "2", "--thought_tokens", "8", "--argument_tokens", "4", "--model",
+            str(tiny), "--adapter_init", "random", "--runs", "2", "--device", "cpu", "--quiet", "true",
+            "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=repo, stderr=subprocess.PIPE, text=True)
+    log = out / EPISODES_FILE
+    deadline = time.monotonic() + 240
+    while (not log.is_file() or len(read_episodes(log)) < 2) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read()  # still running: 60 episodes take far longer than two
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted: finished episodes are in" in err and "Traceback" not in err
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["complete"] is False and timing["episodes"] == len(read_episodes(log)) >= 2
 
 
 @pytest.mark.model

@@ -274,3 +274,16 @@ def test_the_queue_bound_list_schedules_one_devices_episode_times(tmp_path: Path
     (ev4 / "timing.json").write_text(json.dumps({"episodes_s": 1.0}))
     md = report.markdown(report.collect(tmp_path, None, [2]))
     assert "list-scheduled scheme by scheme on its rows and on 2x as many, 6.0 vs 5.0 s, at most **1.20x**" in md
+
+
+def test_a_phase_resumed_in_a_later_call_counts_once_with_both_calls_seconds(tmp_path: Path, report) -> None:
+    """An eval stopped at one call's limit (exit 124) and resumed from its log in the next call: one phase, the
+    calls' seconds summed, the last status; a later call that skipped the phase changes nothing."""
+    (tmp_path / "timings.txt").write_text(
+        "ev1-hotpotqa rc=124 seconds=590\nev1-scienceqa rc=0 seconds=300\nev1-hotpotqa rc=0 seconds=120\n"
+        "ev4 rc=0 seconds=200\nev4 rc=skipped seconds=0\n"
+    )
+    t = report.timings(tmp_path)
+    assert t["ev1-hotpotqa"] == {"rc": 0, "seconds": 710, "calls": 2}
+    assert t["ev1"] == {"rc": 0, "seconds": 1010}  # the benchmarks joined
+    assert t["ev4"] == {"rc": 0, "seconds": 200}
