@@ -59,7 +59,7 @@ class EvalTiming:
         """Writes the earlier parts and ``part`` (this process's figures so far), atomically: a reader, or a kill
         mid-write, sees the previous file or this one."""
         parts = [*self.earlier, {**part, "complete": complete}]
-        body = {**totals(parts), "complete": complete, "runs_resumed": len(parts) - 1, "parts": parts}
+        body = {**totals(parts), "runs_resumed": len(parts) - 1, "parts": parts}  # "complete": the last part's
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(body, indent=1) + "\n")
         os.replace(tmp, self.path)

@@ -96,6 +96,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
             "tests/test_memory_plan.py",
         ],
     ),
+    "eval_timing": ("eval_suite/eval_timing.py", "", ["tests/test_eval_timing.py"]),
     "multi_lora_module_loss": (  # the loss paths only: token loss, the λ-weighted shared term, the training step
         "lit_modules/multi_lora_module.py",
         "lit_modules.multi_lora_module.*loss*",

@@ -33,6 +33,10 @@ def test_each_run_adds_its_part_after_the_earlier_ones(tmp_path: Path) -> None:
     assert (body["episodes"], body["episodes_s"], body["complete"], body["runs_resumed"]) == (5, 10.0, True, 1)
     assert [(p["episodes"], p["complete"]) for p in body["parts"]] == [(3, False), (2, True)]
     assert not path.with_name("timing.json.tmp").exists()
+    EvalTiming(path).write({"episodes": 1, "episodes_s": 1.0}, complete=True)  # a second resume: three flat parts
+    body = json.loads(path.read_text())
+    assert body["runs_resumed"] == 2 and [p["episodes"] for p in body["parts"]] == [3, 2, 1]
+    assert all(set(p) == {"episodes", "episodes_s", "complete"} for p in body["parts"])  # no part nests another
 
 
 def test_a_file_from_before_parts_counts_as_one_part(tmp_path: Path) -> None:
