@@ -41,11 +41,11 @@ def timings(out: Path) -> dict[str, dict[str, int]]:
         if len(parts) == 3 and parts[1].startswith("rc=") and parts[2].startswith("seconds="):
             rc = parts[1][3:]  # an exit status, or "skipped" (past gpu_multi.sh's BUDGET_S)
             row = {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "seconds": int(parts[2][8:])}
-            if parts[0] in rows and row["rc"] != "skipped":
-                before = rows[parts[0]]
-                row = {**row, "seconds": before["seconds"] + row["seconds"], "calls": before.get("calls", 1) + 1}
-            elif parts[0] in rows:  # a later call that skipped it: what ran stands
+            before = rows.get(parts[0])
+            if before is not None and row["rc"] == "skipped":  # a later call that skipped it: what ran stands
                 continue
+            if before is not None and before["rc"] != "skipped":
+                row = {**row, "seconds": before["seconds"] + row["seconds"], "calls": before.get("calls", 1) + 1}
             rows[parts[0]] = row
     return _joined_eval_parts(rows)
 

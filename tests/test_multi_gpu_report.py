@@ -281,9 +281,10 @@ def test_a_phase_resumed_in_a_later_call_counts_once_with_both_calls_seconds(tmp
     calls' seconds summed, the last status; a later call that skipped the phase changes nothing."""
     (tmp_path / "timings.txt").write_text(
         "ev1-hotpotqa rc=124 seconds=590\nev1-scienceqa rc=0 seconds=300\nev1-hotpotqa rc=0 seconds=120\n"
-        "ev4 rc=0 seconds=200\nev4 rc=skipped seconds=0\n"
+        "ev4 rc=0 seconds=200\nev4 rc=skipped seconds=0\nev2 rc=skipped seconds=0\nev2 rc=0 seconds=90\n"
     )
     t = report.timings(tmp_path)
     assert t["ev1-hotpotqa"] == {"rc": 0, "seconds": 710, "calls": 2}
     assert t["ev1"] == {"rc": 0, "seconds": 1010}  # the benchmarks joined
     assert t["ev4"] == {"rc": 0, "seconds": 200}
+    assert t["ev2"] == {"rc": 0, "seconds": 90}  # skipped in one call, run in the next: one call ran it
