@@ -52,3 +52,17 @@ def test_readme_is_short_and_links_every_docs_page() -> None:
     for page in pages:  # each page says what it is for, in its first lines
         head = page.read_text().splitlines()[:3]
         assert head and head[0].startswith("# ") and any(line.strip() for line in head[1:]), page.name
+
+
+def test_every_planted_bug_names_text_its_file_holds_once() -> None:
+    """scripts/plant_bugs.py plants each bug by replacing text that occurs exactly once in its file; an entry whose
+    text the code no longer holds would stop the script midway (and guard nothing): it must be moved with the code."""
+    src = (ROOT / "scripts" / "plant_bugs.py").read_text()
+    start = src.index("BUGS = {")
+    namespace: dict = {}
+    exec(src[start : src.index("\n}\n", start) + 3], namespace)  # the BUGS literal alone: the script runs on import
+    stale = []
+    for name, (path, old, _new, _tests) in namespace["BUGS"].items():
+        text = (ROOT / path).read_text()
+        stale += [(name, text.count(o)) for o in (old if isinstance(old, tuple) else (old,)) if text.count(o) != 1]
+    assert not stale, stale
