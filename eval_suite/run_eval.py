@@ -307,7 +307,7 @@ def run_episodes(
     provenance: dict | None = None,
     work_queue: WorkQueue | None = None,
     done_elsewhere: Collection[tuple[str, int, str]] = (),
-    on_record: Callable[[int], None] | None = None,
+    on_record: Callable[[], None] | None = None,
 ) -> list[dict]:
     """Runs every missing (row, run, question) episode and appends its record to ``out_dir/episodes.jsonl``.
 
@@ -339,8 +339,7 @@ def run_episodes(
             this process claims it first, when a row is free for it (:mod:`eval_suite.work_queue`).
         done_elsewhere: keys of episodes that another process of the queue already holds in its log (an earlier,
             interrupted launch): not run again.
-        on_record: called with the number of records this call has appended, after each (``run_plan`` rewrites
-            ``timing.json`` there).
+        on_record: called after each appended record (``run_plan`` rewrites ``timing.json`` there).
 
     Returns:
         every record in the file after the run.
@@ -393,7 +392,6 @@ def run_episodes(
             unit="ep",
             disable=not progress or not todo,
         )
-        appended = 0
         with bar:
             for task, result in executor.run(tasks()):
                 rec = episode_record(task, result, bench, adapters=adapters, protocol=protocol, provenance=provenance)
@@ -402,9 +400,8 @@ def run_episodes(
                 oof += bool(result.oof)
                 bar.update(1)
                 bar.set_postfix(oof=f"{oof}/{len(done)}")
-                appended += 1
                 if on_record is not None:
-                    on_record(appended)
+                    on_record()
     return read_episodes(path)
 
 
@@ -849,13 +846,14 @@ def run_plan(plan: EvalPlan) -> int:
             }  # fmt: skip
 
         written = [time.perf_counter()]
-        counted = [0, 0]  # episodes appended by this process's earlier run_episodes calls (out of memory) and this one
+        ran = 0  # episodes this process appended (over out-of-memory retries too)
 
-        def on_record(ran: int) -> None:  # timing.json as the episodes finish: a killed run keeps its time
-            counted[1] = ran
+        def on_record() -> None:  # timing.json as the episodes finish: a killed run keeps its time
+            nonlocal ran
+            ran += 1
             now = time.perf_counter()
             if now - written[0] >= TIMING_EVERY_S:
-                timing.write(timing_part(counted[0] + ran, now - loop_started), complete=False)
+                timing.write(timing_part(ran, now - loop_started), complete=False)
                 written[0] = now
 
         restore_sigterm = _stop_on_sigterm()  # a call's time limit (SIGTERM) stops the loop like Ctrl-C
@@ -866,13 +864,12 @@ def run_plan(plan: EvalPlan) -> int:
                         plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
                         adapters=adapters_label, seed=a["seed"], agent_config=plan.agent,
                         toolbox_factory=toolbox_factory, constraints=plan.constraints, temperature=plan.temperature,
-                        top_p=plan.top_p,
-                        progress=not a["quiet"], provenance=prov, work_queue=queue, done_elsewhere=elsewhere,
-                        on_record=on_record,
+                        top_p=plan.top_p, progress=not a["quiet"], provenance=prov, work_queue=queue,
+                        done_elsewhere=elsewhere, on_record=on_record,
                     )  # fmt: skip
                     break
                 except KeyboardInterrupt:  # stopped: what ran is in the episode log, and its time in timing.json
-                    timing.write(timing_part(sum(counted), time.perf_counter() - loop_started), complete=False)
+                    timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)
                     raise
                 except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
                     if not is_oom(exc):
@@ -887,7 +884,6 @@ def run_plan(plan: EvalPlan) -> int:
                     if not batch or batch == 1:
                         raise ValueError(f"{line} (finished episodes are kept in {out_dir / EPISODES_FILE})") from None
                     batch = max(1, batch // 2)
-                    counted[0], counted[1] = counted[0] + counted[1], 0
                     print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
                     executor = executor_of(batch)
         finally:
@@ -900,7 +896,6 @@ def run_plan(plan: EvalPlan) -> int:
             from eval_suite.eval_report import write_summary
 
             summary = write_summary(records, out_dir, prov)
-        ran = len(records) - before
         if ran or not timing.earlier:  # a rerun that found nothing to do leaves the runs' timing as it was
             timing.write(timing_part(ran, ended - loop_started, time.perf_counter() - ended), complete=True)
     if summary is None:

@@ -20,7 +20,7 @@ RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "resul
 BUGS = {
     "eval timing: a stopped run's part not written on the way out": (
         "eval_suite/run_eval.py",
-        "                    timing.write(timing_part(sum(counted), time.perf_counter() - loop_started), complete=False)\n",
+        "                    timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)\n",
         "",
         "tests/test_eval_runner.py -k 'sigterm or killed'",
     ),

@@ -600,9 +600,12 @@ def test_a_killed_eval_keeps_its_timing_and_the_resumed_run_adds_to_it(tmp_path,
     real = run_eval.run_episodes
 
     def killed_after_two(*args, on_record=None, **kwargs):
-        def record(n: int) -> None:
-            on_record(n)
-            if n == 2:
+        appended = []
+
+        def record() -> None:
+            on_record()
+            appended.append(1)
+            if len(appended) == 2:
                 raise KeyboardInterrupt  # the call's time limit, after two episodes were written
 
         return real(*args, on_record=record, **kwargs)
