@@ -156,22 +156,55 @@ def list_schedule_s(durations: list[float], rows: int) -> float:
     return end
 
 
-def queue_bound(directory: Path, n: int) -> dict[str, float] | None:
+def stage_schedule_s(stages: list[list[float]], procs: int, rows: int) -> float:
+    """Seconds until the last episode ends when ``procs`` processes of ``rows`` rows run ``stages`` in turn (a stage:
+    the episode times of one benchmark's scheme, in queue order, one engine at a time): a free row takes the stage's
+    next episode; a process whose stage has none left waits until its rows have emptied, then starts the next stage,
+    while the other processes may still be finishing the last one (one ``eval`` over several benchmarks and schemes,
+    its shards sharing one queue per stage). One stage on ``procs`` processes is :func:`list_schedule_s` on
+    ``procs * rows`` rows."""
+    procs, rows = max(1, procs), max(1, rows)
+    queues = [list(reversed(s)) for s in stages]  # popped from the end: queue order
+    stage, busy, idle = [0] * procs, [0] * procs, [[] for _ in range(procs)]
+    events = [(0.0, p, False) for p in range(procs) for _ in range(rows)]  # (time a row frees, process, ran one)
+    heapq.heapify(events)
+    end = 0.0
+    while events:
+        t, p, ran = heapq.heappop(events)
+        busy[p] -= ran
+        end = max(end, t)
+        while stage[p] < len(queues) and not queues[stage[p]] and not busy[p]:
+            stage[p] += 1  # this process's rows have emptied: on to the next stage, the rows that waited with it
+            events.extend((t, p, False) for _ in idle[p])
+            heapq.heapify(events)
+            idle[p] = []
+        if stage[p] < len(queues) and queues[stage[p]]:
+            busy[p] += 1
+            heapq.heappush(events, (t + queues[stage[p]].pop(), p, True))
+        else:
+            idle[p].append(t)
+    return end
+
+
+def queue_bound(directory: Path, n: int, combined: bool = False) -> dict[str, float] | None:
     """What the episodes' lengths allow ``eval --devices n`` against one device, from one device's run
     ``directory/<b>/`` (its ``episodes.jsonl`` and ``timing.json``): each benchmark's episode times (``wall_s``) in
-    the order one device finished them, scheme by scheme (one engine at a time), list-scheduled on its ``batch`` rows
-    and on ``n`` times as many, summed over benchmarks. The steps cost what one device's did and nothing is fixed:
-    the gap between the two is the queue's tail alone (the last episodes' rows emptying one by one while one runs
-    on). None where a figure is missing (a run without rows)."""
+    the order one device finished them, scheme by scheme (one engine at a time), scheduled on one process of
+    ``batch`` rows and on ``n`` of them (:func:`stage_schedule_s`): one launch per benchmark, summed, or with
+    ``combined`` one launch over every benchmark in turn (``eval --benchmark a,b``). The steps cost what one device's
+    did and nothing is fixed: the gap between the two is the queue's tail alone (the last episodes' rows emptying one
+    by one while one runs on). None where a figure is missing (a run without rows)."""
     procs = _process_timings(directory)
     if not procs:
         return None
-    one = many = 0.0
+    launches: list[list[list[float]]] = []
+    batches = set()
     for bench, rows in procs.items():
         batch = rows[0].get("batch") if len(rows) == 1 else None
         path = directory / bench / "episodes.jsonl"
         if not isinstance(batch, int) or batch < 1 or not path.is_file():
             return None
+        batches.add(batch)
         groups: dict[str, list[float]] = {}  # by scheme, in the order the schemes ran
         for line in path.read_text().splitlines():
             if line.strip():
@@ -179,9 +212,22 @@ def queue_bound(directory: Path, n: int) -> dict[str, float] | None:
                 if r.get("wall_s") is None:
                     return None
                 groups.setdefault(str(r.get("row", r.get("scheme"))), []).append(float(r["wall_s"]))
-        one += sum(list_schedule_s(d, batch) for d in groups.values())
-        many += sum(list_schedule_s(d, batch * n) for d in groups.values())
+        launches.append(list(groups.values()))
+    if len(batches) != 1:
+        return None
+    (batch,) = batches
+    if combined:
+        launches = [[stage for launch in launches for stage in launch]]
+    one = sum(stage_schedule_s(stages, 1, batch) for stages in launches)
+    many = sum(stage_schedule_s(stages, n, batch) for stages in launches)
     return {"loop_s_1": one, f"loop_s_{n}": many, "bound": one / many if many else None}
+
+
+def combined_launch(directory: Path) -> bool:
+    """Whether an ``eval --devices N`` output ran every benchmark in one launch (``eval --benchmark a,b``: its
+    ``launch.json`` at the top names them), each shard process running them in turn."""
+    launch = _json(directory / "launch.json") or {}
+    return len(launch.get("benchmarks") or []) > 1
 
 
 def _process_timings(directory: Path) -> dict[str, list[dict[str, Any]]] | None:
@@ -199,18 +245,20 @@ def _process_timings(directory: Path) -> dict[str, list[dict[str, Any]]] | None:
 def busiest_process(directory: Path, key: str) -> float | None:
     """One figure of an ``eval`` output's ``timing.json`` (``episodes_s``: the episode loop's seconds;
     ``decode_steps``; ``advance_s``, ``agent_s``), per benchmark folder ``directory/<b>`` summed over benchmarks; a
-    ``--devices N`` output counts its shard with the largest (``shard_i/timing.json``). None when a benchmark folder
+    ``--devices N`` output counts its shard with the largest (``shard_i/timing.json``), or where one launch ran every
+    benchmark (:func:`combined_launch`) the shard whose benchmarks sum to the largest. None when a benchmark folder
     has no such figure."""
     procs = _process_timings(directory)
     if not procs:
         return None
-    total = 0.0
-    for rows in procs.values():
-        times = [r.get(key) for r in rows]
-        if not times or any(x is None for x in times):
+    columns = [[r.get(key) for r in rows] for rows in procs.values()]
+    if any(not times or any(x is None for x in times) for times in columns):
+        return None
+    if combined_launch(directory):  # each shard process ran every benchmark: its own sum, the largest of them
+        if len({len(times) for times in columns}) != 1:
             return None
-        total += max(times)
-    return total
+        return max(sum(shard) for shard in zip(*columns, strict=True))
+    return sum(max(times) for times in columns)
 
 
 def shard_balance(directory: Path) -> dict[str, dict[str, Any]] | None:
@@ -260,6 +308,9 @@ def launch_seconds(directory: Path) -> float | None:
     launch), summed over the benchmark folders ``directory/<b>/launch.json``; None when one lacks it (older runs)."""
     if not directory.is_dir():
         return None
+    if combined_launch(directory):  # one launch for every benchmark
+        launch = _json(directory / "launch.json") or {}
+        return None if launch.get("startup_s") is None else launch["startup_s"] + launch["launch_s"]
     total = 0.0
     for b in sorted(d for d in directory.iterdir() if d.is_dir()):
         launch = _json(b / "launch.json")
@@ -369,7 +420,8 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         ev[f"balance_{n}"] = shard_balance(out / f"ev{n}")
         if loop1 and loop_n:
             ev[f"loop_speedup_{n}"] = loop1 / loop_n
-        ev[f"queue_bound_{n}"] = queue_bound(out / "ev1", n)
+        ev[f"combined_{n}"] = combined_launch(out / f"ev{n}")  # one launch ran every benchmark in turn
+        ev[f"queue_bound_{n}"] = queue_bound(out / "ev1", n, combined=ev[f"combined_{n}"])
     res["eval_devices"] = ev
 
     prov = provenance(device="cpu" if cpu else "cuda", dtype="float32" if cpu else "bfloat16", command=command)
@@ -511,8 +563,9 @@ def markdown(res: dict[str, Any]) -> str:
         bound = e.get(f"queue_bound_{n}")
         if bound and bound.get("bound"):
             lines.append(
-                f"  - what the episodes' lengths allow: one device's episode times, list-scheduled scheme by scheme on "
-                f"its rows and on {n}x as many, {bound['loop_s_1']:.1f} vs {bound[f'loop_s_{n}']:.1f} s, at most "
+                f"  - what the episodes' lengths allow: one device's episode times, scheduled scheme by scheme on one "
+                f"process of its rows and on {n} of them, {bound['loop_s_1']:.1f} vs {bound[f'loop_s_{n}']:.1f} s, "
+                f"at most "
                 f"**{bound['bound']:.2f}x** for the loops (the queue's tail alone: steps as fast as one device's, no "
                 f"fixed cost)."
             )

@@ -54,7 +54,15 @@ from eval_suite.episode_log import EPISODES_FILE, ROLE_FIELDS, UNTRAINED, Episod
 from eval_suite.eval_timing import EvalTiming
 from eval_suite.executors import EpisodeExecutor, EpisodeTask, SequentialExecutor
 from eval_suite.report import fmt_over_runs, write_json
-from eval_suite.shard_launch import adopt_early, host_threads, process_age_s, spawn_shards, stop_processes
+from eval_suite.shard_launch import (
+    BENCHMARK_FIELD,
+    adopt_early,
+    benchmark_list,
+    host_threads,
+    process_age_s,
+    spawn_shards,
+    stop_processes,
+)
 from eval_suite.work_queue import WorkQueue, sibling_logs
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
@@ -130,7 +138,9 @@ def _last_line(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = None) -> int:
+def fan_out(
+    call: dict[str, Any], n: int, out_dir: Path, total: int | None = None, benchmarks: Sequence[str] = ()
+) -> int:
     """``eval --devices N``: N ``eval --shard i/N`` processes at once (one per GPU, or N CPU processes), each into
     ``OUT/shard_i`` with its log in ``OUT/shard_i.log``, then ``--merge`` of the shards into ``OUT``. Re-running resumes
     every shard (their episode logs are resumable). Shards the console entry started early from the raw command line
@@ -138,7 +148,8 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
     went: this process's own start before the shards ran, each shard process's wall seconds, and the merge. Unless
     ``--quiet``, a progress bar counts the episodes the shards have finished, out of ``total``. When a shard fails, the
     others are stopped at once (the merge needs them all; every finished episode is kept) and the failure is named by
-    its log's last line."""
+    its log's last line. With several ``benchmarks`` each shard process runs them all in turn, into
+    ``OUT/<benchmark>/shard_i``, and each benchmark's shards are merged into ``OUT/<benchmark>``."""
     import inspect
 
     started, age = time.perf_counter(), process_age_s()
@@ -148,7 +159,8 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
     from lragent.provenance import provenance
 
     gpus = torch.cuda.device_count() if call["device"] in (None, "cuda") else 0
-    early = adopt_early(n, out_dir, gpus, call["device"])
+    several = list(benchmarks) if len(benchmarks) > 1 else []
+    early = adopt_early(n, out_dir, gpus, call["device"], several)
     if call["device"] in (None, "cuda") and 0 < gpus < n:
         raise ValueError(f"--devices {n} but this machine has {gpus} GPU(s): allowed at most {gpus}")
     if early is not None:
@@ -165,14 +177,17 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
             ):
                 continue
             args += [f"--{key}", _cli_value(value)]
-        procs, logs, lines = spawn_shards(n, out_dir, args, gpus, call["device"], os.environ)
+        procs, logs, lines = spawn_shards(n, out_dir, args, gpus, call["device"], os.environ, several)
         spawned = time.perf_counter()
         print("\n".join(lines), file=sys.stderr)
-    shard_dirs = [out_dir / f"shard_{i}" for i in range(n)]
-    progress = _ShardProgress([d / EPISODES_FILE for d in shard_dirs], total or 0, f"eval {call['benchmark']} "
-                              f"({n} shards)", enabled=bool(total) and not call["quiet"])  # fmt: skip
-    on_interrupt(f"the shards' finished episodes are in {out_dir}/shard_*/{EPISODES_FILE}; rerun the same command "
-                 "to resume")  # fmt: skip
+    # each benchmark's merged folder and its shards' folders (one benchmark: OUT and OUT/shard_i)
+    merged = {b: out_dir / b for b in several} or {"": out_dir}
+    shard_dirs = {b: [m / f"shard_{i}" for i in range(n)] for b, m in merged.items()}
+    named = ",".join(several) or call["benchmark"]
+    progress = _ShardProgress([d / EPISODES_FILE for ds in shard_dirs.values() for d in ds], total or 0,
+                              f"eval {named} ({n} shards)", enabled=bool(total) and not call["quiet"])  # fmt: skip
+    where = f"{out_dir}/*/shard_*" if several else f"{out_dir}/shard_*"
+    on_interrupt(f"the shards' finished episodes are in {where}/{EPISODES_FILE}; rerun the same command to resume")
     walls: dict[int, float] = {}
     polls = 0
     stopped: list[int] = []
@@ -205,13 +220,17 @@ def fan_out(call: dict[str, Any], n: int, out_dir: Path, total: int | None = Non
         return 1
     from eval_suite.eval_report import merge_dirs  # the summary's metrics: imported where a summary is written
 
-    with DirectoryLock(out_dir):
-        summary = merge_dirs([str(d) for d in shard_dirs], out_dir, provenance(dtype=call["dtype"]))
+    summaries = {}
+    for b, folder in merged.items():
+        with DirectoryLock(folder):
+            summaries[b] = merge_dirs([str(d) for d in shard_dirs[b]], folder, provenance(dtype=call["dtype"]))
     write_json(out_dir / LAUNCH_FILE, {
         "devices": n, "early": early is not None, "startup_s": age, "launch_s": spawned - started,
         "shard_wall_s": [walls[i] for i in range(n)], "merge_s": time.perf_counter() - spawned - max(walls.values()),
+        **({"benchmarks": several} if several else {}),
     })  # fmt: skip
-    _print_summary(summary, out_dir)
+    for b, summary in summaries.items():
+        _print_summary(summary, merged[b], b)  # b is "" for one benchmark: its lines as before
     return 0
 
 
@@ -452,7 +471,7 @@ def build_policy_factory(
 
 
 def evaluate(
-    benchmark: str = "hotpotqa",
+    benchmark: str | list[str] = "hotpotqa",
     scheme: str | None = None,
     levels: list[str] | str | None = None,
     limit: int | None = None,
@@ -498,7 +517,10 @@ def evaluate(
     qwen2.5-coder-1.5b).
 
     Args:
-        benchmark: hotpotqa or scienceqa.
+        benchmark: hotpotqa or scienceqa, or several as a comma list or [a,b]: one process runs them in turn (its
+            start paid once), each into OUT/<benchmark> (or where --out's {benchmark} says), each with its own
+            adapters (--adapters DIR/{benchmark}_sharedA, or the defaults); with --devices N every shard runs them
+            all in turn, so a shard whose rows empty on one benchmark starts the next while the others finish.
         scheme: a sharing scheme (non_shared, full_shared, droidspeak, base_shared, base_lr_shared), a comma list,
             or all. Default: all (the five rows of the paper's table); with --limit (a quick look) base_lr_shared
             only, LRAgent's scheme, so --limit N runs N x runs episodes, not five times that.
@@ -569,13 +591,58 @@ def evaluate(
         0 on success.
     """
     call = dict(locals())  # the command's arguments, before any local variable: --devices re-issues them per shard
-    out_dir = _check_out(out)
+    names = benchmark_names(benchmark)
     if merge is not None:
-        return merge_outputs(_as_list(merge), out_dir)
-    plan = check_eval_args(call)
+        if len(names) > 1:
+            raise ValueError("--merge summarises the folders of one benchmark: give one --benchmark")
+        return merge_outputs(_as_list(merge), _check_out(out))
+    calls = [benchmark_call(call, b, several=len(names) > 1) for b in names]
+    plans = [check_eval_args(c, notes=i == 0) for i, c in enumerate(calls)]  # every check before anything runs
     if devices > 1:
-        return fan_out(call, devices, out_dir, total=len(plan.questions) * runs * len(plan.schemes))
-    return run_plan(plan)
+        if len(names) > 1 and BENCHMARK_FIELD in out:
+            raise ValueError(f"--devices {devices} with several benchmarks writes OUT/<benchmark>: give --out without "
+                             f"{BENCHMARK_FIELD}, got {out}")  # fmt: skip
+        total = sum(len(p.questions) * runs * len(p.schemes) for p in plans)
+        top = _check_out(out if len(names) > 1 else calls[0]["out"])
+        return fan_out(call if len(names) > 1 else calls[0], devices, top, total=total, benchmarks=names)
+    for i, plan in enumerate(plans):
+        code = run_plan(plan, first=i == 0, label=plan.bench.name if len(plans) > 1 else "")
+        if code:
+            return code
+    return 0
+
+
+def benchmark_names(value: str | Sequence[str]) -> list[str]:
+    """``--benchmark``'s names (one, a comma list or a list), each checked, none twice."""
+    names = benchmark_list(value)
+    if not names:
+        raise ValueError(f"--benchmark {value!r}: give hotpotqa, scienceqa, or a comma list of them")
+    for name in names:
+        get_benchmark(name)  # names the allowed ones
+    if len(set(names)) < len(names):
+        raise ValueError(f"--benchmark {value!r} names a benchmark twice: give each once")
+    return names
+
+
+def benchmark_call(call: dict[str, Any], name: str, several: bool) -> dict[str, Any]:
+    """One benchmark's arguments of an eval: ``{benchmark}`` in ``--out``, ``--work_queue`` and ``--adapters``
+    replaced by its name; with ``several`` benchmarks an ``--out`` without it becomes ``OUT/<name>``, and a queue
+    (each benchmark has its own) must name the benchmark, as must ``--out`` beside it (the shard folders of one
+    benchmark sit side by side)."""
+    out = dict(call, benchmark=name)
+    for key in ("out", "work_queue", "adapters"):
+        value = call.get(key)
+        if isinstance(value, str) and BENCHMARK_FIELD in value:
+            out[key] = value.replace(BENCHMARK_FIELD, name)
+    if several and call.get("work_queue"):
+        for key in ("work_queue", "out"):
+            if BENCHMARK_FIELD not in str(call[key]):
+                raise ValueError(f"--{key} {call[key]} with several benchmarks and --work_queue: put {BENCHMARK_FIELD} "
+                                 f"in it (e.g. Q/{BENCHMARK_FIELD}/queue, Q/{BENCHMARK_FIELD}/shard_0)")  # fmt: skip
+    if several and BENCHMARK_FIELD not in call["out"]:
+        out["out"] = str(Path(call["out"]) / name)
+    _check_out(out["out"])
+    return out
 
 
 TIMING_FILE = "timing.json"  # the eval's setup and episode-loop seconds, per process and summed (eval_timing.py)
@@ -617,12 +684,13 @@ def _check_out(out: str) -> Path:
     return out_dir
 
 
-def check_eval_args(call: dict[str, Any]) -> EvalPlan:
+def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
     """Every check of :func:`evaluate`'s arguments, before anything is loaded or written; returns the plan.
 
     Options whose values another module owns are checked there: schemes (:func:`~lragent.schemes.parse_schemes`),
     levels and constraints (:mod:`eval_suite.benchmarks`), sampling (:func:`~lragent.agents.policies.check_sampling`),
-    model, adapters, rank, dtype and device (:func:`~lragent.loading.check_model_args`).
+    model, adapters, rank, dtype and device (:func:`~lragent.loading.check_model_args`). ``notes``: say what a default
+    chose (false for the later benchmarks of one command: said once).
     """
     a = call
     check_memory_fraction(a.get("memory_fraction"))
@@ -635,7 +703,7 @@ def check_eval_args(call: dict[str, Any]) -> EvalPlan:
     scheme = a["scheme"]
     if scheme is None:  # a quick look (--limit) runs one scheme; the whole benchmark (or the untrained row) all
         scheme = "all" if a["limit"] is None or a["adapter_init"] == "zero" else DEFAULT_QUICK_SCHEME
-        if scheme != "all":
+        if scheme != "all" and notes:
             print(
                 f"eval: --limit without --scheme runs {scheme} only (--scheme all: the five schemes)", file=sys.stderr
             )
@@ -745,14 +813,16 @@ def _stop_on_sigterm() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, old)
 
 
-def run_plan(plan: EvalPlan) -> int:
+def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
     """One eval process: checks the batch before the model loads, sizes ``--batch auto`` once it is loaded (under the
     device's allocation lock), then runs every missing episode of the plan into its output directory and writes the
-    summary. Out of memory during the run halves the batch and resumes from the episode log."""
+    summary. Out of memory during the run halves the batch and resumes from the episode log. ``first``: the first
+    plan this process runs (a later benchmark's ``startup_s`` is 0: the process's start is counted once); ``label``
+    prefixes the summary's lines (the benchmark's name, where one process runs several)."""
     from lragent.command import on_interrupt
     from lragent.provenance import provenance
 
-    started, age = time.perf_counter(), process_age_s()
+    started, age = time.perf_counter(), process_age_s() if first else 0.0
     a, out_dir, bench = plan.args, plan.out_dir, plan.bench
     run_device = resolve_device(a["device"])
     import torch
@@ -899,16 +969,16 @@ def run_plan(plan: EvalPlan) -> int:
         if ran or not timing.earlier:  # a rerun that found nothing to do leaves the runs' timing as it was
             timing.write(timing_part(ran, ended - loop_started, time.perf_counter() - ended), complete=True)
     if summary is None:
-        print(f"eval: shard {a['shard']} ran {len(records) - before} episode(s) from the queue {a['work_queue']} "
-              f"-> {out_dir / EPISODES_FILE}")  # fmt: skip
+        print(f"eval: shard {a['shard']} ran {len(records) - before} {bench.name} episode(s) from the queue "
+              f"{a['work_queue']} -> {out_dir / EPISODES_FILE}")  # fmt: skip
     else:
-        _print_summary(summary, out_dir)
+        _print_summary(summary, out_dir, label)
     return 0
 
 
-def _print_summary(summary: dict, out_dir: Path) -> None:
+def _print_summary(summary: dict, out_dir: Path, benchmark: str = "") -> None:
     m = summary["metrics"][0]
     for row in summary["rows"]:
         acc, oof = summary["accuracy"][m][row]["avg"], summary["oof"][row]["avg"]
-        print(f"{row}: {m} {fmt_over_runs(acc)} OOF {fmt_over_runs(oof)}")
+        print(f"{benchmark + ' ' if benchmark else ''}{row}: {m} {fmt_over_runs(acc)} OOF {fmt_over_runs(oof)}")
     print(f"-> {out_dir / 'summary.json'}, {out_dir / 'report.md'}")

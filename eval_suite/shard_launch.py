@@ -25,6 +25,28 @@ from typing import IO
 
 from eval_suite.work_queue import clear_queue
 
+BENCHMARK_FIELD = "{benchmark}"
+"""Where a path option of an eval over several benchmarks (``--out``, ``--work_queue``, ``--adapters``) names the
+benchmark: replaced by each benchmark's name in turn."""
+
+
+def benchmark_list(value: str | Sequence[str]) -> list[str]:
+    """The benchmark names of ``--benchmark``: ``hotpotqa``, ``hotpotqa,scienceqa``, ``[hotpotqa,scienceqa]`` or a
+    list, in the order given (not checked: :func:`eval_suite.run_eval.benchmark_names` does that)."""
+    items = value.strip().strip("[]").split(",") if isinstance(value, str) else [str(v) for v in value]
+    return [v.strip().strip("'\"") for v in items if v.strip().strip("'\"")]
+
+
+def _argv_value(argv: Sequence[str], option: str) -> str | None:
+    """The value of ``option`` in a raw command line (``--key value`` or ``--key=value``; the last one wins)."""
+    found = None
+    for i, token in enumerate(argv):
+        key, eq, value = token.partition("=")
+        if key == option:
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found
+
+
 # Host threads of an eval whose model runs on a GPU. Its host work is many small tensor ops (sampling, the search
 # tools, prompt building) that a wide OpenMP pool slows down: one Qwen-1.5B eval on an H100 of a 64-core host
 # (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran its episode loop in 157 s at 64
@@ -138,6 +160,7 @@ class EarlyShards:
     out_dir: Path
     gpus: int
     device: str | None
+    benchmarks: list[str] = field(default_factory=list)  # --benchmark's names, as the raw command line gave them
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[IO[str]] = field(default_factory=list)
     spawned_at: float = 0.0  # time.perf_counter() once every shard was started
@@ -168,35 +191,50 @@ def stop_processes(procs: Sequence[subprocess.Popen], timeout: float = 30.0) -> 
 _EARLY: list[EarlyShards] = []  # the launch of this process's command line (at most one)
 
 
-def _shard_line(i: int, n: int, out_dir: Path, gpus: int, dev: str, shard_env: Mapping[str, str]) -> str:
+def _shard_line(i: int, n: int, shard_out: Path, log: Path, gpus: int, dev: str, shard_env: Mapping[str, str]) -> str:
     """Where shard ``i`` runs, with how many CPU threads, into which folder and log (one line)."""
     where = f"GPU {shard_env['CUDA_VISIBLE_DEVICES']}" if gpus else dev
-    return (f"eval: shard {i}/{n} on {where} ({shard_env['OMP_NUM_THREADS']} CPU threads) -> {out_dir / f'shard_{i}'} "
-            f"(log {out_dir / f'shard_{i}.log'})")  # fmt: skip
+    return f"eval: shard {i}/{n} on {where} ({shard_env['OMP_NUM_THREADS']} CPU threads) -> {shard_out} (log {log})"
 
 
 def spawn_shards(
-    n: int, out_dir: Path, args: Sequence[str], gpus: int, device: str | None, env: Mapping[str, str]
+    n: int,
+    out_dir: Path,
+    args: Sequence[str],
+    gpus: int,
+    device: str | None,
+    env: Mapping[str, str],
+    benchmarks: Sequence[str] = (),
 ) -> tuple[list[subprocess.Popen], list[IO[str]], list[str]]:
     """Starts ``n`` ``eval --shard i/n`` processes with ``args`` (the command's other options), each into
     ``out_dir/shard_i`` with its log in ``out_dir/shard_i.log``, all taking their episodes from one queue,
     ``out_dir/queue``, emptied first (:mod:`eval_suite.work_queue`).
+
+    With several ``benchmarks`` each shard runs them in turn in one process (its imports and start paid once), into
+    ``out_dir/<benchmark>/shard_i`` from one queue per benchmark, ``out_dir/<benchmark>/queue``: a shard whose rows
+    have emptied on one benchmark starts the next while the others still finish their last episodes.
 
     Returns:
         ``(processes, their open logs, one line per shard saying where it runs)``: the caller says the lines (an
         early launch once its shards are adopted).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    queue = clear_queue(out_dir)  # this launch's claims only: the shards' logs say what an earlier one finished
+    several = len(benchmarks) > 1
+    # this launch's claims only: the shards' logs say what an earlier one finished
+    for b in benchmarks if several else ():
+        clear_queue(out_dir / b)
+    queue = out_dir / BENCHMARK_FIELD / "queue" if several else clear_queue(out_dir)
     procs, logs, lines = [], [], []
     for i in range(n):
         dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
+        shard_out = out_dir / BENCHMARK_FIELD / f"shard_{i}" if several else out_dir / f"shard_{i}"
         cmd = [sys.executable, "-m", "lragent.cli_main", "eval", *args, "--shard", f"{i}/{n}", "--work_queue",
-               str(queue), "--out", str(out_dir / f"shard_{i}"), "--device", dev, "--quiet", "true"]  # fmt: skip
-        log = open(out_dir / f"shard_{i}.log", "w")  # noqa: SIM115 (closed once the process ends)
+               str(queue), "--out", str(shard_out), "--device", dev, "--quiet", "true"]  # fmt: skip
+        log_path = out_dir / f"shard_{i}.log"
+        log = open(log_path, "w")  # noqa: SIM115 (closed once the process ends)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=shard_env))
         logs.append(log)
-        lines.append(_shard_line(i, n, out_dir, gpus, dev, shard_env))
+        lines.append(_shard_line(i, n, shard_out, log_path, gpus, dev, shard_env))
     return procs, logs, lines
 
 
@@ -216,7 +254,7 @@ def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ea
         n = int(found.get("--devices", "1"))
     except ValueError:
         return None
-    if n < 2 or not found.get("--out"):
+    if n < 2 or not found.get("--out") or BENCHMARK_FIELD in found["--out"]:  # a template: the usual path decides
         return None
     device = found.get("--device")
     if device in ("None", "null"):
@@ -227,20 +265,26 @@ def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ea
     if device in (None, "cuda") and not gpus:  # none seen without torch (no driver listing, ROCm, ...): torch decides
         return None
     age = process_age_s()
-    early = EarlyShards(n=n, out_dir=Path(found["--out"]), gpus=gpus, device=device, startup_s=age)
-    early.procs, early.logs, early.lines = spawn_shards(n, early.out_dir, rest, gpus, device, env)
+    benchmarks = benchmark_list(_argv_value(rest, "--benchmark") or "")
+    early = EarlyShards(n=n, out_dir=Path(found["--out"]), gpus=gpus, device=device, benchmarks=benchmarks,
+                        startup_s=age)  # fmt: skip
+    early.procs, early.logs, early.lines = spawn_shards(n, early.out_dir, rest, gpus, device, env, benchmarks)
     early.spawned_at = time.perf_counter()
     _EARLY[:] = [early]
     return early
 
 
-def adopt_early(n: int, out_dir: Path, gpus: int, device: str | None) -> EarlyShards | None:
-    """The early shards, if they are what ``fan_out`` would launch now (same count, folder, GPUs, device); else None,
-    the early shards stopped."""
+def adopt_early(
+    n: int, out_dir: Path, gpus: int, device: str | None, benchmarks: Sequence[str] = ()
+) -> EarlyShards | None:
+    """The early shards, if they are what ``fan_out`` would launch now (same count, folder, GPUs, device, and the
+    same layout: one benchmark, or these several in this order); else None, the early shards stopped."""
     if not _EARLY:
         return None
     early = _EARLY.pop()
+    layout = list(benchmarks) if len(benchmarks) > 1 else []
     same = (early.n, early.gpus, early.device) == (n, gpus, device) and early.out_dir.resolve() == out_dir.resolve()
+    same = same and (early.benchmarks if len(early.benchmarks) > 1 else []) == layout
     if not same:
         early.stop()
         return None

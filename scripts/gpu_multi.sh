@@ -23,6 +23,8 @@
 #                                    against lragent's (eval_suite/peft_check.py)
 #   ev1.log, ev1/ ; evN.log, evN/    eval --devices 1 and --devices N, dev questions of $EV_BENCHMARKS (base_lr_shared,
 #                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio;
+#                                    one command over every benchmark (eval --benchmark a,b: each process runs them in
+#                                    turn; EV_SEPARATE=1: one command per benchmark, as before 2026-11-28);
 #                                    phase evN-<benchmark> runs one benchmark into evN/<benchmark> (a run too long for
 #                                    one call: one benchmark per call, APPEND=1; the report adds the parts' seconds;
 #                                    an eval stopped at the call's BUDGET_S resumes from its log when the same phase
@@ -185,8 +187,14 @@ V=(--scheme base_lr_shared --limit "$EV_LIMIT" --runs "$EV_RUNS" --quiet true "$
                                                      # outnumber one GPU's batch (else each shard waits as long)
 
 
-ev_phase() {  # ev_phase NAME evN BENCHMARKS: eval --devices N on each benchmark in turn, into evN/<benchmark>
+ev_phase() {  # ev_phase NAME evN BENCHMARKS: one eval --devices N over the benchmarks (each shard process runs them in
+  # turn, eval --benchmark a,b), into evN/<benchmark>; EV_SEPARATE=1: one eval per benchmark, one after the other
   phase "$1" bash -c 'py=$1 n=$2 out=$3 benchmarks=$4 ad=$5; shift 5
+    if [ -z "${EV_SEPARATE:-}" ]; then
+      set -- --benchmark "$(echo $benchmarks | tr " " ,)" "$@" ${ad:+--adapters "$ad/{benchmark}_sharedA"}
+      [ "$(echo $benchmarks | wc -w)" -gt 1 ] && exec "$py" cli.py eval "$@" --devices "$n" --out "$out/ev$n"
+      exec "$py" cli.py eval "$@" --devices "$n" --out "$out/ev$n/$benchmarks"
+    fi
     for b in $benchmarks; do
       "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --devices "$n" --out "$out/ev$n/$b" || exit
     done' _ "$PY" "${2#ev}" "$OUT" "$3" "${EV_ADAPTERS:-}" "${V[@]}"
@@ -224,10 +232,9 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
     peft[0-9]*) phase "$1" "$PY" -m eval_suite.peft_check --export "$OUT/fsdp${n}r_export" "${PEFT[@]}" \
           --out "$OUT/$1.json" ;;
     evwarm) phase evwarm bash -c 'py=$1 out=$2 benchmarks=$3 ad=$4; shift 4
-        for b in $benchmarks; do
-          "$py" cli.py eval --benchmark "$b" "$@" ${ad:+--adapters "$ad/${b}_sharedA"} --limit 2 --runs 1 --devices 1 \
-            --out "$out/evwarm/$b" || exit
-        done' _ "$PY" "$OUT" "$EV_BENCHMARKS" "${EV_ADAPTERS:-}" "${V[@]}" ;;
+        "$py" cli.py eval --benchmark "$(echo $benchmarks | tr " " ,)" "$@" ${ad:+--adapters "$ad/{benchmark}_sharedA"} \
+          --limit 2 --runs 1 --devices 1 --out "$out/evwarm/{benchmark}"' _ "$PY" "$OUT" "$EV_BENCHMARKS" \
+          "${EV_ADAPTERS:-}" "${V[@]}" ;;
     ev[0-9]*-*) ev_phase "$1" "${1%%-*}" "${1#*-}" ;;  # evN-<benchmark>: that benchmark alone (one call each)
     ev[0-9]*) ev_phase "$1" "$1" "$EV_BENCHMARKS" ;;
     *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] ddpN q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN evwarm ev1 evN evN-<benchmark>" >&2

@@ -18,6 +18,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "several benchmarks: the second benchmark counts the process's start again": (
+        "eval_suite/run_eval.py",
+        "    started, age = time.perf_counter(), process_age_s() if first else 0.0",
+        "    started, age = time.perf_counter(), process_age_s()",
+        "tests/test_eval_runner.py -k several_benchmarks",
+    ),
+    "several benchmarks: one queue folder for every benchmark of a launch": (
+        "eval_suite/shard_launch.py",
+        '    queue = out_dir / BENCHMARK_FIELD / "queue" if several else clear_queue(out_dir)',
+        "    queue = clear_queue(out_dir)",
+        "tests/test_eval_runner.py -k several_benchmarks",
+    ),
+    "several benchmarks: each benchmark's folder is OUT itself": (
+        "eval_suite/run_eval.py",
+        '        out["out"] = str(Path(call["out"]) / name)',
+        "        pass",
+        "tests/test_eval_runner.py -k several_benchmarks",
+    ),
+    "several benchmarks: a queue without {benchmark} accepted": (
+        "eval_suite/run_eval.py",
+        '    if several and call.get("work_queue"):',
+        "    if False:",
+        "tests/test_eval_runner.py -k bad_benchmark_lists",
+    ),
+    "several benchmarks: the busiest shard is the slowest of each benchmark added up": (
+        "eval_suite/multi_gpu_report.py",
+        "    if combined_launch(directory):  # each shard process ran every benchmark: its own sum, the largest of them",
+        "    if False:",
+        "tests/test_multi_gpu_report.py",
+    ),
+    "several benchmarks: the queue bound keeps a barrier between benchmarks of one launch": (
+        "eval_suite/multi_gpu_report.py",
+        "        launches = [[stage for launch in launches for stage in launch]]",
+        "        pass",
+        "tests/test_multi_gpu_report.py",
+    ),
+    "stage schedule: a process starts the next stage before its own rows have emptied": (
+        "eval_suite/multi_gpu_report.py",
+        "        while stage[p] < len(queues) and not queues[stage[p]] and not busy[p]:",
+        "        while stage[p] < len(queues) and not queues[stage[p]]:",
+        "tests/test_multi_gpu_report.py",
+    ),
     "eval timing: a stopped run's part not written on the way out": (
         "eval_suite/run_eval.py",
         "                    timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)\n",

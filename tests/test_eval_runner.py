@@ -712,6 +712,69 @@ def test_devices_shards_equal_one_process(tmp_path, capsys):
     assert summary["episodes"]["non_shared"] == {"0": 4}
 
 
+@pytest.mark.model
+def test_several_benchmarks_in_one_process_and_on_two_shards_equal_one_run_each(tmp_path, capsys):
+    """eval --benchmark hotpotqa,scienceqa runs both in one process, into OUT/<benchmark>, each with its own adapters
+    (--adapters DIR/{benchmark}...): the same records as one eval per benchmark, the process's start counted once.
+    With --devices 2 each shard runs both in turn from one queue per benchmark: the same records again, one launch."""
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
+    base = ["eval", "--scheme", "non_shared", "--limit", "2", "--max_steps", "1", "--thought_tokens", "4",
+            "--argument_tokens", "3", "--model", str(tiny), "--adapter_init", "random", "--runs", "2", "--device",
+            "cpu", "--quiet", "true"]  # fmt: skip
+
+    def records(d: Path) -> list:
+        rows = [json.loads(x) for f in sorted(d.rglob(EPISODES_FILE)) for x in f.read_text().splitlines() if x]
+        return sorted((r["benchmark"], r["qid"], r["run"], r["seed"], r["actions"], r["prediction"], r["num_tokens"])
+                      for r in rows)  # fmt: skip
+
+    for b in ("hotpotqa", "scienceqa"):
+        assert cli.main([*base, "--benchmark", b, "--out", str(tmp_path / "apart" / b)]) == 0
+    assert cli.main([*base, "--benchmark", "hotpotqa,scienceqa", "--out", str(tmp_path / "one")]) == 0
+    printed = capsys.readouterr().out
+    assert "hotpotqa non_shared: em " in printed and "scienceqa non_shared: accuracy " in printed
+    apart = records(tmp_path / "apart")
+    assert len(apart) == 8 and {r[0] for r in apart} == {"hotpotqa", "scienceqa"}
+    assert records(tmp_path / "one") == apart
+    for b in ("hotpotqa", "scienceqa"):  # each benchmark's own folder, summary and timing
+        assert json.loads((tmp_path / "one" / b / "summary.json").read_text())["episodes"]["non_shared"] == {
+            "0": 2,
+            "1": 2,
+        }
+    first, second = (json.loads((tmp_path / "one" / b / "timing.json").read_text()) for b in ("hotpotqa", "scienceqa"))
+    assert first["startup_s"] > 0 and second["startup_s"] == 0.0  # the process's start belongs to its first benchmark
+    two = ["--benchmark", "[hotpotqa,scienceqa]", "--devices", "2", "--out", str(tmp_path / "two")]
+    assert cli.main([*base, *two]) == 0
+    assert records(tmp_path / "two") == apart
+    launch = json.loads((tmp_path / "two" / "launch.json").read_text())
+    assert launch["benchmarks"] == ["hotpotqa", "scienceqa"] and launch["early"] is True
+    for b in ("hotpotqa", "scienceqa"):  # one queue per benchmark; each shard folder beside its benchmark's others
+        assert len(list((tmp_path / "two" / b / "queue").iterdir())) == 4
+        assert sum(json.loads((tmp_path / "two" / b / f"shard_{i}" / "timing.json").read_text())["episodes"]
+                   for i in (0, 1)) == 4  # fmt: skip
+        assert (tmp_path / "two" / b / "summary.json").is_file()
+    assert not (tmp_path / "two" / "hotpotqa" / "shard_0" / "summary.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--benchmark", "hotpotqa,hotpotqa"], "names a benchmark twice"),
+        (["--benchmark", "hotpotqa,nosuch"], "unknown benchmark 'nosuch': allowed hotpotqa, scienceqa"),
+        (["--benchmark", ","], "give hotpotqa, scienceqa, or a comma list of them"),
+        (["--benchmark", "hotpotqa,scienceqa", "--merge", "[a,b]"], "--merge summarises the folders of one benchmark"),
+        (["--benchmark", "hotpotqa,scienceqa", "--shard", "0/2", "--work_queue", "Q"], "put {benchmark} in it"),
+        (["--benchmark", "hotpotqa,scienceqa", "--devices", "2", "--out", "O/{benchmark}"], "give --out without"),
+    ],
+)
+def test_bad_benchmark_lists_are_refused_in_one_line(extra, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["eval", "--adapter_init", "random", "--limit", "2", "--device", "cpu", "--out", "o", *extra]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2, err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "O").exists()  # refused before anything is written
+
+
 class _Stop(Exception):
     pass
 

@@ -252,8 +252,9 @@ def test_an_eval_run_in_one_call_per_benchmark_counts_as_one_phase(tmp_path: Pat
 
 
 def test_the_queue_bound_list_schedules_one_devices_episode_times(tmp_path: Path, report) -> None:
-    """What the episodes' lengths allow --devices N: one device's episode times (wall_s), scheme by scheme, list-
-    scheduled on its rows and on N times as many. Worked by hand: rows take the next episode as they free up."""
+    """What the episodes' lengths allow --devices N: one device's episode times (wall_s), scheme by scheme, scheduled
+    on one process of its rows and on N of them. Worked by hand: rows take the next episode as they free up, and a
+    process whose rows have emptied starts the next scheme while another still finishes the last one's."""
     assert report.list_schedule_s([], 2) == 0.0
     assert report.list_schedule_s([3.0, 1.0, 1.0, 1.0], 2) == pytest.approx(3.0)  # row 2 takes 1, 1, 1
     assert report.list_schedule_s([1.0, 1.0, 1.0, 3.0], 2) == pytest.approx(4.0)  # the long one last: a tail
@@ -265,7 +266,10 @@ def test_the_queue_bound_list_schedules_one_devices_episode_times(tmp_path: Path
     lines = (json.dumps({"qid": f"q{i}", "row": r, "wall_s": w}) + "\n" for i, (r, w) in enumerate(recs))
     (d / "episodes.jsonl").write_text("".join(lines))
     bound = report.queue_bound(tmp_path / "ev1", 2)
-    assert bound == pytest.approx({"loop_s_1": 4.0 + 2.0, "loop_s_2": 3.0 + 2.0, "bound": 6.0 / 5.0})
+    # one process: a's rows take 1+1+... (ends at 4: the 3 s one starts at 1), then b's two at once (2): 6 s. Two
+    # processes of 2 rows: the first takes a's 1, 1 and at 1 s starts b's 2, 2 (ends at 3); the second takes a's
+    # 1 and 3 (ends at 3): 3 s
+    assert bound == pytest.approx({"loop_s_1": 4.0 + 2.0, "loop_s_2": 3.0, "bound": 6.0 / 3.0})
     (d / "timing.json").write_text(json.dumps({}))  # no rows (the sequential executor): no bound
     assert report.queue_bound(tmp_path / "ev1", 2) is None
     (d / "timing.json").write_text(json.dumps({"batch": 2}))
@@ -273,7 +277,61 @@ def test_the_queue_bound_list_schedules_one_devices_episode_times(tmp_path: Path
     ev4.mkdir(parents=True)
     (ev4 / "timing.json").write_text(json.dumps({"episodes_s": 1.0}))
     md = report.markdown(report.collect(tmp_path, None, [2]))
-    assert "list-scheduled scheme by scheme on its rows and on 2x as many, 6.0 vs 5.0 s, at most **1.20x**" in md
+    assert "scheme by scheme on one process of its rows and on 2 of them, 6.0 vs 3.0 s, at most **2.00x**" in md
+
+
+def test_stages_run_in_turn_per_process_and_one_stage_is_a_list_schedule(report) -> None:
+    """stage_schedule_s: one stage on P processes of R rows is list_schedule_s on P*R rows (random durations), and a
+    process moves to the next stage only once its own rows have emptied (worked by hand)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        d = [rng.uniform(0.1, 5.0) for _ in range(rng.randint(0, 40))]
+        procs, rows = rng.randint(1, 4), rng.randint(1, 5)
+        assert report.stage_schedule_s([d], procs, rows) == pytest.approx(report.list_schedule_s(d, procs * rows))
+    # one process of 2 rows: stage 1 [3, 1] ends at 3 (the row that freed at 1 waits), then stage 2 [1, 1]: 4
+    assert report.stage_schedule_s([[3.0, 1.0], [1.0, 1.0]], 1, 2) == pytest.approx(4.0)
+    # two processes of 1 row: p0 takes 3, p1 takes 1 and at 1 s, stage 1 empty, moves on: 1, 1 -> ends at 3
+    assert report.stage_schedule_s([[3.0, 1.0], [1.0, 1.0]], 2, 1) == pytest.approx(3.0)
+    assert report.stage_schedule_s([[], [2.0]], 1, 3) == pytest.approx(2.0)  # an empty stage is passed through
+    assert report.stage_schedule_s([], 2, 2) == 0.0
+
+
+def test_one_launch_over_both_benchmarks_counts_each_shard_whole(tmp_path: Path, report) -> None:
+    """eval --benchmark a,b --devices N (launch.json at the top names the benchmarks): each shard process ran both, so
+    its loop is its own sum and the busiest shard is the one whose sum is largest (not the slowest shard of each
+    benchmark added up); the launcher's start counts once; the queue bound runs both benchmarks without a barrier."""
+
+    def timing(d: Path, seconds: float, startup: float, batch: int = 2) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        body = {"episodes_s": seconds, "startup_s": startup, "decode_steps": int(seconds), "batch": batch}
+        (d / "timing.json").write_text(json.dumps(body))
+
+    for i, (h, s) in enumerate(((20.0, 9.0), (25.0, 2.0), (18.0, 10.0))):
+        timing(tmp_path / "ev3" / "hotpotqa" / f"shard_{i}", h, 5.0)
+        timing(tmp_path / "ev3" / "scienceqa" / f"shard_{i}", s, 0.0)  # the process was up: its start counted once
+    launch = {"devices": 3, "startup_s": 6.0, "launch_s": 0.5, "shard_wall_s": [1.0] * 3, "merge_s": 0.5}
+    (tmp_path / "ev3" / "launch.json").write_text(json.dumps({**launch, "benchmarks": ["hotpotqa", "scienceqa"]}))
+    assert report.combined_launch(tmp_path / "ev3")
+    assert report.busiest_process(tmp_path / "ev3", "episodes_s") == pytest.approx(29.0)  # shard 0: 20 + 9
+    assert report.busiest_process(tmp_path / "ev3", "startup_s") == pytest.approx(5.0)
+    assert report.launch_seconds(tmp_path / "ev3") == pytest.approx(6.5)
+    (tmp_path / "ev3" / "launch.json").write_text(json.dumps(launch))  # one launch per benchmark, as before
+    assert not report.combined_launch(tmp_path / "ev3")
+    assert report.busiest_process(tmp_path / "ev3", "episodes_s") == pytest.approx(25.0 + 10.0)
+    # the bound: one device ran hotpotqa [3, 1] then scienceqa [1, 1] on 2 rows; two processes of 2 rows
+    for bench, walls in (("hotpotqa", [3.0, 1.0, 1.0, 1.0]), ("scienceqa", [1.0, 1.0])):
+        timing(tmp_path / "ev1" / bench, 0.0, 0.0)
+        lines = (json.dumps({"qid": f"q{i}", "row": "s", "wall_s": w}) + "\n" for i, w in enumerate(walls))
+        (tmp_path / "ev1" / bench / "episodes.jsonl").write_text("".join(lines))
+    apart = report.queue_bound(tmp_path / "ev1", 2)
+    together = report.queue_bound(tmp_path / "ev1", 2, combined=True)
+    # one device: hotpotqa's rows end at 3 (3 | 1, 1, 1), scienceqa's at 1 more: 4 either way. Two processes of 2 rows:
+    # apart, hotpotqa ends at 3 (one row runs the 3 s episode), then scienceqa at 1 more; together, the second
+    # process takes scienceqa's two at 1 s while the first still runs the 3 s one: 3
+    assert apart == pytest.approx({"loop_s_1": 4.0, "loop_s_2": 4.0, "bound": 1.0})
+    assert together == pytest.approx({"loop_s_1": 4.0, "loop_s_2": 3.0, "bound": 4.0 / 3.0})
 
 
 def test_a_phase_resumed_in_a_later_call_counts_once_with_both_calls_seconds(tmp_path: Path, report) -> None:

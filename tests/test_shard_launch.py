@@ -19,9 +19,19 @@ def fake_spawn(monkeypatch):
     """spawn_shards replaced by long sleeps that record what each shard would have been given."""
     calls: list[dict] = []
 
-    def spawn(n, out_dir, args, gpus, device, env):
+    def spawn(n, out_dir, args, gpus, device, env, benchmarks=()):
         procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(n)]
-        calls.append({"n": n, "out_dir": out_dir, "args": list(args), "gpus": gpus, "device": device, "procs": procs})
+        calls.append(
+            {
+                "n": n,
+                "out_dir": out_dir,
+                "args": list(args),
+                "gpus": gpus,
+                "device": device,
+                "procs": procs,
+                "benchmarks": list(benchmarks),
+            }
+        )
         return procs, [open(Path(out_dir).parent / f"log_{len(calls)}_{i}", "w") for i in range(n)], []  # noqa: SIM115
 
     monkeypatch.setattr(shard_launch, "spawn_shards", spawn)
@@ -143,7 +153,7 @@ def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, mon
 
     started: list[subprocess.Popen] = []
 
-    def spawn(n, out_dir, args, gpus, device, env):
+    def spawn(n, out_dir, args, gpus, device, env, benchmarks=()):
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
         fail = "import sys, time; time.sleep(0.5); print('error: out of memory on the GPU'); sys.exit(2)"
@@ -175,7 +185,7 @@ def test_ctrl_c_in_the_launcher_stops_every_shard_and_says_where_the_episodes_ar
 
     started: list[subprocess.Popen] = []
 
-    def spawn(n, out_dir, args, gpus, device, env):
+    def spawn(n, out_dir, args, gpus, device, env, benchmarks=()):
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
         started.extend(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n))
