@@ -301,6 +301,28 @@ def per_step_ms(directory: Path) -> tuple[float, float, float, float] | None:
 
 
 EV_PARTS = ("advance_s", "agent_s", "startup_s", "setup_s", "capture_s")  # timing.json figures summed per process
+RESTART_KEYS = ("startup_s", "setup_s", "capture_s")  # what a process resumed in a later call pays again
+
+
+def restart_seconds(directory: Path) -> float | None:
+    """The seconds an ``eval`` output's wall holds because a run was stopped (a call's limit) and resumed in a later
+    call: each resumed part's start, setup and graph captures (``timing.json``'s ``parts`` after the first), which
+    the run in one go would not have paid. Per process (a shard index, or the one process) summed over its benchmark
+    folders; the largest over processes (they run side by side). 0.0 for a run in one go; None without timing."""
+    if not directory.is_dir():
+        return None
+    per_process: dict[str, float] = {}
+    folders = sorted(d for d in directory.iterdir() if d.is_dir())
+    for b in folders:
+        shards = sorted(b.glob("shard_*/timing.json"))
+        own = [b / "timing.json"] if (b / "timing.json").is_file() else []
+        for f in shards or own:
+            parts = (_json(f) or {}).get("parts") or []
+            extra = sum(p.get(k) or 0.0 for p in parts[1:] for k in RESTART_KEYS)
+            # the same shard index across benchmarks is one process only where one launch ran them all
+            name = f.parent.name if shards and combined_launch(directory) else str(f)
+            per_process[name] = per_process.get(name, 0.0) + extra
+    return max(per_process.values()) if per_process else None
 
 
 def launch_seconds(directory: Path) -> float | None:
@@ -396,6 +418,7 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     for key in EV_PARTS:
         ev[f"{key}_1"] = busiest_process(out / "ev1", key)
     ev["per_step_ms_1"] = per_step_ms(out / "ev1")
+    ev["restart_s_1"] = restart_seconds(out / "ev1")  # a reference resumed in a later call: its second start
     for n in sizes:
         en = episodes(out / f"ev{n}")
         ev[f"episodes_{n}"] = None if en is None else len(en)
@@ -411,6 +434,10 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         if t.get("ev1", {}).get("rc") == 0 and t.get(f"ev{n}", {}).get("rc") == 0 and t["ev1"]["seconds"]:
             ev["wall_seconds_1"], ev[f"wall_seconds_{n}"] = t["ev1"]["seconds"], t[f"ev{n}"]["seconds"]
             ev[f"speedup_{n}"] = t["ev1"]["seconds"] / max(t[f"ev{n}"]["seconds"], 1)
+            ev[f"restart_s_{n}"] = restart_seconds(out / f"ev{n}")
+            if ev["restart_s_1"] or ev[f"restart_s_{n}"]:  # the same runs as if each had run in one go
+                one = t["ev1"]["seconds"] - (ev["restart_s_1"] or 0.0)
+                ev[f"speedup_{n}_less_restarts"] = one / max(t[f"ev{n}"]["seconds"] - (ev[f"restart_s_{n}"] or 0.0), 1)
         loop_n = ev[f"episode_loop_seconds_{n}"] = busiest_process(out / f"ev{n}", "episodes_s")
         ev[f"decode_steps_{n}"] = busiest_process(out / f"ev{n}", "decode_steps")
         for key in EV_PARTS:
@@ -555,6 +582,12 @@ def markdown(res: dict[str, Any]) -> str:
             f"in its loop, the graph captures (kernel compiles included) {_fmt(e.get('capture_s_1'), 1)} vs "
             f"{_fmt(e.get(f'capture_s_{n}'), 1)}; the launcher's own start {_fmt(e.get(f'launch_s_{n}'), 1)} s."
         )
+        if e.get(f"speedup_{n}_less_restarts") is not None:
+            lines.append(
+                f"  - a run resumed in a later call paid its start again ({_fmt(e.get('restart_s_1'), 1)} vs "
+                f"{_fmt(e.get(f'restart_s_{n}'), 1)} s of start, setup and captures): without it the speed-up is "
+                f"**{_fmt(e.get(f'speedup_{n}_less_restarts'), 2)}x**."
+            )
         per_step = [e.get("per_step_ms_1"), e.get(f"per_step_ms_{n}")]
         if all(per_step):
             parts = ("waiting for the GPU", "graph replay calls", "the engine's other host work", "the episodes' work")

@@ -54,6 +54,12 @@ BUGS = {
         "        pass",
         "tests/test_multi_gpu_report.py",
     ),
+    "several GPUs: a resumed reference's restart counts its first start too": (
+        "eval_suite/multi_gpu_report.py",
+        "            extra = sum(p.get(k) or 0.0 for p in parts[1:] for k in RESTART_KEYS)",
+        "            extra = sum(p.get(k) or 0.0 for p in parts for k in RESTART_KEYS)",
+        "tests/test_multi_gpu_report.py",
+    ),
     "stage schedule: a process starts the next stage before its own rows have emptied": (
         "eval_suite/multi_gpu_report.py",
         "        while stage[p] < len(queues) and not queues[stage[p]] and not busy[p]:",

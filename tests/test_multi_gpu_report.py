@@ -346,3 +346,27 @@ def test_a_phase_resumed_in_a_later_call_counts_once_with_both_calls_seconds(tmp
     assert t["ev1"] == {"rc": 0, "seconds": 1010}  # the benchmarks joined
     assert t["ev4"] == {"rc": 0, "seconds": 200}
     assert t["ev2"] == {"rc": 0, "seconds": 90}  # skipped in one call, run in the next: one call ran it
+
+
+def test_a_reference_resumed_in_a_later_call_has_its_second_start_taken_out(tmp_path: Path, report) -> None:
+    """The one-GPU eval stopped at a call's limit and resumed: its second process's start, setup and captures are in
+    the phase's wall but not in a run in one go, so the speed-up is also given without them (taken from the resumed
+    parts of timing.json); a run in one go has none."""
+    (tmp_path / "timings.txt").write_text("ev1 rc=124 seconds=590\nev1 rc=0 seconds=130\nev2 rc=0 seconds=360\n")
+    parts = [{"startup_s": 13.0, "setup_s": 3.0, "capture_s": 1.0, "episodes_s": 570.0},
+             {"startup_s": 14.0, "setup_s": 2.5, "capture_s": 1.5, "episodes_s": 100.0}]  # fmt: skip
+    for bench, ps in (("hotpotqa", parts), ("scienceqa", [{"startup_s": 0.0, "setup_s": 2.0, "episodes_s": 9.0}])):
+        (tmp_path / "ev1" / bench).mkdir(parents=True)
+        (tmp_path / "ev1" / bench / "timing.json").write_text(json.dumps({"parts": ps}))
+    for bench in ("hotpotqa", "scienceqa"):
+        for i in (0, 1):
+            d = tmp_path / "ev2" / bench / f"shard_{i}"
+            d.mkdir(parents=True)
+            (d / "timing.json").write_text(json.dumps({"parts": [{"startup_s": 13.0, "episodes_s": 1.0}]}))
+    (tmp_path / "ev2" / "launch.json").write_text(json.dumps({"benchmarks": ["hotpotqa", "scienceqa"]}))
+    e = report.collect(tmp_path, None, [2])["eval_devices"]
+    assert e["restart_s_1"] == pytest.approx(14.0 + 2.5 + 1.5) and e["restart_s_2"] == 0.0
+    assert e["speedup_2"] == pytest.approx(720 / 360)
+    assert e["speedup_2_less_restarts"] == pytest.approx((720 - 18.0) / 360)
+    md = report.markdown(report.collect(tmp_path, None, [2]))
+    assert "(18.0 vs 0.0 s of start, setup and captures): without it the speed-up is **1.95x**" in md
