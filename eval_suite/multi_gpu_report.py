@@ -16,6 +16,7 @@ import csv
 import heapq
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,14 +198,12 @@ def queue_bound(directory: Path, n: int, combined: bool = False) -> dict[str, fl
     procs = _process_timings(directory)
     if not procs:
         return None
-    launches: list[list[list[float]]] = []
-    batches = set()
+    launches: list[tuple[list[list[float]], int]] = []  # (stages, rows) of each launch
     for bench, rows in procs.items():
         batch = rows[0].get("batch") if len(rows) == 1 else None
         path = directory / bench / "episodes.jsonl"
         if not isinstance(batch, int) or batch < 1 or not path.is_file():
             return None
-        batches.add(batch)
         groups: dict[str, list[float]] = {}  # by scheme, in the order the schemes ran
         for line in path.read_text().splitlines():
             if line.strip():
@@ -212,14 +211,13 @@ def queue_bound(directory: Path, n: int, combined: bool = False) -> dict[str, fl
                 if r.get("wall_s") is None:
                     return None
                 groups.setdefault(str(r.get("row", r.get("scheme"))), []).append(float(r["wall_s"]))
-        launches.append(list(groups.values()))
-    if len(batches) != 1:
-        return None
-    (batch,) = batches
-    if combined:
-        launches = [[stage for launch in launches for stage in launch]]
-    one = sum(stage_schedule_s(stages, 1, batch) for stages in launches)
-    many = sum(stage_schedule_s(stages, n, batch) for stages in launches)
+        launches.append((list(groups.values()), batch))
+    if combined:  # one process runs every benchmark: one row count for all (else no bound)
+        if len({batch for _, batch in launches}) != 1:
+            return None
+        launches = [([stage for stages, _ in launches for stage in stages], launches[0][1])]
+    one = sum(stage_schedule_s(stages, 1, batch) for stages, batch in launches)
+    many = sum(stage_schedule_s(stages, n, batch) for stages, batch in launches)
     return {"loop_s_1": one, f"loop_s_{n}": many, "bound": one / many if many else None}
 
 
@@ -242,16 +240,17 @@ def _process_timings(directory: Path) -> dict[str, list[dict[str, Any]]] | None:
     return out
 
 
-def busiest_process(directory: Path, key: str) -> float | None:
+def busiest_process(directory: Path, key: str | Callable[[dict[str, Any]], float | None]) -> float | None:
     """One figure of an ``eval`` output's ``timing.json`` (``episodes_s``: the episode loop's seconds;
     ``decode_steps``; ``advance_s``, ``agent_s``), per benchmark folder ``directory/<b>`` summed over benchmarks; a
     ``--devices N`` output counts its shard with the largest (``shard_i/timing.json``), or where one launch ran every
-    benchmark (:func:`combined_launch`) the shard whose benchmarks sum to the largest. None when a benchmark folder
-    has no such figure."""
+    benchmark (:func:`combined_launch`) the shard whose benchmarks sum to the largest. ``key`` may be a function of a
+    ``timing.json`` instead. None when a benchmark folder has no such figure."""
     procs = _process_timings(directory)
     if not procs:
         return None
-    columns = [[r.get(key) for r in rows] for rows in procs.values()]
+    figure = key if callable(key) else (lambda r: r.get(key))
+    columns = [[figure(r) for r in rows] for rows in procs.values()]
     if any(not times or any(x is None for x in times) for times in columns):
         return None
     if combined_launch(directory):  # each shard process ran every benchmark: its own sum, the largest of them
@@ -304,25 +303,16 @@ EV_PARTS = ("advance_s", "agent_s", "startup_s", "setup_s", "capture_s")  # timi
 RESTART_KEYS = ("startup_s", "setup_s", "capture_s")  # what a process resumed in a later call pays again
 
 
+def _restart_s(timing: dict[str, Any]) -> float:
+    """One process's ``timing.json``: its resumed parts' (``parts`` after the first) start, setup and captures."""
+    return sum((p.get(k) or 0.0 for p in (timing.get("parts") or [])[1:] for k in RESTART_KEYS), 0.0)
+
+
 def restart_seconds(directory: Path) -> float | None:
     """The seconds an ``eval`` output's wall holds because a run was stopped (a call's limit) and resumed in a later
-    call: each resumed part's start, setup and graph captures (``timing.json``'s ``parts`` after the first), which
-    the run in one go would not have paid. Per process (a shard index, or the one process) summed over its benchmark
-    folders; the largest over processes (they run side by side). 0.0 for a run in one go; None without timing."""
-    if not directory.is_dir():
-        return None
-    per_process: dict[str, float] = {}
-    folders = sorted(d for d in directory.iterdir() if d.is_dir())
-    for b in folders:
-        shards = sorted(b.glob("shard_*/timing.json"))
-        own = [b / "timing.json"] if (b / "timing.json").is_file() else []
-        for f in shards or own:
-            parts = (_json(f) or {}).get("parts") or []
-            extra = sum(p.get(k) or 0.0 for p in parts[1:] for k in RESTART_KEYS)
-            # the same shard index across benchmarks is one process only where one launch ran them all
-            name = f.parent.name if shards and combined_launch(directory) else str(f)
-            per_process[name] = per_process.get(name, 0.0) + extra
-    return max(per_process.values()) if per_process else None
+    call: each resumed part's start, setup and graph captures, which the run in one go would not have paid, counted
+    over processes as :func:`busiest_process` counts a figure. 0.0 for a run in one go; None without timing."""
+    return busiest_process(directory, _restart_s)
 
 
 def launch_seconds(directory: Path) -> float | None:

@@ -640,7 +640,7 @@ def benchmark_call(call: dict[str, Any], name: str, several: bool) -> dict[str, 
                 raise ValueError(f"--{key} {call[key]} with several benchmarks and --work_queue: put {BENCHMARK_FIELD} "
                                  f"in it (e.g. Q/{BENCHMARK_FIELD}/queue, Q/{BENCHMARK_FIELD}/shard_0)")  # fmt: skip
     if several and BENCHMARK_FIELD not in call["out"]:
-        out["out"] = str(Path(call["out"]) / name)
+        out["out"] = str(_check_out(call["out"]) / name)
     _check_out(out["out"])
     return out
 

@@ -160,7 +160,7 @@ class EarlyShards:
     out_dir: Path
     gpus: int
     device: str | None
-    benchmarks: list[str] = field(default_factory=list)  # --benchmark's names, as the raw command line gave them
+    benchmarks: list[str] = field(default_factory=list)  # the benchmarks each shard runs in turn ([]: one benchmark)
     procs: list[subprocess.Popen] = field(default_factory=list)
     logs: list[IO[str]] = field(default_factory=list)
     spawned_at: float = 0.0  # time.perf_counter() once every shard was started
@@ -220,10 +220,12 @@ def spawn_shards(
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     several = len(benchmarks) > 1
-    # this launch's claims only: the shards' logs say what an earlier one finished
-    for b in benchmarks if several else ():
-        clear_queue(out_dir / b)
-    queue = out_dir / BENCHMARK_FIELD / "queue" if several else clear_queue(out_dir)
+    if several:  # emptied first: this launch's claims only (the shards' logs say what an earlier one finished)
+        for b in benchmarks:
+            clear_queue(out_dir / b)
+        queue = out_dir / BENCHMARK_FIELD / "queue"
+    else:
+        queue = clear_queue(out_dir)
     procs, logs, lines = [], [], []
     for i in range(n):
         dev, shard_env = shard_launch(i, n, gpus, device, dict(env), os.cpu_count() or 1)
@@ -266,6 +268,7 @@ def start_early(argv: Sequence[str], env: Mapping[str, str] | None = None) -> Ea
         return None
     age = process_age_s()
     benchmarks = benchmark_list(_argv_value(rest, "--benchmark") or "")
+    benchmarks = benchmarks if len(benchmarks) > 1 else []
     early = EarlyShards(n=n, out_dir=Path(found["--out"]), gpus=gpus, device=device, benchmarks=benchmarks,
                         startup_s=age)  # fmt: skip
     early.procs, early.logs, early.lines = spawn_shards(n, early.out_dir, rest, gpus, device, env, benchmarks)
@@ -278,13 +281,12 @@ def adopt_early(
     n: int, out_dir: Path, gpus: int, device: str | None, benchmarks: Sequence[str] = ()
 ) -> EarlyShards | None:
     """The early shards, if they are what ``fan_out`` would launch now (same count, folder, GPUs, device, and the
-    same layout: one benchmark, or these several in this order); else None, the early shards stopped."""
+    same ``benchmarks`` run in turn by each shard, in this order: [] for one); else None, the early shards stopped."""
     if not _EARLY:
         return None
     early = _EARLY.pop()
-    layout = list(benchmarks) if len(benchmarks) > 1 else []
     same = (early.n, early.gpus, early.device) == (n, gpus, device) and early.out_dir.resolve() == out_dir.resolve()
-    same = same and (early.benchmarks if len(early.benchmarks) > 1 else []) == layout
+    same = same and early.benchmarks == list(benchmarks)
     if not same:
         early.stop()
         return None

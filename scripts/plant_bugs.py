@@ -26,13 +26,13 @@ BUGS = {
     ),
     "several benchmarks: one queue folder for every benchmark of a launch": (
         "eval_suite/shard_launch.py",
-        '    queue = out_dir / BENCHMARK_FIELD / "queue" if several else clear_queue(out_dir)',
-        "    queue = clear_queue(out_dir)",
+        '        queue = out_dir / BENCHMARK_FIELD / "queue"',
+        "        queue = clear_queue(out_dir)",
         "tests/test_eval_runner.py -k several_benchmarks",
     ),
     "several benchmarks: each benchmark's folder is OUT itself": (
         "eval_suite/run_eval.py",
-        '        out["out"] = str(Path(call["out"]) / name)',
+        '        out["out"] = str(_check_out(call["out"]) / name)',
         "        pass",
         "tests/test_eval_runner.py -k several_benchmarks",
     ),
@@ -50,14 +50,20 @@ BUGS = {
     ),
     "several benchmarks: the queue bound keeps a barrier between benchmarks of one launch": (
         "eval_suite/multi_gpu_report.py",
-        "        launches = [[stage for launch in launches for stage in launch]]",
+        "        launches = [([stage for stages, _ in launches for stage in stages], launches[0][1])]",
         "        pass",
         "tests/test_multi_gpu_report.py",
     ),
     "several GPUs: a resumed reference's restart counts its first start too": (
         "eval_suite/multi_gpu_report.py",
-        "            extra = sum(p.get(k) or 0.0 for p in parts[1:] for k in RESTART_KEYS)",
-        "            extra = sum(p.get(k) or 0.0 for p in parts for k in RESTART_KEYS)",
+        '    return sum((p.get(k) or 0.0 for p in (timing.get("parts") or [])[1:] for k in RESTART_KEYS), 0.0)',
+        '    return sum((p.get(k) or 0.0 for p in (timing.get("parts") or []) for k in RESTART_KEYS), 0.0)',
+        "tests/test_multi_gpu_report.py",
+    ),
+    "several GPUs: the queue bound of one launch per benchmark takes one row count for all": (
+        "eval_suite/multi_gpu_report.py",
+        "    if combined:  # one process runs every benchmark: one row count for all (else no bound)",
+        "    if True:  # one process runs every benchmark: one row count for all (else no bound)",
         "tests/test_multi_gpu_report.py",
     ),
     "stage schedule: a process starts the next stage before its own rows have emptied": (

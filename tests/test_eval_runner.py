@@ -775,6 +775,15 @@ def test_bad_benchmark_lists_are_refused_in_one_line(extra, message, tmp_path, c
     assert not (tmp_path / "o").exists() and not (tmp_path / "O").exists()  # refused before anything is written
 
 
+def test_several_benchmarks_into_an_existing_file_are_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "o").write_text("not a folder")
+    argv = ["eval", "--benchmark", "hotpotqa,scienceqa", "--adapter_init", "random", "--limit", "2", "--device", "cpu",
+            "--out", str(tmp_path / "o")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'o'} is an existing file; give a directory" in err and "Traceback" not in err
+
+
 class _Stop(Exception):
     pass
 

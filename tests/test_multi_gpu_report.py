@@ -332,6 +332,11 @@ def test_one_launch_over_both_benchmarks_counts_each_shard_whole(tmp_path: Path,
     # process takes scienceqa's two at 1 s while the first still runs the 3 s one: 3
     assert apart == pytest.approx({"loop_s_1": 4.0, "loop_s_2": 4.0, "bound": 1.0})
     assert together == pytest.approx({"loop_s_1": 4.0, "loop_s_2": 3.0, "bound": 4.0 / 3.0})
+    # one launch per benchmark may size each with its own rows: scienceqa on 1 row takes 2 s alone, 1 s on two
+    timing(tmp_path / "ev1" / "scienceqa", 0.0, 0.0, batch=1)
+    apart = report.queue_bound(tmp_path / "ev1", 2)
+    assert apart == pytest.approx({"loop_s_1": 3.0 + 2.0, "loop_s_2": 3.0 + 1.0, "bound": 5.0 / 4.0})
+    assert report.queue_bound(tmp_path / "ev1", 2, combined=True) is None  # one process: one row count, or no bound
 
 
 def test_a_phase_resumed_in_a_later_call_counts_once_with_both_calls_seconds(tmp_path: Path, report) -> None:
