@@ -1,0 +1,274 @@
+"""The q/k/v GEMV of a one-row decode step with its RMSNorm before it and its RoPE, LoRA B and cache stores after it.
+
+Why: at batch 1 an 8B decode step is a chain of latency-bound launches. After the norms moved into the GEMVs
+(:mod:`kernels.fused_gemv`), every layer still ran the q/k/v GEMV, then a small RoPE-and-store kernel
+(:func:`kernels.fused_ops.rope_store`: 4 µs on an H100, plus about 1 µs of gap before the attention) that reads the
+GEMV's output back, adds q_proj's LoRA term, rotates q and k and writes k, v and V_lr into the cache. Here the GEMV's
+programs do that work on the outputs they hold: one launch and one graph node fewer per layer. A ``full_shared`` step
+also loses the two launches that applied v_proj's B (the role mask and its GEMM).
+
+How: the fused weight holds q's, k's and v's rows, head after head, then the adapters' shared ``A`` rows
+(:class:`~lragent.fused_weights.FusedGroup`). A program takes ``HB`` dims of each half of one head, so the pairs
+``(d, d + D/2)`` that RoPE mixes meet in one program. A program whose module has a LoRA B to apply (q_proj; k_proj and
+v_proj where adapted and the cache is not decomposed) also computes that module's ``X·A`` itself, from the same normed
+input, and adds ``s · X·A · B_roleᵀ`` to its outputs; the first v program of a decomposed cache computes v_proj's
+``X·A`` and stores it as V_lr. Each value goes through the roundings of the path it replaces (the GEMV's output rounded
+to the weight's dtype, the LoRA term added in float32 and rounded, RoPE's products rounded as torch rounds), so only
+the GEMV's summation order can differ from :func:`~kernels.fused_gemv.rms_norm_linear` followed by
+:func:`~kernels.fused_ops.rope_store`.
+
+Limits: one row (batch-1 decode), CUDA fp16/bf16 or ``TRITON_INTERPRET=1``, head dim a power of two of at least
+``2 · HB``, every adapter of one rank; :func:`usable` says whether a call may take it (the decoder keeps the unfused
+path otherwise). ``LRAGENT_QKV_ROPE=0`` switches it off (``bench decode --plans '["", "qkv_rope=0"]'`` times both).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.device_guard import on_tensor_device
+from kernels.fused_ops import kernels_usable
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.fused_ops import _rope_half
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+SWITCH_ENV = "LRAGENT_QKV_ROPE"
+"""1 (default): one-row decode steps take :func:`qkv_rope_store`; 0: the q/k/v GEMV then the RoPE-and-store kernel."""
+
+HALF_BLOCK = 8
+"""Dims a program takes from each half of a head: 16 outputs a program, as the norm GEMV's measured launch
+(``kernels.fused_gemv.NORM_CONFIG``)."""
+
+BLOCK_K = 512
+NUM_WARPS = 8
+
+
+def qkv_rope_switch(value: str | None = None) -> int:
+    """``LRAGENT_QKV_ROPE`` (or ``value``): 1 on (unset or empty too), 0 off.
+
+    Raises:
+        ValueError: anything else, named with what is allowed.
+    """
+    raw = (os.environ.get(SWITCH_ENV, "") if value is None else value).strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(
+            f"{SWITCH_ENV}={raw!r}: allowed 0 (off) or 1 (on: RoPE and the cache stores in the q/k/v GEMV)"
+        )
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class LoraTerm:
+    """One adapted projection of the fused q/k/v weight.
+
+    Attributes:
+        a_row: first row of its shared ``A`` in the fused weight.
+        b: ``(n_roles, d_out, r)`` every role's B, contiguous, in the weight's dtype.
+        scaling: alpha / r.
+    """
+
+    a_row: int
+    b: Tensor
+    scaling: float
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qkv_rope_store_kernel(
+        X, NW, W, COS, SIN, QOUT, KP, VP, LRP, POS, KV_SLOT, LR_SLOT, ROLE, QB, KB, VB,
+        n_in, eps, n_q_heads, n_kv_heads, rank, a_q, a_k, a_v, s_q, s_k, s_v, lora_q, lora_k, lora_v, store_vlr,
+        stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
+        stride_qbr, stride_kbr, stride_vbr,
+        HEAD_D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+        LORA_Q: tl.constexpr, LORA_K: tl.constexpr, LORA_V: tl.constexpr, STORE_VLR: tl.constexpr,
+    ):  # fmt: skip
+        """Grid ((H_q + 2·H_kv) · D / (2·HB),): program p takes head ``p // (D / 2HB)`` of q, then k, then v (their
+        rows follow each other in W) and its dims ``blk·HB + [0, HB)`` of each half, ``blk = p % (D / 2HB)``."""
+        HALF: tl.constexpr = HEAD_D // 2
+        PER_HEAD: tl.constexpr = HALF // HB
+        ANY_LORA: tl.constexpr = LORA_Q or LORA_K or LORA_V or STORE_VLR
+        pid = tl.program_id(0)
+        unit = pid // PER_HEAD
+        blk = pid % PER_HEAD
+        is_q = unit < n_q_heads
+        is_k = (unit >= n_q_heads) & (unit < n_q_heads + n_kv_heads)
+        is_v = unit >= n_q_heads + n_kv_heads
+        i = tl.arange(0, 2 * HB)
+        dims = (i // HB) * HALF + blk * HB + i % HB  # this program's dims of its head: HB of each half
+        offs_n = unit * HEAD_D + dims
+        n_ok = offs_n >= 0  # every row exists (the grid covers q, k and v exactly)
+        ks = tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, 1)
+        # which module's A this program multiplies too: its own where it applies a B, v's for the V_lr store
+        first_v = (unit == n_q_heads + n_kv_heads) & (blk == 0)
+        a_row = tl.where(is_q, a_q, tl.where(is_k, a_k, a_v))
+        b_on = (is_q & (lora_q != 0)) | (is_k & (lora_k != 0)) | (is_v & (lora_v != 0))
+        with_a = b_on | (first_v & (store_vlr != 0))
+        rr = tl.arange(0, R_PAD)
+        a_ok = rr < tl.where(with_a, rank, 0)  # no A rows read where none is needed
+        # the statistic, as _rms_norm_gemv_kernel computes it for one row
+        sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = k0 + ks < n_in
+            hf = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            sq += hf * hf
+        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
+        acc2 = tl.zeros([2 * HB, BLOCK_K], dtype=tl.float32)
+        lacc = tl.zeros([R_PAD, BLOCK_K] if ANY_LORA else [1, 1], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = k0 + ks < n_in
+            h = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
+            normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
+            nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
+            xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
+            w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * xin
+            if ANY_LORA:
+                a = tl.load(W + (a_row + rr)[:, None] * n_in + (k0 + ks)[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                            other=0.0)  # fmt: skip
+                lacc += a.to(tl.float32) * xin
+        dt = W.dtype.element_ty
+        y = tl.sum(acc2, axis=1).to(dt)  # the GEMV's output, rounded as it is stored
+        local = (unit - tl.where(is_q, 0, tl.where(is_k, n_q_heads, n_q_heads + n_kv_heads))) * HEAD_D + dims
+        if ANY_LORA:
+            lr = tl.sum(lacc, axis=1).to(dt)  # X·A, rounded as the GEMV stores it
+            if b_on:
+                role = tl.load(ROLE).to(tl.int64)
+                bp = QB + role * stride_qbr
+                scale = s_q
+                if is_k:
+                    bp = KB + role * stride_kbr
+                    scale = s_k
+                if is_v:
+                    bp = VB + role * stride_vbr
+                    scale = s_v
+                b = tl.load(bp + local[:, None] * rank + rr[None, :], mask=(rr < rank)[None, :], other=0.0)
+                term = tl.sum(b.to(tl.float32) * lr.to(tl.float32)[None, :], axis=1)
+                y = (y.to(tl.float32) + scale * term).to(dt)
+        pos = tl.load(POS).to(tl.int64)
+        slot = tl.load(KV_SLOT).to(tl.int64)
+        if is_v:
+            g = unit - n_q_heads - n_kv_heads
+            tl.store(VP + slot * stride_vps + g * stride_vph + pos * stride_vpl + dims, y)
+            if STORE_VLR:
+                if (g == 0) & (blk == 0):
+                    lslot = tl.load(LR_SLOT).to(tl.int64)
+                    tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + rr, lr, mask=rr < rank)
+        else:
+            # split the two halves (a select and a sum over 2: exact), rotate, store where they belong
+            y2 = tl.reshape(y.to(tl.float32), (2, HB))
+            half = tl.arange(0, 2)[:, None]
+            x1 = tl.sum(tl.where(half == 0, y2, 0.0), axis=0).to(dt)
+            x2 = tl.sum(tl.where(half == 1, y2, 0.0), axis=0).to(dt)
+            d1 = blk * HB + tl.arange(0, HB)
+            o1, o2 = _rope_half(
+                x1, x2, tl.load(COS + d1), tl.load(COS + HALF + d1), tl.load(SIN + d1), tl.load(SIN + HALF + d1)
+            )
+            if is_q:
+                dst = QOUT + unit * HEAD_D
+            else:
+                dst = KP + slot * stride_kps + (unit - n_q_heads) * stride_kph + pos * stride_kpl
+            tl.store(dst + d1, o1)
+            tl.store(dst + HALF + d1, o2)
+
+
+def usable(
+    h: Tensor, weight: Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int, lora: dict[str, LoraTerm]
+) -> bool:
+    """Whether :func:`qkv_rope_store` takes this call: one row on a device the kernels run on, the fused weight's
+    dtype, a head dim it can split (a power of two, at least two blocks of :data:`HALF_BLOCK`), q/k/v rows that fill
+    the start of the weight, and adapters of one rank whose B are contiguous in the weight's dtype."""
+    if not kernels_usable(h) or h.numel() != h.shape[-1] or weight.dtype != h.dtype or not weight.is_contiguous():
+        return False
+    if head_dim < 2 * HALF_BLOCK or head_dim & (head_dim - 1) or weight.shape[1] != h.shape[-1]:
+        return False
+    if weight.shape[0] < (n_q_heads + 2 * n_kv_heads) * head_dim:
+        return False
+    ranks = {t.b.shape[-1] for t in lora.values()}
+    return len(ranks) <= 1 and all(t.b.is_contiguous() and t.b.dtype == weight.dtype for t in lora.values())
+
+
+@on_tensor_device
+def qkv_rope_store(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    cos: Tensor,
+    sin: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    lr_pool: Tensor | None,
+    kv_slot: Tensor,
+    lr_slot: Tensor,
+    pos: Tensor,
+    role: Tensor,
+    lora: dict[str, LoraTerm],
+    v_lr_a_row: int | None = None,
+) -> Tensor:
+    """One launch: ``y = rms_norm(h) @ Wᵀ`` for q/k/v, each adapted module's ``s · X·A · B_roleᵀ`` added, RoPE on q
+    and k, k and v written into the pools at the row's slot and position (and V_lr, v_proj's ``X·A``, into
+    ``lr_pool``); returns the rotated queries.
+
+    Args:
+        h: ``(1, hidden)`` (any shape of one row) the residual stream entering the layer.
+        norm_weight: ``(hidden,)`` the input RMSNorm's weight; ``eps`` its epsilon.
+        weight: ``(H_q·D + 2·H_kv·D + Σ r, hidden)`` the fused q/k/v weight with its ``A`` rows.
+        n_q_heads: H_q; ``n_kv_heads`` H_kv; ``head_dim`` D.
+        cos: ``(D,)`` (any shape of D values) and ``sin``: the row's position's RoPE table, in h's dtype.
+        k_pool: ``(S, H_kv, C, D)``; ``v_pool`` the same.
+        lr_pool: ``(S_lr, C, r)`` with a decomposed cache, else None.
+        kv_slot: ``(1,)`` the row's slot; ``lr_slot`` ``(1,)`` its V_lr slot; ``pos`` ``(1,)`` its position.
+        role: ``(1,)`` the row's role.
+        lora: ``{"q" | "k" | "v": LoraTerm}``: the modules whose B is applied here (not v_proj of a decomposed cache).
+        v_lr_a_row: first row of v_proj's ``A`` where ``lr_pool`` is given (its ``X·A`` is stored, B not applied).
+
+    Returns:
+        ``(1, H_q, D)`` the rotated queries.
+
+    Raises:
+        ValueError: a call :func:`usable` refuses, or a pool without its A rows (a caller's bug, named).
+    """
+    if not usable(h, weight, n_q_heads, n_kv_heads, head_dim, lora):
+        raise ValueError("qkv_rope_store: this call is not one it takes (see kernels.fused_qkv_rope.usable)")
+    if (lr_pool is None) != (v_lr_a_row is None):
+        raise ValueError("qkv_rope_store: lr_pool and v_lr_a_row go together (a decomposed cache stores v's X·A)")
+    unknown = set(lora) - {"q", "k", "v"}
+    if unknown:
+        raise ValueError(f"qkv_rope_store: unknown modules {sorted(unknown)}; allowed q, k, v")
+    x = h.reshape(-1).contiguous()
+    rank = next(iter(lora.values())).b.shape[-1] if lora else (lr_pool.shape[-1] if lr_pool is not None else 1)
+    q_out = torch.empty((1, n_q_heads, head_dim), dtype=h.dtype, device=h.device)
+    dummy = LoraTerm(0, weight, 0.0)
+    tq, tk, tv = (lora.get(m, dummy) for m in "qkv")
+    lrp = lr_pool if lr_pool is not None else k_pool
+    lr_strides = (lrp.stride(0), lrp.stride(1)) if lr_pool is not None else (0, 0)
+    a_v = v_lr_a_row if v_lr_a_row is not None else tv.a_row
+    grid = ((n_q_heads + 2 * n_kv_heads) * head_dim // (2 * HALF_BLOCK),)
+    _qkv_rope_store_kernel[grid](
+        x, norm_weight, weight, cos.reshape(-1), sin.reshape(-1), q_out, k_pool, v_pool, lrp, pos, kv_slot,
+        lr_slot, role, tq.b, tk.b, tv.b,
+        x.numel(), float(eps), n_q_heads, n_kv_heads, rank, tq.a_row, tk.a_row, a_v,
+        float(tq.scaling), float(tk.scaling), float(tv.scaling), int("q" in lora), int("k" in lora), int("v" in lora),
+        int(lr_pool is not None),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        *lr_strides, tq.b.stride(0), tk.b.stride(0), tv.b.stride(0),
+        HEAD_D=head_dim, HB=HALF_BLOCK, BLOCK_K=BLOCK_K, R_PAD=max(2, triton.next_power_of_2(rank)),
+        LORA_Q="q" in lora, LORA_K="k" in lora, LORA_V="v" in lora, STORE_VLR=lr_pool is not None,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return q_out
