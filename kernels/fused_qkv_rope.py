@@ -9,17 +9,21 @@ also loses the two launches that applied v_proj's B (the role mask and its GEMM)
 
 How: the fused weight holds q's, k's and v's rows, head after head, then the adapters' shared ``A`` rows
 (:class:`~lragent.fused_weights.FusedGroup`). A program takes ``HB`` dims of each half of one head, so the pairs
-``(d, d + D/2)`` that RoPE mixes meet in one program. A program whose module has a LoRA B to apply (q_proj; k_proj and
-v_proj where adapted and the cache is not decomposed) also computes that module's ``X·A`` itself, from the same normed
-input, and adds ``s · X·A · B_roleᵀ`` to its outputs; the first v program of a decomposed cache computes v_proj's
-``X·A`` and stores it as V_lr. Each value goes through the roundings of the path it replaces (the GEMV's output rounded
-to the weight's dtype, the LoRA term added in float32 and rounded, RoPE's products rounded as torch rounds), so only
-the GEMV's summation order can differ from :func:`~kernels.fused_gemv.rms_norm_linear` followed by
-:func:`~kernels.fused_ops.rope_store`.
+``(d, d + D/2)`` that RoPE mixes meet in one program. One more program multiplies the A rows (every adapter's ``X·A``;
+v_proj's is stored as V_lr in a decomposed cache) and raises a flag; the programs that add a LoRA B (q_proj's; k_proj's
+and v_proj's where adapted and the cache is not decomposed) wait for it after their own rows, then add
+``s · X·A · B_roleᵀ``. Programs take tickets as they start, and ticket 0 does the A rows, so the program the others wait
+for is one already running (no deadlock whatever order the GPU schedules them in); the last to finish sets the
+counters back to zero for the next launch or graph replay. Computing ``X·A`` in every q program instead cost 11 µs a
+layer on an H100 (the A tile in every program's loop), more than the RoPE kernel it saves. Each value goes through the
+roundings of the path it replaces (the GEMV's output rounded to the weight's dtype, the LoRA term added in float32 and
+rounded, RoPE's products rounded as torch rounds), so only the GEMV's summation order can differ from
+:func:`~kernels.fused_gemv.rms_norm_linear` followed by :func:`~kernels.fused_ops.rope_store`.
 
 Limits: one row (batch-1 decode), CUDA fp16/bf16 or ``TRITON_INTERPRET=1``, head dim a power of two of at least
 ``2 · HB``, every adapter of one rank; :func:`usable` says whether a call may take it (the decoder keeps the unfused
-path otherwise). ``LRAGENT_QKV_ROPE=0`` switches it off (``bench decode --plans '["", "qkv_rope=0"]'`` times both).
+path otherwise). One launch at a time per device and dtype (the counters are shared, as the decode attention's
+workspace is). ``LRAGENT_QKV_ROPE=0`` switches it off (``bench decode --plans '["", "qkv_rope=0"]'`` times both).
 """
 
 from __future__ import annotations
@@ -85,47 +89,24 @@ class LoraTerm:
 if triton is not None:
 
     @triton.jit
-    def _qkv_rope_store_kernel(
-        X, NW, W, COS, SIN, QOUT, KP, VP, LRP, POS, KV_SLOT, LR_SLOT, ROLE, QB, KB, VB,
-        n_in, eps, n_q_heads, n_kv_heads, rank, a_q, a_k, a_v, s_q, s_k, s_v, lora_q, lora_k, lora_v, store_vlr,
-        stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
-        stride_qbr, stride_kbr, stride_vbr,
-        HEAD_D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
-        LORA_Q: tl.constexpr, LORA_K: tl.constexpr, LORA_V: tl.constexpr, STORE_VLR: tl.constexpr,
-    ):  # fmt: skip
-        """Grid ((H_q + 2·H_kv) · D / (2·HB),): program p takes head ``p // (D / 2HB)`` of q, then k, then v (their
-        rows follow each other in W) and its dims ``blk·HB + [0, HB)`` of each half, ``blk = p % (D / 2HB)``."""
-        HALF: tl.constexpr = HEAD_D // 2
-        PER_HEAD: tl.constexpr = HALF // HB
-        ANY_LORA: tl.constexpr = LORA_Q or LORA_K or LORA_V or STORE_VLR
-        pid = tl.program_id(0)
-        unit = pid // PER_HEAD
-        blk = pid % PER_HEAD
-        is_q = unit < n_q_heads
-        is_k = (unit >= n_q_heads) & (unit < n_q_heads + n_kv_heads)
-        is_v = unit >= n_q_heads + n_kv_heads
-        i = tl.arange(0, 2 * HB)
-        dims = (i // HB) * HALF + blk * HB + i % HB  # this program's dims of its head: HB of each half
-        offs_n = unit * HEAD_D + dims
-        n_ok = offs_n >= 0  # every row exists (the grid covers q, k and v exactly)
+    def _norm_statistic(X, n_in, eps, BLOCK_K: tl.constexpr):
+        """``1 / sqrt(mean(h²) + eps)`` of the one row ``X``, ``(1,)``, as ``_rms_norm_gemv_kernel`` computes it."""
         ks = tl.arange(0, BLOCK_K)
         rows = tl.arange(0, 1)
-        # which module's A this program multiplies too: its own where it applies a B, v's for the V_lr store
-        first_v = (unit == n_q_heads + n_kv_heads) & (blk == 0)
-        a_row = tl.where(is_q, a_q, tl.where(is_k, a_k, a_v))
-        b_on = (is_q & (lora_q != 0)) | (is_k & (lora_k != 0)) | (is_v & (lora_v != 0))
-        with_a = b_on | (first_v & (store_vlr != 0))
-        rr = tl.arange(0, R_PAD)
-        a_ok = rr < tl.where(with_a, rank, 0)  # no A rows read where none is needed
-        # the statistic, as _rms_norm_gemv_kernel computes it for one row
         sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
             hf = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
             sq += hf * hf
-        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
-        acc2 = tl.zeros([2 * HB, BLOCK_K], dtype=tl.float32)
-        lacc = tl.zeros([R_PAD, BLOCK_K] if ANY_LORA else [1, 1], dtype=tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
+
+    @triton.jit
+    def _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``Σ_k W[n, k] · xin[k]`` (float32, the sum over K deferred to after the loop) for the ``BLOCK_N`` rows
+        ``offs_n`` of W, ``xin`` the normed row rounded as the norm GEMV rounds it."""
+        ks = tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, 1)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
             h = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
@@ -134,16 +115,61 @@ if triton is not None:
             xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
             w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc2 += w.to(tl.float32) * xin
-            if ANY_LORA:
-                a = tl.load(W + (a_row + rr)[:, None] * n_in + (k0 + ks)[None, :], mask=a_ok[:, None] & k_ok[None, :],
-                            other=0.0)  # fmt: skip
-                lacc += a.to(tl.float32) * xin
+        return tl.sum(acc2, axis=1)
+
+    @triton.jit
+    def _qkv_rope_store_kernel(
+        X, NW, W, COS, SIN, QOUT, KP, VP, LRP, LRBUF, SYNC, POS, KV_SLOT, LR_SLOT, ROLE, QB, KB, VB,
+        n_in, eps, n_q_heads, n_kv_heads, n_base, n_a, rank, a_q, a_k, a_v, s_q, s_k, s_v, lora_q, lora_k, lora_v,
+        stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
+        stride_qbr, stride_kbr, stride_vbr,
+        HEAD_D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, HAS_A: tl.constexpr,
+        STORE_VLR: tl.constexpr,
+    ):  # fmt: skip
+        """Grid ((H_q + 2·H_kv) · D / (2·HB) + HAS_A,). With A rows, each program takes a ticket as it starts: ticket 0
+        multiplies the A rows (X·A of every adapter, into ``LRBUF``; v's into the V_lr cache) and raises the flag;
+        ticket t > 0 takes head ``(t - 1) // (D / 2HB)`` of q, then k, then v (their rows follow each other in W) and
+        dims ``blk·HB + [0, HB)`` of each half, ``blk = (t - 1) % (D / 2HB)``, and waits for the flag only where it
+        adds a LoRA B. Tickets rather than program ids: the program that others wait for is one already running."""
+        HALF: tl.constexpr = HEAD_D // 2
+        PER_HEAD: tl.constexpr = HALF // HB
+        BLOCK_N: tl.constexpr = 2 * HB
         dt = W.dtype.element_ty
-        y = tl.sum(acc2, axis=1).to(dt)  # the GEMV's output, rounded as it is stored
-        local = (unit - tl.where(is_q, 0, tl.where(is_k, n_q_heads, n_q_heads + n_kv_heads))) * HEAD_D + dims
-        if ANY_LORA:
-            lr = tl.sum(lacc, axis=1).to(dt)  # X·A, rounded as the GEMV stores it
+        if HAS_A:
+            ticket = tl.atomic_add(SYNC, 1, sem="relaxed", scope="gpu")  # SYNC: (ticket, flag, finished)
+        else:
+            ticket = tl.program_id(0) + 1
+        inv = _norm_statistic(X, n_in, eps, BLOCK_K)
+        pos = tl.load(POS).to(tl.int64)
+        rr = tl.arange(0, R_PAD)
+        i = tl.arange(0, BLOCK_N)
+        if ticket == 0:
+            for c0 in range(0, n_a, BLOCK_N):
+                ok = c0 + i < n_a
+                y = _normed_rows(X, NW, W, n_base + c0 + i, ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+                tl.store(LRBUF + c0 + i, y, mask=ok)
+                if STORE_VLR:  # v_proj's X·A is the cache's V_lr
+                    lslot = tl.load(LR_SLOT).to(tl.int64)
+                    at = n_base + c0 + i - a_v
+                    dst = LRP + lslot * stride_lrs + pos * stride_lrl + at
+                    tl.store(dst, y, mask=ok & (at >= 0) & (at < rank))
+            tl.debug_barrier()  # every thread's stores precede the release
+            tl.atomic_xchg(SYNC + 1, 1, sem="release", scope="gpu")
+        else:
+            unit = (ticket - 1) // PER_HEAD
+            blk = (ticket - 1) % PER_HEAD
+            dims = (i // HB) * HALF + blk * HB + i % HB  # this program's dims of its head: HB of each half
+            y = _normed_rows(X, NW, W, unit * HEAD_D + dims, dims >= 0, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+            is_q = unit < n_q_heads
+            is_k = (unit >= n_q_heads) & (unit < n_q_heads + n_kv_heads)
+            is_v = unit >= n_q_heads + n_kv_heads
+            local = (unit - tl.where(is_q, 0, tl.where(is_k, n_q_heads, n_q_heads + n_kv_heads))) * HEAD_D + dims
+            b_on = (is_q & (lora_q != 0)) | (is_k & (lora_k != 0)) | (is_v & (lora_v != 0))
             if b_on:
+                while tl.atomic_cas(SYNC + 1, 1, 1, sem="acquire", scope="gpu") != 1:
+                    pass
+                a_row = tl.where(is_q, a_q, tl.where(is_k, a_k, a_v))
+                lr = tl.load(LRBUF + a_row - n_base + rr, mask=rr < rank, other=0.0, cache_modifier=".cg")
                 role = tl.load(ROLE).to(tl.int64)
                 bp = QB + role * stride_qbr
                 scale = s_q
@@ -155,32 +181,51 @@ if triton is not None:
                     scale = s_v
                 b = tl.load(bp + local[:, None] * rank + rr[None, :], mask=(rr < rank)[None, :], other=0.0)
                 term = tl.sum(b.to(tl.float32) * lr.to(tl.float32)[None, :], axis=1)
-                y = (y.to(tl.float32) + scale * term).to(dt)
-        pos = tl.load(POS).to(tl.int64)
-        slot = tl.load(KV_SLOT).to(tl.int64)
-        if is_v:
-            g = unit - n_q_heads - n_kv_heads
-            tl.store(VP + slot * stride_vps + g * stride_vph + pos * stride_vpl + dims, y)
-            if STORE_VLR:
-                if (g == 0) & (blk == 0):
-                    lslot = tl.load(LR_SLOT).to(tl.int64)
-                    tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + rr, lr, mask=rr < rank)
-        else:
-            # split the two halves (a select and a sum over 2: exact), rotate, store where they belong
-            y2 = tl.reshape(y.to(tl.float32), (2, HB))
-            half = tl.arange(0, 2)[:, None]
-            x1 = tl.sum(tl.where(half == 0, y2, 0.0), axis=0).to(dt)
-            x2 = tl.sum(tl.where(half == 1, y2, 0.0), axis=0).to(dt)
-            d1 = blk * HB + tl.arange(0, HB)
-            o1, o2 = _rope_half(
-                x1, x2, tl.load(COS + d1), tl.load(COS + HALF + d1), tl.load(SIN + d1), tl.load(SIN + HALF + d1)
-            )
-            if is_q:
-                dst = QOUT + unit * HEAD_D
+                y = (y.to(tl.float32) + scale * term).to(dt)  # as the GEMM epilogue or addmm it replaces rounds
+            slot = tl.load(KV_SLOT).to(tl.int64)
+            if is_v:
+                g = unit - n_q_heads - n_kv_heads
+                tl.store(VP + slot * stride_vps + g * stride_vph + pos * stride_vpl + dims, y)
             else:
-                dst = KP + slot * stride_kps + (unit - n_q_heads) * stride_kph + pos * stride_kpl
-            tl.store(dst + d1, o1)
-            tl.store(dst + HALF + d1, o2)
+                # the two halves apart (a select and a sum over 2: exact), rotated, stored where they belong
+                y2 = tl.reshape(y.to(tl.float32), (2, HB))
+                half = tl.arange(0, 2)[:, None]
+                x1 = tl.sum(tl.where(half == 0, y2, 0.0), axis=0).to(dt)
+                x2 = tl.sum(tl.where(half == 1, y2, 0.0), axis=0).to(dt)
+                d1 = blk * HB + tl.arange(0, HB)
+                o1, o2 = _rope_half(
+                    x1, x2, tl.load(COS + d1), tl.load(COS + HALF + d1), tl.load(SIN + d1), tl.load(SIN + HALF + d1)
+                )
+                if is_q:
+                    dst = QOUT + unit * HEAD_D
+                else:
+                    dst = KP + slot * stride_kps + (unit - n_q_heads) * stride_kph + pos * stride_kpl
+                tl.store(dst + d1, o1)
+                tl.store(dst + HALF + d1, o2)
+        if HAS_A:  # the last program to finish leaves (ticket, flag, finished) at zero for the next launch
+            tl.debug_barrier()
+            done = tl.atomic_add(SYNC + 2, 1, sem="acq_rel", scope="gpu")
+            if done == tl.num_programs(0) - 1:
+                tl.store(SYNC + tl.arange(0, 4), tl.zeros([4], dtype=tl.int32), mask=tl.arange(0, 4) < 3)
+
+
+_SCRATCH: dict[tuple, list] = {}  # (device, dtype, A rows) -> [int32 (ticket, flag, finished), X·A rows, zero them]
+
+
+def _scratch(device: torch.device, dtype: torch.dtype, n_a: int) -> tuple[Tensor, Tensor]:
+    """The cached sync counters and X·A buffer of this device, dtype and A-row count; allocated on first use. Allocated
+    during graph capture, the zeroing is a graph node that runs only on replay: an eager call before any replay
+    zeroes the counters itself. One launch at a time per device (every launch leaves them at zero)."""
+    key = (device, dtype, n_a)
+    entry = _SCRATCH.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if entry is None:
+        sync = torch.zeros(4, dtype=torch.int32, device=device)
+        entry = _SCRATCH[key] = [sync, torch.empty(max(n_a, 1), dtype=dtype, device=device), capturing]
+    elif entry[2] and not capturing:
+        entry[0].zero_()
+        entry[2] = False
+    return entry[0], entry[1]
 
 
 def usable(
@@ -251,24 +296,26 @@ def qkv_rope_store(
     if unknown:
         raise ValueError(f"qkv_rope_store: unknown modules {sorted(unknown)}; allowed q, k, v")
     x = h.reshape(-1).contiguous()
+    n_base = (n_q_heads + 2 * n_kv_heads) * head_dim
+    n_a = weight.shape[0] - n_base
     rank = next(iter(lora.values())).b.shape[-1] if lora else (lr_pool.shape[-1] if lr_pool is not None else 1)
+    has_a = bool(lora) or lr_pool is not None
     q_out = torch.empty((1, n_q_heads, head_dim), dtype=h.dtype, device=h.device)
-    dummy = LoraTerm(0, weight, 0.0)
+    sync, lr_buf = _scratch(h.device, weight.dtype, n_a) if has_a else (kv_slot, weight)
+    dummy = LoraTerm(n_base, weight, 0.0)
     tq, tk, tv = (lora.get(m, dummy) for m in "qkv")
     lrp = lr_pool if lr_pool is not None else k_pool
     lr_strides = (lrp.stride(0), lrp.stride(1)) if lr_pool is not None else (0, 0)
     a_v = v_lr_a_row if v_lr_a_row is not None else tv.a_row
-    grid = ((n_q_heads + 2 * n_kv_heads) * head_dim // (2 * HALF_BLOCK),)
+    grid = ((n_q_heads + 2 * n_kv_heads) * head_dim // (2 * HALF_BLOCK) + int(has_a),)
     _qkv_rope_store_kernel[grid](
-        x, norm_weight, weight, cos.reshape(-1), sin.reshape(-1), q_out, k_pool, v_pool, lrp, pos, kv_slot,
-        lr_slot, role, tq.b, tk.b, tv.b,
-        x.numel(), float(eps), n_q_heads, n_kv_heads, rank, tq.a_row, tk.a_row, a_v,
+        x, norm_weight, weight, cos.reshape(-1), sin.reshape(-1), q_out, k_pool, v_pool, lrp, lr_buf, sync, pos,
+        kv_slot, lr_slot, role, tq.b, tk.b, tv.b,
+        x.numel(), float(eps), n_q_heads, n_kv_heads, n_base, n_a, rank, tq.a_row, tk.a_row, a_v,
         float(tq.scaling), float(tk.scaling), float(tv.scaling), int("q" in lora), int("k" in lora), int("v" in lora),
-        int(lr_pool is not None),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         *lr_strides, tq.b.stride(0), tk.b.stride(0), tv.b.stride(0),
-        HEAD_D=head_dim, HB=HALF_BLOCK, BLOCK_K=BLOCK_K, R_PAD=max(2, triton.next_power_of_2(rank)),
-        LORA_Q="q" in lora, LORA_K="k" in lora, LORA_V="v" in lora, STORE_VLR=lr_pool is not None,
-        num_warps=NUM_WARPS,
+        HEAD_D=head_dim, HB=HALF_BLOCK, BLOCK_K=BLOCK_K, R_PAD=max(2, triton.next_power_of_2(rank)), HAS_A=has_a,
+        STORE_VLR=lr_pool is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return q_out

@@ -85,10 +85,12 @@ def _fused(c: dict, idx: dict, decomposed: bool) -> tuple[torch.Tensor, ...]:
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference in units of the last place of the larger magnitude."""
+    """Largest difference in units of the last place of each head vector's largest magnitude: RoPE mixes a vector's
+    two halves, so a last-unit difference of the GEMV's output (its summation order) moves an element near zero by
+    that vector's unit, not its own; a wrong pairing, rotation or LoRA term moves it by the vector's scale."""
     eps = torch.finfo(a.dtype).eps
     a, b = a.double(), b.double()
-    scale = torch.maximum(a.abs(), b.abs()).clamp_min(1e-3) * eps
+    scale = torch.maximum(a.abs(), b.abs()).amax(dim=-1, keepdim=True).clamp_min(1e-6) * eps
     return float(((a - b).abs() / scale).max())
 
 
@@ -114,11 +116,13 @@ def check(device: str, dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: in
 
 
 def test_one_launch_matches_the_path_it_replaces_under_the_interpreter():
-    """fp16 under TRITON_INTERPRET=1: LLaMA-like GQA (4 query heads a KV head, D 64: 2 programs per head) and a head dim
-    of 16 (one program per head), K past one K block (600), both cache kinds, two roles: exactly equal."""
+    """fp16 under TRITON_INTERPRET=1: LLaMA-like GQA (4 query heads a KV head, D 64: 4 programs per head), a head dim
+    of 16 (one program per head), rank 16 (32 A rows: the A program takes two blocks), K past one K block (600), both
+    cache kinds, two roles: exactly equal."""
     run_under_interpreter(
         "import torch, tests.test_fused_qkv_rope as t; "
-        "t.check('cpu', torch.float16, 8, 2, 64, 600, 8, 0); t.check('cpu', torch.float16, 3, 1, 16, 96, 4, 0)"
+        "t.check('cpu', torch.float16, 8, 2, 64, 600, 8, 0); t.check('cpu', torch.float16, 3, 1, 16, 96, 4, 0); "
+        "t.check('cpu', torch.float16, 4, 2, 32, 200, 16, 0)"
     )
 
 
@@ -126,9 +130,9 @@ def test_one_launch_matches_the_path_it_replaces_under_the_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("hq", "hkv", "d", "hidden", "r"), [(32, 8, 128, 4096, 8), (9, 3, 64, 576, 8)])
 def test_one_launch_matches_the_path_it_replaces_on_a_gpu(dtype, hq, hkv, d, hidden, r):
-    """LLaMA-3.1-8B and SmolLM2-135M shapes on a GPU: within one unit in the last place (the GEMV's sum may be
-    ordered differently from the norm GEMV's), usually exactly."""
-    check("cuda", dtype, hq, hkv, d, hidden, r, max_ulps=1.0)
+    """LLaMA-3.1-8B and SmolLM2-135M shapes on a GPU: within two units in the last place of each head vector (the
+    GEMV's sums, X·A's among them, may be ordered differently from the norm GEMV's)."""
+    check("cuda", dtype, hq, hkv, d, hidden, r, max_ulps=2.0)
 
 
 def test_the_switch_is_on_unless_set_to_0(monkeypatch):
