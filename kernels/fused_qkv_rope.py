@@ -9,13 +9,14 @@ also loses the two launches that applied v_proj's B (the role mask and its GEMM)
 
 How: the fused weight holds q's, k's and v's rows, head after head, then the adapters' shared ``A`` rows
 (:class:`~lragent.fused_weights.FusedGroup`). A program takes ``HB`` dims of each half of one head, so the pairs
-``(d, d + D/2)`` that RoPE mixes meet in one program. One more program multiplies the A rows (every adapter's ``X·A``;
-v_proj's is stored as V_lr in a decomposed cache) and raises a flag; the programs that add a LoRA B (q_proj's; k_proj's
-and v_proj's where adapted and the cache is not decomposed) wait for it after their own rows, then add
-``s · X·A · B_roleᵀ``. Programs take tickets as they start, and ticket 0 does the A rows, so the program the others wait
-for is one already running (no deadlock whatever order the GPU schedules them in); the last to finish sets the
-counters back to zero for the next launch or graph replay. Computing ``X·A`` in every q program instead cost 11 µs a
-layer on an H100 (the A tile in every program's loop), more than the RoPE kernel it saves. Each value goes through the
+``(d, d + D/2)`` that RoPE mixes meet in one program. One more program per 16 A rows multiplies them (every adapter's
+``X·A``; v_proj's is stored as V_lr in a decomposed cache) and counts itself into a flag; the programs that add a LoRA
+B (q_proj's; k_proj's and v_proj's where adapted and the cache is not decomposed) wait for the flag after their own
+rows, then add ``s · X·A · B_roleᵀ``. Programs take tickets as they start and the first tickets do the A rows, so the
+programs the others wait for are already running (no deadlock whatever order the GPU schedules them in); the last to
+finish sets the counters back to zero for the next launch or graph replay. Both kinds of program run one loop, so the
+kernel keeps the norm GEMV's registers (three programs an SM on an H100: one wave). Computing ``X·A`` in every q
+program instead cost 11 µs a layer on an H100, more than the RoPE kernel it saves. Each value goes through the
 roundings of the path it replaces (the GEMV's output rounded to the weight's dtype, the LoRA term added in float32 and
 rounded, RoPE's products rounded as torch rounds), so only the GEMV's summation order can differ from
 :func:`~kernels.fused_gemv.rms_norm_linear` followed by :func:`~kernels.fused_ops.rope_store`.
@@ -123,51 +124,56 @@ if triton is not None:
         n_in, eps, n_q_heads, n_kv_heads, n_base, n_a, rank, a_q, a_k, a_v, s_q, s_k, s_v, lora_q, lora_k, lora_v,
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
         stride_qbr, stride_kbr, stride_vbr,
-        HEAD_D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, HAS_A: tl.constexpr,
+        HEAD_D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, A_PROGS: tl.constexpr,
         STORE_VLR: tl.constexpr,
     ):  # fmt: skip
-        """Grid ((H_q + 2·H_kv) · D / (2·HB) + HAS_A,). With A rows, each program takes a ticket as it starts: ticket 0
-        multiplies the A rows (X·A of every adapter, into ``LRBUF``; v's into the V_lr cache) and raises the flag;
-        ticket t > 0 takes head ``(t - 1) // (D / 2HB)`` of q, then k, then v (their rows follow each other in W) and
-        dims ``blk·HB + [0, HB)`` of each half, ``blk = (t - 1) % (D / 2HB)``, and waits for the flag only where it
-        adds a LoRA B. Tickets rather than program ids: the program that others wait for is one already running."""
+        """Grid (A_PROGS + (H_q + 2·H_kv) · D / (2·HB),). Each program takes a ticket as it starts. Tickets below
+        ``A_PROGS`` multiply ``2·HB`` of the A rows each (every adapter's X·A, into ``LRBUF``; v's into the V_lr cache)
+        and count themselves into the flag; ticket ``A_PROGS + t`` takes head ``t // (D / 2HB)`` of q, then k, then v
+        (their rows follow each other in W) and dims ``blk·HB + [0, HB)`` of each half, ``blk = t % (D / 2HB)``, and
+        waits for the flag only where it adds a LoRA B. Tickets rather than program ids: the programs others wait for
+        are already running. One loop for both kinds keeps the registers of one (three programs an SM on an H100)."""
         HALF: tl.constexpr = HEAD_D // 2
         PER_HEAD: tl.constexpr = HALF // HB
         BLOCK_N: tl.constexpr = 2 * HB
         dt = W.dtype.element_ty
-        if HAS_A:
+        if A_PROGS > 0:
             ticket = tl.atomic_add(SYNC, 1, sem="relaxed", scope="gpu")  # SYNC: (ticket, flag, finished)
         else:
-            ticket = tl.program_id(0) + 1
-        inv = _norm_statistic(X, n_in, eps, BLOCK_K)
-        pos = tl.load(POS).to(tl.int64)
-        rr = tl.arange(0, R_PAD)
+            ticket = tl.program_id(0)
         i = tl.arange(0, BLOCK_N)
-        if ticket == 0:
-            for c0 in range(0, n_a, BLOCK_N):
-                ok = c0 + i < n_a
-                y = _normed_rows(X, NW, W, n_base + c0 + i, ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
-                tl.store(LRBUF + c0 + i, y, mask=ok)
-                if STORE_VLR:  # v_proj's X·A is the cache's V_lr
-                    lslot = tl.load(LR_SLOT).to(tl.int64)
-                    at = n_base + c0 + i - a_v
-                    dst = LRP + lslot * stride_lrs + pos * stride_lrl + at
-                    tl.store(dst, y, mask=ok & (at >= 0) & (at < rank))
+        is_a = ticket < A_PROGS
+        t = tl.maximum(ticket - A_PROGS, 0)
+        unit = t // PER_HEAD
+        blk = t % PER_HEAD
+        dims = (i // HB) * HALF + blk * HB + i % HB  # a head program's dims of its head: HB of each half
+        a_at = tl.minimum(ticket, A_PROGS - 1) * BLOCK_N + i  # an A program's rows, from the first A row
+        offs_n = tl.where(is_a, n_base + a_at, unit * HEAD_D + dims)
+        n_ok = tl.where(is_a, a_at < n_a, dims >= 0)
+        inv = _norm_statistic(X, n_in, eps, BLOCK_K)
+        y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+        pos = tl.load(POS).to(tl.int64)
+        if is_a:
+            tl.store(LRBUF + a_at, y, mask=n_ok)
+            if STORE_VLR:  # v_proj's X·A is the cache's V_lr
+                lslot = tl.load(LR_SLOT).to(tl.int64)
+                at = n_base + a_at - a_v
+                tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + at, y, mask=n_ok & (at >= 0) & (at < rank))
             tl.debug_barrier()  # every thread's stores precede the release
-            tl.atomic_xchg(SYNC + 1, 1, sem="release", scope="gpu")
+            tl.atomic_add(SYNC + 1, 1, sem="release", scope="gpu")
         else:
-            unit = (ticket - 1) // PER_HEAD
-            blk = (ticket - 1) % PER_HEAD
-            dims = (i // HB) * HALF + blk * HB + i % HB  # this program's dims of its head: HB of each half
-            y = _normed_rows(X, NW, W, unit * HEAD_D + dims, dims >= 0, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+            rr = tl.arange(0, R_PAD)
             is_q = unit < n_q_heads
             is_k = (unit >= n_q_heads) & (unit < n_q_heads + n_kv_heads)
             is_v = unit >= n_q_heads + n_kv_heads
             local = (unit - tl.where(is_q, 0, tl.where(is_k, n_q_heads, n_q_heads + n_kv_heads))) * HEAD_D + dims
             b_on = (is_q & (lora_q != 0)) | (is_k & (lora_k != 0)) | (is_v & (lora_v != 0))
             if b_on:
-                while tl.atomic_cas(SYNC + 1, 1, 1, sem="acquire", scope="gpu") != 1:
+                # wait for every A program: plain loads poll (they do not queue at the L2 as atomics do), then one
+                # acquire orders the X·A loads after the flag
+                while tl.load(SYNC + 1, volatile=True) < A_PROGS:
                     pass
+                tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
                 a_row = tl.where(is_q, a_q, tl.where(is_k, a_k, a_v))
                 lr = tl.load(LRBUF + a_row - n_base + rr, mask=rr < rank, other=0.0, cache_modifier=".cg")
                 role = tl.load(ROLE).to(tl.int64)
@@ -202,7 +208,7 @@ if triton is not None:
                     dst = KP + slot * stride_kps + (unit - n_q_heads) * stride_kph + pos * stride_kpl
                 tl.store(dst + d1, o1)
                 tl.store(dst + HALF + d1, o2)
-        if HAS_A:  # the last program to finish leaves (ticket, flag, finished) at zero for the next launch
+        if A_PROGS > 0:  # the last program to finish leaves (ticket, flag, finished) at zero for the next launch
             tl.debug_barrier()
             done = tl.atomic_add(SYNC + 2, 1, sem="acq_rel", scope="gpu")
             if done == tl.num_programs(0) - 1:
@@ -300,14 +306,15 @@ def qkv_rope_store(
     n_a = weight.shape[0] - n_base
     rank = next(iter(lora.values())).b.shape[-1] if lora else (lr_pool.shape[-1] if lr_pool is not None else 1)
     has_a = bool(lora) or lr_pool is not None
+    a_progs = -(-n_a // (2 * HALF_BLOCK)) if has_a else 0
     q_out = torch.empty((1, n_q_heads, head_dim), dtype=h.dtype, device=h.device)
-    sync, lr_buf = _scratch(h.device, weight.dtype, n_a) if has_a else (kv_slot, weight)
+    sync, lr_buf = _scratch(h.device, weight.dtype, n_a)
     dummy = LoraTerm(n_base, weight, 0.0)
     tq, tk, tv = (lora.get(m, dummy) for m in "qkv")
     lrp = lr_pool if lr_pool is not None else k_pool
     lr_strides = (lrp.stride(0), lrp.stride(1)) if lr_pool is not None else (0, 0)
     a_v = v_lr_a_row if v_lr_a_row is not None else tv.a_row
-    grid = ((n_q_heads + 2 * n_kv_heads) * head_dim // (2 * HALF_BLOCK) + int(has_a),)
+    grid = (a_progs + (n_q_heads + 2 * n_kv_heads) * head_dim // (2 * HALF_BLOCK),)
     _qkv_rope_store_kernel[grid](
         x, norm_weight, weight, cos.reshape(-1), sin.reshape(-1), q_out, k_pool, v_pool, lrp, lr_buf, sync, pos,
         kv_slot, lr_slot, role, tq.b, tk.b, tv.b,
@@ -315,7 +322,7 @@ def qkv_rope_store(
         float(tq.scaling), float(tk.scaling), float(tv.scaling), int("q" in lora), int("k" in lora), int("v" in lora),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         *lr_strides, tq.b.stride(0), tk.b.stride(0), tv.b.stride(0),
-        HEAD_D=head_dim, HB=HALF_BLOCK, BLOCK_K=BLOCK_K, R_PAD=max(2, triton.next_power_of_2(rank)), HAS_A=has_a,
+        HEAD_D=head_dim, HB=HALF_BLOCK, BLOCK_K=BLOCK_K, R_PAD=max(2, triton.next_power_of_2(rank)), A_PROGS=a_progs,
         STORE_VLR=lr_pool is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return q_out
