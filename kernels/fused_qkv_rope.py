@@ -56,6 +56,8 @@ HALF_BLOCK = 8
 
 BLOCK_K = 512
 NUM_WARPS = 8
+DEFERRED = True
+MAXNREG: int | None = None
 
 
 def qkv_rope_switch(value: str | None = None) -> int:
@@ -102,12 +104,16 @@ if triton is not None:
         return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
 
     @triton.jit
-    def _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """``Σ_k W[n, k] · xin[k]`` (float32, the sum over K deferred to after the loop) for the ``BLOCK_N`` rows
-        ``offs_n`` of W, ``xin`` the normed row rounded as the norm GEMV rounds it."""
+    def _normed_rows(
+        X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEFERRED: tl.constexpr
+    ):  # fmt: skip
+        """``Σ_k W[n, k] · xin[k]`` (float32) for the ``BLOCK_N`` rows ``offs_n`` of W, ``xin`` the normed row rounded
+        as the norm GEMV rounds it; ``DEFERRED``: the sum over K taken once after the loop (as the norm GEMV's one-row
+        launch), else tile by tile (fewer registers)."""
         ks = tl.arange(0, BLOCK_K)
         rows = tl.arange(0, 1)
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
             h = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
@@ -115,8 +121,13 @@ if triton is not None:
             nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
             xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
             w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * xin
-        return tl.sum(acc2, axis=1)
+            if DEFERRED:
+                acc2 += w.to(tl.float32) * xin
+            else:
+                acc += tl.sum(w.to(tl.float32) * xin, axis=1)
+        if DEFERRED:
+            acc = tl.sum(acc2, axis=1)
+        return acc
 
     @triton.jit
     def _qkv_rope_store_kernel(
@@ -125,7 +136,7 @@ if triton is not None:
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
         stride_qbr, stride_kbr, stride_vbr,
         HEAD_D: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr, A_PROGS: tl.constexpr,
-        STORE_VLR: tl.constexpr,
+        STORE_VLR: tl.constexpr, DEFERRED: tl.constexpr,
     ):  # fmt: skip
         """Grid (A_PROGS + (H_q + 2·H_kv) · D / (2·HB),). Each program takes a ticket as it starts. Tickets below
         ``A_PROGS`` multiply ``2·HB`` of the A rows each (every adapter's X·A, into ``LRBUF``; v's into the V_lr cache)
@@ -141,6 +152,7 @@ if triton is not None:
             ticket = tl.atomic_add(SYNC, 1, sem="relaxed", scope="gpu")  # SYNC: (ticket, flag, finished)
         else:
             ticket = tl.program_id(0)
+        inv = _norm_statistic(X, n_in, eps, BLOCK_K)  # needs no ticket: runs while the atomic is in flight
         i = tl.arange(0, BLOCK_N)
         is_a = ticket < A_PROGS
         t = tl.maximum(ticket - A_PROGS, 0)
@@ -150,9 +162,22 @@ if triton is not None:
         a_at = tl.minimum(ticket, A_PROGS - 1) * BLOCK_N + i  # an A program's rows, from the first A row
         offs_n = tl.where(is_a, n_base + a_at, unit * HEAD_D + dims)
         n_ok = tl.where(is_a, a_at < n_a, dims >= 0)
-        inv = _norm_statistic(X, n_in, eps, BLOCK_K)
-        y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+        # what a head program's epilogue reads but the A rows do not decide, loaded before the loop (latency hidden)
+        rr = tl.arange(0, R_PAD)
+        is_q = unit < n_q_heads
+        is_k = (unit >= n_q_heads) & (unit < n_q_heads + n_kv_heads)
+        is_v = unit >= n_q_heads + n_kv_heads
+        local = (unit - tl.where(is_q, 0, tl.where(is_k, n_q_heads, n_q_heads + n_kv_heads))) * HEAD_D + dims
+        b_on = ((is_q & (lora_q != 0)) | (is_k & (lora_k != 0)) | (is_v & (lora_v != 0))) & (ticket >= A_PROGS)
+        role = tl.load(ROLE).to(tl.int64)
+        bp = tl.where(is_q, QB + role * stride_qbr, tl.where(is_k, KB + role * stride_kbr, VB + role * stride_vbr))
+        b = tl.load(bp + local[:, None] * rank + rr[None, :], mask=rr[None, :] < tl.where(b_on, rank, 0), other=0.0)
+        scale = tl.where(is_q, s_q, tl.where(is_k, s_k, s_v))
+        d1 = blk * HB + tl.arange(0, HB)
+        c1, c2 = tl.load(COS + d1), tl.load(COS + HALF + d1)
+        s1, s2 = tl.load(SIN + d1), tl.load(SIN + HALF + d1)
         pos = tl.load(POS).to(tl.int64)
+        y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K, DEFERRED).to(dt)
         if is_a:
             tl.store(LRBUF + a_at, y, mask=n_ok)
             if STORE_VLR:  # v_proj's X·A is the cache's V_lr
@@ -162,12 +187,6 @@ if triton is not None:
             tl.debug_barrier()  # every thread's stores precede the release
             tl.atomic_add(SYNC + 1, 1, sem="release", scope="gpu")
         else:
-            rr = tl.arange(0, R_PAD)
-            is_q = unit < n_q_heads
-            is_k = (unit >= n_q_heads) & (unit < n_q_heads + n_kv_heads)
-            is_v = unit >= n_q_heads + n_kv_heads
-            local = (unit - tl.where(is_q, 0, tl.where(is_k, n_q_heads, n_q_heads + n_kv_heads))) * HEAD_D + dims
-            b_on = (is_q & (lora_q != 0)) | (is_k & (lora_k != 0)) | (is_v & (lora_v != 0))
             if b_on:
                 # wait for every A program: plain loads poll (they do not queue at the L2 as atomics do), then one
                 # acquire orders the X·A loads after the flag
@@ -176,16 +195,6 @@ if triton is not None:
                 tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")
                 a_row = tl.where(is_q, a_q, tl.where(is_k, a_k, a_v))
                 lr = tl.load(LRBUF + a_row - n_base + rr, mask=rr < rank, other=0.0, cache_modifier=".cg")
-                role = tl.load(ROLE).to(tl.int64)
-                bp = QB + role * stride_qbr
-                scale = s_q
-                if is_k:
-                    bp = KB + role * stride_kbr
-                    scale = s_k
-                if is_v:
-                    bp = VB + role * stride_vbr
-                    scale = s_v
-                b = tl.load(bp + local[:, None] * rank + rr[None, :], mask=(rr < rank)[None, :], other=0.0)
                 term = tl.sum(b.to(tl.float32) * lr.to(tl.float32)[None, :], axis=1)
                 y = (y.to(tl.float32) + scale * term).to(dt)  # as the GEMM epilogue or addmm it replaces rounds
             slot = tl.load(KV_SLOT).to(tl.int64)
@@ -198,10 +207,7 @@ if triton is not None:
                 half = tl.arange(0, 2)[:, None]
                 x1 = tl.sum(tl.where(half == 0, y2, 0.0), axis=0).to(dt)
                 x2 = tl.sum(tl.where(half == 1, y2, 0.0), axis=0).to(dt)
-                d1 = blk * HB + tl.arange(0, HB)
-                o1, o2 = _rope_half(
-                    x1, x2, tl.load(COS + d1), tl.load(COS + HALF + d1), tl.load(SIN + d1), tl.load(SIN + HALF + d1)
-                )
+                o1, o2 = _rope_half(x1, x2, c1, c2, s1, s2)
                 if is_q:
                     dst = QOUT + unit * HEAD_D
                 else:
@@ -323,6 +329,7 @@ def qkv_rope_store(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         *lr_strides, tq.b.stride(0), tk.b.stride(0), tv.b.stride(0),
         HEAD_D=head_dim, HB=HALF_BLOCK, BLOCK_K=BLOCK_K, R_PAD=max(2, triton.next_power_of_2(rank)), A_PROGS=a_progs,
-        STORE_VLR=lr_pool is not None, num_warps=NUM_WARPS,
+        STORE_VLR=lr_pool is not None, DEFERRED=DEFERRED, num_warps=NUM_WARPS,
+        **({"maxnreg": MAXNREG} if MAXNREG else {}),
     )  # fmt: skip
     return q_out
