@@ -127,13 +127,6 @@ def _fused_decode():
     return flash_lora_decode
 
 
-def _qkv_rope_switch() -> int:
-    """``LRAGENT_QKV_ROPE``: 1 (default) one-row decode steps run RoPE and the cache stores inside the q/k/v GEMV."""
-    from kernels.fused_qkv_rope import qkv_rope_switch
-
-    return qkv_rope_switch()
-
-
 def _fused_gemv_rows() -> int:
     """``LRAGENT_FUSED_GEMV``: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs."""
     from kernels.fused_gemv import fused_gemv_rows
@@ -262,7 +255,6 @@ class DecodeView:
         self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
         self.fused = self.kernel is not None if fused is None else fused
         self.norm_gemv_rows = _fused_gemv_rows() if self.fused else 0  # 0: the unfused norms and SiLU·mul
-        self.qkv_rope = _qkv_rope_switch() if self.norm_gemv_rows else 0  # RoPE and stores in the q/k/v GEMV
         if self.kernel is not None:  # int32 indices once per step, not per layer
             self.kv_lens32 = self.kv_lens.to(torch.int32)
             self.kv_slot32 = kv_slot.to(torch.int32)
@@ -290,33 +282,6 @@ class DecodeView:
             q_lora=ql,
         )  # fmt: skip
         return q_out[:, :, None]  # (B, H_q, 1, D)
-
-    def qkv_rope_store(
-        self,
-        layer: int,
-        h: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        heads: tuple[int, int, int],
-        rotary: tuple[torch.Tensor, torch.Tensor],
-        role: torch.Tensor,
-        lora: dict,
-        v_lr_a_row: int | None,
-    ) -> torch.Tensor:
-        """A one-row step's input norm, q/k/v GEMV, LoRA B, RoPE and cache stores in one launch
-        (:func:`kernels.fused_qkv_rope.qkv_rope_store`; ``heads`` is ``(H_q, H_kv, D)``, ``rotary`` cos/sin
-        ``(1, 1, D)``). Returns the rotated queries ``(1, H_q, 1, D)``."""
-        from kernels.fused_qkv_rope import qkv_rope_store
-
-        p = self.pool
-        cos, sin = (t.to(h.dtype) for t in rotary)
-        q = qkv_rope_store(
-            h, norm_weight, eps, weight, *heads, cos, sin, p.k[layer], p.v[layer],
-            p.v_lr[layer] if v_lr_a_row is not None else None, self.kv_slot, self.lr_slot, self.pos, role, lora,
-            v_lr_a_row,
-        )  # fmt: skip
-        return q[:, :, None]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
         p = self.pool

@@ -332,11 +332,7 @@ class DecoderEngine:
         if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
         mask = self.role_mask_for(view, role_ids, h) if fused else None
-        # a one-row decode step: the norm, q/k/v GEMV, LoRA B, RoPE and cache stores in one launch, or None
-        q = self._qkv_rope(index, h, layer, view, role_ids, rotary) if norm_in_qkv and not kv_only else None
-        if q is not None:
-            pass  # the queries are rotated and K, V (V_lr) are in the cache
-        elif write_kv and kv_from > 0:
+        if write_kv and kv_from > 0:
             v_lr = v_mod.lora_input(x, role_ids)  # (B, T, r): every position gets this role's V_lr
             view.sub(0, kv_from).store_lr(index, v_lr[:, :kv_from])
             xs = x[:, kv_from:]
@@ -411,51 +407,6 @@ class DecoderEngine:
         h = h + o
         x2 = layer.post_attention_layernorm(h)
         return h + self._mlp(layer, x2, role_ids, fused, mask)
-
-    def _qkv_rope(
-        self,
-        index: int,
-        h: torch.Tensor,
-        layer: nn.Module,
-        view: object,
-        role_ids: torch.Tensor | None,
-        rotary: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor | None:
-        """The rotated queries ``(1, H_q, 1, D)`` of a one-row decode step whose input norm, q/k/v GEMV, LoRA B, RoPE
-        and cache stores ran as one launch (:mod:`kernels.fused_qkv_rope`), or None (nothing done) where the view does
-        not ask for it (``LRAGENT_QKV_ROPE=0``, a prefill, several rows) or the layer is not one it takes: the fused
-        group must be exactly q, k, v with every adapter's A rows in it (:func:`_norm_gemv_ok` checked that)."""
-        if not getattr(view, "qkv_rope", 0) or h.numel() != h.shape[-1]:
-            return None
-        from kernels.fused_qkv_rope import LoraTerm, usable
-
-        attn = layer.self_attn
-        group = attn.__dict__.get("_lragent_qkv")
-        d = self.head_dim
-        if group.modules != [attn.q_proj, attn.k_proj, attn.v_proj] or group.sizes[0] % d or group.sizes[1] % d:
-            return None
-        n_q, n_kv = group.sizes[0] // d, group.sizes[1] // d
-        if group.sizes[2] != n_kv * d:
-            return None
-        lora: dict[str, LoraTerm] = {}
-        v_lr_row = None
-        for j, i in enumerate(group.lora):
-            m = group.modules[i]
-            if i == 2 and view.decomposed:
-                v_lr_row = group.a_offset(j)  # V_lr is cached; the attention applies v's B
-            else:
-                lora["qkv"[i]] = LoraTerm(group.a_offset(j), m.stacked_b(), m.scaling)
-        if view.decomposed and v_lr_row is None:
-            return None
-        if not usable(h, group.weight, n_q, n_kv, d, lora):
-            return None
-        if group.lora and not (h.is_cuda and torch.cuda.is_current_stream_capturing()):
-            group.refresh()  # eager: the A rows follow the adapters (graph replays: the engine refreshes them)
-        roles = _roles(role_ids, 1, h.device)
-        norm = layer.input_layernorm
-        return view.qkv_rope_store(
-            index, h, norm.weight, norm.variance_epsilon, group.weight, (n_q, n_kv, d), rotary, roles, lora, v_lr_row
-        )
 
     @staticmethod
     def _norm(norm: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
