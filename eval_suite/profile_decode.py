@@ -134,10 +134,11 @@ def kernel_class(name: str) -> str:
     n = name.lower()
     if "flash_lora" in n or "flash" in n and "attn" in n or "fmha" in n:
         return "attention kernel"
-    if any(k in n for k in ("rms_norm", "rope_store", "silu_mul")):
-        return "norms/RoPE/SiLU"
+    # before the norms: a GEMV with the norm or SiLU inside (kernels.fused_gemv) is bound by its weight's bytes
     if any(k in n for k in ("gemv", "gemm", "cutlass", "xmma", "sm90", "sm80", "cublas", "splitk")):
         return "GEMV/GEMM (base, LoRA and LM head)"
+    if any(k in n for k in ("rms_norm", "rope_store", "silu_mul")):
+        return "norms/RoPE/SiLU"
     if any(k in n for k in ("sort", "scan", "cumsum", "argmax", "softmax")):
         return "sampling"
     return "other (embedding, adds, bookkeeping)"
