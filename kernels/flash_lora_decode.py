@@ -421,8 +421,8 @@ if triton is not None:
 
     @triton.jit
     def _flash_lora_decode_kernel(
-        Q, K, V, VLR, LB, KVLEN, ROLE, KVSLOT, LRSLOT, OUT, WS, CNT,
-        stride_qb, stride_qh,
+        Q, K, V, VLR, LB, KVLEN, ROLE, KVSLOT, LRSLOT, OUT, WS, CNT, QADD,
+        stride_qb, stride_qh, stride_qab,
         stride_ks, stride_kh, stride_kl,
         stride_vs, stride_vh, stride_vl,
         stride_lrs, stride_lrl, stride_lrr,
@@ -433,6 +433,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
         N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, S_CHUNK: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_ROLE: tl.constexpr, HAS_KVSLOT: tl.constexpr, HAS_LRSLOT: tl.constexpr,
+        HAS_QADD: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * Hkv * ROW_BLOCKS, N_SPLITS): program (pid, s) runs split s of row b, KV head g, row block rb.
 
@@ -468,6 +469,9 @@ if triton is not None:
             offs_d = tl.arange(0, HEAD_DIM)
             q_ptrs = Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
+            if HAS_QADD:  # a float32 term the step that made q left to add (q_proj's rotated LoRA term)
+                qa_ptrs = QADD + b64 * stride_qab + head[:, None] * HEAD_DIM + offs_d[None, :]
+                q = (q.to(tl.float32) + tl.load(qa_ptrs, mask=row_ok[:, None], other=0.0)).to(q.dtype)
             k_ptr = K + kv_row * stride_ks + g64 * stride_kh
             v_ptr = V + kv_row * stride_vs + g64 * stride_vh
             lr_ptr = VLR + lr_row * stride_lrs
@@ -591,6 +595,7 @@ def _launch_decode(
     lr_slot: Tensor | None,
     out: Tensor,
     plan: _DecodePlan,
+    q_add: Tensor | None = None,
 ) -> Tensor:
     """Run the decode kernel: one launch, grid (B * Hkv * row_blocks, n_splits). Inputs are validated."""
     bsz, hq, d = q.shape
@@ -602,15 +607,16 @@ def _launch_decode(
     _flash_lora_decode_kernel[(n_programs, plan.n_splits)](
         q, k_cache, v_cache, v_lr_cache if has_lora else out, lora_b if has_lora else out, kv_lens,
         role_ids if role_ids is not None else kv_lens, kv_slot if kv_slot is not None else kv_lens,
-        lr_slot if lr_slot is not None else kv_lens, out, ws, cnt,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        lr_slot if lr_slot is not None else kv_lens, out, ws, cnt, q_add if q_add is not None else out,
+        q.stride(0), q.stride(1), q_add.stride(0) if q_add is not None else 0, *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
         *(v_lr_cache.stride() if has_lora else (0, 0, 0)), *(lora_b.stride() if has_lora else (0, 0, 0, 0)),
         out.stride(0), out.stride(1), 1.4426950408889634 / math.sqrt(d), float(scaling), cap, rank,
         N_KV_HEADS=hkv, GROUP=hq // hkv, HEAD_DIM=d, R_PAD=max(8, _next_pow2(rank)) if has_lora else 8,
         BLOCK_M=plan.block_m, ROWS=plan.rows, ROW_BLOCKS=plan.row_blocks, BLOCK_N=plan.block_n,
         N_SPLITS=plan.n_splits, MIN_SPLIT=plan.min_split, S_CHUNK=plan.s_chunk, HAS_LORA=has_lora,
         HAS_ROLE=has_lora and role_ids is not None, HAS_KVSLOT=kv_slot is not None, HAS_LRSLOT=lr_slot is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        HAS_QADD=q_add is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out
 
@@ -647,6 +653,7 @@ def flash_lora_decode(
     kv_slot: Tensor | None = None,
     lr_slot: Tensor | None = None,
     out: Tensor | None = None,
+    q_add: Tensor | None = None,
 ) -> Tensor:
     """One decode step of a batch of rows over a static cache: ``p·V + ((p·V_lr)·B_role)·s`` per query head.
 
@@ -668,6 +675,8 @@ def flash_lora_decode(
         kv_slot: (B,) integer slot of k_cache / v_cache that row b reads; default arange(B).
         lr_slot: (B,) integer slot of v_lr_cache that row b reads; default kv_slot.
         out: (B, Hq, D) preallocated output (q's dtype; last dim contiguous); written and returned.
+        q_add: (B, Hq, D) float32, contiguous, added to q (then rounded to q's dtype) before the attention: the rotated
+            q_proj LoRA term of a step whose q/k/v GEMV rotated only q's base part (``kernels.fused_qkv_rope``).
 
     Returns:
         (B, Hq, D) tensor in q's dtype (``out`` when given).
@@ -677,7 +686,15 @@ def flash_lora_decode(
     """
     fn = "flash_lora_decode"
     _check_decode_inputs(fn, q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot, out)
+    if q_add is not None:
+        ok = isinstance(q_add, Tensor) and q_add.shape == q.shape and q_add.dtype == torch.float32
+        if not ok or q_add.device != q.device or not q_add.is_contiguous():
+            what = f"{tuple(q_add.shape)} {q_add.dtype} on {q_add.device}" if isinstance(q_add, Tensor) else q_add
+            raise ValueError(f"{fn}: q_add must be a contiguous float32 tensor of q's shape {tuple(q.shape)} on "
+                             f"{q.device}, got {what}")  # fmt: skip
     why = _kernel_unsupported(q, k_cache, v_lr_cache)
+    if why is not None and q_add is not None:
+        q = (q.float() + q_add).to(q.dtype)
     if why is not None:
         if why not in _FALLBACK_LOGGED:
             _FALLBACK_LOGGED.add(why)
@@ -700,5 +717,5 @@ def flash_lora_decode(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return _launch_decode(
-        q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot, out, plan
+        q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot, out, plan, q_add
     )

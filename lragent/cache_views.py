@@ -127,6 +127,13 @@ def _fused_decode():
     return flash_lora_decode
 
 
+def _qkv_rope_switch() -> int:
+    """``LRAGENT_QKV_ROPE``: 1 (default) one-row decode steps run RoPE and the cache stores inside the q/k/v GEMV."""
+    from kernels.fused_qkv_rope import qkv_rope_switch
+
+    return qkv_rope_switch()
+
+
 def _fused_gemv_rows() -> int:
     """``LRAGENT_FUSED_GEMV``: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs."""
     from kernels.fused_gemv import fused_gemv_rows
@@ -255,6 +262,7 @@ class DecodeView:
         self.kernel = kernel if kernel is not None and pool.dtype in (torch.float16, torch.bfloat16) else None
         self.fused = self.kernel is not None if fused is None else fused
         self.norm_gemv_rows = _fused_gemv_rows() if self.fused else 0  # 0: the unfused norms and SiLU·mul
+        self.qkv_rope = _qkv_rope_switch() if self.norm_gemv_rows else 0  # RoPE and stores in the q/k/v GEMV
         if self.kernel is not None:  # int32 indices once per step, not per layer
             self.kv_lens32 = self.kv_lens.to(torch.int32)
             self.kv_slot32 = kv_slot.to(torch.int32)
@@ -283,6 +291,31 @@ class DecodeView:
         )  # fmt: skip
         return q_out[:, :, None]  # (B, H_q, 1, D)
 
+    def qkv_rope_store(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        heads: tuple[int, int, int],
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        v_a_row: int,
+        q_lora: tuple | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A one-row step's input norm, q/k/v GEMV, RoPE and cache stores in one launch
+        (:func:`kernels.fused_qkv_rope.qkv_rope_store`; ``heads`` is ``(H_q, H_kv, D)``, ``rotary`` cos/sin
+        ``(1, 1, D)``). Returns the rotated base queries ``(1, H_q, 1, D)`` and q's rotated LoRA term (or None)."""
+        from kernels.fused_qkv_rope import qkv_rope_store
+
+        p = self.pool
+        cos, sin = (t.to(h.dtype) for t in rotary)
+        q, q_add = qkv_rope_store(
+            h, norm_weight, eps, weight, *heads, cos, sin, p.k[layer], p.v[layer], p.v_lr[layer], self.kv_slot,
+            self.lr_slot, self.pos, v_a_row, q_lora,
+        )  # fmt: skip
+        return q[:, :, None], q_add
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
         p = self.pool
         p.k[layer][self.kv_slot, :, self.pos] = k[:, :, 0]
@@ -298,8 +331,16 @@ class DecodeView:
             self.pool.hidden[layer][self.hidden_slot, self.pos] = h[:, 0]
 
     def attend(
-        self, layer: int, q: torch.Tensor, lora_b: torch.Tensor | None, scaling: float, role_ids: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        lora_b: torch.Tensor | None,
+        scaling: float,
+        role_ids: torch.Tensor,
+        q_add: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``q_add``: ``(B, H_q, D)`` float32 added to the queries first (q's rotated LoRA term of a one-launch
+        q/k/v step, :meth:`qkv_rope_store`)."""
         p = self.pool
         q1 = q[:, :, 0]  # (B, H_q, D)
         if self.kernel is not None:
@@ -316,8 +357,11 @@ class DecodeView:
                 role_ids=role_ids,
                 kv_slot=self.kv_slot32,
                 lr_slot=self.lr_slot32,
+                q_add=q_add,
             )
             return out[:, :, None]
+        if q_add is not None:
+            q1 = (q1.float() + q_add).to(q1.dtype)
         n = self.max_len
         k = p.k[layer][:, :, :n][self.kv_slot]  # (B, H_kv, n, D)
         v = p.v[layer][:, :, :n][self.kv_slot]

@@ -332,7 +332,13 @@ class DecoderEngine:
         if not write_kv and not low_rank:
             raise ValueError("write_kv=False needs a decomposed cache and a LoRA on v_proj")
         mask = self.role_mask_for(view, role_ids, h) if fused else None
-        if write_kv and kv_from > 0:
+        # a one-row decode step: norm, q/k/v GEMV, RoPE and cache stores in one launch; q's LoRA term then rides
+        # along to the attention (q_add)
+        q_add = None
+        one_launch = self._qkv_rope(index, h, layer, view, role_ids, rotary) if norm_in_qkv and not kv_only else None
+        if one_launch is not None:
+            q, q_add = one_launch
+        elif write_kv and kv_from > 0:
             v_lr = v_mod.lora_input(x, role_ids)  # (B, T, r): every position gets this role's V_lr
             view.sub(0, kv_from).store_lr(index, v_lr[:, :kv_from])
             xs = x[:, kv_from:]
@@ -382,7 +388,10 @@ class DecoderEngine:
             q = apply_rope(_proj(attn.q_proj, x, role_ids).view(b, t, -1, self.head_dim).transpose(1, 2), cos, sin)
         if role_ids is None:
             role_ids = torch.zeros(b, dtype=torch.long, device=h.device)
-        o = view.attend(index, q, v_mod.stacked_b() if low_rank else None, v_mod.scaling if low_rank else 1.0, role_ids)
+        extra = {} if q_add is None else {"q_add": q_add}
+        o = view.attend(
+            index, q, v_mod.stacked_b() if low_rank else None, v_mod.scaling if low_rank else 1.0, role_ids, **extra
+        )
         o = o.transpose(1, 2).reshape(b, t, -1)
         if _plain_gemv_ok(view, attn.o_proj, o):
             from kernels.fused_gemv import gemv
@@ -407,6 +416,49 @@ class DecoderEngine:
         h = h + o
         x2 = layer.post_attention_layernorm(h)
         return h + self._mlp(layer, x2, role_ids, fused, mask)
+
+    def _qkv_rope(
+        self,
+        index: int,
+        h: torch.Tensor,
+        layer: nn.Module,
+        view: object,
+        role_ids: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A one-row decode step's input norm, q/k/v GEMV, RoPE and cache stores as one launch
+        (:mod:`kernels.fused_qkv_rope`): returns the rotated base queries ``(1, H_q, 1, D)`` and q's rotated LoRA
+        term ``(1, H_q, D)`` float32 for the attention to add (None without a q adapter); or None (nothing done) where
+        the view does not ask for it (``LRAGENT_QKV_ROPE=0``, a prefill, several rows, a full cache) or the layer is
+        not one it takes (the fused group exactly q, k, v; adapters on v and optionally q, of the cache's rank)."""
+        if not getattr(view, "qkv_rope", 0) or not view.decomposed or h.numel() != h.shape[-1]:
+            return None
+        from kernels.fused_qkv_rope import usable
+
+        attn = layer.self_attn
+        group = attn.__dict__.get("_lragent_qkv")
+        d = self.head_dim
+        if group.modules != [attn.q_proj, attn.k_proj, attn.v_proj] or group.sizes[0] % d or group.sizes[1] % d:
+            return None
+        n_q, n_kv = group.sizes[0] // d, group.sizes[1] // d
+        rank = view.pool.v_lr[index].shape[-1]
+        a_rows = {i: group.a_offset(j) for j, i in enumerate(group.lora)}
+        if group.sizes[2] != n_kv * d or 2 not in a_rows or 1 in a_rows or group.modules[2].rank != rank:
+            return None
+        q_mod = group.modules[0]
+        if 0 in a_rows and q_mod.rank != rank:
+            return None
+        if not usable(h, group.weight, n_q, n_kv, d, rank):
+            return None
+        if group.lora and not (h.is_cuda and torch.cuda.is_current_stream_capturing()):
+            group.refresh()  # eager: the A rows follow the adapters (graph replays: the engine refreshes them)
+        q_lora = None
+        if 0 in a_rows:
+            q_lora = (a_rows[0], q_mod.stacked_b(), q_mod.scaling, _roles(role_ids, 1, h.device))
+        norm = layer.input_layernorm
+        return view.qkv_rope_store(
+            index, h, norm.weight, norm.variance_epsilon, group.weight, (n_q, n_kv, d), rotary, a_rows[2], q_lora
+        )
 
     @staticmethod
     def _norm(norm: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:

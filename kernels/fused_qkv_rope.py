@@ -1,0 +1,253 @@
+"""The q/k/v GEMV of a one-row decode step with its RMSNorm before it and RoPE and the cache stores after it.
+
+Why: at batch 1 an 8B decode step is a chain of latency-bound launches. After the norms moved into the GEMVs
+(:mod:`kernels.fused_gemv`), every layer still ran the q/k/v GEMV, then a RoPE-and-store kernel
+(:func:`kernels.fused_ops.rope_store`: 4 µs on an H100, plus a graph node's gap before the attention) that reads the
+GEMV's output back, adds q's LoRA term, rotates q and k and writes k, v and V_lr into the cache. Here the GEMV's
+programs do that work on the outputs they hold: one launch and one graph node fewer per layer.
+
+How: the fused weight holds q's, k's and v's rows, head after head, then the adapters' shared ``A`` rows
+(:class:`~lragent.fused_weights.FusedGroup`). A head program takes ``HB`` dims of each half of one head, so the pairs
+``(d, d + D/2)`` that RoPE mixes meet in one program; it rotates q's base part (or k, stored into the cache) or stores
+v. q's LoRA term needs ``X·A_q``, which other rows of the GEMV produce: waiting for them inside the launch cost as much
+as the kernel it saves (``results/engine_h100/qkv_rope_2026-11-28``). Instead a few more programs each multiply the
+``A_q`` rows themselves and compute the term for ``HPP`` heads, rotated (RoPE is linear:
+``RoPE(q + s·X·A·Bᵀ) = RoPE(q) + s·X·A·RoPE(B)ᵀ``), into a float32 buffer that the decode attention adds to q as it
+loads it (:func:`kernels.flash_lora_decode.flash_lora_decode`'s ``q_add``). One more program multiplies v's ``A`` rows
+into the V_lr cache. Nobody waits for anybody. Rounding: k, v and V_lr are bit for bit what the replaced path writes
+(up to the GEMV's summation order); q is ``RoPE(q_base) + RoPE(term)`` rounded once where the replaced path rounded
+``q_base + term`` and then each RoPE product: a last-place difference.
+
+Limits: one row (batch-1 decode), a decomposed cache (``base_lr_shared``: v's B is the attention's; a full cache needs
+v's B added before v is stored), CUDA fp16/bf16 or ``TRITON_INTERPRET=1``, head dim a power of two of at least
+``2 · HB``, LoRA rank at most ``2 · HB``, only q and v adapted; :func:`usable` says whether a call may take it (the
+decoder keeps the unfused path otherwise). ``LRAGENT_QKV_ROPE=0`` switches it off (``bench decode --plans '["",
+"qkv_rope=0"]'`` times both).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from kernels.device_guard import on_tensor_device
+from kernels.fused_ops import kernels_usable
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.fused_ops import _rope_half
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+SWITCH_ENV = "LRAGENT_QKV_ROPE"
+"""1 (default): one-row decode steps take :func:`qkv_rope_store`; 0: the q/k/v GEMV then the RoPE-and-store kernel."""
+
+HALF_BLOCK = 8
+"""Dims a head program takes from each half of a head: 16 outputs a program, as the norm GEMV's measured launch."""
+
+HEADS_PER_TERM_PROGRAM = 4
+"""Query heads whose LoRA term one program computes (8 programs for 32 heads)."""
+
+BLOCK_K = 512
+NUM_WARPS = 8
+
+
+def qkv_rope_switch(value: str | None = None) -> int:
+    """``LRAGENT_QKV_ROPE`` (or ``value``): 1 on (unset or empty too), 0 off.
+
+    Raises:
+        ValueError: anything else, named with what is allowed.
+    """
+    raw = (os.environ.get(SWITCH_ENV, "") if value is None else value).strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(
+            f"{SWITCH_ENV}={raw!r}: allowed 0 (off) or 1 (on: RoPE and the cache stores in the q/k/v GEMV)"
+        )
+    return int(raw)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_statistic(X, n_in, eps, BLOCK_K: tl.constexpr):
+        """``1 / sqrt(mean(h²) + eps)`` of the one row ``X``, ``(1,)``, as ``_rms_norm_gemv_kernel`` computes it."""
+        ks = tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, 1)
+        sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = k0 + ks < n_in
+            hf = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
+            sq += hf * hf
+        return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
+
+    @triton.jit
+    def _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``Σ_k W[n, k] · xin[k]`` (float32, the sum over K taken once after the loop, as the norm GEMV's one-row
+        launch) for the ``BLOCK_N`` rows ``offs_n`` of W, ``xin`` the normed row rounded as the norm GEMV rounds it."""
+        ks = tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, 1)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            k_ok = k0 + ks < n_in
+            h = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
+            normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
+            nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
+            xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
+            w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * xin
+        return tl.sum(acc2, axis=1)
+
+    @triton.jit
+    def _qkv_rope_store_kernel(
+        X, NW, W, COS, SIN, QOUT, QADD, KP, VP, LRP, POS, KV_SLOT, LR_SLOT, ROLE, QB,
+        n_in, eps, n_q_heads, n_kv_heads, rank, a_q, a_v, s_q, n_term,
+        stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl, stride_qbr,
+        HEAD_D: tl.constexpr, HB: tl.constexpr, HPP: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (1 + n_term + (H_q + 2·H_kv) · D / (2·HB),): program 0 multiplies v's A rows into the V_lr cache;
+        programs 1..n_term multiply q's A rows and write q's rotated LoRA term of ``HPP`` heads each into ``QADD``
+        (n_term = 0: q has no adapter); program ``1 + n_term + t`` takes head ``t // (D / 2HB)`` of q, then k, then v
+        (their rows follow each other in W) and dims ``blk·HB + [0, HB)`` of each half, ``blk = t % (D / 2HB)``."""
+        HALF: tl.constexpr = HEAD_D // 2
+        PER_HEAD: tl.constexpr = HALF // HB
+        BLOCK_N: tl.constexpr = 2 * HB
+        dt = W.dtype.element_ty
+        pid = tl.program_id(0)
+        i = tl.arange(0, BLOCK_N)
+        is_vlr = pid == 0
+        is_term = (pid >= 1) & (pid < 1 + n_term)
+        t = tl.maximum(pid - 1 - n_term, 0)
+        unit = t // PER_HEAD
+        blk = t % PER_HEAD
+        dims = (i // HB) * HALF + blk * HB + i % HB  # a head program's dims of its head: HB of each half
+        offs_n = tl.where(is_vlr, a_v + i, tl.where(is_term, a_q + i, unit * HEAD_D + dims))
+        n_ok = tl.where(is_vlr | is_term, i < rank, dims >= 0)
+        inv = _norm_statistic(X, n_in, eps, BLOCK_K)
+        y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+        pos = tl.load(POS).to(tl.int64)
+        if is_vlr:  # v_proj's X·A is the cache's V_lr
+            lslot = tl.load(LR_SLOT).to(tl.int64)
+            tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + i, y, mask=i < rank)
+        elif is_term:
+            # s · X·A_q · B_roleᵀ for HPP heads, both halves, rotated in float32
+            heads = (pid - 1) * HPP + tl.arange(0, HPP)
+            h_ok = heads < n_q_heads
+            jj = tl.arange(0, HALF)
+            role = tl.load(ROLE).to(tl.int64)
+            lr = y.to(tl.float32)  # X·A rounded as the GEMV stores it; zero past the rank
+            bp = (
+                QB + role * stride_qbr + ((heads[:, None] * HEAD_D + jj[None, :]) * rank)[:, :, None] + i[None, None, :]
+            )
+            m3 = h_ok[:, None, None] & (i < rank)[None, None, :]
+            t1 = tl.sum(tl.load(bp, mask=m3, other=0.0).to(tl.float32) * lr[None, None, :], axis=2) * s_q
+            t2 = tl.sum(tl.load(bp + HALF * rank, mask=m3, other=0.0).to(tl.float32) * lr[None, None, :], axis=2) * s_q
+            c1 = tl.load(COS + jj).to(tl.float32)[None, :]
+            c2 = tl.load(COS + HALF + jj).to(tl.float32)[None, :]
+            s1 = tl.load(SIN + jj).to(tl.float32)[None, :]
+            s2 = tl.load(SIN + HALF + jj).to(tl.float32)[None, :]
+            dst = QADD + heads[:, None] * HEAD_D + jj[None, :]
+            tl.store(dst, t1 * c1 - t2 * s1, mask=h_ok[:, None])
+            tl.store(dst + HALF, t2 * c2 + t1 * s2, mask=h_ok[:, None])
+        else:
+            slot = tl.load(KV_SLOT).to(tl.int64)
+            if unit >= n_q_heads + n_kv_heads:
+                g = unit - n_q_heads - n_kv_heads
+                tl.store(VP + slot * stride_vps + g * stride_vph + pos * stride_vpl + dims, y)
+            else:
+                # the two halves apart (a select and a sum over 2: exact), rotated, stored where they belong
+                y2 = tl.reshape(y.to(tl.float32), (2, HB))
+                half = tl.arange(0, 2)[:, None]
+                x1 = tl.sum(tl.where(half == 0, y2, 0.0), axis=0).to(dt)
+                x2 = tl.sum(tl.where(half == 1, y2, 0.0), axis=0).to(dt)
+                d1 = blk * HB + tl.arange(0, HB)
+                o1, o2 = _rope_half(
+                    x1, x2, tl.load(COS + d1), tl.load(COS + HALF + d1), tl.load(SIN + d1), tl.load(SIN + HALF + d1)
+                )
+                if unit < n_q_heads:
+                    dst = QOUT + unit * HEAD_D
+                else:
+                    dst = KP + slot * stride_kps + (unit - n_q_heads) * stride_kph + pos * stride_kpl
+                tl.store(dst + d1, o1)
+                tl.store(dst + HALF + d1, o2)
+
+
+def usable(h: Tensor, weight: Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int, rank: int) -> bool:
+    """Whether :func:`qkv_rope_store` takes this call: one row on a device the kernels run on, the fused weight's
+    dtype, a head dim it can split (a power of two, at least two blocks of :data:`HALF_BLOCK`), a rank of at most
+    ``2 · HALF_BLOCK``, and q/k/v rows that fill the start of the weight."""
+    if not kernels_usable(h) or h.numel() != h.shape[-1] or weight.dtype != h.dtype or not weight.is_contiguous():
+        return False
+    if head_dim < 2 * HALF_BLOCK or head_dim & (head_dim - 1) or weight.shape[1] != h.shape[-1]:
+        return False
+    return 1 <= rank <= 2 * HALF_BLOCK and weight.shape[0] >= (n_q_heads + 2 * n_kv_heads) * head_dim + rank
+
+
+@on_tensor_device
+def qkv_rope_store(
+    h: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    cos: Tensor,
+    sin: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    lr_pool: Tensor,
+    kv_slot: Tensor,
+    lr_slot: Tensor,
+    pos: Tensor,
+    v_a_row: int,
+    q_lora: tuple[int, Tensor, float, Tensor] | None,
+) -> tuple[Tensor, Tensor | None]:
+    """One launch: ``y = rms_norm(h) @ Wᵀ`` for q/k/v, RoPE on q's base part and on k, k and v written into the pools
+    at the row's slot and position, v_proj's ``X·A`` into ``lr_pool``, and q_proj's LoRA term rotated into a float32
+    buffer for the attention to add.
+
+    Args:
+        h: ``(1, hidden)`` (any shape of one row) the residual stream entering the layer.
+        norm_weight: ``(hidden,)`` the input RMSNorm's weight; ``eps`` its epsilon.
+        weight: ``(H_q·D + 2·H_kv·D + Σ r, hidden)`` the fused q/k/v weight with its ``A`` rows.
+        n_q_heads: H_q; ``n_kv_heads`` H_kv; ``head_dim`` D.
+        cos: ``(D,)`` (any shape of D values) and ``sin``: the row's position's RoPE table, in h's dtype.
+        k_pool: ``(S, H_kv, C, D)``; ``v_pool`` the same (V_base).
+        lr_pool: ``(S_lr, C, r)`` the V_lr pool.
+        kv_slot: ``(1,)`` the row's slot; ``lr_slot`` ``(1,)`` its V_lr slot; ``pos`` ``(1,)`` its position.
+        v_a_row: first row of v_proj's ``A`` in ``weight``.
+        q_lora: ``(a_row, b, s, role)``: q_proj's first ``A`` row, every role's B ``(n_roles, H_q·D, r)`` (contiguous,
+            the weight's dtype), its scaling and the row's role ``(1,)``; None: q has no adapter.
+
+    Returns:
+        ``(q, q_add)``: ``(1, H_q, D)`` the rotated base queries and ``(1, H_q, D)`` float32 their rotated LoRA term
+        (None without ``q_lora``), which :func:`~kernels.flash_lora_decode.flash_lora_decode` adds.
+
+    Raises:
+        ValueError: a call :func:`usable` refuses.
+    """
+    rank = lr_pool.shape[-1]
+    if not usable(h, weight, n_q_heads, n_kv_heads, head_dim, rank):
+        raise ValueError("qkv_rope_store: this call is not one it takes (see kernels.fused_qkv_rope.usable)")
+    if q_lora is not None and (q_lora[1].shape[-1] != rank or not q_lora[1].is_contiguous()):
+        raise ValueError(f"qkv_rope_store: q's B must be contiguous of rank {rank}, got {tuple(q_lora[1].shape)}")
+    x = h.reshape(-1).contiguous()
+    q_out = torch.empty((1, n_q_heads, head_dim), dtype=h.dtype, device=h.device)
+    q_add = torch.empty((1, n_q_heads, head_dim), dtype=torch.float32, device=h.device) if q_lora else None
+    a_q, b_q, s_q, role = q_lora if q_lora is not None else (v_a_row, weight, 0.0, kv_slot)
+    n_term = -(-n_q_heads // HEADS_PER_TERM_PROGRAM) if q_lora is not None else 0
+    grid = (1 + n_term + (n_q_heads + 2 * n_kv_heads) * head_dim // (2 * HALF_BLOCK),)
+    _qkv_rope_store_kernel[grid](
+        x, norm_weight, weight, cos.reshape(-1), sin.reshape(-1), q_out, q_add if q_add is not None else q_out,
+        k_pool, v_pool, lr_pool, pos, kv_slot, lr_slot, role, b_q,
+        x.numel(), float(eps), n_q_heads, n_kv_heads, rank, a_q, v_a_row, float(s_q), n_term,
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        lr_pool.stride(0), lr_pool.stride(1), b_q.stride(0),
+        HEAD_D=head_dim, HB=HALF_BLOCK, HPP=HEADS_PER_TERM_PROGRAM, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return q_out, q_add
