@@ -107,7 +107,7 @@ if triton is not None:
         X, NW, W, COS, SIN, QOUT, QADD, KP, VP, LRP, POS, KV_SLOT, LR_SLOT, ROLE, QB,
         n_in, eps, n_q_heads, n_kv_heads, rank, a_q, a_v, s_q, n_term,
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl, stride_qbr,
-        HEAD_D: tl.constexpr, HB: tl.constexpr, HPP: tl.constexpr, BLOCK_K: tl.constexpr,
+        HEAD_D: tl.constexpr, HB: tl.constexpr, HPP: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
     ):  # fmt: skip
         """Grid (1 + n_term + (H_q + 2·H_kv) · D / (2·HB),): program 0 multiplies v's A rows into the V_lr cache;
         programs 1..n_term multiply q's A rows and write q's rotated LoRA term of ``HPP`` heads each into ``QADD``
@@ -139,11 +139,13 @@ if triton is not None:
             h_ok = heads < n_q_heads
             jj = tl.arange(0, HALF)
             role = tl.load(ROLE).to(tl.int64)
-            lr = y.to(tl.float32)  # X·A rounded as the GEMV stores it; zero past the rank
-            bp = (
-                QB + role * stride_qbr + ((heads[:, None] * HEAD_D + jj[None, :]) * rank)[:, :, None] + i[None, None, :]
-            )
-            m3 = h_ok[:, None, None] & (i < rank)[None, None, :]
+            # X·A rounded as the GEMV stores it, its first R_PAD entries (zero past the rank; a select and a sum)
+            y2 = tl.reshape(y.to(tl.float32), (BLOCK_N // R_PAD, R_PAD))
+            lr = tl.sum(tl.where(tl.arange(0, BLOCK_N // R_PAD)[:, None] == 0, y2, 0.0), axis=0)
+            rr = tl.arange(0, R_PAD)
+            out_row = heads[:, None] * HEAD_D + jj[None, :]  # (HPP, HALF): rows of B for the first half
+            bp = QB + role * stride_qbr + (out_row * rank)[:, :, None] + rr[None, None, :]
+            m3 = h_ok[:, None, None] & (rr < rank)[None, None, :]
             t1 = tl.sum(tl.load(bp, mask=m3, other=0.0).to(tl.float32) * lr[None, None, :], axis=2) * s_q
             t2 = tl.sum(tl.load(bp + HALF * rank, mask=m3, other=0.0).to(tl.float32) * lr[None, None, :], axis=2) * s_q
             c1 = tl.load(COS + jj).to(tl.float32)[None, :]
@@ -248,6 +250,7 @@ def qkv_rope_store(
         x.numel(), float(eps), n_q_heads, n_kv_heads, rank, a_q, v_a_row, float(s_q), n_term,
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         lr_pool.stride(0), lr_pool.stride(1), b_q.stride(0),
-        HEAD_D=head_dim, HB=HALF_BLOCK, HPP=HEADS_PER_TERM_PROGRAM, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        HEAD_D=head_dim, HB=HALF_BLOCK, HPP=HEADS_PER_TERM_PROGRAM, BLOCK_K=BLOCK_K,
+        R_PAD=max(2, triton.next_power_of_2(rank)), num_warps=NUM_WARPS,
     )  # fmt: skip
     return q_out, q_add
