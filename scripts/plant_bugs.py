@@ -18,6 +18,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "q/k/v in one launch: a program's 16 dims contiguous (RoPE's pairs split over programs)": (
+        "kernels/fused_qkv_rope.py",
+        "        dims = (i // HB) * HALF + blk * HB + i % HB  # a head program's dims of its head: HB of each half",
+        "        dims = blk * 2 * HB + i",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "q/k/v in one launch: the LoRA term rotated the wrong way": (
+        "kernels/fused_qkv_rope.py",
+        "            tl.store(dst, t1 * c1 - t2 * s1, mask=h_ok[:, None])",
+        "            tl.store(dst, t1 * c1 + t2 * s1, mask=h_ok[:, None])",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "q/k/v in one launch: the LoRA term of role 0 whatever the row's role": (
+        "kernels/fused_qkv_rope.py",
+        "            bp = QB + role * stride_qbr + (out_row * rank)[:, :, None] + rr[None, None, :]",
+        "            bp = QB + (out_row * rank)[:, :, None] + rr[None, None, :]",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "q/k/v in one launch: V_lr stored one position early": (
+        "kernels/fused_qkv_rope.py",
+        "            tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + i, y, mask=i < rank)",
+        "            tl.store(LRP + lslot * stride_lrs + (pos - 1) * stride_lrl + i, y, mask=i < rank)",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "decode attention: q_add ignored by the kernel": (
+        "kernels/flash_lora_decode.py",
+        "                q = (q.to(tl.float32) + tl.load(qa_ptrs, mask=row_ok[:, None], other=0.0)).to(q.dtype)",
+        "                q = q",
+        "tests/test_fused_qkv_rope.py -k attention_adds_q_add_under",
+    ),
+    "decoder: the one-launch step's q term never reaches the attention": (
+        "lragent/decoder.py",
+        '        extra = {} if q_add is None else {"q_add": q_add}',
+        "        extra = {}",
+        "tests/test_fused_qkv_rope.py -k engine_decodes_the_same_with_the_launch_under",
+    ),
     "several benchmarks: the second benchmark counts the process's start again": (
         "eval_suite/run_eval.py",
         "    started, age = time.perf_counter(), process_age_s() if first else 0.0",
