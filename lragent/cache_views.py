@@ -357,7 +357,7 @@ class DecodeView:
                 role_ids=role_ids,
                 kv_slot=self.kv_slot32,
                 lr_slot=self.lr_slot32,
-                q_add=q_add,
+                **({} if q_add is None else {"q_add": q_add}),  # the call of a step without it unchanged
             )
             return out[:, :, None]
         if q_add is not None:
