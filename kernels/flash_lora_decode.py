@@ -693,9 +693,9 @@ def flash_lora_decode(
             raise ValueError(f"{fn}: q_add must be a contiguous float32 tensor of q's shape {tuple(q.shape)} on "
                              f"{q.device}, got {what}")  # fmt: skip
     why = _kernel_unsupported(q, k_cache, v_lr_cache)
-    if why is not None and q_add is not None:
-        q = (q.float() + q_add).to(q.dtype)
     if why is not None:
+        if q_add is not None:
+            q = (q.float() + q_add).to(q.dtype)
         if why not in _FALLBACK_LOGGED:
             _FALLBACK_LOGGED.add(why)
             log.warning("flash_lora_decode: the Triton kernel does not cover %s; using the torch path", why)

@@ -152,19 +152,12 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _rms_norm_gemv_kernel(
-        X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
-        HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        DEFERRED: tl.constexpr,
-    ):  # fmt: skip
-        """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_out
+    def _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_K: tl.constexpr):  # fmt: skip
+        """``1 / sqrt(mean(h²) + eps)`` of each of the ``ROWS`` rows ``h = X (+ RES)``, ``(ROWS,)``, as
+        ``_rms_norm_kernel`` computes it (the sum of squares of h rounded to the input's dtype); program 0 writes the
+        residual sum to ``H_OUT``."""
         ks = tl.arange(0, BLOCK_K)
-        rows = tl.arange(0, ROWS)
-        r_ok = rows < n_rows
-        # each row's statistic, as _rms_norm_kernel: the sum of squares of h rounded to the input's dtype
         sq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
@@ -177,19 +170,40 @@ if triton is not None:
                     tl.store(H_OUT + at, h, mask=m2)
             hf = h.to(tl.float32)
             sq += hf * hf
-        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
+        return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
+
+    @triton.jit
+    def _normed_input(X, RES, NW, rows, r_ok, n_in, inv, k0, ks, k_ok, HAS_RES: tl.constexpr):
+        """The ``(ROWS, BLOCK_K)`` input tile at ``k0`` of the GEMV after the norm: ``w_norm * (h * inv)`` with the
+        unfused norm's roundings, as float32 (exact: the values are already rounded to the input's dtype)."""
+        at = rows[:, None] * n_in + (k0 + ks)[None, :]
+        m2 = r_ok[:, None] & k_ok[None, :]
+        h = tl.load(X + at, mask=m2, other=0.0)
+        if HAS_RES:
+            h = (h + tl.load(RES + at, mask=m2, other=0.0)).to(X.dtype.element_ty)
+        normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
+        nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
+        return (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_gemv_kernel(
+        X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
+        HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+        DEFERRED: tl.constexpr,
+    ):  # fmt: skip
+        """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_out
+        ks = tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, ROWS)
+        r_ok = rows < n_rows
+        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES, ROWS, BLOCK_K)
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
-            at = rows[:, None] * n_in + (k0 + ks)[None, :]
-            m2 = r_ok[:, None] & k_ok[None, :]
-            h = tl.load(X + at, mask=m2, other=0.0)
-            if HAS_RES:
-                h = (h + tl.load(RES + at, mask=m2, other=0.0)).to(X.dtype.element_ty)
-            normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
-            nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
-            xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
+            xin = _normed_input(X, RES, NW, rows, r_ok, n_in, inv, k0, ks, k_ok, HAS_RES)
             acc, acc2 = _tile_step(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, acc2, ROWS, DEFERRED)
         acc = _summed(acc, acc2, DEFERRED)
         out = rows[:, None] * n_out + offs_n[None, :]

@@ -39,6 +39,7 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels.fused_gemv import _normed_input, _rms_inverse, _row_times_w_deferred
     from kernels.fused_ops import _rope_half
 except ImportError:  # pragma: no cover
     triton = None
@@ -76,32 +77,16 @@ def qkv_rope_switch(value: str | None = None) -> int:
 if triton is not None:
 
     @triton.jit
-    def _norm_statistic(X, n_in, eps, BLOCK_K: tl.constexpr):
-        """``1 / sqrt(mean(h²) + eps)`` of the one row ``X``, ``(1,)``, as ``_rms_norm_gemv_kernel`` computes it."""
-        ks = tl.arange(0, BLOCK_K)
-        rows = tl.arange(0, 1)
-        sq = tl.zeros([1, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, n_in, BLOCK_K):
-            k_ok = k0 + ks < n_in
-            hf = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
-            sq += hf * hf
-        return 1.0 / tl.sqrt(tl.sum(sq, axis=1) / n_in + eps)
-
-    @triton.jit
     def _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """``Σ_k W[n, k] · xin[k]`` (float32, the sum over K taken once after the loop, as the norm GEMV's one-row
-        launch) for the ``BLOCK_N`` rows ``offs_n`` of W, ``xin`` the normed row rounded as the norm GEMV rounds it."""
+        """``Σ_k W[n, k] · xin[k]`` (float32, the sum over K taken once after the loop) for the ``BLOCK_N`` rows
+        ``offs_n`` of W: the norm GEMV's one-row deferred launch, from its own pieces, so the sums are its sums."""
         ks = tl.arange(0, BLOCK_K)
         rows = tl.arange(0, 1)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
-            h = tl.load(X + rows[:, None] * n_in + (k0 + ks)[None, :], mask=k_ok[None, :], other=0.0)
-            normed = (h.to(tl.float32) * inv[:, None]).to(X.dtype.element_ty)
-            nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0)
-            xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)
-            w = tl.load(W + offs_n[:, None] * n_in + (k0 + ks)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * xin
+            xin = _normed_input(X, X, NW, rows, rows < 1, n_in, inv, k0, ks, k_ok, False)
+            acc2 = _row_times_w_deferred(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc2)
         return tl.sum(acc2, axis=1)
 
     @triton.jit
@@ -129,7 +114,8 @@ if triton is not None:
         dims = (i // HB) * HALF + blk * HB + i % HB  # a head program's dims of its head: HB of each half
         offs_n = tl.where(is_vlr, a_v + i, tl.where(is_term, a_q + i, unit * HEAD_D + dims))
         n_ok = tl.where(is_vlr | is_term, i < rank, dims >= 0)
-        inv = _norm_statistic(X, n_in, eps, BLOCK_K)
+        rows = tl.arange(0, 1)
+        inv = _rms_inverse(X, X, X, rows, rows < 1, n_in, eps, pid, False, 1, BLOCK_K)  # the norm GEMV's
         y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
         pos = tl.load(POS).to(tl.int64)
         if is_vlr:  # v_proj's X·A is the cache's V_lr

@@ -56,6 +56,13 @@ def _proj_masked(
     return module.add_lora_masked(module.base(x), role_masked(lr, mask(), module.rank)[:, :, 0])
 
 
+def _refresh_eager(group: FusedGroup, t: torch.Tensor) -> None:
+    """Brings ``group``'s appended A rows up to date with its adapters, except while a CUDA graph is captured on
+    ``t``'s device (the copy would be captured too; graph replays: the engine refreshes them)."""
+    if group.lora and not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+        group.refresh()
+
+
 def _group_forward(
     group: FusedGroup,
     x: torch.Tensor,
@@ -83,9 +90,7 @@ def _group_forward(
         ``(outputs, lrs)``: each module's ``(B, T, d_out)`` output (base + LoRA, except ``no_b``: base only) and
         each adapted module's ``(B, T, r)`` X·A, by module index.
     """
-    src = x if x is not None else normed[0]
-    if group.lora and not (src.is_cuda and torch.cuda.is_current_stream_capturing()):
-        group.refresh()  # eager: the A rows follow the adapters (graph replays: the engine refreshes them)
+    _refresh_eager(group, x if x is not None else normed[0])
     if normed is not None:
         from kernels.fused_gemv import rms_norm_linear
 
@@ -450,8 +455,7 @@ class DecoderEngine:
             return None
         if not usable(h, group.weight, n_q, n_kv, d, rank):
             return None
-        if group.lora and not (h.is_cuda and torch.cuda.is_current_stream_capturing()):
-            group.refresh()  # eager: the A rows follow the adapters (graph replays: the engine refreshes them)
+        _refresh_eager(group, h)
         q_lora = None
         if 0 in a_rows:
             q_lora = (a_rows[0], q_mod.stacked_b(), q_mod.scaling, _roles(role_ids, 1, h.device))

@@ -188,14 +188,14 @@ BUGS = {
     ),
     "fused GEMV: the RMSNorm's weight left out of the GEMV's input": (
         "kernels/fused_gemv.py",
-        "            xin = (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)",
-        "            xin = normed.to(tl.float32)",
+        "        return (nw[None, :] * normed).to(X.dtype.element_ty).to(tl.float32)",
+        "        return normed.to(tl.float32)",
         "tests/test_fused_gemv.py",
     ),
     "fused GEMV: the residual added for the statistic but not for the product": (
         "kernels/fused_gemv.py",
-        "                h = (h + tl.load(RES + at, mask=m2, other=0.0)).to(X.dtype.element_ty)\n            normed",
-        "                h = h\n            normed",
+        "            h = (h + tl.load(RES + at, mask=m2, other=0.0)).to(X.dtype.element_ty)\n        normed",
+        "            h = h\n        normed",
         "tests/test_fused_gemv.py",
     ),
     "fused GEMV: the new residual stream never written": (
@@ -212,8 +212,8 @@ BUGS = {
     ),
     "fused GEMV: only the first input row computed": (
         "kernels/fused_gemv.py",
-        "        r_ok = rows < n_rows\n        # each row's statistic",
-        "        r_ok = rows < 1\n        # each row's statistic",
+        "        r_ok = rows < n_rows\n        inv = _rms_inverse(",
+        "        r_ok = rows < 1\n        inv = _rms_inverse(",
         "tests/test_fused_gemv.py",
     ),
     "fused GEMV: every row multiplied with the first row's input": (
