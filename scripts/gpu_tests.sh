@@ -33,7 +33,10 @@ mkdir -p "$OUTDIR"
 PY=$(command -v python3 || command -v python)
 WORKERS=${GPU_TESTS_WORKERS:-12}
 XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS --dist load"
-CMD="LRAGENT_COMMIT=${LRAGENT_COMMIT:-} GPU_TESTS_BUDGET=$BUDGET GPU_TESTS_WORKERS=$WORKERS bash scripts/gpu_tests.sh"
+# the switches that change which kernels run are part of the command a record names
+SWITCHES=""
+for v in LRAGENT_QKV_ROPE CUDA_VISIBLE_DEVICES; do [ -n "${!v:-}" ] && SWITCHES="$SWITCHES $v=${!v}"; done
+CMD="LRAGENT_COMMIT=${LRAGENT_COMMIT:-}$SWITCHES GPU_TESTS_BUDGET=$BUDGET GPU_TESTS_WORKERS=$WORKERS bash scripts/gpu_tests.sh"
 source_hash > "$OUTDIR/source.sha256"
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > "$OUTDIR/device_model.log" 2>&1
 set +u
