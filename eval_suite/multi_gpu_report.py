@@ -449,8 +449,9 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
     except Exception:  # noqa: BLE001 - provenance must not fail the report
         prov["gpus"] = []
     # The runs' own provenance: a report rebuilt on another machine (merging calls) names the runs' GPUs and versions,
-    # not its own
-    runs = [s["provenance"] for s in speeds if isinstance(s.get("provenance"), dict)]
+    # not its own: the fits' speed files and the evals' run configs (a call that ran only `ev` phases has no fit)
+    configs = [_json(f) or {} for f in sorted(out.glob("ev*/**/run_config.json"))]
+    runs = [s["provenance"] for s in speeds + configs if isinstance(s.get("provenance"), dict)]
     if not prov["gpus"] and runs:
         widest = max(runs, key=lambda r: (r.get("device") or {}).get("count") or 0)["device"]
         prov["gpus"] = [widest.get("name") or "?"] * int(widest.get("count") or 1)
@@ -508,20 +509,26 @@ def _ddp_lines(d: dict[str, Any], title: str, sizes: list[int]) -> list[str]:
     return lines + [""]
 
 
-def markdown(res: dict[str, Any]) -> str:
-    prov = res["provenance"]
-    sizes = res.get("sizes") or [2]
-    f, e = res["fsdp_8b"], res["eval_devices"]
-    tiny = "tiny random LLaMA (CPU check)" if prov["cpu_check"] else ""
-    ddp_model = res.get("ddp_model") or tiny or "embedded SmolLM2-135M-Instruct"
-    where = "CPU check (gloo processes, tiny random models; no GPU figure)" if prov["cpu_check"] else ", ".join(
-        prov.get("gpus") or ["?"]
-    )  # fmt: skip
-    lines = ["# Several GPUs (issues 21 and 35): scripts/gpu_multi.sh", "", f"Devices: {where}.", ""]
-    lines += _ddp_lines(res["ddp_embedded"], f"DDP, {ddp_model}", sizes)
-    if res.get("ddp_accuracy_model", {}).get("speed_1gpu"):
-        lines += _ddp_lines(res["ddp_accuracy_model"], "DDP, the accuracy model (Qwen2.5-Coder-1.5B-Instruct)", sizes)
-    lines += [
+def _fsdp_ran(f: dict[str, Any], sizes: list[int]) -> bool:
+    """Whether any FSDP-block phase left a figure (the one-GPU reference, a strategy's run, an export check)."""
+    per_size = ("speed_fsdp{}", "speed_fsdp{}_resumed", "speed_ddp{}", "fsdp{}_export_in_peft")
+    keys = ["speed_1gpu"] + [k.format(n) for n in sizes for k in per_size]
+    return any(f.get(k) for k in keys)
+
+
+def _ddp_ran(d: dict[str, Any], sizes: list[int]) -> bool:
+    """Whether any DDP phase of this block left a figure."""
+    keys = ["speed_1gpu", "val_loss_1gpu"] + [k.format(n) for n in sizes for k in ("speed_ddp{}", "val_loss_ddp{}")]
+    return any(d.get(k) for k in keys)
+
+
+def _eval_ran(e: dict[str, Any], sizes: list[int]) -> bool:
+    """Whether any ``ev`` phase left a figure: episodes, timings or a stop."""
+    return any(v not in (None, False, {}, []) for v in e.values())
+
+
+def _fsdp_lines(f: dict[str, Any], tiny: str, sizes: list[int]) -> list[str]:
+    lines = [
         f"## FSDP, {tiny or 'LLaMA-3.1-8B shapes'}",
         "",
         "| run | tokens/s | speed-up | peak memory per device (GiB) | steps |",
@@ -549,7 +556,11 @@ def markdown(res: dict[str, Any]) -> str:
             f"command: max |diff| {_fmt(f.get(f'fsdp{n}_export_fit_vs_export_command_max_abs_diff'), 8)}; loads in "
             f"PEFT with lragent's logits: {_fmt(peft.get('ok'))}{_peft_detail(peft)}."
         )
-    lines += ["", "## eval --devices N vs --devices 1", ""]
+    return lines + [""]
+
+
+def _eval_lines(e: dict[str, Any], sizes: list[int]) -> list[str]:
+    lines = ["## eval --devices N vs --devices 1", ""]
     for n in sizes:
         if f"stopped_{n}" in e:
             lines.append(
@@ -597,8 +608,33 @@ def markdown(res: dict[str, Any]) -> str:
                 f"  - {bench} shards: episodes {bal['episodes']}, decode steps {bal['decode_steps']}; slowest loop "
                 f"{_fmt(bal['slowest_over_mean'], 2)}x the mean."
             )
+    return lines + [""]
+
+
+def markdown(res: dict[str, Any]) -> str:
+    prov = res["provenance"]
+    sizes = res.get("sizes") or [2]
+    f, e = res["fsdp_8b"], res["eval_devices"]
+    tiny = "tiny random LLaMA (CPU check)" if prov["cpu_check"] else ""
+    ddp_model = res.get("ddp_model") or tiny or "embedded SmolLM2-135M-Instruct"
+    where = "CPU check (gloo processes, tiny random models; no GPU figure)" if prov["cpu_check"] else ", ".join(
+        prov.get("gpus") or ["?"]
+    )  # fmt: skip
+    lines = ["# Several GPUs (issues 21 and 35): scripts/gpu_multi.sh", "", f"Devices: {where}.", ""]
+    # a call that ran only some phases (the eval alone, say) shows their sections, not tables of "missing"
+    absent = [name for name, ran in (("DDP", _ddp_ran(res["ddp_embedded"], sizes)), ("FSDP", _fsdp_ran(f, sizes)),
+                                     ("eval --devices N", _eval_ran(e, sizes))) if not ran]  # fmt: skip
+    if absent:
+        lines += [f"Not in this output (none of their phases ran): {', '.join(absent)}.", ""]
+    if "DDP" not in absent:
+        lines += _ddp_lines(res["ddp_embedded"], f"DDP, {ddp_model}", sizes)
+    if res.get("ddp_accuracy_model", {}).get("speed_1gpu"):
+        lines += _ddp_lines(res["ddp_accuracy_model"], "DDP, the accuracy model (Qwen2.5-Coder-1.5B-Instruct)", sizes)
+    if "FSDP" not in absent:
+        lines += _fsdp_lines(f, tiny, sizes)
+    if "eval --devices N" not in absent:
+        lines += _eval_lines(e, sizes)
     lines += [
-        "",
         "## Phases",
         "",
         "| phase | exit | seconds |",

@@ -21,8 +21,8 @@ into the V_lr cache. Nobody waits for anybody. Rounding: k, v and V_lr are bit f
 Limits: one row (batch-1 decode), a decomposed cache (``base_lr_shared``: v's B is the attention's; a full cache needs
 v's B added before v is stored), CUDA fp16/bf16 or ``TRITON_INTERPRET=1``, head dim a power of two of at least
 ``2 · HB``, LoRA rank at most ``2 · HB``, only q and v adapted; :func:`usable` says whether a call may take it (the
-decoder keeps the unfused path otherwise). ``LRAGENT_QKV_ROPE=1`` switches it on (``bench decode --plans '["",
-"qkv_rope=1"]'`` times both).
+decoder keeps the unfused path otherwise). On by default; ``LRAGENT_QKV_ROPE=0`` switches it off (``bench decode
+--plans '["", "qkv_rope=0"]'`` times both).
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ except ImportError:  # pragma: no cover
     tl = None
 
 SWITCH_ENV = "LRAGENT_QKV_ROPE"
-"""1: one-row ``base_lr_shared`` decode steps take :func:`qkv_rope_store`; 0 (the default, unset too): the q/k/v GEMV
-then the RoPE-and-store kernel. Off by default until the whole GPU suite has run with it on: on an H100 it made the 8B
-batch-1 step 0.03-0.06 ms faster in all five paired turns of two runs (``results/engine_h100/qkv_rope_2026-11-28``)."""
+"""1 (the default, unset too): one-row ``base_lr_shared`` decode steps take :func:`qkv_rope_store`; 0: the q/k/v GEMV
+then the RoPE-and-store kernel. On an H100 it made the 8B batch-1 step 0.02-0.06 ms faster in all five paired turns of
+two runs (``results/engine_h100/qkv_rope_2026-11-28``); on by default since the whole GPU suite passed with it on
+(4 × H200, 0674d5a: ``results/gpu_tests/``)."""
 
 HALF_BLOCK = 8
 """Dims a head program takes from each half of a head: 16 outputs a program, as the norm GEMV's measured launch."""
@@ -61,12 +62,12 @@ NUM_WARPS = 8
 
 
 def qkv_rope_switch(value: str | None = None) -> int:
-    """``LRAGENT_QKV_ROPE`` (or ``value``): 1 on, 0 off (unset or empty too).
+    """``LRAGENT_QKV_ROPE`` (or ``value``): 1 on (unset or empty too), 0 off.
 
     Raises:
         ValueError: anything else, named with what is allowed.
     """
-    raw = (os.environ.get(SWITCH_ENV, "") if value is None else value).strip() or "0"
+    raw = (os.environ.get(SWITCH_ENV, "") if value is None else value).strip() or "1"
     if raw not in ("0", "1"):
         raise ValueError(
             f"{SWITCH_ENV}={raw!r}: allowed 0 (off) or 1 (on: RoPE and the cache stores in the q/k/v GEMV)"

@@ -128,7 +128,7 @@ def _fused_decode():
 
 
 def _qkv_rope_switch() -> int:
-    """``LRAGENT_QKV_ROPE``: 1 one-row decode steps run RoPE and the cache stores inside the q/k/v GEMV (default 0)."""
+    """``LRAGENT_QKV_ROPE``: 1 one-row decode steps run RoPE and the cache stores inside the q/k/v GEMV (default 1)."""
     from kernels.fused_qkv_rope import qkv_rope_switch
 
     return qkv_rope_switch()

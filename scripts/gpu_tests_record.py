@@ -36,6 +36,8 @@ def parse_junit(path: str) -> dict:
     counts: Counter = Counter()
     failed, errors, skip_reasons = [], [], Counter()
     for case in root.iter("testcase"):
+        if not case.get("name"):  # an interrupted xdist run leaves nameless entries (<testcase time=".." />): no test
+            continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         if case.find("failure") is not None:
             counts["failed"] += 1

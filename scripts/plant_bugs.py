@@ -18,6 +18,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "GPU-suite record: an interrupted run's nameless entries counted as passed": (
+        "scripts/gpu_tests_record.py",
+        '        if not case.get("name"):  # an interrupted xdist run leaves nameless entries (<testcase time=".." />): no test',
+        "        if False:",
+        "tests/test_gpu_tests_record.py -k nameless",
+    ),
+    "q/k/v in one launch: off again when LRAGENT_QKV_ROPE is unset": (
+        "kernels/fused_qkv_rope.py",
+        '    raw = (os.environ.get(SWITCH_ENV, "") if value is None else value).strip() or "1"',
+        '    raw = (os.environ.get(SWITCH_ENV, "") if value is None else value).strip() or "0"',
+        "tests/test_fused_qkv_rope.py -k the_switch_is_on_unless",
+    ),
+    "several-GPU report: rebuilt off the device, an eval-only call names this machine, not the runs'": (
+        "eval_suite/multi_gpu_report.py",
+        '    configs = [_json(f) or {} for f in sorted(out.glob("ev*/**/run_config.json"))]',
+        "    configs = []",
+        "tests/test_multi_gpu_report.py -k rebuilt_off_device",
+    ),
+    "several-GPU report: the DDP section shown when none of its phases ran": (
+        "eval_suite/multi_gpu_report.py",
+        "    return any(d.get(k) for k in keys)",
+        "    return True",
+        "tests/test_multi_gpu_report.py -k shows_only_their_sections",
+    ),
+    "several-GPU report: the FSDP section hidden unless the one-GPU reference ran": (
+        "eval_suite/multi_gpu_report.py",
+        '    keys = ["speed_1gpu"] + [k.format(n) for n in sizes for k in per_size]',
+        '    keys = ["speed_1gpu"]',
+        "tests/test_multi_gpu_report.py -k shows_only_their_sections",
+    ),
     "q/k/v in one launch: a program's 16 dims contiguous (RoPE's pairs split over programs)": (
         "kernels/fused_qkv_rope.py",
         "        dims = (i // HB) * HALF + blk * HB + i % HB  # a head program's dims of its head: HB of each half",

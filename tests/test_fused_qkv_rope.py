@@ -178,11 +178,11 @@ def test_the_attention_adds_q_add_on_a_gpu():
     check_attention_adds("cuda")
 
 
-def test_the_switch_is_off_unless_set_to_1(monkeypatch):
-    """Off by default until the whole GPU suite has run with it on; anything but 0 or 1 refused, named."""
+def test_the_switch_is_on_unless_set_to_0(monkeypatch):
+    """On by default (the whole GPU suite passed with it on); anything but 0 or 1 refused, named."""
     monkeypatch.delenv(SWITCH_ENV, raising=False)
-    assert qkv_rope_switch() == 0
-    assert qkv_rope_switch("1") == 1 and qkv_rope_switch(" ") == 0
+    assert qkv_rope_switch() == 1
+    assert qkv_rope_switch("0") == 0 and qkv_rope_switch(" ") == 1
     for bad in ("2", "on", "-1"):
         with pytest.raises(ValueError, match=rf"{SWITCH_ENV}='{bad}': allowed 0 \(off\) or 1"):
             qkv_rope_switch(bad)

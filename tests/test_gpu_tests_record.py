@@ -71,3 +71,16 @@ def test_record_counts_and_lists_the_tests_not_reached(tmp_path: Path, monkeypat
     md = next(tmp_path.glob("gpu_tests_*.md")).read_text()
     assert "| run1 | 6 | 2 | 1 | 0 | 0 | 3 | 12 | True |" in md
     assert "did not reach: `tests/test_suite.py::test_left`" in md
+
+
+def test_nameless_entries_of_an_interrupted_run_are_not_counted_as_passed(tmp_path: Path) -> None:
+    """An xdist run stopped by its budget wrote three ``<testcase time="0.001" />`` (4 × H200, 2026-11-28): 306 passed
+    and 3 skipped in its log, 309 passed in the record until these entries were left out."""
+    xml = (
+        '<testsuites><testsuite name="pytest" tests="3"><testcase classname="tests.t" name="test_a" time="1"/>'
+        '<testcase classname="tests.t" name="test_b" time="1"><skipped message="needs two GPUs"/></testcase>'
+        '<testcase time="0.001" /><testcase time="0.000" /></testsuite></testsuites>'
+    )
+    (tmp_path / "run1.xml").write_text(xml)
+    counts = record.parse_junit(str(tmp_path / "run1.xml"))
+    assert (counts["passed"], counts["skipped"], counts["failed"], counts["errors"]) == (1, 1, 0, 0)

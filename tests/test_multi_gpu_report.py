@@ -47,6 +47,24 @@ def test_cut_call_speedups_and_skipped_phases(tmp_path: Path, report) -> None:
     assert "DDP, 2 devices (the whole base on each) | missing | missingx" in md
 
 
+def test_a_call_that_ran_some_phases_shows_only_their_sections(tmp_path: Path, report) -> None:
+    _speed(tmp_path / "b1_speed.json", 8000.0, peak=20.0)  # FSDP's reference alone: DDP and eval never ran
+    md = report.markdown(report.collect(tmp_path, "cmd", [2]))
+    assert "Not in this output (none of their phases ran): DDP, eval --devices N." in md
+    assert "## FSDP" in md and "## DDP" not in md and "## eval --devices" not in md
+    _metrics(tmp_path / "emb1_metrics.csv", [2.0, 1.5])  # one DDP-block phase left a figure: its section is back
+    md = report.markdown(report.collect(tmp_path, "cmd", [2]))
+    assert "none of their phases ran): eval --devices N." in md and "## DDP" in md
+    fsdp_only = tmp_path / "fsdp_only"  # a strategy's run without the one-GPU reference still has its section
+    fsdp_only.mkdir()
+    _speed(fsdp_only / "fsdp2_speed.json", 12000.0, world=2, peak=12.0)
+    assert "## FSDP" in report.markdown(report.collect(fsdp_only, "cmd", [2]))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    md = report.markdown(report.collect(empty, "cmd", [2]))
+    assert "none of their phases ran): DDP, FSDP, eval --devices N." in md and "| 1 device |" not in md
+
+
 def test_each_size_is_compared_with_one_gpu_and_the_seed_noise(tmp_path: Path, report) -> None:
     _metrics(tmp_path / "emb1_metrics.csv", [2.0, 1.5])
     _metrics(tmp_path / "emb1s_metrics.csv", [2.01, 1.52])  # seed noise 0.02 at the last validation
@@ -116,6 +134,14 @@ def test_rebuilt_off_device_names_the_runs_gpus_and_versions(tmp_path: Path, rep
     md = report.markdown(res)
     assert "Devices: H100 X, H100 X, H100 X, H100 X." in md
     assert "Runs: commits aaaaaaa, bbbbbbb; dates 2026-11-27; torch 2.11.0." in md
+    evals = tmp_path / "evals"  # a call of `ev` phases alone: the evals' run configs name the machine
+    for name, commit in (("ev1", "c" * 40), ("ev4", "d" * 40)):
+        (evals / name / "hotpotqa").mkdir(parents=True)
+        prov = {"device": {"type": "cuda", "name": "H200 Y", "count": 4}, "git_commit": commit,
+                "utc": "2026-11-28T05:00:00Z", "versions": {"torch": "2.11.0"}}  # fmt: skip
+        (evals / name / "hotpotqa" / "run_config.json").write_text(json.dumps({"provenance": prov}))
+    md = report.markdown(report.collect(evals, "cmd", [4]))
+    assert "Devices: H200 Y, H200 Y, H200 Y, H200 Y." in md and "Runs: commits ccccccc, ddddddd; dates 2026-11-28" in md
 
 
 def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_path: Path, report) -> None:
