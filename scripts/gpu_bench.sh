@@ -9,6 +9,13 @@
 #                                                unfused + cuBLAS, against the weights' floor)
 #   bash scripts/gpu_bench.sh profile [options]  python -m eval_suite.profile_decode (where a decode step's time goes;
 #                                                the engine switches as set in the environment, e.g. LRAGENT_FUSED_GEMV=0)
+#   bash scripts/gpu_bench.sh readme             the README's speed table on this GPU, one commit (issue 38): 8B decode at
+#                                                2k, batch 1 and 32, with transformers, twice (decode1, decode2; each
+#                                                with the plans "" and "qkv_rope=0", two turns), the trace at 16k
+#                                                (non_shared, full_shared, base_lr_shared) and at 32k ($TRACE32_SCHEMES,
+#                                                default full_shared,base_lr_shared: non_shared's cache outgrows an H100),
+#                                                then python -m eval_suite.speed_table over them
+#                                                ($OUT/readme/speed_table.md)
 #   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
 #                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
 #                                                FIT_STEPS2, exported (one PEFT directory per role)
@@ -22,9 +29,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  decode | trace | kernel | train | fit8b | gemv | profile) BENCH=$1; shift ;;
+  decode | trace | kernel | train | fit8b | gemv | profile | readme) BENCH=$1; shift ;;
   -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;;
-  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b, gemv, profile (--help)" >&2; exit 2 ;;
+  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b, gemv, profile, readme (--help)" >&2
+    exit 2 ;;
 esac
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > /dev/null
 OUT=${OUT:-bench_out}
@@ -46,6 +54,16 @@ case "$BENCH" in
   gemv) phase gemv "$PY" -m eval_suite.bench_fused_gemv "$@" --out "$OUT/gemv"; exit 0 ;;
   profile) phase profile "$PY" -m eval_suite.profile_decode "$@" --out "$OUT/profile"; exit 0 ;;
   fit8b) ;;
+  readme)
+    D=(--model llama-3.1-8b --context 2048 --batches "[1,32]" --eager false --plans '["", "qkv_rope=0"]' --repeats 2)
+    phase decode1 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode1"
+    phase decode2 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode2"
+    phase trace16k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[16384]" \
+      --schemes non_shared,full_shared,base_lr_shared --out "$OUT/readme/trace16k"
+    phase trace32k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[32768]" \
+      --schemes "${TRACE32_SCHEMES:-full_shared,base_lr_shared}" --out "$OUT/readme/trace32k"
+    phase table "$PY" -m eval_suite.speed_table "$OUT/readme" --out "$OUT/readme/speed_table.md"
+    exit 0 ;;
   *) phase "$BENCH" "$PY" cli.py bench "$BENCH" "$@" --out "$OUT/$BENCH"; exit 0 ;;
 esac
 

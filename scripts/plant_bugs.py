@@ -18,6 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "speed table: an experiment's plan counted as the product's figure": (
+        "eval_suite/speed_table.py",
+        '                        and r.get("batch") == batch and not r.get("plan")]  # fmt: skip',
+        '                        and r.get("batch") == batch]  # fmt: skip',
+        "tests/test_speed_table.py",
+    ),
+    "speed table: records of several commits called one": (
+        "eval_suite/speed_table.py",
+        "    if len(shas) == 1:",
+        "    if len(shas) >= 1:",
+        "tests/test_speed_table.py",
+    ),
+    "speed table: the trace's ratio inverted": (
+        "eval_suite/speed_table.py",
+        "lr['throughput_tok_s'] / base['throughput_tok_s']",
+        "base['throughput_tok_s'] / lr['throughput_tok_s']",
+        "tests/test_speed_table.py",
+    ),
     "GPU-suite record: an interrupted run's nameless entries counted as passed": (
         "scripts/gpu_tests_record.py",
         '        if not case.get("name"):  # an interrupted xdist run leaves nameless entries (<testcase time=".." />): no test',

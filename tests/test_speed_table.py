@@ -1,0 +1,83 @@
+"""The README's speed table (eval_suite/speed_table.py) from benchmark records: the default plan's figures only, ranges
+over repeats, the trace's ratios, and whether every figure is from one commit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eval_suite import speed_table
+
+
+def _prov(device: str, commit: str) -> dict:
+    return {"device": {"type": "cuda", "name": device, "count": 1}, "git_commit": commit, "git_dirty": False}
+
+
+def _decode(path: Path, device: str, commit: str) -> None:
+    rows = [
+        {"impl": "transformers eager", "scheme": "-", "batch": 1, "ms_per_token": 30.4},
+        {"impl": "lragent graph", "scheme": "base_lr_shared", "batch": 1, "plan": "", "ms_per_token": 6.131,
+         "vs_floor": 1.186},
+        {"impl": "lragent graph", "scheme": "base_lr_shared", "batch": 1, "plan": "", "ms_per_token": 6.138,
+         "vs_floor": 1.188},
+        # an experiment's plan: not the product's figure
+        {"impl": "lragent graph", "scheme": "base_lr_shared", "batch": 1, "plan": "qkv_rope=0", "ms_per_token": 9.9,
+         "vs_floor": 1.9},
+        {"impl": "lragent graph", "scheme": "full_shared", "batch": 32, "plan": "", "ms_per_token": 9.76,
+         "vs_floor": 1.21},
+    ]  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    body = {"model": "llama-3.1-8b", "context": 2048, "rows": rows, "provenance": _prov(device, commit)}
+    (path / "bench_decode.json").write_text(json.dumps(body))
+
+
+def _trace(path: Path, device: str, commit: str, schemes: dict[str, tuple[float, float]], ctx: int = 16384) -> None:
+    runs = [{"scheme": s, "l_ctx": ctx, "kernel": True, "throughput_tok_s": tps, "prefill_mfu": mfu}
+            for s, (tps, mfu) in schemes.items()]  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    body = {"model": "llama-3.1-8b", "runs": runs, "provenance": _prov(device, commit)}
+    (path / "bench_trace.json").write_text(json.dumps(body))
+
+
+def test_the_table_holds_the_default_plan_and_the_traces_ratios(tmp_path: Path) -> None:
+    _decode(tmp_path / "h100" / "decode", "H100", "a" * 40)
+    _trace(
+        tmp_path / "h100" / "trace16",
+        "H100",
+        "a" * 40,
+        {"non_shared": (37500.0, 0.47), "full_shared": (71500.0, 0.391), "base_lr_shared": (72800.0, 0.402)},
+    )
+    _trace(tmp_path / "h100" / "trace32", "H100", "a" * 40,
+           {"full_shared": (58700.0, 0.375), "base_lr_shared": (59000.0, 0.377)}, ctx=32768)  # fmt: skip
+    col = speed_table.collect(tmp_path / "h100")
+    cells = col["cells"]
+    assert cells["8B, decode at 2048 context, batch 1, `base_lr_shared` (ms/token; × the floor)"] == "6.13-6.14 (1.19×)"
+    assert cells["8B, decode at 2048 context, batch 32, `full_shared` (ms/token; × the floor)"] == "9.76 (1.21×)"
+    assert cells["8B, transformers' eager loop, batch 1 (ms/token)"] == "30.40"
+    assert cells["8B, the trace at L_ctx 16k: `base_lr_shared` throughput vs `non_shared`"] == (
+        "1.94× (72.8k tokens/s; `full_shared` 71.5k)"
+    )
+    no_base = cells["8B, the trace at L_ctx 32k: `base_lr_shared` throughput vs `non_shared`"]
+    assert no_base.startswith("no `non_shared` run (59.0k")
+    assert cells["8B, the trace's prefill MFU at L_ctx 32k, `base_lr_shared` (`full_shared`)"] == (
+        "37.7% (37.5%; ratio 1.005)"
+    )
+    text = speed_table.render([col])
+    assert "Every figure from commit aaaaaaa." in text and "| | H100 |" in text
+
+
+def test_a_second_gpu_is_a_column_and_other_commits_are_named(tmp_path: Path) -> None:
+    _decode(tmp_path / "h100", "H100", "a" * 40)
+    _decode(tmp_path / "h200", "H200", "b" * 40)
+    _trace(tmp_path / "h200", "H200", "b" * 40, {"full_shared": (77400.0, 0.3), "base_lr_shared": (77000.0, 0.31)})
+    text = speed_table.render([speed_table.collect(tmp_path / "h100"), speed_table.collect(tmp_path / "h200")])
+    assert "| | H100 | H200 |" in text
+    assert "**Not one commit**: aaaaaaa, bbbbbbb." in text
+    mfu_row = next(line for line in text.splitlines() if "prefill MFU at L_ctx 16k" in line)
+    assert mfu_row.split(" | ")[1] == "–"  # the H100 has no trace here: nothing filled in
+
+
+def test_a_folder_without_records_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    assert speed_table.main([str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no bench_decode.json or bench_trace.json" in err and err.count("\n") == 1
