@@ -522,7 +522,7 @@ def _ddp_ran(d: dict[str, Any], sizes: list[int]) -> bool:
     return any(d.get(k) for k in keys)
 
 
-def _eval_ran(e: dict[str, Any], sizes: list[int]) -> bool:
+def _eval_ran(e: dict[str, Any]) -> bool:
     """Whether any ``ev`` phase left a figure: episodes, timings or a stop."""
     return any(v not in (None, False, {}, []) for v in e.values())
 
@@ -623,7 +623,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines = ["# Several GPUs (issues 21 and 35): scripts/gpu_multi.sh", "", f"Devices: {where}.", ""]
     # a call that ran only some phases (the eval alone, say) shows their sections, not tables of "missing"
     absent = [name for name, ran in (("DDP", _ddp_ran(res["ddp_embedded"], sizes)), ("FSDP", _fsdp_ran(f, sizes)),
-                                     ("eval --devices N", _eval_ran(e, sizes))) if not ran]  # fmt: skip
+                                     ("eval --devices N", _eval_ran(e))) if not ran]  # fmt: skip
     if absent:
         lines += [f"Not in this output (none of their phases ran): {', '.join(absent)}.", ""]
     if "DDP" not in absent:
