@@ -340,7 +340,9 @@ class DecoderEngine:
         # a one-row decode step: norm, q/k/v GEMV, RoPE and cache stores in one launch; q's LoRA term then rides
         # along to the attention (q_add)
         q_add = None
-        one_launch = self._qkv_rope(index, h, layer, view, role_ids, rotary) if norm_in_qkv and not kv_only else None
+        one_launch = None
+        if norm_in_qkv and not kv_only:
+            one_launch = self._qkv_rope(index, h, layer, qkv, view, role_ids, rotary)
         if one_launch is not None:
             q, q_add = one_launch
         elif write_kv and kv_from > 0:
@@ -427,6 +429,7 @@ class DecoderEngine:
         index: int,
         h: torch.Tensor,
         layer: nn.Module,
+        group: FusedGroup,
         view: object,
         role_ids: torch.Tensor | None,
         rotary: tuple[torch.Tensor, torch.Tensor],
@@ -435,13 +438,13 @@ class DecoderEngine:
         (:mod:`kernels.fused_qkv_rope`): returns the rotated base queries ``(1, H_q, 1, D)`` and q's rotated LoRA
         term ``(1, H_q, D)`` float32 for the attention to add (None without a q adapter); or None (nothing done) where
         the view does not ask for it (``LRAGENT_QKV_ROPE=0``, a prefill, several rows, a full cache) or the layer is
-        not one it takes (the fused group exactly q, k, v; adapters on v and optionally q, of the cache's rank)."""
+        not one it takes (``group``, the layer's fused q/k/v weight, exactly q, k, v; adapters on v and optionally q,
+        of the cache's rank)."""
         if not getattr(view, "qkv_rope", 0) or not view.decomposed or h.numel() != h.shape[-1]:
             return None
         from kernels.fused_qkv_rope import usable
 
         attn = layer.self_attn
-        group = attn.__dict__.get("_lragent_qkv")
         d = self.head_dim
         if group.modules != [attn.q_proj, attn.k_proj, attn.v_proj] or group.sizes[0] % d or group.sizes[1] % d:
             return None
