@@ -36,6 +36,7 @@ from lragent.provenance import provenance, provenance_footer
 ENGINE_SWITCHES: dict[str, tuple[str, str, str]] = {
     "fused_gemv": ("LRAGENT_FUSED_GEMV", "kernels.fused_gemv:fused_gemv_rows", "fused_gemv_rows"),
     "qkv_rope": ("LRAGENT_QKV_ROPE", "kernels.fused_qkv_rope:qkv_rope_switch", "qkv_rope"),
+    "qkv_maxnreg": ("LRAGENT_QKV_MAXNREG", "kernels.fused_qkv_rope:qkv_maxnreg", "qkv_maxnreg"),
 }
 """The ``--plans`` names that set an engine switch rather than the attention kernel's plan: name -> (environment
 variable, the parser that checks its value and reads it back, the key each result row records it under)."""
@@ -53,7 +54,8 @@ def split_plan(spec: str) -> tuple[str, dict[str, int]]:
     """A ``--plans`` entry -> (its decode-attention part in ``LRAGENT_DECODE_PLAN``'s syntax, the engine switches it
     sets: ``fused_gemv=N`` (the norms and SiLU·mul inside the GEMVs, and the o projection on the Triton GEMV, in steps
     of at most N rows; 0 off), ``qkv_rope=0|1`` (a one-row ``base_lr_shared`` step's RoPE and cache stores inside the
-    q/k/v GEMV); a switch it does not name keeps the environment's value).
+    q/k/v GEMV), ``qkv_maxnreg=N`` (that launch's registers per thread; 0 the compiler's); a switch it does not name
+    keeps the environment's value).
 
     Raises:
         ValueError: a switch's value outside what its parser allows (named with the range).

@@ -251,6 +251,7 @@ class FitSpeed(Callback):
             global_step=trainer.global_step,
             fit_seconds=total,
             other_seconds=total - sum(r["seconds"] for r in self.records),
+            torch_threads=torch.get_num_threads(),  # the host pool the steps ran with (lragent.host_threads)
             provenance=provenance(device=dev.type),
         )
         Path(self.out).parent.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,6 @@ from eval_suite.shard_launch import (
     BENCHMARK_FIELD,
     adopt_early,
     benchmark_list,
-    host_threads,
     process_age_s,
     spawn_shards,
     stop_processes,
@@ -67,6 +66,7 @@ from eval_suite.work_queue import WorkQueue, sibling_logs
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
 from lragent.agents.policies import check_sampling
 from lragent.device_share import allocation_lock, apply_memory_fraction, check_memory_fraction, is_oom, oom_line
+from lragent.host_threads import host_threads
 from lragent.loading import check_model_args, load_lora_model, resolve_device
 from lragent.loading import read_droidspeak_config as load_droidspeak_config
 from lragent.lora_model import MultiLoraModel

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from eval_suite.work_queue import clear_queue
+from lragent.host_threads import GPU_HOST_THREADS
 
 BENCHMARK_FIELD = "{benchmark}"
 """Where a path option of an eval over several benchmarks (``--out``, ``--work_queue``, ``--adapters``) names the
@@ -47,22 +48,6 @@ def _argv_value(argv: Sequence[str], option: str) -> str | None:
     return found
 
 
-# Host threads of an eval whose model runs on a GPU. Its host work is many small tensor ops (sampling, the search
-# tools, prompt building) that a wide OpenMP pool slows down: one Qwen-1.5B eval on an H100 of a 64-core host
-# (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran its episode loop in 157 s at 64
-# threads, 68 s at 16 and 64 s at 4. vLLM sets OMP_NUM_THREADS=1 where the user has not, for the same reason.
-GPU_HOST_THREADS = 4
-
-
-def host_threads(device: str, env: Mapping[str, str], current: int) -> int | None:
-    """The torch thread count an eval process should take, or None to keep ``current``: on a GPU at most
-    :data:`GPU_HOST_THREADS`, unless the user set ``OMP_NUM_THREADS`` (then theirs holds). A CPU eval keeps its pool:
-    there the model's own matmuls use it."""
-    if not device.startswith("cuda") or env.get("OMP_NUM_THREADS"):
-        return None
-    return GPU_HOST_THREADS if current > GPU_HOST_THREADS else None
-
-
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux ``/proc``; None elsewhere): what the interpreter, the imports and
     the argument checks took before an eval's own clock starts."""
@@ -81,7 +66,7 @@ def shard_launch(i: int, n: int, gpus: int, device: str | None, env: dict[str, s
     runs on ``cuda``: nothing of it can land on, or make a context on, another shard's GPU. Each shard gets an equal
     share of the CPU cores for its thread pools (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``; a value the user set is
     kept): N processes with a pool as wide as the machine each oversubscribe the cores and slow one another down. A
-    GPU shard takes at most :data:`GPU_HOST_THREADS` of its share (see there why).
+    GPU shard takes at most :data:`~lragent.host_threads.GPU_HOST_THREADS` of its share (see there why).
 
     Args:
         i: the shard.

@@ -61,6 +61,28 @@ BLOCK_K = 512
 NUM_WARPS = 8
 
 
+MAXNREG_ENV = "LRAGENT_QKV_MAXNREG"
+"""Registers per thread the one-launch q/k/v kernel may take: 0 (the default, unset too) the compiler's choice, else a
+cap (``maxnreg``). Why a cap: compiled for sm_90 the kernel takes 93-99 registers, so two 8-warp programs fit an SM
+and the 8B grid (393 programs) runs in two waves on 132 SMs; at 80 (no spill offline, Triton 3.6) three fit and it
+runs in one. Timed with ``bench decode --plans '["", "qkv_maxnreg=80"]'``."""
+
+MAXNREG_RANGE = (32, 255)
+
+
+def qkv_maxnreg(value: str | None = None) -> int:
+    """``LRAGENT_QKV_MAXNREG`` (or ``value``): 0 the compiler's register count (unset or empty too), else the cap.
+
+    Raises:
+        ValueError: anything but 0 or a whole number in :data:`MAXNREG_RANGE`, named with what is allowed.
+    """
+    raw = (os.environ.get(MAXNREG_ENV, "") if value is None else value).strip() or "0"
+    lo, hi = MAXNREG_RANGE
+    if not raw.isdigit() or not (int(raw) == 0 or lo <= int(raw) <= hi):
+        raise ValueError(f"{MAXNREG_ENV}={raw!r}: allowed 0 (the compiler's choice) or registers {lo}-{hi}")
+    return int(raw)
+
+
 def qkv_rope_switch(value: str | None = None) -> int:
     """``LRAGENT_QKV_ROPE`` (or ``value``): 1 on (unset or empty too), 0 off.
 
@@ -197,6 +219,7 @@ def qkv_rope_store(
     pos: Tensor,
     v_a_row: int,
     q_lora: tuple[int, Tensor, float, Tensor] | None,
+    maxnreg: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """One launch: ``y = rms_norm(h) @ Wᵀ`` for q/k/v, RoPE on q's base part and on k, k and v written into the pools
     at the row's slot and position, v_proj's ``X·A`` into ``lr_pool``, and q_proj's LoRA term rotated into a float32
@@ -214,6 +237,7 @@ def qkv_rope_store(
         v_a_row: first row of v_proj's ``A`` in ``weight``.
         q_lora: ``(a_row, b, s, role)``: q_proj's first ``A`` row, every role's B ``(n_roles, H_q·D, r)`` (contiguous,
             the weight's dtype), its scaling and the row's role ``(1,)``; None: q has no adapter.
+        maxnreg: registers per thread the launch may take; 0 the compiler's choice (:data:`MAXNREG_ENV`).
 
     Returns:
         ``(q, q_add)``: ``(1, H_q, D)`` the rotated base queries and ``(1, H_q, D)`` float32 their rotated LoRA term
@@ -240,6 +264,6 @@ def qkv_rope_store(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         lr_pool.stride(0), lr_pool.stride(1), b_q.stride(0),
         HEAD_D=head_dim, HB=HALF_BLOCK, HPP=HEADS_PER_TERM_PROGRAM, BLOCK_K=BLOCK_K,
-        R_PAD=max(2, triton.next_power_of_2(rank)), num_warps=NUM_WARPS,
+        R_PAD=max(2, triton.next_power_of_2(rank)), num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
     return q_out, q_add

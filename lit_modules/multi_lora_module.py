@@ -28,6 +28,7 @@ adapters, optimizer and schedule state are.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
 from datamodules.role_examples import IGNORE_INDEX
+from lragent.host_threads import host_threads
 from lragent.multi_lora import MultiLoraConfig
 from lragent.roles import DEFAULT_ROLES
 from lragent.schemes import Scheme
@@ -384,7 +386,13 @@ class MultiLoraModule(LightningModule):
         self.lora_model.model.train()
 
     def setup(self, stage: str) -> None:
-        """Refuses prefix-packed training data with the cache-sharing-aware loss (before the model is loaded)."""
+        """Refuses prefix-packed training data with the cache-sharing-aware loss (before the model is loaded); on a
+        GPU, narrows torch's host thread pool (:mod:`lragent.host_threads`: a pool as wide as the machine slows the
+        step's launches, and DDP ranks side by side oversubscribe the cores) unless ``OMP_NUM_THREADS`` is set."""
+        if self._trainer is not None:
+            threads = host_threads(str(self.trainer.strategy.root_device), os.environ, torch.get_num_threads())
+            if threads:
+                torch.set_num_threads(threads)
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if stage == "fit" and self.train_config.lambda_shared > 0 and getattr(dm, "pack_prefixes", False):
             raise ValueError(

@@ -134,6 +134,13 @@ def _qkv_rope_switch() -> int:
     return qkv_rope_switch()
 
 
+def _qkv_maxnreg() -> int:
+    """``LRAGENT_QKV_MAXNREG``: registers per thread the one-launch q/k/v kernel may take (0: the compiler's)."""
+    from kernels.fused_qkv_rope import qkv_maxnreg
+
+    return qkv_maxnreg()
+
+
 def _fused_gemv_rows() -> int:
     """``LRAGENT_FUSED_GEMV``: the most rows of a decode step whose norms and SiLU·mul run inside the GEMVs."""
     from kernels.fused_gemv import fused_gemv_rows
@@ -263,6 +270,7 @@ class DecodeView:
         self.fused = self.kernel is not None if fused is None else fused
         self.norm_gemv_rows = _fused_gemv_rows() if self.fused else 0  # 0: the unfused norms and SiLU·mul
         self.qkv_rope = _qkv_rope_switch() if self.norm_gemv_rows else 0  # RoPE and stores in the q/k/v GEMV
+        self.qkv_maxnreg = _qkv_maxnreg() if self.qkv_rope else 0  # that launch's register cap (0: the compiler's)
         if self.kernel is not None:  # int32 indices once per step, not per layer
             self.kv_lens32 = self.kv_lens.to(torch.int32)
             self.kv_slot32 = kv_slot.to(torch.int32)
@@ -312,7 +320,7 @@ class DecodeView:
         cos, sin = (t.to(h.dtype) for t in rotary)
         q, q_add = qkv_rope_store(
             h, norm_weight, eps, weight, *heads, cos, sin, p.k[layer], p.v[layer], p.v_lr[layer], self.kv_slot,
-            self.lr_slot, self.pos, v_a_row, q_lora,
+            self.lr_slot, self.pos, v_a_row, q_lora, maxnreg=self.qkv_maxnreg,
         )  # fmt: skip
         return q[:, :, None], q_add
 

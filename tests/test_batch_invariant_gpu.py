@@ -37,7 +37,7 @@ def test_records_do_not_depend_on_the_other_episodes_in_the_batch(tmp_path: Path
     few, many = _records(tmp_path / "few"), _records(tmp_path / "many")
     assert len(few) == 6 and len(many) == 18
     assert {k: many[k] for k in few} == few
-    # an eval on a GPU caps its host threads (eval_suite/shard_launch.py: GPU_HOST_THREADS) unless the user set them
+    # an eval on a GPU caps its host threads (lragent/host_threads.py: GPU_HOST_THREADS) unless the user set them
     import os
 
     threads = json.loads((tmp_path / "few" / "timing.json").read_text())["torch_threads"]

@@ -99,6 +99,10 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     assert split_plan("num_warps=4,fused_gemv=1,block_n=32") == ("num_warps=4,block_n=32", {"fused_gemv": 1})
     with pytest.raises(ValueError, match="LRAGENT_FUSED_GEMV='x'"):
         split_plan("fused_gemv=")
+    # the q/k/v launch's register cap is an engine switch too, checked by its own parser
+    assert split_plan("qkv_maxnreg=80,qkv_rope=1") == ("", {"qkv_maxnreg": 80, "qkv_rope": 1})
+    with pytest.raises(ValueError, match=r"LRAGENT_QKV_MAXNREG='300': allowed 0 \(the compiler's choice\)"):
+        split_plan("qkv_maxnreg=300")
     monkeypatch.setenv("LRAGENT_FUSED_GEMV", "all")  # a bad switch in the environment: named before anything loads
     with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='all': allowed 0 \(off\) to 32"):
         decode(plans=["num_warps=4"], out="/nonexistent/never_written")

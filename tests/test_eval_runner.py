@@ -844,7 +844,7 @@ def test_each_shard_sees_its_own_gpu_and_a_share_of_the_cores():
 def test_a_gpu_eval_caps_its_host_threads_unless_the_user_set_them():
     """One eval on a GPU takes at most GPU_HOST_THREADS torch threads (64 made its episode loop 2.3x slower on an
     H100 host); OMP_NUM_THREADS set by the user holds; a CPU eval keeps its pool; a small pool is left alone."""
-    from eval_suite.shard_launch import GPU_HOST_THREADS, host_threads
+    from lragent.host_threads import GPU_HOST_THREADS, host_threads
 
     assert host_threads("cuda", {}, 64) == GPU_HOST_THREADS == 4
     assert host_threads("cuda:1", {"PATH": "/bin"}, 16) == 4

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_under_interpreter
 
-from kernels.fused_qkv_rope import SWITCH_ENV, qkv_rope_switch
+from kernels.fused_qkv_rope import MAXNREG_ENV, SWITCH_ENV, qkv_maxnreg, qkv_rope_switch
 
 EPS = 1e-5
 
@@ -63,13 +63,14 @@ def _reference(c: dict, with_lora: bool) -> tuple[torch.Tensor, ...]:
     return qo, k_pool, v_pool, lr_pool
 
 
-def _fused(c: dict, with_lora: bool) -> tuple[torch.Tensor, ...]:
+def _fused(c: dict, with_lora: bool, maxnreg: int = 0) -> tuple[torch.Tensor, ...]:
     from kernels.fused_qkv_rope import qkv_rope_store
 
     k_pool, v_pool, lr_pool = _pools(c)
     q, q_add = qkv_rope_store(
         c["h"], c["norm_w"], EPS, c["weight"], *c["heads"], c["cos"], c["sin"], k_pool, v_pool, lr_pool,
         c["kv_slot"], c["lr_slot"], c["pos"], c["a_v"], (c["a_q"], c["b_q"], 2.0, c["role"]) if with_lora else None,
+        maxnreg=maxnreg,
     )  # fmt: skip
     return q, q_add, k_pool, v_pool, lr_pool
 
@@ -188,6 +189,31 @@ def test_the_switch_is_on_unless_set_to_0(monkeypatch):
             qkv_rope_switch(bad)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_register_cap_changes_nothing_the_launch_writes(dtype):
+    """LLaMA-3.1-8B shapes with ``maxnreg`` 80 (three programs an SM instead of two) and 64 (spills): every output
+    the same as the compiler's register count gives, bit for bit (a cap moves values between registers and the
+    stack, not the arithmetic)."""
+    for seed in (0, 1):
+        c = _case("cuda", dtype, 32, 8, 128, 4096, 8, seed=seed)
+        want = _fused(c, True)
+        for cap in (80, 64):
+            got = _fused(c, True, maxnreg=cap)
+            for name, a, b in zip(("q", "q_add", "k pool", "v pool", "lr pool"), want, got, strict=True):
+                assert torch.equal(a, b), (name, cap, seed)
+
+
+def test_the_register_cap_switch_names_a_bad_value():
+    """``LRAGENT_QKV_MAXNREG``: unset, empty or 0 the compiler's choice; 32-255 a cap; anything else refused."""
+    assert qkv_maxnreg("") == qkv_maxnreg("0") == 0 and qkv_maxnreg(" 80 ") == 80 and qkv_maxnreg("255") == 255
+    for bad in ("16", "256", "-1", "80.5", "many"):
+        with pytest.raises(
+            ValueError, match=rf"{MAXNREG_ENV}='{bad}': allowed 0 \(the compiler's choice\) or registers 32-255"
+        ):
+            qkv_maxnreg(bad)
+
+
 def test_usable_refuses_what_the_kernel_cannot_take(monkeypatch):
     """Several rows, a head dim that is not a power of two or too small for two half-blocks, a weight short of the
     q/k/v and A rows, a rank past 16, a float32 call: all left to the unfused path."""
@@ -220,36 +246,44 @@ def _engine_one_row(device: str) -> dict:
 
     def spy(*a, **kw):
         calls["n"] += 1
+        calls.setdefault("kw", []).append(kw)
         return raw(*a, **kw)
 
-    saved = os.environ.get(SWITCH_ENV)
+    saved = {k: os.environ.get(k) for k in (SWITCH_ENV, MAXNREG_ENV)}
     fq.qkv_rope_store = spy
-    counted = {}
+    counted, caps = {}, set()
     try:
         for scheme in ("base_lr_shared", "full_shared"):
             outs = {}
-            for flag in ("0", "1"):
-                os.environ[SWITCH_ENV] = flag
+            for flag, cap in (("0", "0"), ("1", "0"), ("1", "72")):  # "72": the launch with a register cap
+                os.environ[SWITCH_ENV], os.environ[MAXNREG_ENV] = flag, cap
                 before = calls["n"]
                 m = tiny_multi_lora("tiny-llama", b_std=0.3)
                 m.to(device)
                 m.model.half()
-                outs[flag] = decode_rows(m, scheme, rows=1)
-                counted[(scheme, flag)] = calls["n"] - before
-            for a, b in zip(outs["0"], outs["1"], strict=True):
+                outs[flag + cap] = decode_rows(m, scheme, rows=1)
+                counted[(scheme, flag + cap)] = calls["n"] - before
+                caps |= {(cap, kw.get("maxnreg")) for kw in calls.get("kw", [])}
+                calls["kw"] = []
+            for a, b, c in zip(outs["00"], outs["10"], outs["172"], strict=True):
                 assert a.generated_ids == b.generated_ids, (scheme, a.generated_ids, b.generated_ids)
                 assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
+                assert torch.equal(b.logits, c.logits), scheme  # the cap changes no value
                 if scheme == "full_shared":
                     assert torch.equal(a.logits, b.logits)
-        assert counted[("base_lr_shared", "1")] > 0, counted
-        assert counted[("base_lr_shared", "0")] == counted[("full_shared", "0")] == counted[("full_shared", "1")] == 0
+        assert counted[("base_lr_shared", "10")] > 0 and counted[("base_lr_shared", "172")] > 0, counted
+        assert (
+            counted[("base_lr_shared", "00")] == counted[("full_shared", "00")] == counted[("full_shared", "10")] == 0
+        )
+        assert caps == {("0", 0), ("72", 72)}, caps  # the view hands the switch's cap to the launch
     finally:
         fq.qkv_rope_store = raw
-        if saved is None:
-            os.environ.pop(SWITCH_ENV, None)
-        else:
-            os.environ[SWITCH_ENV] = saved
-    return counted
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {f"{s} {k}": v for (s, k), v in counted.items()}
 
 
 def test_the_engine_decodes_the_same_with_the_launch_under_the_interpreter():

@@ -249,6 +249,27 @@ def test_shared_loss_with_packed_data_is_refused_before_the_model_loads(tmp_path
     assert m.lora_model is None  # refused before configure_model
 
 
+def test_a_gpu_fit_narrows_the_host_thread_pool_unless_the_user_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, fit/validate take at most GPU_HOST_THREADS torch threads (a pool as wide as the machine slowed the
+    embedded model's DDP ranks, four on one host); OMP_NUM_THREADS set by the user holds; a CPU fit keeps its pool."""
+    from types import SimpleNamespace
+
+    from lragent.host_threads import GPU_HOST_THREADS
+
+    set_to: list[int] = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for device, stage in (("cuda", "fit"), ("cpu", "fit"), ("cuda:1", "validate")):
+        m = module()
+        m._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), datamodule=None)
+        m.setup(stage)
+    assert set_to == [GPU_HOST_THREADS, GPU_HOST_THREADS] and GPU_HOST_THREADS == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "32")
+    m.setup("fit")
+    assert set_to == [4, 4]
+
+
 @pytest.mark.gpu
 def test_training_and_validation_steps_do_not_sync_the_host() -> None:
     """On CUDA: a bf16-autocast training step (forward, backward, clipping, AdamW) and a plain validation step run
