@@ -37,6 +37,7 @@ from kernels.consumer_rows import (
 log = logging.getLogger(__name__)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the kernel's dtypes; fp32 takes the PyTorch path
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # SDPA, cuDNN left out
 
 
 def kernel_available() -> bool:
@@ -126,6 +127,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if q.is_cuda:
+            # Not cuDNN, which torch picks first on Hopper: it builds a plan per new sequence length, 120-240 ms
+            # (forward + backward, H200), so a training epoch of length-bucketed batches paid ~300 ms a new batch
+            # shape; FlashAttention takes any length at once (scripts/probe_sdpa_shapes.py).
+            with sdpa_kernel(_NO_CUDNN):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if key_mask is None and q.is_cuda and compute_dtype(q) in _KERNEL_DTYPES:
         # A chunk at the end of the keys: FlashAttention's bottom-right causal variant, no mask tensor.

@@ -7,6 +7,9 @@
 # Usage inside a device command: source scripts/device_model.sh
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; return 0 2>/dev/null || exit 0 ;; esac
 set -u
+# The commit the carried tree was made from (.commit, written before carrying): the device's .git is a stale snapshot,
+# so without this every record's provenance names an old commit (lragent/provenance.py reads LRAGENT_COMMIT).
+[ -s .commit ] && [ -z "${LRAGENT_COMMIT:-}" ] && export LRAGENT_COMMIT=$(cat .commit)
 GGUF_BYTES=98362432
 if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/jsonargparse ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -44,6 +44,7 @@
 #   byte tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1 (global batches
 #   per epoch, default 10·A; a rank gets EMB_LIMIT1/N, or the same fraction when it is one: keep it a multiple of
 #   A and at most an epoch's batches, or DDP trains on other data than one GPU), VAL_MAX (held-out examples per role),
+#   EMB_EXTRA adds options to every embedded-model fit (e.g. "--model.model_dtype bfloat16").
 #   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
 #   Q_LIMIT, Q_VAL shorten a call; EV_MODEL, EV_BATCH the eval's --model and --batch, EV_EXTRA more eval options
 #   (e.g. "--batch_invariant true"); EV_ADAPTERS a folder
@@ -109,6 +110,7 @@ fi
 Q_LIMIT=${Q_LIMIT:-$((8 * A))}; Q_VAL=${Q_VAL:-16}
 [ -n "$CPU" ] && echo "tiny random LLaMA (CPU check)" > "$OUT/emb_model.txt"
 [ -n "${VAL_MAX:-}" ] && EMB+=(--data.val_max_per_role "$VAL_MAX")
+[ -n "${EMB_EXTRA:-}" ] && read -r -a _emb_extra <<< "$EMB_EXTRA" && EMB+=("${_emb_extra[@]}")  # e.g. "--model.model_dtype bfloat16"
 if [ -z "${PHASES:-}" ]; then
   PHASES="emb1 emb1s"; for n in $SIZES; do PHASES+=" ddp$n"; done
   [ -z "$CPU" ] && [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && { PHASES+=" q1 q1s"; for n in $SIZES; do PHASES+=" qddp$n"; done; }
