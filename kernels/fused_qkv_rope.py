@@ -62,21 +62,25 @@ NUM_WARPS = 8
 
 
 MAXNREG_ENV = "LRAGENT_QKV_MAXNREG"
-"""Registers per thread the one-launch q/k/v kernel may take: 0 (the default, unset too) the compiler's choice, else a
-cap (``maxnreg``). Why a cap: compiled for sm_90 the kernel takes 93-99 registers, so two 8-warp programs fit an SM
-and the 8B grid (393 programs) runs in two waves on 132 SMs; at 80 (no spill offline, Triton 3.6) three fit and it
-runs in one. Timed with ``bench decode --plans '["", "qkv_maxnreg=80"]'``."""
+"""Registers per thread the one-launch q/k/v kernel may take in the decoder: :data:`DEFAULT_MAXNREG` when unset, 0 the
+compiler's choice, else that cap (Triton's ``maxnreg``). Why a cap: compiled for sm_90 the kernel takes 93-99
+registers, so two 8-warp programs fit an SM and the 8B grid (393 programs) runs in two waves on 132 SMs; at 80 (no
+spill, offline compile with Triton 3.6) three fit and it runs in one. On an H200 (2026-11-28, bench decode, 8B, 2k,
+four paired turns) the `base_lr_shared` batch-1 step took 4.705-4.724 ms at 80 against 4.839-4.871 at the compiler's
+count, every output bit for bit the same (tests/test_fused_qkv_rope.py); ``results/engine_h200/readme_2026-11-28``."""
 
+DEFAULT_MAXNREG = 80
 MAXNREG_RANGE = (32, 255)
 
 
 def qkv_maxnreg(value: str | None = None) -> int:
-    """``LRAGENT_QKV_MAXNREG`` (or ``value``): 0 the compiler's register count (unset or empty too), else the cap.
+    """``LRAGENT_QKV_MAXNREG`` (or ``value``): unset or empty :data:`DEFAULT_MAXNREG`; 0 the compiler's register
+    count; else the cap.
 
     Raises:
         ValueError: anything but 0 or a whole number in :data:`MAXNREG_RANGE`, named with what is allowed.
     """
-    raw = (os.environ.get(MAXNREG_ENV, "") if value is None else value).strip() or "0"
+    raw = (os.environ.get(MAXNREG_ENV, "") if value is None else value).strip() or str(DEFAULT_MAXNREG)
     lo, hi = MAXNREG_RANGE
     if not raw.isdigit() or not (int(raw) == 0 or lo <= int(raw) <= hi):
         raise ValueError(f"{MAXNREG_ENV}={raw!r}: allowed 0 (the compiler's choice) or registers {lo}-{hi}")
@@ -237,7 +241,8 @@ def qkv_rope_store(
         v_a_row: first row of v_proj's ``A`` in ``weight``.
         q_lora: ``(a_row, b, s, role)``: q_proj's first ``A`` row, every role's B ``(n_roles, H_q·D, r)`` (contiguous,
             the weight's dtype), its scaling and the row's role ``(1,)``; None: q has no adapter.
-        maxnreg: registers per thread the launch may take; 0 the compiler's choice (:data:`MAXNREG_ENV`).
+        maxnreg: registers per thread the launch may take; 0 the compiler's choice (the decoder passes
+            :data:`MAXNREG_ENV`'s value, :data:`DEFAULT_MAXNREG` unless set).
 
     Returns:
         ``(q, q_add)``: ``(1, H_q, D)`` the rotated base queries and ``(1, H_q, D)`` float32 their rotated LoRA term

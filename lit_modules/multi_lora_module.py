@@ -387,8 +387,8 @@ class MultiLoraModule(LightningModule):
 
     def setup(self, stage: str) -> None:
         """Refuses prefix-packed training data with the cache-sharing-aware loss (before the model is loaded); on a
-        GPU, narrows torch's host thread pool (:mod:`lragent.host_threads`: a pool as wide as the machine slows the
-        step's launches, and DDP ranks side by side oversubscribe the cores) unless ``OMP_NUM_THREADS`` is set."""
+        GPU, narrows torch's host thread pool as an eval does (:mod:`lragent.host_threads`) unless ``OMP_NUM_THREADS``
+        is set (Lightning sets it for DDP ranks)."""
         if self._trainer is not None:
             threads = host_threads(str(self.trainer.strategy.root_device), os.environ, torch.get_num_threads())
             if threads:

@@ -130,7 +130,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
         if q.is_cuda:
             # Not cuDNN, which torch picks first on Hopper: it builds a plan per new sequence length, 120-240 ms
             # (forward + backward, H200), so a training epoch of length-bucketed batches paid ~300 ms a new batch
-            # shape; FlashAttention takes any length at once (scripts/probe_sdpa_shapes.py).
+            # shape; FlashAttention takes any length at once (results/ddp_embedded_h200x4_2026-11-28/).
             with sdpa_kernel(_NO_CUDNN):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -135,7 +135,8 @@ def _qkv_rope_switch() -> int:
 
 
 def _qkv_maxnreg() -> int:
-    """``LRAGENT_QKV_MAXNREG``: registers per thread the one-launch q/k/v kernel may take (0: the compiler's)."""
+    """``LRAGENT_QKV_MAXNREG``: registers per thread the one-launch q/k/v kernel may take (default 80; 0: the
+    compiler's count)."""
     from kernels.fused_qkv_rope import qkv_maxnreg
 
     return qkv_maxnreg()

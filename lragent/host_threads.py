@@ -5,7 +5,9 @@ building); torch's OpenMP pool, as wide as the machine by default, only slows it
 one host (DDP ranks, eval shards, a study's evaluations side by side) oversubscribe the cores. Measured: one Qwen-1.5B
 eval on an H100 of a 64-core host (results/multi_gpu_h100x4, lease 5; same 180 HotpotQA episodes, same records) ran
 its episode loop in 157 s at 64 threads, 68 s at 16 and 64 s at 4. vLLM and ``torchrun`` set ``OMP_NUM_THREADS=1``
-where the user has not, for the same reason; Lightning's DDP launcher does not.
+where the user has not, for the same reason. Lightning's DDP gives each rank its share of the cores (it sets
+``OMP_NUM_THREADS``: 16 threads a rank at 4 ranks on 64 cores), which this then leaves alone; a DDP fit at 64 threads a
+rank was no slower than at 16 (results/ddp_embedded_h200x4_2026-11-28).
 
 Stdlib only: the eval launcher imports this before torch.
 """

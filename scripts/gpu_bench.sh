@@ -12,7 +12,7 @@
 #   bash scripts/gpu_bench.sh readme             the README's speed table on this GPU, one commit (issue 38): 8B decode at
 #                                                2k, batch 1 and 32, with transformers, twice (decode1, decode2; each
 #                                                with the plans $DECODE_PLANS, default "", "qkv_rope=0" and
-#                                                "qkv_maxnreg=80", two turns; the table takes ""), the trace at 16k
+#                                                "qkv_maxnreg=0", two turns; the table takes ""), the trace at 16k
 #                                                (non_shared, full_shared, base_lr_shared) and at 32k ($TRACE32_SCHEMES,
 #                                                default full_shared,base_lr_shared: non_shared's cache outgrows an H100),
 #                                                then python -m eval_suite.speed_table over them
@@ -57,7 +57,7 @@ case "$BENCH" in
   fit8b) ;;
   readme)
     D=(--model llama-3.1-8b --context 2048 --batches "[1,32]" --eager false --repeats 2
-      --plans "${DECODE_PLANS:-[\"\", \"qkv_rope=0\", \"qkv_maxnreg=80\"]}")
+      --plans "${DECODE_PLANS:-[\"\", \"qkv_rope=0\", \"qkv_maxnreg=0\"]}")
     phase decode1 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode1"
     phase decode2 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode2"
     phase trace16k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[16384]" \

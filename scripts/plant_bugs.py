@@ -1127,6 +1127,30 @@ BUGS = {
         "from eval_suite.metrics import (",
         "tests/test_shard_launch.py -k summary_metrics",
     ),
+    "GPU: the training attention lets SDPA pick cuDNN (a plan per new sequence length)": (
+        "lragent/attention.py",
+        "            with sdpa_kernel(_NO_CUDNN):\n                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)",
+        "            if True:\n                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)",
+        "tests/test_training_recipe.py -k no_cudnn",
+    ),
+    "q/k/v in one launch: the view drops the register cap": (
+        "lragent/cache_views.py",
+        "maxnreg=self.qkv_maxnreg,",
+        "maxnreg=0,",
+        "tests/test_fused_qkv_rope.py -k engine",
+    ),
+    "q/k/v in one launch: no register cap by default": (
+        "kernels/fused_qkv_rope.py",
+        "DEFAULT_MAXNREG = 80",
+        "DEFAULT_MAXNREG = 0",
+        "tests/test_fused_qkv_rope.py -k register_cap_switch",
+    ),
+    "fit on a GPU: the host thread pool left as wide as the machine": (
+        "lit_modules/multi_lora_module.py",
+        "            if threads:\n                torch.set_num_threads(threads)",
+        "            if threads:\n                pass",
+        "tests/test_training_recipe.py -k host_thread",
+    ),
     "GPU: decode kernel switched off": (
         "lragent/cache_views.py",
         "        kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None",

@@ -205,8 +205,9 @@ def test_a_register_cap_changes_nothing_the_launch_writes(dtype):
 
 
 def test_the_register_cap_switch_names_a_bad_value():
-    """``LRAGENT_QKV_MAXNREG``: unset, empty or 0 the compiler's choice; 32-255 a cap; anything else refused."""
-    assert qkv_maxnreg("") == qkv_maxnreg("0") == 0 and qkv_maxnreg(" 80 ") == 80 and qkv_maxnreg("255") == 255
+    """``LRAGENT_QKV_MAXNREG``: unset or empty the default cap (80); 0 the compiler's choice; 32-255 a cap; anything
+    else refused."""
+    assert qkv_maxnreg("") == qkv_maxnreg(" ") == 80 and qkv_maxnreg("0") == 0 and qkv_maxnreg("255") == 255
     for bad in ("16", "256", "-1", "80.5", "many"):
         with pytest.raises(
             ValueError, match=rf"{MAXNREG_ENV}='{bad}': allowed 0 \(the compiler's choice\) or registers 32-255"
@@ -255,7 +256,8 @@ def _engine_one_row(device: str) -> dict:
     try:
         for scheme in ("base_lr_shared", "full_shared"):
             outs = {}
-            for flag, cap in (("0", "0"), ("1", "0"), ("1", "72")):  # "72": the launch with a register cap
+            # "0": the compiler's register count; "72": a cap; "": the default cap (80)
+            for flag, cap in (("0", "0"), ("1", "0"), ("1", "72"), ("1", "")):
                 os.environ[SWITCH_ENV], os.environ[MAXNREG_ENV] = flag, cap
                 before = calls["n"]
                 m = tiny_multi_lora("tiny-llama", b_std=0.3)
@@ -265,17 +267,17 @@ def _engine_one_row(device: str) -> dict:
                 counted[(scheme, flag + cap)] = calls["n"] - before
                 caps |= {(cap, kw.get("maxnreg")) for kw in calls.get("kw", [])}
                 calls["kw"] = []
-            for a, b, c in zip(outs["00"], outs["10"], outs["172"], strict=True):
+            for a, b, c, d in zip(outs["00"], outs["10"], outs["172"], outs["1"], strict=True):
                 assert a.generated_ids == b.generated_ids, (scheme, a.generated_ids, b.generated_ids)
                 assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
-                assert torch.equal(b.logits, c.logits), scheme  # the cap changes no value
+                assert torch.equal(b.logits, c.logits) and torch.equal(b.logits, d.logits), scheme  # caps: no change
                 if scheme == "full_shared":
                     assert torch.equal(a.logits, b.logits)
         assert counted[("base_lr_shared", "10")] > 0 and counted[("base_lr_shared", "172")] > 0, counted
         assert (
             counted[("base_lr_shared", "00")] == counted[("full_shared", "00")] == counted[("full_shared", "10")] == 0
         )
-        assert caps == {("0", 0), ("72", 72)}, caps  # the view hands the switch's cap to the launch
+        assert caps == {("0", 0), ("72", 72), ("", 80)}, caps  # the view hands the switch's cap to the launch
     finally:
         fq.qkv_rope_store = raw
         for k, v in saved.items():

@@ -250,8 +250,8 @@ def test_shared_loss_with_packed_data_is_refused_before_the_model_loads(tmp_path
 
 
 def test_a_gpu_fit_narrows_the_host_thread_pool_unless_the_user_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU, fit/validate take at most GPU_HOST_THREADS torch threads (a pool as wide as the machine slowed the
-    embedded model's DDP ranks, four on one host); OMP_NUM_THREADS set by the user holds; a CPU fit keeps its pool."""
+    """On a GPU, fit/validate take at most GPU_HOST_THREADS torch threads, as an eval does; OMP_NUM_THREADS set by the
+    user (or by Lightning for DDP ranks) holds; a CPU fit keeps its pool."""
     from types import SimpleNamespace
 
     from lragent.host_threads import GPU_HOST_THREADS
@@ -268,6 +268,28 @@ def test_a_gpu_fit_narrows_the_host_thread_pool_unless_the_user_set_it(monkeypat
     monkeypatch.setenv("OMP_NUM_THREADS", "32")
     m.setup("fit")
     assert set_to == [4, 4]
+
+
+@pytest.mark.gpu
+def test_the_plain_causal_attention_takes_no_cudnn_kernel() -> None:
+    """The training forward's plain causal attention (SDPA) runs FlashAttention, not cuDNN: torch puts cuDNN first on
+    Hopper, and cuDNN builds a plan for every new sequence length (120-240 ms forward + backward on an H200,
+    results/ddp_embedded_h200x4_2026-11-28/), which length-bucketed training batches kept paying (the embedded fit
+    ran 2x slower). Forward and backward at two new lengths (GQA, bf16), profiled: no cuDNN kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lragent.attention import plain_attention
+
+    names: set[str] = set()
+    for t in (333, 1029):
+        q = torch.randn(2, 9, t, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(2, 3, t, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            plain_attention(q, k, v).float().square().sum().backward()
+            torch.cuda.synchronize()
+        names |= {e.name for e in prof.events()}
+    assert any("flash" in n.lower() for n in names), sorted(names)[:20]
+    assert not any("cudnn" in n.lower() for n in names), sorted(n for n in names if "cudnn" in n.lower())
 
 
 @pytest.mark.gpu
