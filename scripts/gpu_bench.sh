@@ -60,9 +60,10 @@ case "$BENCH" in
       --plans "${DECODE_PLANS:-[\"\", \"qkv_rope=0\", \"qkv_maxnreg=0\"]}")
     phase decode1 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode1"
     phase decode2 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode2"
-    phase trace16k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[16384]" \
+    # the table needs no kernel-off rows (Figure 4's): without them the call fits one 10-minute device command
+    phase trace16k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[16384]" --kernel_off false \
       --schemes non_shared,full_shared,base_lr_shared --out "$OUT/readme/trace16k"
-    phase trace32k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[32768]" \
+    phase trace32k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[32768]" --kernel_off false \
       --schemes "${TRACE32_SCHEMES:-full_shared,base_lr_shared}" --out "$OUT/readme/trace32k"
     phase table "$PY" -m eval_suite.speed_table "$OUT/readme" --out "$OUT/readme/speed_table.md"
     exit 0 ;;
