@@ -127,10 +127,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if q.is_cuda:
-            # Not cuDNN, which torch picks first on Hopper: it builds a plan per new sequence length, 120-240 ms
-            # (forward + backward, H200), so a training epoch of length-bucketed batches paid ~300 ms a new batch
-            # shape; FlashAttention takes any length at once (results/ddp_embedded_h200x4_2026-11-28/).
+        if q.is_cuda and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            # Training: not cuDNN, which torch picks first on Hopper: it builds a plan per new sequence length,
+            # 120-240 ms (forward + backward, H200), so an epoch of length-bucketed batches paid ~300 ms a new batch
+            # shape; FlashAttention takes any length at once (results/ddp_embedded_h200x4_2026-11-28/). Inference
+            # (the plain caches' prefill) keeps torch's choice: not measured there.
             with sdpa_kernel(_NO_CUDNN):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
