@@ -3,12 +3,15 @@
 Every JSON or Markdown result the toolkit writes carries :func:`provenance` (as a ``"provenance"`` key) or its
 :func:`provenance_footer`. On machines where the checkout has no ``.git`` (a copy of the working tree sent to a GPU
 machine, or one whose ``.git`` is a stale snapshot), the commit comes from ``$LRAGENT_GIT_COMMIT`` (or
-``$LRAGENT_COMMIT``, the name the GPU scripts take) / ``$LRAGENT_GIT_DIRTY``, set by whoever sent the copy.
+``$LRAGENT_COMMIT``, the name the GPU scripts take) / ``$LRAGENT_GIT_DIRTY``, set by whoever sent the copy. Since a
+sender can hand over a wrong commit (or none), every record also names :func:`source_hash`, a hash of the code that
+ran: ``bash scripts/gpu_tests.sh --hash`` at a commit prints the same value.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -53,6 +56,42 @@ def _git() -> tuple[str | None, bool | None]:
     return commit or None, bool(status.strip())
 
 
+SOURCE_PATHS: tuple[str, ...] = (
+    "cli.py",
+    "lragent",
+    "kernels",
+    "eval_suite",
+    "datamodules",
+    "lit_modules",
+    "tests",
+    "scripts",
+)
+"""What :func:`source_hash` reads (its ``.py`` and ``.sh`` files): the code a result can depend on."""
+
+
+@lru_cache(maxsize=1)
+def source_hash(root: Path = ROOT) -> str | None:
+    """The first 16 hex digits of the sha256 of the ``sha256sum`` listing of every ``.py`` / ``.sh`` file under
+    :data:`SOURCE_PATHS`, in byte order of their paths: what ``bash scripts/gpu_tests.sh --hash`` prints for the
+    same tree. None when no such file can be read."""
+    files: list[str] = []
+    for name in SOURCE_PATHS:
+        top = root / name
+        if top.is_file():
+            files.append(name)
+        elif top.is_dir():
+            files += [
+                p.relative_to(root).as_posix() for p in top.rglob("*") if p.suffix in (".py", ".sh") and p.is_file()
+            ]
+    if not files:
+        return None
+    try:
+        listing = "".join(f"{hashlib.sha256((root / f).read_bytes()).hexdigest()}  {f}\n" for f in sorted(files))
+    except OSError:
+        return None
+    return hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -85,7 +124,7 @@ def provenance(
         command: the command line (default: the running command's, else this process's ``sys.argv``).
 
     Returns:
-        ``{"command", "device", "dtype", "versions", "git_commit", "git_dirty", "host", "utc"}``.
+        ``{"command", "device", "dtype", "versions", "git_commit", "git_dirty", "source_hash", "host", "utc"}``.
     """
     if command is None:
         from lragent.command import command_line
@@ -103,6 +142,7 @@ def provenance(
         "versions": versions,
         "git_commit": commit,
         "git_dirty": dirty,
+        "source_hash": source_hash(),
         "host": platform.node(),
         "utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -115,6 +155,8 @@ def provenance_footer(prov: dict) -> str:
     commit = prov.get("git_commit") or "unknown"
     if prov.get("git_dirty"):
         commit += " (dirty)"
+    if prov.get("source_hash"):
+        commit += f", source {prov['source_hash']}"
     return (
         "\n---\n"
         f"Produced on {dev.get('name', '?')} ({dev.get('type', '?')}), dtype {prov.get('dtype') or 'n/a'}, "

@@ -1139,6 +1139,18 @@ BUGS = {
         "",
         "tests/test_fused_qkv_rope.py -k register_cap_reaches",
     ),
+    "provenance: the source hash over the files in the order found, not sorted": (
+        "lragent/provenance.py",
+        "for f in sorted(files))",
+        "for f in files)",
+        "tests/test_provenance.py",
+    ),
+    "provenance: the source hash skips the shell scripts": (
+        "lragent/provenance.py",
+        'if p.suffix in (".py", ".sh")',
+        'if p.suffix in (".py",)',
+        "tests/test_provenance.py",
+    ),
     "q/k/v in one launch: the view drops the register cap": (
         "lragent/cache_views.py",
         "maxnreg=self.qkv_maxnreg,",

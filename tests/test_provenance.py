@@ -21,3 +21,32 @@ def test_commit_handed_over_in_the_environment_wins(monkeypatch, var: str) -> No
         assert rec["git_commit"] == "0123abc" and rec["git_dirty"] is True
     finally:
         prov._git.cache_clear()
+
+
+def test_every_record_names_the_hash_of_the_code_that_ran() -> None:
+    """A handed-over commit can be wrong (a call carried a stale ``.commit``); the record's ``source_hash`` is the
+    hash ``bash scripts/gpu_tests.sh --hash`` prints for the same tree, so a record can be matched to a commit; the
+    footer shows it."""
+    import subprocess
+
+    prov.source_hash.cache_clear()
+    rec = prov.provenance(device="cpu")
+    shell = subprocess.run(
+        ["bash", "scripts/gpu_tests.sh", "--hash"], cwd=prov.ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert rec["source_hash"] == shell and len(shell) == 16
+    assert f"source {shell}" in prov.provenance_footer(rec)
+
+
+def test_the_source_hash_changes_with_any_source_file(tmp_path) -> None:
+    """One byte more in one file, or one more file, gives another hash; other files do not count."""
+    (tmp_path / "lragent").mkdir()
+    (tmp_path / "lragent" / "a.py").write_text("x = 1\n")
+    (tmp_path / "cli.py").write_text("")
+    first = prov.source_hash.__wrapped__(tmp_path)
+    (tmp_path / "lragent" / "notes.md").write_text("not code")
+    assert prov.source_hash.__wrapped__(tmp_path) == first
+    (tmp_path / "lragent" / "a.py").write_text("x = 1 \n")
+    second = prov.source_hash.__wrapped__(tmp_path)
+    (tmp_path / "lragent" / "b.sh").write_text("")
+    assert len({first, second, prov.source_hash.__wrapped__(tmp_path)}) == 3
