@@ -389,11 +389,12 @@ class MultiLoraModule(LightningModule):
         """Refuses prefix-packed training data with the cache-sharing-aware loss (before the model is loaded); on a
         GPU, narrows torch's host thread pool as an eval does (:mod:`lragent.host_threads`) unless ``OMP_NUM_THREADS``
         is set (Lightning sets it for DDP ranks)."""
+        dm = None
         if self._trainer is not None:
             threads = host_threads(str(self.trainer.strategy.root_device), os.environ, torch.get_num_threads())
             if threads:
                 torch.set_num_threads(threads)
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            dm = getattr(self.trainer, "datamodule", None)
         if stage == "fit" and self.train_config.lambda_shared > 0 and getattr(dm, "pack_prefixes", False):
             raise ValueError(
                 f"lambda_shared={self.train_config.lambda_shared} needs one example per sequence: set "

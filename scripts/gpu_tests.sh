@@ -20,9 +20,8 @@
 # Here (no GPU):   bash scripts/gpu_tests.sh --hash    prints the source hash the record names, to compare.
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
-source_hash() {
-  find cli.py lragent kernels eval_suite datamodules lit_modules tests scripts -name '*.py' -o -name '*.sh' \
-    | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
+source_hash() {  # the hash every result's provenance names (lragent/provenance.py: source_hash)
+  python3 -c 'from lragent.provenance import source_hash; print(source_hash())'
 }
 if [ "${1:-}" = "--hash" ]; then source_hash; exit 0; fi
 
@@ -35,7 +34,7 @@ WORKERS=${GPU_TESTS_WORKERS:-12}
 XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS --dist load"
 # the switches that change which kernels run are part of the command a record names
 SWITCHES=""
-for v in LRAGENT_QKV_ROPE CUDA_VISIBLE_DEVICES; do [ -n "${!v:-}" ] && SWITCHES="$SWITCHES $v=${!v}"; done
+for v in LRAGENT_QKV_ROPE LRAGENT_QKV_MAXNREG LRAGENT_FUSED_GEMV LRAGENT_DECODE_PLAN CUDA_VISIBLE_DEVICES; do [ -n "${!v:-}" ] && SWITCHES="$SWITCHES $v=${!v}"; done
 CMD="LRAGENT_COMMIT=${LRAGENT_COMMIT:-}$SWITCHES GPU_TESTS_BUDGET=$BUDGET GPU_TESTS_WORKERS=$WORKERS bash scripts/gpu_tests.sh"
 source_hash > "$OUTDIR/source.sha256"
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > "$OUTDIR/device_model.log" 2>&1

@@ -25,17 +25,20 @@ def test_commit_handed_over_in_the_environment_wins(monkeypatch, var: str) -> No
 
 def test_every_record_names_the_hash_of_the_code_that_ran() -> None:
     """A handed-over commit can be wrong (a call carried a stale ``.commit``); the record's ``source_hash`` is the
-    hash ``bash scripts/gpu_tests.sh --hash`` prints for the same tree, so a record can be matched to a commit; the
-    footer shows it."""
+    ``sha256sum`` listing's hash of the tree's code (computed here with the shell tools, independently), the one
+    ``bash scripts/gpu_tests.sh --hash`` prints, so a record can be matched to a commit; the footer shows it."""
     import subprocess
+
+    def run(cmd: list[str]) -> str:
+        return subprocess.run(cmd, cwd=prov.ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     prov.source_hash.cache_clear()
     rec = prov.provenance(device="cpu")
-    shell = subprocess.run(
-        ["bash", "scripts/gpu_tests.sh", "--hash"], cwd=prov.ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert rec["source_hash"] == shell and len(shell) == 16
-    assert f"source {shell}" in prov.provenance_footer(rec)
+    reference = run(["bash", "-c", f"find {' '.join(prov.SOURCE_PATHS)} -name '*.py' -o -name '*.sh' | LC_ALL=C sort "
+                                   "| xargs sha256sum | sha256sum | cut -c1-16"])  # fmt: skip
+    assert rec["source_hash"] == reference and len(reference) == 16
+    assert run(["bash", "scripts/gpu_tests.sh", "--hash"]) == reference
+    assert f"source {reference}" in prov.provenance_footer(rec)
 
 
 def test_the_source_hash_changes_with_any_source_file(tmp_path) -> None:
