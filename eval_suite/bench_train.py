@@ -112,9 +112,12 @@ def _data_files(data: str, roles: list[str]) -> dict[str, str]:
 
 
 def _batch_stats(batch: dict[str, Any]) -> dict[str, Any]:
-    """Host-side sizes of a collated batch (taken before it moves to the device)."""
+    """Host-side sizes of a collated batch: the lengths from the host copy the module keeps (``batch["host"]``, see
+    ``MultiLoraModule.on_before_batch_transfer``) where there is one, so that reading them on the device does not
+    stall the host."""
+    host = batch.get("host") or {}
     return {
-        "lengths": batch["lengths"].tolist(),
+        "lengths": list(host["lengths"]) if "lengths" in host else batch["lengths"].tolist(),
         "padded": int(batch["input_ids"].numel()),
         "n_scored": int(batch["loss_index"].numel()),
         "n_examples": int(batch["n_examples"]),
@@ -124,6 +127,19 @@ def _batch_stats(batch: dict[str, Any]) -> dict[str, Any]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _timer_name(device: torch.device, sync_steps: bool) -> str:
+    if device.type != "cuda":
+        return "host clock"
+    return "host clock, device synced at each micro-batch" if sync_steps else "cuda events"
+
+
+def _cuda_mark(device: torch.device) -> Any:
+    """A timing event recorded on ``device``'s current stream (no host wait)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 # -------------------------------------------------------------------------------------------------------- timing
@@ -170,10 +186,15 @@ class FitSpeed(Callback):
     """Lightning callback for a real ``fit``: step times, tokens/s, model FLOPs / MFU and peak CUDA memory, written as
     JSON when fit ends (add it to a config's ``trainer.callbacks`` as ``eval_suite.bench_train.FitSpeed``).
 
-    Each micro-batch is timed from its start to its end (device synchronised: forward, backward and, on the last
-    micro-batch of an accumulation, the optimizer step); the first ``warmup`` micro-batches are not counted. Data
-    loading, validation and checkpointing are outside the micro-batches: ``other_seconds`` reports them. In the JSON,
-    ``steps`` / ``ms_per_step`` count timed micro-batches (an optimizer step is ``accumulate_grad_batches`` of them).
+    Each micro-batch is timed from its start to its end (forward, backward and, on the last micro-batch of an
+    accumulation, the optimizer step); the first ``warmup`` micro-batches are not counted. On a GPU the marks are
+    CUDA events on the device's stream, read once when training ends, so the timer never makes the host wait for the
+    GPU: a device sync at every micro-batch would stop the host from running ahead, and under DDP would make every
+    rank wait for the slowest one at every micro-batch instead of only where the gradients are all-reduced
+    (``sync_steps=True`` restores such a sync and the host clock, to compare). Data loading, validation and
+    checkpointing are outside the micro-batches: ``other_seconds`` reports them. In the JSON, ``steps`` /
+    ``ms_per_step`` count timed micro-batches (an optimizer step is ``accumulate_grad_batches`` of them) and
+    ``timer`` names the clock.
 
     With several processes (DDP, FSDP) every rank times its own micro-batches and writes ``<out stem>.rank<k>.json``;
     rank 0 also writes ``out``: its own figures plus ``world_size``, ``ranks`` (tokens, seconds, tokens/s and peak
@@ -184,10 +205,12 @@ class FitSpeed(Callback):
         out: JSON file to write.
         warmup: micro-batches not timed at the start of the run.
         peak_tflops: peak TFLOP/s for MFU; ``None``: the dense bf16 peak of a known GPU.
+        sync_steps: synchronise the device at every micro-batch's start and end and time with the host clock (the
+            timer before 2026-11-28) instead of CUDA events.
     """
 
-    def __init__(self, out: str, warmup: int = 2, peak_tflops: float | None = None) -> None:
-        self.out, self.warmup, self.peak_tflops = out, warmup, peak_tflops
+    def __init__(self, out: str, warmup: int = 2, peak_tflops: float | None = None, sync_steps: bool = False) -> None:
+        self.out, self.warmup, self.peak_tflops, self.sync_steps = out, warmup, peak_tflops, sync_steps
         self.records: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {}
         self.t_start = 0.0
@@ -201,18 +224,38 @@ class FitSpeed(Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
+    def _events(self) -> bool:
+        return self.device.type == "cuda" and not self.sync_steps
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # The device the steps ran on: by on_fit_end Lightning's teardown has moved the module to the CPU.
         self.device = pl_module.device
-        _sync(pl_module.device)
         self.stats = _batch_stats(batch)
+        if self._events():
+            self.t_start = _cuda_mark(self.device)
+            return
+        _sync(self.device)
         self.t_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        _sync(pl_module.device)
+        if self._events():
+            self.records.append({**self.stats, "marks": (self.t_start, _cuda_mark(self.device))})
+            return
+        _sync(self.device)
         self.records.append({**self.stats, "seconds": time.perf_counter() - self.t_start})
 
+    def _read_marks(self) -> None:
+        """Turns the recorded CUDA events into seconds (one device sync for all of them)."""
+        pending = [r for r in self.records if "marks" in r]
+        if not pending:
+            return
+        _sync(self.device)
+        for r in pending:
+            start, end = r.pop("marks")
+            r["seconds"] = start.elapsed_time(end) / 1e3
+
     def on_train_end(self, trainer, pl_module) -> None:
+        self._read_marks()
         # every rank's totals, gathered while the process group is up (Lightning's teardown precedes on_fit_end)
         if getattr(trainer, "world_size", 1) <= 1:
             return
@@ -238,6 +281,7 @@ class FitSpeed(Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         dev = self.device  # not pl_module.device: the module is back on the CPU here
+        self._read_marks()  # a fit that ended without on_train_end (interrupted)
         rank = pl_module.lora_config.rank
         shape = ModelShape.from_config(pl_module.lora_model.model.config, rank, pl_module.lora_config.targets)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -252,6 +296,7 @@ class FitSpeed(Callback):
             fit_seconds=total,
             other_seconds=total - sum(r["seconds"] for r in self.records),
             torch_threads=torch.get_num_threads(),  # the host pool the steps ran with (lragent.host_threads)
+            timer=_timer_name(dev, self.sync_steps),
             provenance=provenance(device=dev.type),
         )
         Path(self.out).parent.mkdir(parents=True, exist_ok=True)

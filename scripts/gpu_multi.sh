@@ -44,7 +44,8 @@
 #   byte tokens) instead of the embedded GGUF, for a call that cannot carry the 98 MB GGUF; EMB_LIMIT1 (global batches
 #   per epoch, default 10·A; a rank gets EMB_LIMIT1/N, or the same fraction when it is one: keep it a multiple of
 #   A and at most an epoch's batches, or DDP trains on other data than one GPU), VAL_MAX (held-out examples per role),
-#   EMB_EXTRA adds options to every embedded-model fit (e.g. "--model.model_dtype bfloat16").
+#   EMB_EXTRA adds options to every embedded-model fit (e.g. "--model.model_dtype bfloat16"); FITSPEED_SYNC=1 times
+#   the fits as before 2026-11-28 (a device sync at each micro-batch, the host clock) instead of with CUDA events.
 #   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
 #   Q_LIMIT, Q_VAL shorten a call; EV_MODEL, EV_BATCH the eval's --model and --batch, EV_EXTRA more eval options
 #   (e.g. "--batch_invariant true"); EV_ADAPTERS a folder
@@ -134,6 +135,7 @@ phase() {  # phase NAME command...: runs into $OUT/NAME.log, records wall second
 # Derived configs: no early stopping, time budget or progress bar; a FitSpeed and an ExportAdapters (last weights)
 # per run; checkpoints every step for the FSDP runs; CSV logs under $RUN.
 "$PY" - "$RUN" "$OUT" $SIZES <<'EOF2'
+import os
 import sys
 
 import yaml
@@ -148,14 +150,16 @@ def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
     tr["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
                      "init_args": {"save_dir": f"{run}/{name}", "name": "csv", "version": 0}}]
     cbs = [cb for cb in tr["callbacks"] if not any(d in cb["class_path"] for d in drop)]
-    cbs.append({"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup}})
+    sync = os.environ.get("FITSPEED_SYNC") == "1"  # the timer before 2026-11-28: a device sync each micro-batch
+    cbs.append({"class_path": "eval_suite.bench_train.FitSpeed",
+                "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup, "sync_steps": sync}})
     cbs.append({"class_path": "lit_modules.export.ExportAdapters",
                 "init_args": {"out_dir": f"{out}/{name}_export", "best": False}})
     if ckpt_dir:
         cbs.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                     "init_args": {"dirpath": ckpt_dir, "save_last": True, "every_n_train_steps": 1, "monitor": None}})
     tr.update(callbacks=cbs, enable_progress_bar=False, enable_checkpointing=bool(ckpt_dir), default_root_dir=run,
-              num_sanity_val_steps=0, log_every_n_steps=1)
+              num_sanity_val_steps=0)  # the recipe's log_every_n_steps: logging syncs the host each time it logs
     open(f"{out}/{name}_config.yaml", "w").write(yaml.safe_dump(cfg, sort_keys=False))
 
 

@@ -1388,6 +1388,30 @@ BUGS = {
         "not any(id(p) in self.tied for p in own)",
         "tests/test_multi_gpu.py -k wraps_frozen",
     ),
+    "FitSpeed: the device synced at every micro-batch again (DDP ranks then wait for the slowest at each)": (
+        "eval_suite/bench_train.py",
+        '        return self.device.type == "cuda" and not self.sync_steps',
+        "        return False",
+        "tests/test_bench_train.py -k without_stalling",
+    ),
+    "FitSpeed: the lengths read from the device tensor, not the host copy": (
+        "eval_suite/bench_train.py",
+        '        "lengths": list(host["lengths"]) if "lengths" in host else batch["lengths"].tolist(),',
+        '        "lengths": batch["lengths"].tolist(),',
+        "tests/test_bench_train.py -k host_copy",
+    ),
+    "optimizer: the fused AdamW never taken": (
+        "lit_modules/multi_lora_module.py",
+        "        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=True if fused else None)",
+        "        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps)",
+        "tests/test_training_recipe.py -k optimizer",
+    ),
+    "GPU: optimizer: not fused on CUDA by default": (
+        "lit_modules/multi_lora_module.py",
+        '            fused = all(p.is_cuda for g in groups for p in g["params"])',
+        "            fused = False",
+        "tests/test_training_recipe.py -k fused_optimizer",
+    ),
     "multi-gpu: FitSpeed ranks write one file": (
         "eval_suite/bench_train.py",
         'write_json(out.with_name(f"{out.stem}.rank{rank}{out.suffix}"), {**result, "rank": rank})',

@@ -414,6 +414,9 @@ def test_fit_speed_reports_the_device_it_trained_on(tmp_path: Path, monkeypatch)
 
     seen: dict[str, str] = {}
     monkeypatch.setattr(bt, "_sync", lambda device: None)
+    gpu_ms = iter(range(0, 1000, 7))
+    monkeypatch.setattr(bt, "_cuda_mark", lambda device: _FakeEvent(float(next(gpu_ms))))
+    monkeypatch.setattr(_FakeEvent, "synced", True)
     monkeypatch.setattr(bt, "_batch_stats", lambda batch: {"lengths": [64], "n_scored": 16, "padded": 64,
                                                             "n_examples": 1})  # fmt: skip
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
@@ -440,3 +443,75 @@ def test_fit_speed_reports_the_device_it_trained_on(tmp_path: Path, monkeypatch)
     assert out["peak_memory_gib"] == 1.0 and out["peak_reserved_gib"] == 2.0
     assert out["mfu"] is not None and out["mfu"] > 0
     assert seen["device"] == "cuda"
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event``: recorded at GPU time ``t`` ms; readable only once the device was synced."""
+
+    synced = False
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        if not _FakeEvent.synced:
+            raise RuntimeError("event read before the device was synchronised")
+        return end.t - self.t
+
+
+@pytest.mark.parametrize("sync_steps", [False, True])
+def test_fit_speed_times_gpu_micro_batches_without_stalling_the_host(tmp_path: Path, monkeypatch, sync_steps) -> None:
+    """On a GPU, FitSpeed marks each micro-batch with CUDA events and reads them once when training ends: no device
+    sync per micro-batch (one would stop the host from running ahead, and under DDP make every rank wait for the
+    slowest at every micro-batch); the seconds are the events' GPU times. ``sync_steps=True`` is the old timer: a
+    sync at each micro-batch's start and end, the host clock."""
+    from types import SimpleNamespace
+
+    import eval_suite.bench_train as bt
+
+    syncs: list[int] = []
+    clock = iter([5.0, 10.0, 20.0, 35.0])  # GPU ms at each mark: micro-batches of 5 and 15 ms
+
+    def sync(device):
+        syncs.append(len(cb.records))
+        _FakeEvent.synced = True
+
+    monkeypatch.setattr(bt, "_sync", sync)
+    monkeypatch.setattr(_FakeEvent, "synced", False)
+    monkeypatch.setattr(bt, "_cuda_mark", lambda device: _FakeEvent(next(clock)))
+    host = iter([1.0, 3.0, 4.0, 8.0])  # host seconds at each mark (sync_steps): 2 and 4 s
+    monkeypatch.setattr(bt.time, "perf_counter", lambda: next(host, 100.0))
+    module = SimpleNamespace(device=torch.device("cuda", 0))
+    batch = {"input_ids": torch.zeros(1, 4), "lengths": torch.tensor([4]), "loss_index": torch.zeros(2),
+             "n_examples": 1, "host": {"lengths": [4]}}  # fmt: skip
+    cb = bt.FitSpeed(str(tmp_path / "speed.json"), warmup=0, sync_steps=sync_steps)
+    for i in range(2):
+        cb.on_train_batch_start(None, module, batch, i)
+        cb.on_train_batch_end(None, module, None, batch, i)
+    if sync_steps:
+        assert syncs == [0, 0, 1, 1]  # at every micro-batch's start and end
+    else:
+        assert syncs == []  # nothing waited for the GPU during training
+    cb.on_train_end(SimpleNamespace(world_size=1), module)
+    seconds = [r["seconds"] for r in cb.records]
+    assert seconds == ([2.0, 4.0] if sync_steps else [0.005, 0.015])
+    assert len(syncs) == (4 if sync_steps else 1)  # the events: read after one sync
+    assert bt._timer_name(module.device, sync_steps) == ("host clock, device synced at each micro-batch" if sync_steps
+                                                         else "cuda events")  # fmt: skip
+
+
+def test_batch_stats_read_the_host_copy_of_the_lengths() -> None:
+    """The lengths come from the host copy (``batch["host"]``) when the batch has one: ``.tolist()`` of the device
+    tensor would make the host wait for the GPU at every micro-batch."""
+    import eval_suite.bench_train as bt
+
+    class DeviceLengths:
+        def tolist(self):
+            raise AssertionError("read the device tensor")
+
+    batch = {"input_ids": torch.zeros(2, 5), "lengths": DeviceLengths(), "loss_index": torch.zeros(3),
+             "n_examples": 2, "host": {"lengths": [5, 3]}}  # fmt: skip
+    assert bt._batch_stats(batch) == {"lengths": [5, 3], "padded": 10, "n_scored": 3, "n_examples": 2}
+    batch = {**batch, "lengths": torch.tensor([5, 3])}
+    del batch["host"]
+    assert bt._batch_stats(batch)["lengths"] == [5, 3]

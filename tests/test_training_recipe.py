@@ -328,3 +328,54 @@ def test_training_and_validation_steps_do_not_sync_the_host() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def _optimizer(m: MultiLoraModule) -> torch.optim.Optimizer:
+    from types import SimpleNamespace
+
+    m._trainer = SimpleNamespace(estimated_stepping_batches=10)
+    return m.configure_optimizers()["optimizer"]
+
+
+def test_the_optimizer_is_fused_where_the_adapters_are_on_cuda() -> None:
+    """``fused_optimizer`` None (default): torch's fused AdamW where every adapter is on a CUDA device, else its
+    default step; True asks for the fused one anywhere (torch has it on the CPU too), False never. The fused step
+    makes the same update up to float rounding (a few steps, float32, against the default step)."""
+    ref = module()
+    ref.configure_model()
+    assert not any(g.get("fused") for g in _optimizer(ref).param_groups)  # CPU adapters: torch's default step
+    off = module(fused_optimizer=False)
+    off.configure_model()
+    assert not any(g.get("fused") for g in _optimizer(off).param_groups)
+    fused = module(fused_optimizer=True)
+    fused.configure_model()
+    opt_f, opt_r = _optimizer(fused), _optimizer(ref)
+    assert all(g["fused"] for g in opt_f.param_groups)
+    before = adapters(fused)
+    for _ in range(3):
+        for m, opt in ((fused, opt_f), (ref, opt_r)):
+            for p in m.lora_model.lora_parameters():
+                p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32)).view_as(p) * 1e-2
+            opt.step()
+    for a, b in zip(adapters(fused), adapters(ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert all((a != b).any() for a, b in zip(adapters(fused), before, strict=True))  # every tensor stepped
+
+
+@pytest.mark.gpu
+def test_a_gpu_fit_takes_the_fused_optimizer() -> None:
+    """On CUDA the default optimizer is torch's fused AdamW (one kernel per group: the 135M model's step is bound by
+    kernel launches), and its update matches the default step's within float rounding."""
+    ref, fused = module(fused_optimizer=False), module()
+    for m in (ref, fused):
+        m.configure_model()
+        m.cuda()
+    opt_f, opt_r = _optimizer(fused), _optimizer(ref)
+    assert all(g["fused"] for g in opt_f.param_groups) and not any(g.get("fused") for g in opt_r.param_groups)
+    for _ in range(3):
+        for m, opt in ((fused, opt_f), (ref, opt_r)):
+            for p in m.lora_model.lora_parameters():
+                p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32, device="cuda")).view_as(p) * 1e-2
+            opt.step()
+    for a, b in zip(adapters(fused), adapters(ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
