@@ -45,6 +45,8 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
+import warnings
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -207,10 +209,30 @@ class FitSpeed(Callback):
         peak_tflops: peak TFLOP/s for MFU; ``None``: the dense bf16 peak of a known GPU.
         sync_steps: synchronise the device at every micro-batch's start and end and time with the host clock (the
             timer before 2026-11-28) instead of CUDA events.
+        sync_debug: count the host-device synchronisations of each timed micro-batch (torch's sync debug mode,
+            warnings recorded, not shown) and name where they come from (``syncs_per_micro_batch``,
+            ``sync_sites``). A diagnostic: the warnings cost host time.
+
+    The JSON's ``phases_ms`` splits the timed micro-batches at Lightning's hooks: ``forward`` (to
+    ``on_before_backward``), ``backward`` (to ``on_after_backward``), ``to_optimizer`` (to
+    ``on_before_optimizer_step``), ``optimizer`` (clipping, the optimizer step, zeroing the gradients, the scheduler:
+    to the micro-batch's end) and ``end`` (after the backward of a micro-batch that does not step); each as the mean
+    host time (``host``: the Python thread's clock between the hooks, waits included) and GPU time (``gpu``: between
+    CUDA events at the hooks), with the number of micro-batches that had it (``count``).
     """
 
-    def __init__(self, out: str, warmup: int = 2, peak_tflops: float | None = None, sync_steps: bool = False) -> None:
+    def __init__(
+        self,
+        out: str,
+        warmup: int = 2,
+        peak_tflops: float | None = None,
+        sync_steps: bool = False,
+        sync_debug: bool = False,
+    ) -> None:
         self.out, self.warmup, self.peak_tflops, self.sync_steps = out, warmup, peak_tflops, sync_steps
+        self.sync_debug = sync_debug
+        self._caught: Any = None
+        self.marks: list[tuple[str, float, Any]] = []
         self.records: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {}
         self.t_start = 0.0
@@ -227,22 +249,55 @@ class FitSpeed(Callback):
     def _events(self) -> bool:
         return self.device.type == "cuda" and not self.sync_steps
 
+    def _mark(self, name: str) -> None:
+        """A phase boundary: the host clock and, on a GPU, a CUDA event."""
+        self.marks.append((name, time.perf_counter(), _cuda_mark(self.device) if self._events() else None))
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         # The device the steps ran on: by on_fit_end Lightning's teardown has moved the module to the CPU.
         self.device = pl_module.device
         self.stats = _batch_stats(batch)
-        if self._events():
-            self.t_start = _cuda_mark(self.device)
-            return
-        _sync(self.device)
-        self.t_start = time.perf_counter()
+        if self.sync_debug and self.device.type == "cuda" and len(self.records) >= self.warmup:
+            self._caught = warnings.catch_warnings(record=True)
+            self.stats["syncs"] = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        if not self._events():
+            _sync(self.device)
+        self.marks = []
+        self._mark("start")
+        self.t_start = self.marks[0][1]
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._mark("forward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._mark("backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._mark("to_optimizer")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stepped = any(name == "to_optimizer" for name, _, _ in self.marks)
+        if not self._events():
+            _sync(self.device)
+        self._mark("optimizer" if stepped else "end")
+        if self._caught is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._caught.__exit__(None, None, None)
+            self._caught = None
+            self.stats["syncs"] = [f"{Path(w.filename).name}:{w.lineno}" for w in self.stats["syncs"]]
         if self._events():
-            self.records.append({**self.stats, "marks": (self.t_start, _cuda_mark(self.device))})
-            return
-        _sync(self.device)
-        self.records.append({**self.stats, "seconds": time.perf_counter() - self.t_start})
+            self.records.append({**self.stats, "marks": self.marks})
+        else:
+            self.records.append({**self.stats, "seconds": self.marks[-1][1] - self.t_start, "phases": self._phases()})
+
+    def _phases(self) -> dict[str, tuple[float, float | None]]:
+        """``{phase: (host seconds, GPU seconds or None)}`` of the current micro-batch's marks (GPU events read)."""
+        out = {}
+        for (_, h0, e0), (name, h1, e1) in zip(self.marks, self.marks[1:], strict=False):
+            out[name] = (h1 - h0, e0.elapsed_time(e1) / 1e3 if e0 is not None else None)
+        return out
 
     def _read_marks(self) -> None:
         """Turns the recorded CUDA events into seconds (one device sync for all of them)."""
@@ -251,8 +306,9 @@ class FitSpeed(Callback):
             return
         _sync(self.device)
         for r in pending:
-            start, end = r.pop("marks")
-            r["seconds"] = start.elapsed_time(end) / 1e3
+            self.marks = r.pop("marks")
+            r["phases"] = self._phases()
+            r["seconds"] = self.marks[0][2].elapsed_time(self.marks[-1][2]) / 1e3
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._read_marks()
@@ -290,6 +346,7 @@ class FitSpeed(Callback):
         cfg = pl_module.train_config
         result = _summarise(timed, shape, float(cfg.lambda_shared), peak, dev, cfg.lambda_mode)
         total = time.perf_counter() - self.t_fit
+        result.update(_phase_summary(timed))
         result.update(
             micro_batches=len(self.records),
             global_step=trainer.global_step,
@@ -315,6 +372,31 @@ class FitSpeed(Callback):
                 global_tokens_per_s=sum(r["tokens"] for r in self.ranks) / slowest if slowest else None,
             )
             write_json(out, result)
+
+
+def _phase_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """FitSpeed's ``phases_ms`` (mean host and GPU ms of each phase, and how many micro-batches had it) and, where
+    synchronisations were counted, ``syncs_per_micro_batch`` and the 10 commonest ``sync_sites``."""
+    host: dict[str, list[float]] = {}
+    gpu: dict[str, list[float]] = {}
+    for r in records:
+        for name, (h, g) in (r.get("phases") or {}).items():
+            host.setdefault(name, []).append(h)
+            if g is not None:
+                gpu.setdefault(name, []).append(g)
+    out: dict[str, Any] = {
+        "phases_ms": {
+            "host": {k: 1e3 * sum(v) / len(v) for k, v in host.items()},
+            "gpu": {k: 1e3 * sum(v) / len(v) for k, v in gpu.items()},
+            "count": {k: len(v) for k, v in host.items()},
+        }
+    }
+    counted = [r["syncs"] for r in records if "syncs" in r]
+    if counted:
+        sites = Counter(site for syncs in counted for site in syncs)
+        out["syncs_per_micro_batch"] = sum(len(c) for c in counted) / len(counted)
+        out["sync_sites"] = dict(sites.most_common(10))
+    return out
 
 
 def _summarise(

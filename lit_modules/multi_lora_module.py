@@ -262,10 +262,6 @@ class MultiLoraModule(LightningModule):
             does not re-cast every weight on every matmul. The adapters stay float32 (AdamW on float32 weights).
         gradient_checkpointing: recompute each decoder layer's activations in backward instead of storing them
             (same loss and gradients; memory per layer drops to its input and its K/V; about one more forward).
-        fused_optimizer: torch's fused AdamW (one kernel per parameter group instead of a dozen multi-tensor ones;
-            the same update up to float rounding); ``None``: fused when every adapter is on a CUDA device (the
-            135M model's step is bound by the host's kernel launches, and DDP on N GPUs runs the optimizer N
-            times as often as one GPU accumulating N micro-batches).
     """
 
     def __init__(
@@ -297,7 +293,6 @@ class MultiLoraModule(LightningModule):
         adapters_path: str | None = None,
         model_dtype: str | None = None,
         gradient_checkpointing: bool = False,
-        fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -684,12 +679,7 @@ class MultiLoraModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.train_config
-        groups = self.param_groups()
-        fused = self.hparams.get("fused_optimizer")
-        if fused is None:
-            fused = all(p.is_cuda for g in groups for p in g["params"])
-        # fused=None (not False) otherwise: torch then picks its multi-tensor (foreach) step as before
-        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=True if fused else None)
+        optimizer = torch.optim.AdamW(self.param_groups(), betas=cfg.betas, eps=cfg.eps)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = math.ceil(cfg.warmup_ratio * total)
         scheduler = torch.optim.lr_scheduler.LambdaLR(

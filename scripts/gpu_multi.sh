@@ -45,7 +45,8 @@
 #   per epoch, default 10·A; a rank gets EMB_LIMIT1/N, or the same fraction when it is one: keep it a multiple of
 #   A and at most an epoch's batches, or DDP trains on other data than one GPU), VAL_MAX (held-out examples per role),
 #   EMB_EXTRA adds options to every embedded-model fit (e.g. "--model.model_dtype bfloat16"); FITSPEED_SYNC=1 times
-#   the fits as before 2026-11-28 (a device sync at each micro-batch, the host clock) instead of with CUDA events.
+#   the fits as before 2026-11-28 (a device sync at each micro-batch, the host clock) instead of with CUDA events;
+#   FITSPEED_SYNC_DEBUG=1 counts each micro-batch's host-device syncs and names their lines (a diagnostic).
 #   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
 #   Q_LIMIT, Q_VAL shorten a call; EV_MODEL, EV_BATCH the eval's --model and --batch, EV_EXTRA more eval options
 #   (e.g. "--batch_invariant true"); EV_ADAPTERS a folder
@@ -152,7 +153,8 @@ def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
     cbs = [cb for cb in tr["callbacks"] if not any(d in cb["class_path"] for d in drop)]
     sync = os.environ.get("FITSPEED_SYNC") == "1"  # the timer before 2026-11-28: a device sync each micro-batch
     cbs.append({"class_path": "eval_suite.bench_train.FitSpeed",
-                "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup, "sync_steps": sync}})
+                "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup, "sync_steps": sync,
+                              "sync_debug": os.environ.get("FITSPEED_SYNC_DEBUG") == "1"}})
     cbs.append({"class_path": "lit_modules.export.ExportAdapters",
                 "init_args": {"out_dir": f"{out}/{name}_export", "best": False}})
     if ckpt_dir:

@@ -515,3 +515,38 @@ def test_batch_stats_read_the_host_copy_of_the_lengths() -> None:
     batch = {**batch, "lengths": torch.tensor([5, 3])}
     del batch["host"]
     assert bt._batch_stats(batch)["lengths"] == [5, 3]
+
+
+def test_fit_speed_splits_each_micro_batch_at_lightnings_hooks(tmp_path: Path, monkeypatch) -> None:
+    """``phases_ms``: forward (start to on_before_backward), backward, to_optimizer, then ``optimizer`` to the end of
+    a micro-batch that steps, ``end`` for one that does not; host times from the host clock, GPU times from the
+    events at the same hooks, means over the micro-batches that had the phase."""
+    from types import SimpleNamespace
+
+    import eval_suite.bench_train as bt
+
+    host = iter([0.0, 1.0, 3.0, 3.5, 7.5, 10.0, 12.0, 16.0, 17.0])  # seconds at each hook
+    gpu = iter([0.0, 2.0, 5.0, 6.0, 14.0, 20.0, 21.0, 22.0, 23.0])  # GPU ms at the same hooks
+    monkeypatch.setattr(bt.time, "perf_counter", lambda: next(host))
+    monkeypatch.setattr(bt, "_cuda_mark", lambda device: _FakeEvent(next(gpu)))
+    monkeypatch.setattr(bt, "_sync", lambda device: None)
+    monkeypatch.setattr(_FakeEvent, "synced", True)
+    module = SimpleNamespace(device=torch.device("cuda", 0))
+    batch = {"input_ids": torch.zeros(1, 4), "loss_index": torch.zeros(2), "n_examples": 1, "host": {"lengths": [4]}}
+    cb = bt.FitSpeed(str(tmp_path / "speed.json"), warmup=0)
+    cb.on_train_batch_start(None, module, batch, 0)  # a micro-batch that steps: 5 marks
+    cb.on_before_backward(None, module, None)
+    cb.on_after_backward(None, module)
+    cb.on_before_optimizer_step(None, module, None)
+    cb.on_train_batch_end(None, module, None, batch, 0)
+    cb.on_train_batch_start(None, module, batch, 1)  # one that accumulates: 4 marks
+    cb.on_before_backward(None, module, None)
+    cb.on_after_backward(None, module)
+    cb.on_train_batch_end(None, module, None, batch, 1)
+    cb.on_train_end(SimpleNamespace(world_size=1), module)
+    summary = bt._phase_summary(cb.records)["phases_ms"]
+    assert summary["host"] == {"forward": 1500.0, "backward": 3000.0, "to_optimizer": 500.0, "optimizer": 4000.0,
+                               "end": 1000.0}  # fmt: skip
+    assert summary["gpu"] == {"forward": 1.5, "backward": 2.0, "to_optimizer": 1.0, "optimizer": 8.0, "end": 1.0}
+    assert summary["count"] == {"forward": 2, "backward": 2, "to_optimizer": 1, "optimizer": 1, "end": 1}
+    assert [r["seconds"] for r in cb.records] == [0.014, 0.003]  # first to last event of each micro-batch

@@ -330,52 +330,26 @@ def test_training_and_validation_steps_do_not_sync_the_host() -> None:
     torch.cuda.synchronize()
 
 
-def _optimizer(m: MultiLoraModule) -> torch.optim.Optimizer:
+@pytest.mark.gpu
+def test_fit_speed_counts_the_host_syncs_of_a_micro_batch(tmp_path: Path) -> None:
+    """FitSpeed(sync_debug=True) counts the host-device synchronisations of each timed micro-batch and names their
+    source lines: a micro-batch that reads a device scalar (``.item()``) has one, at that line; one that does not
+    has none."""
     from types import SimpleNamespace
 
-    m._trainer = SimpleNamespace(estimated_stepping_batches=10)
-    return m.configure_optimizers()["optimizer"]
+    from eval_suite.bench_train import FitSpeed, _phase_summary
 
-
-def test_the_optimizer_is_fused_where_the_adapters_are_on_cuda() -> None:
-    """``fused_optimizer`` None (default): torch's fused AdamW where every adapter is on a CUDA device, else its
-    default step; True asks for the fused one anywhere (torch has it on the CPU too), False never. The fused step
-    makes the same update up to float rounding (a few steps, float32, against the default step)."""
-    ref = module()
-    ref.configure_model()
-    assert not any(g.get("fused") for g in _optimizer(ref).param_groups)  # CPU adapters: torch's default step
-    off = module(fused_optimizer=False)
-    off.configure_model()
-    assert not any(g.get("fused") for g in _optimizer(off).param_groups)
-    fused = module(fused_optimizer=True)
-    fused.configure_model()
-    opt_f, opt_r = _optimizer(fused), _optimizer(ref)
-    assert all(g["fused"] for g in opt_f.param_groups)
-    before = adapters(fused)
-    for _ in range(3):
-        for m, opt in ((fused, opt_f), (ref, opt_r)):
-            for p in m.lora_model.lora_parameters():
-                p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32)).view_as(p) * 1e-2
-            opt.step()
-    for a, b in zip(adapters(fused), adapters(ref), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    assert all((a != b).any() for a, b in zip(adapters(fused), before, strict=True))  # every tensor stepped
-
-
-@pytest.mark.gpu
-def test_a_gpu_fit_takes_the_fused_optimizer() -> None:
-    """On CUDA the default optimizer is torch's fused AdamW (one kernel per group: the 135M model's step is bound by
-    kernel launches), and its update matches the default step's within float rounding."""
-    ref, fused = module(fused_optimizer=False), module()
-    for m in (ref, fused):
-        m.configure_model()
-        m.cuda()
-    opt_f, opt_r = _optimizer(fused), _optimizer(ref)
-    assert all(g["fused"] for g in opt_f.param_groups) and not any(g.get("fused") for g in opt_r.param_groups)
-    for _ in range(3):
-        for m, opt in ((fused, opt_f), (ref, opt_r)):
-            for p in m.lora_model.lora_parameters():
-                p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32, device="cuda")).view_as(p) * 1e-2
-            opt.step()
-    for a, b in zip(adapters(fused), adapters(ref), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    cb = FitSpeed(str(tmp_path / "speed.json"), warmup=0, sync_debug=True)
+    module = SimpleNamespace(device=torch.device("cuda", 0))
+    batch = {"input_ids": torch.zeros(1, 4), "loss_index": torch.zeros(2), "n_examples": 1, "host": {"lengths": [4]}}
+    x = torch.ones(8, device="cuda")
+    for read in (True, False):
+        cb.on_train_batch_start(None, module, batch, 0)
+        y = (x * 2).sum()
+        if read:
+            y.item()  # the sync
+        cb.on_train_batch_end(None, module, None, batch, 0)
+    cb.on_train_end(SimpleNamespace(world_size=1), module)
+    assert [len(r["syncs"]) for r in cb.records] == [1, 0]
+    assert cb.records[0]["syncs"][0].startswith("test_training_recipe.py:")
+    assert _phase_summary(cb.records)["syncs_per_micro_batch"] == 0.5
