@@ -69,9 +69,12 @@ def collect(directory: Path) -> dict[str, Any]:
         devices.append((prov.get("device") or {}).get("name") or "?")
         sha = (prov.get("git_commit") or "unknown")[:7] + (" (dirty)" if prov.get("git_dirty") else "")
         commits.append((sha, path))
+    # every decode record of a model and context pooled: the repeats of the run (decode1, decode2) are one range
+    pooled: dict[tuple[str, Any], list[dict[str, Any]]] = {}
     for _, rec in decodes:
-        model, ctx = _short_model(str(rec.get("model", "?"))), rec.get("context", "?")
-        rows = [r for r in rec.get("rows", []) if isinstance(r, dict)]
+        key = (_short_model(str(rec.get("model", "?"))), rec.get("context", "?"))
+        pooled.setdefault(key, []).extend(r for r in rec.get("rows", []) if isinstance(r, dict))
+    for (model, ctx), rows in pooled.items():
         for batch in sorted({r.get("batch") for r in rows if isinstance(r.get("batch"), int)}):
             for scheme in SHARED_SCHEMES:
                 mine = [r for r in rows if r.get("impl") == "lragent graph" and r.get("scheme") == scheme

@@ -77,6 +77,23 @@ def test_a_second_gpu_is_a_column_and_other_commits_are_named(tmp_path: Path) ->
     assert mfu_row.split(" | ")[1] == "–"  # the H100 has no trace here: nothing filled in
 
 
+def test_the_runs_of_one_folder_are_one_range(tmp_path: Path) -> None:
+    """Two decode runs in one GPU's folder (the readme bench's decode1 and decode2): each cell spans both runs'
+    figures (a table once showed only the last run's, 1.16× where the first had 1.14×)."""
+    _decode(tmp_path / "h100" / "decode1", "H100", "a" * 40)
+    second = tmp_path / "h100" / "decode2"
+    _decode(second, "H100", "a" * 40)
+    body = json.loads((second / "bench_decode.json").read_text())
+    for r in body["rows"]:
+        if r.get("scheme") == "base_lr_shared" and not r.get("plan"):
+            r["ms_per_token"], r["vs_floor"] = r["ms_per_token"] + 0.05, r["vs_floor"] - 0.04
+    (second / "bench_decode.json").write_text(json.dumps(body))
+    cells = speed_table.collect(tmp_path / "h100")["cells"]
+    assert cells["8B, decode at 2048 context, batch 1, `base_lr_shared` (ms/token; × the floor)"] == (
+        "6.13-6.19 (1.15-1.19×)"
+    )
+
+
 def test_a_folder_without_records_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     assert speed_table.main([str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err

@@ -333,8 +333,8 @@ def test_training_and_validation_steps_do_not_sync_the_host() -> None:
 @pytest.mark.gpu
 def test_fit_speed_counts_the_host_syncs_of_a_micro_batch(tmp_path: Path) -> None:
     """FitSpeed(sync_debug=True) counts the host-device synchronisations of each timed micro-batch and names their
-    source lines: a micro-batch that reads a device scalar (``.item()``) has one, at that line; one that does not
-    has none."""
+    source lines: a micro-batch that reads a device scalar (``.item()``) has them, all at that line; one that does
+    not has none."""
     from types import SimpleNamespace
 
     from eval_suite.bench_train import FitSpeed, _phase_summary
@@ -350,6 +350,7 @@ def test_fit_speed_counts_the_host_syncs_of_a_micro_batch(tmp_path: Path) -> Non
             y.item()  # the sync
         cb.on_train_batch_end(None, module, None, batch, 0)
     cb.on_train_end(SimpleNamespace(world_size=1), module)
-    assert [len(r["syncs"]) for r in cb.records] == [1, 0]
-    assert cb.records[0]["syncs"][0].startswith("test_training_recipe.py:")
-    assert _phase_summary(cb.records)["syncs_per_micro_batch"] == 0.5
+    read, quiet = (r["syncs"] for r in cb.records)
+    assert read and not quiet  # torch may warn more than once for one read (an H100 run counted 2 at that line)
+    assert len(set(read)) == 1 and read[0].startswith("test_training_recipe.py:")
+    assert _phase_summary(cb.records)["syncs_per_micro_batch"] == len(read) / 2
