@@ -47,6 +47,8 @@
 #   EMB_EXTRA adds options to every embedded-model fit (e.g. "--model.model_dtype bfloat16"); FITSPEED_SYNC=1 times
 #   the fits as before 2026-11-28 (a device sync at each micro-batch, the host clock) instead of with CUDA events;
 #   FITSPEED_SYNC_DEBUG=1 counts each micro-batch's host-device syncs and names their lines (a diagnostic).
+#   DDP_EXTRA adds options to the embedded model's ddpN phases only, e.g. "--trainer.strategy
+#   lightning.pytorch.strategies.DDPStrategy --trainer.strategy.gradient_as_bucket_view true".
 #   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
 #   Q_LIMIT, Q_VAL shorten a call; EV_MODEL, EV_BATCH the eval's --model and --batch, EV_EXTRA more eval options
 #   (e.g. "--batch_invariant true"); EV_ADAPTERS a folder
@@ -113,6 +115,8 @@ Q_LIMIT=${Q_LIMIT:-$((8 * A))}; Q_VAL=${Q_VAL:-16}
 [ -n "$CPU" ] && echo "tiny random LLaMA (CPU check)" > "$OUT/emb_model.txt"
 [ -n "${VAL_MAX:-}" ] && EMB+=(--data.val_max_per_role "$VAL_MAX")
 [ -n "${EMB_EXTRA:-}" ] && read -r -a _emb_extra <<< "$EMB_EXTRA" && EMB+=("${_emb_extra[@]}")  # e.g. "--model.model_dtype bfloat16"
+DDP=()  # DDP_EXTRA: options of the embedded model's DDP phases only (e.g. the strategy's own settings)
+[ -n "${DDP_EXTRA:-}" ] && read -r -a DDP <<< "$DDP_EXTRA"
 if [ -z "${PHASES:-}" ]; then
   PHASES="emb1 emb1s"; for n in $SIZES; do PHASES+=" ddp$n"; done
   [ -z "$CPU" ] && [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && { PHASES+=" q1 q1s"; for n in $SIZES; do PHASES+=" qddp$n"; done; }
@@ -220,7 +224,7 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS1" ;;
     ddp[0-9]*) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" --config configs/ddp.yaml "${E[@]}" \
             --trainer.devices "$n" --trainer.accumulate_grad_batches $((A / n)) \
-            --trainer.limit_train_batches "$(per_rank "$EMB_LIMIT1" "$n")" ;;
+            --trainer.limit_train_batches "$(per_rank "$EMB_LIMIT1" "$n")" "${DDP[@]}" ;;
     q1) phase q1 "$PY" cli.py fit --config "$OUT/q1_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
           --trainer.limit_train_batches "$Q_LIMIT" ;;
     q1s | q1s[2-9]) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
@@ -266,6 +270,8 @@ for r in emb1 emb1s emb1s{2..9} q1 q1s q1s{2..9} $(for n in $SIZES; do echo "ddp
   cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true
 done
 "$PY" -m eval_suite.multi_gpu_report --out "$OUT" --sizes "$SIZES" \
-  --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} SIZES='$SIZES' PHASES='$PHASES' bash scripts/gpu_multi.sh" \
+  --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} SIZES='$SIZES' PHASES='$PHASES'\
+${EMB_EXTRA:+ EMB_EXTRA='$EMB_EXTRA'}${DDP_EXTRA:+ DDP_EXTRA='$DDP_EXTRA'}${FITSPEED_SYNC:+ FITSPEED_SYNC=$FITSPEED_SYNC}\
+${FITSPEED_SYNC_DEBUG:+ FITSPEED_SYNC_DEBUG=$FITSPEED_SYNC_DEBUG}${OMP_NUM_THREADS:+ OMP_NUM_THREADS=$OMP_NUM_THREADS} bash scripts/gpu_multi.sh" \
   2>&1 | tee "$OUT/report.log"
 cat "$OUT/timings.txt"

@@ -26,8 +26,8 @@ BUGS = {
     ),
     "speed table: a folder's decode runs not pooled (the last run's figures only)": (
         "eval_suite/speed_table.py",
-        "        pooled.setdefault(key, []).extend(r for r in rec.get(\"rows\", []) if isinstance(r, dict))",
-        "        pooled[key] = [r for r in rec.get(\"rows\", []) if isinstance(r, dict)]",
+        '        pooled.setdefault(key, []).extend(r for r in rec.get("rows", []) if isinstance(r, dict))',
+        '        pooled[key] = [r for r in rec.get("rows", []) if isinstance(r, dict)]',
         "tests/test_speed_table.py",
     ),
     "speed table: records of several commits called one": (
