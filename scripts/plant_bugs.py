@@ -1418,6 +1418,30 @@ BUGS = {
         "            pass",
         "tests/test_training_recipe.py -k counts_the_host_syncs",
     ),
+    "optimizer: the fused AdamW's clipping left to Lightning (which refuses it under bf16-mixed)": (
+        "lit_modules/multi_lora_module.py",
+        "        if fused and gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:",
+        "        if False:",
+        "tests/test_training_recipe.py -k clips_the_gradients",
+    ),
+    "optimizer: the fused AdamW's gradients not clipped": (
+        "lit_modules/multi_lora_module.py",
+        "            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)",
+        "            pass",
+        "tests/test_training_recipe.py -k clips_the_gradients",
+    ),
+    "optimizer: fused with a gradient scaler too": (
+        "lit_modules/multi_lora_module.py",
+        '    return bool(params) and all(p.is_cuda for p in params) and getattr(precision_plugin, "scaler", None) is None',
+        "    return bool(params) and all(p.is_cuda for p in params)",
+        "tests/test_training_recipe.py -k without_a_gradient_scaler",
+    ),
+    "GPU: optimizer: not fused on CUDA": (
+        "lit_modules/multi_lora_module.py",
+        "        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=True if fused else None)",
+        "        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps)",
+        "tests/test_training_recipe.py -k takes_the_fused_adamw",
+    ),
     "multi-gpu: FitSpeed ranks write one file": (
         "eval_suite/bench_train.py",
         'write_json(out.with_name(f"{out.stem}.rank{rank}{out.suffix}"), {**result, "rank": rank})',

@@ -356,3 +356,63 @@ def test_fit_speed_counts_the_host_syncs_of_a_micro_batch(tmp_path: Path) -> Non
     here = [site for site in read if site.startswith("test_training_recipe.py:")]
     assert here and not quiet, (read, quiet)
     assert _phase_summary(cb.records[1:])["syncs_per_micro_batch"] == len(read) / 2
+
+
+def test_the_fused_adamw_is_taken_on_cuda_without_a_gradient_scaler() -> None:
+    """``fused_adamw_ok``: every adapter on a CUDA device and no gradient scaler (``16-mixed``'s scaler would make
+    Lightning refuse to clip the gradients of an optimizer that unscales them itself); a CPU adapter, a scaler, or no
+    adapters at all: torch's default step."""
+    from types import SimpleNamespace
+
+    from lit_modules.multi_lora_module import fused_adamw_ok
+
+    gpu, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    bf16, fp16, fp32 = SimpleNamespace(scaler=None), SimpleNamespace(scaler=object()), SimpleNamespace()
+    assert fused_adamw_ok([gpu, gpu], bf16) and fused_adamw_ok([gpu], fp32)
+    assert not fused_adamw_ok([gpu, cpu], bf16)
+    assert not fused_adamw_ok([gpu], fp16)
+    assert not fused_adamw_ok([], bf16)
+
+
+class _ClipCheck(Callback):
+    """The global gradient norm of the adapters after clipping (read at the batch's end: Lightning zeroes them at the
+    start of the next step)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+        self.fused: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        grads = [p.grad for p in pl_module.lora_model.lora_parameters() if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        self.fused.append(all(g.get("fused") for g in trainer.optimizers[0].param_groups))
+
+
+def test_a_bf16_mixed_fit_clips_the_gradients_of_the_fused_adamw(tmp_path: Path, monkeypatch) -> None:
+    """Lightning's mixed-precision plugin refuses any clipping with a fused optimizer ("does not allow for gradient
+    clipping ... Are you using a 'fused' optimizer?", bf16 included: a GPU fit once stopped at its first step);
+    ``MultiLoraModule.configure_gradient_clipping`` clips them itself when there is no gradient scaler. Here on the CPU
+    (torch has the fused step there too, forced on): two optimizer steps of a bf16-mixed fit with
+    ``gradient_clip_val`` 1e-3, each clipped to that global norm."""
+    import lit_modules.multi_lora_module as mlm
+
+    monkeypatch.setattr(mlm, "fused_adamw_ok", lambda params, plugin: True)
+    dm = data(tmp_path)
+    check = _ClipCheck()
+    t = trainer(tmp_path, [check], max_epochs=1, max_steps=2, precision="bf16-mixed", gradient_clip_val=1e-3)
+    t.fit(module(), datamodule=dm)
+    assert check.fused == [True, True]
+    assert len(check.norms) == 2 and all(n <= 1e-3 * (1 + 1e-4) for n in check.norms), check.norms
+
+
+@pytest.mark.gpu
+def test_a_gpu_fit_takes_the_fused_adamw_and_clips(tmp_path: Path) -> None:
+    """On CUDA the default optimizer is the fused AdamW, and a bf16-mixed fit with ``gradient_clip_val`` runs and
+    clips (Lightning alone stops such a fit at its first optimizer step)."""
+    dm = data(tmp_path, pin_memory=True)
+    check = _ClipCheck()
+    t = trainer(tmp_path, [check], accelerator="gpu", max_epochs=1, max_steps=2, precision="bf16-mixed",
+                gradient_clip_val=1e-3)  # fmt: skip
+    t.fit(module(), datamodule=dm)
+    assert check.fused == [True, True]
+    assert all(n <= 1e-3 * (1 + 1e-4) for n in check.norms), check.norms
