@@ -292,6 +292,14 @@ class FitSpeed(Callback):
         else:
             self.records.append({**self.stats, "seconds": self.marks[-1][1] - self.t_start, "phases": self._phases()})
 
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """A fit stopped inside a counted micro-batch leaves neither torch's sync debug mode nor the warning filter
+        behind."""
+        if self._caught is not None:
+            torch.cuda.set_sync_debug_mode(0)
+            self._caught.__exit__(None, None, None)
+            self._caught = None
+
     def _phases(self) -> dict[str, tuple[float, float | None]]:
         """``{phase: (host seconds, GPU seconds or None)}`` of the current micro-batch's marks (GPU events read)."""
         out = {}

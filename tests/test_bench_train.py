@@ -550,3 +550,24 @@ def test_fit_speed_splits_each_micro_batch_at_lightnings_hooks(tmp_path: Path, m
     assert summary["gpu"] == {"forward": 1.5, "backward": 2.0, "to_optimizer": 1.0, "optimizer": 8.0, "end": 1.0}
     assert summary["count"] == {"forward": 2, "backward": 2, "to_optimizer": 1, "optimizer": 1, "end": 1}
     assert [r["seconds"] for r in cb.records] == [0.014, 0.003]  # first to last event of each micro-batch
+
+
+def test_fit_speed_leaves_no_sync_debug_mode_behind_when_a_fit_stops(monkeypatch, tmp_path: Path) -> None:
+    """A fit that raises inside a micro-batch counted with ``sync_debug`` gets torch's sync debug mode and the warning
+    filters back as they were (``on_exception``)."""
+    import warnings
+    from types import SimpleNamespace
+
+    import eval_suite.bench_train as bt
+
+    modes: list[object] = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(bt, "_cuda_mark", lambda device: _FakeEvent(0.0))
+    filters = list(warnings.filters)
+    cb = bt.FitSpeed(str(tmp_path / "speed.json"), warmup=0, sync_debug=True)
+    module = SimpleNamespace(device=torch.device("cuda", 0))
+    batch = {"input_ids": torch.zeros(1, 4), "loss_index": torch.zeros(2), "n_examples": 1, "host": {"lengths": [4]}}
+    cb.on_train_batch_start(None, module, batch, 0)
+    assert modes == ["warn"] and warnings.filters != filters
+    cb.on_exception(None, module, RuntimeError("out of memory"))
+    assert modes == ["warn", 0] and warnings.filters == filters
