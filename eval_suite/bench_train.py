@@ -235,7 +235,6 @@ class FitSpeed(Callback):
         self.marks: list[tuple[str, float, Any]] = []
         self.records: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {}
-        self.t_start = 0.0
         self.t_fit = 0.0
         self.device = torch.device("cpu")
         self.ranks: list[dict[str, Any]] = []
@@ -266,7 +265,6 @@ class FitSpeed(Callback):
             _sync(self.device)
         self.marks = []
         self._mark("start")
-        self.t_start = self.marks[0][1]
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._mark("forward")
@@ -283,40 +281,34 @@ class FitSpeed(Callback):
             _sync(self.device)
         self._mark("optimizer" if stepped else "end")
         if self._caught is not None:
-            torch.cuda.set_sync_debug_mode(0)
-            self._caught.__exit__(None, None, None)
-            self._caught = None
-            self.stats["syncs"] = [f"{Path(w.filename).name}:{w.lineno}" for w in self.stats["syncs"]]
-        if self._events():
-            self.records.append({**self.stats, "marks": self.marks})
-        else:
-            self.records.append({**self.stats, "seconds": self.marks[-1][1] - self.t_start, "phases": self._phases()})
+            self.stats["syncs"] = [f"{Path(w.filename).name}:{w.lineno}" for w in self._stop_sync_debug()]
+        self.records.append({**self.stats, "marks": self.marks})
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         """A fit stopped inside a counted micro-batch leaves neither torch's sync debug mode nor the warning filter
         behind."""
         if self._caught is not None:
-            torch.cuda.set_sync_debug_mode(0)
-            self._caught.__exit__(None, None, None)
-            self._caught = None
+            self._stop_sync_debug()
 
-    def _phases(self) -> dict[str, tuple[float, float | None]]:
-        """``{phase: (host seconds, GPU seconds or None)}`` of the current micro-batch's marks (GPU events read)."""
-        out = {}
-        for (_, h0, e0), (name, h1, e1) in zip(self.marks, self.marks[1:], strict=False):
-            out[name] = (h1 - h0, e0.elapsed_time(e1) / 1e3 if e0 is not None else None)
-        return out
+    def _stop_sync_debug(self) -> list[warnings.WarningMessage]:
+        """Ends a micro-batch's sync counting: torch's sync debug mode off, the warning filters back; returns the
+        warnings it recorded."""
+        torch.cuda.set_sync_debug_mode(0)
+        self._caught.__exit__(None, None, None)
+        self._caught = None
+        return self.stats["syncs"]
 
     def _read_marks(self) -> None:
-        """Turns the recorded CUDA events into seconds (one device sync for all of them)."""
+        """Turns every micro-batch's marks into its ``seconds`` (first to last mark: the CUDA events where there are
+        some, read after one device sync for all of them; else the host clock) and its ``phases``."""
         pending = [r for r in self.records if "marks" in r]
-        if not pending:
-            return
-        _sync(self.device)
+        if any(r["marks"][0][2] is not None for r in pending):
+            _sync(self.device)
         for r in pending:
-            self.marks = r.pop("marks")
-            r["phases"] = self._phases()
-            r["seconds"] = self.marks[0][2].elapsed_time(self.marks[-1][2]) / 1e3
+            marks = r.pop("marks")
+            (_, h0, e0), (_, h1, e1) = marks[0], marks[-1]
+            r["seconds"] = e0.elapsed_time(e1) / 1e3 if e0 is not None else h1 - h0
+            r["phases"] = _phases(marks)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._read_marks()
@@ -380,6 +372,15 @@ class FitSpeed(Callback):
                 global_tokens_per_s=sum(r["tokens"] for r in self.ranks) / slowest if slowest else None,
             )
             write_json(out, result)
+
+
+def _phases(marks: list[tuple[str, float, Any]]) -> dict[str, tuple[float, float | None]]:
+    """``{phase: (host seconds, GPU seconds or None)}`` of one micro-batch's marks ``(name, host clock, CUDA event or
+    None)``, each phase named by the mark that ends it (the events readable: the device synced)."""
+    out = {}
+    for (_, h0, e0), (name, h1, e1) in zip(marks, marks[1:], strict=False):
+        out[name] = (h1 - h0, e0.elapsed_time(e1) / 1e3 if e0 is not None else None)
+    return out
 
 
 def _phase_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

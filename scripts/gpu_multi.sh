@@ -147,6 +147,9 @@ import yaml
 
 run, out, sizes = sys.argv[1], sys.argv[2], sys.argv[3:]
 drop = ("EarlyStopping", "TimeBudget", "ProgressBar", "RunStatus", "ModelCheckpoint", "ExportAdapters")
+# FITSPEED_SYNC=1: the timer before 2026-11-28 (a device sync each micro-batch); FITSPEED_SYNC_DEBUG=1: count syncs
+FITSPEED_SWITCHES = {"sync_steps": os.environ.get("FITSPEED_SYNC") == "1",
+                     "sync_debug": os.environ.get("FITSPEED_SYNC_DEBUG") == "1"}
 
 
 def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
@@ -155,10 +158,8 @@ def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
     tr["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
                      "init_args": {"save_dir": f"{run}/{name}", "name": "csv", "version": 0}}]
     cbs = [cb for cb in tr["callbacks"] if not any(d in cb["class_path"] for d in drop)]
-    sync = os.environ.get("FITSPEED_SYNC") == "1"  # the timer before 2026-11-28: a device sync each micro-batch
     cbs.append({"class_path": "eval_suite.bench_train.FitSpeed",
-                "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup, "sync_steps": sync,
-                              "sync_debug": os.environ.get("FITSPEED_SYNC_DEBUG") == "1"}})
+                "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup, **FITSPEED_SWITCHES}})
     cbs.append({"class_path": "lit_modules.export.ExportAdapters",
                 "init_args": {"out_dir": f"{out}/{name}_export", "best": False}})
     if ckpt_dir:
