@@ -142,3 +142,30 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     monkeypatch.delenv("LRAGENT_FUSED_GEMV")
     with pytest.raises(ValueError, match="repeats must be >= 1, got .* 0"):
         decode(repeats=0, out="/nonexistent/never_written")
+
+
+def test_the_copy_rate_is_the_fastest_copys() -> None:
+    """A copy slowed by anything else on the card says nothing about the memory: the rate is the fastest copy's
+    (a median of these would be 20% lower and lower the floor's bound with it)."""
+    from eval_suite.bench_decode import copy_rate
+
+    n = 1 << 30
+    assert copy_rate([1.25e-3, 1.0e-3, 1.3e-3, 1.25e-3, 1.2e-3], n) == pytest.approx(2 * n / 1.0e-3)
+    with pytest.raises(ValueError, match="positive copy times"):
+        copy_rate([], n)
+
+
+def test_the_floor_takes_the_highest_bandwidth_the_run_measured() -> None:
+    """Two measurements of one card 4% apart (3.97 and 4.14 TB/s, an H200 run of 13fad9a): the floor is the bytes
+    over the higher, whichever came first, and each ratio follows from it; rows without bytes (transformers) get
+    none."""
+    from eval_suite.bench_decode import set_floors
+
+    for measures in ([3.97e12, 4.14e12], [4.14e12, 3.97e12]):
+        rows = [{"impl": "lragent graph", "ms_per_token": 4.716, "bytes_read_per_step": 15.285e9},
+                {"impl": "transformers eager", "ms_per_token": 20.7}]  # fmt: skip
+        assert set_floors(rows, measures) == 4.14e12
+        assert rows[0]["floor_ms"] == pytest.approx(1e3 * 15.285e9 / 4.14e12)
+        assert rows[0]["vs_floor"] == pytest.approx(4.716 / rows[0]["floor_ms"])
+        assert rows[0]["vs_floor"] > 1.27  # the lower measure would have read 1.22
+        assert "floor_ms" not in rows[1]
