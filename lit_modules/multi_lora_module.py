@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from torchmetrics import Metric
 
 from datamodules.role_examples import IGNORE_INDEX
@@ -674,6 +674,13 @@ class MultiLoraModule(LightningModule):
                     tag = f"val/{role}/{name}" if part == "plain" else f"val/{role}/{part}/{name}"
                     self.log(tag, (sums[rid, col] / n[rid]).float())
             metric.reset()
+
+    def configure_callbacks(self) -> list[Callback]:
+        """Every fit gets :class:`~lit_modules.sigterm_check.HostSigtermAgreement` (it acts with several processes
+        only): the ranks agree on SIGTERM on the host instead of draining each GPU at every batch."""
+        from lit_modules.sigterm_check import HostSigtermAgreement
+
+        return [HostSigtermAgreement()]
 
     # ---- optimisation ---------------------------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:

@@ -18,6 +18,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "DDP: Lightning's per-batch SIGTERM broadcast left in place (a GPU collective and drain every batch)": (
+        "lit_modules/multi_lora_module.py",
+        "        return [HostSigtermAgreement()]",
+        "        return []",
+        "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
+    ),
+    "DDP: each rank acts on its own SIGTERM flag (no agreement)": (
+        "lit_modules/sigterm_check.py",
+        "        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)",
+        "        pass",
+        "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
+    ),
+    "decode floor: the copy rate a median of the copies (not the fastest)": (
+        "eval_suite/bench_decode.py",
+        "    return 2 * n_bytes / min(seconds)",
+        "    return 2 * n_bytes / sorted(seconds)[len(seconds) // 2]",
+        "tests/test_decode_floor.py",
+    ),
+    "decode floor: the run's first bandwidth measure taken (not the highest)": (
+        "eval_suite/bench_decode.py",
+        "    bandwidth = max(bandwidths)",
+        "    bandwidth = bandwidths[0]",
+        "tests/test_decode_floor.py",
+    ),
     "speed table: an experiment's plan counted as the product's figure": (
         "eval_suite/speed_table.py",
         '                        and r.get("batch") == batch and not r.get("plan")]  # fmt: skip',

@@ -301,3 +301,66 @@ def test_export_device_is_checked_first(device: str, message: str, tmp_path: Pat
         pytest.skip("a CUDA device is here")
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         export_command(str(tmp_path / "missing.ckpt"), str(tmp_path / "out"), device=device)
+
+
+SIGTERM_PROBE = '''
+import json, os, signal
+
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+
+class SigtermProbe(Callback):
+    """SIGTERM to one rank's own process after its n-th training batch; on the way out each rank writes how many
+    batches it finished and how many broadcasts went over the default group after setup."""
+
+    def __init__(self, out: str, rank: int, after: int) -> None:
+        self.out, self.rank, self.after = out, rank, after
+        self.batches = self.default_broadcasts = 0
+
+    def setup(self, trainer, pl_module, stage):
+        original = dist.broadcast
+
+        def counting(tensor, src=None, group=None, *args, **kwargs):
+            if group is None or group is dist.group.WORLD:
+                self.default_broadcasts += 1
+            return original(tensor, src, group, *args, **kwargs)
+
+        dist.broadcast = counting
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+        if trainer.global_rank == self.rank and self.batches == self.after:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_exception(self, trainer, pl_module, exception):
+        with open(f"{self.out}.rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"exception": type(exception).__name__, "batches": self.batches,
+                       "default_broadcasts": self.default_broadcasts}, f)
+'''
+
+
+@pytest.mark.parametrize("signalled_rank", [1, 0])
+def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective(
+    tmp_path: Path, signalled_rank: int
+) -> None:
+    """Two DDP processes (gloo); SIGTERM reaches one of them after its second training batch. Both stop at the next
+    batch start with Lightning's SIGTERMException after the same 2 batches (rank 1 alone: Lightning 2.6's broadcast
+    carries rank 0's flag only, so rank 1 would leave rank 0 waiting in the next all-reduce), and no broadcast went
+    over the default group during the fit (Lightning's per-batch check is one on the GPU under NCCL, whose read
+    drains the GPU: lit_modules/sigterm_check.py)."""
+    (tmp_path / "sigterm_probe.py").write_text(SIGTERM_PROBE)
+    out = tmp_path / "stop"
+    probe = {"class_path": "sigterm_probe.SigtermProbe", "init_args": {"out": str(out), "rank": signalled_rank,
+                                                                       "after": 2}}  # fmt: skip
+    config = _config(tmp_path, "sig", write_roles(tmp_path), [probe])
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"}
+    ddp = str(REPO / "configs" / "ddp.yaml")
+    cmd = [sys.executable, str(REPO / "cli.py"), "fit", "--config", str(config), "--config", ddp]
+    try:
+        subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the ranks did not stop together in 240 s (one waits in a collective): {str(e.stderr)[-2000:]}")
+    files = [out.with_name(f"stop.rank{r}.json") for r in (0, 1)]
+    stops = [json.loads(f.read_text()) if f.exists() else None for f in files]
+    assert stops == [{"exception": "SIGTERMException", "batches": 2, "default_broadcasts": 0}] * 2

@@ -1,0 +1,98 @@
+"""Whether to stop on SIGTERM, agreed by the ranks on the host at every training batch, not through the GPU.
+
+Lightning 2.6's training loop, under any multi-process strategy, broadcasts rank 0's SIGTERM flag at the start of
+every training batch as a tensor on the rank's GPU over the default (NCCL) group and reads it with ``.item()``
+(``_TrainingEpochLoop._broadcast_sigterm_tensor``, Lightning PR #20825). The read waits for everything queued on the
+GPU before it, the previous step's backward and optimizer step included, and NCCL runs the broadcast after the
+previous gradient all-reduce of every rank. So at every micro-batch the host stops launching until its GPU has
+drained, then the GPU idles while the host prepares the next batch. On 4 × H200 the embedded model's DDP ranks spent
+9-37 ms a micro-batch between Lightning's batch hooks, where one GPU spent 0.4-2.6
+(``results/ddp_embedded_h200x4_2026-11-28``, evening). Lightning PR #21640 (open) would broadcast every n steps.
+
+:class:`HostSigtermAgreement` keeps the guarantee (all ranks stop at the same batch, none is left waiting in a
+collective) without the GPU: at every training batch start the ranks all-reduce (max) their own SIGTERM flags over a
+gloo group of the same processes, a host collective of tens of microseconds, and all raise Lightning's
+``SIGTERMException`` there when any rank got the signal: a SIGTERM that reaches one rank alone (rank 0 or any other)
+stops every rank, where Lightning's broadcast carries rank 0's flag only. The SIGTERM handler then only records the
+signal (rank 0 still passes it on to the processes it started, as Lightning's does) and no longer raises at the end
+of the batch on one rank alone. A signal during validation is acted on at the next training batch; one after the last
+training batch lets the fit finish.
+
+:class:`~lit_modules.multi_lora_module.MultiLoraModule` adds it to every fit (``configure_callbacks``); with one
+process, or a Lightning without the per-batch broadcast, it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+LOOP_CHECK = "_broadcast_sigterm_tensor"
+"""Lightning's per-batch check on ``trainer.fit_loop.epoch_loop`` (Lightning 2.6), replaced on the instance."""
+NOTIFIER = "_sigterm_notifier_fn"
+"""Lightning's SIGTERM handler on ``trainer._signal_connector``, replaced before Lightning registers it."""
+
+
+class HostSigtermAgreement(Callback):
+    """Replaces Lightning's per-batch GPU broadcast of the SIGTERM flag with a gloo all-reduce of every rank's flag.
+
+    Installed in ``setup`` (fit only, more than one process, the default group initialised, both Lightning
+    attributes present); Lightning registers its signal handlers after the setup hooks, so it registers this
+    notifier. Removed in ``teardown``.
+    """
+
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.signalled = False
+        self._trainer: Trainer | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
+        if stage != "fit" or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if not (hasattr(loop, LOOP_CHECK) and hasattr(connector, NOTIFIER)):
+            log.debug("Lightning has no per-batch SIGTERM broadcast here: its own handling stays")
+            return
+        self.group = dist.new_group(backend="gloo")  # every rank runs setup: the group is made collectively
+        self.signalled = False
+        self._trainer = trainer
+        setattr(loop, LOOP_CHECK, self.agree)
+        setattr(connector, NOTIFIER, self.notify)
+
+    def notify(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGTERM handler: records the signal; rank 0 sends it on to the processes it started (Lightning's
+        subprocess launcher), once."""
+        log.info("rank %s received SIGTERM (%s): every rank stops at the next training batch", self._rank(), signum)
+        if not self.signalled and self._trainer is not None:
+            launcher = self._trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        self.signalled = True
+
+    def agree(self) -> None:
+        """At a training batch start, on every rank: stop (``SIGTERMException``) when any rank got SIGTERM."""
+        flag = torch.tensor([int(self.signalled)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            if self._trainer is not None:
+                self._trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.group is None:
+            return
+        trainer.fit_loop.epoch_loop.__dict__.pop(LOOP_CHECK, None)
+        trainer._signal_connector.__dict__.pop(NOTIFIER, None)
+        dist.destroy_process_group(self.group)
+        self.group, self._trainer = None, None
+
+    def _rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
