@@ -354,7 +354,25 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
                 res[f"ddp{n}_within_noise"] = abs(res[f"ddp{n}_minus_1gpu"][-1]) <= res["seed_spread_last"]
         if s1 and sn and s1["tokens_per_s"] and sn["tokens_per_s"]:
             res[f"ddp{n}_speedup_tokens_per_s"] = sn["tokens_per_s"] / s1["tokens_per_s"]
+        ones, ddps = repeat_rates(out, one), repeat_rates(out, f"{prefix}{n}")
+        if ones and ddps and max(len(ones), len(ddps)) > 1:  # repeats: the speed-up of the pooled rates
+            res[f"ddp{n}_repeats"] = {
+                "tokens_per_s_1gpu": ones,
+                f"tokens_per_s_ddp{n}": ddps,
+                "speedup_paired": [b / a for a, b in zip(ones, ddps, strict=False)],
+            }
+            res[f"ddp{n}_speedup_tokens_per_s"] = (sum(ddps) / len(ddps)) / (sum(ones) / len(ones))
     return res
+
+
+def repeat_rates(out: Path, name: str) -> list[float]:
+    """Tokens/s of a fit and of each of its repeats ``<name>r2`` ... ``<name>r9`` that ran, in that order."""
+    rates = []
+    for run in [name, *(f"{name}r{k}" for k in range(2, 10))]:
+        s = speed(out, run)
+        if s and s["tokens_per_s"]:
+            rates.append(s["tokens_per_s"])
+    return rates
 
 
 def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> dict[str, Any]:
@@ -499,6 +517,13 @@ def _ddp_lines(d: dict[str, Any], title: str, sizes: list[int]) -> list[str]:
         lines.append(f"| DDP, {n} devices | {_fmt(d[f'val_loss_ddp{n}'])} | "
                      f"{_fmt((d[f'speed_ddp{n}'] or {}).get('tokens_per_s'), 0)} | "
                      f"{_fmt(d.get(f'ddp{n}_speedup_tokens_per_s'), 2)}x |")  # fmt: skip
+    for n in sizes:
+        rep = d.get(f"ddp{n}_repeats")
+        if rep:  # the speed-up above is then the pooled one
+            lines.append(f"| DDP, {n} devices: every repeat pooled | | one device "
+                         f"{', '.join(_fmt(x, 0) for x in rep['tokens_per_s_1gpu'])}; DDP "
+                         f"{', '.join(_fmt(x, 0) for x in rep[f'tokens_per_s_ddp{n}'])} | repeat by repeat "
+                         f"{', '.join(_fmt(x, 2) + 'x' for x in rep['speedup_paired'])} |")  # fmt: skip
     seeds = d.get("seed_final_losses") or {}
     lines += ["", f"Seed noise (seed 1 - seed 0): {_fmt(d.get('seed_noise'), 6)}; final loss by adapter seed: "
               + (", ".join(f"{k}: {_fmt(v, 5)}" for k, v in seeds.items()) or "missing")

@@ -379,7 +379,8 @@ class MultiLoraModule(LightningModule):
                     f"{hf_model.config.vocab_size} embeddings"
                 )
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        with torch.random.fork_rng():
+        dev = torch.get_default_device()  # fork only the RNG the adapters are drawn on (not every visible GPU's)
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else [], device_type=dev.type):
             torch.manual_seed(self.hparams.adapter_seed)
             self.lora_model = MultiLoraModel(hf_model, self.lora_config)
             for p in self.lora_model.lora_parameters():  # the trained weights stay float32 under a low-precision base

@@ -5,6 +5,9 @@
 #
 #   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate A,
 #                                    $EMB_EPOCHS epochs, validation after each: val loss, tokens/s
+#   emb1rK, ddpNrK (K 2..9)          emb1 and ddpN again (the same seeds): the report pools every repeat's tokens/s
+#                                    (one GPU's pace drifts by 10-15% between fits on one host); interleave them,
+#                                    e.g. PHASES="emb1 ddp4 emb1r2 ddp4r2 emb1r3 ddp4r3"
 #   emb1s.log, emb1s_speed.json      the same with another adapter init (model.adapter_seed 1): run-to-run noise;
 #                                    emb1sK / q1sK: adapter seed K (2..9), more draws of that noise
 #   ddpN.log, ddpN_speed*.json       DDP on N GPUs (configs/ddp.yaml), accumulate A/N: the same global batch, the same
@@ -171,7 +174,9 @@ def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
 
 
 seeds = [""] + [str(k) for k in range(2, 10)]  # emb1s / q1s: adapter seed 1; emb1sK / q1sK: seed K
-for name in ["emb1"] + [f"emb1s{k}" for k in seeds] + [f"ddp{n}" for n in sizes]:
+repeats = [f"r{k}" for k in range(2, 10)]  # emb1rK / ddpNrK: the same fit again (pooled by the report)
+for name in (["emb1"] + [f"emb1s{k}" for k in seeds] + [f"ddp{n}" for n in sizes] + [f"emb1{r}" for r in repeats]
+             + [f"ddp{n}{r}" for n in sizes for r in repeats]):
     derive("configs/embedded_hotpotqa.yaml", name, None)
 for name in ["q1"] + [f"q1s{k}" for k in seeds] + [f"qddp{n}" for n in sizes]:
     derive("configs/qwen_hotpotqa.yaml", name, None)
@@ -216,14 +221,15 @@ ev_phase() {  # ev_phase NAME evN BENCHMARKS: one eval --devices N over the benc
 run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
   local n=${1##*[!0-9]} base=${1%%[0-9]*}
   case $1 in
-    emb1) phase emb1 "$PY" cli.py fit --config "$OUT/emb1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches "$A" \
+    emb1 | emb1r[2-9]) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${E[@]}" --trainer.accumulate_grad_batches "$A" \
             --trainer.limit_train_batches "$EMB_LIMIT1" ;;
     emb1s | emb1s[2-9]) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${E[@]}" \
              --trainer.accumulate_grad_batches "$A" --trainer.limit_train_batches "$EMB_LIMIT1" --model.adapter_seed "$(seed_of "$1")" ;;
     ddp8b[0-9]*) n=${1#ddp8b}
         phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" "${B[@]}" --trainer.strategy ddp --trainer.devices "$n" \
           --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS1" ;;
-    ddp[0-9]*) phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" --config configs/ddp.yaml "${E[@]}" \
+    ddp[0-9]*) n=${1#ddp}; n=${n%r*}  # ddpN, or its repeat ddpNrK
+        phase "$1" "$PY" cli.py fit --config "$OUT/$1_config.yaml" --config configs/ddp.yaml "${E[@]}" \
             --trainer.devices "$n" --trainer.accumulate_grad_batches $((A / n)) \
             --trainer.limit_train_batches "$(per_rank "$EMB_LIMIT1" "$n")" "${DDP[@]}" ;;
     q1) phase q1 "$PY" cli.py fit --config "$OUT/q1_config.yaml" "${Q[@]}" --trainer.accumulate_grad_batches "$A" \
@@ -250,7 +256,7 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           "${EV_ADAPTERS:-}" "${V[@]}" ;;
     ev[0-9]*-*) ev_phase "$1" "${1%%-*}" "${1#*-}" ;;  # evN-<benchmark>: that benchmark alone (one call each)
     ev[0-9]*) ev_phase "$1" "$1" "$EV_BENCHMARKS" ;;
-    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] ddpN q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN evwarm ev1 evN evN-<benchmark>" >&2
+    *) echo "unknown phase $1 (base $base): allowed emb1 emb1s[K] emb1rK ddpN ddpNrK q1 q1s[K] qddpN b1 fsdpN fsdpNr ddp8bN fxN peftN evwarm ev1 evN evN-<benchmark>" >&2
        exit 2 ;;
   esac
 }
@@ -267,7 +273,7 @@ for group in $PHASES; do  # "a+b": a on the first GPU and b on the second, at th
   fi
 done
 
-for r in emb1 emb1s emb1s{2..9} q1 q1s q1s{2..9} $(for n in $SIZES; do echo "ddp$n qddp$n"; done); do
+for r in emb1 emb1s emb1s{2..9} emb1r{2..9} q1 q1s q1s{2..9} $(for n in $SIZES; do echo "ddp$n qddp$n ddp${n}r"{2..9}; done); do
   cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true
 done
 "$PY" -m eval_suite.multi_gpu_report --out "$OUT" --sizes "$SIZES" \

@@ -18,6 +18,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
 BUGS = {
+    "several-GPU report: the first pair's speed-up kept when repeats ran": (
+        "eval_suite/multi_gpu_report.py",
+        '            res[f"ddp{n}_speedup_tokens_per_s"] = (sum(ddps) / len(ddps)) / (sum(ones) / len(ones))',
+        "            pass",
+        "tests/test_multi_gpu_report.py",
+    ),
+    "several-GPU report: repeats not read": (
+        "eval_suite/multi_gpu_report.py",
+        '    for run in [name, *(f"{name}r{k}" for k in range(2, 10))]:',
+        "    for run in [name]:",
+        "tests/test_multi_gpu_report.py",
+    ),
     "DDP: Lightning's per-batch SIGTERM broadcast left in place (a GPU collective and drain every batch)": (
         "lit_modules/multi_lora_module.py",
         "        return [HostSigtermAgreement()]",

@@ -401,3 +401,22 @@ def test_a_reference_resumed_in_a_later_call_has_its_second_start_taken_out(tmp_
     assert e["speedup_2_less_restarts"] == pytest.approx((720 - 18.0) / 360)
     md = report.markdown(report.collect(tmp_path, None, [2]))
     assert "(18.0 vs 0.0 s of start, setup and captures): without it the speed-up is **1.95x**" in md
+
+
+def test_repeated_fits_are_pooled_and_each_pair_is_shown(tmp_path: Path, report) -> None:
+    """emb1/ddp4 and their repeats emb1r2/ddp4r2 (the measured pair of 2026-11-28: 95,248 and 109,741 tokens/s on one
+    GPU, 338,015 and 333,844 on four): the speed-up is that of the pooled rates, 3.28x, not the first pair's 3.55x, and
+    each pair's ratio is listed; without repeats the single pair stands."""
+    _speed(tmp_path / "emb1_speed.json", 95248.0)
+    _speed(tmp_path / "ddp4_speed.json", 338015.0, world=4)
+    first = report.collect(tmp_path, None, [4])["ddp_embedded"]
+    assert first["ddp4_speedup_tokens_per_s"] == pytest.approx(3.549, 1e-3) and "ddp4_repeats" not in first
+    _speed(tmp_path / "emb1r2_speed.json", 109741.0)
+    _speed(tmp_path / "ddp4r2_speed.json", 333844.0, world=4)
+    d = report.collect(tmp_path, None, [4])["ddp_embedded"]
+    pooled = ((338015.0 + 333844.0) / 2) / ((95248.0 + 109741.0) / 2)
+    assert d["ddp4_speedup_tokens_per_s"] == pytest.approx(pooled) and pooled == pytest.approx(3.278, 1e-3)
+    assert d["ddp4_repeats"]["speedup_paired"] == pytest.approx([338015 / 95248, 333844 / 109741])
+    md = report.markdown(report.collect(tmp_path, None, [4]))
+    assert "| DDP, 4 devices: every repeat pooled | | one device 95248, 109741; DDP 338015, 333844 |" in md
+    assert "repeat by repeat 3.55x, 3.04x |" in md and "| 3.28x |" in md
