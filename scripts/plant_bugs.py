@@ -1211,6 +1211,12 @@ BUGS = {
         "            if threads:\n                pass",
         "tests/test_training_recipe.py -k host_thread",
     ),
+    "GPU: bench decode measures the bandwidth once (before the timed steps only)": (
+        "eval_suite/bench_decode.py",
+        "        bandwidths.append(measure_copy_bandwidth(dev))",
+        "        pass",
+        "tests/test_decode_floor.py -k measures_the_bandwidth_twice",
+    ),
     "GPU: decode kernel switched off": (
         "lragent/cache_views.py",
         "        kernel = _fused_decode() if (use_kernel and pos.is_cuda) else None",

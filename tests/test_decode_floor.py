@@ -169,3 +169,23 @@ def test_the_floor_takes_the_highest_bandwidth_the_run_measured() -> None:
         assert rows[0]["vs_floor"] == pytest.approx(4.716 / rows[0]["floor_ms"])
         assert rows[0]["vs_floor"] > 1.27  # the lower measure would have read 1.22
         assert "floor_ms" not in rows[1]
+
+
+@pytest.mark.gpu
+def test_a_decode_run_measures_the_bandwidth_twice_and_floors_on_the_higher(tmp_path) -> None:
+    """``bench decode`` on the tiny model: two bandwidth measures (before and after the timed steps), the record's
+    bandwidth is the higher, and every engine row's floor is its bytes over it."""
+    import json
+
+    from eval_suite.bench_decode import decode
+
+    assert decode(model="tiny-llama", context=64, batches=[1], new_tokens=8, eager=False,
+                  transformers_baseline=False, out=str(tmp_path)) == 0  # fmt: skip
+    rec = json.loads((tmp_path / "bench_decode.json").read_text())
+    measures = rec["copy_bandwidth_measures_bytes_per_s"]
+    assert len(measures) == 2 and rec["copy_bandwidth_bytes_per_s"] == max(measures) > 1e11
+    rows = [r for r in rec["rows"] if r["impl"].startswith("lragent")]
+    assert rows
+    for r in rows:
+        assert r["floor_ms"] == pytest.approx(1e3 * r["bytes_read_per_step"] / max(measures))
+        assert r["vs_floor"] == pytest.approx(r["ms_per_token"] / r["floor_ms"])
