@@ -5,8 +5,9 @@ every training batch as a tensor on the rank's GPU over the default (NCCL) group
 (``_TrainingEpochLoop._broadcast_sigterm_tensor``, Lightning PR #20825). The read waits for everything queued on the
 GPU before it, the previous step's backward and optimizer step included, and NCCL runs the broadcast after the
 previous gradient all-reduce of every rank. So at every micro-batch the host stops launching until its GPU has
-drained, then the GPU idles while the host prepares the next batch. On 4 × H200 the embedded model's DDP ranks spent
-9-37 ms a micro-batch between Lightning's batch hooks, where one GPU spent 0.4-2.6
+drained, its wait in the all-reduce for the slowest rank included, and no rank's host can run ahead to absorb another
+rank's slow step. On 4 × H200 each DDP rank's GPU finished a micro-batch of the embedded model 9-37 ms after its host
+had issued it (one GPU: 0.4-2.6 ms), a lag the host then waited out at every batch
 (``results/ddp_embedded_h200x4_2026-11-28``, evening). Lightning PR #21640 (open) would broadcast every n steps.
 
 :class:`HostSigtermAgreement` keeps the guarantee (all ranks stop at the same batch, none is left waiting in a
@@ -19,12 +20,14 @@ of the batch on one rank alone. A signal during validation is acted on at the ne
 training batch lets the fit finish.
 
 :class:`~lit_modules.multi_lora_module.MultiLoraModule` adds it to every fit (``configure_callbacks``); with one
-process, or a Lightning without the per-batch broadcast, it does nothing.
+process, or a Lightning without the per-batch broadcast, it does nothing. ``LRAGENT_LIGHTNING_SIGTERM=1`` leaves
+Lightning's own check in place (to time the two side by side).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from types import FrameType
 from typing import Any
 
@@ -57,6 +60,9 @@ class HostSigtermAgreement(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         loop, connector = trainer.fit_loop.epoch_loop, trainer._signal_connector
         if stage != "fit" or trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if os.environ.get("LRAGENT_LIGHTNING_SIGTERM") == "1":
+            log.info("LRAGENT_LIGHTNING_SIGTERM=1: Lightning's per-batch SIGTERM broadcast stays")
             return
         if not (hasattr(loop, LOOP_CHECK) and hasattr(connector, NOTIFIER)):
             log.debug("Lightning has no per-batch SIGTERM broadcast here: its own handling stays")

@@ -50,6 +50,8 @@
 #   EMB_EXTRA adds options to every embedded-model fit (e.g. "--model.model_dtype bfloat16"); FITSPEED_SYNC=1 times
 #   the fits as before 2026-11-28 (a device sync at each micro-batch, the host clock) instead of with CUDA events;
 #   FITSPEED_SYNC_DEBUG=1 counts each micro-batch's host-device syncs and names their lines (a diagnostic).
+#   LRAGENT_LIGHTNING_SIGTERM=1 leaves Lightning's per-batch SIGTERM broadcast (a GPU drain) in the DDP fits instead of
+#   lit_modules/sigterm_check.py's host agreement: to time the two side by side.
 #   DDP_EXTRA adds options to the embedded model's ddpN phases only, e.g. "--trainer.strategy
 #   lightning.pytorch.strategies.DDPStrategy --trainer.strategy.gradient_as_bucket_view true".
 #   EMB_EPOCHS, B_STEPS1/B_STEPS2 (default 11/13: 10 timed steps after the first), EV_LIMIT, EV_RUNS, EV_BENCHMARKS,
@@ -279,6 +281,7 @@ done
 "$PY" -m eval_suite.multi_gpu_report --out "$OUT" --sizes "$SIZES" \
   --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} SIZES='$SIZES' PHASES='$PHASES'\
 ${EMB_EXTRA:+ EMB_EXTRA='$EMB_EXTRA'}${DDP_EXTRA:+ DDP_EXTRA='$DDP_EXTRA'}${FITSPEED_SYNC:+ FITSPEED_SYNC=$FITSPEED_SYNC}\
-${FITSPEED_SYNC_DEBUG:+ FITSPEED_SYNC_DEBUG=$FITSPEED_SYNC_DEBUG}${OMP_NUM_THREADS:+ OMP_NUM_THREADS=$OMP_NUM_THREADS} bash scripts/gpu_multi.sh" \
+${FITSPEED_SYNC_DEBUG:+ FITSPEED_SYNC_DEBUG=$FITSPEED_SYNC_DEBUG}${OMP_NUM_THREADS:+ OMP_NUM_THREADS=$OMP_NUM_THREADS}\
+${LRAGENT_LIGHTNING_SIGTERM:+ LRAGENT_LIGHTNING_SIGTERM=$LRAGENT_LIGHTNING_SIGTERM} bash scripts/gpu_multi.sh" \
   2>&1 | tee "$OUT/report.log"
 cat "$OUT/timings.txt"

@@ -340,27 +340,45 @@ class SigtermProbe(Callback):
 '''
 
 
-@pytest.mark.parametrize("signalled_rank", [1, 0])
-def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective(
-    tmp_path: Path, signalled_rank: int
-) -> None:
-    """Two DDP processes (gloo); SIGTERM reaches one of them after its second training batch. Both stop at the next
-    batch start with Lightning's SIGTERMException after the same 2 batches (rank 1 alone: Lightning 2.6's broadcast
-    carries rank 0's flag only, so rank 1 would leave rank 0 waiting in the next all-reduce), and no broadcast went
-    over the default group during the fit (Lightning's per-batch check is one on the GPU under NCCL, whose read
-    drains the GPU: lit_modules/sigterm_check.py)."""
+def _fit_with_sigterm(tmp_path: Path, signalled_rank: int, **env_extra: str) -> list[dict | None]:
+    """A two-process DDP fit (gloo) whose rank ``signalled_rank`` gets SIGTERM after its second training batch; what
+    each rank's probe wrote on the way out (None: it wrote nothing)."""
     (tmp_path / "sigterm_probe.py").write_text(SIGTERM_PROBE)
     out = tmp_path / "stop"
     probe = {"class_path": "sigterm_probe.SigtermProbe", "init_args": {"out": str(out), "rank": signalled_rank,
                                                                        "after": 2}}  # fmt: skip
     config = _config(tmp_path, "sig", write_roles(tmp_path), [probe])
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}", **env_extra}
     ddp = str(REPO / "configs" / "ddp.yaml")
     cmd = [sys.executable, str(REPO / "cli.py"), "fit", "--config", str(config), "--config", ddp]
     try:
         subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the ranks did not stop together in 240 s (one waits in a collective): {str(e.stderr)[-2000:]}")
+        if not env_extra:
+            pytest.fail(
+                f"the ranks did not stop together in 240 s (one waits in a collective): {str(e.stderr)[-2000:]}"
+            )
     files = [out.with_name(f"stop.rank{r}.json") for r in (0, 1)]
-    stops = [json.loads(f.read_text()) if f.exists() else None for f in files]
+    return [json.loads(f.read_text()) if f.exists() else None for f in files]
+
+
+@pytest.mark.parametrize("signalled_rank", [1, 0])
+def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective(
+    tmp_path: Path, signalled_rank: int
+) -> None:
+    """Two DDP processes (gloo); SIGTERM reaches one of them after its second training batch. Both stop at the next
+    batch start with Lightning's SIGTERMException after the same 2 batches (Lightning 2.6's own check left the other
+    rank ending in a RuntimeError, either rank), and no broadcast went over the default group during the fit
+    (Lightning's per-batch check is one on the GPU under NCCL, whose read drains the GPU:
+    lit_modules/sigterm_check.py)."""
+    stops = _fit_with_sigterm(tmp_path, signalled_rank)
     assert stops == [{"exception": "SIGTERMException", "batches": 2, "default_broadcasts": 0}] * 2
+
+
+def test_the_probe_sees_lightnings_own_per_batch_broadcast(tmp_path: Path) -> None:
+    """The control of the test above: with Lightning's own check left in place (``LRAGENT_LIGHTNING_SIGTERM=1``) the
+    same probe counts a default-group broadcast at each training batch start, so its 0 there is not a blind counter;
+    Lightning stops rank 0 on its own signal."""
+    stop0 = _fit_with_sigterm(tmp_path, 0, LRAGENT_LIGHTNING_SIGTERM="1")[0]
+    assert stop0 is not None and stop0["exception"] == "SIGTERMException" and stop0["batches"] == 2
+    assert stop0["default_broadcasts"] >= 2  # one at each of the two batch starts (and the handler's own)
