@@ -16,7 +16,9 @@
 #                                                (non_shared, full_shared, base_lr_shared) and at 32k ($TRACE32_SCHEMES,
 #                                                default full_shared,base_lr_shared: non_shared's cache outgrows an H100),
 #                                                then python -m eval_suite.speed_table over them
-#                                                ($OUT/readme/speed_table.md)
+#                                                ($OUT/readme/speed_table.md; the whole folder also in
+#                                                $OUT/readme.tar.gz, packed after each phase: a device call brings
+#                                                back no file two folders deep)
 #   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
 #                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
 #                                                FIT_STEPS2, exported (one PEFT directory per role)
@@ -58,14 +60,19 @@ case "$BENCH" in
   readme)
     D=(--model llama-3.1-8b --context 2048 --batches "[1,32]" --eager false --repeats 2
       --plans "${DECODE_PLANS:-[\"\", \"qkv_rope=0\", \"qkv_maxnreg=0\"]}")
-    phase decode1 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode1"
-    phase decode2 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode2"
+    # the records lie two folders deep, which a device call does not bring back: packed into one file after each
+    # phase (a call cut short keeps what finished)
+    pack() {
+      tar czf "$OUT/readme.tar.gz.part" -C "$OUT" readme timings.txt && mv "$OUT/readme.tar.gz.part" "$OUT/readme.tar.gz"
+    }
+    phase decode1 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode1"; pack
+    phase decode2 "$PY" cli.py bench decode "${D[@]}" --out "$OUT/readme/decode2"; pack
     # the table needs no kernel-off rows (Figure 4's): without them the call fits one 10-minute device command
     phase trace16k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[16384]" --kernel_off false \
-      --schemes non_shared,full_shared,base_lr_shared --out "$OUT/readme/trace16k"
+      --schemes non_shared,full_shared,base_lr_shared --out "$OUT/readme/trace16k"; pack
     phase trace32k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[32768]" --kernel_off false \
-      --schemes "${TRACE32_SCHEMES:-full_shared,base_lr_shared}" --out "$OUT/readme/trace32k"
-    phase table "$PY" -m eval_suite.speed_table "$OUT/readme" --out "$OUT/readme/speed_table.md"
+      --schemes "${TRACE32_SCHEMES:-full_shared,base_lr_shared}" --out "$OUT/readme/trace32k"; pack
+    phase table "$PY" -m eval_suite.speed_table "$OUT/readme" --out "$OUT/readme/speed_table.md"; pack
     exit 0 ;;
   *) phase "$BENCH" "$PY" cli.py bench "$BENCH" "$@" --out "$OUT/$BENCH"; exit 0 ;;
 esac
