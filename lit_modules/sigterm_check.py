@@ -12,7 +12,8 @@ had issued it (one GPU: 0.4-2.6 ms), a lag the host then waited out at every bat
 
 :class:`HostSigtermAgreement` keeps the guarantee (all ranks stop at the same batch, none is left waiting in a
 collective) without the GPU: at every training batch start the ranks all-reduce (max) their own SIGTERM flags over a
-gloo group of the same processes, a host collective of tens of microseconds, and all raise Lightning's
+gloo group of the same processes (a host collective: 0.19 ms between two processes on a 2-core CPU machine, against
+a 135M micro-batch's 130-160 ms on an H200), and all raise Lightning's
 ``SIGTERMException`` there when any rank got the signal: a SIGTERM that reaches one rank alone (rank 0 or any other)
 stops every rank, where Lightning's broadcast carries rank 0's flag only. The SIGTERM handler then only records the
 signal (rank 0 still passes it on to the processes it started, as Lightning's does) and no longer raises at the end
