@@ -345,6 +345,7 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
     if finals:
         res["seed_final_losses"] = {0: v1[-1], **finals}
         res["seed_spread_last"] = max(abs(x - v1[-1]) for x in finals.values())  # largest |seed k - seed 0|
+    ones = repeat_rates(out, one)  # the one-GPU fit's tokens/s and its repeats', read once for every size
     for n in sizes:
         vn, sn = val_losses(out / f"{prefix}{n}_metrics.csv"), speed(out, f"{prefix}{n}")
         res[f"val_loss_ddp{n}"], res[f"speed_ddp{n}"] = vn, sn
@@ -352,16 +353,15 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
             res[f"ddp{n}_minus_1gpu"] = [b - a for a, b in zip(v1, vn, strict=True)]
             if "seed_spread_last" in res:  # the last validation: DDP's difference against the seeds' spread
                 res[f"ddp{n}_within_noise"] = abs(res[f"ddp{n}_minus_1gpu"][-1]) <= res["seed_spread_last"]
-        if s1 and sn and s1["tokens_per_s"] and sn["tokens_per_s"]:
-            res[f"ddp{n}_speedup_tokens_per_s"] = sn["tokens_per_s"] / s1["tokens_per_s"]
-        ones, ddps = repeat_rates(out, one), repeat_rates(out, f"{prefix}{n}")
-        if ones and ddps and max(len(ones), len(ddps)) > 1:  # repeats: the speed-up of the pooled rates
-            res[f"ddp{n}_repeats"] = {
-                "tokens_per_s_1gpu": ones,
-                f"tokens_per_s_ddp{n}": ddps,
-                "speedup_paired": [b / a for a, b in zip(ones, ddps, strict=False)],
-            }
+        ddps = repeat_rates(out, f"{prefix}{n}")
+        if ones and ddps:  # the speed-up of the pooled rates: with one fit each, that fit's ratio
             res[f"ddp{n}_speedup_tokens_per_s"] = (sum(ddps) / len(ddps)) / (sum(ones) / len(ones))
+            if max(len(ones), len(ddps)) > 1:
+                res[f"ddp{n}_repeats"] = {
+                    "tokens_per_s_1gpu": ones,
+                    f"tokens_per_s_ddp{n}": ddps,
+                    "speedup_paired": [b / a for a, b in zip(ones, ddps, strict=False)],
+                }
     return res
 
 
