@@ -28,6 +28,7 @@ from lragent.fused_weights import FusedGroup
 from lragent.kv_cache import ModelCache
 from lragent.multi_lora import MultiLoraLinear, role_mask, role_masked
 from lragent.rope import apply_rope
+from lragent.train_norm import rms_norm_like
 
 
 def _proj(module: nn.Module, x: torch.Tensor, role_ids: torch.Tensor | None) -> torch.Tensor:
@@ -421,7 +422,7 @@ class DecoderEngine:
             silu_in_gemv = _fused_step(view, x2)
             return self._mlp(layer, x2, role_ids, fused, mask, residual=h, silu_in_gemv=silu_in_gemv)
         h = h + o
-        x2 = layer.post_attention_layernorm(h)
+        x2 = rms_norm_like(layer.post_attention_layernorm, h)
         return h + self._mlp(layer, x2, role_ids, fused, mask)
 
     def _qkv_rope(
@@ -470,7 +471,7 @@ class DecoderEngine:
     @staticmethod
     def _norm(norm: nn.Module, h: torch.Tensor, fused: bool) -> torch.Tensor:
         if not fused:
-            return norm(h)
+            return rms_norm_like(norm, h)  # training on a GPU: one fused kernel (lragent.train_norm)
         from kernels.fused_ops import rms_norm
 
         return rms_norm(h, norm.weight, norm.variance_epsilon)[0]

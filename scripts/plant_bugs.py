@@ -1478,6 +1478,36 @@ BUGS = {
         "    return bool(params) and all(p.is_cuda for p in params)",
         "tests/test_training_recipe.py -k without_a_gradient_scaler",
     ),
+    "training norm: eps dropped from the fused formula": (
+        "lragent/train_norm.py",
+        (
+            "        return F.rms_norm(h, h.shape[-1:], weight, eps)",
+            "    return weight * F.rms_norm(h.float(), h.shape[-1:], None, eps).to(h.dtype)",
+        ),
+        (
+            "        return F.rms_norm(h, h.shape[-1:], weight, 0.0)",
+            "    return weight * F.rms_norm(h.float(), h.shape[-1:], None, 0.0).to(h.dtype)",
+        ),
+        "tests/test_train_norm.py -k eps_counts",
+    ),
+    "training norm: the fused formula taken in inference too": (
+        "lragent/train_norm.py",
+        "    return h.is_cuda and torch.is_grad_enabled() and",
+        "    return h.is_cuda and",
+        "tests/test_train_norm.py -k autograd_records",
+    ),
+    "training norm: the fused output left in float32 (not cast back to the input's dtype)": (
+        "lragent/train_norm.py",
+        "    return weight * F.rms_norm(h.float(), h.shape[-1:], None, eps).to(h.dtype)",
+        "    return weight * F.rms_norm(h.float(), h.shape[-1:], None, eps)",
+        "tests/test_train_norm.py -k values_and_gradients",
+    ),
+    "GPU: training norm: transformers' module kept on CUDA (the switch off by default)": (
+        "lragent/train_norm.py",
+        'os.environ.get("LRAGENT_FUSED_RMS_NORM", "1") != "0"',
+        'os.environ.get("LRAGENT_FUSED_RMS_NORM", "0") not in ("0", "1")',
+        "tests/test_train_norm.py -k runs_the_fused_rmsnorm_kernel",
+    ),
     "GPU: optimizer: not fused on CUDA": (
         "lit_modules/multi_lora_module.py",
         "        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=True if fused else None)",
