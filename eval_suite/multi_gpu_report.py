@@ -353,6 +353,16 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
             res[f"ddp{n}_minus_1gpu"] = [b - a for a, b in zip(v1, vn, strict=True)]
             if "seed_spread_last" in res:  # the last validation: DDP's difference against the seeds' spread
                 res[f"ddp{n}_within_noise"] = abs(res[f"ddp{n}_minus_1gpu"][-1]) <= res["seed_spread_last"]
+        # each repeat pair (the same seeds): DDP's repeat k against one GPU's repeat k, and whether it is in the noise
+        pairs = {}
+        for k in range(2, 10):
+            a, b = val_losses(out / f"{one}r{k}_metrics.csv"), val_losses(out / f"{prefix}{n}r{k}_metrics.csv")
+            if a and b and len(a) == len(b):
+                pairs[k] = [y - x for x, y in zip(a, b, strict=True)]
+        if pairs:
+            res[f"ddp{n}_minus_1gpu_repeats"] = pairs
+            if "seed_spread_last" in res:
+                res[f"ddp{n}_repeats_within_noise"] = all(abs(d[-1]) <= res["seed_spread_last"] for d in pairs.values())
         ddps = repeat_rates(out, f"{prefix}{n}")
         if ones and ddps:  # the speed-up of the pooled rates: with one fit each, that fit's ratio
             res[f"ddp{n}_speedup_tokens_per_s"] = (sum(ddps) / len(ddps)) / (sum(ones) / len(ones))
@@ -531,6 +541,11 @@ def _ddp_lines(d: dict[str, Any], title: str, sizes: list[int]) -> list[str]:
     for n in sizes:
         lines.append(f"DDP on {n} - 1 device: {_fmt(d.get(f'ddp{n}_minus_1gpu'), 6)}; within the seed noise at the "
                      f"last validation: {_fmt(d.get(f'ddp{n}_within_noise'))}.")  # fmt: skip
+        for k, diffs in (d.get(f"ddp{n}_minus_1gpu_repeats") or {}).items():
+            lines.append(f"DDP on {n} - 1 device, repeat {k}: {_fmt(diffs, 6)}.")
+        if f"ddp{n}_repeats_within_noise" in d:
+            lines.append(f"Every repeat within the seed noise at the last validation: "
+                         f"{_fmt(d[f'ddp{n}_repeats_within_noise'])}.")  # fmt: skip
     return lines + [""]
 
 

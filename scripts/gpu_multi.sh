@@ -6,6 +6,7 @@
 #   emb1.log, emb1_speed.json        embedded SmolLM2 (configs/embedded_hotpotqa.yaml), 1 GPU, accumulate A,
 #                                    $EMB_EPOCHS epochs, validation after each: val loss, tokens/s
 #   emb1rK, ddpNrK (K 2..9)          emb1 and ddpN again (the same seeds): the report pools every repeat's tokens/s
+#                                    and gives each repeat pair's val/loss difference against the seed noise
 #                                    (one GPU's pace drifts by 10-15% between fits on one host); interleave them,
 #                                    e.g. PHASES="emb1 ddp4 emb1r2 ddp4r2 emb1r3 ddp4r3"
 #   emb1s.log, emb1s_speed.json      the same with another adapter init (model.adapter_seed 1): run-to-run noise;

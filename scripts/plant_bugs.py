@@ -24,6 +24,18 @@ BUGS = {
         '            res[f"ddp{n}_speedup_tokens_per_s"] = ddps[0] / ones[0]',
         "tests/test_multi_gpu_report.py",
     ),
+    "several-GPU report: the repeat pairs' val losses not read": (
+        "eval_suite/multi_gpu_report.py",
+        '        for k in range(2, 10):\n            a, b = val_losses(out / f"{one}r{k}_metrics.csv")',
+        '        for k in range(0):\n            a, b = val_losses(out / f"{one}r{k}_metrics.csv")',
+        "tests/test_multi_gpu_report.py -k each_repeat_pair",
+    ),
+    "several-GPU report: the repeats' noise verdict passes when any pair is within": (
+        "eval_suite/multi_gpu_report.py",
+        'res[f"ddp{n}_repeats_within_noise"] = all(abs(d[-1])',
+        'res[f"ddp{n}_repeats_within_noise"] = any(abs(d[-1])',
+        "tests/test_multi_gpu_report.py -k each_repeat_pair",
+    ),
     "several-GPU report: repeats not read": (
         "eval_suite/multi_gpu_report.py",
         '    for run in [name, *(f"{name}r{k}" for k in range(2, 10))]:',

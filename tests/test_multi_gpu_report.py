@@ -420,3 +420,23 @@ def test_repeated_fits_are_pooled_and_each_pair_is_shown(tmp_path: Path, report)
     md = report.markdown(report.collect(tmp_path, None, [4]))
     assert "| DDP, 4 devices: every repeat pooled | | one device 95248, 109741; DDP 338015, 333844 |" in md
     assert "repeat by repeat 3.55x, 3.04x |" in md and "| 3.28x |" in md
+
+
+def test_each_repeat_pair_s_val_loss_difference_is_reported(tmp_path: Path, report) -> None:
+    """A repeat pair (emb1rK, ddp4rK: the same seeds) gets its own DDP - one GPU val/loss difference, each judged
+    against the seed spread: one repeat outside it makes the verdict False; repeats of one side only give none."""
+    _metrics(tmp_path / "emb1_metrics.csv", [2.0, 1.5])
+    _metrics(tmp_path / "emb1s_metrics.csv", [2.01, 1.52])  # seed spread 0.02 at the last validation
+    _metrics(tmp_path / "ddp4_metrics.csv", [2.0, 1.51])
+    _metrics(tmp_path / "emb1r2_metrics.csv", [2.0, 1.50])
+    _metrics(tmp_path / "ddp4r2_metrics.csv", [2.002, 1.515])  # +0.015: within
+    _metrics(tmp_path / "emb1r3_metrics.csv", [2.0, 1.50])  # no ddp4r3: no pair 3
+    d = report.collect(tmp_path, None, [4])["ddp_embedded"]
+    assert list(d["ddp4_minus_1gpu_repeats"]) == [2]
+    assert d["ddp4_minus_1gpu_repeats"][2] == pytest.approx([0.002, 0.015])
+    assert d["ddp4_repeats_within_noise"] is True
+    md = report.markdown(report.collect(tmp_path, None, [4]))
+    assert "DDP on 4 - 1 device, repeat 2: [0.002000, 0.015000]." in md
+    _metrics(tmp_path / "ddp4r3_metrics.csv", [2.0, 1.53])  # +0.03: outside
+    d = report.collect(tmp_path, None, [4])["ddp_embedded"]
+    assert d["ddp4_repeats_within_noise"] is False and d["ddp4_minus_1gpu_repeats"][3] == pytest.approx([0.0, 0.03])
