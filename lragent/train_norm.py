@@ -1,8 +1,9 @@
 """transformers' RMSNorm in one fused kernel for training on a GPU.
 
-A small model's training step is host-bound: the embedded 135M model's forward + backward dispatches about 5,000
-kernels a micro-batch, and the GPU waits for the host (docs/several-gpus.md). transformers' RMSNorm (LLaMA, Qwen2,
-Mistral) is eight kernels forward and a dozen backward, twice a layer; PyTorch's ``F.rms_norm`` is one fused kernel
+A small model's training step is host-bound: one micro-batch of the embedded 135M model dispatches about 5,000
+non-view ops forward and backward (a CPU census of one batch), and the GPU waits for the host (docs/several-gpus.md).
+transformers' RMSNorm (LLaMA, Qwen2, Mistral) is six to eight kernels forward (eight with the casts of a bfloat16
+input) and about a dozen backward, twice a layer and once at the end; PyTorch's ``F.rms_norm`` is one fused kernel
 each way on CUDA (``aten::_fused_rms_norm``, PyTorch 2.8 and later). Same formula: ``x · rsqrt(mean(x²) + eps)`` in
 float32, cast back to the input's dtype, times the weight. The sum of squares may be reduced in another order, so the
 result can differ from transformers' by float rounding (tests: within bfloat16/float32 rounding of it).
