@@ -1490,6 +1490,24 @@ BUGS = {
         "    return bool(params) and all(p.is_cuda for p in params)",
         "tests/test_training_recipe.py -k without_a_gradient_scaler",
     ),
+    "training RoPE: the keys taken from the wrong heads of the joint call": (
+        "lragent/rope.py",
+        "        view.store(layer, qk[:, n_q:], v.transpose(1, 2), v_lr)",
+        "        view.store(layer, qk[:, n_q - 1 : -1], v.transpose(1, 2), v_lr)",
+        "tests/test_rope_training.py -k bit_for_bit",
+    ),
+    "training RoPE: the joint call taken in inference too": (
+        "lragent/rope.py",
+        "    if torch.is_grad_enabled() and q.shape[:2] == k.shape[:2]",
+        "    if q.shape[:2] == k.shape[:2]",
+        "tests/test_rope_training.py -k fewer_ops",
+    ),
+    "training RoPE: the joint call never taken": (
+        "lragent/rope.py",
+        "    if torch.is_grad_enabled() and q.shape[:2] == k.shape[:2]",
+        "    if False and q.shape[:2] == k.shape[:2]",
+        "tests/test_rope_training.py -k fewer_ops",
+    ),
     "training norm: eps dropped from the fused formula": (
         "lragent/train_norm.py",
         (
