@@ -332,33 +332,42 @@ def launch_seconds(directory: Path) -> float | None:
     return total
 
 
+REPEATS = range(2, 10)
+"""K of a fit's repeats ``<fit>rK`` (``emb1r2``, ``ddp4r2``, ...): the same fit again, with the same seeds."""
+
+
+def _minus(base: list[float] | None, other: list[float] | None) -> list[float] | None:
+    """``other - base`` at every validation; None unless both ran and validated as often."""
+    return [b - a for a, b in zip(base, other, strict=True)] if base and other and len(base) == len(other) else None
+
+
 def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -> dict[str, Any]:
     """Val loss and tokens/s of a one-GPU fit, its other-seed twin and its DDP twins ``<prefix><N>``."""
     v1, v1s = val_losses(out / f"{one}_metrics.csv"), val_losses(out / f"{noise}_metrics.csv")
     s1 = speed(out, one)
     res: dict[str, Any] = {"val_loss_1gpu": v1, "val_loss_1gpu_adapter_seed1": v1s, "speed_1gpu": s1}
-    if v1 and v1s and len(v1) == len(v1s):
-        res["seed_noise"] = [b - a for a, b in zip(v1, v1s, strict=True)]
+    if seed_noise := _minus(v1, v1s):
+        res["seed_noise"] = seed_noise
     # every other adapter seed run (<noise> is seed 1, <noise>K seed K): the spread of one GPU's final loss
     others = {1: v1s, **{k: val_losses(out / f"{noise}{k}_metrics.csv") for k in range(2, 10)}}
     finals = {k: v[-1] for k, v in others.items() if v and v1 and len(v) == len(v1)}
     if finals:
         res["seed_final_losses"] = {0: v1[-1], **finals}
         res["seed_spread_last"] = max(abs(x - v1[-1]) for x in finals.values())  # largest |seed k - seed 0|
-    ones = repeat_rates(out, one)  # the one-GPU fit's tokens/s and its repeats', read once for every size
+    # the one-GPU fit's repeats, read once for every size: tokens/s (with the fit's own first) and val losses
+    ones = repeat_rates(out, one)
+    ones_losses = {k: val_losses(out / f"{one}r{k}_metrics.csv") for k in REPEATS}
     for n in sizes:
         vn, sn = val_losses(out / f"{prefix}{n}_metrics.csv"), speed(out, f"{prefix}{n}")
         res[f"val_loss_ddp{n}"], res[f"speed_ddp{n}"] = vn, sn
-        if v1 and vn and len(v1) == len(vn):
-            res[f"ddp{n}_minus_1gpu"] = [b - a for a, b in zip(v1, vn, strict=True)]
+        if minus := _minus(v1, vn):
+            res[f"ddp{n}_minus_1gpu"] = minus
             if "seed_spread_last" in res:  # the last validation: DDP's difference against the seeds' spread
-                res[f"ddp{n}_within_noise"] = abs(res[f"ddp{n}_minus_1gpu"][-1]) <= res["seed_spread_last"]
+                res[f"ddp{n}_within_noise"] = abs(minus[-1]) <= res["seed_spread_last"]
         # each repeat pair (the same seeds): DDP's repeat k against one GPU's repeat k, and whether it is in the noise
-        pairs = {}
-        for k in range(2, 10):
-            a, b = val_losses(out / f"{one}r{k}_metrics.csv"), val_losses(out / f"{prefix}{n}r{k}_metrics.csv")
-            if a and b and len(a) == len(b):
-                pairs[k] = [y - x for x, y in zip(a, b, strict=True)]
+        pairs = {
+            k: d for k in REPEATS if (d := _minus(ones_losses[k], val_losses(out / f"{prefix}{n}r{k}_metrics.csv")))
+        }
         if pairs:
             res[f"ddp{n}_minus_1gpu_repeats"] = pairs
             if "seed_spread_last" in res:
@@ -378,7 +387,7 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
 def repeat_rates(out: Path, name: str) -> list[float]:
     """Tokens/s of a fit and of each of its repeats ``<name>r2`` ... ``<name>r9`` that ran, in that order."""
     rates = []
-    for run in [name, *(f"{name}r{k}" for k in range(2, 10))]:
+    for run in [name, *(f"{name}r{k}" for k in REPEATS)]:
         s = speed(out, run)
         if s and s["tokens_per_s"]:
             rates.append(s["tokens_per_s"])

@@ -50,11 +50,11 @@ def rope_store_unfused(
     Returns:
         ``(B, H_q, T, D)`` queries after RoPE.
     """
-    n_q = q.shape[2]
     if torch.is_grad_enabled() and q.shape[:2] == k.shape[:2] and q.shape[3] == k.shape[3] and q.dtype == k.dtype:
         # training: q and k through one RoPE (the same element-wise ops on one tensor, so the same values and
         # gradients bit for bit): 6 kernels forward where two calls launch 10, and fewer in backward (host-bound step)
         qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)  # (B, H_q + H_kv, T, D)
+        n_q = q.shape[2]
         view.store(layer, qk[:, n_q:], v.transpose(1, 2), v_lr)
         return qk[:, :n_q]
     view.store(layer, apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2), v_lr)
