@@ -43,6 +43,7 @@ Writes ``bench_train.json`` (with provenance) and ``bench_train.md``; prints the
 from __future__ import annotations
 
 import gc
+import os
 import tempfile
 import time
 import warnings
@@ -353,6 +354,7 @@ class FitSpeed(Callback):
             fit_seconds=total,
             other_seconds=total - sum(r["seconds"] for r in self.records),
             torch_threads=torch.get_num_threads(),  # the host pool the steps ran with (lragent.host_threads)
+            host_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             timer=_timer_name(dev, self.sync_steps),
             provenance=provenance(device=dev.type),
         )

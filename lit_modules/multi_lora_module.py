@@ -27,6 +27,7 @@ adapters, optimizer and schedule state are.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from lightning.pytorch import Callback, LightningModule
 from torchmetrics import Metric
 
 from datamodules.role_examples import IGNORE_INDEX
-from lragent.host_threads import host_threads
+from lragent.host_threads import host_threads, pin_rank
 from lragent.multi_lora import MultiLoraConfig
 from lragent.roles import DEFAULT_ROLES
 from lragent.schemes import Scheme
@@ -51,6 +52,8 @@ SHARED_SCHEMES: tuple[str, ...] = (Scheme.BASE_LR_SHARED.value, Scheme.FULL_SHAR
 PRODUCER_MODES: tuple[str, ...] = ("random", "next", "prefix")
 SPLIT_MODES: tuple[str, ...] = ("piece", "last_token")
 LAMBDA_MODES: tuple[str, ...] = ("weight", "sample")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -402,6 +405,10 @@ class MultiLoraModule(LightningModule):
             threads = host_threads(str(self.trainer.strategy.root_device), os.environ, torch.get_num_threads())
             if threads:
                 torch.set_num_threads(threads)
+            if stage == "fit":
+                pinned = pin_rank(self.trainer.local_rank, self.trainer.num_devices, os.environ)
+                if pinned:
+                    log.info("local rank %d pinned to CPUs %s", self.trainer.local_rank, pinned)
             dm = getattr(self.trainer, "datamodule", None)
         if stage == "fit" and self.train_config.lambda_shared > 0 and getattr(dm, "pack_prefixes", False):
             raise ValueError(

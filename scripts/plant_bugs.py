@@ -54,6 +54,36 @@ BUGS = {
         "        pass",
         "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
     ),
+    "DDP: the SIGTERM agreement at every batch whatever LRAGENT_SIGTERM_EVERY says": (
+        "lit_modules/sigterm_check.py",
+        "        if (self.batches - 1) % self.every:",
+        "        if False:",
+        "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
+    ),
+    "DDP: the SIGTERM agreement off by one batch (at batch every, not 0, every, 2 every ...)": (
+        "lit_modules/sigterm_check.py",
+        "        if (self.batches - 1) % self.every:",
+        "        if self.batches % self.every:",
+        "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
+    ),
+    "DDP: LRAGENT_SIGTERM_EVERY=0 taken (never agreeing, modulo by zero)": (
+        "lit_modules/sigterm_check.py",
+        "    if not raw.isdigit() or int(raw) < 1:",
+        "    if not raw.isdigit():",
+        "tests/test_multi_gpu.py -k agreement_interval",
+    ),
+    "rank pinning: hyperthread siblings split between ranks (CPUs shared out one by one)": (
+        "lragent/host_threads.py",
+        "        cores.setdefault(core_of[cpu], []).append(cpu)",
+        "        cores.setdefault((0, cpu), []).append(cpu)",
+        "tests/test_rank_pinning.py",
+    ),
+    "rank pinning: pinned without LRAGENT_PIN_CORES=1": (
+        "lragent/host_threads.py",
+        '    if flag != "1" or ranks < 2 or not hasattr(os, "sched_setaffinity"):',
+        '    if ranks < 2 or not hasattr(os, "sched_setaffinity"):',
+        "tests/test_rank_pinning.py",
+    ),
     "decode floor: the copy rate a median of the copies (not the fastest)": (
         "eval_suite/bench_decode.py",
         "    return 2 * n_bytes / min(seconds)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -340,7 +341,9 @@ class SigtermProbe(Callback):
 '''
 
 
-def _fit_with_sigterm(tmp_path: Path, signalled_rank: int, **env_extra: str) -> list[dict | None]:
+def _fit_with_sigterm(
+    tmp_path: Path, signalled_rank: int, expect_stop: bool = False, **env_extra: str
+) -> list[dict | None]:
     """A two-process DDP fit (gloo) whose rank ``signalled_rank`` gets SIGTERM after its second training batch; what
     each rank's probe wrote on the way out (None: it wrote nothing)."""
     (tmp_path / "sigterm_probe.py").write_text(SIGTERM_PROBE)
@@ -354,7 +357,7 @@ def _fit_with_sigterm(tmp_path: Path, signalled_rank: int, **env_extra: str) -> 
     try:
         subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired as e:
-        if not env_extra:
+        if expect_stop:
             pytest.fail(
                 f"the ranks did not stop together in 240 s (one waits in a collective): {str(e.stderr)[-2000:]}"
             )
@@ -362,17 +365,29 @@ def _fit_with_sigterm(tmp_path: Path, signalled_rank: int, **env_extra: str) -> 
     return [json.loads(f.read_text()) if f.exists() else None for f in files]
 
 
-@pytest.mark.parametrize("signalled_rank", [1, 0])
+@pytest.mark.parametrize(("signalled_rank", "every", "stop_after"), [(1, "1", 2), (0, "1", 2), (1, "3", 3), (0, "", 8)])
 def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective(
-    tmp_path: Path, signalled_rank: int
+    tmp_path: Path, signalled_rank: int, every: str, stop_after: int
 ) -> None:
-    """Two DDP processes (gloo); SIGTERM reaches one of them after its second training batch. Both stop at the next
-    batch start with Lightning's SIGTERMException after the same 2 batches (Lightning 2.6's own check left the other
-    rank ending in a RuntimeError, either rank), and no broadcast went over the default group during the fit
-    (Lightning's per-batch check is one on the GPU under NCCL, whose read drains the GPU:
-    lit_modules/sigterm_check.py)."""
-    stops = _fit_with_sigterm(tmp_path, signalled_rank)
-    assert stops == [{"exception": "SIGTERMException", "batches": 2, "default_broadcasts": 0}] * 2
+    """Two DDP processes (gloo, 6 training batches an epoch, 2 epochs); SIGTERM reaches one of them after its second
+    training batch. Both stop at the next agreement (every ``LRAGENT_SIGTERM_EVERY``-th batch start, counted across
+    epochs: after batch 2 at 1, 3 at 3, 8 at the default 8) with Lightning's SIGTERMException after the same number
+    of batches (Lightning 2.6's own check left the other rank ending in a RuntimeError, either rank), and no
+    broadcast went over the default group during the fit (Lightning's per-batch check is one on the GPU under NCCL,
+    whose read drains the GPU: lit_modules/sigterm_check.py)."""
+    stops = _fit_with_sigterm(tmp_path, signalled_rank, expect_stop=True, LRAGENT_SIGTERM_EVERY=every)
+    assert stops == [{"exception": "SIGTERMException", "batches": stop_after, "default_broadcasts": 0}] * 2
+
+
+def test_agreement_interval_reads_the_variable_and_names_a_bad_value() -> None:
+    from lit_modules.sigterm_check import EVERY, agreement_interval
+
+    assert agreement_interval({}) == EVERY == 8 and agreement_interval({"LRAGENT_SIGTERM_EVERY": " "}) == EVERY
+    assert agreement_interval({"LRAGENT_SIGTERM_EVERY": "1"}) == 1
+    assert agreement_interval({"LRAGENT_SIGTERM_EVERY": "32"}) == 32
+    for bad in ("0", "-2", "2.5", "often"):
+        with pytest.raises(ValueError, match=rf"LRAGENT_SIGTERM_EVERY='{re.escape(bad)}': expected a whole number"):
+            agreement_interval({"LRAGENT_SIGTERM_EVERY": bad})
 
 
 def test_the_probe_sees_lightnings_own_per_batch_broadcast(tmp_path: Path) -> None:
