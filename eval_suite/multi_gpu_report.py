@@ -336,6 +336,25 @@ REPEATS = range(2, 10)
 """K of a fit's repeats ``<fit>rK`` (``emb1r2``, ``ddp4r2``, ...): the same fit again, with the same seeds."""
 
 
+def host_split(out: Path, name: str) -> list[dict[str, float]] | None:
+    """Where each rank's micro-batch went: ``step_ms`` (CUDA events from one micro-batch's start to the next),
+    ``host_ms`` (the host's time between Lightning's hooks, every phase's mean times its count, per micro-batch) and
+    ``rest_ms`` (the difference: the host waiting, in a collective or for its GPU, or outside the hooks). One entry
+    per rank (``<name>_speed.rank<r>.json``), or the one-process file; None when FitSpeed wrote no phases."""
+    files = sorted(out.glob(f"{name}_speed.rank*.json")) or [out / f"{name}_speed.json"]
+    rows = []
+    for f in files:
+        s = _json(f)
+        phases = (s or {}).get("phases_ms") or {}
+        host, count, steps = phases.get("host"), phases.get("count"), (s or {}).get("steps")
+        if not (host and count and steps and s.get("ms_per_step")):
+            return None
+        host_ms = sum(ms * count.get(k, 0) for k, ms in host.items()) / steps
+        rows.append({"rank": s.get("rank", 0), "step_ms": s["ms_per_step"], "host_ms": host_ms,
+                     "rest_ms": s["ms_per_step"] - host_ms})  # fmt: skip
+    return rows
+
+
 def _minus(base: list[float] | None, other: list[float] | None) -> list[float] | None:
     """``other - base`` at every validation; None unless both ran and validated as often."""
     return [b - a for a, b in zip(base, other, strict=True)] if base and other and len(base) == len(other) else None
@@ -345,7 +364,8 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
     """Val loss and tokens/s of a one-GPU fit, its other-seed twin and its DDP twins ``<prefix><N>``."""
     v1, v1s = val_losses(out / f"{one}_metrics.csv"), val_losses(out / f"{noise}_metrics.csv")
     s1 = speed(out, one)
-    res: dict[str, Any] = {"val_loss_1gpu": v1, "val_loss_1gpu_adapter_seed1": v1s, "speed_1gpu": s1}
+    res: dict[str, Any] = {"val_loss_1gpu": v1, "val_loss_1gpu_adapter_seed1": v1s, "speed_1gpu": s1,
+                           "host_split_1gpu": host_split(out, one)}  # fmt: skip
     if seed_noise := _minus(v1, v1s):
         res["seed_noise"] = seed_noise
     # every other adapter seed run (<noise> is seed 1, <noise>K seed K): the spread of one GPU's final loss
@@ -360,6 +380,7 @@ def _ddp_block(out: Path, one: str, noise: str, prefix: str, sizes: list[int]) -
     for n in sizes:
         vn, sn = val_losses(out / f"{prefix}{n}_metrics.csv"), speed(out, f"{prefix}{n}")
         res[f"val_loss_ddp{n}"], res[f"speed_ddp{n}"] = vn, sn
+        res[f"host_split_ddp{n}"] = host_split(out, f"{prefix}{n}")
         if minus := _minus(v1, vn):
             res[f"ddp{n}_minus_1gpu"] = minus
             if "seed_spread_last" in res:  # the last validation: DDP's difference against the seeds' spread
@@ -543,6 +564,15 @@ def _ddp_lines(d: dict[str, Any], title: str, sizes: list[int]) -> list[str]:
                          f"{', '.join(_fmt(x, 0) for x in rep['tokens_per_s_1gpu'])}; DDP "
                          f"{', '.join(_fmt(x, 0) for x in rep[f'tokens_per_s_ddp{n}'])} | repeat by repeat "
                          f"{', '.join(_fmt(x, 2) + 'x' for x in rep['speedup_paired'])} |")  # fmt: skip
+    splits = [("1 device", d.get("host_split_1gpu"))]
+    splits += [(f"DDP, {n} devices", d.get(f"host_split_ddp{n}")) for n in sizes]
+    if any(rows for _, rows in splits):
+        lines += ["", "Where a micro-batch went (ms, first fit of each; per rank: micro-batch / host time between "
+                  "Lightning's hooks / the rest, waiting):"]  # fmt: skip
+        for label, rows in splits:
+            if rows:
+                each = (f"rank {r['rank']} {r['step_ms']:.1f} / {r['host_ms']:.1f} / {r['rest_ms']:.1f}" for r in rows)
+                lines.append(f"- {label}: " + "; ".join(each))
     seeds = d.get("seed_final_losses") or {}
     lines += ["", f"Seed noise (seed 1 - seed 0): {_fmt(d.get('seed_noise'), 6)}; final loss by adapter seed: "
               + (", ".join(f"{k}: {_fmt(v, 5)}" for k, v in seeds.items()) or "missing")

@@ -440,3 +440,25 @@ def test_each_repeat_pair_s_val_loss_difference_is_reported(tmp_path: Path, repo
     _metrics(tmp_path / "ddp4r3_metrics.csv", [2.0, 1.53])  # +0.03: outside
     d = report.collect(tmp_path, None, [4])["ddp_embedded"]
     assert d["ddp4_repeats_within_noise"] is False and d["ddp4_minus_1gpu_repeats"][3] == pytest.approx([0.0, 0.03])
+
+
+def test_host_split_counts_each_phase_per_micro_batch_and_leaves_the_wait(tmp_path: Path, report) -> None:
+    """Per rank: the micro-batch (CUDA events), the host's time between the hooks (each phase's mean times its count,
+    over the timed micro-batches: an optimizer step every 4th counts a quarter) and the rest; in the Markdown."""
+    phases = {"host": {"forward": 60.0, "backward": 70.0, "optimizer": 8.0},
+              "count": {"forward": 8, "backward": 8, "optimizer": 2}}  # fmt: skip
+    one = {"steps": 8, "ms_per_step": 140.0, "phases_ms": phases}
+    (tmp_path / "emb1_speed.json").write_text(json.dumps(one))
+    for r, wait in ((0, 5.0), (1, 25.0)):
+        rank = {"rank": r, "steps": 2, "ms_per_step": 140.0 + wait,
+                "phases_ms": {"host": {"forward": 60.0, "backward": 70.0, "optimizer": 10.0},
+                              "count": {"forward": 2, "backward": 2, "optimizer": 2}}}  # fmt: skip
+        (tmp_path / f"ddp4_speed.rank{r}.json").write_text(json.dumps(rank))
+    assert report.host_split(tmp_path, "emb1") == [{"rank": 0, "step_ms": 140.0, "host_ms": 132.0, "rest_ms": 8.0}]
+    split = report.host_split(tmp_path, "ddp4")
+    assert [(r["rank"], r["host_ms"], r["rest_ms"]) for r in split] == [(0, 140.0, 5.0), (1, 140.0, 25.0)]
+    (tmp_path / "ddp2_speed.rank0.json").write_text(json.dumps({"steps": 2, "ms_per_step": 1.0}))
+    assert report.host_split(tmp_path, "ddp2") is None  # no phases: nothing to split
+    md = report.markdown(report.collect(tmp_path, None, [4]))
+    assert "- 1 device: rank 0 140.0 / 132.0 / 8.0" in md
+    assert "- DDP, 4 devices: rank 0 145.0 / 140.0 / 5.0; rank 1 165.0 / 140.0 / 25.0" in md
