@@ -50,6 +50,7 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.flash_lora_attention import _interpreting, _next_pow2, _num_sms
+from kernels.pdl import use_pdl
 
 try:
     import triton
@@ -433,7 +434,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
         N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, S_CHUNK: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_ROLE: tl.constexpr, HAS_KVSLOT: tl.constexpr, HAS_LRSLOT: tl.constexpr,
-        HAS_QADD: tl.constexpr,
+        HAS_QADD: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * Hkv * ROW_BLOCKS, N_SPLITS): program (pid, s) runs split s of row b, KV head g, row block rb.
 
@@ -445,6 +446,8 @@ if triton is not None:
         b = pid // (N_KV_HEADS * ROW_BLOCKS)
         g = (pid // ROW_BLOCKS) % N_KV_HEADS
         rb = pid % ROW_BLOCKS
+        if PDL:  # kernels/pdl.py: every program waits (those that exit at once too), so the grid ends after its
+            tl.extra.cuda.gdc_wait()  # predecessor; the lengths, q and the cache are visible past this point
         kv_len = tl.minimum(tl.maximum(tl.load(KVLEN + b).to(tl.int32), 0), capacity)
         n_act = tl.minimum(tl.maximum(tl.cdiv(kv_len, MIN_SPLIT), 1), N_SPLITS)  # splits this row uses
         if pid_s < n_act:
@@ -497,6 +500,8 @@ if triton is not None:
                 acc += _lora_up(acc_lr, LB, role, g64, stride_bn, stride_bh, stride_br, stride_bd, rank,
                                 HEAD_DIM, R_PAD) * lora_scaling  # fmt: skip
 
+            if PDL:
+                tl.extra.cuda.gdc_launch_dependents()
             if n_act == 1:  # the whole row in this program: write O
                 inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
                 o_ptrs = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
@@ -616,7 +621,8 @@ def _launch_decode(
         BLOCK_M=plan.block_m, ROWS=plan.rows, ROW_BLOCKS=plan.row_blocks, BLOCK_N=plan.block_n,
         N_SPLITS=plan.n_splits, MIN_SPLIT=plan.min_split, S_CHUNK=plan.s_chunk, HAS_LORA=has_lora,
         HAS_ROLE=has_lora and role_ids is not None, HAS_KVSLOT=kv_slot is not None, HAS_LRSLOT=lr_slot is not None,
-        HAS_QADD=q_add is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        HAS_QADD=q_add is not None, num_warps=plan.num_warps, num_stages=plan.num_stages, PDL=(pdl := use_pdl(q)),
+        launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
+from kernels.pdl import use_pdl
 
 try:
     import triton
@@ -189,7 +190,7 @@ if triton is not None:
     def _rms_norm_gemv_kernel(
         X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        DEFERRED: tl.constexpr,
+        DEFERRED: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
         pid = tl.program_id(0)
@@ -198,6 +199,8 @@ if triton is not None:
         ks = tl.arange(0, BLOCK_K)
         rows = tl.arange(0, ROWS)
         r_ok = rows < n_rows
+        if PDL:  # kernels/pdl.py: the previous kernel's output (x, the residual) is visible past this point
+            tl.extra.cuda.gdc_wait()
         inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES, ROWS, BLOCK_K)
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
@@ -205,6 +208,8 @@ if triton is not None:
             k_ok = k0 + ks < n_in
             xin = _normed_input(X, RES, NW, rows, r_ok, n_in, inv, k0, ks, k_ok, HAS_RES)
             acc, acc2 = _tile_step(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, acc2, ROWS, DEFERRED)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         acc = _summed(acc, acc2, DEFERRED)
         out = rows[:, None] * n_out + offs_n[None, :]
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
@@ -213,7 +218,7 @@ if triton is not None:
     def _gemv_kernel(
         G, U, W, RES, Y, n_rows, n_out, n_in, stride_g, stride_u,
         SILU: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        DEFERRED: tl.constexpr,
+        DEFERRED: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ (+ res, added before the one rounding, as addmm) for outputs
         [pid·BLOCK_N, +BLOCK_N) of each row, where x = silu(g) * u with ``SILU``, else g."""
@@ -225,6 +230,8 @@ if triton is not None:
         r_ok = rows < n_rows
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
+        if PDL:  # kernels/pdl.py: the previous kernel's output (input rows, residual) is visible past this point
+            tl.extra.cuda.gdc_wait()
         for k0 in range(0, n_in, BLOCK_K):
             k_ok = k0 + ks < n_in
             m2 = r_ok[:, None] & k_ok[None, :]
@@ -237,6 +244,8 @@ if triton is not None:
             else:
                 xin = g.to(tl.float32)
             acc, acc2 = _tile_step(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, acc2, ROWS, DEFERRED)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         acc = _summed(acc, acc2, DEFERRED)
         out = rows[:, None] * n_out + offs_n[None, :]
         if HAS_RES:
@@ -272,12 +281,13 @@ def _block_n(config: GemvConfig, rows: int) -> int:
     return config.block_n if rows == 1 else max(config.block_n, 16)
 
 
-def _launch_args(config: GemvConfig, rows: int) -> dict:
+def _launch_args(config: GemvConfig, rows: int, pdl: bool = False) -> dict:
     """The launch arguments both GEMV kernels take for ``rows`` input rows under ``config``: outputs and inputs per
-    block step, the row block, the deferred sum (one row only), warps, stages."""
+    block step, the row block, the deferred sum (one row only), warps, stages, and PDL (:mod:`kernels.pdl`)."""
     return dict(
         BLOCK_N=_block_n(config, rows), BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
         DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -325,7 +335,7 @@ def rms_norm_linear(
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
-    launch = _launch_args(config, rows)
+    launch = _launch_args(config, rows, use_pdl(xc))
     _rms_norm_gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps), HAS_RES=residual is not None, **launch,
     )  # fmt: skip
@@ -388,7 +398,7 @@ def _launch_gemv(
     config = config or default_config(rows, norm=False)
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
-    launch = _launch_args(config, rows)
+    launch = _launch_args(config, rows, use_pdl(g2))
     _gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
         HAS_RES=residual is not None, **launch,

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
+from kernels.pdl import use_pdl
 
 try:
     import triton
@@ -72,12 +73,15 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(
         X, RES, W, OUT, H_OUT, n_cols, eps,
-        HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """One row per program: h = x (+ res); out = w * (h * rsqrt(mean(h^2) + eps)).to(dtype)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
+        if PDL:  # kernels/pdl.py: the previous kernel's results are visible past the wait; the next may launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(X + row * n_cols + cols, mask=ok, other=0.0)
         if HAS_RES:
             x = (x + tl.load(RES + row * n_cols + cols, mask=ok, other=0.0)).to(X.dtype.element_ty)
@@ -103,7 +107,7 @@ if triton is not None:
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl,
         stride_qlrn, stride_qbr, stride_qbo, n_q_heads, n_kv_heads, rank, q_rank, q_scaling,
         HALF: tl.constexpr, HAS_LR: tl.constexpr, R_PAD: tl.constexpr, HAS_QLORA: tl.constexpr,
-        QR_PAD: tl.constexpr,
+        QR_PAD: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (N tokens, Hq + Hkv): program (n, h) ropes query head h (after adding its LoRA term
         ``s · lr_q · B_roleᵀ`` with ``HAS_QLORA``, rounded to q's dtype first, as a GEMM's epilogue rounds), or ropes
@@ -111,6 +115,9 @@ if triton is not None:
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, HALF)
+        if PDL:  # kernels/pdl.py: the previous kernel's results are visible past the wait; the next may launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         c1 = tl.load(COS + n * 2 * HALF + d)
         c2 = tl.load(COS + n * 2 * HALF + HALF + d)
         s1 = tl.load(SIN + n * 2 * HALF + d)
@@ -154,11 +161,14 @@ if triton is not None:
                     tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + r, lr, mask=r < rank)
 
     @triton.jit
-    def _silu_mul_kernel(G, U, OUT, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(G, U, OUT, n_cols, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Grid (rows, column blocks): out[row] = silu(g[row]) * u[row], rows of g and u strided."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
+        if PDL:  # kernels/pdl.py: the previous kernel's results are visible past the wait; the next may launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0)
         u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0)
         gf = g.to(tl.float32)
@@ -188,7 +198,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(rows,)](
         xc, res, weight, out, h_out, n_cols, float(eps), HAS_RES=residual is not None, BLOCK=block,
-        num_warps=4 if block <= 2048 else 8,
+        num_warps=4 if block <= 2048 else 8, PDL=(pdl := use_pdl(xc)), launch_pdl=pdl,
     )  # fmt: skip
     return out, h_out
 
@@ -267,7 +277,7 @@ def rope_store(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         *lr_strides, *ql_strides, hq, hkv, rank, q_rank, q_s,
         HALF=d // 2, HAS_LR=has_lr, R_PAD=max(2, triton.next_power_of_2(rank)), HAS_QLORA=has_ql,
-        QR_PAD=max(2, triton.next_power_of_2(q_rank)), num_warps=1,
+        QR_PAD=max(2, triton.next_power_of_2(q_rank)), num_warps=1, PDL=(pdl := use_pdl(q)), launch_pdl=pdl,
     )  # fmt: skip
     return q_out
 
@@ -284,6 +294,15 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(n_cols))
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n_cols, block))](
-        g2, u2, out, n_cols, g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4
+        g2,
+        u2,
+        out,
+        n_cols,
+        g2.stride(0),
+        u2.stride(0),
+        BLOCK=block,
+        num_warps=4,
+        PDL=(pdl := use_pdl(g2)),
+        launch_pdl=pdl,
     )
     return out

@@ -1574,6 +1574,22 @@ BUGS = {
         'os.environ.get("LRAGENT_FUSED_RMS_NORM", "0") not in ("0", "1")',
         "tests/test_train_norm.py -k runs_the_fused_rmsnorm_kernel",
     ),
+    "GPU: PDL launch without the wait in the decode attention (its programs read q and the cache mid-predecessor)": (
+        "kernels/flash_lora_decode.py",
+        "        if PDL:  # kernels/pdl.py: every program waits",
+        "        if False:  # kernels/pdl.py: every program waits",
+        "tests/test_pdl.py",
+    ),
+    "GPU: PDL wait after the norm GEMV's statistic pass (reads x before the previous kernel wrote it)": (
+        "kernels/fused_gemv.py",
+        (
+            "        if PDL:  # kernels/pdl.py: the previous kernel's output (x, the residual) is visible past this point\n            tl.extra.cuda.gdc_wait()\n        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES, ROWS, BLOCK_K)",
+        ),
+        (
+            "        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES, ROWS, BLOCK_K)\n        if PDL:\n            tl.extra.cuda.gdc_wait()",
+        ),
+        "tests/test_pdl.py",
+    ),
     "GPU: optimizer: not fused on CUDA": (
         "lit_modules/multi_lora_module.py",
         "        optimizer = torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=True if fused else None)",
