@@ -40,8 +40,9 @@ def _compiled_with_wait(fn) -> list[bool]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 2])
 def test_decode_with_and_without_pdl_is_bit_identical_and_the_kernels_wait(rows: int) -> None:
-    """One and two rows of tiny LLaMA (fp16, q/v adapters, random B), both shared schemes, a 300-token prompt and 24
-    new tokens under CUDA graphs: the tokens and every logit equal with ``LRAGENT_PDL=1`` and ``0`` (PDL only moves
+    """One and two rows of tiny LLaMA (fp16, q/v adapters, random B), both shared schemes, a 220-token prompt and 24
+    new tokens under CUDA graphs, the attention split every 32 keys (``min_split_tiles=1``: 8 splits merged by the
+    last, as at long contexts): the tokens and every logit equal with ``LRAGENT_PDL=1`` and ``0`` (PDL only moves
     launches; a wait placed after a load would read the previous kernel's output before it is written). On a GPU of
     compute capability 9 or more the decode attention, the RoPE-and-store and (one row) the fused GEMVs were compiled
     with the wait."""
@@ -50,6 +51,9 @@ def test_decode_with_and_without_pdl_is_bit_identical_and_the_kernels_wait(rows:
     import kernels.fused_ops as fo
 
     saved = os.environ.get(PDL_ENV)
+    plan = os.environ.get("LRAGENT_DECODE_PLAN")
+    os.environ["LRAGENT_DECODE_PLAN"] = "min_split_tiles=1"
+    fld._PLANS.clear()
     try:
         for scheme in ("base_lr_shared", "full_shared"):
             outs = {}
@@ -57,15 +61,17 @@ def test_decode_with_and_without_pdl_is_bit_identical_and_the_kernels_wait(rows:
                 os.environ[PDL_ENV] = flag
                 m = tiny_multi_lora("tiny-llama", b_std=0.3).to("cuda")
                 m.model.half()
-                outs[flag] = decode_rows(m, scheme, rows=rows, capacity=352, prompt_len=300, max_new_tokens=24)
+                outs[flag] = decode_rows(m, scheme, rows=rows, capacity=280, prompt_len=220, max_new_tokens=24)
             for a, b in zip(outs["0"], outs["1"], strict=True):
                 assert a.generated_ids == b.generated_ids, (scheme, a.generated_ids, b.generated_ids)
                 assert torch.equal(a.logits, b.logits), scheme
     finally:
-        if saved is None:
-            os.environ.pop(PDL_ENV, None)
-        else:
-            os.environ[PDL_ENV] = saved
+        for name, value in ((PDL_ENV, saved), ("LRAGENT_DECODE_PLAN", plan)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        fld._PLANS.clear()
     if torch.cuda.get_device_capability()[0] >= 9:
         waiting = [fld._flash_lora_decode_kernel, fo._rope_store_kernel]
         waiting += [fg._rms_norm_gemv_kernel] if rows == 1 else []
