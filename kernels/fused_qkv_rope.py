@@ -34,6 +34,7 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.fused_ops import kernels_usable
+from kernels.pdl import use_pdl
 
 try:
     import triton
@@ -122,6 +123,7 @@ if triton is not None:
         n_in, eps, n_q_heads, n_kv_heads, rank, a_q, a_v, s_q, n_term,
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl, stride_qbr,
         HEAD_D: tl.constexpr, HB: tl.constexpr, HPP: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (1 + n_term + (H_q + 2·H_kv) · D / (2·HB),): program 0 multiplies v's A rows into the V_lr cache;
         programs 1..n_term multiply q's A rows and write q's rotated LoRA term of ``HPP`` heads each into ``QADD``
@@ -142,8 +144,12 @@ if triton is not None:
         offs_n = tl.where(is_vlr, a_v + i, tl.where(is_term, a_q + i, unit * HEAD_D + dims))
         n_ok = tl.where(is_vlr | is_term, i < rank, dims >= 0)
         rows = tl.arange(0, 1)
+        if PDL:  # kernels/pdl.py: the previous kernel's output (x, the positions, cos/sin) is visible past this point
+            tl.extra.cuda.gdc_wait()
         inv = _rms_inverse(X, X, X, rows, rows < 1, n_in, eps, pid, False, 1, BLOCK_K)  # the norm GEMV's
         y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         pos = tl.load(POS).to(tl.int64)
         if is_vlr:  # v_proj's X·A is the cache's V_lr
             lslot = tl.load(LR_SLOT).to(tl.int64)
@@ -270,5 +276,6 @@ def qkv_rope_store(
         lr_pool.stride(0), lr_pool.stride(1), b_q.stride(0),
         HEAD_D=head_dim, HB=HALF_BLOCK, HPP=HEADS_PER_TERM_PROGRAM, BLOCK_K=BLOCK_K,
         R_PAD=max(2, triton.next_power_of_2(rank)), num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
+        PDL=(pdl := use_pdl(x)), launch_pdl=pdl,
     )  # fmt: skip
     return q_out, q_add

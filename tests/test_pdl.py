@@ -78,3 +78,76 @@ def test_decode_with_and_without_pdl_is_bit_identical_and_the_kernels_wait(rows:
         for fn in waiting:
             compiled = _compiled_with_wait(fn)
             assert True in compiled and False in compiled, (fn.__name__, compiled)  # PDL on and off both compiled
+
+
+def _late_inputs(src: torch.Tensor, spins: int = 100_000) -> torch.Tensor:
+    """A copy of ``src`` that a PDL-launched producer writes only after letting the next kernel launch and then
+    spinning (about half a millisecond): a kernel that reads it before its ``gdc_wait`` reads the NaNs it starts as."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _late_copy_kernel(SRC, DST, n, spins, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_wait()  # after the NaN fill
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start now
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        t = tl.zeros([BLOCK], dtype=tl.float32)
+        for _ in range(spins):
+            t = t * 0.5 + 1.0
+        x = tl.load(SRC + offs, mask=m)
+        tl.store(DST + offs, tl.where(t > 0.0, x, x * 0), mask=m)
+
+    dst = torch.full_like(src, float("nan"))
+    n = src.numel()
+    _late_copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, spins, BLOCK=1024, launch_pdl=True)
+    return dst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a CUDA GPU with PDL"
+)
+def test_every_pdl_kernel_waits_for_an_input_written_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decode kernel launched with PDL right after a producer that lets it launch at once and writes its input
+    half a millisecond later (NaN until then): its output is the one computed from the finished input, bit for bit.
+    A kernel that loads before ``gdc_wait`` (or never waits) reads NaNs."""
+    from test_fused_qkv_rope import _case, _fused
+
+    from kernels.flash_lora_decode import flash_lora_decode
+    from kernels.fused_gemv import gemv, rms_norm_linear, silu_mul_linear
+    from kernels.fused_ops import rms_norm, rope_store, silu_mul
+
+    monkeypatch.setenv(PDL_ENV, "1")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    x, w, nw, gate = rnd(1, 4096), rnd(1024, 4096), rnd(4096), rnd(1, 4096)
+    q, k, v, lens = rnd(1, 32, 128), rnd(1, 8, 2048, 128), rnd(1, 8, 2048, 128), torch.tensor([1900], device="cuda")
+    cases = {
+        "norm GEMV": (lambda a: rms_norm_linear(a, nw, 1e-5, w)[0], x),
+        "GEMV": (lambda a: gemv(a, w), x),
+        "SiLU·mul GEMV": (lambda a: silu_mul_linear(a, x, w), gate),
+        "RMSNorm": (lambda a: rms_norm(a, nw, 1e-5)[0], x),
+        "SiLU·mul": (lambda a: silu_mul(a, x), gate),
+        "decode attention": (lambda a: flash_lora_decode(a, k, v, lens), q),
+    }
+    # the RoPE-and-store (queries written late) and the q/k/v launch with RoPE (its input row written late)
+    pools = torch.zeros(2, 8, 64, 128, device="cuda", dtype=dt), torch.zeros(2, 8, 64, 128, device="cuda", dtype=dt)
+    cos, sin, at = rnd(1, 128), rnd(1, 128), torch.tensor([1], device="cuda")
+    cases["RoPE-and-store"] = (
+        lambda a: rope_store(a, q[:, :8], q[:, 8:16], None, cos, sin, *pools, None, at, None, at),
+        q,
+    )
+    qkv = _case("cuda", dt, 32, 8, 128, 4096, 8)
+    cases["q/k/v GEMV with RoPE"] = (lambda a: _fused({**qkv, "h": a}, True)[0], qkv["h"])
+    for name, (fn, src) in cases.items():
+        expected = fn(src)
+        torch.cuda.synchronize()
+        got = fn(_late_inputs(src))
+        torch.cuda.synchronize()
+        assert not got.isnan().any(), f"{name}: read its input before the producer wrote it"
+        assert torch.equal(got, expected), name
