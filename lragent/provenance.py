@@ -18,7 +18,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -54,6 +54,32 @@ def _git() -> tuple[str | None, bool | None]:
     except (OSError, subprocess.SubprocessError):
         return None, None
     return commit or None, bool(status.strip())
+
+
+SWITCHES: tuple[str, ...] = (
+    "LRAGENT_PDL",
+    "LRAGENT_QKV_ROPE",
+    "LRAGENT_QKV_MAXNREG",
+    "LRAGENT_FUSED_GEMV",
+    "LRAGENT_DECODE_PLAN",
+    "LRAGENT_FUSE_LORA",
+    "LRAGENT_TWO_PIECE",
+    "LRAGENT_WIDE_CUDNN",
+    "LRAGENT_FLA_PREFILL_SDPA",
+    "LRAGENT_FUSED_RMS_NORM",
+    "LRAGENT_SIGTERM_EVERY",
+    "LRAGENT_LIGHTNING_SIGTERM",
+    "LRAGENT_PIN_CORES",
+    "OMP_NUM_THREADS",
+)
+"""Environment variables that change which kernels or code paths run: a result records those that were set, since
+two runs of one command line differ by them (``LRAGENT_PDL=0`` beside the default, say)."""
+
+
+def switches(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The :data:`SWITCHES` set in ``env`` (default: this process's environment), by name."""
+    env = os.environ if env is None else env
+    return {name: env[name] for name in SWITCHES if env.get(name, "") != ""}
 
 
 SOURCE_PATHS: tuple[str, ...] = (
@@ -124,7 +150,8 @@ def provenance(
         command: the command line (default: the running command's, else this process's ``sys.argv``).
 
     Returns:
-        ``{"command", "device", "dtype", "versions", "git_commit", "git_dirty", "source_hash", "host", "utc"}``.
+        ``{"command", "device", "dtype", "versions", "git_commit", "git_dirty", "source_hash", "switches", "host",
+        "utc"}`` (``switches``: :func:`switches`).
     """
     if command is None:
         from lragent.command import command_line
@@ -143,6 +170,7 @@ def provenance(
         "git_commit": commit,
         "git_dirty": dirty,
         "source_hash": source_hash(),
+        "switches": switches(),
         "host": platform.node(),
         "utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -157,9 +185,10 @@ def provenance_footer(prov: dict) -> str:
         commit += " (dirty)"
     if prov.get("source_hash"):
         commit += f", source {prov['source_hash']}"
+    set_ = " ".join(f"{k}={v}" for k, v in (prov.get("switches") or {}).items())
     return (
         "\n---\n"
         f"Produced on {dev.get('name', '?')} ({dev.get('type', '?')}), dtype {prov.get('dtype') or 'n/a'}, "
         f"commit {commit}, {prov.get('utc', '')}; {vers}.  \n"
-        f"Command: `{prov.get('command', '')}`\n"
+        f"Command: `{(set_ + ' ') if set_ else ''}{prov.get('command', '')}`\n"
     )

@@ -42,6 +42,12 @@ BUGS = {
         "        host_ms = sum(host.values())",
         "tests/test_multi_gpu_report.py -k host_split",
     ),
+    "provenance: the switches that were set not recorded": (
+        "lragent/provenance.py",
+        '        "switches": switches(),',
+        '        "switches": {},',
+        "tests/test_provenance.py",
+    ),
     "several-GPU report: repeats not read": (
         "eval_suite/multi_gpu_report.py",
         '    for run in [name, *(f"{name}r{k}" for k in REPEATS)]:',

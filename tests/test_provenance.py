@@ -53,3 +53,24 @@ def test_the_source_hash_changes_with_any_source_file(tmp_path) -> None:
     second = prov.source_hash.__wrapped__(tmp_path)
     (tmp_path / "lragent" / "b.sh").write_text("")
     assert len({first, second, prov.source_hash.__wrapped__(tmp_path)}) == 3
+
+
+def test_a_record_names_the_switches_that_were_set(monkeypatch) -> None:
+    """Two runs of one command line that differ by a kernel switch (``LRAGENT_PDL=0``) say so in their records and
+    footers; unset or empty switches and other variables are left out."""
+    from lragent.provenance import SWITCHES, provenance, provenance_footer, switches
+
+    for name in SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LRAGENT_PDL", "0")
+    monkeypatch.setenv("LRAGENT_DECODE_PLAN", "")
+    monkeypatch.setenv("LRAGENT_NOT_A_SWITCH", "1")
+    assert switches() == {"LRAGENT_PDL": "0"}
+    both = {"LRAGENT_FUSED_GEMV": "2", "OMP_NUM_THREADS": "4"}
+    assert switches({**both, "PATH": "/bin"}) == both
+    cmd = "cli.py bench decode"
+    prov = provenance(device="cpu", command=cmd)
+    assert prov["switches"] == {"LRAGENT_PDL": "0"}
+    assert f"Command: `LRAGENT_PDL=0 {cmd}`" in provenance_footer(prov)
+    monkeypatch.delenv("LRAGENT_PDL")
+    assert f"Command: `{cmd}`" in provenance_footer(provenance(device="cpu", command=cmd))
