@@ -90,6 +90,12 @@ BUGS = {
         "        cores.setdefault((0, cpu), []).append(cpu)",
         "tests/test_rank_pinning.py",
     ),
+    "rank pinning: every local rank of a fit pinned as rank 0 (all on the first share)": (
+        "lit_modules/multi_lora_module.py",
+        "                pinned = pin_rank(self.trainer.local_rank, self.trainer.num_devices, os.environ)",
+        "                pinned = pin_rank(0, self.trainer.num_devices, os.environ)",
+        "tests/test_rank_pinning.py",
+    ),
     "rank pinning: pinned without LRAGENT_PIN_CORES=1": (
         "lragent/host_threads.py",
         '    if flag != "1" or ranks < 2 or not hasattr(os, "sched_setaffinity"):',

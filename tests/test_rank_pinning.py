@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from lragent.host_threads import physical_core, pin_rank, rank_cpu_share
 
@@ -62,3 +63,29 @@ def test_pin_rank_only_when_asked_and_names_a_bad_value() -> None:
         assert share == rank_cpu_share(sorted(before), core, 1, 2) and os.sched_getaffinity(0) == set(share)
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_a_fit_pins_its_local_rank_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MultiLoraModule.setup("fit") hands its trainer's local rank and device count to pin_rank under
+    LRAGENT_PIN_CORES=1, and does not call it otherwise (nor for validate)."""
+    from types import SimpleNamespace
+
+    from test_training_recipe import module
+
+    import lit_modules.multi_lora_module as mlm
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(mlm, "pin_rank", lambda rank, ranks, env: calls.append((rank, ranks)) or [0])
+    m = module()
+    m._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), datamodule=None,
+                                 local_rank=1, num_devices=2)  # fmt: skip
+    monkeypatch.delenv("LRAGENT_PIN_CORES", raising=False)
+    m.setup("fit")
+    monkeypatch.setenv("LRAGENT_PIN_CORES", "0")
+    m.setup("fit")
+    assert calls == []
+    monkeypatch.setenv("LRAGENT_PIN_CORES", "1")
+    m.setup("validate")
+    assert calls == []
+    m.setup("fit")
+    assert calls == [(1, 2)]
