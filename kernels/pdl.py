@@ -43,6 +43,15 @@ def pdl_setting(env: Mapping[str, str] | None = None) -> bool:
     return raw != "0"
 
 
+def pdl_switch(value: str | None = None) -> int:
+    """``LRAGENT_PDL`` (or ``value``) as ``bench decode --plans`` records it: 1 on, 0 off.
+
+    Raises:
+        ValueError: a value :func:`pdl_setting` refuses.
+    """
+    return int(pdl_setting(None if value is None else {PDL_ENV: value}))
+
+
 def use_pdl(t: Tensor) -> bool:
     """Whether a Triton kernel over ``t``'s device launches with PDL: a CUDA device of compute capability 9 or more
     (PDL's hardware), not under ``TRITON_INTERPRET=1``, and :func:`pdl_setting` on."""

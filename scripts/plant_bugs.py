@@ -48,6 +48,12 @@ BUGS = {
         '        "switches": {},',
         "tests/test_provenance.py",
     ),
+    "bench decode: pdl=0 in --plans taken for an attention knob (PDL not switched)": (
+        "eval_suite/bench_decode.py",
+        '    "pdl": ("LRAGENT_PDL", "kernels.pdl:pdl_switch", "pdl"),\n',
+        "",
+        "tests/test_decode_floor.py",
+    ),
     "several-GPU report: repeats not read": (
         "eval_suite/multi_gpu_report.py",
         '    for run in [name, *(f"{name}r{k}" for k in REPEATS)]:',
