@@ -80,14 +80,13 @@ def test_decode_with_and_without_pdl_is_bit_identical_and_the_kernels_wait(rows:
             assert True in compiled and False in compiled, (fn.__name__, compiled)  # PDL on and off both compiled
 
 
-def _late_inputs(src: torch.Tensor, spins: int = 100_000) -> torch.Tensor:
-    """A copy of ``src`` that a PDL-launched producer writes only after letting the next kernel launch and then
-    spinning (about half a millisecond): a kernel that reads it before its ``gdc_wait`` reads the NaNs it starts as."""
+try:
     import triton
     import triton.language as tl
 
     @triton.jit
     def _late_copy_kernel(SRC, DST, n, spins, BLOCK: tl.constexpr):
+        """DST = SRC, written after letting the next kernel launch and spinning ``spins`` dependent steps."""
         tl.extra.cuda.gdc_wait()  # after the NaN fill
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start now
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -98,6 +97,13 @@ def _late_inputs(src: torch.Tensor, spins: int = 100_000) -> torch.Tensor:
         x = tl.load(SRC + offs, mask=m)
         tl.store(DST + offs, tl.where(t > 0.0, x, x * 0), mask=m)
 
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def _late_inputs(src: torch.Tensor, spins: int = 100_000) -> torch.Tensor:
+    """A copy of ``src`` that a PDL-launched producer writes only after letting the next kernel launch and then
+    spinning (about half a millisecond): a kernel that reads it before its ``gdc_wait`` reads the NaNs it starts as."""
     dst = torch.full_like(src, float("nan"))
     n = src.numel()
     _late_copy_kernel[(triton.cdiv(n, 1024),)](src, dst, n, spins, BLOCK=1024, launch_pdl=True)
