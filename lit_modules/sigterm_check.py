@@ -22,13 +22,15 @@ signal (rank 0 still passes it on to the processes it started, as Lightning's do
 of the batch on one rank alone. A signal during validation is acted on at the next agreement; one after the last
 agreement of the fit lets the fit finish.
 
-**Every few batches, not every batch** (``LRAGENT_SIGTERM_EVERY``, default :data:`EVERY`): an agreement is a barrier
-of the ranks' hosts, so at every batch no host could run ahead of another's slow step, and the step took the slowest
-of the ranks' host times (the embedded model's micro-batch is host-bound, with a standard deviation of about 20 ms
-on 140). Agreeing at every :data:`EVERY`-th batch start (the batch counts of the ranks are equal, so they agree at
-the same batches) leaves the hosts coupled only through the gradient all-reduce on their GPUs, and delays a stop by
-at most that many batches (8 micro-batches of the embedded model: about 1.4 s on an H200). ``LRAGENT_SIGTERM_EVERY=1``
-agrees at every batch, as before.
+**Every few batches, not every batch**: an agreement is a barrier of the ranks' hosts, so at every batch no host could
+run ahead of another's slow step, and the step took the slowest of the ranks' host times (the embedded model's
+micro-batch is host-bound, with a standard deviation of about 20 ms on 140). The ranks agree at the first batch start
+and then every :func:`next_interval` batches: as many as fit in :data:`TARGET_S` at the pace since the last agreement
+(the slowest rank's: the elapsed time is all-reduced with the flag, so every rank takes the same interval), at least
+1 and at most :data:`MAX_EVERY`. The embedded model's 170 ms micro-batches then meet every 5 batches, an 8B step of
+seconds at every batch; a stop comes about :data:`TARGET_S` after the signal at most, or one batch where batches are
+slower. Between agreements the hosts are coupled only through the gradient all-reduce on their GPUs.
+``LRAGENT_SIGTERM_EVERY=N`` fixes the interval instead (1: every batch, as before).
 
 :class:`~lit_modules.multi_lora_module.MultiLoraModule` adds it to every fit (``configure_callbacks``); with one
 process, or a Lightning without the per-batch broadcast, it does nothing. ``LRAGENT_LIGHTNING_SIGTERM=1`` leaves
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from types import FrameType
 from typing import Any
@@ -54,28 +57,42 @@ LOOP_CHECK = "_broadcast_sigterm_tensor"
 """Lightning's per-batch check on ``trainer.fit_loop.epoch_loop`` (Lightning 2.6), replaced on the instance."""
 NOTIFIER = "_sigterm_notifier_fn"
 """Lightning's SIGTERM handler on ``trainer._signal_connector``, replaced before Lightning registers it."""
-EVERY = 8
-"""Training batches between two agreements unless ``LRAGENT_SIGTERM_EVERY`` says otherwise."""
+TARGET_S = 1.0
+"""Seconds of training between two agreements, about (the most a stop waits, where a batch takes less)."""
+MAX_EVERY = 8
+"""The most training batches between two agreements."""
 EVERY_ENV = "LRAGENT_SIGTERM_EVERY"
 
 
-def agreement_interval(env: Mapping[str, str]) -> int:
-    """Training batches between two agreements: ``LRAGENT_SIGTERM_EVERY`` (a whole number >= 1) or :data:`EVERY`.
+def agreement_interval(env: Mapping[str, str]) -> int | None:
+    """A fixed number of training batches between two agreements (``LRAGENT_SIGTERM_EVERY``, a whole number >= 1),
+    or None: :func:`next_interval` decides from the pace.
 
     Raises:
         ValueError: the variable is set to anything else, named with what is allowed.
     """
     raw = env.get(EVERY_ENV, "").strip()
     if not raw:
-        return EVERY
+        return None
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{EVERY_ENV}={raw!r}: expected a whole number of training batches >= 1 (default {EVERY})")
+        raise ValueError(
+            f"{EVERY_ENV}={raw!r}: expected a whole number of training batches >= 1 (unset: from the pace, 1 to "
+            f"{MAX_EVERY})"
+        )
     return int(raw)
+
+
+def next_interval(seconds: float, batches: int) -> int:
+    """Batches until the next agreement when the last ``batches`` took ``seconds`` (the slowest rank's): as many as
+    fit in :data:`TARGET_S` at that pace, between 1 and :data:`MAX_EVERY`."""
+    if batches < 1 or seconds <= 0:
+        return 1
+    return max(1, min(MAX_EVERY, int(TARGET_S * batches / seconds)))
 
 
 class HostSigtermAgreement(Callback):
     """Replaces Lightning's per-batch GPU broadcast of the SIGTERM flag with a gloo all-reduce of every rank's flag
-    at every :attr:`every`-th training batch start.
+    (and of its time since the last one) at the first training batch start and then every few (module doc).
 
     Installed in ``setup`` (fit only, more than one process, the default group initialised, both Lightning
     attributes present); Lightning registers its signal handlers after the setup hooks, so it registers this
@@ -85,8 +102,10 @@ class HostSigtermAgreement(Callback):
     def __init__(self) -> None:
         self.group: Any = None
         self.signalled = False
-        self.every = EVERY
+        self.every: int | None = None  # fixed interval (LRAGENT_SIGTERM_EVERY), or None: from the pace
         self.batches = 0  # training batch starts seen in this fit, the same count on every rank
+        self.next_at = 1  # the batch start of the next agreement, the same on every rank
+        self.last_at, self.last_time = 0, 0.0  # the last agreement's batch start and this rank's clock then
         self._trainer: Trainer | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -101,7 +120,7 @@ class HostSigtermAgreement(Callback):
             return
         self.every = agreement_interval(os.environ)  # before the group: a bad value stops every rank alike
         self.group = dist.new_group(backend="gloo")  # every rank runs setup: the group is made collectively
-        self.signalled, self.batches = False, 0
+        self.signalled, self.batches, self.next_at, self.last_at = False, 0, 1, 0
         self._trainer = trainer
         setattr(loop, LOOP_CHECK, self.agree)
         setattr(connector, NOTIFIER, self.notify)
@@ -117,14 +136,21 @@ class HostSigtermAgreement(Callback):
         self.signalled = True
 
     def agree(self) -> None:
-        """At a training batch start, on every rank, every :attr:`every`-th time: stop (``SIGTERMException``) when any
-        rank got SIGTERM."""
+        """At a training batch start, on every rank, at the agreed batches: stop (``SIGTERMException``) when any rank
+        got SIGTERM; else set the next agreement's batch from the slowest rank's pace since this one's."""
         self.batches += 1
-        if (self.batches - 1) % self.every:
+        if self.batches < self.next_at:
             return
-        flag = torch.tensor([int(self.signalled)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag.item():
+        now = time.monotonic()
+        # [flag, seconds since the last agreement]: MAX of each, so every rank sees the same two numbers
+        shared = torch.tensor(
+            [float(self.signalled), now - self.last_time if self.last_at else 0.0], dtype=torch.float64
+        )
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
+        flag, seconds = shared.tolist()
+        interval = self.every or next_interval(seconds, self.batches - self.last_at if self.last_at else 0)
+        self.last_at, self.last_time, self.next_at = self.batches, now, self.batches + interval
+        if flag:
             if self._trainer is not None:
                 self._trainer._signal_connector.received_sigterm = True
             raise SIGTERMException()

@@ -68,23 +68,29 @@ BUGS = {
     ),
     "DDP: each rank acts on its own SIGTERM flag (no agreement)": (
         "lit_modules/sigterm_check.py",
-        "        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)",
+        "        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)",
         "        pass",
         "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
     ),
     "DDP: the SIGTERM agreement at every batch whatever LRAGENT_SIGTERM_EVERY says": (
         "lit_modules/sigterm_check.py",
-        "        if (self.batches - 1) % self.every:",
+        "        if self.batches < self.next_at:",
         "        if False:",
         "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
     ),
-    "DDP: the SIGTERM agreement off by one batch (at batch every, not 0, every, 2 every ...)": (
+    "DDP: the SIGTERM agreement one batch late after each (at 1, 5, 9 ... for an interval of 3)": (
         "lit_modules/sigterm_check.py",
-        "        if (self.batches - 1) % self.every:",
-        "        if self.batches % self.every:",
+        "self.last_at, self.last_time, self.next_at = self.batches, now, self.batches + interval",
+        "self.last_at, self.last_time, self.next_at = self.batches, now, self.batches + interval + 1",
         "tests/test_multi_gpu.py::test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective",
     ),
-    "DDP: LRAGENT_SIGTERM_EVERY=0 taken (never agreeing, modulo by zero)": (
+    "DDP: the interval from the pace without its cap (a stop could wait dozens of batches)": (
+        "lit_modules/sigterm_check.py",
+        "    return max(1, min(MAX_EVERY, int(TARGET_S * batches / seconds)))",
+        "    return max(1, int(TARGET_S * batches / seconds))",
+        "tests/test_multi_gpu.py -k interval_from_the_pace",
+    ),
+    "DDP: LRAGENT_SIGTERM_EVERY=0 taken (silently the pace's interval)": (
         "lit_modules/sigterm_check.py",
         "    if not raw.isdigit() or int(raw) < 1:",
         "    if not raw.isdigit():",

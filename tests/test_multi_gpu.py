@@ -365,29 +365,51 @@ def _fit_with_sigterm(
     return [json.loads(f.read_text()) if f.exists() else None for f in files]
 
 
-@pytest.mark.parametrize(("signalled_rank", "every", "stop_after"), [(1, "1", 2), (0, "1", 2), (1, "3", 3), (0, "", 8)])
+@pytest.mark.parametrize(
+    ("signalled_rank", "every", "stop_after"), [(1, "1", 2), (0, "1", 2), (1, "3", 3), (0, "", None)]
+)
 def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_batch_without_a_gpu_collective(
-    tmp_path: Path, signalled_rank: int, every: str, stop_after: int
+    tmp_path: Path, signalled_rank: int, every: str, stop_after: int | None
 ) -> None:
     """Two DDP processes (gloo, 6 training batches an epoch, 2 epochs); SIGTERM reaches one of them after its second
-    training batch. Both stop at the next agreement (every ``LRAGENT_SIGTERM_EVERY``-th batch start, counted across
-    epochs: after batch 2 at 1, 3 at 3, 8 at the default 8) with Lightning's SIGTERMException after the same number
-    of batches (Lightning 2.6's own check left the other rank ending in a RuntimeError, either rank), and no
-    broadcast went over the default group during the fit (Lightning's per-batch check is one on the GPU under NCCL,
+    training batch. Both stop at the next agreement with Lightning's SIGTERMException after the same number of batches
+    (Lightning 2.6's own check left the other rank ending in a RuntimeError, either rank): with
+    ``LRAGENT_SIGTERM_EVERY`` 1 after batch 2, at 3 after batch 3 (agreements at batch starts 1, 4, 7, ... counted
+    across epochs); unset, the interval from the pace (1 to MAX_EVERY) puts the stop after batch 2 to 2 + MAX_EVERY - 1.
+    No broadcast went over the default group during the fit (Lightning's per-batch check is one on the GPU under NCCL,
     whose read drains the GPU: lit_modules/sigterm_check.py)."""
+    from lit_modules.sigterm_check import MAX_EVERY
+
     stops = _fit_with_sigterm(tmp_path, signalled_rank, expect_stop=True, LRAGENT_SIGTERM_EVERY=every)
-    assert stops == [{"exception": "SIGTERMException", "batches": stop_after, "default_broadcasts": 0}] * 2
+    assert stops[0] is not None and stops == [stops[0]] * 2, stops  # the same stop on both ranks
+    assert stops[0]["exception"] == "SIGTERMException" and stops[0]["default_broadcasts"] == 0
+    if stop_after is not None:
+        assert stops[0]["batches"] == stop_after
+    else:
+        assert 2 <= stops[0]["batches"] <= 2 + MAX_EVERY - 1
 
 
 def test_agreement_interval_reads_the_variable_and_names_a_bad_value() -> None:
-    from lit_modules.sigterm_check import EVERY, agreement_interval
+    from lit_modules.sigterm_check import agreement_interval
 
-    assert agreement_interval({}) == EVERY == 8 and agreement_interval({"LRAGENT_SIGTERM_EVERY": " "}) == EVERY
+    assert agreement_interval({}) is None and agreement_interval({"LRAGENT_SIGTERM_EVERY": " "}) is None
     assert agreement_interval({"LRAGENT_SIGTERM_EVERY": "1"}) == 1
     assert agreement_interval({"LRAGENT_SIGTERM_EVERY": "32"}) == 32
     for bad in ("0", "-2", "2.5", "often"):
         with pytest.raises(ValueError, match=rf"LRAGENT_SIGTERM_EVERY='{re.escape(bad)}': expected a whole number"):
             agreement_interval({"LRAGENT_SIGTERM_EVERY": bad})
+
+
+def test_the_interval_from_the_pace_fits_the_target_between_1_and_the_cap() -> None:
+    """As many batches as fit in TARGET_S (1 s) at the last agreements' pace: the embedded model's 170 ms batches 5,
+    an 8B step's seconds 1, millisecond batches the cap; nothing measured yet (the first agreement) 1."""
+    from lit_modules.sigterm_check import MAX_EVERY, TARGET_S, next_interval
+
+    assert TARGET_S == 1.0 and MAX_EVERY == 8
+    assert next_interval(0.17 * 5, 5) == 5 and next_interval(0.17, 1) == 5
+    assert next_interval(3.0, 1) == 1 and next_interval(12.0, 4) == 1
+    assert next_interval(0.004, 1) == MAX_EVERY
+    assert next_interval(0.0, 0) == 1 and next_interval(0.5, 0) == 1
 
 
 def test_the_probe_sees_lightnings_own_per_batch_broadcast(tmp_path: Path) -> None:
