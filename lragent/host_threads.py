@@ -81,8 +81,10 @@ def rank_cpu_share(allowed: Sequence[int], core_of: Mapping[int, tuple[int, int]
 
 
 def pin_rank(rank: int, ranks: int, env: Mapping[str, str]) -> list[int] | None:
-    """Pins this process to its :func:`rank_cpu_share` when ``LRAGENT_PIN_CORES=1`` and there are several local
-    ranks; the CPUs it took, or None (not asked, one rank, or a platform without CPU affinity)."""
+    """Pins the calling thread, and the threads it starts from then on, to this rank's :func:`rank_cpu_share` when
+    ``LRAGENT_PIN_CORES=1`` and there are several local ranks (the fit calls it from its main thread in ``setup``,
+    before the data loader's workers); the CPUs it took, or None (not asked, one rank, or a platform without CPU
+    affinity)."""
     flag = env.get(PIN_ENV, "").strip()
     if flag not in ("", "0", "1"):
         raise ValueError(f"{PIN_ENV}={flag!r}: expected 1 (pin each local rank to its share of the cores) or 0")
