@@ -50,7 +50,7 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.flash_lora_attention import _interpreting, _next_pow2, _num_sms
-from kernels.pdl import use_pdl
+from kernels.pdl import pdl_launch
 
 try:
     import triton
@@ -621,8 +621,8 @@ def _launch_decode(
         BLOCK_M=plan.block_m, ROWS=plan.rows, ROW_BLOCKS=plan.row_blocks, BLOCK_N=plan.block_n,
         N_SPLITS=plan.n_splits, MIN_SPLIT=plan.min_split, S_CHUNK=plan.s_chunk, HAS_LORA=has_lora,
         HAS_ROLE=has_lora and role_ids is not None, HAS_KVSLOT=kv_slot is not None, HAS_LRSLOT=lr_slot is not None,
-        HAS_QADD=q_add is not None, num_warps=plan.num_warps, num_stages=plan.num_stages, PDL=(pdl := use_pdl(q)),
-        launch_pdl=pdl,
+        HAS_QADD=q_add is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **pdl_launch(q),
     )  # fmt: skip
     return out
 

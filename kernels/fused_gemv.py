@@ -33,7 +33,7 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
-from kernels.pdl import use_pdl
+from kernels.pdl import pdl_launch
 
 try:
     import triton
@@ -281,13 +281,14 @@ def _block_n(config: GemvConfig, rows: int) -> int:
     return config.block_n if rows == 1 else max(config.block_n, 16)
 
 
-def _launch_args(config: GemvConfig, rows: int, pdl: bool = False) -> dict:
+def _launch_args(config: GemvConfig, rows: int, pdl: dict[str, bool]) -> dict:
     """The launch arguments both GEMV kernels take for ``rows`` input rows under ``config``: outputs and inputs per
-    block step, the row block, the deferred sum (one row only), warps, stages, and PDL (:mod:`kernels.pdl`)."""
+    block step, the row block, the deferred sum (one row only), warps, stages, and ``pdl``
+    (:func:`kernels.pdl.pdl_launch`)."""
     return dict(
         BLOCK_N=_block_n(config, rows), BLOCK_K=_block_k(config, rows), ROWS=_row_block(rows),
         DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
-        PDL=pdl, launch_pdl=pdl,
+        **pdl,
     )  # fmt: skip
 
 
@@ -335,7 +336,7 @@ def rms_norm_linear(
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
-    launch = _launch_args(config, rows, use_pdl(xc))
+    launch = _launch_args(config, rows, pdl_launch(xc))
     _rms_norm_gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
         xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps), HAS_RES=residual is not None, **launch,
     )  # fmt: skip
@@ -398,7 +399,7 @@ def _launch_gemv(
     config = config or default_config(rows, norm=False)
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
-    launch = _launch_args(config, rows, use_pdl(g2))
+    launch = _launch_args(config, rows, pdl_launch(g2))
     _gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
         g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
         HAS_RES=residual is not None, **launch,

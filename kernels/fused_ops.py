@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
-from kernels.pdl import use_pdl
+from kernels.pdl import pdl_launch
 
 try:
     import triton
@@ -198,7 +198,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(rows,)](
         xc, res, weight, out, h_out, n_cols, float(eps), HAS_RES=residual is not None, BLOCK=block,
-        num_warps=4 if block <= 2048 else 8, PDL=(pdl := use_pdl(xc)), launch_pdl=pdl,
+        num_warps=4 if block <= 2048 else 8, **pdl_launch(xc),
     )  # fmt: skip
     return out, h_out
 
@@ -277,7 +277,7 @@ def rope_store(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         *lr_strides, *ql_strides, hq, hkv, rank, q_rank, q_s,
         HALF=d // 2, HAS_LR=has_lr, R_PAD=max(2, triton.next_power_of_2(rank)), HAS_QLORA=has_ql,
-        QR_PAD=max(2, triton.next_power_of_2(q_rank)), num_warps=1, PDL=(pdl := use_pdl(q)), launch_pdl=pdl,
+        QR_PAD=max(2, triton.next_power_of_2(q_rank)), num_warps=1, **pdl_launch(q),
     )  # fmt: skip
     return q_out
 
@@ -302,7 +302,6 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
         u2.stride(0),
         BLOCK=block,
         num_warps=4,
-        PDL=(pdl := use_pdl(g2)),
-        launch_pdl=pdl,
+        **pdl_launch(g2),
     )
     return out

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
 from kernels.fused_ops import kernels_usable
-from kernels.pdl import use_pdl
+from kernels.pdl import pdl_launch
 
 try:
     import triton
@@ -276,6 +276,6 @@ def qkv_rope_store(
         lr_pool.stride(0), lr_pool.stride(1), b_q.stride(0),
         HEAD_D=head_dim, HB=HALF_BLOCK, HPP=HEADS_PER_TERM_PROGRAM, BLOCK_K=BLOCK_K,
         R_PAD=max(2, triton.next_power_of_2(rank)), num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
-        PDL=(pdl := use_pdl(x)), launch_pdl=pdl,
+        **pdl_launch(x),
     )  # fmt: skip
     return q_out, q_add

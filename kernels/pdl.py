@@ -61,3 +61,11 @@ def use_pdl(t: Tensor) -> bool:
     if index not in _CAPABLE:
         _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _CAPABLE[index]
+
+
+def pdl_launch(t: Tensor) -> dict[str, bool]:
+    """The two launch arguments of a kernel that keeps the contract above, from :func:`use_pdl`: its ``PDL``
+    constexpr (the waits compiled in) and Triton's ``launch_pdl`` (the launch attribute), always alike: a launch with
+    the attribute and no wait compiled in would read its predecessor's output early."""
+    pdl = use_pdl(t)
+    return {"PDL": pdl, "launch_pdl": pdl}
