@@ -40,7 +40,7 @@ from lightning.pytorch import Callback, LightningModule
 from torchmetrics import Metric
 
 from datamodules.role_examples import IGNORE_INDEX
-from lragent.host_threads import PIN_ENV, host_threads, pin_rank
+from lragent.host_threads import host_threads, pin_rank, pin_requested
 from lragent.multi_lora import MultiLoraConfig
 from lragent.roles import DEFAULT_ROLES
 from lragent.schemes import Scheme
@@ -405,7 +405,7 @@ class MultiLoraModule(LightningModule):
             threads = host_threads(str(self.trainer.strategy.root_device), os.environ, torch.get_num_threads())
             if threads:
                 torch.set_num_threads(threads)
-            if stage == "fit" and os.environ.get(PIN_ENV, "").strip() not in ("", "0"):  # opt-in: lragent.host_threads
+            if stage == "fit" and pin_requested(os.environ):  # opt-in: lragent.host_threads
                 pinned = pin_rank(self.trainer.local_rank, self.trainer.num_devices, os.environ)
                 if pinned:
                     log.info("local rank %d pinned to CPUs %s", self.trainer.local_rank, pinned)

@@ -80,15 +80,24 @@ def rank_cpu_share(allowed: Sequence[int], core_of: Mapping[int, tuple[int, int]
     return sorted(cpu for cpus in groups[lo:hi] for cpu in cpus)
 
 
+def pin_requested(env: Mapping[str, str]) -> bool:
+    """``LRAGENT_PIN_CORES``: ``1`` asks for pinning; unset, empty or ``0`` not.
+
+    Raises:
+        ValueError: any other value, named with what is allowed.
+    """
+    flag = env.get(PIN_ENV, "").strip()
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{PIN_ENV}={flag!r}: expected 1 (pin each local rank to its share of the cores) or 0")
+    return flag == "1"
+
+
 def pin_rank(rank: int, ranks: int, env: Mapping[str, str]) -> list[int] | None:
     """Pins the calling thread, and the threads it starts from then on, to this rank's :func:`rank_cpu_share` when
     ``LRAGENT_PIN_CORES=1`` and there are several local ranks (the fit calls it from its main thread in ``setup``,
     before the data loader's workers); the CPUs it took, or None (not asked, one rank, or a platform without CPU
     affinity)."""
-    flag = env.get(PIN_ENV, "").strip()
-    if flag not in ("", "0", "1"):
-        raise ValueError(f"{PIN_ENV}={flag!r}: expected 1 (pin each local rank to its share of the cores) or 0")
-    if flag != "1" or ranks < 2 or not hasattr(os, "sched_setaffinity"):
+    if not pin_requested(env) or ranks < 2 or not hasattr(os, "sched_setaffinity"):
         return None
     allowed = sorted(os.sched_getaffinity(0))
     share = rank_cpu_share(allowed, {cpu: physical_core(cpu) for cpu in allowed}, rank, ranks)

@@ -110,7 +110,7 @@ BUGS = {
     ),
     "rank pinning: pinned without LRAGENT_PIN_CORES=1": (
         "lragent/host_threads.py",
-        '    if flag != "1" or ranks < 2 or not hasattr(os, "sched_setaffinity"):',
+        '    if not pin_requested(env) or ranks < 2 or not hasattr(os, "sched_setaffinity"):',
         '    if ranks < 2 or not hasattr(os, "sched_setaffinity"):',
         "tests/test_rank_pinning.py",
     ),
