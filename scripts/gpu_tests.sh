@@ -32,9 +32,9 @@ mkdir -p "$OUTDIR"
 PY=$(command -v python3 || command -v python)
 WORKERS=${GPU_TESTS_WORKERS:-12}
 XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS --dist load"
-# the switches that change which kernels run are part of the command a record names
-SWITCHES=""
-for v in LRAGENT_QKV_ROPE LRAGENT_QKV_MAXNREG LRAGENT_FUSED_GEMV LRAGENT_DECODE_PLAN CUDA_VISIBLE_DEVICES; do [ -n "${!v:-}" ] && SWITCHES="$SWITCHES $v=${!v}"; done
+# the switches that change which kernels run are part of the command a record names (lragent/provenance.py's list)
+SWITCHES=$("$PY" -c 'from lragent.provenance import switches; print("".join(f" {k}={v}" for k, v in switches().items()))')
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && SWITCHES="$SWITCHES CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
 CMD="LRAGENT_COMMIT=${LRAGENT_COMMIT:-}$SWITCHES GPU_TESTS_BUDGET=$BUDGET GPU_TESTS_WORKERS=$WORKERS bash scripts/gpu_tests.sh"
 source_hash > "$OUTDIR/source.sha256"
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > "$OUTDIR/device_model.log" 2>&1
