@@ -148,7 +148,7 @@ class HostSigtermAgreement(Callback):
         )
         dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
         flag, seconds = shared.tolist()
-        interval = self.every or next_interval(seconds, self.batches - self.last_at if self.last_at else 0)
+        interval = self.every or next_interval(seconds, self.batches - self.last_at)  # the first: 0 s, so 1
         self.last_at, self.last_time, self.next_at = self.batches, now, self.batches + interval
         if flag:
             if self._trainer is not None:
