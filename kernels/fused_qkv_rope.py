@@ -18,8 +18,13 @@ into the V_lr cache. Nobody waits for anybody. Rounding: k, v and V_lr are bit f
 (up to the GEMV's summation order); q is ``RoPE(q_base) + RoPE(term)`` rounded once where the replaced path rounded
 ``q_base + term`` and then each RoPE product: a last-place difference.
 
-Limits: one row (batch-1 decode), a decomposed cache (``base_lr_shared``: v's B is the attention's; a full cache needs
-v's B added before v is stored), CUDA fp16/bf16 or ``TRITON_INTERPRET=1``, head dim a power of two of at least
+A full cache (``full_shared``, ``non_shared``) stores ``v + s·X·A_v·B_roleᵀ``, not V_lr: there each v program
+multiplies v's ``A`` rows itself (a second pass over the row, its rows read from L2 by every v program) and adds its
+dims of the term before the store, rounded as the replaced path's ``addmm`` (the products summed in float32 onto the
+rounded base, one rounding). Before this the full-cache step kept the unfused path, 0.2 ms slower than
+``base_lr_shared``'s at batch 1 on an H200 (8B, 2k: 4.73 against 4.53 ms, ``results/engine_h200/pdl_2026-11-29``).
+
+Limits: one row (batch-1 decode), CUDA fp16/bf16 or ``TRITON_INTERPRET=1``, head dim a power of two of at least
 ``2 · HB``, LoRA rank at most ``2 · HB``, only q and v adapted; :func:`usable` says whether a call may take it (the
 decoder keeps the unfused path otherwise). On by default; ``LRAGENT_QKV_ROPE=0`` switches it off (``bench decode
 --plans '["", "qkv_rope=0"]'`` times both).
@@ -47,10 +52,10 @@ except ImportError:  # pragma: no cover
     tl = None
 
 SWITCH_ENV = "LRAGENT_QKV_ROPE"
-"""1 (the default, unset too): one-row ``base_lr_shared`` decode steps take :func:`qkv_rope_store`; 0: the q/k/v GEMV
-then the RoPE-and-store kernel. On an H100 it made the 8B batch-1 step 0.02-0.06 ms faster in all five paired turns of
-two runs (``results/engine_h100/qkv_rope_2026-11-28``); on by default since the whole GPU suite passed with it on
-(4 × H200, 0674d5a: ``results/gpu_tests/``)."""
+"""1 (the default, unset too): one-row decode steps take :func:`qkv_rope_store` (a full cache's too, since it adds v's
+LoRA term itself); 0: the q/k/v GEMV then the RoPE-and-store kernel. On an H100 it made the 8B batch-1 step 0.02-0.06
+ms faster in all five paired turns of two runs (``results/engine_h100/qkv_rope_2026-11-28``); on by default since the
+whole GPU suite passed with it on (4 × H200, 0674d5a: ``results/gpu_tests/``)."""
 
 HALF_BLOCK = 8
 """Dims a head program takes from each half of a head: 16 outputs a program, as the norm GEMV's measured launch."""
@@ -119,16 +124,19 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_store_kernel(
-        X, NW, W, COS, SIN, QOUT, QADD, KP, VP, LRP, POS, KV_SLOT, LR_SLOT, ROLE, QB,
-        n_in, eps, n_q_heads, n_kv_heads, rank, a_q, a_v, s_q, n_term,
+        X, NW, W, COS, SIN, QOUT, QADD, KP, VP, LRP, POS, KV_SLOT, LR_SLOT, ROLE, QB, VB,
+        n_in, eps, n_q_heads, n_kv_heads, rank, a_q, a_v, s_q, s_v, n_term,
         stride_kps, stride_kph, stride_kpl, stride_vps, stride_vph, stride_vpl, stride_lrs, stride_lrl, stride_qbr,
+        stride_vbr,
         HEAD_D: tl.constexpr, HB: tl.constexpr, HPP: tl.constexpr, BLOCK_K: tl.constexpr, R_PAD: tl.constexpr,
-        PDL: tl.constexpr,
+        FULL_V: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """Grid (1 + n_term + (H_q + 2·H_kv) · D / (2·HB),): program 0 multiplies v's A rows into the V_lr cache;
-        programs 1..n_term multiply q's A rows and write q's rotated LoRA term of ``HPP`` heads each into ``QADD``
-        (n_term = 0: q has no adapter); program ``1 + n_term + t`` takes head ``t // (D / 2HB)`` of q, then k, then v
-        (their rows follow each other in W) and dims ``blk·HB + [0, HB)`` of each half, ``blk = t % (D / 2HB)``."""
+        """Grid (1 + n_term + (H_q + 2·H_kv) · D / (2·HB),): program 0 multiplies v's A rows into the V_lr cache
+        (``FULL_V``, a full cache: nothing); programs 1..n_term multiply q's A rows and write q's rotated LoRA term of
+        ``HPP`` heads each into ``QADD`` (n_term = 0: q has no adapter); program ``1 + n_term + t`` takes head
+        ``t // (D / 2HB)`` of q, then k, then v (their rows follow each other in W) and dims ``blk·HB + [0, HB)`` of
+        each half, ``blk = t % (D / 2HB)``; with ``FULL_V`` a v program multiplies v's A rows too and adds its dims of
+        v's LoRA term ``s_v · X·A_v · VB[role]ᵀ`` before the store."""
         HALF: tl.constexpr = HEAD_D // 2
         PER_HEAD: tl.constexpr = HALF // HB
         BLOCK_N: tl.constexpr = 2 * HB
@@ -151,9 +159,10 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pos = tl.load(POS).to(tl.int64)
-        if is_vlr:  # v_proj's X·A is the cache's V_lr
-            lslot = tl.load(LR_SLOT).to(tl.int64)
-            tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + i, y, mask=i < rank)
+        if is_vlr:  # v_proj's X·A is the cache's V_lr (a full cache has none: its v programs add v's term)
+            if not FULL_V:
+                lslot = tl.load(LR_SLOT).to(tl.int64)
+                tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + i, y, mask=i < rank)
         elif is_term:
             # s · X·A_q · B_roleᵀ for HPP heads, both halves, rotated in float32
             heads = (pid - 1) * HPP + tl.arange(0, HPP)
@@ -180,6 +189,16 @@ if triton is not None:
             slot = tl.load(KV_SLOT).to(tl.int64)
             if unit >= n_q_heads + n_kv_heads:
                 g = unit - n_q_heads - n_kv_heads
+                if FULL_V:
+                    # v + s · X·A_v · B_roleᵀ on this program's dims, as the replaced path's addmm: X·A rounded as
+                    # the GEMV stores it, the products summed in float32 onto v's rounded base, rounded once.
+                    # X·A_v again here (its rows are read from L2 by every v program) rather than waited for.
+                    lr = _normed_rows(X, NW, W, a_v + i, i < rank, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+                    role = tl.load(ROLE).to(tl.int64)
+                    bp = VB + role * stride_vbr + (g * HEAD_D + dims)[:, None] * rank + i[None, :]
+                    bv = tl.load(bp, mask=(i < rank)[None, :], other=0.0).to(tl.float32)
+                    term = tl.sum(bv * lr.to(tl.float32)[None, :], axis=1)
+                    y = (y.to(tl.float32) + s_v * term).to(dt)
                 tl.store(VP + slot * stride_vps + g * stride_vph + pos * stride_vpl + dims, y)
             else:
                 # the two halves apart (a select and a sum over 2: exact), rotated, stored where they belong
@@ -223,17 +242,19 @@ def qkv_rope_store(
     sin: Tensor,
     k_pool: Tensor,
     v_pool: Tensor,
-    lr_pool: Tensor,
+    lr_pool: Tensor | None,
     kv_slot: Tensor,
     lr_slot: Tensor,
     pos: Tensor,
     v_a_row: int,
     q_lora: tuple[int, Tensor, float, Tensor] | None,
     maxnreg: int = 0,
+    v_lora: tuple[Tensor, float, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One launch: ``y = rms_norm(h) @ Wᵀ`` for q/k/v, RoPE on q's base part and on k, k and v written into the pools
-    at the row's slot and position, v_proj's ``X·A`` into ``lr_pool``, and q_proj's LoRA term rotated into a float32
-    buffer for the attention to add.
+    at the row's slot and position, v_proj's ``X·A`` into ``lr_pool`` (a decomposed cache) or v's LoRA term added to
+    v before it is stored (a full cache, ``v_lora``), and q_proj's LoRA term rotated into a float32 buffer for the
+    attention to add.
 
     Args:
         h: ``(1, hidden)`` (any shape of one row) the residual stream entering the layer.
@@ -242,13 +263,16 @@ def qkv_rope_store(
         n_q_heads: H_q; ``n_kv_heads`` H_kv; ``head_dim`` D.
         cos: ``(D,)`` (any shape of D values) and ``sin``: the row's position's RoPE table, in h's dtype.
         k_pool: ``(S, H_kv, C, D)``; ``v_pool`` the same (V_base).
-        lr_pool: ``(S_lr, C, r)`` the V_lr pool.
+        lr_pool: ``(S_lr, C, r)`` the V_lr pool; None for a full cache (then ``v_lora`` is required).
         kv_slot: ``(1,)`` the row's slot; ``lr_slot`` ``(1,)`` its V_lr slot; ``pos`` ``(1,)`` its position.
         v_a_row: first row of v_proj's ``A`` in ``weight``.
         q_lora: ``(a_row, b, s, role)``: q_proj's first ``A`` row, every role's B ``(n_roles, H_q·D, r)`` (contiguous,
             the weight's dtype), its scaling and the row's role ``(1,)``; None: q has no adapter.
         maxnreg: registers per thread the launch may take; 0 the compiler's choice (the decoder passes
             :data:`MAXNREG_ENV`'s value, :data:`DEFAULT_MAXNREG` unless set).
+        v_lora: ``(b, s, role)`` for a full cache: v_proj's B for every role ``(n_roles, H_kv·D, r)`` (contiguous,
+            the weight's dtype), its scaling and the row's role ``(1,)``; the stored v is
+            ``v + s · X·A_v · B_roleᵀ``. None with a V_lr pool.
 
     Returns:
         ``(q, q_add)``: ``(1, H_q, D)`` the rotated base queries and ``(1, H_q, D)`` float32 their rotated LoRA term
@@ -257,25 +281,39 @@ def qkv_rope_store(
     Raises:
         ValueError: a call :func:`usable` refuses.
     """
-    rank = lr_pool.shape[-1]
+    if (lr_pool is None) == (v_lora is None):
+        raise ValueError("qkv_rope_store: give either lr_pool (a decomposed cache) or v_lora (a full cache), not both")
+    rank = lr_pool.shape[-1] if lr_pool is not None else v_lora[0].shape[-1]
     if not usable(h, weight, n_q_heads, n_kv_heads, head_dim, rank):
         raise ValueError("qkv_rope_store: this call is not one it takes (see kernels.fused_qkv_rope.usable)")
     if q_lora is not None and (q_lora[1].shape[-1] != rank or not q_lora[1].is_contiguous()):
         raise ValueError(f"qkv_rope_store: q's B must be contiguous of rank {rank}, got {tuple(q_lora[1].shape)}")
+    if v_lora is not None and (
+        v_lora[0].shape[-2:] != (n_kv_heads * head_dim, rank)
+        or not v_lora[0].is_contiguous()
+        or v_lora[0].dtype != weight.dtype
+    ):
+        raise ValueError(
+            f"qkv_rope_store: v's B must be contiguous (n_roles, {n_kv_heads * head_dim}, {rank}) in {weight.dtype}, "
+            f"got {tuple(v_lora[0].shape)} {v_lora[0].dtype}"
+        )
     x = h.reshape(-1).contiguous()
     q_out = torch.empty((1, n_q_heads, head_dim), dtype=h.dtype, device=h.device)
     q_add = torch.empty((1, n_q_heads, head_dim), dtype=torch.float32, device=h.device) if q_lora else None
     a_q, b_q, s_q, role = q_lora if q_lora is not None else (v_a_row, weight, 0.0, kv_slot)
+    b_v, s_v, v_role = v_lora if v_lora is not None else (weight, 0.0, role)
+    role = v_role if q_lora is None else role  # the one row's role: both name it (no host check: graph capture)
     n_term = -(-n_q_heads // HEADS_PER_TERM_PROGRAM) if q_lora is not None else 0
     grid = (1 + n_term + (n_q_heads + 2 * n_kv_heads) * head_dim // (2 * HALF_BLOCK),)
+    lr_arg = lr_pool if lr_pool is not None else v_pool  # a full cache's program 0 stores nothing
     _qkv_rope_store_kernel[grid](
         x, norm_weight, weight, cos.reshape(-1), sin.reshape(-1), q_out, q_add if q_add is not None else q_out,
-        k_pool, v_pool, lr_pool, pos, kv_slot, lr_slot, role, b_q,
-        x.numel(), float(eps), n_q_heads, n_kv_heads, rank, a_q, v_a_row, float(s_q), n_term,
+        k_pool, v_pool, lr_arg, pos, kv_slot, lr_slot, role, b_q, b_v,
+        x.numel(), float(eps), n_q_heads, n_kv_heads, rank, a_q, v_a_row, float(s_q), float(s_v), n_term,
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
-        lr_pool.stride(0), lr_pool.stride(1), b_q.stride(0),
+        lr_arg.stride(0), lr_arg.stride(1), b_q.stride(0), b_v.stride(0),
         HEAD_D=head_dim, HB=HALF_BLOCK, HPP=HEADS_PER_TERM_PROGRAM, BLOCK_K=BLOCK_K,
-        R_PAD=max(2, triton.next_power_of_2(rank)), num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
-        **pdl_launch(x),
+        R_PAD=max(2, triton.next_power_of_2(rank)), FULL_V=v_lora is not None, num_warps=NUM_WARPS,
+        **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch(x),
     )  # fmt: skip
     return q_out, q_add

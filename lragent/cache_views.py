@@ -311,17 +311,20 @@ class DecodeView:
         rotary: tuple[torch.Tensor, torch.Tensor],
         v_a_row: int,
         q_lora: tuple | None,
+        v_lora: tuple | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A one-row step's input norm, q/k/v GEMV, RoPE and cache stores in one launch
         (:func:`kernels.fused_qkv_rope.qkv_rope_store`; ``heads`` is ``(H_q, H_kv, D)``, ``rotary`` cos/sin
-        ``(1, 1, D)``). Returns the rotated base queries ``(1, H_q, 1, D)`` and q's rotated LoRA term (or None)."""
+        ``(1, 1, D)``; ``v_lora`` v's ``(B (n_roles, H_kv·D, r), s, role)`` for a full cache, None for a decomposed
+        one). Returns the rotated base queries ``(1, H_q, 1, D)`` and q's rotated LoRA term (or None)."""
         from kernels.fused_qkv_rope import qkv_rope_store
 
         p = self.pool
         cos, sin = (t.to(h.dtype) for t in rotary)
         q, q_add = qkv_rope_store(
-            h, norm_weight, eps, weight, *heads, cos, sin, p.k[layer], p.v[layer], p.v_lr[layer], self.kv_slot,
-            self.lr_slot, self.pos, v_a_row, q_lora, maxnreg=self.qkv_maxnreg,
+            h, norm_weight, eps, weight, *heads, cos, sin, p.k[layer], p.v[layer],
+            p.v_lr[layer] if self.decomposed else None, self.kv_slot, self.lr_slot, self.pos, v_a_row, q_lora,
+            maxnreg=self.qkv_maxnreg, v_lora=None if self.decomposed else v_lora,
         )  # fmt: skip
         return q[:, :, None], q_add
 

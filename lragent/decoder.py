@@ -438,10 +438,10 @@ class DecoderEngine:
         """A one-row decode step's input norm, q/k/v GEMV, RoPE and cache stores as one launch
         (:mod:`kernels.fused_qkv_rope`): returns the rotated base queries ``(1, H_q, 1, D)`` and q's rotated LoRA
         term ``(1, H_q, D)`` float32 for the attention to add (None without a q adapter); or None (nothing done) where
-        the view does not ask for it (``LRAGENT_QKV_ROPE=0``, a prefill, several rows, a full cache) or the layer is
-        not one it takes (``group``, the layer's fused q/k/v weight, exactly q, k, v; adapters on v and optionally q,
-        of the cache's rank)."""
-        if not getattr(view, "qkv_rope", 0) or not view.decomposed or h.numel() != h.shape[-1]:
+        the view does not ask for it (``LRAGENT_QKV_ROPE=0``, a prefill, several rows) or the layer is not one it
+        takes (``group``, the layer's fused q/k/v weight, exactly q, k, v; adapters on v and optionally q, of one
+        rank: the V_lr cache's for a decomposed cache; a full cache gets v's LoRA term added in the launch)."""
+        if not getattr(view, "qkv_rope", 0) or h.numel() != h.shape[-1]:
             return None
         from kernels.fused_qkv_rope import usable
 
@@ -450,9 +450,14 @@ class DecoderEngine:
         if group.modules != [attn.q_proj, attn.k_proj, attn.v_proj] or group.sizes[0] % d or group.sizes[1] % d:
             return None
         n_q, n_kv = group.sizes[0] // d, group.sizes[1] // d
-        rank = view.pool.v_lr[index].shape[-1]
         a_rows = {i: group.a_offset(j) for j, i in enumerate(group.lora)}
-        if group.sizes[2] != n_kv * d or 2 not in a_rows or 1 in a_rows or group.modules[2].rank != rank:
+        if group.sizes[2] != n_kv * d or 2 not in a_rows or 1 in a_rows:
+            return None
+        v_mod = group.modules[2]
+        rank = v_mod.rank
+        if view.decomposed and view.pool.v_lr[index].shape[-1] != rank:
+            return None
+        if not view.decomposed and v_mod.lora_B[0].dtype != group.weight.dtype:  # the launch adds B as stored
             return None
         q_mod = group.modules[0]
         if 0 in a_rows and q_mod.rank != rank:
@@ -460,12 +465,23 @@ class DecoderEngine:
         if not usable(h, group.weight, n_q, n_kv, d, rank):
             return None
         _refresh_eager(group, h)
+        roles = _roles(role_ids, 1, h.device)
         q_lora = None
         if 0 in a_rows:
-            q_lora = (a_rows[0], q_mod.stacked_b(), q_mod.scaling, _roles(role_ids, 1, h.device))
+            q_lora = (a_rows[0], q_mod.stacked_b(), q_mod.scaling, roles)
+        v_lora = None if view.decomposed else (v_mod.stacked_b(), v_mod.scaling, roles)  # v's B: the launch's
         norm = layer.input_layernorm
         return view.qkv_rope_store(
-            index, h, norm.weight, norm.variance_epsilon, group.weight, (n_q, n_kv, d), rotary, a_rows[2], q_lora
+            index,
+            h,
+            norm.weight,
+            norm.variance_epsilon,
+            group.weight,
+            (n_q, n_kv, d),
+            rotary,
+            a_rows[2],
+            q_lora,
+            v_lora,
         )
 
     @staticmethod

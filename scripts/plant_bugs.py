@@ -200,9 +200,39 @@ BUGS = {
     ),
     "q/k/v in one launch: V_lr stored one position early": (
         "kernels/fused_qkv_rope.py",
-        "            tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + i, y, mask=i < rank)",
-        "            tl.store(LRP + lslot * stride_lrs + (pos - 1) * stride_lrl + i, y, mask=i < rank)",
+        "                tl.store(LRP + lslot * stride_lrs + pos * stride_lrl + i, y, mask=i < rank)",
+        "                tl.store(LRP + lslot * stride_lrs + (pos - 1) * stride_lrl + i, y, mask=i < rank)",
         "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "q/k/v in one launch, full cache: v stored without its LoRA term": (
+        "kernels/fused_qkv_rope.py",
+        "                    y = (y.to(tl.float32) + s_v * term).to(dt)",
+        "                    y = y",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "q/k/v in one launch, full cache: v's term unscaled": (
+        "kernels/fused_qkv_rope.py",
+        "                    y = (y.to(tl.float32) + s_v * term).to(dt)",
+        "                    y = (y.to(tl.float32) + term).to(dt)",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "q/k/v in one launch, full cache: v's B of role 0 whatever the row's role": (
+        "kernels/fused_qkv_rope.py",
+        "                    bp = VB + role * stride_vbr + (g * HEAD_D + dims)[:, None] * rank + i[None, :]",
+        "                    bp = VB + (g * HEAD_D + dims)[:, None] * rank + i[None, :]",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "q/k/v in one launch, full cache: program 0 still stores V_lr (into the pool it was handed)": (
+        "kernels/fused_qkv_rope.py",
+        "            if not FULL_V:\n                lslot = tl.load(LR_SLOT).to(tl.int64)",
+        "            if True:\n                lslot = tl.load(LR_SLOT).to(tl.int64)",
+        "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
+    ),
+    "decoder: full caches kept off the one q/k/v launch": (
+        "lragent/decoder.py",
+        '        if not getattr(view, "qkv_rope", 0) or h.numel() != h.shape[-1]:',
+        '        if not getattr(view, "qkv_rope", 0) or not view.decomposed or h.numel() != h.shape[-1]:',
+        "tests/test_fused_qkv_rope.py -k engine_decodes_the_same_with_the_launch_under",
     ),
     "decode attention: q_add ignored by the kernel": (
         "kernels/flash_lora_decode.py",

@@ -3,7 +3,9 @@ it writes are those of the path it replaces (the norm GEMV, then the RoPE-and-st
 the interpreter (same summation order there) and within two units in the last place on a GPU; its rotated base queries
 are the RoPE kernel's without the LoRA term exactly; base plus the float32 term it hands the attention is the replaced
 path's query within two units; the attention adds that term as q's own rounding would; the decoder takes the launch for
-one-row ``base_lr_shared`` steps only and decodes the same tokens."""
+one-row steps of both cache kinds and decodes the same tokens. A full cache (no V_lr) gets v's LoRA term added in the
+launch: the stored values are the replaced path's (the GEMV, the ``addmm`` of the masked B, RoPE-and-store) within two
+units in the last place, and the launch writes nothing else."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ EPS = 1e-5
 
 
 def _case(device: str, dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, r: int, seed: int = 0) -> dict:
-    """A fused q/k/v weight with q's and v's A rows, three roles' B for q, a norm weight, the row, RoPE at position 37
-    and empty pools (3 slots, capacity 64)."""
+    """A fused q/k/v weight with q's and v's A rows, three roles' B for q and for v, a norm weight, the row, RoPE at
+    position 37 and empty pools (3 slots, capacity 64)."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -32,6 +34,7 @@ def _case(device: str, dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: in
     return dict(
         h=rand(1, hidden, scale=3.0), norm_w=rand(hidden, scale=0.5) + 1,
         weight=rand(n_base + 2 * r, hidden, scale=hidden**-0.5), b_q=rand(3, hq * d, r, scale=0.5),
+        b_v=rand(3, hkv * d, r, scale=0.5),
         cos=ang.cos().to(device=device, dtype=dtype), sin=ang.sin().to(device=device, dtype=dtype),
         heads=(hq, hkv, d), r=r, a_q=n_base, a_v=n_base + r, pos=torch.tensor([pos], **t),
         k_pool=torch.zeros(3, hkv, 64, d, device=device, dtype=dtype),
@@ -63,14 +66,40 @@ def _reference(c: dict, with_lora: bool) -> tuple[torch.Tensor, ...]:
     return qo, k_pool, v_pool, lr_pool
 
 
-def _fused(c: dict, with_lora: bool, maxnreg: int = 0) -> tuple[torch.Tensor, ...]:
+def _reference_full(c: dict) -> tuple[torch.Tensor, ...]:
+    """A full cache's replaced path: the norm GEMV, v's term added by the ``addmm`` of the role-masked X·A and every
+    role's B side by side (:meth:`MultiLoraLinear.add_lora_masked`, v's scaling 0.5), then RoPE-and-store with q's B
+    and no V_lr; returns (queries, k pool, v pool)."""
+    from kernels.fused_gemv import NORM_CONFIG, rms_norm_linear
+    from kernels.fused_ops import rope_store
+
+    hq, hkv, d = c["heads"]
+    r = c["r"]
+    k_pool, v_pool, _ = _pools(c)
+    y = rms_norm_linear(c["h"], c["norm_w"], EPS, c["weight"], config=NORM_CONFIG)[0]
+    q, k, v, lr_q, lr_v = y.split([hq * d, hkv * d, hkv * d, r, r], dim=-1)
+    role = int(c["role"])
+    masked = torch.zeros(1, 3 * r, dtype=y.dtype, device=y.device)
+    masked[:, role * r : (role + 1) * r] = lr_v
+    v = v.clone().addmm_(masked, torch.cat(list(c["b_v"]), dim=1).t(), alpha=0.5)
+    qo = rope_store(
+        q.view(1, hq, d), k.view(1, hkv, d), v.view(1, hkv, d), None, c["cos"][None], c["sin"][None], k_pool, v_pool,
+        None, c["kv_slot"], c["lr_slot"], c["pos"], q_lora=(lr_q, c["b_q"], 2.0, c["role"]),
+    )  # fmt: skip
+    return qo, k_pool, v_pool
+
+
+def _fused(c: dict, with_lora: bool, maxnreg: int = 0, full: bool = False, pools: tuple | None = None) -> tuple:
+    """The one launch; ``full``: a full cache (v's B in the launch, no V_lr pool); ``pools``: these (k, v, lr) pools
+    instead of fresh copies (a caller that must launch nothing between its producer and this launch)."""
     from kernels.fused_qkv_rope import qkv_rope_store
 
-    k_pool, v_pool, lr_pool = _pools(c)
+    k_pool, v_pool, lr_pool = _pools(c) if pools is None else pools
     q, q_add = qkv_rope_store(
-        c["h"], c["norm_w"], EPS, c["weight"], *c["heads"], c["cos"], c["sin"], k_pool, v_pool, lr_pool,
-        c["kv_slot"], c["lr_slot"], c["pos"], c["a_v"], (c["a_q"], c["b_q"], 2.0, c["role"]) if with_lora else None,
-        maxnreg=maxnreg,
+        c["h"], c["norm_w"], EPS, c["weight"], *c["heads"], c["cos"], c["sin"], k_pool, v_pool,
+        None if full else lr_pool, c["kv_slot"], c["lr_slot"], c["pos"], c["a_v"],
+        (c["a_q"], c["b_q"], 2.0, c["role"]) if with_lora else None, maxnreg=maxnreg,
+        v_lora=(c["b_v"], 0.5, c["role"]) if full else None,
     )  # fmt: skip
     return q, q_add, k_pool, v_pool, lr_pool
 
@@ -118,6 +147,19 @@ def check(device: str, dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: in
         assert k_pool[2, :, 37].abs().sum() > 0
         k_pool[2, :, 37] = 0
         assert not k_pool.any()
+        # a full cache: v + s · X·A_v · B_roleᵀ stored (within two units), k and the queries as with a V_lr pool;
+        # the term is material (a launch that left it out would be far off). Its v pool is the start of a larger
+        # zeroed buffer: nothing but the row's slot and position is written, past the pool's end neither
+        ref_q, ref_k, ref_v = _reference_full(c)
+        k0, v0, lr0 = _pools(c)
+        big = torch.zeros(40, *v0.shape[1:], dtype=v0.dtype, device=v0.device)
+        q_f, q_add_f, k_f, v_f, lr_f = _fused(c, True, full=True, pools=(k0, big[: v0.shape[0]], lr0))
+        assert torch.equal(q_f, q) and torch.equal(q_add_f, q_add) and torch.equal(k_f, pools[0]), seed
+        assert not lr_f.any(), "a full cache's launch wrote into the V_lr pool"
+        assert _ulps(ref_k, k_f) <= (0 if exact else 2) and _ulps(ref_v, v_f) <= 2, (seed, _ulps(ref_v, v_f))
+        assert _ulps(ref_v, pools[1]) > 50, "the v term is too small to tell"
+        big[2, :, 37] = 0
+        assert not big.any(), "a full cache's launch wrote outside its row's slot and position"
 
 
 def test_one_launch_matches_the_path_it_replaces_under_the_interpreter():
@@ -258,8 +300,8 @@ def test_usable_refuses_what_the_kernel_cannot_take(monkeypatch):
 
 def _engine_one_row(device: str) -> dict:
     """One-row decode (tiny LLaMA, q/v adapters, fp16) of both shared schemes with the switch on and off: the same
-    tokens, logits within 2e-3; the launch taken only on and only for ``base_lr_shared`` (a full cache keeps the
-    unfused path: the same logits exactly)."""
+    tokens, logits within 2e-3; the launch taken only with the switch on, for both (a full cache's with v's LoRA
+    term added in it)."""
     import os
 
     from conftest import decode_rows, tiny_multi_lora
@@ -295,12 +337,9 @@ def _engine_one_row(device: str) -> dict:
                 assert a.generated_ids == b.generated_ids, (scheme, a.generated_ids, b.generated_ids)
                 assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
                 assert torch.equal(b.logits, c.logits) and torch.equal(b.logits, d.logits), scheme  # caps: no change
-                if scheme == "full_shared":
-                    assert torch.equal(a.logits, b.logits)
-        assert counted[("base_lr_shared", "10")] > 0 and counted[("base_lr_shared", "172")] > 0, counted
-        assert (
-            counted[("base_lr_shared", "00")] == counted[("full_shared", "00")] == counted[("full_shared", "10")] == 0
-        )
+        for scheme in ("base_lr_shared", "full_shared"):
+            assert counted[(scheme, "10")] > 0 and counted[(scheme, "172")] > 0 and counted[(scheme, "1")] > 0, counted
+            assert counted[(scheme, "00")] == 0, counted
         assert caps == {("0", 0), ("72", 72), ("", 80)}, caps  # the view hands the switch's cap to the launch
     finally:
         fq.qkv_rope_store = raw

@@ -148,10 +148,19 @@ def test_every_pdl_kernel_waits_for_an_input_written_late(monkeypatch: pytest.Mo
         lambda a: rope_store(a, q[:, :8], q[:, 8:16], None, cos, sin, *pools, None, at, None, at),
         q,
     )
+    # the q/k/v launch writes into pools made before the producer: a pool copied between them would be a kernel
+    # without PDL, which waits for the producer to finish and so hides a launch that reads early
     qkv = _case("cuda", dt, 32, 8, 128, 4096, 8)
-    cases["q/k/v GEMV with RoPE"] = (lambda a: _fused({**qkv, "h": a}, True)[0], qkv["h"])
+    made: dict[str, tuple] = {}
+    for full in (False, True):
+        cases[f"q/k/v GEMV with RoPE{', full cache' if full else ''}"] = (
+            lambda a, full=full: _fused({**qkv, "h": a}, True, full=full, pools=made["pools"])[0],
+            qkv["h"],
+        )
     for name, (fn, src) in cases.items():
+        made["pools"] = tuple(qkv[k].clone() for k in ("k_pool", "v_pool", "lr_pool"))
         expected = fn(src)
+        made["pools"] = tuple(qkv[k].clone() for k in ("k_pool", "v_pool", "lr_pool"))
         torch.cuda.synchronize()
         got = fn(_late_inputs(src))
         torch.cuda.synchronize()
