@@ -18,11 +18,12 @@ into the V_lr cache. Nobody waits for anybody. Rounding: k, v and V_lr are bit f
 (up to the GEMV's summation order); q is ``RoPE(q_base) + RoPE(term)`` rounded once where the replaced path rounded
 ``q_base + term`` and then each RoPE product: a last-place difference.
 
-A full cache (``full_shared``, ``non_shared``) stores ``v + s·X·A_v·B_roleᵀ``, not V_lr: there each v program
-multiplies v's ``A`` rows itself (a second pass over the row, its rows read from L2 by every v program) and adds its
-dims of the term before the store, rounded as the replaced path's ``addmm`` (the products summed in float32 onto the
-rounded base, one rounding). Before this the full-cache step kept the unfused path, 0.2 ms slower than
-``base_lr_shared``'s at batch 1 on an H200 (8B, 2k: 4.73 against 4.53 ms, ``results/engine_h200/pdl_2026-11-29``).
+A full cache (``full_shared``, ``non_shared``) stores ``v + s·X·A_v·B_roleᵀ``, not V_lr: there each v program multiplies
+v's ``A`` rows too, in the same pass over the row as its own rows (the ``A`` rows read from L2 by every v program; 24
+live rows where the others have 16), and adds its dims of the term before the store, rounded as the replaced path's
+``addmm`` (the products summed in float32 onto the rounded base, one rounding). Before this the full-cache step kept the
+unfused path, 0.2 ms slower than ``base_lr_shared``'s at batch 1 on an H200 (8B, 2k: 4.73 against 4.53 ms,
+``results/engine_h200/pdl_2026-11-29``).
 
 Limits: one row (batch-1 decode), CUDA fp16/bf16 or ``TRITON_INTERPRET=1``, head dim a power of two of at least
 ``2 · HB``, LoRA rank at most ``2 · HB``, only q and v adapted; :func:`usable` says whether a call may take it (the
@@ -155,7 +156,25 @@ if triton is not None:
         if PDL:  # kernels/pdl.py: the previous kernel's output (x, the positions, cos/sin) is visible past this point
             tl.extra.cuda.gdc_wait()
         inv = _rms_inverse(X, X, X, rows, rows < 1, n_in, eps, pid, False, 1, BLOCK_K)  # the norm GEMV's
-        y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+        if FULL_V:
+            is_v = (pid > n_term) & (unit >= n_q_heads + n_kv_heads)
+        else:
+            is_v = pid < 0
+        if is_v:
+            # a full cache's v program: its v rows and v's A rows in one pass (2·BLOCK_N rows, of which BLOCK_N +
+            # rank live; half the K block keeps the accumulator's registers); the halves apart by a select and a sum
+            j = tl.arange(0, 2 * BLOCK_N)
+            jv = j % BLOCK_N
+            own = j < BLOCK_N
+            offs2 = tl.where(own, unit * HEAD_D + (jv // HB) * HALF + blk * HB + jv % HB, a_v + jv)
+            yv = _normed_rows(X, NW, W, offs2, own | (jv < rank), n_in, inv, 2 * BLOCK_N, BLOCK_K // 2)
+            yv = tl.reshape(yv, (2, BLOCK_N))
+            part = tl.arange(0, 2)[:, None]
+            y = tl.sum(tl.where(part == 0, yv, 0.0), axis=0).to(dt)
+            lr = tl.sum(tl.where(part == 1, yv, 0.0), axis=0).to(dt)  # X·A_v, rounded as the GEMV stores it
+        else:
+            y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+            lr = y
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pos = tl.load(POS).to(tl.int64)
@@ -191,9 +210,7 @@ if triton is not None:
                 g = unit - n_q_heads - n_kv_heads
                 if FULL_V:
                     # v + s · X·A_v · B_roleᵀ on this program's dims, as the replaced path's addmm: X·A rounded as
-                    # the GEMV stores it, the products summed in float32 onto v's rounded base, rounded once.
-                    # X·A_v again here (its rows are read from L2 by every v program) rather than waited for.
-                    lr = _normed_rows(X, NW, W, a_v + i, i < rank, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
+                    # the GEMV stores it, the products summed in float32 onto v's rounded base, rounded once
                     role = tl.load(ROLE).to(tl.int64)
                     bp = VB + role * stride_vbr + (g * HEAD_D + dims)[:, None] * rank + i[None, :]
                     bv = tl.load(bp, mask=(i < rank)[None, :], other=0.0).to(tl.float32)
