@@ -171,10 +171,10 @@ if triton is not None:
             yv = tl.reshape(yv, (2, BLOCK_N))
             part = tl.arange(0, 2)[:, None]
             y = tl.sum(tl.where(part == 0, yv, 0.0), axis=0).to(dt)
-            lr = tl.sum(tl.where(part == 1, yv, 0.0), axis=0).to(dt)  # X·A_v, rounded as the GEMV stores it
+            xa_v = tl.sum(tl.where(part == 1, yv, 0.0), axis=0).to(dt)  # X·A_v, rounded as the GEMV stores it
         else:
             y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
-            lr = y
+            xa_v = y
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pos = tl.load(POS).to(tl.int64)
@@ -214,7 +214,7 @@ if triton is not None:
                     role = tl.load(ROLE).to(tl.int64)
                     bp = VB + role * stride_vbr + (g * HEAD_D + dims)[:, None] * rank + i[None, :]
                     bv = tl.load(bp, mask=(i < rank)[None, :], other=0.0).to(tl.float32)
-                    term = tl.sum(bv * lr.to(tl.float32)[None, :], axis=1)
+                    term = tl.sum(bv * xa_v.to(tl.float32)[None, :], axis=1)
                     y = (y.to(tl.float32) + s_v * term).to(dt)
                 tl.store(VP + slot * stride_vps + g * stride_vph + pos * stride_vpl + dims, y)
             else:

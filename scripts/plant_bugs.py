@@ -224,8 +224,8 @@ BUGS = {
     ),
     "q/k/v in one launch, full cache: X·A_v read from the v rows' half of the one pass": (
         "kernels/fused_qkv_rope.py",
-        "            lr = tl.sum(tl.where(part == 1, yv, 0.0), axis=0).to(dt)",
-        "            lr = tl.sum(tl.where(part == 0, yv, 0.0), axis=0).to(dt)",
+        "            xa_v = tl.sum(tl.where(part == 1, yv, 0.0), axis=0).to(dt)",
+        "            xa_v = tl.sum(tl.where(part == 0, yv, 0.0), axis=0).to(dt)",
         "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
     ),
     "q/k/v in one launch, full cache: program 0 still stores V_lr (into the pool it was handed)": (
