@@ -174,7 +174,7 @@ if triton is not None:
             xa_v = tl.sum(tl.where(part == 1, yv, 0.0), axis=0).to(dt)  # X·A_v, rounded as the GEMV stores it
         else:
             y = _normed_rows(X, NW, W, offs_n, n_ok, n_in, inv, BLOCK_N, BLOCK_K).to(dt)
-            xa_v = y
+            xa_v = y  # unused here; both branches must define it alike (Triton)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         pos = tl.load(POS).to(tl.int64)
@@ -299,7 +299,10 @@ def qkv_rope_store(
         ValueError: a call :func:`usable` refuses.
     """
     if (lr_pool is None) == (v_lora is None):
-        raise ValueError("qkv_rope_store: give either lr_pool (a decomposed cache) or v_lora (a full cache), not both")
+        given = "neither" if lr_pool is None else "both"
+        raise ValueError(
+            f"qkv_rope_store: give one of lr_pool (a decomposed cache) and v_lora (a full cache), got {given}"
+        )
     rank = lr_pool.shape[-1] if lr_pool is not None else v_lora[0].shape[-1]
     if not usable(h, weight, n_q_heads, n_kv_heads, head_dim, rank):
         raise ValueError("qkv_rope_store: this call is not one it takes (see kernels.fused_qkv_rope.usable)")

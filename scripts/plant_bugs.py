@@ -234,6 +234,18 @@ BUGS = {
         "            if True:\n                lslot = tl.load(LR_SLOT).to(tl.int64)",
         "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
     ),
+    "q/k/v in one launch, full cache: v's B of another dtype taken as it is": (
+        "kernels/fused_qkv_rope.py",
+        "        or v_lora[0].dtype != weight.dtype\n",
+        "",
+        "tests/test_fused_qkv_rope.py -k refused",
+    ),
+    "q/k/v in one launch: a call with both the V_lr pool and v's B taken": (
+        "kernels/fused_qkv_rope.py",
+        "    if (lr_pool is None) == (v_lora is None):",
+        "    if lr_pool is None and v_lora is None:",
+        "tests/test_fused_qkv_rope.py -k refused",
+    ),
     "decoder: full caches kept off the one q/k/v launch": (
         "lragent/decoder.py",
         '        if not getattr(view, "qkv_rope", 0) or h.numel() != h.shape[-1]:',

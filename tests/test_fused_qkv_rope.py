@@ -298,6 +298,30 @@ def test_usable_refuses_what_the_kernel_cannot_take(monkeypatch):
     assert not usable(h.float(), w.float(), **ok)
 
 
+def test_a_call_naming_both_caches_or_neither_or_a_bad_v_b_is_refused(monkeypatch):
+    """Exactly one of the V_lr pool (a decomposed cache) and v's B (a full cache); v's B of v's rows and the rank, in
+    the weight's dtype, contiguous: anything else named before the launch."""
+    from kernels.fused_qkv_rope import qkv_rope_store
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # where the kernels run (kernels_usable reads it per call)
+    c = _case("cpu", torch.float16, 4, 2, 32, 64, 4)
+    k_pool, v_pool, lr_pool = _pools(c)
+
+    def call(lr, v_lora):
+        return qkv_rope_store(
+            c["h"], c["norm_w"], EPS, c["weight"], *c["heads"], c["cos"], c["sin"], k_pool, v_pool, lr, c["kv_slot"],
+            c["lr_slot"], c["pos"], c["a_v"], None, v_lora=v_lora,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="give one of lr_pool .* and v_lora .*, got both"):
+        call(lr_pool, (c["b_v"], 0.5, c["role"]))
+    with pytest.raises(ValueError, match="got neither"):
+        call(None, None)
+    for bad in (c["b_v"][:, :-1], c["b_v"].float(), c["b_v"].transpose(1, 2).contiguous().transpose(1, 2)):
+        with pytest.raises(ValueError, match=r"v's B must be contiguous \(n_roles, 64, 4\) in torch.float16, got"):
+            call(None, (bad, 0.5, c["role"]))
+
+
 def _engine_one_row(device: str) -> dict:
     """One-row decode (tiny LLaMA, q/v adapters, fp16) of both shared schemes with the switch on and off: the same
     tokens, logits within 2e-3; the launch taken only with the switch on, for both (a full cache's with v's LoRA
