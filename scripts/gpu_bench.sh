@@ -11,9 +11,10 @@
 #                                                the engine switches as set in the environment, e.g. LRAGENT_FUSED_GEMV=0)
 #   bash scripts/gpu_bench.sh readme             the README's speed table on this GPU, one commit (issue 38): 8B decode at
 #                                                2k, batch 1 and 32, with transformers, twice (decode1, decode2; each
-#                                                with the plans $DECODE_PLANS, default "", "qkv_rope=0" and
-#                                                "qkv_maxnreg=0", two turns; the table takes ""), the trace at 16k
-#                                                (non_shared, full_shared, base_lr_shared) and at 32k ($TRACE32_SCHEMES,
+#                                                with the plans $DECODE_PLANS, default "", "qkv_rope=0",
+#                                                "qkv_maxnreg=0" and "pdl=0", two turns; the table takes ""), the
+#                                                trace at 16k (non_shared, full_shared, base_lr_shared) and at 32k
+#                                                ($TRACE32_SCHEMES,
 #                                                default full_shared,base_lr_shared: non_shared's cache outgrows an H100),
 #                                                then python -m eval_suite.speed_table over them
 #                                                ($OUT/readme/speed_table.md; the whole folder also in
@@ -59,7 +60,7 @@ case "$BENCH" in
   fit8b) ;;
   readme)
     D=(--model llama-3.1-8b --context 2048 --batches "[1,32]" --eager false --repeats 2
-      --plans "${DECODE_PLANS:-[\"\", \"qkv_rope=0\", \"qkv_maxnreg=0\"]}")
+      --plans "${DECODE_PLANS:-[\"\", \"qkv_rope=0\", \"qkv_maxnreg=0\", \"pdl=0\"]}")
     # the records lie two folders deep, which a device call does not bring back: packed into one file after each
     # phase (a call cut short keeps what finished)
     pack() {
