@@ -1,0 +1,118 @@
+"""A mixed-precision fit stores its frozen linear weights in autocast's dtype (lragent/frozen_cast.py): the same
+adapters and losses bit for bit as with float32 weights that autocast casts at every call, seven casts a layer fewer
+in each forward, a tied LM head left alone, and only where autocast would cast (not under 32-true or FSDP, not a
+low-precision base, not with the switch at 0)."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+from test_training_recipe import data, module, trainer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lragent.frozen_cast import SWITCH_ENV, cast_frozen_linears, frozen_cast_dtype, frozen_cast_switch
+
+
+class _Count(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tiny(tied: bool = False):
+    from lragent.lora_model import MultiLoraModel
+    from lragent.models import load_model
+    from lragent.multi_lora import MultiLoraConfig
+
+    hf, _ = load_model("tiny-llama", seed=0, overrides={"tie_word_embeddings": tied} if tied else None)
+    m = MultiLoraModel(hf, MultiLoraConfig(roles=("a", "b", "c"), rank=4, dropout=0.0, targets=("q_proj", "v_proj")))
+    m.init_adapters("random", seed=1, b_std=0.3)
+    return m.train()
+
+
+def _step(m, ids: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], collections.Counter]:
+    """One forward and backward under CPU bf16 autocast: the logits, the adapters' gradients and the forward's ops."""
+    for p in m.lora_parameters():
+        p.grad = None
+    count = _Count()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with count:
+            logits = m(ids, roles)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+    loss.backward()
+    return logits.detach(), [p.grad.clone() for p in m.lora_parameters()], count.ops
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cast_weights_give_autocasts_numbers_with_seven_casts_a_layer_fewer(tied: bool) -> None:
+    """The logits and every adapter gradient equal bit for bit; the forward makes 7 × layers fewer ``_to_copy``
+    (q, k, v, o, gate, up, down), one more where the LM head is its own (untied) weight; a tied head stays float32."""
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(0))
+    roles = torch.tensor([0, 2, 1])
+    m = _tiny(tied)
+    want_logits, want_grads, before = _step(m, ids, roles)
+    n = cast_frozen_linears(m.model, torch.bfloat16)
+    layers = m.model.config.num_hidden_layers
+    assert n == 7 * layers + (0 if tied else 1)
+    got_logits, got_grads, after = _step(m, ids, roles)
+    assert torch.equal(got_logits, want_logits)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+    assert before["_to_copy"] - after["_to_copy"] == n, (before["_to_copy"], after["_to_copy"])
+    inner = m.model.model
+    assert inner.layers[0].self_attn.q_proj.base.weight.dtype == torch.bfloat16
+    assert inner.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert inner.embed_tokens.weight.dtype == inner.norm.weight.dtype == torch.float32
+    assert m.model.lm_head.weight.dtype == (torch.float32 if tied else torch.bfloat16)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in m.lora_parameters())
+
+
+def test_only_where_autocast_would_cast() -> None:
+    """bf16-mixed and 16-mixed with a float32 base; not 32-true, a bfloat16 base, an FSDP strategy or the switch at 0;
+    a bad switch value named."""
+    f32 = torch.float32
+    assert frozen_cast_dtype("bf16-mixed", "DDPStrategy", f32, {}) == torch.bfloat16
+    assert frozen_cast_dtype("16-mixed", "SingleDeviceStrategy", f32, {}) == torch.float16
+    assert frozen_cast_dtype("32-true", "SingleDeviceStrategy", f32, {}) is None
+    assert frozen_cast_dtype("bf16-true", "SingleDeviceStrategy", f32, {}) is None
+    assert frozen_cast_dtype("bf16-mixed", "SingleDeviceStrategy", torch.bfloat16, {}) is None
+    assert frozen_cast_dtype("bf16-mixed", "LoraFSDPStrategy", f32, {}) is None
+    assert frozen_cast_dtype("bf16-mixed", "DDPStrategy", f32, {SWITCH_ENV: "0"}) is None
+    assert frozen_cast_switch({SWITCH_ENV: " "}) is True
+    for bad in ("2", "off"):
+        with pytest.raises(ValueError, match=rf"{SWITCH_ENV}='{bad}': allowed 0 .* or 1"):
+            frozen_cast_switch({SWITCH_ENV: bad})
+
+
+def _fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switch: str, precision: str) -> tuple[list, dict, object]:
+    monkeypatch.setenv(SWITCH_ENV, switch)
+    torch.manual_seed(0)
+    m = module(val_schemes=None)  # validation through both shared-cache schemes too
+    t = trainer(tmp_path / switch / precision, [], max_epochs=1, max_steps=3, precision=precision, limit_val_batches=2)
+    t.fit(m, datamodule=data(tmp_path))
+    metrics = {k: v.clone() for k, v in t.callback_metrics.items()}
+    return [p.detach().clone() for p in m.lora_model.lora_parameters()], metrics, m
+
+
+def test_a_bf16_mixed_fit_trains_the_same_adapters_with_the_weights_cast(tmp_path: Path, monkeypatch) -> None:
+    """Three optimizer steps and a validation through the plain and both shared-cache paths, CPU bf16-mixed: the
+    adapters, the train loss and every validation metric equal bit for bit with the switch on and off; on, the base
+    projections are bfloat16 during the fit; a 32-true fit keeps them float32."""
+    on, m_on, mod_on = _fit(tmp_path, monkeypatch, "1", "bf16-mixed")
+    off, m_off, mod_off = _fit(tmp_path, monkeypatch, "0", "bf16-mixed")
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+    assert m_on.keys() == m_off.keys() and any(k.startswith("val") for k in m_on), sorted(m_on)
+    assert all(torch.equal(m_on[k], m_off[k]) for k in m_on), {k: (m_on[k], m_off[k]) for k in m_on}
+    layer = mod_on.lora_model.model.model.layers[0]
+    assert layer.self_attn.q_proj.base.weight.dtype == layer.self_attn.k_proj.weight.dtype == torch.bfloat16
+    assert mod_off.lora_model.model.model.layers[0].self_attn.k_proj.weight.dtype == torch.float32
+    _, _, mod_32 = _fit(tmp_path, monkeypatch, "1", "32-true")
+    assert mod_32.lora_model.model.model.layers[0].self_attn.k_proj.weight.dtype == torch.float32
