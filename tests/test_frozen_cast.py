@@ -28,12 +28,12 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _tiny(tied: bool = False):
+def _tiny(tied: bool = False, arch: str = "tiny-llama"):
     from lragent.lora_model import MultiLoraModel
     from lragent.models import load_model
     from lragent.multi_lora import MultiLoraConfig
 
-    hf, _ = load_model("tiny-llama", seed=0, overrides={"tie_word_embeddings": tied} if tied else None)
+    hf, _ = load_model(arch, seed=0, overrides={"tie_word_embeddings": tied} if tied else None)
     m = MultiLoraModel(hf, MultiLoraConfig(roles=("a", "b", "c"), rank=4, dropout=0.0, targets=("q_proj", "v_proj")))
     m.init_adapters("random", seed=1, b_std=0.3)
     return m.train()
@@ -52,13 +52,14 @@ def _step(m, ids: torch.Tensor, roles: torch.Tensor) -> tuple[torch.Tensor, list
     return logits.detach(), [p.grad.clone() for p in m.lora_parameters()], count.ops
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_cast_weights_give_autocasts_numbers_with_seven_casts_a_layer_fewer(tied: bool) -> None:
+@pytest.mark.parametrize(("tied", "arch"), [(False, "tiny-llama"), (True, "tiny-llama"), (False, "tiny-qwen2")])
+def test_cast_weights_give_autocasts_numbers_with_seven_casts_a_layer_fewer(tied: bool, arch: str) -> None:
     """The logits and every adapter gradient equal bit for bit; the forward makes 7 × layers fewer ``_to_copy``
-    (q, k, v, o, gate, up, down), one more where the LM head is its own (untied) weight; a tied head stays float32."""
+    (q, k, v, o, gate, up, down), one more where the LM head is its own (untied) weight, and Qwen2's q/k/v biases
+    cast with their weights (autocast casts a bias too) fewer again; a tied head stays float32."""
     ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(0))
     roles = torch.tensor([0, 2, 1])
-    m = _tiny(tied)
+    m = _tiny(tied, arch)
     want_logits, want_grads, before = _step(m, ids, roles)
     n = cast_frozen_linears(m.model, torch.bfloat16)
     layers = m.model.config.num_hidden_layers
@@ -66,7 +67,9 @@ def test_cast_weights_give_autocasts_numbers_with_seven_casts_a_layer_fewer(tied
     got_logits, got_grads, after = _step(m, ids, roles)
     assert torch.equal(got_logits, want_logits)
     assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
-    assert before["_to_copy"] - after["_to_copy"] == n, (before["_to_copy"], after["_to_copy"])
+    biases = sum(mod.bias is not None for mod in m.model.modules() if isinstance(mod, torch.nn.Linear))
+    assert biases == (3 * layers if arch == "tiny-qwen2" else 0)
+    assert before["_to_copy"] - after["_to_copy"] == n + biases, (before["_to_copy"], after["_to_copy"])
     inner = m.model.model
     assert inner.layers[0].self_attn.q_proj.base.weight.dtype == torch.bfloat16
     assert inner.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
