@@ -77,7 +77,9 @@ if [ "$LEFT" -gt $(( RUN1 + 20 )) ]; then
 else
   echo "run2 skipped: ${LEFT}s left, run1 took ${RUN1}s"
 fi
-"$PY" scripts/gpu_tests_record.py "$OUTDIR" "$CMD" --planted "$OUTDIR/planted_bugs_gpu.json" \
+PLANTED_FILTER=()  # the planted bugs the call never reached are named when they were meant to run
+[ "$PLANT_SHARE" != 0 ] && PLANTED_FILTER=(--planted_filter "GPU:")
+"$PY" scripts/gpu_tests_record.py "$OUTDIR" "$CMD" --planted "$OUTDIR/planted_bugs_gpu.json" "${PLANTED_FILTER[@]}" \
   --collected "$OUTDIR/collected.txt"
 (cd "$OUTDIR" && tar czf logs.tar.gz --remove-files run* collected.txt source.sha256 env.txt gpu.txt device_model.log \
   planted_bugs.log 2>/dev/null)

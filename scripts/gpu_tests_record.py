@@ -1,11 +1,13 @@
 """Turns the JUnit XML of GPU-suite runs (``scripts/gpu_tests.sh``) into one record with provenance.
 
-python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [--planted FILE.json] [--collected FILE.txt]
+python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [--planted FILE.json [--planted_filter S]] [--collected FILE.txt]
 
 Reads ``OUT_DIR/run*.xml`` (and ``run*.seconds`` / ``run*.rc``), writes ``OUT_DIR/gpu_tests_<device>_<date>.json``
 and ``.md`` (the files to copy into ``results/gpu_tests/``) and prints the markdown. With ``--collected`` (the node ids
 ``pytest -m gpu --collect-only -q`` printed before the runs), each run also says which collected tests it never
-reached: a run stopped by its time budget then names what is left unproven instead of only its counts.
+reached: a run stopped by its time budget then names what is left unproven instead of only its counts. With
+``--planted_filter`` (the name filter ``scripts/plant_bugs.py`` ran with, ``GPU:``) the planted bugs the run never
+reached are named the same way.
 """
 
 from __future__ import annotations
@@ -124,11 +126,23 @@ def provenance(command: str) -> dict:
     }
 
 
+def planted_names(name_filter: str) -> list[str]:
+    """The planted-bug entries ``scripts/plant_bugs.py NAME_FILTER`` runs, in its order."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plant_bugs.py")
+    spec = importlib.util.spec_from_file_location("plant_bugs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.chosen([name_filter])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out_dir")
     p.add_argument("command")
     p.add_argument("--planted", default=None)
+    p.add_argument("--planted_filter", default=None, help="the name filter plant_bugs.py ran with: name those not run")
     p.add_argument("--collected", default=None, help="pytest --collect-only -q output: name the tests not reached")
     args = p.parse_args()
     collected = read_collected(args.collected) if args.collected and os.path.exists(args.collected) else None
@@ -151,6 +165,9 @@ def main() -> None:
     record = {"provenance": prov, "runs": runs}
     if args.planted and os.path.exists(args.planted):
         record["planted_bugs"] = json.load(open(args.planted))
+    if args.planted and args.planted_filter:  # a call cut short: the entries it never ran, named
+        done = record.get("planted_bugs", {})
+        record["planted_not_reached"] = [n for n in planted_names(args.planted_filter) if n not in done]
     dev = re.sub(r"[^A-Za-z0-9]+", "_", prov["device"]).strip("_").lower()
     stem = os.path.join(args.out_dir, f"gpu_tests_{dev}_{prov['date_utc'][:10]}")
     with open(stem + ".json", "w") as f:
@@ -176,10 +193,12 @@ def main() -> None:
             lines.append(f"- {r['run']} failed: `{t}`")
         for t in r.get("not_reached", []):
             lines.append(f"- {r['run']} did not reach: `{t}`")
-    if "planted_bugs" in record:
+    if "planted_bugs" in record or record.get("planted_not_reached"):
         lines += ["", "Planted bugs (exit != 0: the tests caught it):", ""]
-        for name, res in record["planted_bugs"].items():
+        for name, res in record.get("planted_bugs", {}).items():
             lines.append(f"- {name}: exit {res['exit']}, {res['summary']}")
+        for name in record.get("planted_not_reached", []):
+            lines.append(f"- {name}: not reached")
     text = "\n".join(lines) + "\n"
     with open(stem + ".md", "w") as f:
         f.write(text)

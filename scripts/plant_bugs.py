@@ -234,17 +234,26 @@ BUGS = {
         "            if True:\n                lslot = tl.load(LR_SLOT).to(tl.int64)",
         "tests/test_fused_qkv_rope.py -k one_launch_matches_the_path_it_replaces_under",
     ),
+    "GPU suite record: the planted bugs a call never ran not named": (
+        "scripts/gpu_tests_record.py",
+        '        record["planted_not_reached"] = [n for n in planted_names(args.planted_filter) if n not in done]',
+        '        record["planted_not_reached"] = []',
+        "tests/test_gpu_tests_record.py",
+    ),
     # this file's own code: the anchors are split into two literals, so that the text here does not hold them too
     "plant_bugs: results written only at the end (an interrupted run keeps nothing)": (
         "scripts/plant_bugs.py",
-        ("        save()  # after every entry" + ": a call cut short keeps what finished", "    sys.exit(130)\n"),
-        ("        pass", "    sys.exit(130)\nsave()\n"),
+        (
+            "            save(results)  # after every entry" + ": a call cut short keeps what finished",
+            "        return 130\n    return 0\n",
+        ),
+        ("            pass", "        return 130\n    save(results)\n    return 0\n"),
         "tests/test_plant_bugs.py",
     ),
     "plant_bugs: an interrupt ends in a traceback": (
         "scripts/plant_bugs.py",
-        "except KeyboardInterrupt:" + "  # a device call's",
-        "except SystemExit:  # a device call's",
+        "    except KeyboardInterrupt:" + "  # a device call's",
+        "    except SystemExit:  # a device call's",
         "tests/test_plant_bugs.py",
     ),
     "frozen cast: a tied LM head cast with its embedding": (
@@ -1862,15 +1871,9 @@ BUGS = {
         "tests/test_memory_and_cli.py -k answer-text-hotpotqa",
     ),
 }
-only = sys.argv[1:]
-if any(a in ("-h", "--help") for a in only):
-    print(__doc__.strip())
-    print("\nentries:\n  " + "\n  ".join(BUGS))
-    sys.exit(0)
-results = {}
 
 
-def run_one(name: str) -> None:
+def run_one(name: str, results: dict) -> None:
     """Plants entry ``name`` in a fresh scratch copy, runs its tests there and records the outcome in ``results``."""
     path, old, new, tests = BUGS[name]
     scratch = SCRATCH
@@ -1896,7 +1899,7 @@ def run_one(name: str) -> None:
     print(name, "->", r.returncode, tail, failed, flush=True)
 
 
-def save() -> None:
+def save(results: dict) -> None:
     """Merges the entries run so far into RESULTS (through a temporary file: a kill mid-write leaves the old file)."""
     merged = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
     merged.update(results)
@@ -1905,16 +1908,31 @@ def save() -> None:
     os.replace(RESULTS + ".part", RESULTS)
 
 
-chosen = [name for name in BUGS if not only or any(o in name for o in only)]
-current = None
-try:
-    for current in chosen:
-        run_one(current)
-        save()  # after every entry: a call cut short keeps what finished
-except KeyboardInterrupt:  # a device call's `timeout -s INT`, or ^C: one line, what finished kept
-    print(
-        f"plant_bugs: interrupted during {current!r}: {len(results)} of {len(chosen)} run, kept in {RESULTS}",
-        file=sys.stderr,
-        flush=True,
-    )
-    sys.exit(130)
+def chosen(only: list[str]) -> list[str]:
+    """The entries whose names hold one of ``only`` (all of them for none), in their order."""
+    return [name for name in BUGS if not only or any(o in name for o in only)]
+
+
+def main() -> int:
+    only = sys.argv[1:]
+    if any(a in ("-h", "--help") for a in only):
+        print(__doc__.strip())
+        print("\nentries:\n  " + "\n  ".join(BUGS))
+        return 0
+    names, results, current = chosen(only), {}, None
+    try:
+        for current in names:
+            run_one(current, results)
+            save(results)  # after every entry: a call cut short keeps what finished
+    except KeyboardInterrupt:  # a device call's `timeout -s INT`, or ^C: one line, what finished kept
+        print(
+            f"plant_bugs: interrupted during {current!r}: {len(results)} of {len(names)} run, kept in {RESULTS}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
+    return 0
+
+
+if __name__ == "__main__":  # importable: BUGS and chosen() for the GPU suite's record
+    sys.exit(main())

@@ -84,3 +84,20 @@ def test_nameless_entries_of_an_interrupted_run_are_not_counted_as_passed(tmp_pa
     (tmp_path / "run1.xml").write_text(xml)
     counts = record.parse_junit(str(tmp_path / "run1.xml"))
     assert (counts["passed"], counts["skipped"], counts["failed"], counts["errors"]) == (1, 1, 0, 0)
+
+
+def test_planted_bugs_a_call_never_ran_are_named(tmp_path: Path, monkeypatch) -> None:
+    """A call whose budget ended during the planted GPU bugs (its JSON holds those that finished, written one by one)
+    names every other ``GPU:`` entry of scripts/plant_bugs.py as not reached, in the JSON and the markdown."""
+    gpu = record.planted_names("GPU:")
+    assert len(gpu) > 3 and all("GPU:" in n for n in gpu)
+    planted = tmp_path / "planted.json"
+    planted.write_text(json.dumps({gpu[0]: {"exit": 1, "summary": "1 failed", "failed": ["t"]}}))
+    monkeypatch.setattr(
+        sys, "argv", ["gpu_tests_record", str(tmp_path), "cmd", "--planted", str(planted), "--planted_filter", "GPU:"]
+    )
+    record.main()
+    rec = json.loads(next(tmp_path.glob("gpu_tests_*.json")).read_text())
+    assert rec["planted_not_reached"] == gpu[1:]
+    md = next(tmp_path.glob("gpu_tests_*.md")).read_text()
+    assert f"- {gpu[0]}: exit 1, 1 failed" in md and f"- {gpu[-1]}: not reached" in md
