@@ -59,6 +59,7 @@ run_suite() {  # $1 = run name, $2 = seconds allowed (at least 30)
 }
 
 PLANT_SHARE=$([ "${GPU_TESTS_PLANT:-1}" = 0 ] && echo 0 || echo 100)
+PLANT_FILTER="GPU:"  # the planted bugs this suite runs (scripts/plant_bugs.py entries whose names hold it)
 RUN1_ALLOWED=$(( BUDGET - PLANT_SHARE - $(elapsed) - 15 ))
 # the whole suite took 164-200 s on 12 workers of an H100 host (results/gpu_tests): say so before a run it cannot finish
 [ "$RUN1_ALLOWED" -lt 220 ] && echo "warning: GPU_TESTS_BUDGET=$BUDGET leaves run 1 ${RUN1_ALLOWED} s; the whole suite" \
@@ -68,7 +69,7 @@ if [ "$PLANT_SHARE" != 0 ]; then
   LEFT=$(( BUDGET - $(elapsed) - 15 ))
   LEFT=$(( LEFT > 30 ? LEFT : 30 ))
   LRAGENT_PLANTED_RESULTS="$OUTDIR/planted_bugs_gpu.json" timeout -s INT -k 20 "$LEFT" \
-    "$PY" scripts/plant_bugs.py "GPU:" 2>&1 | tee "$OUTDIR/planted_bugs.log"
+    "$PY" scripts/plant_bugs.py "$PLANT_FILTER" 2>&1 | tee "$OUTDIR/planted_bugs.log"
 fi
 RUN1=$(cat "$OUTDIR/run1.seconds")
 LEFT=$(( BUDGET - $(elapsed) - 15 ))
@@ -78,7 +79,7 @@ else
   echo "run2 skipped: ${LEFT}s left, run1 took ${RUN1}s"
 fi
 PLANTED_FILTER=()  # the planted bugs the call never reached are named when they were meant to run
-[ "$PLANT_SHARE" != 0 ] && PLANTED_FILTER=(--planted_filter "GPU:")
+[ "$PLANT_SHARE" != 0 ] && PLANTED_FILTER=(--planted_filter "$PLANT_FILTER")
 "$PY" scripts/gpu_tests_record.py "$OUTDIR" "$CMD" --planted "$OUTDIR/planted_bugs_gpu.json" "${PLANTED_FILTER[@]}" \
   --collected "$OUTDIR/collected.txt"
 (cd "$OUTDIR" && tar czf logs.tar.gz --remove-files run* collected.txt source.sha256 env.txt gpu.txt device_model.log \
