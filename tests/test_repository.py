@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1_000_000
@@ -57,12 +58,8 @@ def test_readme_is_short_and_links_every_docs_page() -> None:
 def test_every_planted_bug_names_text_its_file_holds_once() -> None:
     """scripts/plant_bugs.py plants each bug by replacing text that occurs exactly once in its file; an entry whose
     text the code no longer holds would stop the script midway (and guard nothing): it must be moved with the code."""
-    src = (ROOT / "scripts" / "plant_bugs.py").read_text()
-    start = src.index("BUGS = {")
-    namespace: dict = {}
-    exec(src[start : src.index("\n}\n", start) + 3], namespace)  # the BUGS literal alone: the script runs on import
     stale = []
-    for name, (path, old, _new, _tests) in namespace["BUGS"].items():
+    for name, (path, old, _new, _tests) in load_script("plant_bugs").BUGS.items():
         text = (ROOT / path).read_text()
         stale += [(name, text.count(o)) for o in (old if isinstance(old, tuple) else (old,)) if text.count(o) != 1]
     assert not stale, stale
