@@ -392,10 +392,8 @@ class MultiLoraModule(LightningModule):
         self.lora_model.decoder.gradient_checkpointing = bool(self.hparams.get("gradient_checkpointing", False))
         if self._trainer is not None:  # a mixed-precision fit: frozen linears in autocast's dtype (lragent.frozen_cast)
             from lragent.frozen_cast import cast_frozen_linears, frozen_cast_dtype
-            from lragent.models import parse_dtype
 
-            base = parse_dtype(self.hparams.get("model_dtype") or "float32")
-            cast = frozen_cast_dtype(self.trainer.precision, type(self.trainer.strategy).__name__, base)
+            cast = frozen_cast_dtype(self.trainer.precision, type(self.trainer.strategy).__name__, hf_model.dtype)
             if cast is not None:
                 n = cast_frozen_linears(self.lora_model.model, cast)
                 log.info("%d frozen linear layers stored in %s, as %s's autocast casts them", n, cast,
