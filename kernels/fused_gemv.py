@@ -105,12 +105,95 @@ of nine at 4-32 rows (the best had 32 or 128 outputs per program, by GEMV), and 
 there (the module doc)."""
 
 
-def default_config(rows: int, norm: bool) -> GemvConfig:
-    """The launch a call takes without one: one row, the measured :data:`NORM_CONFIG` (a norm GEMV) or
-    :data:`DEFAULT_CONFIG`; several rows, :data:`ROWS_CONFIG`."""
+@dataclass(frozen=True)
+class DeviceLaunches:
+    """One GPU model's one-row launches, measured on it where the H100's (:data:`NORM_CONFIG`,
+    :data:`DEFAULT_CONFIG`) were not the fastest."""
+
+    norm_wide: GemvConfig
+    """A norm GEMV of at least :data:`WIDE_PROGRAMS_PER_SM` programs an SM under :data:`NORM_CONFIG` (the 8B
+    gate/up: 1,792 programs on 132 SMs)."""
+    norm: GemvConfig
+    """The other norm GEMVs (the 8B q/k/v: 385 programs, under half a wave)."""
+    plain: GemvConfig
+    """The plain and SiLU·mul GEMVs (o, down)."""
+
+
+WIDE_PROGRAMS_PER_SM = 8
+"""Where a norm GEMV counts as wide (:attr:`DeviceLaunches.norm_wide`). With many programs an SM, smaller tiles at
+four warps keep more of them resident; with few, each program must keep more bytes in flight (wide K blocks, eight
+warps): on an H200 the gate/up launch below is 6% faster than :data:`NORM_CONFIG` and the q/k/v one 23% slower."""
+
+DEVICE_LAUNCHES: dict[str, DeviceLaunches] = {
+    "H200": DeviceLaunches(
+        norm_wide=GemvConfig(block_n=16, block_k=256, num_warps=4, deferred=1),
+        norm=NORM_CONFIG,
+        plain=GemvConfig(block_n=4, block_k=512, num_warps=4, deferred=1),
+    ),
+}
+"""Measured one-row launches by GPU model (a substring of the CUDA device's name), each the fastest of 24 in two
+sweeps of ``python -m eval_suite.bench_fused_gemv --rows [1]`` at the 8B shapes, weights read from DRAM
+(``results/engine_h200/gemv_launches_2026-11-29``): on an H200 gate/up 57.96 µs against 61.70 for
+:data:`NORM_CONFIG` (cuBLAS 56.13, unfused 58.05), down 31.56 against 32.14, o 10.03 against 10.05; q/k/v keeps
+:data:`NORM_CONFIG` (15.81, the fastest). A GPU not named here takes the H100's launches. ``LRAGENT_GEMV_TABLE=0``
+ignores the table (to time the two side by side)."""
+
+TABLE_ENV = "LRAGENT_GEMV_TABLE"
+
+
+def gemv_table_setting(value: str | None = None) -> bool:
+    """``LRAGENT_GEMV_TABLE`` (or ``value``): unset, empty or ``1``: the measured launches of
+    :data:`DEVICE_LAUNCHES` where the GPU is named there; ``0``: the H100's everywhere.
+
+    Raises:
+        ValueError: any other value, named with what is allowed.
+    """
+    import os
+
+    raw = (os.environ.get(TABLE_ENV, "") if value is None else value).strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{TABLE_ENV}={raw!r}: expected 1 (the GPU's measured GEMV launches, the default) or 0")
+    return raw != "0"
+
+
+def gemv_table_switch(value: str | None = None) -> int:
+    """:func:`gemv_table_setting` as ``bench decode --plans`` records it: 1 on, 0 off."""
+    return int(gemv_table_setting(value))
+
+
+def device_launches(device_name: str) -> DeviceLaunches | None:
+    """The measured launches of the GPU model ``device_name`` names (``"NVIDIA H200"``), or None."""
+    return next((launches for key, launches in DEVICE_LAUNCHES.items() if key in device_name), None)
+
+
+def default_config(rows: int, norm: bool, n_out: int = 0, device_name: str = "", sms: int = 0) -> GemvConfig:
+    """The launch a call takes without one: several rows, :data:`ROWS_CONFIG`; one row, the launch measured on
+    the GPU model ``device_name`` (:data:`DEVICE_LAUNCHES`; a norm GEMV of ``n_out`` outputs is wide when
+    :data:`NORM_CONFIG` would give it at least :data:`WIDE_PROGRAMS_PER_SM` programs on each of ``sms`` SMs), or else
+    :data:`NORM_CONFIG` (a norm GEMV) or :data:`DEFAULT_CONFIG`."""
     if rows > 1:
         return ROWS_CONFIG
-    return NORM_CONFIG if norm else DEFAULT_CONFIG
+    launches = device_launches(device_name) if device_name and gemv_table_setting() else None
+    if launches is None:
+        return NORM_CONFIG if norm else DEFAULT_CONFIG
+    if not norm:
+        return launches.plain
+    wide = sms > 0 and -(-n_out // NORM_CONFIG.block_n) >= WIDE_PROGRAMS_PER_SM * sms
+    return launches.norm_wide if wide else launches.norm
+
+
+_DEVICE_FACTS: dict[int, tuple[str, int]] = {}
+
+
+def _device_facts(t: Tensor) -> tuple[str, int]:
+    """``(name, SM count)`` of ``t``'s CUDA device, read once per device (``("", 0)`` off CUDA: the interpreter)."""
+    if not t.is_cuda:
+        return "", 0
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _DEVICE_FACTS:
+        props = torch.cuda.get_device_properties(index)
+        _DEVICE_FACTS[index] = (props.name, props.multi_processor_count)
+    return _DEVICE_FACTS[index]
 
 
 if triton is not None:
@@ -332,7 +415,7 @@ def rms_norm_linear(
     xc = x.contiguous()
     n_in, n_out = xc.shape[-1], weight.shape[0]
     rows = xc.numel() // n_in
-    config = config or default_config(rows, norm=True)
+    config = config or default_config(rows, True, n_out, *_device_facts(xc))
     y = torch.empty(*xc.shape[:-1], n_out, dtype=xc.dtype, device=xc.device)
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
@@ -396,7 +479,7 @@ def _launch_gemv(
     g2 = g.reshape(-1, n_in)
     u2 = g2 if up is None else up.reshape(-1, n_in)
     rows = g2.shape[0]
-    config = config or default_config(rows, norm=False)
+    config = config or default_config(rows, False, n_out, *_device_facts(g2))
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
     launch = _launch_args(config, rows, pdl_launch(g2))

@@ -107,6 +107,10 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     assert split_plan("pdl=0") == ("", {"pdl": 0}) and split_plan("pdl=1,num_warps=4") == ("num_warps=4", {"pdl": 1})
     with pytest.raises(ValueError, match=r"LRAGENT_PDL='2': expected 1 .* or 0"):
         split_plan("pdl=2")
+    # the GEMVs' measured launches by GPU model: on or off, a bad value named
+    assert split_plan("gemv_table=0,pdl=1") == ("", {"gemv_table": 0, "pdl": 1})
+    with pytest.raises(ValueError, match=r"LRAGENT_GEMV_TABLE='on': expected 1 .* or 0"):
+        split_plan("gemv_table=on")
     monkeypatch.setenv("LRAGENT_FUSED_GEMV", "all")  # a bad switch in the environment: named before anything loads
     with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='all': allowed 0 \(off\) to 32"):
         decode(plans=["num_warps=4"], out="/nonexistent/never_written")

@@ -67,6 +67,14 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
         _close(rms_norm_linear(x, norm_w, EPS, w, res, config=deferred)[0], normed, w)
         _close(silu_mul_linear(gate, up, w, residual=res_out, config=deferred), silu_mul_reference(gate, up), w,
                add=res_out)  # fmt: skip
+        if rows == 1:  # every launch measured for a GPU model (kernels.fused_gemv.DEVICE_LAUNCHES), all three kernels
+            from kernels.fused_gemv import DEVICE_LAUNCHES
+
+            for launch in {c for table in DEVICE_LAUNCHES.values() for c in vars(table).values()}:
+                _close(gemv(x, w, config=launch), x, w)
+                _close(rms_norm_linear(x, norm_w, EPS, w, res, config=launch)[0], normed, w)
+                _close(silu_mul_linear(gate, up, w, residual=res_out, config=launch), silu_mul_reference(gate, up),
+                       w, add=res_out)  # fmt: skip
     # a batch past MAX_ROWS (and a (B, T, K) input) goes the unfused way: the same as norm then linear
     x = rand(2, MAX_ROWS, k)
     y, _ = rms_norm_linear(x, norm_w, EPS, w)
@@ -108,7 +116,7 @@ def test_a_bad_launch_config_is_named(spec, message):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("k", "n"), [(4096, 6160), (14336, 4096), (576, 1539)])
+@pytest.mark.parametrize(("k", "n"), [(4096, 6160), (14336, 4096), (576, 1539), (4096, 28672)])
 def test_fused_gemv_cuda(dtype, k, n):
     _check_all("cuda", dtype, k=k, n=n)
 
@@ -169,6 +177,80 @@ def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_
 def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_on_a_gpu():
     """The same on a GPU, decode steps captured and replayed as CUDA graphs."""
     _engine_check("cuda")
+
+
+def test_each_gpu_model_takes_its_measured_launches(monkeypatch):
+    """One row on a GPU model of ``DEVICE_LAUNCHES`` takes its launches (a norm GEMV with at least 8 programs an SM
+    under NORM_CONFIG its wide one, the plain and SiLU·mul GEMVs theirs); any other GPU, the interpreter and
+    ``LRAGENT_GEMV_TABLE=0`` take the H100's; several rows ROWS_CONFIG everywhere; a bad switch value is named."""
+    from kernels.fused_gemv import (
+        DEFAULT_CONFIG,
+        DEVICE_LAUNCHES,
+        NORM_CONFIG,
+        ROWS_CONFIG,
+        TABLE_ENV,
+        default_config,
+        gemv_table_setting,
+    )
+
+    monkeypatch.delenv(TABLE_ENV, raising=False)
+    h200 = DEVICE_LAUNCHES["H200"]
+    assert h200.norm_wide != NORM_CONFIG and h200.plain != DEFAULT_CONFIG  # else the cases below prove nothing
+    edge = 8 * 132 * NORM_CONFIG.block_n  # 16,896 outputs: 1,056 programs of 16 on 132 SMs
+    assert default_config(1, True, 28672, "NVIDIA H200", 132) == h200.norm_wide  # the 8B gate/up
+    assert default_config(1, True, edge, "NVIDIA H200", 132) == h200.norm_wide
+    assert default_config(1, True, edge - NORM_CONFIG.block_n, "NVIDIA H200", 132) == h200.norm  # one program short
+    assert default_config(1, True, 6160, "NVIDIA H200", 132) == h200.norm == NORM_CONFIG  # the 8B q/k/v
+    assert default_config(1, True, 28672, "NVIDIA H200", 264) == h200.norm  # twice the SMs: no longer wide
+    assert default_config(1, False, 4096, "NVIDIA H200 NVL", 132) == h200.plain
+    for name, sms in (("NVIDIA H100 80GB HBM3", 132), ("", 0)):  # another GPU; the interpreter
+        assert default_config(1, True, 28672, name, sms) == NORM_CONFIG
+        assert default_config(1, False, 4096, name, sms) == DEFAULT_CONFIG
+    for rows in (2, 32):
+        assert default_config(rows, True, 28672, "NVIDIA H200", 132) == ROWS_CONFIG
+        assert default_config(rows, False, 4096, "NVIDIA H200", 132) == ROWS_CONFIG
+    monkeypatch.setenv(TABLE_ENV, "0")
+    assert default_config(1, True, 28672, "NVIDIA H200", 132) == NORM_CONFIG
+    assert default_config(1, False, 4096, "NVIDIA H200", 132) == DEFAULT_CONFIG
+    monkeypatch.setenv(TABLE_ENV, "1")
+    assert default_config(1, False, 4096, "NVIDIA H200", 132) == h200.plain
+    for bad in ("yes", "2", "off"):
+        with pytest.raises(ValueError, match=rf"LRAGENT_GEMV_TABLE='{bad}': expected 1 .* or 0"):
+            gemv_table_setting(bad)
+
+
+def _table_reaches_the_launch() -> list[tuple[str, int, int, int]]:
+    """Under the interpreter, with the device faked as an H200 of 132 SMs: the (kernel, BLOCK_N, BLOCK_K, warps) each
+    one-row call launches with no config given (a wide and a narrow norm GEMV, the plain and SiLU·mul GEMVs)."""
+    import kernels.fused_gemv as fg
+
+    seen = []
+    raw = fg._launch_args
+
+    def spy(config, rows, pdl):
+        args = raw(config, rows, pdl)
+        seen.append((args["BLOCK_N"], args["BLOCK_K"], args["num_warps"]))
+        return args
+
+    fg._launch_args, fg._device_facts = spy, lambda t: ("NVIDIA H200", 132)
+    x, k = torch.randn(1, 64, dtype=torch.float16), 64
+    for n in (16896, 40):
+        fg.rms_norm_linear(x, torch.ones(k, dtype=x.dtype), EPS, torch.randn(n, k, dtype=x.dtype))
+    w = torch.randn(40, k, dtype=x.dtype)
+    fg.gemv(x, w)
+    fg.silu_mul_linear(x, x, w)
+    return seen
+
+
+def test_the_measured_launch_is_what_a_call_without_config_takes():
+    """rms_norm_linear, gemv and silu_mul_linear read the device's name and SM count and take its table's launch (the
+    selection itself is pinned above; this pins that the calls ask it with their output count and device)."""
+    from kernels.fused_gemv import DEVICE_LAUNCHES
+
+    h200 = DEVICE_LAUNCHES["H200"]
+    out = run_under_interpreter("import tests.test_fused_gemv as t; print(t._table_reaches_the_launch())")
+    expect = [(c.block_n, c.block_k, c.num_warps) for c in (h200.norm_wide, h200.norm, h200.plain, h200.plain)]
+    assert out.strip() == str(expect)
 
 
 def test_the_switch_names_the_most_rows_of_a_fused_step(monkeypatch):
