@@ -59,6 +59,36 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torc
     return u.clamp_max(1.0 - 2.0**-24)
 
 
+ARGMAX_CHUNKS = 64
+"""The chunks :func:`first_argmax` splits a row into: one reduction over the chunks in parallel, then one over their
+maxima. On an H200 ``torch.argmax`` of one 128,256-token row took 29 µs of a 4.6 ms 8B decode step (one thread
+block reduces the whole row)."""
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a ``(B, V)`` tensor, the first index of each row's largest value (a NaN counts as the
+    largest, as in ``argmax``), in two reductions: each of :data:`ARGMAX_CHUNKS` chunks of the row (the largest power
+    of two up to it that divides V) gives its largest value and that value's first index, then the first chunk holding
+    the row's largest value gives the answer. Fewer than 8 chunks: ``argmax`` itself.
+
+    Args:
+        x: ``(B, V)``.
+
+    Returns:
+        ``(B,)`` int64.
+    """
+    b, v = x.shape
+    chunks = ARGMAX_CHUNKS
+    while chunks > 1 and v % chunks:
+        chunks //= 2
+    if chunks < 8:
+        return x.argmax(-1)
+    width = v // chunks
+    values, within = x.reshape(b, chunks, width).max(-1)
+    best = values.argmax(-1, keepdim=True)  # (B, 1): the first chunk holding the row's largest value
+    return (best * width + within.gather(1, best))[:, 0]
+
+
 def sample_next(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -80,7 +110,7 @@ def sample_next(
     Returns:
         ``(B,)`` int64 token ids.
     """
-    greedy = logits.argmax(-1)
+    greedy = first_argmax(logits)
     if not sampling:
         return greedy
     logits = logits.float()
@@ -91,7 +121,7 @@ def sample_next(
     keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, logits.shape[-1])))
-    drawn = torch.where(keep, scaled + gumbel, torch.full_like(scaled, float("-inf"))).argmax(-1)
+    drawn = first_argmax(torch.where(keep, scaled + gumbel, torch.full_like(scaled, float("-inf"))))
     return torch.where(temperature > 0, drawn, greedy)
 
 

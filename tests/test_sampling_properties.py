@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lragent.sampling import _shr, _splitmix64, check_sampling, sample_next, uniform_noise
+from lragent.sampling import _shr, _splitmix64, check_sampling, first_argmax, sample_next, uniform_noise
 
 MASK = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -188,6 +188,39 @@ def test_sampling_false_is_the_row_wise_arg_max() -> None:
     got = sample_next(logits, zero, torch.ones(3), torch.arange(3), torch.zeros(3).long(), sampling=False)
     assert got.tolist() == [1, 0, 2]
     assert got.tolist() == sample_next(logits, zero, torch.ones(3), torch.arange(3), torch.zeros(3).long()).tolist()
+
+
+def _check_first_argmax(device: str) -> None:
+    """first_argmax is argmax, index for index: random rows, ties across and within chunks, a row of -inf, NaNs (the
+    first one counts as the largest), +inf twice; vocabularies of LLaMA-3 (128,256), Qwen2.5 (151,936), SmolLM2
+    (49,152), one that splits into 8 chunks (1,000) and one into fewer (37: argmax itself)."""
+    g = torch.Generator().manual_seed(0)
+    for v in (128256, 151936, 49152, 1000, 37):
+        for x in (
+            torch.randn(5, v, generator=g),
+            torch.randint(0, 3, (5, v), generator=g).float(),  # many ties for the largest value
+            torch.full((2, v), float("-inf")),
+        ):
+            x = x.to(device)
+            assert torch.equal(first_argmax(x), x.argmax(-1)), (v, x[:, :4])
+        x = torch.randn(4, v, generator=g)
+        x[0, v // 2], x[0, v - 1], x[1, 3] = math.nan, math.nan, math.nan
+        x[2, -2:] = math.inf
+        x = x.to(device)
+        assert first_argmax(x).tolist() == x.argmax(-1).tolist() == [v // 2, 3, v - 2, x[3].argmax().item()]
+    # a tie between two chunks' largest values goes to the first chunk, wherever the chunk's own index falls
+    x = torch.zeros(1, 128256, device=device)
+    x[0, 2004 + 7], x[0, 5 * 2004 + 1] = 3.0, 3.0
+    assert first_argmax(x).item() == 2004 + 7
+
+
+def test_first_argmax_is_argmax() -> None:
+    _check_first_argmax("cpu")
+
+
+@pytest.mark.gpu
+def test_first_argmax_is_argmax_on_a_gpu() -> None:
+    _check_first_argmax("cuda")
 
 
 def test_sampling_defaults_to_true() -> None:
