@@ -1870,6 +1870,54 @@ BUGS = {
         "",
         "tests/test_memory_and_cli.py -k answer-text-hotpotqa",
     ),
+    "GEMV launch table: the wide test inverted (gate/up takes the narrow launch, q/k/v the wide one)": (
+        "kernels/fused_gemv.py",
+        "    wide = sms > 0 and -(-n_out // NORM_CONFIG.block_n) >= WIDE_PROGRAMS_PER_SM * sms",
+        "    wide = sms > 0 and -(-n_out // NORM_CONFIG.block_n) < WIDE_PROGRAMS_PER_SM * sms",
+        "tests/test_fused_gemv.py",
+    ),
+    "GEMV launch table: the norm GEMV's call never passes its device (the table never reached)": (
+        "kernels/fused_gemv.py",
+        "    config = config or default_config(rows, True, n_out, *_device_facts(xc))",
+        "    config = config or default_config(rows, True, n_out)",
+        "tests/test_fused_gemv.py",
+    ),
+    "GEMV launch table: LRAGENT_GEMV_TABLE=0 ignored": (
+        "kernels/fused_gemv.py",
+        "    launches = device_launches(device_name) if device_name and gemv_table_setting() else None",
+        "    launches = device_launches(device_name) if device_name else None",
+        "tests/test_fused_gemv.py",
+    ),
+    "GEMV launch table: the plain and SiLU·mul GEMVs take the norm launch": (
+        "kernels/fused_gemv.py",
+        "        return launches.plain",
+        "        return launches.norm",
+        "tests/test_fused_gemv.py",
+    ),
+    "GEMV launch table: bench decode's gemv_table switch not an engine switch (taken as an attention knob)": (
+        "eval_suite/bench_decode.py",
+        '    "gemv_table": ("LRAGENT_GEMV_TABLE", "kernels.fused_gemv:gemv_table_switch", "gemv_table"),\n',
+        "",
+        "tests/test_decode_floor.py",
+    ),
+    "first_argmax: the winning chunk's offset taken as chunk × chunk count": (
+        "lragent/sampling.py",
+        "    return (best * width + within.gather(1, best))[:, 0]",
+        "    return (best * chunks + within.gather(1, best))[:, 0]",
+        "tests/test_sampling_properties.py -k first_argmax",
+    ),
+    "first_argmax: 64 chunks whether or not they divide the vocabulary": (
+        "lragent/sampling.py",
+        "    while chunks > 1 and v % chunks:\n        chunks //= 2\n",
+        "",
+        "tests/test_sampling_properties.py -k first_argmax",
+    ),
+    "first_argmax: NaN dropped before the chunk maxima": (
+        "lragent/sampling.py",
+        "    values, within = x.reshape(b, chunks, width).max(-1)",
+        '    values, within = torch.nan_to_num(x, nan=float("-inf")).reshape(b, chunks, width).max(-1)',
+        "tests/test_sampling_properties.py -k first_argmax",
+    ),
 }
 
 
