@@ -139,7 +139,8 @@ def kernel_class(name: str) -> str:
         return "GEMV/GEMM (base, LoRA and LM head)"
     if any(k in n for k in ("rms_norm", "rope_store", "silu_mul")):
         return "norms/RoPE/SiLU"
-    if any(k in n for k in ("sort", "scan", "cumsum", "argmax", "softmax")):
+    # "maxops": the chunk maxima of lragent.sampling.first_argmax (the step's only max reduction: the norms are Triton)
+    if any(k in n for k in ("sort", "scan", "cumsum", "argmax", "maxops", "softmax")):
         return "sampling"
     return "other (embedding, adds, bookkeeping)"
 

@@ -37,6 +37,13 @@ def test_kernel_names_map_to_classes():
     assert P.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMV/GEMM (base, LoRA and LM head)"
     assert P.kernel_class("void gemv2T_kernel_val<int, int, __nv_bfloat16>") == "GEMV/GEMM (base, LoRA and LM head)"
     assert P.kernel_class("void at::native::bitonicSortKVInPlace<...>") == "sampling"
+    # first_argmax's two reductions (the chunk maxima, then the arg-max over them)
+    assert P.kernel_class(
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<f"
+    ) == ("sampling")
+    assert P.kernel_class(
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<f"
+    ) == ("sampling")
     assert P.kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == (
         "other (embedding, adds, bookkeeping)"
     )
