@@ -110,13 +110,19 @@ def test_only_where_autocast_would_cast() -> None:
 
 
 def _fit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switch: str, precision: str, accelerator: str = "cpu"
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    switch: str,
+    precision: str,
+    accelerator: str = "cpu",
+    run: str = "",
+    dropout: float = 0.0,
 ) -> tuple[list, dict, object]:
     monkeypatch.setenv(SWITCH_ENV, switch)
     torch.manual_seed(0)
-    m = module(val_schemes=None)  # validation through both shared-cache schemes too
-    t = trainer(tmp_path / switch / precision, [], max_epochs=1, max_steps=3, precision=precision, limit_val_batches=2,
-                accelerator=accelerator)  # fmt: skip
+    m = module(val_schemes=None, dropout=dropout)  # validation through both shared-cache schemes too
+    t = trainer(tmp_path / switch / precision / run, [], max_epochs=1, max_steps=3, precision=precision,
+                limit_val_batches=2, accelerator=accelerator)  # fmt: skip
     t.fit(m, datamodule=data(tmp_path))
     metrics = {k: v.clone() for k, v in t.callback_metrics.items()}
     return [p.detach().clone() for p in m.lora_model.lora_parameters()], metrics, m
@@ -139,13 +145,16 @@ def test_a_bf16_mixed_fit_trains_the_same_adapters_with_the_weights_cast(tmp_pat
 
 
 @pytest.mark.gpu
-def test_a_bf16_mixed_fit_on_a_gpu_trains_the_same_adapters_with_the_weights_cast(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("dropout", [0.0, 0.05])  # 0.05: the embedded configs' LoRA dropout
+def test_a_bf16_mixed_fit_on_a_gpu_trains_the_same_adapters_with_the_weights_cast(
+    tmp_path: Path, monkeypatch, dropout: float
+) -> None:
     """The CPU fit above on one GPU: adapters, train loss and every validation metric bit for bit with the switch on
     and off (a one-GPU fit of the embedded model differed by up to 0.003 in val loss between the two on 2026-11-29:
     nondeterminism or the cast, which this pins apart)."""
-    on, m_on, mod_on = _fit(tmp_path, monkeypatch, "1", "bf16-mixed", "gpu")
-    off, m_off, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu")
-    again, m_again, _ = _fit(tmp_path / "again", monkeypatch, "0", "bf16-mixed", "gpu")
+    on, m_on, mod_on = _fit(tmp_path, monkeypatch, "1", "bf16-mixed", "gpu", dropout=dropout)
+    off, m_off, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", dropout=dropout)
+    again, m_again, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", run="again", dropout=dropout)
     assert mod_on.lora_model.model.model.layers[0].self_attn.k_proj.weight.dtype == torch.bfloat16
     deterministic = all(torch.equal(a, b) for a, b in zip(off, again, strict=True))
     same = [torch.equal(a, b) for a, b in zip(on, off, strict=True)]
