@@ -162,8 +162,12 @@ def gemv_table_switch(value: str | None = None) -> int:
 
 
 def device_launches(device_name: str) -> DeviceLaunches | None:
-    """The measured launches of the GPU model ``device_name`` names (``"NVIDIA H200"``), or None."""
-    return next((launches for key, launches in DEVICE_LAUNCHES.items() if key in device_name), None)
+    """The measured launches of the GPU model ``device_name`` names (``"NVIDIA H200"``, ``"NVIDIA H200 NVL"``), or
+    None. The key must be a whole word of the name: a GH200 (another memory system) is not an H200."""
+    import re
+
+    words = set(re.split(r"[\s_-]+", device_name))
+    return next((launches for key, launches in DEVICE_LAUNCHES.items() if key in words), None)
 
 
 def default_config(rows: int, norm: bool, n_out: int = 0, device_name: str = "", sms: int = 0) -> GemvConfig:

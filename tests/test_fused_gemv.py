@@ -203,7 +203,7 @@ def test_each_gpu_model_takes_its_measured_launches(monkeypatch):
     assert default_config(1, True, 6160, "NVIDIA H200", 132) == h200.norm == NORM_CONFIG  # the 8B q/k/v
     assert default_config(1, True, 28672, "NVIDIA H200", 264) == h200.norm  # twice the SMs: no longer wide
     assert default_config(1, False, 4096, "NVIDIA H200 NVL", 132) == h200.plain
-    for name, sms in (("NVIDIA H100 80GB HBM3", 132), ("", 0)):  # another GPU; the interpreter
+    for name, sms in (("NVIDIA H100 80GB HBM3", 132), ("NVIDIA GH200 480GB", 132), ("", 0)):  # others; the interpreter
         assert default_config(1, True, 28672, name, sms) == NORM_CONFIG
         assert default_config(1, False, 4096, name, sms) == DEFAULT_CONFIG
     for rows in (2, 32):
