@@ -131,8 +131,9 @@ DEVICE_LAUNCHES: dict[str, DeviceLaunches] = {
         plain=GemvConfig(block_n=4, block_k=512, num_warps=4, deferred=1),
     ),
 }
-"""Measured one-row launches by GPU model (a substring of the CUDA device's name), each the fastest of 24 in two
-sweeps of ``python -m eval_suite.bench_fused_gemv --rows [1]`` at the 8B shapes, weights read from DRAM
+"""Measured one-row launches by GPU model (a whole word of the CUDA device's name), each the fastest found in two
+sweeps (24 and 22 launches) of ``python -m eval_suite.bench_fused_gemv --rows [1]`` at the 8B shapes, weights read from
+DRAM
 (``results/engine_h200/gemv_launches_2026-11-29``): on an H200 gate/up 57.96 µs against 61.70 for
 :data:`NORM_CONFIG` (cuBLAS 56.13, unfused 58.05), down 31.56 against 32.14, o 10.03 against 10.05; q/k/v keeps
 :data:`NORM_CONFIG` (15.81, the fastest). A GPU not named here takes the H100's launches. ``LRAGENT_GEMV_TABLE=0``
