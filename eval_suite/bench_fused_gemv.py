@@ -15,6 +15,7 @@ row also records its largest difference to the unfused output (relative to that 
 
     python -m eval_suite.bench_fused_gemv --rows [1,4,16,32] --out bench_out/fused_gemv
     python -m eval_suite.bench_fused_gemv --configs '["block_n=8,block_k=512", "block_n=16,block_k=256,num_warps=8"]'
+    python -m eval_suite.bench_fused_gemv --rows [32] --configs '["block_n=64,block_k=256,num_warps=8,split_k=4"]'
 
 writes ``OUT/fused_gemv.json`` and ``OUT/fused_gemv.md``.
 """
@@ -111,7 +112,8 @@ def bench_fused_gemv(
 
     Args:
         rows: input rows (decode batch) to time (default [1, 4, 16, 32]; at most kernels.fused_gemv.MAX_ROWS).
-        configs: fused launches, each ``"block_n=8,block_k=512[,num_warps=4][,num_stages=3]"`` (default five).
+        configs: fused launches, each ``"block_n=8,block_k=512[,num_warps=4][,num_stages=3][,deferred=1][,split_k=4]"``
+            (default :data:`DEFAULT_CONFIGS`; ``split_k``: programs along K per output block).
         dtype: bfloat16 or float16.
         out: output directory.
 

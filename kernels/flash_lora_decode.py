@@ -51,6 +51,7 @@ from torch import Tensor
 from kernels.device_guard import on_tensor_device
 from kernels.flash_lora_attention import _interpreting, _next_pow2, _num_sms
 from kernels.pdl import pdl_launch
+from kernels.split_workspace import split_workspace
 
 try:
     import triton
@@ -564,26 +565,14 @@ def plan_overrides() -> dict[str, int]:
     return parse_plan(os.environ.get("LRAGENT_DECODE_PLAN", ""))
 
 
-_WORKSPACES: dict[tuple, list] = {}  # key -> [fp32 workspace, int32 counters, counters_need_zeroing]
 _FALLBACK_LOGGED: set[str] = set()
 
 
 def _workspace(device: torch.device, n_programs: int, plan: _DecodePlan, head_dim: int) -> tuple[Tensor, Tensor]:
-    """The cached (workspace, counters) of this shape; allocated on first use only."""
-    key = (device, n_programs, plan.n_splits, plan.rows, head_dim)
-    entry = _WORKSPACES.get(key)
-    if entry is None:
-        slots = n_programs * plan.n_splits * plan.rows
-        ws = torch.empty(slots * (head_dim + 2), dtype=torch.float32, device=device)
-        cnt = torch.zeros(n_programs, dtype=torch.int32, device=device)
-        # Allocated during graph capture, the zeroing is a graph node that runs only on replay: an eager call before
-        # any replay must zero the counters itself.
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        entry = _WORKSPACES[key] = [ws, cnt, capturing]
-    elif entry[2] and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        entry[1].zero_()
-        entry[2] = False
-    return entry[0], entry[1]
+    """The cached (workspace, counters) of this shape (:func:`kernels.split_workspace.split_workspace`)."""
+    slots = n_programs * plan.n_splits * plan.rows
+    key = ("flash_lora_decode", n_programs, plan.n_splits, plan.rows, head_dim)
+    return split_workspace(key, slots * (head_dim + 2), n_programs, device)
 
 
 @on_tensor_device

@@ -34,6 +34,7 @@ from torch import Tensor
 from kernels.device_guard import on_tensor_device
 from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
 from kernels.pdl import pdl_launch
+from kernels.split_workspace import split_workspace
 
 try:
     import triton
@@ -85,6 +86,11 @@ class GemvConfig:
     of reducing every tile across threads (the shuffles then leave the loop; 32 more registers a thread at 16 × 512
     over 8 warps). On an H100 the fastest one-row launch of each 8B GEMV has it (``DEFAULT_CONFIG``,
     ``NORM_CONFIG``)."""
+    split_k: int = 1
+    """Programs along K for each block of outputs (grid dim 1): each sums its share of the K blocks into an fp32
+    partial, and the last of them to finish adds the partials in split order and stores the outputs
+    (:mod:`kernels.split_workspace`; one launch). For GEMVs with few output blocks (N = 4096 at 64 outputs a program
+    is 64 programs on 132 SMs) and several rows; not yet timed on a GPU."""
 
 
 DEFAULT_CONFIG = GemvConfig(deferred=1)
@@ -241,6 +247,40 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _k_range(n_in, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """This program's inputs ``[lo, hi)``: the K blocks shared as evenly as whole blocks allow among the
+        ``SPLIT_K`` programs of grid dim 1 (one program: all of K)."""
+        per = tl.cdiv(tl.cdiv(n_in, BLOCK_K), SPLIT_K) * BLOCK_K
+        lo = tl.program_id(1) * per
+        return lo, tl.minimum(n_in, lo + per)
+
+    @triton.jit
+    def _store_rounded(total, Y, RES, out, m2, HAS_RES: tl.constexpr):
+        """``total`` (fp32, + the residual at ``out`` with ``HAS_RES``) rounded once into ``Y``."""
+        if HAS_RES:
+            total += tl.load(RES + out, mask=m2, other=0.0).to(tl.float32)
+        tl.store(Y + out, total.to(Y.dtype.element_ty), mask=m2)
+
+    @triton.jit
+    def _finish(acc, Y, RES, WS, CNT, out, m2, n_out, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
+                SPLIT_K: tl.constexpr):  # fmt: skip
+        """Stores a program's ``(ROWS, BLOCK_N)`` fp32 products. Split along K: its partial goes to the workspace
+        and the last program of the output block (a ticket on its counter) adds every partial in split order (the
+        same bits whichever finishes last), stores, and zeroes the counter for the next launch or graph replay."""
+        if SPLIT_K == 1:
+            _store_rounded(acc, Y, RES, out, m2, HAS_RES)
+        else:
+            tl.store(WS + tl.program_id(1) * ROWS * n_out + out, acc, mask=m2)
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            done = tl.atomic_add(CNT + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT_K - 1:
+                tl.store(CNT + tl.program_id(0), 0)
+                total = tl.load(WS + out, mask=m2, other=0.0)
+                for s in tl.static_range(1, SPLIT_K):
+                    total += tl.load(WS + s * ROWS * n_out + out, mask=m2, other=0.0)
+                _store_rounded(total, Y, RES, out, m2, HAS_RES)
+
+    @triton.jit
     def _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_K: tl.constexpr):  # fmt: skip
         """``1 / sqrt(mean(h²) + eps)`` of each of the ``ROWS`` rows ``h = X (+ RES)``, ``(ROWS,)``, as
@@ -276,11 +316,12 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_gemv_kernel(
-        X, RES, NW, W, Y, H_OUT, n_rows, n_out, n_in, eps,
+        X, RES, NW, W, Y, H_OUT, WS, CNT, n_rows, n_out, n_in, eps,
         HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        DEFERRED: tl.constexpr, PDL: tl.constexpr,
+        DEFERRED: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """Grid (ceil(N / BLOCK_N),): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS) rows."""
+        """Grid (ceil(N / BLOCK_N), SPLIT_K): outputs [pid·BLOCK_N, +BLOCK_N) of each of the ``n_rows`` (<= ROWS)
+        rows, over the program's share of K (every program takes the norm's statistic over all of K)."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -289,27 +330,30 @@ if triton is not None:
         r_ok = rows < n_rows
         if PDL:  # kernels/pdl.py: the previous kernel's output (x, the residual) is visible past this point
             tl.extra.cuda.gdc_wait()
-        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES, ROWS, BLOCK_K)
+        # the residual sum h is written once, by the first program of the first split
+        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid + tl.program_id(1), HAS_RES, ROWS, BLOCK_K)
         acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
-        for k0 in range(0, n_in, BLOCK_K):
-            k_ok = k0 + ks < n_in
+        lo, hi = _k_range(n_in, BLOCK_K, SPLIT_K)
+        for k0 in range(lo, hi, BLOCK_K):
+            k_ok = k0 + ks < hi
             xin = _normed_input(X, RES, NW, rows, r_ok, n_in, inv, k0, ks, k_ok, HAS_RES)
             acc, acc2 = _tile_step(W, offs_n, n_ok, k0 + ks, k_ok, n_in, xin, acc, acc2, ROWS, DEFERRED)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         acc = _summed(acc, acc2, DEFERRED)
         out = rows[:, None] * n_out + offs_n[None, :]
-        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+        _finish(acc, Y, Y, WS, CNT, out, r_ok[:, None] & n_ok[None, :], n_out, False, ROWS, SPLIT_K)
 
     @triton.jit
     def _gemv_kernel(
-        G, U, W, RES, Y, n_rows, n_out, n_in, stride_g, stride_u,
+        G, U, W, RES, Y, WS, CNT, n_rows, n_out, n_in, stride_g, stride_u,
         SILU: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-        DEFERRED: tl.constexpr, PDL: tl.constexpr,
+        DEFERRED: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """Grid (ceil(N / BLOCK_N),): y = x @ Wᵀ (+ res, added before the one rounding, as addmm) for outputs
-        [pid·BLOCK_N, +BLOCK_N) of each row, where x = silu(g) * u with ``SILU``, else g."""
+        """Grid (ceil(N / BLOCK_N), SPLIT_K): y = x @ Wᵀ (+ res, added before the one rounding, as addmm) for outputs
+        [pid·BLOCK_N, +BLOCK_N) of each row, over the program's share of K, where x = silu(g) * u with ``SILU``,
+        else g."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_out
@@ -320,8 +364,9 @@ if triton is not None:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K] if DEFERRED else [1, 1], dtype=tl.float32)
         if PDL:  # kernels/pdl.py: the previous kernel's output (input rows, residual) is visible past this point
             tl.extra.cuda.gdc_wait()
-        for k0 in range(0, n_in, BLOCK_K):
-            k_ok = k0 + ks < n_in
+        lo, hi = _k_range(n_in, BLOCK_K, SPLIT_K)
+        for k0 in range(lo, hi, BLOCK_K):
+            k_ok = k0 + ks < hi
             m2 = r_ok[:, None] & k_ok[None, :]
             g = tl.load(G + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=m2, other=0.0)
             if SILU:
@@ -336,9 +381,7 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         acc = _summed(acc, acc2, DEFERRED)
         out = rows[:, None] * n_out + offs_n[None, :]
-        if HAS_RES:
-            acc += tl.load(RES + out, mask=r_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
+        _finish(acc, Y, RES, WS, CNT, out, r_ok[:, None] & n_ok[None, :], n_out, HAS_RES, ROWS, SPLIT_K)
 
 
 DOT_ROWS = 16
@@ -378,6 +421,19 @@ def _launch_args(config: GemvConfig, rows: int, pdl: dict[str, bool]) -> dict:
         DEFERRED=bool(config.deferred) and rows == 1, num_warps=config.num_warps, num_stages=config.num_stages,
         **pdl,
     )  # fmt: skip
+
+
+def _split_buffers(config: GemvConfig, launch: dict, n_in: int, n_out: int, y: Tensor) -> tuple[int, Tensor, Tensor]:
+    """``(SPLIT_K, workspace, counters)`` of a launch: the config's split, at most one split per K block; above one,
+    the cached fp32 partials ``(SPLIT_K, ROWS, N)`` and one counter per output block
+    (:func:`kernels.split_workspace.split_workspace`), else ``y`` in their place (never read)."""
+    split = max(1, min(config.split_k, triton.cdiv(n_in, launch["BLOCK_K"])))
+    if split == 1:
+        return 1, y, y
+    rows, tiles = launch["ROWS"], triton.cdiv(n_out, launch["BLOCK_N"])
+    ws, cnt = split_workspace(("fused_gemv", split, rows, n_out, launch["BLOCK_N"]), split * rows * n_out, tiles,
+                              y.device)  # fmt: skip
+    return split, ws, cnt
 
 
 def _fusable(x: Tensor, weight: Tensor) -> bool:
@@ -425,8 +481,10 @@ def rms_norm_linear(
     h_out = torch.empty_like(xc) if residual is not None else xc
     res = residual.contiguous() if residual is not None else xc
     launch = _launch_args(config, rows, pdl_launch(xc))
-    _rms_norm_gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
-        xc, res, norm_weight, weight, y, h_out, rows, n_out, n_in, float(eps), HAS_RES=residual is not None, **launch,
+    split, ws, cnt = _split_buffers(config, launch, n_in, n_out, y)
+    _rms_norm_gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]), split)](
+        xc, res, norm_weight, weight, y, h_out, ws, cnt, rows, n_out, n_in, float(eps), HAS_RES=residual is not None,
+        SPLIT_K=split, **launch,
     )  # fmt: skip
     return y, h_out
 
@@ -488,8 +546,9 @@ def _launch_gemv(
     y = torch.empty(*g.shape[:-1], n_out, dtype=g.dtype, device=g.device)
     res = residual.contiguous() if residual is not None else y
     launch = _launch_args(config, rows, pdl_launch(g2))
-    _gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]),)](
-        g2, u2, weight, res, y, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
-        HAS_RES=residual is not None, **launch,
+    split, ws, cnt = _split_buffers(config, launch, n_in, n_out, y)
+    _gemv_kernel[(triton.cdiv(n_out, launch["BLOCK_N"]), split)](
+        g2, u2, weight, res, y, ws, cnt, rows, n_out, n_in, g2.stride(0), u2.stride(0), SILU=up is not None,
+        HAS_RES=residual is not None, SPLIT_K=split, **launch,
     )  # fmt: skip
     return y

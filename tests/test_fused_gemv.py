@@ -67,6 +67,22 @@ def _check_all(device: str, dtype: torch.dtype, k: int, n: int) -> None:
         _close(rms_norm_linear(x, norm_w, EPS, w, res, config=deferred)[0], normed, w)
         _close(silu_mul_linear(gate, up, w, residual=res_out, config=deferred), silu_mul_reference(gate, up), w,
                add=res_out)  # fmt: skip
+        # K split over programs, the last of each output block adding the partials in split order: 600 inputs in
+        # 256-wide blocks over 3 splits (256, 256, 88), in 128-wide blocks over 4 (256, 256, 88 and an empty one);
+        # each call twice, the same bits (the counters back at zero after a launch; the sum's order fixed)
+        for split in (GemvConfig(block_n=16, block_k=256, split_k=3), GemvConfig(block_k=128, deferred=1, split_k=4)):
+            normed, h_ref = rms_norm_reference(x, norm_w, EPS, res)
+            runs = []
+            for _ in range(2):
+                y, h = rms_norm_linear(x, norm_w, EPS, w, res, config=split)
+                assert torch.equal(h, h_ref)  # written once, by the first program of the first split
+                _close(y, normed, w)
+                y_silu = silu_mul_linear(gate, up, w, residual=res_out, config=split)
+                _close(y_silu, silu_mul_reference(gate, up), w, add=res_out)
+                y_plain = gemv(x, w, config=split)
+                _close(y_plain, x, w)
+                runs.append((y, y_silu, y_plain))
+            assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
         if rows == 1:  # every launch measured for a GPU model (kernels.fused_gemv.DEVICE_LAUNCHES), all three kernels
             from kernels.fused_gemv import DEVICE_LAUNCHES
 
@@ -88,6 +104,20 @@ def test_fused_gemv_under_the_interpreter():
     run_under_interpreter("import torch, tests.test_fused_gemv as t; t._check_all('cpu', torch.float16, k=600, n=37)")
 
 
+def test_a_split_workspace_is_cached_per_key_with_zeroed_counters():
+    """One (workspace, counters) pair per key and device, made once; its counters start at zero."""
+    from kernels.split_workspace import split_workspace
+
+    cpu = torch.device("cpu")
+    ws, cnt = split_workspace(("test", 3), 12, 5, cpu)
+    assert ws.dtype == torch.float32 and ws.numel() == 12 and torch.equal(cnt, torch.zeros(5, dtype=torch.int32))
+    cnt.fill_(2)
+    again = split_workspace(("test", 3), 12, 5, cpu)
+    assert again[0] is ws and again[1] is cnt  # the same buffers: the kernels keep the counters at zero themselves
+    other = split_workspace(("test", 4), 12, 5, cpu)
+    assert other[0] is not ws and not other[1].any()
+
+
 def test_without_triton_kernels_the_cpu_path_is_norm_then_linear():
     x, norm_w, w = torch.randn(2, 16), torch.rand(16) + 0.5, torch.randn(5, 16)
     y, h = rms_norm_linear(x, norm_w, EPS, w)
@@ -104,12 +134,14 @@ def test_without_triton_kernels_the_cpu_path_is_norm_then_linear():
         ("block_k=0", "'block_k=0' must be one of"),
         ("warps=4", "'warps=4' must be one of"),
         ("deferred=2", "deferred must be 0 or 1"),
+        ("split_k=0", "'split_k=0' must be one of"),
     ],
 )
 def test_a_bad_launch_config_is_named(spec, message):
     from eval_suite.bench_fused_gemv import parse_config
 
     assert parse_config("block_n=16,num_warps=8") == type(parse_config(""))(block_n=16, num_warps=8)
+    assert parse_config("block_n=64,split_k=4").split_k == 4
     with pytest.raises(ValueError, match=message):
         parse_config(spec)
 
