@@ -1713,10 +1713,10 @@ BUGS = {
     "GPU: PDL wait after the norm GEMV's statistic pass (reads x before the previous kernel wrote it)": (
         "kernels/fused_gemv.py",
         (
-            "        if PDL:  # kernels/pdl.py: the previous kernel's output (x, the residual) is visible past this point\n            tl.extra.cuda.gdc_wait()\n        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES, ROWS, BLOCK_K)",
+            "        if PDL:  # kernels/pdl.py: the previous kernel's output (x, the residual) is visible past this point\n            tl.extra.cuda.gdc_wait()\n        # the residual sum h is written once, by the first program of the first split\n        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid + tl.program_id(1), HAS_RES, ROWS, BLOCK_K)",
         ),
         (
-            "        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid, HAS_RES, ROWS, BLOCK_K)\n        if PDL:\n            tl.extra.cuda.gdc_wait()",
+            "        inv = _rms_inverse(X, RES, H_OUT, rows, r_ok, n_in, eps, pid + tl.program_id(1), HAS_RES, ROWS, BLOCK_K)\n        if PDL:\n            tl.extra.cuda.gdc_wait()",
         ),
         "tests/test_pdl.py",
     ),
