@@ -11,6 +11,7 @@ places). Entries whose tests are GPU-marked catch their bug only on a GPU (witho
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -1950,6 +1951,12 @@ BUGS = {
         "            if done == 0:\n                tl.store(CNT + tl.program_id(0), 0)",
         "tests/test_fused_gemv.py -k cuda",
     ),
+    "plant_bugs: SIGINT left as inherited (a run started from a background job is never interrupted)": (
+        "scripts/plant_bugs.py",
+        "    signal.signal(signal.SIGINT, signal.default_int_handler)\n",
+        "",
+        "tests/test_plant_bugs.py",
+    ),
 }
 
 
@@ -1994,6 +2001,9 @@ def chosen(only: list[str]) -> list[str]:
 
 
 def main() -> int:
+    # an interrupt stops the run even where this process started with SIGINT ignored (a background job of a
+    # non-interactive shell, as `cmd &` in a script): without a handler Python would never raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     only = sys.argv[1:]
     if any(a in ("-h", "--help") for a in only):
         print(__doc__.strip())

@@ -27,6 +27,9 @@ def test_an_interrupted_run_keeps_the_entries_it_finished(tmp_path: Path) -> Non
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as under `timeout`
+        # started with SIGINT ignored, as a background job of a non-interactive shell starts (the suite run as
+        # `pytest ... &` from a script): the script must still stop on the interrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         deadline = time.monotonic() + 120
