@@ -50,6 +50,15 @@ DEFAULT_CONFIGS = (  # more outputs per program read the input row (and the norm
     "block_n=128,block_k=128,num_warps=8",
     "block_n=8,block_k=512,deferred=1",  # one row: the sum over K taken once, after the loop
     "block_n=16,block_k=512,num_warps=8,deferred=1",
+    "block_n=16,block_k=256,deferred=1",  # the H200's gate/up launch (kernels.fused_gemv.DEVICE_LAUNCHES)
+    "block_n=4,block_k=512,deferred=1",  # the H200's o and down launch
+    # K split over programs (GemvConfig.split_k): for several rows, where N = 4096 gives few output blocks, and for
+    # the one-row GEMVs of few programs (q/k/v, o)
+    "block_n=64,block_k=256,num_warps=8,split_k=2",
+    "block_n=64,block_k=256,num_warps=8,split_k=4",
+    "block_n=32,block_k=256,num_warps=4,split_k=4",
+    "block_n=128,block_k=128,num_warps=8,split_k=4",
+    "block_n=16,block_k=512,num_warps=8,deferred=1,split_k=2",
 )
 
 
