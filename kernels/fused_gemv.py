@@ -26,12 +26,15 @@ than :data:`MAX_ROWS` rows, takes the unfused path.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from kernels.device_guard import on_tensor_device
+from kernels.flash_lora_attention import _num_sms
 from kernels.fused_ops import kernels_usable, rms_norm, silu_mul
 from kernels.pdl import pdl_launch
 from kernels.split_workspace import split_workspace
@@ -168,11 +171,11 @@ def gemv_table_switch(value: str | None = None) -> int:
     return int(gemv_table_setting(value))
 
 
+@functools.cache
 def device_launches(device_name: str) -> DeviceLaunches | None:
     """The measured launches of the GPU model ``device_name`` names (``"NVIDIA H200"``, ``"NVIDIA H200 NVL"``), or
-    None. The key must be a whole word of the name: a GH200 (another memory system) is not an H200."""
-    import re
-
+    None. The key must be a whole word of the name: a GH200 (another memory system) is not an H200. Cached per name:
+    every one-row GEMV call without a config asks."""
     words = set(re.split(r"[\s_-]+", device_name))
     return next((launches for key, launches in DEVICE_LAUNCHES.items() if key in words), None)
 
@@ -193,18 +196,11 @@ def default_config(rows: int, norm: bool, n_out: int = 0, device_name: str = "",
     return launches.norm_wide if wide else launches.norm
 
 
-_DEVICE_FACTS: dict[int, tuple[str, int]] = {}
-
-
 def _device_facts(t: Tensor) -> tuple[str, int]:
-    """``(name, SM count)`` of ``t``'s CUDA device, read once per device (``("", 0)`` off CUDA: the interpreter)."""
+    """``(name, SM count)`` of ``t``'s CUDA device (``("", 0)`` off CUDA: the interpreter, which no table names)."""
     if not t.is_cuda:
         return "", 0
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_FACTS:
-        props = torch.cuda.get_device_properties(index)
-        _DEVICE_FACTS[index] = (props.name, props.multi_processor_count)
-    return _DEVICE_FACTS[index]
+    return torch.cuda.get_device_name(t.device), _num_sms(t.device)
 
 
 if triton is not None:
