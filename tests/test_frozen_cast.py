@@ -145,6 +145,22 @@ def test_a_bf16_mixed_fit_trains_the_same_adapters_with_the_weights_cast(tmp_pat
     assert mod_32.lora_model.model.model.layers[0].self_attn.k_proj.weight.dtype == torch.float32
 
 
+def _gpu_fits_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **fit: object) -> object:
+    """Three bf16-mixed GPU fits (switch on, off, off again): the adapters and every metric of on and off bit for bit
+    (the message says whether off and off again were, to tell the GPU's nondeterminism from the cast). Returns the
+    module fitted with the switch on."""
+    on, m_on, mod_on = _fit(tmp_path, monkeypatch, "1", "bf16-mixed", "gpu", **fit)
+    off, m_off, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", **fit)
+    again, m_again, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", run="again", **fit)
+    deterministic = all(torch.equal(a, b) for a, b in zip(off, again, strict=True))
+    same = [torch.equal(a, b) for a, b in zip(on, off, strict=True)]
+    diffs = {
+        k: (m_on[k].item(), m_off[k].item(), m_again[k].item()) for k in m_on if not torch.equal(m_on[k], m_off[k])
+    }
+    assert all(same) and not diffs, f"off twice bit-identical: {deterministic}; on vs off: {same}, {diffs}"
+    return mod_on
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dropout", [0.0, 0.05])  # 0.05: the embedded configs' LoRA dropout
 def test_a_bf16_mixed_fit_on_a_gpu_trains_the_same_adapters_with_the_weights_cast(
@@ -153,16 +169,8 @@ def test_a_bf16_mixed_fit_on_a_gpu_trains_the_same_adapters_with_the_weights_cas
     """The CPU fit above on one GPU: adapters, train loss and every validation metric bit for bit with the switch on
     and off (a one-GPU fit of the embedded model differed by up to 0.003 in val loss between the two on 2026-11-29:
     nondeterminism or the cast, which this pins apart)."""
-    on, m_on, mod_on = _fit(tmp_path, monkeypatch, "1", "bf16-mixed", "gpu", dropout=dropout)
-    off, m_off, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", dropout=dropout)
-    again, m_again, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", run="again", dropout=dropout)
+    mod_on = _gpu_fits_agree(tmp_path, monkeypatch, dropout=dropout)
     assert mod_on.lora_model.model.model.layers[0].self_attn.k_proj.weight.dtype == torch.bfloat16
-    deterministic = all(torch.equal(a, b) for a, b in zip(off, again, strict=True))
-    same = [torch.equal(a, b) for a, b in zip(on, off, strict=True)]
-    diffs = {
-        k: (m_on[k].item(), m_off[k].item(), m_again[k].item()) for k in m_on if not torch.equal(m_on[k], m_off[k])
-    }
-    assert all(same) and not diffs, f"off twice bit-identical: {deterministic}; on vs off: {same}, {diffs}"
 
 
 @pytest.mark.gpu
@@ -174,13 +182,4 @@ def test_the_embedded_model_fit_on_a_gpu_is_the_same_with_the_weights_cast(
     dropout: on one H200 (2026-11-29) two 4-epoch fits of that model differed by up to 0.0029 in val loss with the
     switch on and off, where fits of one setting differed by at most 0.0008. Bit for bit here, or the cast changes
     the numbers on a GPU; the off fit twice tells the GPU's own nondeterminism apart."""
-    real = {"model_name": "default", "model_overrides": None}
-    on, m_on, _ = _fit(tmp_path, monkeypatch, "1", "bf16-mixed", "gpu", dropout=0.05, **real)
-    off, m_off, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", dropout=0.05, **real)
-    again, m_again, _ = _fit(tmp_path, monkeypatch, "0", "bf16-mixed", "gpu", run="again", dropout=0.05, **real)
-    deterministic = all(torch.equal(a, b) for a, b in zip(off, again, strict=True))
-    same = [torch.equal(a, b) for a, b in zip(on, off, strict=True)]
-    diffs = {
-        k: (m_on[k].item(), m_off[k].item(), m_again[k].item()) for k in m_on if not torch.equal(m_on[k], m_off[k])
-    }
-    assert all(same) and not diffs, f"off twice bit-identical: {deterministic}; on vs off: {same}, {diffs}"
+    _gpu_fits_agree(tmp_path, monkeypatch, dropout=0.05, model_name="default", model_overrides=None)
