@@ -41,6 +41,7 @@ ENGINE_SWITCHES: dict[str, tuple[str, str, str]] = {
     "qkv_maxnreg": ("LRAGENT_QKV_MAXNREG", "kernels.fused_qkv_rope:qkv_maxnreg", "qkv_maxnreg"),
     "pdl": ("LRAGENT_PDL", "kernels.pdl:pdl_switch", "pdl"),
     "gemv_table": ("LRAGENT_GEMV_TABLE", "kernels.fused_gemv:gemv_table_switch", "gemv_table"),
+    "gemv_wide": ("LRAGENT_GEMV_WIDE", "kernels.fused_gemv:gemv_wide_setting", "gemv_wide"),
 }
 """The ``--plans`` names that set an engine switch rather than the attention kernel's plan: name -> (environment
 variable, the parser that checks its value and reads it back, the key each result row records it under)."""
@@ -60,8 +61,9 @@ def split_plan(spec: str) -> tuple[str, dict[str, int]]:
     of at most N rows; 0 off), ``qkv_rope=0|1`` (a one-row ``base_lr_shared`` step's RoPE and cache stores inside the
     q/k/v GEMV), ``qkv_maxnreg=N`` (that launch's registers per thread; 0 the compiler's), ``pdl=0|1`` (the decode
     kernels launched with programmatic dependent launch, :mod:`kernels.pdl`), ``gemv_table=0|1`` (the one-row GEMVs'
-    launches measured on this GPU model, ``kernels.fused_gemv.DEVICE_LAUNCHES``, or the H100's); a switch it does not
-    name keeps the environment's value).
+    launches measured on this GPU model, ``kernels.fused_gemv.DEVICE_LAUNCHES``, or the H100's), ``gemv_wide=0|1`` (a
+    wide one-row norm GEMV, the 8B gate/up, unfused or fused; unset: the table's choice, recorded as -1); a switch it
+    does not name keeps the environment's value).
 
     Raises:
         ValueError: a switch's value outside what its parser allows (named with the range).
@@ -425,9 +427,10 @@ def decode(
             kernel's launch rule; ``"min_split_tiles=4,programs_per_sm=1"``: its knobs set), plus ``fused_gemv=N``:
             the RMSNorms and SiLU·mul inside the GEMVs and o_proj on the Triton GEMV at steps of at most N rows, 0
             off (``LRAGENT_FUSED_GEMV``, :mod:`kernels.fused_gemv`; default 1), ``qkv_rope=0|1``,
-            ``qkv_maxnreg=N``, ``pdl=0|1`` and ``gemv_table=0|1`` (:func:`split_plan`); every scheme and batch under
-            each (default: what the environment sets now). Each row records its plan and the switches it ran with
-            (``fused_gemv_rows``, ``qkv_rope``, ``qkv_maxnreg``, ``pdl``, ``gemv_table``).
+            ``qkv_maxnreg=N``, ``pdl=0|1``, ``gemv_table=0|1`` and ``gemv_wide=0|1`` (:func:`split_plan`); every
+            scheme and batch under each (default: what the environment sets now). Each row records its plan and the
+            switches it ran with (``fused_gemv_rows``, ``qkv_rope``, ``qkv_maxnreg``, ``pdl``, ``gemv_table``,
+            ``gemv_wide``).
         repeats: times every plan is timed, in turns (plan A, B, A, B, ...: a drift of the GPU's clock or of the
             host during the run falls on every plan alike); rows of 2 and more record their turn (``repeat``).
         out: output directory.

@@ -122,6 +122,9 @@ class DeviceLaunches:
     norm_wide: GemvConfig
     """A norm GEMV of at least :data:`WIDE_PROGRAMS_PER_SM` programs an SM under :data:`NORM_CONFIG` (the 8B
     gate/up: 1,792 programs on 132 SMs)."""
+    wide_unfused: bool
+    """Whether the decoder leaves such a wide norm GEMV unfused on this GPU (the RMSNorm kernel, then cuBLAS), where
+    that was faster than any fused launch: :func:`wide_norm_fused`, ``LRAGENT_GEMV_WIDE``."""
     norm: GemvConfig
     """The other norm GEMVs (the 8B q/k/v: 385 programs, under half a wave)."""
     plain: GemvConfig
@@ -136,6 +139,7 @@ warps): on an H200 the gate/up launch below is 6% faster than :data:`NORM_CONFIG
 DEVICE_LAUNCHES: dict[str, DeviceLaunches] = {
     "H200": DeviceLaunches(
         norm_wide=GemvConfig(block_n=16, block_k=256, num_warps=4, deferred=1),
+        wide_unfused=False,
         norm=NORM_CONFIG,
         plain=GemvConfig(block_n=4, block_k=512, num_warps=4, deferred=1),
     ),
@@ -180,6 +184,45 @@ def device_launches(device_name: str) -> DeviceLaunches | None:
     return next((launches for key, launches in DEVICE_LAUNCHES.items() if key in words), None)
 
 
+WIDE_ENV = "LRAGENT_GEMV_WIDE"
+
+
+def gemv_wide_setting(value: str | None = None) -> int:
+    """``LRAGENT_GEMV_WIDE`` (or ``value``): unset or empty, -1 (a wide one-row norm GEMV fused or not as the GPU's
+    :data:`DEVICE_LAUNCHES` entry says: :attr:`DeviceLaunches.wide_unfused`); ``1`` fused; ``0`` unfused (the RMSNorm
+    kernel, then cuBLAS). For ``bench decode --plans`` (``gemv_wide=0|1``) to time them side by side.
+
+    Raises:
+        ValueError: any other value, named with what is allowed.
+    """
+    import os
+
+    raw = (os.environ.get(WIDE_ENV, "") if value is None else value).strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{WIDE_ENV}={raw!r}: expected 1 (fused), 0 (the norm kernel, then cuBLAS) or unset (table)")
+    return int(raw) if raw else -1
+
+
+def wide_norm_fused(rows: int, n_out: int, device_name: str = "", sms: int = 0) -> bool:
+    """Whether a norm GEMV of ``rows`` input rows into ``n_out`` outputs on the GPU model ``device_name`` (of ``sms``
+    SMs) runs fused (:func:`rms_norm_linear`) rather than as the RMSNorm kernel and cuBLAS. Only a wide one-row GEMV
+    (:attr:`DeviceLaunches.norm_wide`'s rule) on a GPU whose :data:`DEVICE_LAUNCHES` entry says
+    :attr:`~DeviceLaunches.wide_unfused` (the table on) is left unfused; ``LRAGENT_GEMV_WIDE`` overrides the entry."""
+    forced = gemv_wide_setting()  # a bad value is named wherever the call comes from
+    if rows > 1 or not device_name or not _wide(n_out, sms):
+        return True
+    if forced >= 0:
+        return bool(forced)
+    launches = device_launches(device_name) if gemv_table_setting() else None
+    return launches is None or not launches.wide_unfused
+
+
+def fuses_norm_gemv(x: Tensor, n_out: int) -> bool:
+    """:func:`wide_norm_fused` for the rows of ``x`` (..., K) on its device: the decoder's question before a norm
+    GEMV."""
+    return wide_norm_fused(x.numel() // x.shape[-1], n_out, *_device_facts(x))
+
+
 def default_config(rows: int, norm: bool, n_out: int = 0, device_name: str = "", sms: int = 0) -> GemvConfig:
     """The launch a call takes without one: several rows, :data:`ROWS_CONFIG`; one row, the launch measured on
     the GPU model ``device_name`` (:data:`DEVICE_LAUNCHES`; a norm GEMV of ``n_out`` outputs is wide when
@@ -192,8 +235,13 @@ def default_config(rows: int, norm: bool, n_out: int = 0, device_name: str = "",
         return NORM_CONFIG if norm else DEFAULT_CONFIG
     if not norm:
         return launches.plain
-    wide = sms > 0 and -(-n_out // NORM_CONFIG.block_n) >= WIDE_PROGRAMS_PER_SM * sms
-    return launches.norm_wide if wide else launches.norm
+    return launches.norm_wide if _wide(n_out, sms) else launches.norm
+
+
+def _wide(n_out: int, sms: int) -> bool:
+    """A norm GEMV of ``n_out`` outputs is wide when :data:`NORM_CONFIG` gives it at least
+    :data:`WIDE_PROGRAMS_PER_SM` programs on each of ``sms`` SMs."""
+    return sms > 0 and -(-n_out // NORM_CONFIG.block_n) >= WIDE_PROGRAMS_PER_SM * sms
 
 
 def _device_facts(t: Tensor) -> tuple[str, int]:

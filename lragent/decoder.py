@@ -151,6 +151,13 @@ def _norm_gemv_ok(view: object, group: FusedGroup | None, h: torch.Tensor) -> bo
     )
 
 
+def _wide_norm_fused(x: torch.Tensor, n_out: int) -> bool:
+    """:func:`kernels.fused_gemv.wide_norm_fused`: whether this GPU runs the norm GEMV into ``n_out`` outputs fused."""
+    from kernels.fused_gemv import fuses_norm_gemv
+
+    return fuses_norm_gemv(x, n_out)
+
+
 def _plain_gemv_ok(view: object, o_proj: nn.Module, o: torch.Tensor) -> bool:
     """Whether ``o_proj`` runs on the Triton GEMV (:func:`kernels.fused_gemv.gemv`) rather than cuBLAS: a plain
     projection (no adapter, no bias) in a step the view fuses (``LRAGENT_FUSED_GEMV=N``: at most N rows). On an H100
@@ -410,7 +417,8 @@ class DecoderEngine:
         if fused:
             norm = layer.post_attention_layernorm
             gu = layer.mlp.__dict__.get("_lragent_gu")
-            if _norm_gemv_ok(view, gu, o) and not gu.lora:  # gate/up carry no adapter: no B to add after the GEMV
+            # gate/up carry no adapter (no B to add after the GEMV); the GPU's table may leave this wide GEMV to cuBLAS
+            if _norm_gemv_ok(view, gu, o) and not gu.lora and _wide_norm_fused(o, gu.weight.shape[0]):
                 from kernels.fused_gemv import rms_norm_linear
 
                 y, h = rms_norm_linear(o, norm.weight, norm.variance_epsilon, gu.weight, residual=h)

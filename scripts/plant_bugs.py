@@ -1873,8 +1873,8 @@ BUGS = {
     ),
     "GEMV launch table: the wide test inverted (gate/up takes the narrow launch, q/k/v the wide one)": (
         "kernels/fused_gemv.py",
-        "    wide = sms > 0 and -(-n_out // NORM_CONFIG.block_n) >= WIDE_PROGRAMS_PER_SM * sms",
-        "    wide = sms > 0 and -(-n_out // NORM_CONFIG.block_n) < WIDE_PROGRAMS_PER_SM * sms",
+        "    return sms > 0 and -(-n_out // NORM_CONFIG.block_n) >= WIDE_PROGRAMS_PER_SM * sms",
+        "    return sms > 0 and -(-n_out // NORM_CONFIG.block_n) < WIDE_PROGRAMS_PER_SM * sms",
         "tests/test_fused_gemv.py",
     ),
     "GEMV launch table: the norm GEMV's call never passes its device (the table never reached)": (
@@ -1898,6 +1898,24 @@ BUGS = {
     "GEMV launch table: bench decode's gemv_table switch not an engine switch (taken as an attention knob)": (
         "eval_suite/bench_decode.py",
         '    "gemv_table": ("LRAGENT_GEMV_TABLE", "kernels.fused_gemv:gemv_table_switch", "gemv_table"),\n',
+        "",
+        "tests/test_decode_floor.py",
+    ),
+    "GEMV wide: the decoder fuses gate/up where the GPU's table leaves it to cuBLAS": (
+        "lragent/decoder.py",
+        "            if _norm_gemv_ok(view, gu, o) and not gu.lora and _wide_norm_fused(o, gu.weight.shape[0]):",
+        "            if _norm_gemv_ok(view, gu, o) and not gu.lora:",
+        "tests/test_fused_gemv.py -k interpreter",
+    ),
+    "GEMV wide: LRAGENT_GEMV_WIDE=0 not forced (only 1 is)": (
+        "kernels/fused_gemv.py",
+        "    if forced >= 0:",
+        "    if forced > 0:",
+        "tests/test_fused_gemv.py -k wide",
+    ),
+    "GEMV wide: bench decode's gemv_wide switch not an engine switch (taken as an attention knob)": (
+        "eval_suite/bench_decode.py",
+        '    "gemv_wide": ("LRAGENT_GEMV_WIDE", "kernels.fused_gemv:gemv_wide_setting", "gemv_wide"),\n',
         "",
         "tests/test_decode_floor.py",
     ),

@@ -111,6 +111,10 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     assert split_plan("gemv_table=0,pdl=1") == ("", {"gemv_table": 0, "pdl": 1})
     with pytest.raises(ValueError, match=r"LRAGENT_GEMV_TABLE='on': expected 1 .* or 0"):
         split_plan("gemv_table=on")
+    # a wide one-row norm GEMV fused or left to cuBLAS
+    assert split_plan("gemv_wide=0,gemv_table=1") == ("", {"gemv_wide": 0, "gemv_table": 1})
+    with pytest.raises(ValueError, match=r"LRAGENT_GEMV_WIDE='-1': expected 1 \(fused\)"):
+        split_plan("gemv_wide=-1")
     monkeypatch.setenv("LRAGENT_FUSED_GEMV", "all")  # a bad switch in the environment: named before anything loads
     with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='all': allowed 0 \(off\) to 32"):
         decode(plans=["num_warps=4"], out="/nonexistent/never_written")

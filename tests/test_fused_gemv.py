@@ -153,11 +153,13 @@ def test_fused_gemv_cuda(dtype, k, n):
     _check_all("cuda", dtype, k=k, n=n)
 
 
-def _engine_check(device: str) -> dict[str, int]:
+def _engine_check(device: str, gate_up_fused: bool = True) -> dict[str, int]:
     """Decode with LRAGENT_FUSED_GEMV 0, 2 and 1 (two rows of different roles, tiny LLaMA with q/v adapters and
     norms that differ): at 2 the same tokens as 0, logits within 2e-3, the fused kernels used (their calls counted)
     and the o projection on the Triton GEMV, one call per fused norm pair; at 1 (steps of one row only) a two-row step
-    keeps the unfused path: no fused call, no Triton GEMV, the same logits as 0."""
+    keeps the unfused path: no fused call, no Triton GEMV, the same logits as 0. ``gate_up_fused=False``: the GPU's
+    table leaves gate/up unfused (``kernels.fused_gemv.fuses_norm_gemv`` says so): its norm runs as the RMSNorm kernel,
+    the q/k/v norm and the SiLU·mul stay fused, the same tokens and logits within 2e-3."""
     from conftest import decode_under_switch
 
     import kernels.fused_gemv as fg
@@ -183,16 +185,21 @@ def _engine_check(device: str) -> dict[str, int]:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.data.copy_(torch.rand(norm.weight.shape, generator=g) + 0.5)
 
+    raw_fuses = fg.fuses_norm_gemv
     fg.rms_norm_linear, fg.silu_mul_linear, fg.gemv = norm_spy, silu_spy, gemv_spy
+    if not gate_up_fused:  # a tiny gate/up is never wide: the table's answer for a wide one, given
+        fg.fuses_norm_gemv = lambda x, n_out: False
     try:
         counted = decode_under_switch("LRAGENT_FUSED_GEMV", device, calls, prepare=distinct_norms)
     finally:
         fg.rms_norm_linear, fg.silu_mul_linear, fg.gemv = raw_norm, raw_silu, raw_gemv
+        fg.fuses_norm_gemv = raw_fuses
     for scheme in ("base_lr_shared", "full_shared"):
         assert counted[(scheme, "1")] == counted[(scheme, "0")] == {"norm": 0, "silu": 0, "o": 0}, counted
-    # per decode step and layer: the input norm in the q/k/v GEMV and the post-attention norm in gate/up, SiLU in down,
-    # o_proj on the plain GEMV
-    assert calls["norm"] > 0 and calls["norm"] == 2 * calls["silu"] == 2 * calls["o"], calls
+    # per decode step and layer: the input norm in the q/k/v GEMV and the post-attention norm in gate/up (unless the
+    # table leaves gate/up to cuBLAS), SiLU in down, o_proj on the plain GEMV
+    norms_a_layer = 2 if gate_up_fused else 1
+    assert calls["norm"] > 0 and calls["norm"] == norms_a_layer * calls["silu"] == norms_a_layer * calls["o"], calls
     return calls
 
 
@@ -200,15 +207,51 @@ def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_
     """fp16 under TRITON_INTERPRET=1 (a fresh process): with LRAGENT_FUSED_GEMV=2 each two-row decode step's RMSNorms
     and SiLU·mul run inside the q/k/v, gate/up and down GEMVs (through the Triton kernels, two rows of different roles,
     the shared A rows of q and v in the q/k/v GEMV) and the engine gives the unfused path's tokens and logits."""
-    assert run_under_interpreter("import tests.test_fused_gemv as t; print('ok', t._engine_check('cpu'))").startswith(
-        "ok"
-    )
+    code = "import tests.test_fused_gemv as t; print('ok', t._engine_check('cpu'), t._engine_check('cpu', False))"
+    assert run_under_interpreter(code).startswith("ok")
 
 
 @pytest.mark.gpu
-def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_on_a_gpu():
+@pytest.mark.parametrize("gate_up_fused", [True, False])
+def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_on_a_gpu(gate_up_fused):
     """The same on a GPU, decode steps captured and replayed as CUDA graphs."""
-    _engine_check("cuda")
+    _engine_check("cuda", gate_up_fused)
+
+
+def test_a_wide_norm_gemv_is_left_to_cublas_where_the_gpus_table_says(monkeypatch):
+    """``wide_norm_fused``: fused everywhere (several rows, narrow GEMVs, the interpreter, GPUs not in the table, an
+    entry that says fused) except a wide one-row norm GEMV on a GPU whose entry says ``wide_unfused``;
+    ``LRAGENT_GEMV_WIDE`` forces either way, ``LRAGENT_GEMV_TABLE=0`` drops the entry; a bad value is named."""
+    import dataclasses
+
+    import kernels.fused_gemv as fg
+
+    for env in (fg.WIDE_ENV, fg.TABLE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    entry = fg.DEVICE_LAUNCHES["H200"]
+    monkeypatch.setitem(fg.DEVICE_LAUNCHES, "H200", dataclasses.replace(entry, wide_unfused=True))
+    monkeypatch.setattr(fg, "device_launches", fg.device_launches.__wrapped__)  # uncached: the entry changes below
+    h200 = ("NVIDIA H200", 132)
+    assert not fg.wide_norm_fused(1, 28672, *h200)  # the 8B gate/up
+    assert fg.wide_norm_fused(2, 28672, *h200)  # several rows
+    assert fg.wide_norm_fused(1, 6160, *h200)  # the 8B q/k/v: not wide
+    assert fg.wide_norm_fused(1, 28672, "NVIDIA H100 80GB HBM3", 132)  # not in the table
+    assert fg.wide_norm_fused(1, 28672)  # the interpreter
+    monkeypatch.setenv(fg.TABLE_ENV, "0")
+    assert fg.wide_norm_fused(1, 28672, *h200)
+    monkeypatch.delenv(fg.TABLE_ENV)
+    monkeypatch.setenv(fg.WIDE_ENV, "1")
+    assert fg.wide_norm_fused(1, 28672, *h200)
+    monkeypatch.setenv(fg.WIDE_ENV, "0")
+    assert not fg.wide_norm_fused(1, 28672, "NVIDIA H100 80GB HBM3", 132)
+    assert fg.wide_norm_fused(1, 6160, *h200)  # forcing reaches the wide GEMVs only
+    monkeypatch.setitem(fg.DEVICE_LAUNCHES, "H200", dataclasses.replace(entry, wide_unfused=False))
+    monkeypatch.delenv(fg.WIDE_ENV)
+    assert fg.wide_norm_fused(1, 28672, *h200)
+    assert fg.gemv_wide_setting("") == -1 and fg.gemv_wide_setting(" 0 ") == 0
+    for bad in ("2", "yes"):
+        with pytest.raises(ValueError, match=rf"LRAGENT_GEMV_WIDE='{bad}': expected 1 \(fused\), 0 .* or unset"):
+            fg.gemv_wide_setting(bad)
 
 
 def test_each_gpu_model_takes_its_measured_launches(monkeypatch):
