@@ -124,7 +124,7 @@ class DeviceLaunches:
     gate/up: 1,792 programs on 132 SMs)."""
     wide_unfused: bool
     """Whether the decoder leaves such a wide norm GEMV unfused on this GPU (the RMSNorm kernel, then cuBLAS), where
-    that was faster than any fused launch: :func:`wide_norm_fused`, ``LRAGENT_GEMV_WIDE``."""
+    that was faster than the fused launch: :func:`wide_norm_fused`, ``LRAGENT_GEMV_WIDE``."""
     norm: GemvConfig
     """The other norm GEMVs (the 8B q/k/v: 385 programs, under half a wave)."""
     plain: GemvConfig
@@ -139,7 +139,7 @@ warps): on an H200 the gate/up launch below is 6% faster than :data:`NORM_CONFIG
 DEVICE_LAUNCHES: dict[str, DeviceLaunches] = {
     "H200": DeviceLaunches(
         norm_wide=GemvConfig(block_n=16, block_k=256, num_warps=4, deferred=1),
-        wide_unfused=False,
+        wide_unfused=True,
         norm=NORM_CONFIG,
         plain=GemvConfig(block_n=4, block_k=512, num_warps=4, deferred=1),
     ),
@@ -150,7 +150,13 @@ DRAM
 (``results/engine_h200/gemv_launches_2026-11-29``): on an H200 gate/up 57.96 µs against 61.70 for
 :data:`NORM_CONFIG` (cuBLAS 56.13, unfused 58.05), down 31.56 against 32.14, o 10.03 against 10.05; q/k/v keeps
 :data:`NORM_CONFIG` (15.81, the fastest). A GPU not named here takes the H100's launches. ``LRAGENT_GEMV_TABLE=0``
-ignores the table (to time the two side by side)."""
+ignores the table (to time the two side by side).
+
+The H200's gate/up is left to the RMSNorm kernel and cuBLAS (``wide_unfused``): its fused launch's speed moved from
+card to card where cuBLAS's did not (2026-11-29, ``results/engine_h200/readme_2026-11-29``): on one card 63.82 µs
+against 56.93 for the unfused pair (cuBLAS 55.59), and on another the 8B batch-1 step was 0.05-0.13 ms faster with it
+unfused in all 8 paired turns of two runs (``bench decode --plans '["", "gemv_wide=0"]'``); on the card of the sweeps
+above the two were level (57.96 against 58.05). ``LRAGENT_GEMV_WIDE=1`` takes the fused launch ``norm_wide``."""
 
 TABLE_ENV = "LRAGENT_GEMV_TABLE"
 

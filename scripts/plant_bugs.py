@@ -1907,6 +1907,12 @@ BUGS = {
         "            if _norm_gemv_ok(view, gu, o) and not gu.lora:",
         "tests/test_fused_gemv.py -k interpreter",
     ),
+    "GEMV wide: the H200's gate/up fused again (its entry's wide_unfused lost)": (
+        "kernels/fused_gemv.py",
+        "        wide_unfused=True,",
+        "        wide_unfused=False,",
+        "tests/test_fused_gemv.py -k wide",
+    ),
     "GEMV wide: LRAGENT_GEMV_WIDE=0 not forced (only 1 is)": (
         "kernels/fused_gemv.py",
         "    if forced >= 0:",
