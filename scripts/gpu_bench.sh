@@ -21,8 +21,8 @@
 #                                                $OUT/readme.tar.gz, packed after each phase: a device call brings
 #                                                back no file two folders deep). $README_PHASES runs some of the
 #                                                phases (default "decode1 decode2 trace16k trace32k table"): the
-#                                                whole takes about 13 minutes on an H200, more than one device
-#                                                command, so split it over calls with one $OUT kept in /tmp
+#                                                whole took 7 and 13 minutes on two H200s, up to more than one
+#                                                device command, so split it over calls with one $OUT kept in /tmp
 #   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
 #                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
 #                                                FIT_STEPS2, exported (one PEFT directory per role)
