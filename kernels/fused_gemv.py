@@ -219,7 +219,7 @@ def wide_norm_fused(rows: int, n_out: int, device_name: str = "", sms: int = 0) 
         return True
     if forced >= 0:
         return bool(forced)
-    launches = device_launches(device_name) if gemv_table_setting() else None
+    launches = _table_entry(device_name)
     return launches is None or not launches.wide_unfused
 
 
@@ -236,12 +236,18 @@ def default_config(rows: int, norm: bool, n_out: int = 0, device_name: str = "",
     :data:`NORM_CONFIG` (a norm GEMV) or :data:`DEFAULT_CONFIG`."""
     if rows > 1:
         return ROWS_CONFIG
-    launches = device_launches(device_name) if device_name and gemv_table_setting() else None
+    launches = _table_entry(device_name)
     if launches is None:
         return NORM_CONFIG if norm else DEFAULT_CONFIG
     if not norm:
         return launches.plain
     return launches.norm_wide if _wide(n_out, sms) else launches.norm
+
+
+def _table_entry(device_name: str) -> DeviceLaunches | None:
+    """The :data:`DEVICE_LAUNCHES` entry of ``device_name`` with the table on (``LRAGENT_GEMV_TABLE``), else None
+    (no device: the interpreter)."""
+    return device_launches(device_name) if device_name and gemv_table_setting() else None
 
 
 def _wide(n_out: int, sms: int) -> bool:

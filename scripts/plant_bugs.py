@@ -1885,8 +1885,8 @@ BUGS = {
     ),
     "GEMV launch table: LRAGENT_GEMV_TABLE=0 ignored": (
         "kernels/fused_gemv.py",
-        "    launches = device_launches(device_name) if device_name and gemv_table_setting() else None",
-        "    launches = device_launches(device_name) if device_name else None",
+        "    return device_launches(device_name) if device_name and gemv_table_setting() else None",
+        "    return device_launches(device_name) if device_name else None",
         "tests/test_fused_gemv.py",
     ),
     "GEMV launch table: the plain and SiLU·mul GEMVs take the norm launch": (

@@ -296,8 +296,8 @@ def test_each_gpu_model_takes_its_measured_launches(monkeypatch):
             gemv_table_setting(bad)
 
 
-def _table_reaches_the_launch() -> list[tuple[str, int, int, int]]:
-    """Under the interpreter, with the device faked as an H200 of 132 SMs: the (kernel, BLOCK_N, BLOCK_K, warps) each
+def _table_reaches_the_launch() -> list[tuple[int, int, int]]:
+    """Under the interpreter, with the device faked as an H200 of 132 SMs: the (BLOCK_N, BLOCK_K, warps) each
     one-row call launches with no config given (a wide and a narrow norm GEMV, the plain and SiLU·mul GEMVs)."""
     import kernels.fused_gemv as fg
 
