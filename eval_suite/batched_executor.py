@@ -34,6 +34,11 @@ FEED_BUDGET = 256
 the rows that feed. Records in bf16 differ from one-token feeding (``--feed_budget 0 --prefill_in_decode 128`` gives
 the records of runs before 2026-11-27); the same at any ``--devices`` with ``--batch_invariant true``."""
 
+PROFILE_ENV = "LRAGENT_EVAL_PROFILE"
+"""``LRAGENT_EVAL_PROFILE=DIR[:FIRST:COUNT]``: torch's profiler records the engine's decode calls FIRST .. FIRST + COUNT
+(default 300 and 100: past the graph captures) and writes where their device and host time went to
+``DIR/eval_profile_<pid>.txt`` (a diagnostic: the profiler slows the steps it records, not the others)."""
+
 _ENGINE_COUNTERS = ("decode_steps", "advance_s", "sync_s", "replay_s", "wait_s", "capture_s")
 """The engine's counters an executor sums over its engines (its timing.json figures)."""
 
@@ -120,6 +125,7 @@ class BatchedExecutor:
         self.capture_s = 0.0  # of advance_s: the graph captures, kernel compiles included (a fixed cost)
         self.agent_s = 0.0
         self._reserved: tuple[str, int, Engine] | None = None
+        self._profile = _StepProfiler.from_env()
 
     def reserve(self, scheme: str, tasks: int) -> None:
         """Allocates the engine (its static caches) that running ``tasks`` tasks of ``scheme`` first needs, now:
@@ -239,6 +245,8 @@ class BatchedExecutor:
                     free.append(row)
                     yield task, result
             before = {k: getattr(eng, k) for k in _ENGINE_COUNTERS}
+            if self._profile is not None:
+                self._profile.step(self.decode_steps)
             finished = eng.advance()
             for k in _ENGINE_COUNTERS:
                 setattr(self, k, getattr(self, k) + getattr(eng, k) - before[k])
@@ -263,3 +271,48 @@ class BatchedExecutor:
             trajectory_tokens=len(eng.ids(row)),
         )
         return Reply(text=res.text, stats=stats)
+
+
+class _StepProfiler:
+    """:data:`PROFILE_ENV`'s recorder: starts torch's profiler at decode call ``first`` and writes its table after
+    ``count`` calls."""
+
+    def __init__(self, folder: str, first: int = 300, count: int = 100) -> None:
+        self.folder, self.first, self.count = folder, first, count
+        self._prof = None
+        self._done = False
+
+    @classmethod
+    def from_env(cls) -> _StepProfiler | None:
+        import os
+
+        spec = os.environ.get(PROFILE_ENV)
+        if not spec:
+            return None
+        folder, *rest = spec.split(":")
+        return cls(folder, *(int(x) for x in rest[:2]))
+
+    def step(self, calls: int) -> None:
+        if self._done:
+            return
+        if self._prof is None and calls >= self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=acts)
+            self._prof.__enter__()
+            self._start = (calls, time.perf_counter())
+        elif self._prof is not None and calls >= self._start[0] + self.count:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self._start[1]
+            self._prof.__exit__(None, None, None)
+            import os
+            from pathlib import Path
+
+            table = self._prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+            cpu = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            path = Path(self.folder) / f"eval_profile_{os.getpid()}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"decode calls {self._start[0]}..{calls}, wall {wall:.3f} s\n\n{table}\n\n{cpu}\n")
+            self._done = True

@@ -4,12 +4,20 @@
 benchmark       levels                      search corpus (offline tools)                     scores
 ==============  ==========================  ================================================  =====================
 ``hotpotqa``    ``easy`` ``medium``         the Wikipedia context paragraphs of every HotpotQA  exact match, F1
-                ``hard``                    question (``data/benchmarks/hotpotqa_*.jsonl``)
+                ``hard``                    question of the evaluated splits
 ``scienceqa``   ``1-4`` ``5-8`` ``9-12``    the search results of the ScienceQA training        choice accuracy
                                             trajectories (:mod:`eval_suite.scienceqa_corpus`),
                                             a stand-in for live web search; Image2Text reads
                                             the question's own caption and OCR
 ==============  ==========================  ================================================  =====================
+
+**Splits** (:data:`SPLITS`) are data: ``data/benchmarks/<benchmark>_<level>.<split>.jsonl``. ``dev`` (30 questions a
+level) is where recipes and settings are chosen; ``test`` (HotpotQA 70, ScienceQA 90 a level) completes the paper's
+test sets (300 / 360 questions with ``dev``): report on it, choose nothing by it; ``extra`` (ScienceQA only: 1,412
+questions of its validation and train splits, none a training example) adds statistical power. Several splits run
+as one pool, split by split, each in the interleaved level order. The offline world is the pool's: HotpotQA searches
+the paragraphs of the pool's questions, and the ScienceQA corpus leaves out passages that overlap any of them, so
+``--split dev`` keeps the corpus (and the records) of runs made before the other splits existed.
 
 Both take extra ``{"title", "text"}`` JSONL corpora (``--corpus FILE``), indexed after their own passages.
 With constraints on (:mod:`lragent.agents.constraints`) the action type is chosen among the benchmark's tools plus
@@ -49,6 +57,11 @@ ALL_CONSTRAINTS: tuple[str, ...] = ("action_type", "answer")
 
 TEXT_CONSTRAINT = "answer_text"
 
+SPLITS: tuple[str, ...] = ("dev", "test", "extra")
+"""Question splits, in pool order: ``dev`` (choose here), ``test`` (the rest of the paper's test sets), ``extra``
+(more unseen ScienceQA questions, for statistical power)."""
+DEFAULT_SPLITS: tuple[str, ...] = ("dev",)
+
 
 @dataclass(frozen=True)
 class Question:
@@ -62,6 +75,7 @@ class Question:
         choices: ScienceQA options (empty for HotpotQA).
         caption: ScienceQA image caption (None for HotpotQA).
         ocr: ScienceQA OCR field (None for HotpotQA).
+        split: the split the question comes from (:data:`SPLITS`).
     """
 
     qid: str
@@ -71,13 +85,14 @@ class Question:
     choices: tuple[str, ...] = ()
     caption: str | None = None
     ocr: str | None = None
+    split: str = "dev"
 
 
-def _hotpotqa_question(row: dict, level: str) -> Question:
-    return Question(str(row["id"]), level, format_question(row["question"]), str(row["answer"]))
+def _hotpotqa_question(row: dict, level: str, split: str = "dev") -> Question:
+    return Question(str(row["id"]), level, format_question(row["question"]), str(row["answer"]), split=split)
 
 
-def _scienceqa_question(row: dict, level: str) -> Question:
+def _scienceqa_question(row: dict, level: str, split: str = "dev") -> Question:
     return Question(
         str(row["pid"]),
         level,
@@ -86,22 +101,39 @@ def _scienceqa_question(row: dict, level: str) -> Question:
         tuple(row["choices"]),
         row.get("caption"),
         row.get("ocr"),
+        split,
     )
 
 
-def _hotpotqa_passages(data_dir: Path) -> tuple[list[Passage], dict]:
-    files = sorted((data_dir / "benchmarks").glob("hotpotqa_*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no HotpotQA benchmark files under {data_dir / 'benchmarks'}")
+def parse_splits(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``dev`` / ``test`` / ``extra`` / a comma list or list of them -> the canonical tuple in :data:`SPLITS` order
+    (``None``: ``dev``); raises ``ValueError`` naming the bad value and what is allowed."""
+    if value is None:
+        return DEFAULT_SPLITS
+    items = [s.strip() for s in (value.split(",") if isinstance(value, str) else value) if str(s).strip()]
+    bad = [s for s in items if s not in SPLITS]
+    if bad or not items:
+        raise ValueError(f"--split {value!r}: unknown split(s) {bad}; allowed {', '.join(SPLITS)} or a comma list")
+    return tuple(s for s in SPLITS if s in items)
+
+
+def _hotpotqa_passages(data_dir: Path, splits: Sequence[str] = DEFAULT_SPLITS) -> tuple[list[Passage], dict]:
+    # split by split, each in file-name order (easy, hard, medium): the dev index of runs before the splits existed
+    files = [
+        f for s in parse_splits(splits) for f in sorted(HOTPOTQA.level_file(lv, data_dir, s) for lv in HOTPOTQA.levels)
+    ]
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"HotpotQA benchmark file {missing[0]} is missing")
     passages = [p for f in files for p in iter_hotpotqa_passages(f)]
     return passages, {"source": "HotpotQA context paragraphs", "files": [f.name for f in files]}
 
 
-def _scienceqa_passages(data_dir: Path) -> tuple[list[Passage], dict]:
+def _scienceqa_passages(data_dir: Path, splits: Sequence[str] = DEFAULT_SPLITS) -> tuple[list[Passage], dict]:
     from eval_suite.scienceqa_corpus import build_search_corpus
 
     raw = data_dir / "trajectories" / "raw" / "70b_scienceqa_200.jsonl.gz"
-    evaluation = [q.text for q in SCIENCEQA.load_questions(data_dir=data_dir)]
+    evaluation = [q.text for q in SCIENCEQA.load_questions(data_dir=data_dir, splits=splits)]
     corpus = build_search_corpus(raw, evaluation)
     return list(corpus.passages), {"source": f"search results of {raw.name}", **corpus.describe()}
 
@@ -123,9 +155,10 @@ class Benchmark:
         levels: level names in report order.
         metrics: summary metrics (``em``/``f1`` or ``accuracy``).
         score_fields: per-episode score fields of a record (``em``/``f1`` or ``correct``).
-        file_stem: level -> benchmark file stem (``hotpotqa_easy``).
-        parse_row: ``(JSON row, level) -> Question``.
-        own_passages: ``data_dir -> (passages, description)``: the benchmark's search corpus.
+        file_stem: level -> benchmark file stem (``hotpotqa_easy``; the split follows: ``hotpotqa_easy.dev.jsonl``).
+        parse_row: ``(JSON row, level, split) -> Question``.
+        own_passages: ``(data_dir, splits) -> (passages, description)``: the benchmark's search corpus for a pool.
+        splits: the splits this benchmark has (:data:`SPLITS` order).
         score: ``(question, prediction) -> {score_field: value}``.
         level_aliases: accepted spellings of levels (``grade1_4`` -> ``1-4``).
     """
@@ -135,9 +168,10 @@ class Benchmark:
     metrics: tuple[str, ...]
     score_fields: tuple[str, ...]
     file_stem: Callable[[str], str]
-    parse_row: Callable[[dict, str], Question]
-    own_passages: Callable[[Path], tuple[list[Passage], dict]]
+    parse_row: Callable[[dict, str, str], Question]
+    own_passages: Callable[[Path, Sequence[str]], tuple[list[Passage], dict]]
     score: Callable[[Question, str | None], dict[str, float]]
+    splits: tuple[str, ...] = ("dev", "test")
     level_aliases: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -153,44 +187,74 @@ class Benchmark:
             raise ValueError(f"unknown {self.name} level {level!r}: allowed {', '.join(self.levels)}")
         return key
 
-    def level_file(self, level: str, data_dir: Path = DATA_DIR) -> Path:
-        """The benchmark JSONL of one level."""
-        return data_dir / "benchmarks" / f"{self.file_stem(level)}.jsonl"
+    def level_file(self, level: str, data_dir: Path = DATA_DIR, split: str = "dev") -> Path:
+        """The benchmark JSONL of one level of one split (``data/benchmarks/hotpotqa_easy.dev.jsonl``)."""
+        return data_dir / "benchmarks" / f"{self.file_stem(level)}.{split}.jsonl"
+
+    def parse_splits(self, value: str | Sequence[str] | None) -> tuple[str, ...]:
+        """:func:`parse_splits`, then a ``ValueError`` for a split this benchmark does not have (HotpotQA has no
+        ``extra``), naming the ones it has."""
+        splits = parse_splits(value)
+        missing = [s for s in splits if s not in self.splits]
+        if missing:
+            raise ValueError(
+                f"--split {value!r}: {self.name} has no {missing[0]} split; allowed {', '.join(self.splits)}"
+            )
+        return splits
 
     def load_rows(
-        self, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
-    ) -> list[tuple[dict, str]]:
-        """``(JSON row, level)`` of the chosen levels, interleaved (first of each level, then second of each, ...).
+        self,
+        levels: Sequence[str] | None = None,
+        limit: int | None = None,
+        data_dir: Path = DATA_DIR,
+        splits: str | Sequence[str] | None = None,
+    ) -> list[tuple[dict, str, str]]:
+        """``(JSON row, level, split)`` of the chosen levels and splits: split by split (:data:`SPLITS` order), each
+        in the interleaved level order (first of each level, then second of each, ...).
 
         Args:
             levels: level names (default all three).
-            limit: keep the first ``limit`` rows of the interleaved order (every level is represented early).
+            limit: keep the first ``limit`` rows of that order (every level is represented early).
             data_dir: the ``data`` directory.
+            splits: the splits (default ``dev``).
         """
         chosen = [self.parse_level(lv) for lv in (levels or self.levels)]
-        per_level: list[list[tuple[dict, str]]] = []
-        for level in chosen:
-            path = self.level_file(level, data_dir)
-            if not path.is_file():
-                raise FileNotFoundError(f"benchmark file {path} is missing")
-            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            per_level.append([(r, level) for r in rows])
-        out = [lv[i] for i in range(max(map(len, per_level), default=0)) for lv in per_level if i < len(lv)]
+        out: list[tuple[dict, str, str]] = []
+        for split in self.parse_splits(splits):
+            per_level: list[list[tuple[dict, str, str]]] = []
+            for level in chosen:
+                path = self.level_file(level, data_dir, split)
+                if not path.is_file():
+                    raise FileNotFoundError(f"benchmark file {path} is missing")
+                rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+                per_level.append([(r, level, split) for r in rows])
+            out += [lv[i] for i in range(max(map(len, per_level), default=0)) for lv in per_level if i < len(lv)]
         return out[:limit] if limit is not None else out
 
     def load_questions(
-        self, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
+        self,
+        levels: Sequence[str] | None = None,
+        limit: int | None = None,
+        data_dir: Path = DATA_DIR,
+        splits: str | Sequence[str] | None = None,
     ) -> list[Question]:
-        """Questions of the chosen levels, in :meth:`load_rows`'s interleaved order (``limit``: the first ones)."""
-        return [self.parse_row(row, level) for row, level in self.load_rows(levels, limit, data_dir)]
+        """Questions of the chosen levels and splits, in :meth:`load_rows`'s order (``limit``: the first ones)."""
+        return [
+            self.parse_row(row, level, split) for row, level, split in self.load_rows(levels, limit, data_dir, splits)
+        ]
 
-    def corpus(self, extra: Sequence[str | Path] = (), data_dir: Path = DATA_DIR) -> tuple[list[Passage], dict]:
-        """The search corpus: the benchmark's own passages, then those of each extra JSONL file.
+    def corpus(
+        self, extra: Sequence[str | Path] = (), data_dir: Path = DATA_DIR, splits: str | Sequence[str] | None = None
+    ) -> tuple[list[Passage], dict]:
+        """The search corpus of a question pool: the benchmark's own passages for ``splits`` (default ``dev``), then
+        those of each extra JSONL file.
 
         Returns:
-            ``(passages, description)``; the description is JSON-able (sources, counts).
+            ``(passages, description)``; the description is JSON-able (sources, counts, the pool's splits).
         """
-        passages, desc = self.own_passages(data_dir)
+        pool = self.parse_splits(splits)
+        passages, desc = self.own_passages(data_dir, pool)
+        desc = {**desc, "splits": list(pool)}
         for path in extra:
             p = Path(path)
             if not p.is_file():
@@ -201,16 +265,17 @@ class Benchmark:
         return passages, {**desc, "passages": len(passages)}
 
     def toolbox_factory(
-        self, extra: Sequence[str | Path] = (), data_dir: Path = DATA_DIR
+        self, extra: Sequence[str | Path] = (), data_dir: Path = DATA_DIR, splits: str | Sequence[str] | None = None
     ) -> tuple[Callable[[Question], Any], dict]:
-        """A fresh :class:`~lragent.agents.Toolbox` per episode over this benchmark's corpus (index built once).
+        """A fresh :class:`~lragent.agents.Toolbox` per episode over the corpus of the ``splits`` pool (index built
+        once).
 
         Returns:
             ``(question -> Toolbox, corpus description)``.
         """
         from lragent.agents import Toolbox, WikiIndex
 
-        passages, desc = self.corpus(extra, data_dir)
+        passages, desc = self.corpus(extra, data_dir, splits)
         index = WikiIndex.build(passages)
         spec = self.spec
 
@@ -267,6 +332,7 @@ SCIENCEQA = Benchmark(
     parse_row=_scienceqa_question,
     own_passages=_scienceqa_passages,
     score=_scienceqa_score,
+    splits=SPLITS,
     level_aliases={
         alias: band
         for band in SCIENCEQA_BANDS
@@ -290,10 +356,14 @@ def parse_level(benchmark: str, level: str) -> str:
 
 
 def load_questions(
-    benchmark: str, levels: Sequence[str] | None = None, limit: int | None = None, data_dir: Path = DATA_DIR
+    benchmark: str,
+    levels: Sequence[str] | None = None,
+    limit: int | None = None,
+    data_dir: Path = DATA_DIR,
+    splits: str | Sequence[str] | None = None,
 ) -> list[Question]:
     """Questions of a benchmark (see :meth:`Benchmark.load_questions`)."""
-    return get_benchmark(benchmark).load_questions(levels, limit, data_dir)
+    return get_benchmark(benchmark).load_questions(levels, limit, data_dir, splits)
 
 
 def parse_constraints(spec: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 from eval_suite.benchmarks import (
     DATA_DIR,
+    SPLITS,
     Benchmark,
     Question,
     answer_score,
@@ -78,9 +79,12 @@ from lragent.schemes import Scheme, parse_schemes
 # Settings that must not change when a run is resumed into the same directory.
 IDENTITY_FIELDS: tuple[str, ...] = (
     "benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints", "answer_score", "corpus_files",
-    "seed", "agent", "droidspeak_layers", "sampler",
+    "seed", "agent", "droidspeak_layers", "sampler", "split",
 )  # fmt: skip
-UNRECORDED = {"sampler": recorded_sampler({})}  # what a field not in an older run_config.json / record means
+UNRECORDED = {
+    "sampler": recorded_sampler({}),
+    "split": ["dev"],
+}  # what a field not in an older run_config.json / record means
 UPSTREAM_TEMPERATURE = 0.9
 UPSTREAM_TOP_P = 0.75
 # The scheme of ``eval --limit N`` without --scheme: a quick look runs LRAgent's own scheme, not all five.
@@ -282,6 +286,7 @@ def episode_record(
         "benchmark": bench.name,
         "qid": q.qid,
         "level": q.level,
+        "split": q.split,
         "row": row,
         "scheme": str(task.scheme),
         "adapters": adapters,
@@ -386,7 +391,8 @@ def run_episodes(
         if max_episodes is not None:
             todo = todo[:max_episodes]
         if todo and toolbox_factory is None:
-            toolbox_factory = bench.toolbox_factory()[0]
+            pool = [sp for sp in SPLITS if any(q.split == sp for q in questions)]  # the questions' own world
+            toolbox_factory = bench.toolbox_factory(splits=pool)[0]
 
         def tasks() -> Iterator[EpisodeTask]:
             for row, scheme, run, q in todo:
@@ -474,6 +480,7 @@ def evaluate(
     benchmark: str | list[str] = "hotpotqa",
     scheme: str | None = None,
     levels: list[str] | str | None = None,
+    split: str | list[str] = "dev",
     limit: int | None = None,
     runs: int = 3,
     temperature: float = UPSTREAM_TEMPERATURE,
@@ -526,7 +533,12 @@ def evaluate(
             only, LRAgent's scheme, so --limit N runs N x runs episodes, not five times that.
         levels: levels to run: easy, medium, hard (HotpotQA) or 1-4, 5-8, 9-12 (ScienceQA); a comma list or
             [a,b]; default all three.
-        limit: run only the first LIMIT questions of the interleaved level order.
+        split: question split(s): dev (default; choose recipes and settings here), test (the rest of the paper's
+            test sets: 300 HotpotQA / 360 ScienceQA questions with dev; report on it, choose nothing by it), extra
+            (ScienceQA only: 1,412 more unseen questions, for statistical power), or a comma list run as one pool,
+            split by split. The search tools' corpus is the pool's (HotpotQA: its questions' paragraphs). Every
+            record and run_config.json name the split.
+        limit: run only the first LIMIT questions of the pool (split by split, levels interleaved).
         runs: repetitions per question (mean ± std and a 95% interval over runs).
         temperature: sampling temperature (0: greedy decoding).
         top_p: nucleus sampling mass in (0, 1].
@@ -666,6 +678,7 @@ class EvalPlan:
     schemes: list[Scheme]
     constraints: list[str]
     levels: list[str] | None
+    splits: tuple[str, ...]
     agent: AgentConfig
     droidspeak_layers: list[int] | None
     corpus_files: list[str]
@@ -700,6 +713,7 @@ def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
             raise ValueError(f"--{name} must be >= {low}, got {value}")
     bench = get_benchmark(a["benchmark"])
     levels = [bench.parse_level(lv) for lv in _as_list(a["levels"])] or None
+    splits = bench.parse_splits(a["split"])
     scheme = a["scheme"]
     if scheme is None:  # a quick look (--limit) runs one scheme; the whole benchmark (or the untrained row) all
         scheme = "all" if a["limit"] is None or a["adapter_init"] == "zero" else DEFAULT_QUICK_SCHEME
@@ -755,7 +769,7 @@ def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
         max_steps=a["max_steps"], thought_tokens=a["thought_tokens"], argument_tokens=a["argument_tokens"],
         max_context_tokens=max_context,
     )  # fmt: skip
-    questions = bench.load_questions(levels, a["limit"])
+    questions = bench.load_questions(levels, a["limit"], splits=splits)
     parts = max(n, a["devices"])  # a shard of n, or the launcher of --devices N
     if len(questions) < parts:  # a shard without a question could never write its summary, nor the merge run
         option = f"--devices {a['devices']}" if a["devices"] > 1 else f"--shard {a['shard']}"
@@ -763,7 +777,8 @@ def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
                          f"allowed at most {len(questions)} shards")  # fmt: skip
     return EvalPlan(
         bench=bench, questions=questions if a["work_queue"] else questions[i::n], schemes=schemes, constraints=cons,
-        levels=levels, agent=agent, droidspeak_layers=layers, corpus_files=corpus_files, adapters=adapters,
+        levels=levels, splits=splits, agent=agent, droidspeak_layers=layers, corpus_files=corpus_files,
+        adapters=adapters,
         out_dir=Path(a["out"]), temperature=a["temperature"], top_p=top_p, max_context_tokens=max_context, args=a,
     )  # fmt: skip
 
@@ -841,7 +856,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
     apply_memory_fraction(run_device, fraction)
 
     with DirectoryLock(out_dir):
-        toolbox_factory, corpus_desc = bench.toolbox_factory(plan.corpus_files)
+        toolbox_factory, corpus_desc = bench.toolbox_factory(plan.corpus_files, splits=plan.splits)
         print(f"eval: {bench.name} search corpus: {json.dumps(corpus_desc)}", file=sys.stderr)
         prov = provenance(dtype=a["dtype"], device=run_device)
         config = {
@@ -850,7 +865,8 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
             "answer_score": answer_score(plan.constraints), "corpus_files": plan.corpus_files, "seed": a["seed"],
             "agent": vars(plan.agent), "droidspeak_layers": plan.droidspeak_layers, "sampler": SAMPLER_VERSION,
             "schemes": plan.schemes, "batch_invariant": a["batch_invariant"],
-            "runs": a["runs"], "levels": plan.levels, "limit": a["limit"], "shard": a["shard"],
+            "runs": a["runs"], "levels": plan.levels, "split": list(plan.splits), "limit": a["limit"],
+            "shard": a["shard"],
             "work_queue": a["work_queue"],
             "questions": len(plan.questions), "corpus": corpus_desc, "provenance": prov,
         }  # fmt: skip

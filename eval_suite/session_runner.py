@@ -25,9 +25,15 @@ from lragent.schemes import Scheme
 from lragent.session import MultiAgentSession
 
 
-def _load_question(index: int) -> dict:
-    path = DATA_DIR / "benchmarks" / "hotpotqa_easy.jsonl"
-    lines = path.read_text().splitlines()
+def _load_question(index: int, split: str = "dev") -> dict:
+    """The ``index``-th HotpotQA easy question of ``split`` (its record, with the context paragraphs)."""
+    from eval_suite.benchmarks import HOTPOTQA
+
+    splits = HOTPOTQA.parse_splits(split)
+    if len(splits) != 1:
+        raise ValueError(f"--split {split!r}: a session runs one question; allowed one of {', '.join(HOTPOTQA.splits)}")
+    path = HOTPOTQA.level_file("easy", DATA_DIR, splits[0])
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
     if not 0 <= index < len(lines):
         raise ValueError(f"--question {index} out of range: allowed 0..{len(lines) - 1}")
     return json.loads(lines[index])
@@ -90,6 +96,7 @@ def run(
     independent_a: bool,
     schedule: str,
     question: int,
+    split: str,
     max_new_tokens: int,
     temperature: float,
     seed: int,
@@ -102,7 +109,7 @@ def run(
     quiet: bool,
 ) -> dict:
     """Runs the schedule and writes ``out`` after every step; returns the result (arguments as :func:`session`)."""
-    record = _load_question(question)
+    record = _load_question(question, split)
     steps = build_schedule(schedule, record)
     text_bytes = sum(len(text.encode()) for _, text in steps) + len(steps) * (max_new_tokens + 1)
     check_session(model, scheme, text_bytes, dtype=dtype, device=device, rank=rank, shared_a=not independent_a,
@@ -125,6 +132,8 @@ def run(
         "scheme": sess.scheme.value,
         "model": model,
         "schedule": schedule,
+        "question": question,
+        "split": split,
         "adapters": adapters or f"init:{adapter_init}",
         "seed": seed,
         "question_id": record["id"],
@@ -160,6 +169,7 @@ def session(
     independent_a: bool = False,
     schedule: str = "agent",
     question: int = 0,
+    split: str = "dev",
     max_new_tokens: int = 24,
     temperature: float = 0.0,
     seed: int = 0,
@@ -185,7 +195,8 @@ def session(
         alpha: LoRA alpha for --adapter_init.
         independent_a: one A per role (conventional multi-LoRA) for --adapter_init.
         schedule: agent (17 steps), short (plan, action, reflect) or roles (each role twice).
-        question: index of the HotpotQA (easy) dev question.
+        question: index of the HotpotQA (easy) question within --split.
+        split: the question's split: dev (default) or test (recorded in the result).
         max_new_tokens: generation budget of each step (>= 1).
         temperature: sampling temperature (0: greedy).
         seed: adapter init and sampling seed.
@@ -213,13 +224,13 @@ def session(
         raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     if parsed is Scheme.BASE_LR_SHARED and independent_a and not adapters:
         raise ValueError("--scheme base_lr_shared needs shared A: drop --independent_a or use base_shared")
-    _load_question(question)
+    _load_question(question, split)
     check_writable(out, is_dir=False)
     device = resolve_device(device)
     on_interrupt(f"the steps done so far are in {out}")
     result = run(
         scheme=parsed, model=model, adapters=adapters, adapter_init=adapter_init, rank=rank, alpha=alpha,
-        independent_a=independent_a, schedule=schedule, question=question, max_new_tokens=max_new_tokens,
+        independent_a=independent_a, schedule=schedule, question=question, split=split, max_new_tokens=max_new_tokens,
         temperature=temperature, seed=seed, droidspeak_layers=droidspeak_layers, dtype=dtype, device=device,
         use_kernel=use_kernel, cuda_graphs=cuda_graphs, out=out, quiet=quiet,
     )  # fmt: skip

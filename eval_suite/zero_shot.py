@@ -99,6 +99,7 @@ def zero_shot(
     dtype: str = "bfloat16",
     device: str | None = None,
     limit: int | None = None,
+    split: str = "dev",
     max_new_tokens: int = 32,
     quiet: bool = False,
 ) -> int:
@@ -112,6 +113,8 @@ def zero_shot(
         dtype: compute dtype (float32, bfloat16, float16).
         device: cpu, cuda, cuda:N (default: cuda when there is one).
         limit: only the first N questions (levels interleaved).
+        split: question split(s): dev (default), test, extra (ScienceQA), or a comma list (one pool, split by split);
+            every record and the summary name it.
         max_new_tokens: HotpotQA: longest generated answer.
         quiet: no per-question progress lines.
     """
@@ -130,7 +133,11 @@ def zero_shot(
         raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
     dev = resolve_device(device)
     torch_dtype = parse_dtype(dtype)
-    rows = [row for row, _ in get_benchmark(benchmark).load_rows(limit=limit)]
+    bench = get_benchmark(benchmark)
+    splits = bench.parse_splits(split)
+    loaded = bench.load_rows(limit=limit, splits=splits)
+    rows = [row for row, _, _ in loaded]
+    split_of = {str(row.get("pid", row.get("id"))): s for row, _, s in loaded}
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "zero_shot.jsonl"
@@ -166,13 +173,14 @@ def zero_shot(
                 rec = {"qid": qid, "answer": pred, "gold": row["answer"], "raw": text,
                        "em": exact_match_score(pred, row["answer"]), "f1": f1_score(pred, row["answer"])}  # fmt: skip
             rec["prompt_tokens"] = len(ids)
+            rec["split"] = split_of[qid]
             log.write(json.dumps(rec) + "\n")
             log.flush()
             done[qid] = rec
             if not quiet:
                 print(f"[{i + 1}/{len(rows)}] {qid}: {rec['answer']!r} (gold {rec['gold']!r})", flush=True)
     records = [done[str(r.get("pid", r.get("id")))] for r in rows]
-    summary = {"benchmark": benchmark, "model": model, **summarize(benchmark, records),
+    summary = {"benchmark": benchmark, "model": model, "split": list(splits), **summarize(benchmark, records),
                "seconds": round(time.time() - t0, 1),
                "provenance": provenance(dtype=torch_dtype, device=dev)}  # fmt: skip
     write_json(out_dir / "summary.json", summary)

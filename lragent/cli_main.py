@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "decode": ("eval_suite.bench_decode", "decode"),
     "trace": ("eval_suite.bench_trace", "trace"),
     "train": ("eval_suite.bench_train", "train"),
+    "eval": ("eval_suite.bench_eval", "bench_eval"),
 }
 LIGHTNING = ("fit", "validate", "test")
 
@@ -46,7 +47,7 @@ USAGE = """usage: lragent COMMAND [options]    (lragent COMMAND --help for a com
   fidelity --benchmark hotpotqa --adapters DIR       KL / top-1 agreement of each scheme against non_shared
   droidspeak-select --benchmark hotpotqa --adapters DIR   which layers DroidSpeak recomputes
   similarity --adapters DIR --benchmark hotpotqa     cache similarity across agents
-  bench kernel | decode | trace | train              kernel, decode, trace and training-step benchmarks
+  bench kernel | decode | trace | train | eval       kernel, decode, trace, training-step and eval-throughput benches
   data-stats --out DIR                               role data token lengths and batches
   zero-shot --benchmark scienceqa --model M          the base model without agents or adapters (reference row)
 """

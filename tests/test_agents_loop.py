@@ -42,7 +42,7 @@ from lragent.agents.prompts import (
 from lragent.agents.tools import OBS_NO_IMAGE
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-HOTPOT_FILES = sorted((DATA / "benchmarks").glob("hotpotqa_*.jsonl"))
+HOTPOT_FILES = sorted((DATA / "benchmarks").glob("hotpotqa_*.dev.jsonl"))
 SPECS = {"hotpotqa": HOTPOTQA, "scienceqa": SCIENCEQA}
 TH = THOUGHT_MARKER  # "Thought: \n### Response:\n"
 
@@ -199,7 +199,7 @@ def test_invalid_actions_and_reflect_variants() -> None:
 
 
 def test_scienceqa_episode_with_image2text(index: WikiIndex) -> None:
-    rows = [json.loads(x) for x in (DATA / "benchmarks" / "scienceqa_grade1_4.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (DATA / "benchmarks" / "scienceqa_grade1_4.dev.jsonl").read_text().splitlines()]
     r = next(x for x in rows if x["pid"] == "19204")  # capital of Hawaii, has an image
     qtext = format_question(r["question"], r["choices"])
     assert qtext == "What is the capital of Hawaii?\nOptions:(A) Santa Fe (B) Honolulu (C) Hilo (D) Phoenix"

@@ -177,7 +177,7 @@ def test_scienceqa_finish_arguments_in_training_are_option_letters() -> None:
 def test_judgement_questions_from_text_only() -> None:
     """Against the benchmark's gold answers (used here only to check the detector): every yes/no question found,
     nothing else; none of the 200 (non-judgement) HotpotQA training questions is flagged."""
-    rows = [json.loads(x) for p in sorted((DATA / "benchmarks").glob("hotpotqa_*.jsonl")) for x in p.open()]
+    rows = [json.loads(x) for p in sorted((DATA / "benchmarks").glob("hotpotqa_*.dev.jsonl")) for x in p.open()]
     flagged = {r["id"] for r in rows if is_judgement_question(r["question"])}
     yes_no = {r["id"] for r in rows if r["answer"].strip().lower() in YES_NO}
     assert len(yes_no) == 5 and flagged == yes_no

@@ -30,7 +30,7 @@ from lragent.agents.tools import (
 )
 
 BENCH = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
-HOTPOT_FILES = sorted(BENCH.glob("hotpotqa_*.jsonl"))
+HOTPOT_FILES = sorted(BENCH.glob("hotpotqa_*.dev.jsonl"))
 TOOLS = ("Retrieve", "BingSearch", "Lookup", "Image2Text")
 
 
@@ -121,7 +121,7 @@ def test_lookup_walks_sentences(index: WikiIndex) -> None:
 
 
 def test_image2text_uses_question_caption_and_ocr() -> None:
-    rows = [json.loads(x) for x in (BENCH / "scienceqa_grade1_4.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (BENCH / "scienceqa_grade1_4.dev.jsonl").read_text().splitlines()]
     boston = next(r for r in rows if r["pid"] == "8931")
     idx = WikiIndex.build([Passage("X", ("x.",))])
     tb = Toolbox(idx, caption=boston["caption"], ocr=boston["ocr"])

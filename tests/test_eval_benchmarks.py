@@ -31,7 +31,7 @@ from lragent.agents.tools import iter_hotpotqa_passages
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 RAW_SCIENCEQA = DATA / "trajectories" / "raw" / "70b_scienceqa_200.jsonl.gz"
-HOTPOT_FILES = sorted((DATA / "benchmarks").glob("hotpotqa_*.jsonl"))
+HOTPOT_FILES = sorted((DATA / "benchmarks").glob("hotpotqa_*.dev.jsonl"))
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ def test_yes_no_rule() -> None:
 
 
 def test_gold_answers_score_one_on_real_benchmark() -> None:
-    answers = [r["answer"] for level in HOTPOTQA_LEVELS for r in _rows(f"hotpotqa_{level}.jsonl")]
+    answers = [r["answer"] for level in HOTPOTQA_LEVELS for r in _rows(f"hotpotqa_{level}.dev.jsonl")]
     assert len(answers) == 90
     em, f1 = HotpotQAExactMatch(), HotpotQAF1()
     em.update(answers, answers)
@@ -108,7 +108,7 @@ def test_parse_choice(pred: object, expected: int | None) -> None:
 
 
 def test_parse_choice_on_real_scienceqa_questions() -> None:
-    rows = [r for band in ("1_4", "5_8", "9_12") for r in _rows(f"scienceqa_grade{band}.jsonl")]
+    rows = [r for band in ("1_4", "5_8", "9_12") for r in _rows(f"scienceqa_grade{band}.dev.jsonl")]
     assert len(rows) == 90
     for r in rows:
         ans, choices = r["answer"], r["choices"]
