@@ -23,6 +23,10 @@
 #                                                phases (default "decode1 decode2 trace16k trace32k table"): the
 #                                                whole took 7 and 13 minutes on two H200s, up to more than one
 #                                                device command, so split it over calls with one $OUT kept in /tmp
+#   bash scripts/gpu_bench.sh eval NAME [options]  python cli.py bench eval (episodes per GPU-second of eval jobs, the
+#                                                GPU's busy share) into /tmp/bench_eval/NAME, packed as
+#                                                $OUT/NAME.tar.gz (the accuracy model converted first, if carried);
+#                                                the jobs run as the study runs them (OMP_NUM_THREADS=1)
 #   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
 #                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
 #                                                FIT_STEPS2, exported (one PEFT directory per role)
@@ -36,9 +40,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  decode | trace | kernel | train | fit8b | gemv | profile | readme) BENCH=$1; shift ;;
+  decode | trace | kernel | train | fit8b | gemv | profile | readme | eval) BENCH=$1; shift ;;
   -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;;
-  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b, gemv, profile, readme (--help)" >&2
+  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b, gemv, profile, readme, eval (--help)" >&2
     exit 2 ;;
 esac
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > /dev/null
@@ -60,6 +64,13 @@ phase() {  # phase NAME command...: runs, logs to $OUT/NAME.log, records wall se
 case "$BENCH" in
   gemv) phase gemv "$PY" -m eval_suite.bench_fused_gemv "$@" --out "$OUT/gemv"; exit 0 ;;
   profile) phase profile "$PY" -m eval_suite.profile_decode "$@" --out "$OUT/profile"; exit 0 ;;
+  eval)
+    NAME=${1:?eval needs a NAME}; shift
+    [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && "$PY" -m lragent.accuracy_model 2>&1 | grep -v "it/s\]" | tail -1
+    mkdir -p /tmp/bench_eval
+    OMP_NUM_THREADS=1 phase "$NAME" "$PY" cli.py bench eval "$@" --out "/tmp/bench_eval/$NAME"
+    tar czf "$OUT/$NAME.tar.gz" -C /tmp/bench_eval "$NAME"
+    exit 0 ;;
   fit8b) ;;
   readme)
     D=(--model llama-3.1-8b --context 2048 --batches "[1,32]" --eager false --repeats 2
