@@ -1,0 +1,165 @@
+"""The server's counters, gauges and histograms, rendered as Prometheus text (exposition format 0.0.4).
+
+Written by the scheduler's thread, read by the HTTP front end's (``GET /metrics``): every access holds one lock. The
+names follow vLLM's where they mean the same thing, under the ``lragent_`` prefix.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Sequence
+
+TTFT_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Seconds from a request's arrival to its first generated token."""
+TPOT_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Seconds per generated token after the first."""
+
+
+class Histogram:
+    """Cumulative buckets, a sum and a count.
+
+    Args:
+        buckets: upper bounds, increasing (``+Inf`` is added).
+    """
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        if list(buckets) != sorted(buckets) or not buckets:
+            raise ValueError(f"histogram buckets must be increasing and non-empty, got {list(buckets)}")
+        self.buckets = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip([*self.buckets, float("inf")], self.counts, strict=True):
+            total += n
+            le = "+Inf" if bound == float("inf") else f"{bound:g}"
+            out.append(f'{name}_bucket{{le="{le}"}} {total}')
+        return [*out, f"{name}_sum {self.sum:.6f}", f"{name}_count {self.count}"]
+
+
+class ServeMetrics:
+    """What ``/metrics`` reports; see :meth:`render` for the names."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self.waiting = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_tokens = 0
+        self.requests: dict[str, int] = {}
+        self.evictions = 0
+        self.forks = 0
+        self.trajectories = 0
+        self.cache_bytes: dict[str, int] = {}
+        self.peak_cache_bytes = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        with self._lock:
+            self.running, self.waiting = running, waiting
+
+    def set_cache(self, trajectories: int, cache_bytes: dict[str, int]) -> None:
+        with self._lock:
+            self.trajectories = trajectories
+            self.cache_bytes = dict(cache_bytes)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, sum(cache_bytes.values()))
+
+    def count_event(self, evicted: bool = False, forked: bool = False) -> None:
+        with self._lock:
+            self.evictions += int(evicted)
+            self.forks += int(forked)
+
+    def finished(
+        self,
+        outcome: str,
+        prompt_tokens: int = 0,
+        generation_tokens: int = 0,
+        cached_tokens: int = 0,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+    ) -> None:
+        """Counts one request that ended (``outcome``: ``stop``, ``length``, ``cancelled``, ``error``)."""
+        with self._lock:
+            self.requests[outcome] = self.requests.get(outcome, 0) + 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens
+            self.cached_tokens += cached_tokens
+            if ttft_s is not None:
+                self.ttft.observe(ttft_s)
+            if tpot_s is not None:
+                self.tpot.observe(tpot_s)
+
+    def snapshot(self) -> dict:
+        """The plain numbers (tests, ``bench serve``)."""
+        with self._lock:
+            return {
+                "running": self.running,
+                "waiting": self.waiting,
+                "prompt_tokens": self.prompt_tokens,
+                "generation_tokens": self.generation_tokens,
+                "cached_tokens": self.cached_tokens,
+                "requests": dict(self.requests),
+                "evictions": self.evictions,
+                "forks": self.forks,
+                "trajectories": self.trajectories,
+                "cache_bytes": dict(self.cache_bytes),
+                "peak_cache_bytes": self.peak_cache_bytes,
+            }
+
+    def render(self) -> str:
+        """Prometheus text."""
+        with self._lock:
+            lines: list[str] = []
+
+            def metric(name: str, kind: str, doc: str, samples: list[str]) -> None:
+                lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *samples])
+
+            metric("lragent_num_requests_running", "gauge", "Requests generating in the engine's rows.",
+                   [f"lragent_num_requests_running {self.running}"])  # fmt: skip
+            metric("lragent_num_requests_waiting", "gauge", "Requests waiting for a row.",
+                   [f"lragent_num_requests_waiting {self.waiting}"])  # fmt: skip
+            metric("lragent_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                   [f"lragent_prompt_tokens_total {self.prompt_tokens}"])  # fmt: skip
+            metric("lragent_generation_tokens_total", "counter", "Generated tokens of finished requests.",
+                   [f"lragent_generation_tokens_total {self.generation_tokens}"])  # fmt: skip
+            metric("lragent_cached_prompt_tokens_total", "counter",
+                   "Prompt tokens read from a held trajectory's caches instead of computed.",
+                   [f"lragent_cached_prompt_tokens_total {self.cached_tokens}"])  # fmt: skip
+            metric(
+                "lragent_requests_total",
+                "counter",
+                "Finished requests by outcome.",
+                [f'lragent_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())],
+            )
+            metric("lragent_trajectories", "gauge", "Trajectories held in the engine's rows.",
+                   [f"lragent_trajectories {self.trajectories}"])  # fmt: skip
+            metric("lragent_trajectory_evictions_total", "counter", "Least recently used trajectories evicted.",
+                   [f"lragent_trajectory_evictions_total {self.evictions}"])  # fmt: skip
+            metric("lragent_trajectory_forks_total", "counter",
+                   "Trajectories started from another's shared prefix (its caches copied).",
+                   [f"lragent_trajectory_forks_total {self.forks}"])  # fmt: skip
+            metric(
+                "lragent_cache_bytes",
+                "gauge",
+                "Bytes the caches hold (valid positions) by component.",
+                [f'lragent_cache_bytes{{component="{k}"}} {v}' for k, v in sorted(self.cache_bytes.items())],
+            )
+            metric("lragent_cache_bytes_peak", "gauge", "Peak of the caches' total bytes.",
+                   [f"lragent_cache_bytes_peak {self.peak_cache_bytes}"])  # fmt: skip
+            metric("lragent_time_to_first_token_seconds", "histogram",
+                   "Seconds from a request's arrival to its first generated token.",
+                   self.ttft.lines("lragent_time_to_first_token_seconds"))  # fmt: skip
+            metric("lragent_time_per_output_token_seconds", "histogram",
+                   "Seconds per generated token after the first, per request.",
+                   self.tpot.lines("lragent_time_per_output_token_seconds"))  # fmt: skip
+            return "\n".join(lines) + "\n"

@@ -1,0 +1,419 @@
+"""The HTTP-free serving core: text trajectories and prompt matching, forking a row, the scheduler (tiny model, CPU).
+
+A served request must compute what ``MultiAgentSession`` computes when its role takes its turn on the same
+trajectory; a prompt that parts from a held trajectory continues from the shared part's caches as if that trajectory
+had been cut there; requests join and leave the decode batch without changing each other's tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import tiny_multi_lora
+
+from lragent.engine import Engine
+from lragent.serving.metrics import Histogram, ServeMetrics
+from lragent.serving.rows import fork_row
+from lragent.serving.scheduler import Admitted, Delta, Failed, Finished, RequestError, Scheduler, ServeRequest
+from lragent.serving.trajectories import (
+    TextTrajectory,
+    TrajectoryStore,
+    common_prefix_len,
+    match_prompt,
+)
+from lragent.session import MultiAgentSession
+
+SCHEMES = ("non_shared", "full_shared", "droidspeak", "base_shared", "base_lr_shared")
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (the tiny models have a 256-token vocabulary)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", "replace")
+
+
+class WordTokenizer:
+    """Greedy longest-match over a small vocabulary of multi-character pieces (``"ab"`` before ``"a"``): like BPE, a
+    piece's tokens depend on the text after it, so tokenising a text whole and in two parts can differ."""
+
+    PIECES = ("Question", "Thought", ": ", "ab", "abc", "a", "b", "c", " ", ":", "x", "y", "z", "\n", "Q")
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        ids, i = [], 0
+        while i < len(text):
+            best = max((p for p in self.PIECES if text.startswith(p, i)), key=len, default=None)
+            if best is None:
+                ids.append(100 + ord(text[i]) % 100)
+                i += 1
+            else:
+                ids.append(self.PIECES.index(best))
+                i += len(best)
+        return {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.PIECES[i] if i < len(self.PIECES) else chr(i - 100) for i in ids)
+
+
+def tokenize_with(tok):
+    return lambda text: tok(text)["input_ids"]
+
+
+# ---- text trajectories and matching ---------------------------------------------------------------------------------
+def test_common_prefix_len_boundaries():
+    assert common_prefix_len("", "abc") == 0
+    assert common_prefix_len("abc", "abc") == 3
+    assert common_prefix_len("abcd", "abc") == 3
+    assert common_prefix_len("xbc", "abc") == 0  # parts at index 0
+    assert common_prefix_len("abcdefgh" * 50 + "X", "abcdefgh" * 50 + "Y") == 400
+
+
+def test_a_prompt_that_extends_a_trajectory_keeps_its_tokens_and_tokenises_only_the_new_text():
+    tok = WordTokenizer()
+    held = TextTrajectory()
+    ids = tok("Question: ab")["input_ids"]
+    held.append("Question: ab", len(ids))
+    # the generated piece: the client was sent "c" but the trajectory kept no token for it (dropped with a stop)
+    held.append("c", 0)
+    prompt = "Question: abc" + "abc x"
+    m = match_prompt(prompt, held, ids, tokenize_with(tok), row=4)
+    assert m.extends and m.row == 4 and m.shared == len(ids)
+    assert m.tokens == ids + tok("abc x")["input_ids"]  # the new text alone, not "Question: abcabc x" retokenised
+    assert m.tokens != tok(prompt)["input_ids"]  # whole-prompt tokenisation would split "ab|c" as "abc"
+    assert m.trajectory.text == prompt and m.trajectory.marks[-1] == (len(prompt), len(m.tokens))
+
+
+def test_a_prompt_that_parts_inside_a_piece_is_tokenised_from_that_piece_and_shares_its_leading_tokens():
+    tok = WordTokenizer()
+    held = TextTrajectory()
+    first = tok("Q: x\n")["input_ids"]
+    held.append("Q: x\n", len(first))
+    second = tok("Thought: abc y")["input_ids"]
+    held.append("Thought: abc y", len(second))
+    ids = first + second
+    prompt = "Q: x\nThought: ab z"  # parts inside the second piece, after "ab" (which is there "abc")
+    m = match_prompt(prompt, held, ids, tokenize_with(tok), row=0)
+    rest = tok("Thought: ab z")["input_ids"]
+    assert m.tokens == first + rest
+    assert m.shared == len(first) + 2  # "Thought", ": " shared; "ab" is not the trajectory's "abc" token
+    assert not m.extends
+    assert m.trajectory.marks == [(0, 0), (5, len(first)), (len(prompt), len(m.tokens))]
+    # a prompt that is a whole-piece prefix of the trajectory: its tokens, no new text
+    m2 = match_prompt("Q: x\n", held, ids, tokenize_with(tok), row=0)
+    assert m2.tokens == first and m2.shared == len(first) and not m2.extends
+
+
+def test_the_store_picks_the_most_reusable_trajectory_and_evicts_the_least_recently_used():
+    tok = ByteTokenizer()
+    store = TrajectoryStore(3)
+    for row, text in enumerate(["abcdef", "abcxyz"]):
+        held = TextTrajectory()
+        held.append(text, len(text))
+        store.set(row, held)
+    ids = {0: list(b"abcdef"), 1: list(b"abcxyz")}
+    m = store.best_match("abcdeQ", [0, 1], ids.__getitem__, lambda r, s: s, tokenize_with(tok))
+    assert m.row == 0 and m.shared == 5
+    # the scheme's rule decides: if row 0's caches serve this role nothing, row 1 (3 reusable) wins
+    m = store.best_match("abcdeQ", [0, 1], ids.__getitem__, lambda r, s: 0 if r == 0 else s, tokenize_with(tok))
+    assert m.row == 1 and m.shared == 3
+    assert store.best_match("Zzz", [0, 1], ids.__getitem__, lambda r, s: s, tokenize_with(tok)) is None
+    assert store.spare_row(busy=[]) == 2  # an empty row first
+    store.set(2, TextTrajectory())
+    store.touch(0)
+    assert store.spare_row(busy=[]) == 1  # then the least recently used
+    assert store.spare_row(busy=[1]) == 2
+    assert store.spare_row(busy=[0, 1, 2]) is None
+
+
+# ---- forking a row --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_forked_row_is_its_source_cut_to_the_shared_part(scheme):
+    """Same caches (every slot of the row: per-role K/V, V_lr, hidden states) and the same next step as the source
+    cut in place."""
+    from lragent.engine import GenerationRequest
+
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    eng = Engine(model, scheme, rows=3, capacity=128, tokenizer=tok, eos_token_ids=[], droidspeak_layers=[1])
+    eng.append(0, list(b"the shared system prompt, then ep A"))
+    for role in (0, 1, 2, 0):  # several roles write (catch-ups, own caches)
+        eng.generate(0, GenerationRequest(role=role, max_new_tokens=3))
+        eng.append(0, list(b" more"))
+    n = 24
+    fork_row(eng, 0, 2, n)
+    eng.truncate(0, n)  # the reference: the source cut in place
+    assert eng.traj[2].ids == eng.traj[0].ids and eng.traj[2].lengths == eng.traj[0].lengths
+    assert eng.traj[2].seen == eng.traj[0].seen
+    for role in range(len(model.router)):
+        a, b = eng.scheme.kv_slot(0, role), eng.scheme.kv_slot(2, role)
+        for layer in range(len(eng.pool.k)):
+            assert torch.equal(eng.pool.k[layer][a, :, :n], eng.pool.k[layer][b, :, :n])
+            assert torch.equal(eng.pool.v[layer][a, :, :n], eng.pool.v[layer][b, :, :n])
+            if eng.pool.v_lr is not None:
+                la, lb = eng.scheme.lr_slot(0, role), eng.scheme.lr_slot(2, role)
+                assert torch.equal(eng.pool.v_lr[layer][la, :n], eng.pool.v_lr[layer][lb, :n])
+    for buf in eng.pool.hidden.values():
+        assert torch.equal(buf[eng.scheme.hidden_slot(0), :n], buf[eng.scheme.hidden_slot(2), :n])
+    outs = []
+    for row in (0, 2):
+        eng.append(row, list(b" and B"))
+        outs.append(eng.generate(row, GenerationRequest(role=1, max_new_tokens=6)).generated_ids)
+    assert outs[0] == outs[1]
+
+
+# ---- the scheduler -------------------------------------------------------------------------------------------------
+class Client:
+    """Submits requests to a scheduler and waits for their results (the HTTP front end's part, without HTTP)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def submit(self, role: str, prompt: str, **kw) -> tuple[ServeRequest, threading.Event, list]:
+        done, events = threading.Event(), []
+
+        def sink(ev):
+            events.append(ev)
+            if isinstance(ev, Finished | Failed):
+                done.set()
+
+        req = ServeRequest(role, prompt, sink, **kw)
+        self.scheduler.submit(req)
+        return req, done, events
+
+    def call(self, role: str, prompt: str, **kw):
+        _, done, events = self.submit(role, prompt, **kw)
+        assert done.wait(60), "no result in 60 s"
+        return events[-1], events
+
+
+def _serve(model, scheme: str, rows: int = 3, capacity: int = 256, **kw) -> tuple[Scheduler, Client]:
+    tok = ByteTokenizer()
+    eng = Engine(model, scheme, rows=rows, capacity=capacity, tokenizer=tok, eos_token_ids=[], droidspeak_layers=[1],
+                 **kw)  # fmt: skip
+    sch = Scheduler(eng, tok).start()
+    return sch, Client(sch)
+
+
+PIECES = (("plan", "Question: who? Thought: "), ("action", " Action: "), ("reflect", "] Obs: x. Reflect: "))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_served_turns_equal_the_session(scheme):
+    """plan -> action -> reflect through the scheduler, each request carrying the whole text so far, gives the
+    session's tokens; cached_tokens is what the role's caches held (0 under non_shared for a role's first turn)."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    sch, client = _serve(model, scheme)
+    sess = MultiAgentSession(model, scheme, tokenizer=tok, eos_token_ids=[], droidspeak_layers=[1])
+    text = ""
+    try:
+        for role, piece in PIECES:
+            text += piece
+            res, events = client.call(role, text, max_tokens=7, stop=("\n",))
+            assert isinstance(events[0], Admitted) and isinstance(res, Finished), events
+            sess.append_text(piece)
+            before = len(sess.ids)
+            ref = sess.step(role, max_new_tokens=7, stop=["\n"])
+            assert res.text == ref.text
+            assert res.completion_tokens == len(ref.generated_ids)
+            assert res.prompt_tokens == before
+            assert res.cached_tokens == before - (ref.prefill_tokens - ref.recomputed_tokens)
+            assert res.trajectory_tokens == len(sess.ids)
+            text += res.text
+        if scheme == "non_shared":
+            assert res.cached_tokens == 0
+        if scheme == "base_lr_shared":
+            assert res.cached_tokens == res.prompt_tokens - len(b"] Obs: x. Reflect: ") - 1
+    finally:
+        sch.stop()
+
+
+def test_a_prompt_parting_from_a_held_trajectory_forks_and_equals_a_fresh_session():
+    """base_lr_shared: episode B's prompt shares episode A's system prompt. It reuses A's caches for the shared tokens
+    (cached_tokens) and gives what a fresh session gives B (A's prefix was written by the same role, plan)."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    sch, client = _serve(model, "base_lr_shared", rows=3)
+    system = "You answer questions. Question: "
+    try:
+        a, _ = client.call("plan", system + "is A?", max_tokens=5)
+        b, _ = client.call("plan", system + "is B?", max_tokens=5)
+        assert b.cached_tokens == len(system) + len("is ")  # the shared bytes
+        assert sch.metrics.snapshot()["forks"] == 1
+        fresh = MultiAgentSession(model, "base_lr_shared", tokenizer=tok, eos_token_ids=[])
+        fresh.append_text(system + "is B?")
+        assert b.text == fresh.step("plan", max_new_tokens=5).text
+        # A's trajectory is still held: its next turn extends it in place
+        c, _ = client.call("action", system + "is A?" + a.text + " act: ", max_tokens=4)
+        assert c.cached_tokens == len(system) + len("is A?") + 5 - 1
+    finally:
+        sch.stop()
+
+
+def test_the_least_recently_used_trajectory_is_evicted_and_its_continuation_recomputed():
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    sch, client = _serve(model, "non_shared", rows=2)
+    try:
+        outs = {}
+        for name in ("xx", "yy", "zz"):  # three trajectories, two rows: "xx" is evicted by "zz"
+            outs[name], _ = client.call("plan", f"{name} one ", max_tokens=3)
+        snap = sch.metrics.snapshot()
+        assert snap["evictions"] == 1 and snap["trajectories"] == 2
+        again, _ = client.call("plan", "xx one " + outs["xx"].text + " two ", max_tokens=3)
+        assert again.cached_tokens == 0  # recomputed: its caches were evicted
+        ref = MultiAgentSession(model, "non_shared", tokenizer=tok, eos_token_ids=[])
+        ref.append_text("xx one ")
+        ref.step("plan", max_new_tokens=3)
+        ref.append_text(" two ")
+        assert again.text == ref.step("plan", max_new_tokens=3).text
+        # "xx" took the least recently used row, "yy"'s: "zz" is still held and continues from its caches
+        zz, _ = client.call("plan", "zz one " + outs["zz"].text, max_tokens=2)
+        assert zz.cached_tokens == len("zz one ") + 3 - 1
+        assert sch.metrics.snapshot()["evictions"] == 2
+    finally:
+        sch.stop()
+
+
+@pytest.mark.parametrize(("scheme", "shared_prefix"), [("base_lr_shared", False), ("non_shared", True)])
+def test_concurrent_requests_join_and_leave_the_batch_without_changing_each_others_tokens(scheme, shared_prefix):
+    """12 requests at once on 4 rows (8 wait, rows are reused as requests end): each result equals the request run
+    alone on a fresh engine; streamed deltas add up to the text. Under base_lr_shared the prompts share nothing (a
+    prefix written by another role is the scheme's approximation, not the same numbers); under non_shared they
+    share a prefix, which only the role that wrote it reuses (forks), so the numbers are the same as alone."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    sch, client = _serve(model, scheme, rows=4)
+    head = (lambda i: "episode ") if shared_prefix else (lambda i: chr(65 + i) + " episode ")
+    prompts = [(("plan", "action", "reflect")[i % 3], f"{head(i)}{i}: " + "q" * (i % 5), 3 + i % 4) for i in range(12)]
+    try:
+        pending = [client.submit(role, p, max_tokens=n, stream=True, stop=("zz",)) for role, p, n in prompts]
+        results = []
+        for _, done, events in pending:
+            assert done.wait(60)
+            assert isinstance(events[-1], Finished), events[-1]
+            assert "".join(e.text for e in events if isinstance(e, Delta)) == events[-1].text
+            results.append(events[-1])
+        assert sum(sch.metrics.snapshot()["requests"].values()) == 12
+        assert (sch.metrics.snapshot()["forks"] > 0) == shared_prefix
+    finally:
+        sch.stop()
+    for (role, p, n), res in zip(prompts, results, strict=True):
+        alone, client1 = _serve(model, scheme, rows=1)
+        try:
+            ref, _ = client1.call(role, p, max_tokens=n, stop=("zz",))
+        finally:
+            alone.stop()
+        assert res.text == ref.text and res.completion_tokens == ref.completion_tokens
+
+
+def test_a_cancelled_request_frees_its_row_and_a_cancelled_waiting_one_never_runs():
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    sch, client = _serve(model, "base_lr_shared", rows=1, capacity=512)
+    try:
+        long_req, long_done, long_events = client.submit("plan", "long one ", max_tokens=400, stream=True)
+        for _ in range(1000):
+            if any(isinstance(e, Delta) for e in long_events):
+                break
+            threading.Event().wait(0.01)
+        never, _, never_events = client.submit("plan", "never ", max_tokens=3)  # the one row is busy: both wait
+        _, waits_done, waits_events = client.submit("plan", "waits ", max_tokens=3)
+        never.cancel()
+        long_req.cancel()
+        assert waits_done.wait(60) and isinstance(waits_events[-1], Finished)
+        assert never_events == [] and not any(isinstance(e, Finished) for e in long_events)
+        assert not long_done.is_set()
+        assert sch.metrics.snapshot()["requests"] == {"cancelled": 2, "length": 1}
+        assert isinstance(client.call("plan", "still serving ", max_tokens=2)[0], Finished)
+    finally:
+        sch.stop()
+
+
+def test_out_of_memory_fails_the_request_with_503_and_the_server_goes_on(monkeypatch):
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    sch, client = _serve(model, "base_lr_shared", rows=2)
+    eng = sch.engine
+    start, advance = eng.start, eng.advance
+    calls = {"start": 0, "advance": 0}
+
+    def oom_start(row, req):
+        calls["start"] += 1
+        if calls["start"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return start(row, req)
+
+    def oom_advance(*a, **k):
+        calls["advance"] += 1
+        if calls["advance"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return advance(*a, **k)
+
+    try:
+        monkeypatch.setattr(eng, "start", oom_start)
+        res, _ = client.call("plan", "first ", max_tokens=3)
+        assert isinstance(res, Failed) and res.status == 503 and res.code == "out_of_memory"
+        assert "\n" not in res.message
+        monkeypatch.setattr(eng, "advance", oom_advance)
+        res, _ = client.call("plan", "second ", max_tokens=3)  # prefilled, then the decode step fails
+        assert isinstance(res, Failed) and res.status == 503
+        assert not eng._pending
+        res, _ = client.call("plan", "third ", max_tokens=3)
+        assert isinstance(res, Finished) and res.completion_tokens == 3
+    finally:
+        sch.stop()
+
+
+def test_errors_name_the_field():
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    sch, client = _serve(model, "base_lr_shared", rows=1, capacity=64)
+    try:
+        with pytest.raises(RequestError) as exc:
+            client.submit("planner", "x")
+        assert exc.value.param == "model" and "plan, action, reflect" in str(exc.value)
+        res, _ = client.call("plan", "x" * 60, max_tokens=10)
+        assert isinstance(res, Failed) and res.status == 400 and res.param == "prompt"
+        assert (
+            res.code == "context_length_exceeded" and "63 tokens" in res.message and "(60 in the prompt" in res.message
+        )
+        res, _ = client.call("plan", "x" * 53, max_tokens=10)  # 63 fits exactly
+        assert isinstance(res, Finished)
+        res, _ = client.call("plan", "", max_tokens=1, prompt_field="messages")
+        assert isinstance(res, Failed) and res.param == "messages"
+        res, _ = client.call("plan", "x" * 20, max_tokens=None)  # the rest of the context
+        assert isinstance(res, Finished) and res.completion_tokens == 63 - 20
+    finally:
+        sch.stop()
+
+
+def test_stop_serves_what_is_queued_then_refuses():
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    sch, client = _serve(model, "base_lr_shared", rows=1)
+    pending = [client.submit("plan", f"r{i} ", max_tokens=20) for i in range(3)]
+    sch.stop()
+    assert not sch.alive
+    assert all(done.is_set() and isinstance(ev[-1], Finished) for _, done, ev in pending)
+    with pytest.raises(RequestError) as exc:
+        client.submit("plan", "late")
+    assert exc.value.status == 503
+
+
+def test_metrics_render_as_prometheus_text():
+    h = Histogram([0.1, 1.0])
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert h.lines("t") == ['t_bucket{le="0.1"} 2', 't_bucket{le="1"} 3', 't_bucket{le="+Inf"} 4', "t_sum 3.650000",
+                            "t_count 4"]  # fmt: skip
+    m = ServeMetrics()
+    m.set_queue(2, 5)
+    m.set_cache(3, {"k": 100, "v_base": 100, "v_lr": 7})
+    m.finished("stop", 10, 4, 6, 0.3, 0.02)
+    text = m.render()
+    for line in ("lragent_num_requests_running 2", "lragent_num_requests_waiting 5", "lragent_prompt_tokens_total 10",
+                 "lragent_generation_tokens_total 4", "lragent_cached_prompt_tokens_total 6",
+                 'lragent_cache_bytes{component="v_lr"} 7', 'lragent_requests_total{outcome="stop"} 1',
+                 'lragent_time_to_first_token_seconds_bucket{le="0.5"} 1', "lragent_cache_bytes_peak 207"):  # fmt: skip
+        assert line in text.splitlines(), line
