@@ -514,6 +514,7 @@ def evaluate(
     devices: int = 1,
     memory_fraction: float | None = None,
     quiet: bool = False,
+    server: str | None = None,
 ) -> int:
     """Multi-agent accuracy of the cache sharing schemes on HotpotQA or ScienceQA (paper Tables 3, 15 and 16).
 
@@ -598,6 +599,9 @@ def evaluate(
         memory_fraction: this process's share of the device's memory, in (0, 1]: --batch auto sizes within it
             and the CUDA allocator is capped there, so several evaluations can share one GPU (e.g. six at 0.15).
         quiet: no progress bar.
+        server: run the agents as HTTP clients of a running `lragent serve` at this URL (each role call one
+            completions request carrying the trajectory so far) instead of loading the model here; --batch N: N
+            episodes in flight; the server's key from $LRAGENT_API_KEY.
 
     Returns:
         0 on success.
@@ -725,6 +729,10 @@ def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
     cons = parse_constraints(a["constrain"])
     bench.check_constraints(cons)  # answer_text on HotpotQA: refused here, before anything loads
     check_sampling(a["temperature"], a["top_p"])
+    if a.get("server"):
+        from eval_suite.serve.client import check_server_args
+
+        check_server_args(a, cons)
     top_p = 1.0 if a["temperature"] == 0 else a["top_p"]  # greedy: nucleus mass means nothing; recorded as 1
     batch, capacity, max_context = a["batch"], a["capacity"], a["max_context_tokens"]
     if batch != "auto" and batch < 0:
@@ -851,7 +859,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
     most = min(MAX_AUTO_BATCH, len(plan.questions) * a["runs"]) or 1
     size = dict(dtype=a["dtype"], device=run_device, rank=a["rank"], droidspeak_layers=plan.droidspeak_layers,
                 memory_fraction=fraction)  # fmt: skip
-    if batch:  # before the model loads: refuse a batch (auto: one episode) that cannot fit
+    if batch and not a.get("server"):  # before the model loads: refuse a batch (auto: one episode) that cannot fit
         choose_batch(a["model"], plan.schemes, 1 if batch == "auto" else batch, a["capacity"], **size)
     apply_memory_fraction(run_device, fraction)
 
@@ -873,12 +881,16 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
         check_run_config(out_dir, config)
         on_interrupt(f"finished episodes are in {out_dir / EPISODES_FILE}; rerun the same command to resume")
         load_started = time.perf_counter()
-        lm, tokenizer = load_lora_model(
+        lm, tokenizer = (None, None) if a.get("server") else load_lora_model(
             model=a["model"], adapters=plan.adapters, adapter_init=a["adapter_init"], rank=a["rank"],
             alpha=a["alpha"], seed=a["seed"], dtype=a["dtype"], device=run_device,
         )  # fmt: skip
 
         def executor_of(rows: int) -> EpisodeExecutor:
+            if a.get("server"):  # the agents as clients of a running server: nothing loaded here
+                from eval_suite.serve.client import server_executor
+
+                return server_executor(a, plan.temperature, plan.top_p, rows)
             if not rows:
                 factory = build_policy_factory(
                     lm, tokenizer, temperature=plan.temperature, top_p=plan.top_p, use_kernel=a["use_kernel"],

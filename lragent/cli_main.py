@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "droidspeak-select": ("eval_suite.droidspeak_select", "droidspeak_select"),
     "data-stats": ("eval_suite.data_stats", "data_stats"),
     "zero-shot": ("eval_suite.zero_shot", "zero_shot"),
+    "serve": ("eval_suite.serve.serve_command", "serve"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "kernel": ("eval_suite.bench_kernel", "bench_kernel"),
@@ -50,6 +51,7 @@ USAGE = """usage: lragent COMMAND [options]    (lragent COMMAND --help for a com
   bench kernel | decode | trace | train | eval       kernel, decode, trace, training-step and eval-throughput benches
   data-stats --out DIR                               role data token lengths and batches
   zero-shot --benchmark scienceqa --model M          the base model without agents or adapters (reference row)
+  serve --scheme base_lr_shared --port 8000          the role adapters behind an OpenAI-compatible server
 """
 
 
