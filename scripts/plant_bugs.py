@@ -1981,6 +1981,133 @@ BUGS = {
         "",
         "tests/test_plant_bugs.py",
     ),
+    # question splits (tests/test_splits.py)
+    "splits: a pool of several splits read test first (dev,test loads test before dev)": (
+        "eval_suite/benchmarks.py",
+        "        for split in self.parse_splits(splits):\n",
+        "        for split in reversed(self.parse_splits(splits)):\n",
+        "tests/test_splits.py -k 'each_split_holds or pools_its_splits'",
+    ),
+    "splits: the extra split read from the test files (extra questions the same as test ones)": (
+        "eval_suite/benchmarks.py",
+        'return data_dir / "benchmarks" / f"{self.file_stem(level)}.{split}.jsonl"',
+        "return data_dir / \"benchmarks\" / f\"{self.file_stem(level)}.{split.replace('extra', 'test')}.jsonl\"",
+        "tests/test_splits.py -k each_split_holds",
+    ),
+    "splits: a HotpotQA question parsed without its split (every question called dev)": (
+        "eval_suite/benchmarks.py",
+        'format_question(row["question"]), str(row["answer"]), split=split)',
+        'format_question(row["question"]), str(row["answer"]))',
+        "tests/test_splits.py -k 'each_split_holds or names_each_records_split'",
+    ),
+    "splits: --split kept in the order given (test,dev a pool of test first)": (
+        "eval_suite/benchmarks.py",
+        "    return tuple(s for s in SPLITS if s in items)",
+        "    return tuple(dict.fromkeys(items))",
+        "tests/test_splits.py -k canonical_order",
+    ),
+    "splits: an empty --split taken (a pool of no split, no error)": (
+        "eval_suite/benchmarks.py",
+        "    if bad or not items:",
+        "    if bad:",
+        "tests/test_splits.py -k 'bad_split'",
+    ),
+    "splits: --split extra on HotpotQA not refused (a missing file instead of the allowed splits)": (
+        "eval_suite/benchmarks.py",
+        "missing = [s for s in splits if s not in self.splits]",
+        "missing = []",
+        "tests/test_splits.py -k 'hotpotqa_has_no_extra or bad_split'",
+    ),
+    "splits: the HotpotQA corpus in level order (easy, medium, hard: not the index of runs before the splits)": (
+        "eval_suite/benchmarks.py",
+        "for f in sorted(HOTPOTQA.level_file(lv, data_dir, s) for lv in HOTPOTQA.levels)",
+        "for f in [HOTPOTQA.level_file(lv, data_dir, s) for lv in HOTPOTQA.levels]",
+        "tests/test_splits.py -k dev_corpus",
+    ),
+    "splits: the HotpotQA corpus of dev whatever the pool (a test question's paragraphs missing)": (
+        "eval_suite/benchmarks.py",
+        "f for s in parse_splits(splits) for f in sorted(",
+        "f for s in DEFAULT_SPLITS for f in sorted(",
+        "tests/test_splits.py -k 'pool_with_test or own_paragraphs'",
+    ),
+    "splits: the ScienceQA corpus's overlap check against dev only, whatever the pool": (
+        "eval_suite/benchmarks.py",
+        "SCIENCEQA.load_questions(data_dir=data_dir, splits=splits)]",
+        "SCIENCEQA.load_questions(data_dir=data_dir)]",
+        "tests/test_splits.py -k scienceqa_corpus",
+    ),
+    "splits: an eval record names dev whatever its question's split": (
+        "eval_suite/run_eval.py",
+        '"split": q.split,',
+        '"split": "dev",',
+        "tests/test_splits.py -k 'names_each_records_split or episode_records'",
+    ),
+    "splits: run_config.json without the eval's split": (
+        "eval_suite/run_eval.py",
+        '"levels": plan.levels, "split": list(plan.splits),',
+        '"levels": plan.levels,',
+        "tests/test_splits.py -k names_each_records_split",
+    ),
+    "splits: a resume into a folder of another split not refused (split not an identity field)": (
+        "eval_suite/run_eval.py",
+        '"seed", "agent", "droidspeak_layers", "sampler", "split",',
+        '"seed", "agent", "droidspeak_layers", "sampler",',
+        "tests/test_splits.py -k 'refuses_to_resume or resumes_as_dev'",
+    ),
+    "splits: a run_config.json from before the splits refuses to resume as dev": (
+        "eval_suite/run_eval.py",
+        '    "split": ["dev"],\n',
+        "",
+        "tests/test_splits.py -k resumes_as_dev",
+    ),
+    "splits: run_episodes' default toolbox over dev whatever its questions' splits": (
+        "eval_suite/run_eval.py",
+        "pool = [sp for sp in SPLITS if any(q.split == sp for q in questions)]",
+        'pool = ["dev"]',
+        "tests/test_splits.py -k own_paragraphs",
+    ),
+    "splits: an eval's search corpus of dev whatever --split": (
+        "eval_suite/run_eval.py",
+        "bench.toolbox_factory(plan.corpus_files, splits=plan.splits)",
+        "bench.toolbox_factory(plan.corpus_files)",
+        "tests/test_splits.py -k names_each_records_split",
+    ),
+    "splits: zero-shot loads the model before checking --split": (
+        "eval_suite/zero_shot.py",
+        "    splits = bench.parse_splits(split)\n",
+        "    load_model(model, dtype=torch_dtype, device=dev)\n    splits = bench.parse_splits(split)\n",
+        "tests/test_splits.py -k 'refuses_a_bad_split and zero'",
+    ),
+    "splits: a zero-shot record names the pool's first split, not its question's": (
+        "eval_suite/zero_shot.py",
+        'rec["split"] = split_of[qid]',
+        'rec["split"] = splits[0]',
+        "tests/test_splits.py -k zero_shot_records",
+    ),
+    "splits: the zero-shot summary without its split": (
+        "eval_suite/zero_shot.py",
+        '"model": model, "split": list(splits),',
+        '"model": model,',
+        "tests/test_splits.py -k zero_shot_records",
+    ),
+    "splits: a session reads the dev question whatever --split": (
+        "eval_suite/session_runner.py",
+        'path = HOTPOTQA.level_file("easy", DATA_DIR, splits[0])',
+        'path = HOTPOTQA.level_file("easy", DATA_DIR)',
+        "tests/test_splits.py -k session_result",
+    ),
+    "splits: a session result names dev whatever --split": (
+        "eval_suite/session_runner.py",
+        '"split": split,',
+        '"split": "dev",',
+        "tests/test_splits.py -k session_result",
+    ),
+    "splits: a session's --split not checked (a missing file's error, not the allowed splits)": (
+        "eval_suite/session_runner.py",
+        "splits = HOTPOTQA.parse_splits(split)",
+        'splits = tuple(split.split(","))',
+        "tests/test_splits.py -k 'refuses_a_bad_split and session'",
+    ),
 }
 
 
