@@ -382,7 +382,7 @@ def test_errors_name_the_field():
         res, _ = client.call("plan", "x" * 53, max_tokens=10)  # 63 fits exactly
         assert isinstance(res, Finished)
         res, _ = client.call("plan", "", max_tokens=1, prompt_field="messages")
-        assert isinstance(res, Failed) and res.param == "messages"
+        assert isinstance(res, Failed) and res.param == "messages" and "Allowed" in res.message
         res, _ = client.call("plan", "x" * 20, max_tokens=None)  # the rest of the context
         assert isinstance(res, Finished) and res.completion_tokens == 63 - 20
     finally:

@@ -189,6 +189,8 @@ class CompletionRequest(SamplingFields):
     def _prompt(cls, v: str | list[str]) -> str | list[str]:
         if isinstance(v, list) and len(v) != 1:
             raise ValueError(f"a list of {len(v)} prompts; one request serves one")
+        if not (v if isinstance(v, str) else v[0]):
+            raise ValueError("empty")
         return v
 
     @field_validator("max_tokens")

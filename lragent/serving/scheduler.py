@@ -317,7 +317,10 @@ class Scheduler:
         """The request's generation bound once its prompt is ``n`` tokens; raises :class:`RequestError` when the two
         do not fit in the context."""
         if n == 0:
-            raise RequestError(f"'{req.prompt_field}' is empty: give at least one token of text", req.prompt_field)
+            raise RequestError(
+                f"Invalid value for '{req.prompt_field}': it holds no token of text. Allowed: at least one token.",
+                req.prompt_field,
+            )
         limit = self.context
         if req.max_tokens is None:
             if n >= limit:
