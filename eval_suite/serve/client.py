@@ -323,7 +323,12 @@ class ServerExecutor:
                 done, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
                 for fut in done:
                     task, policy, episode = inflight.pop(fut)
-                    text = policy.answer(fut.result())  # a refused request raises here
+                    done_ = fut.result()  # a refused request raises here
+                    scheme = done_.details.get("scheme")
+                    if scheme is not None and scheme != str(task.scheme):
+                        raise ServerError(f"--server {self.url} serves scheme {scheme}, the episode asked for "
+                                          f"{task.scheme}: allowed --scheme {scheme} with this server")  # fmt: skip
+                    text = policy.answer(done_)
                     result = advance(
                         task, policy, episode, Reply(text=text, stats=dataclasses.replace(policy.last_stats))
                     )
