@@ -57,6 +57,7 @@ class Completion:
         details: the server's ``lragent`` field (prefill, recomputed and trajectory tokens, seconds), if any.
         ttft_s: seconds from sending to the first streamed text (streamed requests only; else the whole request).
         wall_s: seconds of the whole request.
+        request: the request's body.
     """
 
     text: str
@@ -65,6 +66,7 @@ class Completion:
     details: dict
     ttft_s: float
     wall_s: float
+    request: dict = dataclasses.field(default_factory=dict)
 
 
 class ServeClient:
@@ -142,7 +144,7 @@ class ServeClient:
             wall = time.perf_counter() - started
             choice = out["choices"][0]
             return Completion(choice["text"], choice["finish_reason"], out["usage"], out.get("lragent") or {}, wall,
-                              wall)  # fmt: skip
+                              wall, body)  # fmt: skip
         text, reason, usage, details, first = [], None, {}, {}, None
         for line in resp:
             line = line.strip()
@@ -163,7 +165,7 @@ class ServeClient:
             usage = chunk.get("usage") or usage
             details = chunk.get("lragent") or details
         wall = time.perf_counter() - started
-        return Completion("".join(text), reason, usage, details, first if first is not None else wall, wall)
+        return Completion("".join(text), reason, usage, details, first if first is not None else wall, wall, body)
 
 
 class ServerPolicy:
@@ -241,6 +243,11 @@ class ServerExecutor:
         concurrency: episodes in flight.
         api_key: the server's key, if it has one.
         stream: stream the completions (time to first token in each :class:`Completion`).
+        timeout: seconds one request may take.
+
+    Attributes:
+        completions: every request's answer, episode after episode as they end.
+        episode_calls: per task key, its episode's answers in order.
     """
 
     def __init__(
@@ -252,13 +259,16 @@ class ServerExecutor:
         concurrency: int = 1,
         api_key: str | None = None,
         stream: bool = False,
+        timeout: float = 600.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.url = check_server_url(url)
         self.temperature, self.top_p = temperature, top_p
         self.concurrency, self.api_key, self.stream = concurrency, api_key, stream
-        self.completions: list[Completion] = []  # every request's answer, as they finish (bench serve reads them)
+        self.timeout = timeout
+        self.completions: list[Completion] = []
+        self.episode_calls: dict[object, list[Completion]] = {}
         self._lock = threading.Lock()
 
     def reserve(self, scheme: object, tasks: int) -> None:
@@ -283,7 +293,7 @@ class ServerExecutor:
 
         def call(body: dict) -> Completion:
             if not hasattr(local, "client"):
-                local.client = ServeClient(self.url, self.api_key)
+                local.client = ServeClient(self.url, self.api_key, self.timeout)
                 with self._lock:
                     clients.append(local.client)
             return local.client.completion(body)
@@ -300,6 +310,7 @@ class ServerExecutor:
                 request = next(episode) if reply is None else episode.send(reply)
             except StopIteration as stop:
                 self.completions.extend(policy.completions)
+                self.episode_calls[task.key] = policy.completions
                 return stop.value
             if not isinstance(request, Generate):
                 policy.choose(request.role, request.new_text, request.options)  # raises: not over the API

@@ -52,6 +52,8 @@ class ServeMetrics:
         self._lock = threading.Lock()
         self.running = 0
         self.waiting = 0
+        self.peak_running = 0
+        self.peak_waiting = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.cached_tokens = 0
@@ -67,6 +69,8 @@ class ServeMetrics:
     def set_queue(self, running: int, waiting: int) -> None:
         with self._lock:
             self.running, self.waiting = running, waiting
+            self.peak_running = max(self.peak_running, running)
+            self.peak_waiting = max(self.peak_waiting, waiting)
 
     def set_cache(self, trajectories: int, cache_bytes: dict[str, int]) -> None:
         with self._lock:
@@ -105,6 +109,8 @@ class ServeMetrics:
             return {
                 "running": self.running,
                 "waiting": self.waiting,
+                "peak_running": self.peak_running,
+                "peak_waiting": self.peak_waiting,
                 "prompt_tokens": self.prompt_tokens,
                 "generation_tokens": self.generation_tokens,
                 "cached_tokens": self.cached_tokens,
