@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "decode": ("eval_suite.bench_decode", "decode"),
     "trace": ("eval_suite.bench_trace", "trace"),
     "train": ("eval_suite.bench_train", "train"),
+    "serve": ("eval_suite.serve.bench_serve", "bench_serve"),
     "eval": ("eval_suite.bench_eval", "bench_eval"),
 }
 LIGHTNING = ("fit", "validate", "test")

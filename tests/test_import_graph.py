@@ -197,3 +197,18 @@ def test_the_checks_catch_a_planted_cycle_and_upward_import(tmp_path):
     assert graph["eval_suite.report"] == {"eval_suite.helpers", "lragent.a"}
     assert upward_imports(graph) == ["kernels.k (kernels) -> eval_suite.report (commands)"]
     assert find_cycles(graph) == [["lragent.a", "lragent.b"]]
+
+
+def test_the_serving_core_knows_no_http():
+    """``lragent/serving`` (trajectories, scheduler, metrics) is core: it imports no web framework or HTTP client;
+    the OpenAI front end over it is ``eval_suite/serve``."""
+    http = ("fastapi", "starlette", "uvicorn", "httpx", "openai", "http", "urllib", "aiohttp", "requests")
+    bad = []
+    for path in sorted((ROOT / "lragent" / "serving").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in http]
+    assert (ROOT / "lragent" / "serving" / "scheduler.py").is_file()
+    assert not bad, bad

@@ -164,6 +164,7 @@ class ServeClient:
                 reason = choice.get("finish_reason") or reason
             usage = chunk.get("usage") or usage
             details = chunk.get("lragent") or details
+        resp.read()  # the rest of the stream: the connection is then ready for the next request
         wall = time.perf_counter() - started
         return Completion("".join(text), reason, usage, details, first if first is not None else wall, wall, body)
 

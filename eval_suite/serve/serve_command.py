@@ -14,21 +14,11 @@ import os
 import sys
 from typing import Literal
 
-from lragent.paths import DATA_DIR
-
 CPU_AUTO_ROWS = 4
 """``--max_rows auto`` on the CPU: a few rows (the CPU's memory is not sized; its decode gains little from more)."""
 GPU_AUTO_ROWS = 64
 """``--max_rows auto`` on a GPU: at most this many rows, fewer where the caches would not fit."""
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def default_serve_adapters(model: str) -> str:
-    """The adapters served without ``--adapters``: the model's shipped HotpotQA shared-A set."""
-    from lragent.accuracy_model import NAMES as ACCURACY_NAMES
-
-    prefix = "qwen_" if model.lower() in ACCURACY_NAMES else ""
-    return str(DATA_DIR / "adapters" / f"{prefix}hotpotqa_sharedA")
 
 
 def serve(
@@ -99,6 +89,8 @@ def serve(
     run_device = resolve_device(device)
     on_gpu = run_device.startswith("cuda")
     dtype = dtype or ("bfloat16" if on_gpu else "float32")
+    from lragent.serving.model import default_serve_adapters
+
     adapters = adapters or default_serve_adapters(model)
     stored = check_model_args(model=model, adapters=adapters, dtype=dtype, device=run_device, needs_text=True)
     layers = read_droidspeak_config(droidspeak_config) if droidspeak_config else None

@@ -19,6 +19,7 @@ from lragent.loading import resolve_device
 from lragent.lora_model import MultiLoraModel
 from lragent.models import EMBEDDED_NAMES, load_model, parse_dtype
 from lragent.multi_lora import MultiLoraConfig
+from lragent.paths import DATA_DIR
 
 
 def base_model_name(model: str) -> str:
@@ -27,6 +28,14 @@ def base_model_name(model: str) -> str:
     if model.lower() in EMBEDDED_NAMES:
         return "SmolLM2-135M-Instruct"
     return Path(model.rstrip("/")).name or model
+
+
+def default_serve_adapters(model: str) -> str:
+    """The adapters served without ``--adapters``: the model's shipped HotpotQA shared-A set."""
+    from lragent.accuracy_model import NAMES as ACCURACY_NAMES
+
+    prefix = "qwen_" if model.lower() in ACCURACY_NAMES else ""
+    return str(DATA_DIR / "adapters" / f"{prefix}hotpotqa_sharedA")
 
 
 @torch.no_grad()

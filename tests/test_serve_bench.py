@@ -1,0 +1,63 @@
+"""``bench serve``: the 17-step text trace, the percentiles, and a small run against a live server (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from conftest import tiny_multi_lora
+from test_serve_reliability import ByteTokenizer
+
+from eval_suite.serve.bench_serve import bench_serve, percentile, trace_steps
+
+
+def test_the_trace_is_the_papers_17_steps():
+    steps = trace_steps("Who?", "hotpotqa", context=5, generated=[48, 4, 16, 48, 4], session=3)
+    assert len(steps) == 17
+    assert [r for r, *_ in steps] == ["plan", "plan", "action"] * 5 + ["reflect", "reflect"]
+    assert [m for _, _, m, _ in steps] == [48, 4, 16] * 5 + [48, 4]
+    assert "Who?" in steps[0][1]
+    passages = [t for _, t, *_ in steps if "Passage 3." in t]
+    assert len(passages) == 4
+    assert all(len(re.search(r"Passage 3\.\d: ([a-z ]+)\.", p).group(1).split()) == 5 for p in passages)
+
+
+def test_percentile_is_the_nearest_rank():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    values = [float(i) for i in range(1, 101)]
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile(values, 100) == 100.0
+    assert percentile([5.0, 1.0, 3.0, 2.0], 50) == 2.0
+
+
+def test_bench_serve_against_a_running_server(tmp_path, capsys):
+    from eval_suite.serve.api_server import ServerThread, build_app
+    from eval_suite.serve.server_state import ServerState
+    from lragent.engine import Engine
+    from lragent.serving.scheduler import Scheduler
+
+    tok = ByteTokenizer()
+    engine = Engine(tiny_multi_lora("tiny-llama"), "base_lr_shared", rows=4, capacity=8192, tokenizer=tok)
+    scheduler = Scheduler(engine, tok)
+    server = ServerThread(build_app(ServerState(scheduler, "base_lr_shared", "tiny", tok))).start()
+    try:
+        small = dict(clients=2, sessions=2, context=4, generated=[1, 1, 1, 1, 1], max_steps=1, thought_tokens=2,
+                     argument_tokens=2, temperature=0.0)  # fmt: skip
+        assert bench_serve(server=server.url, out=str(tmp_path), **small) == 0
+        with pytest.raises(ValueError, match="serves base_lr_shared: allowed --schemes base_lr_shared"):
+            bench_serve(server=server.url, schemes="non_shared", out=str(tmp_path / "x"), **small)
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "bench_serve.json").read_text())
+    runs = {r["workload"]: r for r in report["runs"]}
+    assert set(runs) == {"trace", "autoact"} and all(r["scheme"] == "base_lr_shared" for r in runs.values())
+    trace = runs["trace"]
+    assert trace["requests"] == 34 and trace["failed_requests"] == 0 and trace["sessions"] == 2
+    assert trace["cached_prefix_fraction"] > 0.5  # every step continues its session's trajectory
+    assert trace["ttft_p50_s"] > 0 and trace["ttft_p99_s"] >= trace["ttft_p50_s"]
+    assert trace["peak_cache_bytes"] > 0 and set(trace["cache_bytes"]) == {"k", "v_base", "v_lr"}
+    assert runs["autoact"]["requests"] >= 2 * 3 and runs["autoact"]["failed_requests"] == 0
+    assert report["provenance"]["command"] and report["config"]["server"] == server.url
+    md = (tmp_path / "bench_serve.md").read_text()
+    assert "| base_lr_shared | trace | 2 | 34 | 0 |" in md
