@@ -13,6 +13,7 @@ Tasks of different schemes are run scheme by scheme (one engine, hence one cache
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +42,27 @@ PROFILE_ENV = "LRAGENT_EVAL_PROFILE"
 
 _ENGINE_COUNTERS = ("decode_steps", "advance_s", "sync_s", "replay_s", "wait_s", "capture_s")
 """The engine's counters an executor sums over its engines (its timing.json figures)."""
+
+
+@dataclass
+class _Lane:
+    """One scheme's engine in :meth:`BatchedExecutor._run_lanes`: its tasks still to start, its rows."""
+
+    eng: Engine
+    queue: list
+    free: list[int]
+    stream: torch.cuda.Stream | None = None
+    active: dict[int, _Row] = field(default_factory=dict)
+    launched: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.active)
+
+
+def _on(stream: torch.cuda.Stream | None):
+    """``torch.cuda.stream(stream)``, or nothing without one."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 @dataclass
@@ -73,6 +95,9 @@ class BatchedExecutor:
         batch_invariant: an engine of ``batch`` rows even for fewer tasks, decoding every step at that width
             (:class:`~lragent.engine.Engine`): an episode's tokens then do not depend on the other episodes beside
             it, so ``--devices N``, a resumed run or another ``--limit`` give the same episodes at the same batch.
+        concurrent_schemes: tasks of several schemes run at once, each scheme on its own engine of ``batch`` rows
+            (and on CUDA its own stream), the host serving one engine while the device runs the others; the episodes
+            are those of one scheme at a time. Each scheme's engine needs its memory at the same time.
     """
 
     def __init__(
@@ -91,6 +116,7 @@ class BatchedExecutor:
         prefill_in_decode: int | None = None,
         batch_invariant: bool = False,
         feed_budget: int | None = None,
+        concurrent_schemes: bool = False,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
@@ -124,7 +150,9 @@ class BatchedExecutor:
         self.wait_s = 0.0  # of sync_s: the first read-back of each sync, the wait for the device
         self.capture_s = 0.0  # of advance_s: the graph captures, kernel compiles included (a fixed cost)
         self.agent_s = 0.0
-        self._reserved: tuple[str, int, Engine] | None = None
+        self._reserved: dict[str, tuple[int, Engine]] = {}  # scheme -> (rows, engine) made under the alloc lock
+        self.concurrent_schemes = bool(concurrent_schemes)
+        self.model_device = next(model.model.parameters()).device
         self._profile = _StepProfiler.from_env()
 
     def reserve(self, scheme: str, tasks: int) -> None:
@@ -132,7 +160,7 @@ class BatchedExecutor:
         under the caller's allocation lock, so the next process that sizes its batch sees this memory as taken."""
         rows = self._rows(tasks)
         if rows >= 1:
-            self._reserved = (str(scheme), rows, self._engine(scheme, rows))
+            self._reserved[str(scheme)] = (rows, self._engine(scheme, rows))
 
     def _rows(self, tasks: int) -> int:
         """Engine rows for ``tasks`` tasks: the batch, or fewer when fewer tasks come (not when batch-invariant)."""
@@ -158,7 +186,15 @@ class BatchedExecutor:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def run(self, tasks: Iterable) -> Iterator[tuple[object, EpisodeResult]]:
-        """Runs every task; yields ``(task, result)`` as episodes end (any order)."""
+        """Runs every task; yields ``(task, result)`` as episodes end (any order).
+
+        One scheme at a time, or with ``concurrent_schemes`` every scheme's engine at once (:meth:`_run_lanes`)."""
+        if self.concurrent_schemes:
+            by_scheme: dict[str, list] = {}
+            for task in tasks:
+                by_scheme.setdefault(str(task.scheme), []).append(task)
+            yield from self._run_lanes([group[0].scheme for group in by_scheme.values()], list(by_scheme.values()))
+            return
         pending = iter(tasks)
         carry = None
         while True:
@@ -173,92 +209,118 @@ class BatchedExecutor:
                     carry = task
                     break
                 group.append(task)
-            yield from self._run_scheme(first.scheme, group)
+            yield from self._run_lanes([first.scheme], [group])
+
+    def _lane(self, scheme: object, tasks: list) -> _Lane:
+        """The engine (a reserved one if it fits) and row state of one scheme's tasks."""
+        rows = self._rows(len(tasks))
+        reserved = self._reserved.pop(str(scheme), None)
+        stream = None
+        if self.concurrent_schemes and self.model_device.type == "cuda":
+            stream = torch.cuda.Stream(self.model_device)
+            stream.wait_stream(torch.cuda.current_stream(self.model_device))  # the model and caches are made there
+        with _on(stream):
+            eng = reserved[1] if reserved is not None and reserved[0] >= rows else self._engine(scheme, rows)
+        return _Lane(eng, list(tasks), list(range(rows)), stream)
 
     @torch.no_grad()
-    def _run_scheme(self, scheme: str, tasks: list) -> Iterator[tuple[object, EpisodeResult]]:
-        rows = self._rows(len(tasks))
-        reserved, self._reserved = self._reserved, None
-        fits = reserved is not None and reserved[0] == str(scheme) and reserved[1] >= rows
-        eng = reserved[2] if fits else self._engine(scheme, rows)
-        del reserved
-        queue = list(tasks)
-        active: dict[int, _Row] = {}
-        free = list(range(rows))
-
-        def answer(row: int, state: _Row, reply: Reply) -> EpisodeResult | None:
-            """Sends ``reply`` and serves the episode's requests until it waits on generation or ends."""
-            episode = state.task.episode
-            try:
-                request = episode.send(reply) if reply is not None else next(episode)
-                while True:
-                    if request.new_text:
-                        eng.append(row, self._encode(request.new_text))
-                    if isinstance(request, Choose):
-                        options = [self._encode(o) for o in request.options]
-                        role = self.model.router.id(request.role)
-                        scores = eng.score(row, role, options)
-                        best = best_option(scores, [len(o) for o in options], request.score)
-                        eng.append(row, self._encode(request.appended(best)))
-                        stats = StepStats(
-                            prefill_tokens=sum(len(o) for o in options), trajectory_tokens=len(eng.ids(row))
-                        )
-                        request = episode.send(Reply(choice=best, stats=stats))
-                        continue
-                    assert isinstance(request, Generate), request
-                    seed = state.task.seed + state.calls  # generate call i samples with seed + i (SessionPolicy)
-                    state.calls += 1
-                    req = GenerationRequest(
-                        role=self.model.router.id(request.role),
-                        max_new_tokens=request.max_new_tokens,
-                        stop=tuple(request.stop),
-                        temperature=self.temperature,
-                        top_p=self.top_p,
-                        seed=seed,
-                    )
-                    done = eng.start(row, req)
-                    if done is None:
-                        return None  # generating: the reply comes from advance()
-                    request = episode.send(self._reply(done, eng, row))
-            except StopIteration as stop:
-                return stop.value
-
-        def timed_answer(row: int, state: _Row, reply: Reply) -> EpisodeResult | None:
-            started = time.perf_counter()
-            try:
-                return answer(row, state, reply)
-            finally:
-                self.agent_s += time.perf_counter() - started
-
-        while queue or active:
-            while free and queue:
-                task = queue.pop(0)
-                if not task.take():  # a shard of a shared queue took it first
+    def _run_lanes(self, schemes: list, groups: list[list]) -> Iterator[tuple[object, EpisodeResult]]:
+        """Runs each scheme's tasks on its own engine (a *lane*). With one lane: fill its free rows, run decode steps
+        until a row finishes, answer it, repeat. With several (``concurrent_schemes``), each round queues every
+        lane's decode steps first (on its own CUDA stream) and then waits for and answers each lane in turn, so the
+        host's work for one lane overlaps the device's work for the others. Each lane's engine sees the same calls in
+        the same order either way: the episodes are the same."""
+        lanes = [self._lane(s, g) for s, g in zip(schemes, groups, strict=True)]
+        while any(lane.busy for lane in lanes):
+            for lane in lanes:
+                with _on(lane.stream):
+                    yield from self._fill(lane)
+                    if lane.active and not lane.launched:
+                        self._count(lane.eng, lane.eng.launch)
+                        lane.launched = True
+            for lane in lanes:
+                if not lane.launched:
                     continue
-                row = free.pop(0)
-                eng.reset(row)
-                state = _Row(task)
-                active[row] = state
-                result = timed_answer(row, state, None)
-                if result is not None:
-                    del active[row]
-                    free.append(row)
-                    yield task, result
-            before = {k: getattr(eng, k) for k in _ENGINE_COUNTERS}
-            if self._profile is not None:
-                self._profile.step(self.decode_steps)
-            finished = eng.advance()
-            for k in _ENGINE_COUNTERS:
-                setattr(self, k, getattr(self, k) + getattr(eng, k) - before[k])
-            for res in finished:
-                self.generated_tokens += len(res.generated_ids)
-                state = active[res.row]
-                result = timed_answer(res.row, state, self._reply(res, eng, res.row))
-                if result is not None:
-                    del active[res.row]
-                    free.append(res.row)
-                    free.sort()  # refill low rows first: the decode batch stays small at the tail
-                    yield state.task, result
+                with _on(lane.stream):
+                    finished = self._count(lane.eng, lane.eng.collect)
+                    lane.launched = False
+                    for res in finished:
+                        self.generated_tokens += len(res.generated_ids)
+                        state = lane.active[res.row]
+                        result = self._timed_answer(lane, res.row, state, self._reply(res, lane.eng, res.row))
+                        if result is not None:
+                            del lane.active[res.row]
+                            lane.free.append(res.row)
+                            lane.free.sort()  # refill low rows first: the decode batch stays small at the tail
+                            yield state.task, result
+
+    def _count(self, eng: Engine, call):
+        """Calls ``call`` and adds what the engine's counters moved to this executor's."""
+        before = {k: getattr(eng, k) for k in _ENGINE_COUNTERS}
+        if self._profile is not None:
+            self._profile.step(self.decode_steps)
+        out = call()
+        for k in _ENGINE_COUNTERS:
+            setattr(self, k, getattr(self, k) + getattr(eng, k) - before[k])
+        return out
+
+    def _fill(self, lane: _Lane) -> Iterator[tuple[object, EpisodeResult]]:
+        """Starts the next tasks on the lane's free rows (an episode that ends at once frees its row again)."""
+        while lane.free and lane.queue:
+            task = lane.queue.pop(0)
+            if not task.take():  # a shard of a shared queue took it first
+                continue
+            row = lane.free.pop(0)
+            lane.eng.reset(row)
+            state = _Row(task)
+            lane.active[row] = state
+            result = self._timed_answer(lane, row, state, None)
+            if result is not None:
+                del lane.active[row]
+                lane.free.append(row)
+                yield task, result
+
+    def _timed_answer(self, lane: _Lane, row: int, state: _Row, reply: Reply | None) -> EpisodeResult | None:
+        started = time.perf_counter()
+        try:
+            return self._answer(lane.eng, row, state, reply)
+        finally:
+            self.agent_s += time.perf_counter() - started
+
+    def _answer(self, eng: Engine, row: int, state: _Row, reply: Reply | None) -> EpisodeResult | None:
+        """Sends ``reply`` and serves the episode's requests until it waits on generation or ends."""
+        episode = state.task.episode
+        try:
+            request = episode.send(reply) if reply is not None else next(episode)
+            while True:
+                if request.new_text:
+                    eng.append(row, self._encode(request.new_text))
+                if isinstance(request, Choose):
+                    options = [self._encode(o) for o in request.options]
+                    role = self.model.router.id(request.role)
+                    scores = eng.score(row, role, options)
+                    best = best_option(scores, [len(o) for o in options], request.score)
+                    eng.append(row, self._encode(request.appended(best)))
+                    stats = StepStats(prefill_tokens=sum(len(o) for o in options), trajectory_tokens=len(eng.ids(row)))
+                    request = episode.send(Reply(choice=best, stats=stats))
+                    continue
+                assert isinstance(request, Generate), request
+                seed = state.task.seed + state.calls  # generate call i samples with seed + i (SessionPolicy)
+                state.calls += 1
+                req = GenerationRequest(
+                    role=self.model.router.id(request.role),
+                    max_new_tokens=request.max_new_tokens,
+                    stop=tuple(request.stop),
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                    seed=seed,
+                )
+                done = eng.start(row, req)
+                if done is None:
+                    return None  # generating: the reply comes from the engine's collect()
+                request = episode.send(self._reply(done, eng, row))
+        except StopIteration as stop:
+            return stop.value
 
     @staticmethod
     def _reply(res: StepResult, eng: Engine, row: int) -> Reply:

@@ -511,6 +511,7 @@ def evaluate(
     prefill_in_decode: int | None = None,
     feed_budget: int | None = None,
     batch_invariant: bool = False,
+    concurrent_schemes: bool | None = None,
     devices: int = 1,
     memory_fraction: float | None = None,
     quiet: bool = False,
@@ -593,6 +594,11 @@ def evaluate(
             on how many others run beside it (GPU kernels sum in an order chosen by the batch width), so --devices
             N, a resumed run and another --limit give the same episodes at the same --batch. Costs idle rows'
             compute at the end of a run.
+        concurrent_schemes: with --batch and several schemes, run every scheme's episodes at once, each scheme on
+            its own engine of --batch rows (on a GPU its own CUDA stream): the host answers one scheme's finished
+            calls while the device runs the others', and the process starts once. The episodes are those of one
+            scheme at a time (each engine sees the same calls in the same order); the schemes' caches are held
+            together, so --batch auto sizes for all of them. Default: on with a GPU, off on the CPU.
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
             --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT. The shards take their
             episodes from one queue (OUT/queue), each the next one when it has a free row, so they end together.
@@ -857,8 +863,12 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
     adapters_label = str(Path(plan.adapters).resolve()) if plan.adapters else f"init:{a['adapter_init']}"
     batch = a["batch"]
     most = min(MAX_AUTO_BATCH, len(plan.questions) * a["runs"]) or 1
+    concurrent = a.get("concurrent_schemes")
+    if concurrent is None:  # the GPU default: the host serves one scheme while the device runs the others
+        concurrent = run_device.startswith("cuda")
+    concurrent = bool(concurrent and batch and len(plan.schemes) > 1)
     size = dict(dtype=a["dtype"], device=run_device, rank=a["rank"], droidspeak_layers=plan.droidspeak_layers,
-                memory_fraction=fraction)  # fmt: skip
+                memory_fraction=fraction, concurrent=concurrent)  # fmt: skip
     if batch and not a.get("server"):  # before the model loads: refuse a batch (auto: one episode) that cannot fit
         choose_batch(a["model"], plan.schemes, 1 if batch == "auto" else batch, a["capacity"], **size)
     apply_memory_fraction(run_device, fraction)
@@ -903,7 +913,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 lm, tokenizer, batch=rows, capacity=a["capacity"], temperature=plan.temperature, top_p=plan.top_p,
                 use_kernel=a["use_kernel"], cuda_graphs=a["cuda_graphs"] if run_device.startswith("cuda") else False,
                 droidspeak_layers=plan.droidspeak_layers, prefill_in_decode=a["prefill_in_decode"],
-                batch_invariant=a["batch_invariant"], feed_budget=a["feed_budget"],
+                batch_invariant=a["batch_invariant"], feed_budget=a["feed_budget"], concurrent_schemes=concurrent,
             )  # fmt: skip
 
         loaded = time.perf_counter()
@@ -914,7 +924,8 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 print(f"eval: --batch auto: {batch} episodes at once (what fits now; at most {most})", file=sys.stderr)
             executor = executor_of(batch)
             if batch:
-                executor.reserve(plan.schemes[0], len(plan.questions) * a["runs"])
+                for scheme in plan.schemes if concurrent else plan.schemes[:1]:
+                    executor.reserve(scheme, len(plan.questions) * a["runs"])
         queue, elsewhere = shard_queue(a["work_queue"], a["shard"], out_dir)
         loop_started = time.perf_counter()
         before = len(read_episodes(out_dir / EPISODES_FILE))
@@ -932,6 +943,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 # the decode settings that shape a GPU run's numbers (None: the sequential executor)
                 "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
                 "feed_budget": getattr(executor, "feed_budget", None),
+                "concurrent_schemes": getattr(executor, "concurrent_schemes", None),
                 "decode_steps": getattr(executor, "decode_steps", None),
                 # where the loop's time went (None: the sequential executor): the engines' decode calls, the part of
                 # them reading results back, the episodes' own work between them; and the host's torch threads

@@ -727,9 +727,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", choices=["plan", "run", "pack", "archive", "report"])
     p.add_argument("--root", default=str(ROOT / "runs" / "study"), help="directory of the jobs")
     p.add_argument("--model", default="default", help=f"base model's profile: {', '.join(PROFILES)}")
-    p.add_argument("--stage", default="study", choices=["study", "sweep"], help="the λ study or the recipe sweep")
+    p.add_argument("--stage", default="study", choices=["study", "sweep", "decide"],
+                   help="the λ study, the recipe sweep, or the decisive study (eval_suite.study_decide)")  # fmt: skip
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS), help="comma list of hotpotqa, scienceqa")
-    p.add_argument("--lambdas", default=",".join(f"{x:g}" for x in LAMBDAS), help="shared-A λ values (comma list)")
+    p.add_argument(
+        "--lambdas", default=None, help="shared-A λ values, comma list (default 0,0.5,0.25,1; decide: 0,0.5)"
+    )
     p.add_argument("--runs", type=int, default=None, help="runs of every evaluation row (default 3; sweep: 1)")
     p.add_argument("--epochs", type=int, default=2, help="training epochs of every set (equal steps for every λ)")
     p.add_argument("--gpu-gb", type=float, default=None, help="GPU memory to fill (default: 90%% of GPU 0's)")
@@ -747,7 +750,11 @@ def main(argv: list[str] | None = None) -> int:
         bad = [b for b in benchmarks if b not in BENCHMARKS]
         if bad or not benchmarks:
             raise ValueError(f"--benchmarks {args.benchmarks!r}: allowed {', '.join(BENCHMARKS)}")
-        lambdas = tuple(float(x) for x in args.lambdas.split(",") if x.strip())
+        from eval_suite import study_decide
+
+        default_lambdas = study_decide.LAMBDAS if args.stage == "decide" else LAMBDAS
+        lambdas_arg = args.lambdas if args.lambdas is not None else ",".join(f"{x:g}" for x in default_lambdas)
+        lambdas = tuple(float(x) for x in lambdas_arg.split(",") if x.strip())
         if not lambdas or any(not 0 <= x <= 1 for x in lambdas):
             raise ValueError(f"--lambdas {args.lambdas!r}: values in [0, 1]")
         if args.model not in PROFILES:
@@ -766,6 +773,15 @@ def main(argv: list[str] | None = None) -> int:
     profile = PROFILES[args.model]
     if args.stage == "sweep":
         plan = build_sweep_plan(benchmarks, SWEEP_POINTS, runs, python=sys.executable, profile=profile)
+    elif args.stage == "decide":
+        plan = study_decide.build_decide_plan(
+            benchmarks,
+            profile,
+            {b: args.runs for b in benchmarks} if args.runs is not None else None,
+            lambdas,
+            args.epochs,
+            python=sys.executable,
+        )
     else:
         plan = build_plan(benchmarks, lambdas, runs, args.epochs, python=sys.executable, profile=profile)
     if args.command == "plan":
@@ -796,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.stage == "sweep":
         write_sweep_report(root, plan, Path(args.out or root / "report"), sweep_reference(benchmarks))
+    elif args.stage == "decide":
+        study_decide.write_decide_report(root, plan, Path(args.out or root / "report"))
     else:
         write_report(root, plan, Path(args.out or root / "report"), partial=args.partial)
     return 0

@@ -46,9 +46,13 @@ def is_done(job: Job, root: Path) -> bool:
             summary = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return False
-        # the eval names a row by its scheme, except the untrained row (--adapter_init zero)
-        row = job.meta.get("row", job.meta["scheme"])
-        runs = summary.get("episodes", {}).get(row, {})
-        sampler = recorded_sampler(summary.get("protocol", {}).get(row, {}))
-        return len(runs) >= job.meta["runs"] and sampler == SAMPLER_VERSION  # an older sampler's row runs again
+        # the eval names a row by its scheme, except the untrained row (--adapter_init zero); a job of several
+        # schemes names its rows
+        rows = job.meta.get("rows") or [job.meta.get("row", job.meta.get("scheme"))]
+        for row in rows:
+            runs = summary.get("episodes", {}).get(row, {})
+            sampler = recorded_sampler(summary.get("protocol", {}).get(row, {}))
+            if len(runs) < job.meta["runs"] or sampler != SAMPLER_VERSION:  # an older sampler's row runs again
+                return False
+        return True
     return True

@@ -438,8 +438,9 @@ class Engine:
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def _sync(self) -> None:
+        """Waits for this engine's work: the current stream's (an executor may run each engine on its own)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _run_op(self, row: int, role: int, op: PlanOp, want_logits: bool) -> torch.Tensor | None:
         """Runs one plan operation as ``role`` on ``row``; returns logits ``(T, vocab)`` of a Forward if asked."""
@@ -813,6 +814,32 @@ class Engine:
         if not self._pending:
             return []
         started = time.perf_counter()
+        self._refresh_lora()
+        finished: list[StepResult] = []
+        steps = 0
+        counted = self.advance_s
+        while not finished and (max_steps is None or steps < max_steps):
+            steps += self._launch(None if max_steps is None else max_steps - steps)
+            finished = self.collect()
+        self._note_peak()
+        self.advance_s = counted + time.perf_counter() - started  # the whole call (collect's share included once)
+        return finished
+
+    @torch.no_grad()
+    def launch(self) -> int:
+        """Queues the next decode steps of the generating rows without waiting for them (CUDA graphs run
+        asynchronously); :meth:`collect` then waits and returns what finished. Between the two the host may serve
+        other engines, so that one process keeps the device busy with several (:meth:`advance` is launch then
+        collect until a row finishes). Returns the steps queued (0 when no row is generating)."""
+        if not self._pending:
+            return 0
+        started = time.perf_counter()
+        self._refresh_lora()
+        steps = self._launch(None)
+        self.advance_s += time.perf_counter() - started
+        return steps
+
+    def _refresh_lora(self) -> None:
         if self.pool.version != self._pool_version:
             self._alloc_decode_state()
         for module in self._lora_modules:  # bring the cached stacked B up to date (graphs read it in place)
@@ -821,42 +848,48 @@ class Engine:
                 module.cat_b_cached(self.dtype)
         if self.fuse_lora:  # and the A rows of the fused GEMMs
             refresh_fused_lora(self.model.model)
-        finished: list[StepResult] = []
-        steps = 0
+
+    def _launch(self, max_steps: int | None) -> int:
+        """One round of decode steps (``sync_every``, fewer while rows feed or under ``max_steps``); returns how
+        many it queued."""
+        b = self._bucket()
+        sampling = any(p.request.temperature > 0 for p in self._pending.values())
         eager_logits = any(p.request.return_logits for p in self._pending.values())
-        while not finished and (max_steps is None or steps < max_steps):
-            b = self._bucket()
-            sampling = any(p.request.temperature > 0 for p in self._pending.values())
-            graphs = self.cuda_graphs and not eager_logits
-            # eager: the host looks after every step (a sync costs little next to eager launches)
-            n = 1 if not graphs else self.sync_every if max_steps is None else min(self.sync_every, max_steps - steps)
-            extra = self._extra()
-            if self.feed_budget:  # the host's count of what is left to feed, as the device runs (read by _extra)
-                feeding = self._feed_on_host(extra, n)
-                if extra and not self.batch_invariant:
-                    n = max(1, feeding)  # back to plain steps once the feeding is done (it may end before n)
-            if graphs:
-                graph = self._graph_for(b, sampling, extra)
-                launched = time.perf_counter()
-                for _ in range(n):
-                    graph.replay()
-                self.replay_s += time.perf_counter() - launched
-            else:
-                # a bound on every read position, with extra rows or not: a feeding row reads below len0 (its
-                # trajectory, fed tokens included), a sampling one at most len0 + steps
-                max_len = max(p.len0 + p.steps + 1 for p in self._pending.values())
-                for p in self._pending.values():
-                    p.steps += 1
-                self._decode_step(b, sampling, max_len, extra)
-                if eager_logits:
-                    self._collect_logits()
-            steps += n
-            self.decode_steps += n
-            synced = time.perf_counter()
-            finished = self._collect_finished()
-            self.sync_s += time.perf_counter() - synced
+        graphs = self.cuda_graphs and not eager_logits
+        # eager: the host looks after every step (a sync costs little next to eager launches)
+        n = 1 if not graphs else self.sync_every if max_steps is None else min(self.sync_every, max_steps)
+        extra = self._extra()
+        if self.feed_budget:  # the host's count of what is left to feed, as the device runs (read by _extra)
+            feeding = self._feed_on_host(extra, n)
+            if extra and not self.batch_invariant:
+                n = max(1, feeding)  # back to plain steps once the feeding is done (it may end before n)
+        if graphs:
+            graph = self._graph_for(b, sampling, extra)
+            launched = time.perf_counter()
+            for _ in range(n):
+                graph.replay()
+            self.replay_s += time.perf_counter() - launched
+        else:
+            # a bound on every read position, with extra rows or not: a feeding row reads below len0 (its
+            # trajectory, fed tokens included), a sampling one at most len0 + steps
+            max_len = max(p.len0 + p.steps + 1 for p in self._pending.values())
+            for p in self._pending.values():
+                p.steps += 1
+            self._decode_step(b, sampling, max_len, extra)
+            if eager_logits:
+                self._collect_logits()
+        self.decode_steps += n
+        return n
+
+    @torch.no_grad()
+    def collect(self) -> list[StepResult]:
+        """Waits for the steps :meth:`launch` queued and returns the rows that finished, in row order."""
+        synced = time.perf_counter()
+        finished = self._collect_finished()
+        waited = time.perf_counter() - synced
+        self.sync_s += waited
+        self.advance_s += waited
         self._note_peak()
-        self.advance_s += time.perf_counter() - started
         return finished
 
     def _collect_logits(self) -> None:

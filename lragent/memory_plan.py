@@ -226,18 +226,20 @@ def choose_batch(
     extra_bytes: int = 0,
     memory_fraction: float | None = None,
     model_loaded: bool = False,
+    concurrent: bool = False,
 ) -> int:
     """The batch to run: ``batch`` itself if every scheme's plan fits in the free memory of ``device``, the largest
     batch (at most ``max_batch``) that fits when ``batch`` is ``"auto"``.
 
-    Schemes run one at a time (one engine alive), so the largest plan must fit. Where the free memory is unknown
-    ``batch`` is returned as given (``auto``: ``max_batch``). ``option`` names the option in the messages (``auto_ok``:
-    whether it takes ``auto``); ``extra_bytes`` is memory the command needs next to the model at another time than the
-    engine (e.g. a baseline run before it): the need is then the model plus the larger of the two.
+    Schemes run one at a time (one engine alive), so the largest plan must fit; with ``concurrent`` every scheme has its
+    engine of ``batch`` rows at once (the model once), so their caches and workspaces add up. Where the free memory is
+    unknown ``batch`` is returned as given (``auto``: ``max_batch``). ``option`` names the option in the messages
+    (``auto_ok``: whether it takes ``auto``); ``extra_bytes`` is memory the command needs next to the model at another
+    time than the engine (e.g. a baseline run before it): the need is then the model plus the larger of the two.
     ``memory_fraction`` limits what this process may take to that share of the device's total memory, less what it
     already holds (:func:`lragent.device_share.memory_budget`); ``model_loaded``: the model is already on the device
-    (its bytes are in use, not free), so the plan leaves it out: the batch is sized against what is free when the
-    caches are allocated.
+    (its bytes are in use, not free), so the plan leaves it out: the batch is sized against what is free when the caches
+    are allocated.
 
     Raises:
         ValueError: one line naming the need and what is free, when the batch (or, for ``auto``, one episode) does
@@ -263,6 +265,14 @@ def choose_batch(
             for s in schemes
         ]  # fmt: skip
         worst = max(plans, key=lambda p: p.total)
+        if concurrent and len(plans) > 1:
+            worst = dataclasses.replace(
+                worst,
+                scheme="+".join(p.scheme for p in plans),
+                cache_bytes=sum(p.cache_bytes for p in plans),
+                state_bytes=sum(p.state_bytes for p in plans),
+                workspace_bytes=sum(p.workspace_bytes for p in plans),
+            )
         if model_loaded:
             worst = dataclasses.replace(worst, model_bytes=0)
         beside_model = worst.total - worst.model_bytes

@@ -118,3 +118,38 @@ def test_batch_invariant_decodes_every_step_at_the_full_width(monkeypatch, invar
         assert rows_seen[0] == 3  # rows for the tasks
         assert budget or min(widths) < 3  # the width shrinks with the busy rows (this schedule's tail, without extra)
         assert set(extras) == {0, budget}  # extra rows only while some row feeds
+
+
+def test_concurrent_schemes_run_the_episodes_of_one_scheme_at_a_time() -> None:
+    """Every scheme on its own engine at once (the host serving one while the device runs the others) runs exactly
+    the episodes of one scheme at a time: each engine sees the same calls in the same order. Three schemes of
+    unequal task counts, fewer rows than tasks (rows refilled), sampling at 0.9, calls fed through the decode step."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    spec = get_spec("hotpotqa")
+    cfg = AgentConfig(max_steps=3, thought_tokens=6, action_type_tokens=3, argument_tokens=4, reflect_tokens=3)
+    counts = {"non_shared": 3, "base_lr_shared": 4, "droidspeak": 2}
+
+    def tasks() -> list[EpisodeTask]:
+        return [t for s, n in counts.items() for t in _tasks(spec, cfg, n, s, constrained=s == "droidspeak")]
+
+    def run(concurrent: bool) -> tuple[dict, list]:
+        ex = BatchedExecutor(model, tok, batch=2, capacity=4096, temperature=0.9, top_p=0.75, droidspeak_layers=[1, 2],
+                             eos_token_ids=[], prefill_in_decode=32, feed_budget=5,
+                             concurrent_schemes=concurrent)  # fmt: skip
+        order, out = [], {}
+        for task, result in ex.run(tasks()):
+            order.append(task.key[0])
+            out[task.key] = result
+        return out, order
+
+    one, one_order = run(False)
+    together, order = run(True)
+    assert one.keys() == together.keys() and len(one) == sum(counts.values())
+    for key in one:
+        assert together[key].trajectory == one[key].trajectory, key
+        assert together[key].answer == one[key].answer
+        assert together[key].num_tokens == one[key].num_tokens
+    # one at a time finishes every episode of a scheme before the next starts; together they interleave
+    assert one_order == sorted(one_order, key=list(counts).index)
+    assert order != one_order

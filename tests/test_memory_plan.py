@@ -90,6 +90,23 @@ def test_choose_batch_refuses_and_sizes(free):
         choose_batch("default", ["full_shared"], "many", 8192, **args)
 
 
+def test_concurrent_schemes_need_every_schemes_caches_at_once(free):
+    """With every scheme's engine alive at once, the need is the model once plus each scheme's caches and workspace:
+    a batch that fits the hungriest scheme alone is refused, and auto sizes for the sum."""
+    shape = model_shape("default")
+    plans = [plan_memory(shape, s, 24, 8192, element_size=2) for s in ("non_shared", "full_shared")]
+    together = plans[0].model_bytes + sum(p.total - p.model_bytes for p in plans)
+    args = dict(dtype="bfloat16", device="cpu")
+    free(together + 1)
+    assert choose_batch("default", ["non_shared", "full_shared"], 24, 8192, concurrent=True, **args) == 24
+    assert choose_batch("default", ["non_shared", "full_shared"], "auto", 8192, concurrent=True, **args) == 24
+    free(together - 1)
+    assert choose_batch("default", ["non_shared", "full_shared"], 24, 8192, **args) == 24  # one at a time: fits
+    with pytest.raises(ValueError, match="non_shared\\+full_shared"):
+        choose_batch("default", ["non_shared", "full_shared"], 24, 8192, concurrent=True, **args)
+    assert choose_batch("default", ["non_shared", "full_shared"], "auto", 8192, concurrent=True, **args) == 23
+
+
 def test_session_capacity_follows_the_engine_growth():
     assert session_capacity(10) == 1024
     assert session_capacity(1025) == 2048

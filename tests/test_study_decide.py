@@ -1,0 +1,115 @@
+"""The decisive study's plan, its done-test and its verdicts (eval_suite/study_decide.py), on the CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from eval_suite import study_decide as sd
+from eval_suite.study import PROFILES, main
+from eval_suite.study_jobs import is_done
+
+QWEN = PROFILES["qwen2.5-coder-1.5b"]
+
+
+def _opt(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_the_plan_runs_three_schemes_together_on_each_pool_with_its_runs() -> None:
+    plan = sd.build_decide_plan(("scienceqa", "hotpotqa"), QWEN)
+    by = {j.name: j for j in plan}
+    sqa, hp = by["eval/scienceqa_lam0/decide"], by["eval/hotpotqa_lam0/decide"]
+    assert _opt(sqa.cmd, "--split") == "dev,test,extra" and _opt(hp.cmd, "--split") == "dev,test"
+    assert _opt(sqa.cmd, "--runs") == "2" and _opt(hp.cmd, "--runs") == "8"
+    assert _opt(sqa.cmd, "--scheme") == "non_shared,base_lr_shared,full_shared"
+    assert _opt(sqa.cmd, "--concurrent_schemes") == "true" and _opt(sqa.cmd, "--model") == "qwen2.5-coder-1.5b"
+    assert _opt(sqa.cmd, "--adapters") == "data/adapters/qwen_scienceqa_sharedA"  # the shipped λ = 0 set
+    assert "--temperature" not in sqa.cmd  # the protocol's sampling
+    # λ = 0.5 is trained first (the weights are not kept), from the study's recipe
+    lam = by["eval/hotpotqa_lam0.5/decide"]
+    assert lam.deps == ("train/hotpotqa_lam0.5",) and by["train/hotpotqa_lam0.5"].meta["lambda"] == 0.5
+    assert _opt(lam.cmd, "--adapters") == "{root}/train/hotpotqa_lam0.5/adapters"
+    greedy = by["eval/scienceqa_lam0/greedy"]
+    assert _opt(greedy.cmd, "--temperature") == "0" and _opt(greedy.cmd, "--split") == "dev,test"
+    assert _opt(greedy.cmd, "--scheme") == "non_shared,base_lr_shared"
+    assert _opt(by["eval/hotpotqa_lam0/others"].cmd, "--scheme") == "base_shared,droidspeak"
+    # the shipped set's decisive rows come first, the greedy pair last
+    names = [j.name for j in plan]
+    assert names.index("eval/scienceqa_lam0/decide") < names.index("train/scienceqa_lam0.5")
+    assert names[-1].endswith("/greedy")
+    # --runs overrides every benchmark
+    more = sd.build_decide_plan(("hotpotqa",), QWEN, runs={"hotpotqa": 11})
+    assert _opt(next(j for j in more if j.name == "eval/hotpotqa_lam0/decide").cmd, "--runs") == "11"
+
+
+def _summary(path: Path, rows: dict[str, int]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    summary = {"episodes": {r: {str(i): {} for i in range(n)} for r, n in rows.items()},
+               "protocol": {r: {"sampler": 2} for r in rows}}  # fmt: skip
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_job_of_several_schemes_is_done_when_every_row_has_every_run(tmp_path: Path) -> None:
+    job = next(j for j in sd.build_decide_plan(("hotpotqa",), QWEN) if j.name == "eval/hotpotqa_lam0/decide")
+    _summary(tmp_path / job.name, {"non_shared": 8, "base_lr_shared": 8, "full_shared": 7})
+    assert not is_done(job, tmp_path)
+    _summary(tmp_path / job.name, {"non_shared": 8, "base_lr_shared": 8})
+    assert not is_done(job, tmp_path)
+    _summary(tmp_path / job.name, {"non_shared": 8, "base_lr_shared": 8, "full_shared": 8})
+    assert is_done(job, tmp_path)
+
+
+def _records(gap: float, questions: int, runs: int, noise: float, seed: int = 3) -> list[dict]:
+    """Paired records: non_shared answers with a per-question rate; the other row loses ``gap`` on average."""
+    rng = random.Random(seed)
+    out = []
+    for q in range(questions):
+        p = rng.uniform(0.2, 0.8)
+        for run in range(runs):
+            for row, shift in (("non_shared", 0.0), ("base_lr_shared", gap)):
+                correct = float(rng.random() < min(1.0, max(0.0, p - shift + rng.gauss(0, noise))))
+                out.append({"row": row, "run": run, "qid": f"q{q}", "correct": correct,
+                            "split": "dev" if q < questions // 3 else "extra"})  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(("gap", "questions", "runs", "within", "narrow"), [
+    (0.0, 4000, 2, True, True),     # no loss, enough questions: within 2 points and decided
+    (0.07, 4000, 2, False, True),   # a 7-point loss: decided, not within
+    (0.0, 40, 1, False, False),     # too few questions: the interval is too wide to say yes
+])  # fmt: skip
+def test_the_verdict_follows_the_intervals_lower_end_and_width(gap, questions, runs, within, narrow) -> None:
+    cell = sd.decide_cell(_records(gap, questions, runs, noise=0.05), "base_lr_shared", "correct", "scienceqa")
+    assert cell["within_2_points"] is within
+    assert cell["narrow_enough"] is narrow
+    low, high = cell["ci95"]
+    assert cell["half_width"] == pytest.approx((high - low) / 2)
+    assert low <= cell["mean"] <= high
+
+
+def test_the_report_names_the_pool_and_the_papers_questions_apart(tmp_path: Path) -> None:
+    plan = [j for j in sd.build_decide_plan(("scienceqa",), QWEN, lambdas=(0.0,)) if j.name.endswith("/decide")]
+    recs = _records(0.0, 60, 2, noise=0.05)
+    for r in recs:
+        r["benchmark"] = "scienceqa"
+    more = [dict(r, row="full_shared", correct=0.0) for r in recs if r["row"] == "non_shared"]
+    d = tmp_path / plan[0].name
+    d.mkdir(parents=True)
+    (d / "episodes.jsonl").write_text("\n".join(json.dumps(r) for r in recs + more) + "\n")
+    data = sd.write_decide_report(tmp_path, plan, tmp_path / "report")
+    cell = data["scienceqa"]["scienceqa_lam0"]["labels"]["decide"]
+    assert cell["rows"]["non_shared"]["questions"] == 60 and cell["rows"]["non_shared"]["runs"] == 2
+    assert cell["rows"]["non_shared"]["paper_questions"] == 20  # the dev questions only (no test in these records)
+    assert cell["paired"]["full_shared"]["mean"] < -0.2 and not cell["paired"]["full_shared"]["within_2_points"]
+    md = (tmp_path / "report" / "decide.md").read_text()
+    assert "dev,test,extra (60 x 2)" in md and "`full_shared` no" in md
+
+
+def test_the_decide_stage_is_a_stage_of_the_study_command(tmp_path: Path, capsys) -> None:
+    assert main(["plan", "--stage", "decide", "--model", "qwen2.5-coder-1.5b", "--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "eval/scienceqa_lam0/decide" in out and "train/hotpotqa_lam0.5" in out
