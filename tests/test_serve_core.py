@@ -328,6 +328,7 @@ def test_a_cancelled_request_frees_its_row_and_a_cancelled_waiting_one_never_run
         assert never_events == [] and not any(isinstance(e, Finished) for e in long_events)
         assert not long_done.is_set()
         assert sch.metrics.snapshot()["requests"] == {"cancelled": 2, "length": 1}
+        assert sch.metrics.snapshot()["generation_tokens"] < 400 + 3  # the long one stopped generating
         assert isinstance(client.call("plan", "still serving ", max_tokens=2)[0], Finished)
     finally:
         sch.stop()
@@ -379,6 +380,8 @@ def test_errors_name_the_field():
         assert (
             res.code == "context_length_exceeded" and "63 tokens" in res.message and "(60 in the prompt" in res.message
         )
+        res, _ = client.call("plan", "y" * 54, max_tokens=10)  # 64: one past the context
+        assert isinstance(res, Failed) and res.code == "context_length_exceeded"
         res, _ = client.call("plan", "x" * 53, max_tokens=10)  # 63 fits exactly
         assert isinstance(res, Finished)
         res, _ = client.call("plan", "", max_tokens=1, prompt_field="messages")
@@ -417,3 +420,19 @@ def test_metrics_render_as_prometheus_text():
                  'lragent_cache_bytes{component="v_lr"} 7', 'lragent_requests_total{outcome="stop"} 1',
                  'lragent_time_to_first_token_seconds_bucket{le="0.5"} 1', "lragent_cache_bytes_peak 207"):  # fmt: skip
         assert line in text.splitlines(), line
+
+
+def test_the_scheme_decides_which_trajectory_serves_a_role():
+    """non_shared: trajectory A shares more text with the prompt but only the plan role ever read it; B shares less
+    and was written by the action role. An action request continues from B (its own cache), not A."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    sch, client = _serve(model, "non_shared", rows=3)
+    try:
+        client.call("plan", "common head, then A's long tail", max_tokens=2)  # A: plan's caches only
+        client.call("action", "common head, then B", max_tokens=2)  # B: action's caches
+        res, _ = client.call("action", "common head, then A's long", max_tokens=2)
+        assert res.cached_tokens == len("common head, then ")  # B's part; A's (longer) serves action nothing
+        res, _ = client.call("plan", "common head, then A's long", max_tokens=2)
+        assert res.cached_tokens == len("common head, then A's long") - 1  # the plan role: A
+    finally:
+        sch.stop()
