@@ -38,6 +38,14 @@ for _defad in /tmp/defad/*/; do
   _set=data/adapters/$(basename "$_defad")
   [ -f "$_set/lragent_adapters.safetensors" ] || { rm -rf "$_set"; mkdir -p data/adapters && cp -r "$_defad" "$_set"; }
 done
+# The accuracy model's shipped sets (.evad/<benchmark>_sharedA, carried once by prepare-accuracy), put back into a
+# slimmed tree as data/adapters/qwen_<benchmark>_sharedA, where eval and the decisive study look for them.
+if [ -d .evad ]; then mkdir -p /tmp/evad && cp -r .evad/* /tmp/evad/; fi
+for _evad in /tmp/evad/*/; do
+  [ -d "$_evad" ] || continue
+  _set=data/adapters/qwen_$(basename "$_evad")
+  [ -f "$_set/lragent_adapters.safetensors" ] || { rm -rf "$_set"; mkdir -p data/adapters && cp -r "$_evad" "$_set"; }
+done
 # The committed study roots' packs (.resume/<stage>/study.tar.gz.part*), carried in a call of their own;
 # scripts/gpu_study.sh unpacks the one of its stage.
 if [ -d .resume ]; then mkdir -p /tmp/resume_pack && cp -r .resume/* /tmp/resume_pack/; fi
