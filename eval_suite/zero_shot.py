@@ -103,7 +103,7 @@ def zero_shot(
     max_new_tokens: int = 32,
     quiet: bool = False,
 ) -> int:
-    """Zero-shot probe of the base model (no agents, no adapters) on the dev questions.
+    """Zero-shot probe of the base model (no agents, no adapters) on the questions of --split (default dev).
 
     Args:
         benchmark: scienceqa (letter by next-token logit among the question's options) or hotpotqa (greedy short

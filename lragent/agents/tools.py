@@ -241,7 +241,7 @@ class WikiIndex:
         """Builds the index over the context paragraphs of HotpotQA benchmark files plus extra corpora.
 
         Args:
-            hotpotqa_files: HotpotQA benchmark JSONL files (``data/benchmarks/hotpotqa_*.jsonl``).
+            hotpotqa_files: HotpotQA benchmark JSONL files (``data/benchmarks/hotpotqa_<level>.<split>.jsonl``).
             extra_corpus: JSONL files of ``{"title", "text"}`` passages, indexed after the benchmark ones.
             db_path: file to write, or None for an in-memory index.
         """
