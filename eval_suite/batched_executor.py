@@ -226,33 +226,32 @@ class BatchedExecutor:
     @torch.no_grad()
     def _run_lanes(self, schemes: list, groups: list[list]) -> Iterator[tuple[object, EpisodeResult]]:
         """Runs each scheme's tasks on its own engine (a *lane*). With one lane: fill its free rows, run decode steps
-        until a row finishes, answer it, repeat. With several (``concurrent_schemes``), each round queues every
-        lane's decode steps first (on its own CUDA stream) and then waits for and answers each lane in turn, so the
-        host's work for one lane overlaps the device's work for the others. Each lane's engine sees the same calls in
-        the same order either way: the episodes are the same."""
+        until a row finishes, answer it, repeat. With several (``concurrent_schemes``), each lane's steps are queued
+        on its own CUDA stream and the lanes are waited for and answered in turn, each queuing its next steps at
+        once, so the host's work for one lane overlaps the device's work for the others. Each lane's engine sees the
+        same calls in the same order either way: the episodes are the same."""
         lanes = [self._lane(s, g) for s, g in zip(schemes, groups, strict=True)]
         while any(lane.busy for lane in lanes):
+            # each lane in turn: wait for its steps, answer what finished, refill its rows and queue its next steps;
+            # meanwhile the device runs the steps the other lanes queued
             for lane in lanes:
                 with _on(lane.stream):
+                    if lane.launched:
+                        finished = self._count(lane.eng, lane.eng.collect)
+                        lane.launched = False
+                        for res in finished:
+                            self.generated_tokens += len(res.generated_ids)
+                            state = lane.active[res.row]
+                            result = self._timed_answer(lane, res.row, state, self._reply(res, lane.eng, res.row))
+                            if result is not None:
+                                del lane.active[res.row]
+                                lane.free.append(res.row)
+                                lane.free.sort()  # refill low rows first: the decode batch stays small at the tail
+                                yield state.task, result
                     yield from self._fill(lane)
-                    if lane.active and not lane.launched:
+                    if lane.active:
                         self._count(lane.eng, lane.eng.launch)
                         lane.launched = True
-            for lane in lanes:
-                if not lane.launched:
-                    continue
-                with _on(lane.stream):
-                    finished = self._count(lane.eng, lane.eng.collect)
-                    lane.launched = False
-                    for res in finished:
-                        self.generated_tokens += len(res.generated_ids)
-                        state = lane.active[res.row]
-                        result = self._timed_answer(lane, res.row, state, self._reply(res, lane.eng, res.row))
-                        if result is not None:
-                            del lane.active[res.row]
-                            lane.free.append(res.row)
-                            lane.free.sort()  # refill low rows first: the decode batch stays small at the tail
-                            yield state.task, result
 
     def _count(self, eng: Engine, call):
         """Calls ``call`` and adds what the engine's counters moved to this executor's."""
