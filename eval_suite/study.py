@@ -50,13 +50,13 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from eval_suite.study_jobs import Job, is_done
+from eval_suite.study_jobs import Job, _train_job, _with_python, is_done, set_name
 from lragent.report_io import write_json
 from lragent.sampling import SAMPLER_VERSION, recorded_sampler
 
@@ -67,7 +67,6 @@ LAMBDAS: tuple[float, ...] = (0.0, 0.5, 0.25, 1.0)
 FIVE = ("non_shared", "base_lr_shared", "full_shared", "base_shared", "droidspeak")
 LAMBDA_SCHEMES = ("non_shared", "base_lr_shared", "full_shared")
 INDEP_SCHEMES = ("non_shared", "full_shared", "base_shared", "droidspeak")
-ADAPTER_FILE = "lragent_adapters.safetensors"
 GB = {"train": 55.0, "eval": 14.0, "eval_non_shared": 20.0, "fidelity": 10.0}
 """GPU memory per job as seen on an H200 (bf16, embedded model; a fit of 16k-token unpacked batches peaks near 50 GB;
 eval at the batch sizes below, capacity 8192)."""
@@ -149,17 +148,6 @@ PROFILES: dict[str, ModelProfile] = {
 """Study profiles by ``--model``."""
 
 
-def set_name(benchmark: str, lam: float | None, scheme: str = "base_lr_shared", shared_a: bool = True) -> str:
-    """Adapter-set name: ``scienceqa_lam0.5`` (base_lr_shared term), ``scienceqa_lam1_full``, ``scienceqa_indepA``,
-    ``scienceqa_untrained`` (``lam`` None)."""
-    if lam is None:
-        return f"{benchmark}_untrained"
-    if not shared_a:
-        return f"{benchmark}_indepA"
-    suffix = "_full" if scheme == "full_shared" and lam > 0 else ""
-    return f"{benchmark}_lam{lam:g}{suffix}"
-
-
 def train_config(
     benchmark: str,
     lam: float,
@@ -225,15 +213,6 @@ def _eval_job(profile: ModelProfile, bench: str, name: str, adapters: list[str],
     )  # fmt: skip
 
 
-def _train_job(profile: ModelProfile, name: str, priority: float, meta: dict) -> Job:
-    tname = f"train/{name}"
-    return Job(
-        name=tname, kind="train", cmd=["{python}", "cli.py", "fit", "--config", f"{{root}}/{tname}/config.yaml"],
-        done_file=f"{tname}/adapters/{ADAPTER_FILE}", gb=profile.gb["train"], priority=priority,
-        meta={**meta, "config_prefix": profile.config_prefix},
-    )  # fmt: skip
-
-
 def _probe_job(profile: ModelProfile, bench: str, priority: float) -> Job:
     """The zero-shot reference row of ``bench`` (``cli.py zero-shot``: no agents, no adapters)."""
     return Job(
@@ -243,13 +222,6 @@ def _probe_job(profile: ModelProfile, bench: str, priority: float) -> Job:
         done_file=f"probe/{bench}/summary.json", gb=profile.gb["probe"], priority=priority,
         meta={"benchmark": bench, "set": f"{bench}_zero_shot", "lambda": None, "train_scheme": "", "shared_a": True},
     )  # fmt: skip
-
-
-def _with_python(jobs: list[Job], python: str) -> list[Job]:
-    return sorted(
-        (replace(j, cmd=[python if c == "{python}" else c for c in j.cmd]) for j in jobs),
-        key=lambda j: j.priority,
-    )
 
 
 def build_plan(

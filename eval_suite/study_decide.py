@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eval_suite.paired import paired_difference
-from eval_suite.study_jobs import Job
+from eval_suite.study_jobs import Job, _train_job, _with_python, set_name
 from lragent.report_io import write_json, write_text
 
 LAMBDAS: tuple[float, ...] = (0.0, 0.5)
@@ -80,8 +80,6 @@ def build_decide_plan(
         epochs: training epochs of a set that is trained.
         python: the interpreter of the jobs.
     """
-    from eval_suite.study import _train_job, _with_python, set_name
-
     runs = {**RUNS, **(runs or {})}
     prefix = "" if profile.model == "default" else f"{profile.config_prefix}_"
     jobs: list[Job] = []

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lragent.sampling import SAMPLER_VERSION, recorded_sampler
+
+ADAPTER_FILE = "lragent_adapters.safetensors"
+"""The native adapter file whose existence marks a training job done."""
 
 
 @dataclass(frozen=True)
@@ -56,3 +59,30 @@ def is_done(job: Job, root: Path) -> bool:
                 return False
         return True
     return True
+
+
+def set_name(benchmark: str, lam: float | None, scheme: str = "base_lr_shared", shared_a: bool = True) -> str:
+    """Adapter-set name: ``scienceqa_lam0.5`` (base_lr_shared term), ``scienceqa_lam1_full``, ``scienceqa_indepA``,
+    ``scienceqa_untrained`` (``lam`` None)."""
+    if lam is None:
+        return f"{benchmark}_untrained"
+    if not shared_a:
+        return f"{benchmark}_indepA"
+    suffix = "_full" if scheme == "full_shared" and lam > 0 else ""
+    return f"{benchmark}_lam{lam:g}{suffix}"
+
+
+def _train_job(profile: Any, name: str, priority: float, meta: dict) -> Job:
+    tname = f"train/{name}"
+    return Job(
+        name=tname, kind="train", cmd=["{python}", "cli.py", "fit", "--config", f"{{root}}/{tname}/config.yaml"],
+        done_file=f"{tname}/adapters/{ADAPTER_FILE}", gb=profile.gb["train"], priority=priority,
+        meta={**meta, "config_prefix": profile.config_prefix},
+    )  # fmt: skip
+
+
+def _with_python(jobs: list[Job], python: str) -> list[Job]:
+    return sorted(
+        (replace(j, cmd=[python if c == "{python}" else c for c in j.cmd]) for j in jobs),
+        key=lambda j: j.priority,
+    )

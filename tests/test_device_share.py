@@ -107,20 +107,20 @@ def _flaky(monkeypatch: pytest.MonkeyPatch, above: int, after: int) -> list[int]
     import eval_suite.batched_executor as be
 
     built: list[int] = []
-    real_init, real_run = be.BatchedExecutor.__init__, be.BatchedExecutor._run_scheme
+    real_init, real_run = be.BatchedExecutor.__init__, be.BatchedExecutor._run_lanes
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         built.append(self.batch)
 
-    def run_scheme(self, scheme, tasks):
-        for n, item in enumerate(real_run(self, scheme, tasks), start=1):
+    def run_lanes(self, schemes, groups):
+        for n, item in enumerate(real_run(self, schemes, groups), start=1):
             yield item
             if self.batch > above and n == after:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.25 GiB. GPU 0 has 1 GiB free")
 
     monkeypatch.setattr(be.BatchedExecutor, "__init__", init)
-    monkeypatch.setattr(be.BatchedExecutor, "_run_scheme", run_scheme)
+    monkeypatch.setattr(be.BatchedExecutor, "_run_lanes", run_lanes)
     return built
 
 
