@@ -231,14 +231,19 @@ class BatchedExecutor:
         once, so the host's work for one lane overlaps the device's work for the others. Each lane's engine sees the
         same calls in the same order either way: the episodes are the same."""
         lanes = [self._lane(s, g) for s, g in zip(schemes, groups, strict=True)]
+        self._reserved.clear()  # a reservation serves the run that follows it; unused, its memory goes back
         while any(lane.busy for lane in lanes):
             # each lane in turn: wait for its steps, answer what finished, refill its rows and queue its next steps;
             # meanwhile the device runs the steps the other lanes queued
             for lane in lanes:
                 with _on(lane.stream):
+                    finished = []
                     if lane.launched:
                         finished = self._count(lane.eng, lane.eng.collect)
                         lane.launched = False
+                    elif lane.active and not self.concurrent_schemes:  # one lane: steps until a row finishes
+                        finished = self._count(lane.eng, lane.eng.advance)
+                    if finished:
                         for res in finished:
                             self.generated_tokens += len(res.generated_ids)
                             state = lane.active[res.row]
@@ -249,7 +254,7 @@ class BatchedExecutor:
                                 lane.free.sort()  # refill low rows first: the decode batch stays small at the tail
                                 yield state.task, result
                     yield from self._fill(lane)
-                    if lane.active:
+                    if lane.active and self.concurrent_schemes:
                         self._count(lane.eng, lane.eng.launch)
                         lane.launched = True
 

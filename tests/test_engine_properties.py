@@ -656,11 +656,21 @@ def test_a_step_fed_through_decoding_reports_what_an_eager_prefill_reports(schem
         assert (b.prefill_s == 0.0) == (n > 0 and not logits) and (b.decode_s > 0) == (n > 0)
 
 
-def test_prefill_timing_waits_for_the_engines_own_cuda_device(monkeypatch):
-    """Prefill timing synchronises the engine's device when it is a CUDA device (its own, not the current one), and
-    a CPU engine never calls into CUDA."""
+def test_prefill_timing_waits_for_the_engines_own_cuda_stream(monkeypatch):
+    """Prefill timing waits for the current stream of the engine's device when it is a CUDA device (its own device,
+    not the current one; its stream, not the whole device, where other engines of the process run on theirs), and a
+    CPU engine never calls into CUDA."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            calls.append(self.device)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("whole device", device)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
     eng = engine("full_shared")
     eng.append(0, SHORT)
     eng.generate(0, GenerationRequest(role=0, max_new_tokens=2))
