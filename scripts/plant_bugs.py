@@ -671,6 +671,30 @@ BUGS = {
         "",
         "tests/test_batched_executor_properties.py -k reservation",
     ),
+    "bench eval: the jobs run one at a time whatever --concurrent says": (
+        "eval_suite/bench_eval.py",
+        "            while queue and len(running) < concurrent:",
+        "            while queue and not running:",
+        "tests/test_bench_eval.py",
+    ),
+    "bench eval: episodes per GPU-second over the jobs' own walls added up": (
+        "eval_suite/bench_eval.py",
+        '"episodes_per_gpu_s": episodes / wall,',
+        '"episodes_per_gpu_s": episodes / sum(s["wall_s"] for s in summaries.values()),',
+        "tests/test_bench_eval.py",
+    ),
+    "bench eval: episodes compared without their predictions": (
+        "eval_suite/bench_eval.py",
+        'SAME_FIELDS = ("prediction", "actions", "num_tokens", "seed")',
+        'SAME_FIELDS = ("actions", "num_tokens", "seed")',
+        "tests/test_bench_eval.py",
+    ),
+    "bench eval: a failed job's exit status ignored": (
+        "eval_suite/bench_eval.py",
+        '    return 0 if all(s["rc"] == 0 for s in summaries.values()) else 1',
+        "    return 0",
+        "tests/test_bench_eval.py",
+    ),
     "concurrent schemes: every task run on the first scheme's engine": (
         "eval_suite/batched_executor.py",
         "                by_scheme.setdefault(str(task.scheme), []).append(task)",

@@ -1,0 +1,98 @@
+"""bench eval (eval_suite/bench_eval.py): episodes per GPU-second over real job processes, their time split, the
+comparison of episodes with another bench, and its argument checks. The jobs here are a stand-in interpreter that
+writes an eval's files (the real eval is tested elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval_suite import bench_eval as be
+from lragent.cli_main import main
+
+FAKE_EVAL = """#!{python}
+import json, sys, time
+args = sys.argv[1:]
+out = args[args.index("--out") + 1]
+n = int(args[args.index("--episodes") + 1])
+pred = args[args.index("--pred") + 1]
+time.sleep(float(args[args.index("--sleep") + 1]))
+with open(out + "/episodes.jsonl", "w") as f:
+    for i in range(n):
+        f.write(json.dumps({{"row": "base_lr_shared", "run": 0, "qid": f"q{{i}}", "prediction": pred if i == 0 else "x",
+                            "actions": ["Finish[x]"], "num_tokens": 10 + i, "seed": i}}) + "\\n")
+with open(out + "/timing.json", "w") as f:
+    json.dump({{"batch": 4, "decode_steps": 7 * n, "startup_s": 0.5, "load_s": 0.25, "episodes_s": 1.5,
+               "advance_s": 1.0, "wait_s": 0.75, "replay_s": 0.1, "capture_s": 0.0, "agent_s": 0.5}}, f)
+sys.exit(int(args[args.index("--rc") + 1]))
+"""
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> str:
+    path = tmp_path / "fake_eval"
+    path.write_text(FAKE_EVAL.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def _job(n: int, pred: str = "a", sleep: float = 0.0, rc: int = 0) -> str:
+    return f"--episodes {n} --pred {pred} --sleep {sleep} --rc {rc}"
+
+
+def test_episodes_per_second_counts_every_jobs_episodes_over_the_whole_wall(tmp_path: Path, fake_python: str) -> None:
+    out = tmp_path / "b"
+    rc = be.bench_eval([_job(3, sleep=1.0), _job(5, sleep=1.0), _job(2)], out=str(out), concurrent=2,
+                       python=fake_python, sample_s=0.05)  # fmt: skip
+    assert rc == 0
+    result = json.loads((out / "bench_eval.json").read_text())
+    s = result["summary"]
+    assert s["episodes"] == 10
+    assert s["episodes_per_gpu_s"] == pytest.approx(10 / s["wall_s"])
+    assert 1.0 <= s["wall_s"] < 1.9  # the two sleepers ran at once (one after the other: at least 2 s)
+    jobs = result["jobs"]
+    assert [j["episodes"] for j in jobs] == [3, 5, 2] and [j["decode_steps"] for j in jobs] == [21, 35, 14]
+    assert all(j["wait_s"] == 0.75 and j["agent_s"] == 0.5 for j in jobs)  # each job's timing.json split, as written
+    md = (out / "bench_eval.md").read_text()
+    assert "10 episodes" in md and "episodes per GPU-second" in md
+
+
+def test_a_failed_job_fails_the_bench_but_its_episodes_count(tmp_path: Path, fake_python: str) -> None:
+    out = tmp_path / "b"
+    assert be.bench_eval([_job(2), _job(3, rc=3)], out=str(out), python=fake_python) == 1
+    result = json.loads((out / "bench_eval.json").read_text())
+    assert [j["rc"] for j in result["jobs"]] == [0, 3] and result["summary"]["episodes"] == 5
+
+
+def test_compare_counts_the_same_episodes_of_another_bench(tmp_path: Path, fake_python: str) -> None:
+    be.bench_eval([_job(4, pred="a")], out=str(tmp_path / "one"), python=fake_python)
+    be.bench_eval([_job(3, pred="b")], out=str(tmp_path / "two"), python=fake_python, compare=str(tmp_path / "one"))
+    c = json.loads((tmp_path / "two" / "bench_eval.json").read_text())["compare"]
+    # three episodes both ran; the first differs in its prediction, the other two are the same
+    assert (c["left"], c["right"], c["both"], c["same"]) == (3, 4, 3, 2)
+
+
+def test_compare_records_keys_by_row_run_and_question() -> None:
+    a = [{"row": "x", "run": 0, "qid": "1", "prediction": "p", "actions": [], "num_tokens": 1, "seed": 5}]
+    b = [dict(a[0], run=1), dict(a[0], num_tokens=2)]
+    assert be.compare_records(a, b) == {"left": 1, "right": 2, "both": 1, "same": 0}
+    assert be.compare_records(a, [dict(a[0])])["same"] == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--jobs", "[]"], "--jobs is empty"),
+        (["--jobs", '["--scheme base_lr_shared --out x"]'], "--out is set by bench eval"),
+        (["--jobs", '["--scheme base_lr_shared"]', "--concurrent", "0"], "--concurrent must be >= 1"),
+        (["--jobs", '["--scheme base_lr_shared"]', "--compare", "/no/such/dir"], "--compare /no/such/dir"),
+    ],
+)
+def test_bad_arguments_are_one_error_line(argv: list[str], needle: str, capsys, tmp_path: Path) -> None:
+    assert main(["bench", "eval", *argv, "--out", str(tmp_path / "o")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
