@@ -85,6 +85,20 @@ def _episodes(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_compared(path: Path) -> list[dict]:
+    """The episode records of another bench: its folder (every ``job_*/episodes.jsonl``) or one JSON-lines file,
+    plain or ``.xz`` (as ``results/eval_throughput/*_episodes.jsonl.xz`` keeps them)."""
+    if path.is_dir():
+        return [r for d in sorted(path.glob("job_*")) for r in _episodes(d)]
+    if path.suffix == ".xz":
+        import lzma
+
+        text = lzma.decompress(path.read_bytes()).decode()
+    else:
+        text = path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def compare_records(a: list[dict], b: list[dict]) -> dict[str, int]:
     """Episodes of ``a`` and ``b`` keyed by (row, run, question): how many both ran, and how many of those are the
     same in :data:`SAME_FIELDS`."""
@@ -160,8 +174,9 @@ def bench_eval(
         concurrent: jobs running at once (several evaluations on one GPU); the rest wait in order.
         sample_s: seconds between GPU-utilisation samples.
         label: a title for the report.
-        compare: another bench eval's folder: count the episodes (by row, run and question) that both ran and that
-            are the same (prediction, actions, tokens, seed).
+        compare: another bench eval's folder, or a JSON-lines file of its episodes (plain or .xz): count the
+            episodes (by row, run and question) that both ran and that are the same (prediction, actions, tokens,
+            seed).
         python: the interpreter for the jobs (default: this one).
 
     Returns:
@@ -179,8 +194,8 @@ def bench_eval(
         bad = [o for o in shlex.split(opts) if o.split("=")[0] in ("--out", "--quiet", "--devices")]
         if bad:
             raise ValueError(f"--jobs {opts!r}: {bad[0]} is set by bench eval (each job runs into OUT/job_i)")
-    if compare is not None and not Path(compare).is_dir():
-        raise FileNotFoundError(f"--compare {compare}: no such folder")
+    if compare is not None and not Path(compare).exists():
+        raise FileNotFoundError(f"--compare {compare}: no such folder or file")
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     py = python or sys.executable
@@ -225,9 +240,8 @@ def bench_eval(
     episodes = sum(s["episodes"] for s in summaries.values())
     result["summary"] = {"episodes": episodes, "wall_s": wall, "episodes_per_gpu_s": episodes / wall, **gpu}
     if compare is not None:
-        theirs = sorted(Path(compare).glob("job_*"))
         ours = sorted(out_dir.glob("job_*"))
-        counts = compare_records([r for d in ours for r in _episodes(d)], [r for d in theirs for r in _episodes(d)])
+        counts = compare_records([r for d in ours for r in _episodes(d)], read_compared(Path(compare)))
         result["compare"] = {"dir": str(compare), **counts}
     write_json(out_dir / "bench_eval.json", result)
     write_text(out_dir / "bench_eval.md", _markdown(result))

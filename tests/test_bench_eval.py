@@ -76,6 +76,18 @@ def test_compare_counts_the_same_episodes_of_another_bench(tmp_path: Path, fake_
     assert (c["left"], c["right"], c["both"], c["same"]) == (3, 4, 3, 2)
 
 
+def test_compare_reads_a_kept_episode_file(tmp_path: Path, fake_python: str) -> None:
+    import lzma
+
+    recs = [{"row": "base_lr_shared", "run": 0, "qid": f"q{i}", "prediction": "a" if i == 0 else "x",
+             "actions": ["Finish[x]"], "num_tokens": 10 + i, "seed": i} for i in range(2)]  # fmt: skip
+    kept = tmp_path / "kept.jsonl.xz"
+    kept.write_bytes(lzma.compress("\n".join(json.dumps(r) for r in recs).encode()))
+    be.bench_eval([_job(3, pred="b")], out=str(tmp_path / "two"), python=fake_python, compare=str(kept))
+    c = json.loads((tmp_path / "two" / "bench_eval.json").read_text())["compare"]
+    assert (c["left"], c["right"], c["both"], c["same"]) == (3, 2, 2, 1)
+
+
 def test_compare_records_keys_by_row_run_and_question() -> None:
     a = [{"row": "x", "run": 0, "qid": "1", "prediction": "p", "actions": [], "num_tokens": 1, "seed": 5}]
     b = [dict(a[0], run=1), dict(a[0], num_tokens=2)]
@@ -89,7 +101,7 @@ def test_compare_records_keys_by_row_run_and_question() -> None:
         (["--jobs", "[]"], "--jobs is empty"),
         (["--jobs", '["--scheme base_lr_shared --out x"]'], "--out is set by bench eval"),
         (["--jobs", '["--scheme base_lr_shared"]', "--concurrent", "0"], "--concurrent must be >= 1"),
-        (["--jobs", '["--scheme base_lr_shared"]', "--compare", "/no/such/dir"], "--compare /no/such/dir"),
+        (["--jobs", '["--scheme base_lr_shared"]', "--compare", "/no/such/dir"], "--compare /no/such/dir: no such"),
     ],
 )
 def test_bad_arguments_are_one_error_line(argv: list[str], needle: str, capsys, tmp_path: Path) -> None:
