@@ -511,7 +511,7 @@ def evaluate(
     prefill_in_decode: int | None = None,
     feed_budget: int | None = None,
     batch_invariant: bool = False,
-    concurrent_schemes: bool | None = None,
+    concurrent_schemes: bool = False,
     devices: int = 1,
     memory_fraction: float | None = None,
     quiet: bool = False,
@@ -598,7 +598,7 @@ def evaluate(
             its own engine of --batch rows (on a GPU its own CUDA stream): the host answers one scheme's finished
             calls while the device runs the others', and the process starts once. The episodes are those of one
             scheme at a time (each engine sees the same calls in the same order); the schemes' caches are held
-            together, so --batch auto sizes for all of them. Default: on with a GPU, off on the CPU.
+            together, so --batch auto sizes for all of them. Off by default until it is timed on a GPU.
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
             --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT. The shards take their
             episodes from one queue (OUT/queue), each the next one when it has a free row, so they end together.
@@ -863,10 +863,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
     adapters_label = str(Path(plan.adapters).resolve()) if plan.adapters else f"init:{a['adapter_init']}"
     batch = a["batch"]
     most = min(MAX_AUTO_BATCH, len(plan.questions) * a["runs"]) or 1
-    concurrent = a.get("concurrent_schemes")
-    if concurrent is None:  # the GPU default: the host serves one scheme while the device runs the others
-        concurrent = run_device.startswith("cuda")
-    concurrent = bool(concurrent and batch and len(plan.schemes) > 1)
+    concurrent = bool(a.get("concurrent_schemes") and batch and len(plan.schemes) > 1)
     size = dict(dtype=a["dtype"], device=run_device, rank=a["rank"], droidspeak_layers=plan.droidspeak_layers,
                 memory_fraction=fraction, concurrent=concurrent)  # fmt: skip
     if batch and not a.get("server"):  # before the model loads: refuse a batch (auto: one episode) that cannot fit
