@@ -127,20 +127,23 @@ class ServeMetrics:
         with self._lock:
             lines: list[str] = []
 
-            def metric(name: str, kind: str, doc: str, samples: list[str]) -> None:
+            def metric(name: str, kind: str, doc: str, samples: list[str] | int | float) -> None:
+                """One metric's HELP and TYPE lines, then its samples (a lone value: the one unlabelled sample)."""
+                if not isinstance(samples, list):
+                    samples = [f"{name} {samples}"]
                 lines.extend([f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *samples])
 
             metric("lragent_num_requests_running", "gauge", "Requests generating in the engine's rows.",
-                   [f"lragent_num_requests_running {self.running}"])  # fmt: skip
+                   self.running)  # fmt: skip
             metric("lragent_num_requests_waiting", "gauge", "Requests waiting for a row.",
-                   [f"lragent_num_requests_waiting {self.waiting}"])  # fmt: skip
+                   self.waiting)  # fmt: skip
             metric("lragent_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-                   [f"lragent_prompt_tokens_total {self.prompt_tokens}"])  # fmt: skip
+                   self.prompt_tokens)  # fmt: skip
             metric("lragent_generation_tokens_total", "counter", "Generated tokens of finished requests.",
-                   [f"lragent_generation_tokens_total {self.generation_tokens}"])  # fmt: skip
+                   self.generation_tokens)  # fmt: skip
             metric("lragent_cached_prompt_tokens_total", "counter",
                    "Prompt tokens read from a held trajectory's caches instead of computed.",
-                   [f"lragent_cached_prompt_tokens_total {self.cached_tokens}"])  # fmt: skip
+                   self.cached_tokens)  # fmt: skip
             metric(
                 "lragent_requests_total",
                 "counter",
@@ -148,12 +151,12 @@ class ServeMetrics:
                 [f'lragent_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())],
             )
             metric("lragent_trajectories", "gauge", "Trajectories held in the engine's rows.",
-                   [f"lragent_trajectories {self.trajectories}"])  # fmt: skip
+                   self.trajectories)  # fmt: skip
             metric("lragent_trajectory_evictions_total", "counter", "Least recently used trajectories evicted.",
-                   [f"lragent_trajectory_evictions_total {self.evictions}"])  # fmt: skip
+                   self.evictions)  # fmt: skip
             metric("lragent_trajectory_forks_total", "counter",
                    "Trajectories started from another's shared prefix (its caches copied).",
-                   [f"lragent_trajectory_forks_total {self.forks}"])  # fmt: skip
+                   self.forks)  # fmt: skip
             metric(
                 "lragent_cache_bytes",
                 "gauge",
@@ -161,7 +164,7 @@ class ServeMetrics:
                 [f'lragent_cache_bytes{{component="{k}"}} {v}' for k, v in sorted(self.cache_bytes.items())],
             )
             metric("lragent_cache_bytes_peak", "gauge", "Peak of the caches' total bytes.",
-                   [f"lragent_cache_bytes_peak {self.peak_cache_bytes}"])  # fmt: skip
+                   self.peak_cache_bytes)  # fmt: skip
             metric("lragent_time_to_first_token_seconds", "histogram",
                    "Seconds from a request's arrival to its first generated token.",
                    self.ttft.lines("lragent_time_to_first_token_seconds"))  # fmt: skip
