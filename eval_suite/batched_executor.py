@@ -243,16 +243,15 @@ class BatchedExecutor:
                         lane.launched = False
                     elif lane.active and not self.concurrent_schemes:  # one lane: steps until a row finishes
                         finished = self._count(lane.eng, lane.eng.advance)
-                    if finished:
-                        for res in finished:
-                            self.generated_tokens += len(res.generated_ids)
-                            state = lane.active[res.row]
-                            result = self._timed_answer(lane, res.row, state, self._reply(res, lane.eng, res.row))
-                            if result is not None:
-                                del lane.active[res.row]
-                                lane.free.append(res.row)
-                                lane.free.sort()  # refill low rows first: the decode batch stays small at the tail
-                                yield state.task, result
+                    for res in finished:
+                        self.generated_tokens += len(res.generated_ids)
+                        state = lane.active[res.row]
+                        result = self._timed_answer(lane, res.row, state, self._reply(res, lane.eng, res.row))
+                        if result is not None:
+                            del lane.active[res.row]
+                            lane.free.append(res.row)
+                            lane.free.sort()  # refill low rows first: the decode batch stays small at the tail
+                            yield state.task, result
                     yield from self._fill(lane)
                     if lane.active and self.concurrent_schemes:
                         self._count(lane.eng, lane.eng.launch)
