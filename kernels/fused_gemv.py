@@ -5,7 +5,7 @@ an H100 (``results/engine_h100/decode_profile_2026-11-27``) the two RMSNorms and
 2 + 2 + 1.5 µs, and each is a graph node whose gap to the next adds about 1 µs: 0.26 ms of a 6.86 ms step, against
 issue 38's 0.8 ms to find. Computing the norm (or the activation) inside the GEMV that consumes it removes the kernel,
 its output's round trip through memory and its node. Whether a Triton GEMV keeps cuBLAS's bandwidth is what
-``python -m eval_suite.bench_fused_gemv`` measures: on an H100, 1.01-1.06x the unfused pair at one row (the 8B batch-1
+``python -m eval_suite.bench.fused_gemv`` measures: on an H100, 1.01-1.06x the unfused pair at one row (the 8B batch-1
 step 5% faster), and slower than unfused at 4 to 32 rows even through one tensor-core dot per tile, so the decoder takes
 them at the rows ``LRAGENT_FUSED_GEMV`` names (default 1: batch-1 decode; kernels/NOTES.md).
 
@@ -145,7 +145,7 @@ DEVICE_LAUNCHES: dict[str, DeviceLaunches] = {
     ),
 }
 """Measured one-row launches by GPU model (a whole word of the CUDA device's name), each the fastest found in two
-sweeps (24 and 22 launches) of ``python -m eval_suite.bench_fused_gemv --rows [1]`` at the 8B shapes, weights read from
+sweeps (24 and 22 launches) of ``python -m eval_suite.bench.fused_gemv --rows [1]`` at the 8B shapes, weights read from
 DRAM
 (``results/engine_h200/gemv_launches_2026-11-29``): on an H200 gate/up 57.96 µs against 61.70 for
 :data:`NORM_CONFIG` (cuBLAS 56.13, unfused 58.05), down 31.56 against 32.14, o 10.03 against 10.05; q/k/v keeps
@@ -521,7 +521,7 @@ def rms_norm_linear(
         eps: its variance epsilon.
         weight: ``(N, K)`` the linear layer's weight (no bias).
         residual: ``(..., K)`` added to ``x`` first, or None.
-        config: the launch (``python -m eval_suite.bench_fused_gemv`` sweeps them); default :func:`default_config`.
+        config: the launch (``python -m eval_suite.bench.fused_gemv`` sweeps them); default :func:`default_config`.
 
     Returns:
         ``(y, h)``: ``y`` ``(..., N)`` and ``h = x (+ residual)`` ``(..., K)`` (``x`` itself without a residual).

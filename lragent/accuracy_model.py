@@ -20,7 +20,6 @@ qwen2.5-coder-1.5b`` works in every command.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import importlib.metadata
@@ -346,33 +345,41 @@ def missing() -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lragent.accuracy_model", description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only check the parts' sizes and sha256 (no conversion)")
-    p.add_argument("--join", default=None, metavar="FILE", help="write the checked, joined GGUF to FILE and stop")
-    p.add_argument("--parts", default=None, help="folder of the parts (.bin or wheels); default: the installed wheels")
-    args = p.parse_args(argv)
-    try:
-        if args.parts:
-            os.environ["LRAGENT_ACCURACY_PARTS"] = args.parts
-        if args.check:
-            given = os.environ.get("LRAGENT_ACCURACY_GGUF")
-            if given:
-                check_gguf(Path(given))
-                print(f"ok: {given}, {GGUF_BYTES:,} bytes, sha256 as pinned")
-                return 0
-            sources = part_sources()
-            check_parts(sources)
-            print(f"ok: {len(sources)} parts, {GGUF_BYTES:,} bytes, each part's sha256 as pinned")
+def accuracy_model(check: bool = False, join: str | None = None, parts: str | None = None) -> int:
+    """The accuracy model: its parts checked, joined into one GGUF, or converted once (prints the folder).
+
+    Args:
+        check: only check the parts' sizes and sha256 (no conversion).
+        join: write the checked, joined GGUF to this file and stop.
+        parts: folder of the parts (.bin or wheels); default: the installed wheels.
+
+    Returns:
+        the exit status.
+    """
+    if parts:
+        os.environ["LRAGENT_ACCURACY_PARTS"] = parts
+    if check:
+        given = os.environ.get("LRAGENT_ACCURACY_GGUF")
+        if given:
+            check_gguf(Path(given))
+            print(f"ok: {given}, {GGUF_BYTES:,} bytes, sha256 as pinned")
             return 0
-        if args.join:
-            print(join_parts(part_sources(), Path(args.join)))
-            return 0
-        print(converted_dir())
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        sources = part_sources()
+        check_parts(sources)
+        print(f"ok: {len(sources)} parts, {GGUF_BYTES:,} bytes, each part's sha256 as pinned")
+        return 0
+    if join:
+        print(join_parts(part_sources(), Path(join)))
+        return 0
+    print(converted_dir())
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lragent.accuracy_model [--check] [--join FILE] [--parts DIR]`` (:func:`accuracy_model`)."""
+    from lragent.command import run_command
+
+    return run_command(accuracy_model, sys.argv[1:] if argv is None else argv, "python -m lragent.accuracy_model")
 
 
 if __name__ == "__main__":

@@ -13,23 +13,23 @@ from pathlib import Path
 # command -> (module, typed function); lragent.command turns each function into a command line (--help from its
 # docstring, --config, --print_config).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "session": ("eval_suite.session_runner", "session"),
+    "session": ("eval_suite.evaluate.session_runner", "session"),
     "export": ("lit_modules.cli", "export"),
-    "eval": ("eval_suite.run_eval", "evaluate"),
-    "fidelity": ("eval_suite.fidelity_command", "fidelity"),
-    "similarity": ("eval_suite.similarity", "similarity"),
-    "droidspeak-select": ("eval_suite.droidspeak_select", "droidspeak_select"),
-    "data-stats": ("eval_suite.data_stats", "data_stats"),
-    "zero-shot": ("eval_suite.zero_shot", "zero_shot"),
+    "eval": ("eval_suite.evaluate.run_eval", "evaluate"),
+    "fidelity": ("eval_suite.diagnostics.fidelity_command", "fidelity"),
+    "similarity": ("eval_suite.diagnostics.similarity", "similarity"),
+    "droidspeak-select": ("eval_suite.diagnostics.droidspeak_select", "droidspeak_select"),
+    "data-stats": ("eval_suite.diagnostics.data_stats", "data_stats"),
+    "zero-shot": ("eval_suite.evaluate.zero_shot", "zero_shot"),
     "serve": ("eval_suite.serve.serve_command", "serve"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "kernel": ("eval_suite.bench_kernel", "bench_kernel"),
-    "decode": ("eval_suite.bench_decode", "decode"),
-    "trace": ("eval_suite.bench_trace", "trace"),
-    "train": ("eval_suite.bench_train", "train"),
+    "kernel": ("eval_suite.bench.kernel", "bench_kernel"),
+    "decode": ("eval_suite.bench.decode", "decode"),
+    "trace": ("eval_suite.bench.trace", "trace"),
+    "train": ("eval_suite.bench.train", "train"),
     "serve": ("eval_suite.serve.bench_serve", "bench_serve"),
-    "eval": ("eval_suite.bench_eval", "bench_eval"),
+    "eval": ("eval_suite.bench.eval_throughput", "bench_eval"),
 }
 LIGHTNING = ("fit", "validate", "test")
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         run_lightning_cli(argv)
         return 0
     if cmd == "eval":  # --devices N: the shards start now, beside this process's imports and argument checks
-        from eval_suite.shard_launch import finish_early, start_early
+        from eval_suite.evaluate.shard_launch import finish_early, start_early
 
         start_early(rest)
         try:

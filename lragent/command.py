@@ -46,24 +46,72 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def build_parser(fn: Callable[..., Any], prog: str) -> Any:
-    """The jsonargparse parser of ``fn``: its parameters, ``--config`` and ``--print_config``."""
+def build_parser(fn: Callable[..., Any], prog: str, fixed: Sequence[str] = ()) -> Any:
+    """The jsonargparse parser of ``fn``: its parameters but ``fixed`` (given by the caller), ``--config`` and
+    ``--print_config``."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     doc = inspect.getdoc(fn) or ""
     parser = ArgumentParser(prog=prog, description=doc.split("\n\n")[0], exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config (as --print_config writes it)")
-    parser.add_function_arguments(fn, as_group=False)
+    parser.add_function_arguments(fn, as_group=False, skip=set(fixed) or None)
     return parser
 
 
-def parse_command(fn: Callable[..., Any], argv: Sequence[str], prog: str) -> dict:
-    """Parses ``argv`` for ``fn``; returns its keyword arguments. Raises ``ValueError`` (one line) on bad input."""
+def underscored(fn: Callable[..., Any], argv: Sequence[str]) -> list[str]:
+    """``argv`` with each option of ``fn`` spelt with dashes (``--gpu-gb 40``) in its parameter's spelling
+    (``--gpu_gb``), and a yes/no option given alone (``--reset-failed``, before another option or at the end) as
+    ``--reset_failed true``; values and other tokens unchanged."""
+    params = inspect.signature(fn).parameters
+    flags = {name for name, p in params.items() if isinstance(p.default, bool)}
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg[2:].partition("=")
+            if name.replace("-", "_") in params:
+                name = name.replace("-", "_")
+                arg = f"--{name}{eq}{value}"
+            if name in flags and not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+                out += [arg, "true"]
+                continue
+        out.append(arg)
+    return out
+
+
+def with_positionals(fn: Callable[..., Any], argv: Sequence[str], names: Sequence[str]) -> list[str]:
+    """``argv`` with its leading words (those before the first option) given as the options ``names`` in order: one
+    word each, or every word left when the parameter is a list (``dirs A B`` -> ``--dirs ["A", "B"]``). More words
+    than names raise ``ValueError``."""
+    import json
+    import typing
+
+    rest = list(argv)
+    words: list[str] = []
+    while rest and not rest[0].startswith("-"):
+        words.append(rest.pop(0))
+    hints = typing.get_type_hints(fn)
+    out: list[str] = []
+    for name in names:
+        if not words:
+            break
+        if "list" in str(hints.get(name, "")):
+            out += [f"--{name}", json.dumps(words)]
+            words = []
+        else:
+            out += [f"--{name}", words.pop(0)]
+    if words:
+        raise ValueError(f"unexpected argument(s) {' '.join(words)}: allowed before the options: {', '.join(names)}")
+    return out + rest
+
+
+def parse_command(fn: Callable[..., Any], argv: Sequence[str], prog: str, fixed: Sequence[str] = ()) -> dict:
+    """Parses ``argv`` for ``fn`` (an option may be spelt with dashes: :func:`underscored`); returns its keyword
+    arguments. Raises ``ValueError`` (one line) on bad input."""
     import argparse
 
-    parser = build_parser(fn, prog)
+    parser = build_parser(fn, prog, fixed)
     try:
-        ns = parser.parse_args(list(argv))
+        ns = parser.parse_args(underscored(fn, argv))
     except argparse.ArgumentError as exc:
         raise ValueError(one_line(exc)) from None
     kwargs = ns.as_dict()
@@ -72,8 +120,16 @@ def parse_command(fn: Callable[..., Any], argv: Sequence[str], prog: str) -> dic
     return kwargs
 
 
-def run_command(fn: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
-    """Parses ``argv``, calls ``fn``, maps user errors to exit status 2 and Ctrl-C to 130.
+def run_command(
+    fn: Callable[..., Any],
+    argv: Sequence[str],
+    prog: str,
+    fixed: dict[str, Any] | None = None,
+    positional: Sequence[str] = (),
+) -> int:
+    """Parses ``argv`` (its leading words as the options ``positional`` names: :func:`with_positionals`), calls ``fn``
+    (with ``fixed``, keyword arguments the caller chose, e.g. a subcommand's name, on top), maps user errors to exit
+    status 2 and Ctrl-C to 130.
 
     Returns:
         the exit status: ``fn``'s integer result, else 0.
@@ -81,8 +137,10 @@ def run_command(fn: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
     _INTERRUPT_NOTE.clear()
     _COMMAND_LINE[:] = [[*prog.split(), *argv]]
     try:
-        kwargs = parse_command(fn, argv, prog)
-        result = fn(**kwargs)
+        if positional:
+            argv = with_positionals(fn, argv, positional)
+        kwargs = parse_command(fn, argv, prog, tuple(fixed or ()))
+        result = fn(**kwargs, **(fixed or {}))
     except USER_ERRORS as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
@@ -99,3 +157,23 @@ def run_command(fn: Callable[..., Any], argv: Sequence[str], prog: str) -> int:
         print(f"interrupted: {note}", file=sys.stderr)
         return 130
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def run_subcommands(fn: Callable[..., Any], argv: Sequence[str], prog: str, param: str = "command") -> int:
+    """``PROG NAME [options]``: the first word is ``fn``'s parameter ``param`` (its choices are the ``Literal`` the
+    parameter is annotated with), the rest :func:`run_command`'s options. A missing or unknown name is one ``error:``
+    line and status 2; ``--help`` alone lists the names.
+
+    Returns:
+        the exit status.
+    """
+    import typing
+
+    choices = typing.get_args(typing.get_type_hints(fn)[param])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {prog} {{{','.join(choices)}}} [options]    ({prog} NAME --help for the options)")
+        return 0
+    if argv[0] not in choices:
+        print(f"error: {prog}: {argv[0]!r} is not a command: allowed {', '.join(choices)}", file=sys.stderr)
+        return 2
+    return run_command(fn, argv[1:], f"{prog} {argv[0]}", fixed={param: argv[0]})

@@ -5,9 +5,9 @@
 #   bash scripts/gpu_bench.sh trace  [options]   python cli.py bench trace  (the paper's 17-step trace per scheme)
 #   bash scripts/gpu_bench.sh kernel [options]   python cli.py bench kernel (fused vs SDPA vs naive expansion)
 #   bash scripts/gpu_bench.sh train  [options]   python cli.py bench train  (training steps vs transformers + peft)
-#   bash scripts/gpu_bench.sh gemv   [options]   python -m eval_suite.bench_fused_gemv (the fused GEMVs' launches vs
+#   bash scripts/gpu_bench.sh gemv   [options]   python -m eval_suite.bench.fused_gemv (the fused GEMVs' launches vs
 #                                                unfused + cuBLAS, against the weights' floor)
-#   bash scripts/gpu_bench.sh profile [options]  python -m eval_suite.profile_decode (where a decode step's time goes;
+#   bash scripts/gpu_bench.sh profile [options]  python -m eval_suite.bench.profile_decode (where a decode step's time goes;
 #                                                the engine switches as set in the environment, e.g. LRAGENT_FUSED_GEMV=0)
 #   bash scripts/gpu_bench.sh readme             the README's speed table on this GPU, one commit (issue 38): 8B decode at
 #                                                2k, batch 1 and 32, with transformers, twice (decode1, decode2; each
@@ -16,7 +16,7 @@
 #                                                trace at 16k (non_shared, full_shared, base_lr_shared) and at 32k
 #                                                ($TRACE32_SCHEMES,
 #                                                default full_shared,base_lr_shared: non_shared's cache outgrows an H100),
-#                                                then python -m eval_suite.speed_table over them
+#                                                then python -m eval_suite.bench.speed_table over them
 #                                                ($OUT/readme/speed_table.md; the whole folder also in
 #                                                $OUT/readme.tar.gz, packed after each phase: a device call brings
 #                                                back no file two folders deep). $README_PHASES runs some of the
@@ -62,8 +62,8 @@ phase() {  # phase NAME command...: runs, logs to $OUT/NAME.log, records wall se
 }
 
 case "$BENCH" in
-  gemv) phase gemv "$PY" -m eval_suite.bench_fused_gemv "$@" --out "$OUT/gemv"; exit 0 ;;
-  profile) phase profile "$PY" -m eval_suite.profile_decode "$@" --out "$OUT/profile"; exit 0 ;;
+  gemv) phase gemv "$PY" -m eval_suite.bench.fused_gemv "$@" --out "$OUT/gemv"; exit 0 ;;
+  profile) phase profile "$PY" -m eval_suite.bench.profile_decode "$@" --out "$OUT/profile"; exit 0 ;;
   eval)
     NAME=${1:?eval needs a NAME}; shift
     [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && "$PY" -m lragent.accuracy_model 2>&1 | grep -v "it/s\]" | tail -1
@@ -88,7 +88,7 @@ case "$BENCH" in
           --schemes non_shared,full_shared,base_lr_shared --out "$OUT/readme/trace16k" ;;
         trace32k) phase trace32k "$PY" cli.py bench trace --model llama-3.1-8b --contexts "[32768]" --kernel_off false \
           --schemes "${TRACE32_SCHEMES:-full_shared,base_lr_shared}" --out "$OUT/readme/trace32k" ;;
-        table) phase table "$PY" -m eval_suite.speed_table "$OUT/readme" --out "$OUT/readme/speed_table.md" ;;
+        table) phase table "$PY" -m eval_suite.bench.speed_table "$OUT/readme" --out "$OUT/readme/speed_table.md" ;;
         *) echo "error: README_PHASES names $p: allowed decode1 decode2 trace16k trace32k table" >&2; exit 2 ;;
       esac
       pack
@@ -110,7 +110,7 @@ cfg["trainer"]["logger"] = [lg for lg in cfg["trainer"]["logger"] if "TensorBoar
 cfg["trainer"]["callbacks"] = [cb for cb in cfg["trainer"]["callbacks"] if "ProgressBar" not in cb["class_path"]]
 cfg["trainer"]["enable_progress_bar"] = False
 for i in (1, 2):
-    speed = {"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{out}/fit{i}_speed.json"}}
+    speed = {"class_path": "eval_suite.bench.train.FitSpeed", "init_args": {"out": f"{out}/fit{i}_speed.json"}}
     cfg_i = {**cfg, "trainer": {**cfg["trainer"], "callbacks": [*cfg["trainer"]["callbacks"], speed]}}
     open(f"{out}/fit{i}_config.yaml", "w").write(yaml.safe_dump(cfg_i, sort_keys=False))
 EOF

@@ -24,7 +24,7 @@
 #                                    strategy to compare FSDP with where the base fits one GPU
 #   fxN.log, fxN_export/             cli.py export --device cuda of fsdpNr's last checkpoint
 #   peftN.log, peftN.json            fsdpNr's export loaded in peft.PeftModel.from_pretrained, role by role, its logits
-#                                    against lragent's (eval_suite/peft_check.py)
+#                                    against lragent's (eval_suite/diagnostics/peft_check.py)
 #   ev1.log, ev1/ ; evN.log, evN/    eval --devices 1 and --devices N, dev questions of $EV_BENCHMARKS (base_lr_shared,
 #                                    shipped adapters, $EV_LIMIT questions each, $EV_RUNS runs): same records, wall ratio;
 #                                    one command over every benchmark (eval --benchmark a,b: each process runs them in
@@ -37,7 +37,7 @@
 #                                    run, so that every timed run finds the kernels compiled (Triton's cache on disk)
 #                                    and the files read once: whichever of ev1 and evN came first paid that alone
 #   timings.txt, nvidia-smi.txt      wall seconds and status of each phase
-#   multi_gpu.json, multi_gpu.md     eval_suite/multi_gpu_report.py: the figures and checks, with provenance
+#   multi_gpu.json, multi_gpu.md     eval_suite/bench/multi_gpu_report.py: the figures and checks, with provenance
 #
 # Run (on the device machine):  OUT=$OUT LRAGENT_COMMIT=<sha> SIZES="2 4" bash scripts/gpu_multi.sh
 # Options (environment): SIZES the GPU counts to compare with one GPU (default "2"; each must divide the largest);
@@ -164,7 +164,7 @@ def derive(base: str, name: str, ckpt_dir: str | None, warmup: int = 2) -> None:
     tr["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger",
                      "init_args": {"save_dir": f"{run}/{name}", "name": "csv", "version": 0}}]
     cbs = [cb for cb in tr["callbacks"] if not any(d in cb["class_path"] for d in drop)]
-    cbs.append({"class_path": "eval_suite.bench_train.FitSpeed",
+    cbs.append({"class_path": "eval_suite.bench.train.FitSpeed",
                 "init_args": {"out": f"{out}/{name}_speed.json", "warmup": warmup, **FITSPEED_SWITCHES}})
     cbs.append({"class_path": "lit_modules.export.ExportAdapters",
                 "init_args": {"out_dir": f"{out}/{name}_export", "best": False}})
@@ -251,7 +251,7 @@ run_phase() {  # run_phase NAME: the command of one phase, in $PHASES order
           --trainer.accumulate_grad_batches $((A / n)) --trainer.max_steps "$B_STEPS1" ;;
     fx[0-9]*) phase "$1" "$PY" cli.py export --ckpt "$RUN/fsdp$n/checkpoints/last.ckpt" --out "$OUT/$1_export" \
           --device "$EXPORT_DEVICE" ;;
-    peft[0-9]*) phase "$1" "$PY" -m eval_suite.peft_check --export "$OUT/fsdp${n}r_export" "${PEFT[@]}" \
+    peft[0-9]*) phase "$1" "$PY" -m eval_suite.diagnostics.peft_check --export "$OUT/fsdp${n}r_export" "${PEFT[@]}" \
           --out "$OUT/$1.json" ;;
     evwarm) phase evwarm bash -c 'py=$1 out=$2 benchmarks=$3 ad=$4; shift 4
         "$py" cli.py eval --benchmark "$(echo $benchmarks | tr " " ,)" "$@" ${ad:+--adapters "$ad/{benchmark}_sharedA"} \
@@ -279,7 +279,7 @@ done
 for r in emb1 emb1s emb1s{2..9} emb1r{2..9} q1 q1s q1s{2..9} $(for n in $SIZES; do echo "ddp$n qddp$n ddp${n}r"{2..9}; done); do
   cp "$RUN/$r/csv/version_0/metrics.csv" "$OUT/${r}_metrics.csv" 2>/dev/null || true
 done
-"$PY" -m eval_suite.multi_gpu_report --out "$OUT" --sizes "$SIZES" \
+"$PY" -m eval_suite.bench.multi_gpu_report --out "$OUT" --sizes "$SIZES" \
   --command "OUT=$OUT LRAGENT_MULTI_CPU=$CPU EMB_MODEL=${EMB_MODEL:-embedded} SIZES='$SIZES' PHASES='$PHASES'\
 ${EMB_EXTRA:+ EMB_EXTRA='$EMB_EXTRA'}${DDP_EXTRA:+ DDP_EXTRA='$DDP_EXTRA'}${FITSPEED_SYNC:+ FITSPEED_SYNC=$FITSPEED_SYNC}\
 ${FITSPEED_SYNC_DEBUG:+ FITSPEED_SYNC_DEBUG=$FITSPEED_SYNC_DEBUG}${OMP_NUM_THREADS:+ OMP_NUM_THREADS=$OMP_NUM_THREADS}\

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device driver of the sharing study and the recipe sweep (eval_suite/study.py). Each call: collect the carried model
+# Device driver of the sharing study and the recipe sweep (eval_suite/study/driver.py). Each call: collect the carried model
 # pieces (scripts/device_model.sh; a call that only carries a piece stops there), convert the model once per machine,
 # start `python -m eval_suite.study run` in the background if it is not running (it outlives the call while the machine
 # stays warm), and pack the root into $OUT every 30 s, so a lost machine loses at most that. A new machine resumes from
@@ -9,7 +9,7 @@
 #
 # Usage on the device: [MODEL=qwen2.5-coder-1.5b] [STAGE=sweep] bash scripts/gpu_study.sh SECONDS_TO_STAY [options]
 #   MODEL  default (the embedded SmolLM2-135M, carried as .gguf1/.gguf2) or qwen2.5-coder-1.5b (carried as .accNN)
-#   STAGE  study (the λ study) or sweep (the recipe sweep); options go to `eval_suite.study run` (e.g. --benchmarks)
+#   STAGE  study (the λ study) or sweep (the recipe sweep); options go to `eval_suite.study.driver run` (e.g. --benchmarks)
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 STAY=${1:-540}; shift || true

@@ -12,16 +12,19 @@ reached are named the same way.
 
 from __future__ import annotations
 
-import argparse
+import argparse  # a Namespace of the options, as the record's code reads them
 import glob
 import json
 import os
 import platform
 import re
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from datetime import datetime, timezone
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's lragent
 
 
 def _read(path: str, default: str = "") -> str:
@@ -137,14 +140,28 @@ def planted_names(name_filter: str) -> list[str]:
     return module.chosen([name_filter])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("out_dir")
-    p.add_argument("command")
-    p.add_argument("--planted", default=None)
-    p.add_argument("--planted_filter", default=None, help="the name filter plant_bugs.py ran with: name those not run")
-    p.add_argument("--collected", default=None, help="pytest --collect-only -q output: name the tests not reached")
-    args = p.parse_args()
+def record_runs(
+    out_dir: str,
+    command: str,
+    planted: str | None = None,
+    planted_filter: str | None = None,
+    collected: str | None = None,
+) -> int:
+    """One record with provenance of the GPU-suite runs in ``out_dir``.
+
+    Args:
+        out_dir: the folder of the runs (run*.xml, run*.seconds, run*.rc).
+        command: the command that ran them (provenance).
+        planted: plant_bugs.py's results of the run (JSON).
+        planted_filter: the name filter plant_bugs.py ran with: name those not run.
+        collected: pytest --collect-only -q output: name the tests not reached.
+
+    Returns:
+        the exit status.
+    """
+    args = argparse.Namespace(
+        out_dir=out_dir, command=command, planted=planted, planted_filter=planted_filter, collected=collected
+    )
     collected = read_collected(args.collected) if args.collected and os.path.exists(args.collected) else None
     os.environ["GPU_TESTS_OUT"] = args.out_dir
     runs = []
@@ -206,5 +223,13 @@ def main() -> None:
     print(f"record: {stem}.json / .md")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [options]`` (:func:`record_runs`)."""
+    from lragent.command import run_command
+
+    argv = sys.argv[1:] if argv is None else argv
+    return run_command(record_runs, argv, "scripts/gpu_tests_record.py", positional=["out_dir", "command"])
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

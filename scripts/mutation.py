@@ -17,7 +17,6 @@ the counts, the score and every surviving mutant with its diff; ``README.md`` th
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.metadata
 import json
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's lragent (its command machinery), whatever is installed
 OUT = ROOT / "results" / "mutation"
 SCRATCH = Path(os.environ.get("LRAGENT_MUTATION_SCRATCH", "/tmp/lragent_mutation"))
 PACKAGES = ["lragent", "eval_suite", "datamodules", "lit_modules", "kernels"]
@@ -43,10 +43,14 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         "",
         ["tests/test_sampling_properties.py", "tests/test_engine.py", "tests/test_row_reuse.py"],
     ),
-    "paired": ("eval_suite/paired.py", "", ["tests/test_paired_properties.py", "tests/test_paired.py"]),
-    "metrics": ("eval_suite/metrics.py", "", ["tests/test_metrics_properties.py", "tests/test_eval_metrics.py"]),
+    "paired": ("eval_suite/scoring/paired.py", "", ["tests/test_paired_properties.py", "tests/test_paired.py"]),
+    "metrics": (
+        "eval_suite/scoring/metrics.py",
+        "",
+        ["tests/test_metrics_properties.py", "tests/test_eval_metrics.py"],
+    ),
     "answer_scores": (
-        "eval_suite/answer_scores.py",
+        "eval_suite/scoring/answer_scores.py",
         "",
         ["tests/test_metrics_properties.py", "tests/test_eval_metrics.py"],
     ),
@@ -71,7 +75,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         ["tests/test_loop_properties.py", "tests/test_agents_loop.py"],  # test_eval_runner: 80 s per mutant
     ),
     "batched_executor": (
-        "eval_suite/batched_executor.py",
+        "eval_suite/evaluate/batched_executor.py",
         "",
         ["tests/test_batched_executor_properties.py", "tests/test_batched_executor.py"],
     ),
@@ -96,7 +100,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
             "tests/test_memory_plan.py",
         ],
     ),
-    "eval_timing": ("eval_suite/eval_timing.py", "", ["tests/test_eval_timing.py"]),
+    "eval_timing": ("eval_suite/evaluate/eval_timing.py", "", ["tests/test_eval_timing.py"]),
     "multi_lora_module_loss": (  # the loss paths only: token loss, the λ-weighted shared term, the training step
         "lit_modules/multi_lora_module.py",
         "lit_modules.multi_lora_module.*loss*",
@@ -278,29 +282,38 @@ def write_report() -> Path:
     return OUT / "README.md"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("names", nargs="*", help="keys (or parts of keys) of MODULES; none: all")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="mutmut --max-children")
-    p.add_argument("--timeout", type=int, default=3600, help="seconds per module before stopping (resumable)")
-    p.add_argument("--list", action="store_true", help="the modules and their test files")
-    p.add_argument("--report", action="store_true", help="only rewrite results/mutation/README.md")
-    args = p.parse_args(argv)
-    keys = [k for k in MODULES if not args.names or any(n in k for n in args.names)]
+def mutation(
+    names: list[str] | None = None,
+    workers: int = os.cpu_count() or 1,
+    timeout: int = 3600,
+    list: bool = False,  # noqa: A002  (the option's name)
+    report: bool = False,
+) -> int:
+    """Mutation testing of the modules whose bugs change results, one module at a time.
+
+    Args:
+        names: keys (or parts of keys) of MODULES; none: all.
+        workers: mutmut --max-children.
+        timeout: seconds per module before stopping (resumable).
+        list: the modules and their test files.
+        report: only rewrite results/mutation/README.md.
+
+    Returns:
+        the exit status.
+    """
+    keys = [k for k in MODULES if not names or any(n in k for n in names)]
     if not keys:
-        print(f"error: no module matches {args.names}; allowed: {', '.join(MODULES)}", file=sys.stderr)
-        return 2
-    if args.list:
+        raise ValueError(f"no module matches {names}; allowed: {', '.join(MODULES)}")
+    if list:
         for k in keys:
             print(f"{k:24s} {MODULES[k][0]:36s} {' '.join(MODULES[k][2])}")
         return 0
-    if not args.report:
+    failed = False
+    if not report:
         if shutil.which("mutmut") is None:
-            print("error: mutmut is not installed: pip install mutmut==3.8.1", file=sys.stderr)
-            return 2
-        failed = False
+            raise FileNotFoundError("mutmut is not installed: pip install mutmut==3.8.1")
         for k in keys:
-            r = run_module(k, args.workers, args.timeout)
+            r = run_module(k, workers, timeout)
             if "failed to collect stats" in r["log_tail"]:
                 print(
                     f"error: {k}: a selected test fails on the unmutated code (mutmut cannot start): see the end of "
@@ -311,7 +324,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"{k}: {r['score']}% ({r['killed_or_timeout']} of {r['considered']}), {len(r['survivors'])} left")
     print(write_report())
-    return 2 if not args.report and not args.list and failed else 0
+    return 2 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/mutation.py [NAME...] [options]`` (:func:`mutation`)."""
+    from lragent.command import run_command
+
+    return run_command(mutation, sys.argv[1:] if argv is None else argv, "scripts/mutation.py", positional=["names"])
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ def test_shipped_accuracy_model_sets_fit_its_architecture(name: str, lam: float,
 
 
 def test_eval_defaults_to_the_models_own_bundled_sets() -> None:
-    from eval_suite.run_eval import default_adapters
+    from eval_suite.evaluate.run_eval import default_adapters
 
     assert default_adapters("scienceqa").name == "scienceqa_sharedA"
     assert default_adapters("scienceqa", model="qwen2.5-coder-1.5b").name == "qwen_scienceqa_sharedA"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval_suite.batched_executor import BatchedExecutor
-from eval_suite.benchmarks import (
+from eval_suite.evaluate.batched_executor import BatchedExecutor
+from eval_suite.evaluate.benchmarks import (
     HOTPOTQA,
     SCIENCEQA,
     answer_score,
@@ -18,9 +18,9 @@ from eval_suite.benchmarks import (
     parse_constraints,
     row_name,
 )
-from eval_suite.episode_log import row_order
-from eval_suite.eval_report import _reference_row, merge_dirs, render_markdown
-from eval_suite.executors import EpisodeTask, SequentialExecutor
+from eval_suite.evaluate.episode_log import row_order
+from eval_suite.evaluate.eval_report import _reference_row, merge_dirs, render_markdown
+from eval_suite.evaluate.executors import EpisodeTask, SequentialExecutor
 from lragent.agents import AgentConfig, AgentLoop, ScriptedPolicy, SessionPolicy, get_spec
 from lragent.agents.constraints import ANSWER_TEXT_SCORE, answer_texts, option_letters
 from lragent.agents.prompts import ACTION_MARKER, ARGUMENT_MARKER
@@ -261,7 +261,7 @@ class _TextPolicy:
 
 
 def test_answer_text_rows_record_protocol_and_merge_apart(tmp_path) -> None:
-    from eval_suite.run_eval import run_episodes
+    from eval_suite.evaluate.run_eval import run_episodes
 
     qs = load_questions("scienceqa", limit=4)
     gold = {q.text: q.choices[int(q.gold)].strip() for q in qs}
@@ -287,6 +287,6 @@ def test_answer_text_rows_record_protocol_and_merge_apart(tmp_path) -> None:
     assert "answer_score" not in s["protocol"]["non_shared+constrained"]
     assert "answer_text (option texts by mean log-prob)" in render_markdown(s)
     with pytest.raises(ValueError, match="mixes decoding protocols"):
-        from eval_suite.eval_report import summarize
+        from eval_suite.evaluate.eval_report import summarize
 
         summarize([*recs, {**recs[0], "run": 1, "protocol": {**recs[0]["protocol"], "answer_score": "sum"}}])

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_multi_lora
 
-from eval_suite.batched_executor import BatchedExecutor
-from eval_suite.executors import EpisodeTask, SequentialExecutor
+from eval_suite.evaluate.batched_executor import BatchedExecutor
+from eval_suite.evaluate.executors import EpisodeTask, SequentialExecutor
 from lragent.agents import AgentConfig, AgentLoop, SessionPolicy, get_spec
 from lragent.agents.constraints import YES_NO
 from lragent.session import MultiAgentSession

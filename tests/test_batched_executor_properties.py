@@ -1,4 +1,5 @@
-"""Properties of the batched executor's scheduling (eval_suite/batched_executor.py), against a sequential reference.
+"""Properties of the batched executor's scheduling (eval_suite/evaluate/batched_executor.py), against a sequential
+reference.
 
 The engine is replaced by a deterministic stand-in whose answers depend on the row's trajectory and on every field
 of the request (role id, seed, temperature, top-p, budget, stop strings), and whose generations take an unequal
@@ -18,9 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import eval_suite.batched_executor as be
-from eval_suite.batched_executor import BatchedExecutor
-from eval_suite.executors import EpisodeTask
+import eval_suite.evaluate.batched_executor as be
+from eval_suite.evaluate.batched_executor import BatchedExecutor
+from eval_suite.evaluate.executors import EpisodeTask
 from lragent.agents.requests import Choose, Generate, Reply, StepStats, best_option
 from lragent.engine import GenerationRequest, StepResult
 

@@ -1,5 +1,5 @@
-"""bench eval (eval_suite/bench_eval.py): episodes per GPU-second over real job processes, their time split, the
-comparison of episodes with another bench, and its argument checks. The jobs here are a stand-in interpreter that
+"""bench eval (eval_suite/bench/eval_throughput.py): episodes per GPU-second over real job processes, their time split,
+the comparison of episodes with another bench, and its argument checks. The jobs here are a stand-in interpreter that
 writes an eval's files (the real eval is tested elsewhere)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_suite import bench_eval as be
+from eval_suite.bench import eval_throughput as be
 from lragent.cli_main import main
 
 FAKE_EVAL = """#!{python}

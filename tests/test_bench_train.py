@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from datamodules import BYTE_VOCAB_SIZE, RoleExampleDataModule, byte_tokenizer, collate_examples
-from eval_suite.bench_train import ModelShape, pass_flops, step_flops
+from eval_suite.bench.train import ModelShape, pass_flops, step_flops
 from lit_modules import MultiLoraModule
 from lit_modules.multi_lora_module import split_for_sharing, token_loss
 from lragent.cli_main import main
@@ -282,7 +282,7 @@ def test_bench_train_bad_values_are_one_line(args: list[str], message: str, caps
 def test_rounds_pool_their_steps_and_keep_each_rounds_own_ratio() -> None:
     """Two rounds of (λ 0, λ 0.5): the pooled row sums steps and seconds; the per-round ratio pairs each round's λ 0.5
     with that round's λ 0 (not the pooled λ 0)."""
-    from eval_suite.bench_train import _compare, _measure, _pool_rounds
+    from eval_suite.bench.train import _compare, _measure, _pool_rounds
 
     shape = ModelShape(1, 8, 2, 1, 4, 16, 10, 2, ("q_proj",))
     dev = torch.device("cpu")
@@ -313,7 +313,7 @@ def test_paired_interval_follows_the_batches_not_their_spread() -> None:
     """Batches of very different sizes that each cost exactly 2x under the setting: the paired interval is 2.0 at
     both ends (resampling batches cannot move a ratio every batch shares); an unpaired resampling would spread it.
     When the ratio differs per batch the interval spans the batches' ratios and holds the pooled one."""
-    from eval_suite.bench_train import paired_ratio_interval
+    from eval_suite.bench.train import paired_ratio_interval
 
     zero = [0.5, 1.0, 1.6, 0.9, 1.4, 0.6]
     assert paired_ratio_interval(zero, [2 * z for z in zero]) == pytest.approx([2.0, 2.0])
@@ -331,7 +331,7 @@ def test_paired_interval_follows_the_batches_not_their_spread() -> None:
 def test_speed_against_the_peft_loop_gets_a_paired_interval_over_its_batches() -> None:
     """lragent timed in 2 rounds, the loop in one, over the same 3 batches; the loop takes 1.2x each batch's mean
     lragent time: tokens/s over the loop's is 1.2 with the interval 1.2 at both ends."""
-    from eval_suite.bench_train import _compare
+    from eval_suite.bench.train import _compare
 
     lragent_rounds = [0.5, 1.0, 0.8, 0.7, 1.2, 0.6]  # round-major: batches 0, 1, 2 then again
     means = [(a + b) / 2 for a, b in zip(lragent_rounds[:3], lragent_rounds[3:], strict=True)]
@@ -375,7 +375,7 @@ def test_bench_train_warm_rounds_are_not_pooled_and_max_tokens_caps_the_batches(
 
 
 def test_an_out_of_memory_setting_is_a_row_not_the_end() -> None:
-    from eval_suite.bench_train import _compare, _measure, render_markdown
+    from eval_suite.bench.train import _compare, _measure, render_markdown
 
     shape = ModelShape(1, 8, 2, 1, 4, 16, 10, 2, ("q_proj",))
 
@@ -410,7 +410,7 @@ def test_fit_speed_reports_the_device_it_trained_on(tmp_path: Path, monkeypatch)
 
     from transformers import LlamaConfig
 
-    import eval_suite.bench_train as bt
+    import eval_suite.bench.train as bt
 
     seen: dict[str, str] = {}
     monkeypatch.setattr(bt, "_sync", lambda device: None)
@@ -467,7 +467,7 @@ def test_fit_speed_times_gpu_micro_batches_without_stalling_the_host(tmp_path: P
     sync at each micro-batch's start and end, the host clock."""
     from types import SimpleNamespace
 
-    import eval_suite.bench_train as bt
+    import eval_suite.bench.train as bt
 
     syncs: list[int] = []
     clock = iter([5.0, 10.0, 20.0, 35.0])  # GPU ms at each mark: micro-batches of 5 and 15 ms
@@ -503,7 +503,7 @@ def test_fit_speed_times_gpu_micro_batches_without_stalling_the_host(tmp_path: P
 def test_batch_stats_read_the_host_copy_of_the_lengths() -> None:
     """The lengths come from the host copy (``batch["host"]``) when the batch has one: ``.tolist()`` of the device
     tensor would make the host wait for the GPU at every micro-batch."""
-    import eval_suite.bench_train as bt
+    import eval_suite.bench.train as bt
 
     class DeviceLengths:
         def tolist(self):
@@ -523,7 +523,7 @@ def test_fit_speed_splits_each_micro_batch_at_lightnings_hooks(tmp_path: Path, m
     events at the same hooks, means over the micro-batches that had the phase."""
     from types import SimpleNamespace
 
-    import eval_suite.bench_train as bt
+    import eval_suite.bench.train as bt
 
     host = iter([0.0, 1.0, 3.0, 3.5, 7.5, 10.0, 12.0, 16.0, 17.0])  # seconds at each hook
     gpu = iter([0.0, 2.0, 5.0, 6.0, 14.0, 20.0, 21.0, 22.0, 23.0])  # GPU ms at the same hooks
@@ -558,7 +558,7 @@ def test_fit_speed_leaves_no_sync_debug_mode_behind_when_a_fit_stops(monkeypatch
     import warnings
     from types import SimpleNamespace
 
-    import eval_suite.bench_train as bt
+    import eval_suite.bench.train as bt
 
     modes: list[object] = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)

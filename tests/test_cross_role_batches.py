@@ -223,7 +223,7 @@ def test_absorbed_plain_terms_equal_the_two_passes_on_real_token_budget_batches(
     """The same equality on the bundled HotpotQA data as the 8B benchmark batches it: the embedded tokenizer, 4096
     tokens, 16,384-token batches of 11–18 rows with chains and unlinked rows side by side (the synthetic data above
     has neither the lengths nor the mix)."""
-    from eval_suite.bench_train import _data_files
+    from eval_suite.bench.train import _data_files
 
     dm = RoleExampleDataModule(
         _data_files("hotpotqa", ROLES), roles=ROLES, tokenizer="default", max_length=4096, batch_size=4,

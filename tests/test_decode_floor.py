@@ -1,4 +1,4 @@
-"""The decode floor's byte count (eval_suite/bench_decode.py): what one decode step must read.
+"""The decode floor's byte count (eval_suite/bench/decode.py): what one decode step must read.
 
 A decode step gathers one input embedding row per sequence; the LM head reads its whole matrix. So an untied input
 table counts only for the gathered rows, and a tied one (read whole by the LM head) counts once, whole.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval_suite.bench_decode import unread_embedding_bytes, weight_bytes
+from eval_suite.bench.decode import unread_embedding_bytes, weight_bytes
 from lragent.models import load_model
 
 
@@ -39,7 +39,7 @@ def test_more_rows_than_the_vocabulary_leave_nothing_unread() -> None:
 
 @pytest.mark.parametrize("rows", [1, 7])
 def test_the_config_count_matches_the_loaded_models(rows: int) -> None:
-    from eval_suite.bench_decode import config_unread_bytes
+    from eval_suite.bench.decode import config_unread_bytes
 
     hf, _ = load_model("tiny-llama", dtype=torch.bfloat16, device="cpu")
     assert config_unread_bytes("tiny-llama", "bfloat16")(rows) == unread_embedding_bytes(hf, rows) > 0
@@ -51,7 +51,7 @@ def test_an_earlier_record_is_refloored_from_its_own_bytes(tmp_path) -> None:
     bandwidth, the ratio follows, the markdown says so; a record already current is left as it is."""
     import json
 
-    from eval_suite.bench_decode import EMBEDDING_FLOOR, config_unread_bytes, main
+    from eval_suite.bench.decode import EMBEDDING_FLOOR, config_unread_bytes, main
 
     bw = 2.0e12
     unread = config_unread_bytes("tiny-llama", "bfloat16")
@@ -82,7 +82,7 @@ def test_an_earlier_record_is_refloored_from_its_own_bytes(tmp_path) -> None:
 def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkeypatch) -> None:
     """bench decode --plans times decode-attention kernel plans side by side: a bad setting is named before the GPU
     check or any loading, and the report gains a plan column only when a plan other than the rule was timed."""
-    from eval_suite.bench_decode import decode, render
+    from eval_suite.bench.decode import decode, render
 
     with pytest.raises(ValueError, match="unknown setting 'min_split'; allowed: programs_per_sm"):
         decode(plans=["", "min_split=4"], out="/nonexistent/never_written")
@@ -91,7 +91,7 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     with pytest.raises(ValueError, match=r"LRAGENT_FUSED_GEMV='33': allowed 0 \(off\) to 32"):
         decode(plans=["fused_gemv=33"], out="/nonexistent/never_written")
     # fused_gemv is the engine's switch (LRAGENT_FUSED_GEMV), the rest the attention kernel's plan
-    from eval_suite.bench_decode import split_plan
+    from eval_suite.bench.decode import split_plan
 
     assert split_plan("fused_gemv=1,min_split_tiles=4") == ("min_split_tiles=4", {"fused_gemv": 1})
     assert split_plan("min_split_tiles=4, fused_gemv=0") == ("min_split_tiles=4", {"fused_gemv": 0})
@@ -147,7 +147,7 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
     md = render({**record, "plans": ["", b], "rows": [row("transformers eager", None, 30.0), *turns]}, "bfloat16")
     assert "| impl | scheme | decode plan | turn | batch |" in md
     assert "| lragent graph | base_lr_shared | fused_gemv=0 | 2 | 1 | 6.200 |" in md and "| – | – | 1 | 30.000 |" in md
-    from eval_suite.bench_decode import plan_turns
+    from eval_suite.bench.decode import plan_turns
 
     assert plan_turns(["", b], 2) == [(0, ""), (0, b), (1, ""), (1, b)]  # in turns, not A A B B
     assert plan_turns(["x"], 1) == [(0, "x")]
@@ -159,7 +159,7 @@ def test_decode_plans_are_checked_before_anything_loads_and_shown_per_row(monkey
 def test_the_copy_rate_is_the_fastest_copys() -> None:
     """A copy slowed by anything else on the card says nothing about the memory: the rate is the fastest copy's
     (a median of these would be 20% lower and lower the floor's bound with it)."""
-    from eval_suite.bench_decode import copy_rate
+    from eval_suite.bench.decode import copy_rate
 
     n = 1 << 30
     assert copy_rate([1.25e-3, 1.0e-3, 1.3e-3, 1.25e-3, 1.2e-3], n) == pytest.approx(2 * n / 1.0e-3)
@@ -171,7 +171,7 @@ def test_the_floor_takes_the_highest_bandwidth_the_run_measured() -> None:
     """Two measurements of one card 4% apart (3.97 and 4.14 TB/s, an H200 run of 13fad9a): the floor is the bytes
     over the higher, whichever came first, and each ratio follows from it; rows without bytes (transformers) get
     none."""
-    from eval_suite.bench_decode import set_floors
+    from eval_suite.bench.decode import set_floors
 
     for measures in ([3.97e12, 4.14e12], [4.14e12, 3.97e12]):
         rows = [{"impl": "lragent graph", "ms_per_token": 4.716, "bytes_read_per_step": 15.285e9},
@@ -189,7 +189,7 @@ def test_a_decode_run_measures_the_bandwidth_twice_and_floors_on_the_higher(tmp_
     bandwidth is the higher, and every engine row's floor is its bytes over it."""
     import json
 
-    from eval_suite.bench_decode import decode
+    from eval_suite.bench.decode import decode
 
     assert decode(model="tiny-llama", context=64, batches=[1], new_tokens=8, eager=False,
                   transformers_baseline=False, out=str(tmp_path)) == 0  # fmt: skip

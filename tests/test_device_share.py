@@ -104,7 +104,7 @@ def _episodes(out: Path) -> list[tuple]:
 def _flaky(monkeypatch: pytest.MonkeyPatch, above: int, after: int) -> list[int]:
     """Makes the batched executor run out of memory after ``after`` finished episodes at a batch above ``above``;
     returns the batches it was built with."""
-    import eval_suite.batched_executor as be
+    import eval_suite.evaluate.batched_executor as be
 
     built: list[int] = []
     real_init, real_run = be.BatchedExecutor.__init__, be.BatchedExecutor._run_lanes
@@ -128,7 +128,7 @@ def _flaky(monkeypatch: pytest.MonkeyPatch, above: int, after: int) -> list[int]
 def test_eval_out_of_memory_halves_the_batch_and_keeps_every_episode(
     tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import eval_suite.batched_executor as be
+    import eval_suite.evaluate.batched_executor as be
 
     engines: list[int] = []
     real_engine = be.BatchedExecutor._engine
@@ -172,7 +172,7 @@ def test_bench_trace_refuses_a_context_that_does_not_fit_before_loading(
     """A faked small card: the largest context fits under full_shared but not non_shared (three caches); one line
     naming the scheme, the need, what is free and the contexts that fit, exit 2, and no model loaded."""
     import lragent.models
-    from eval_suite.bench_trace import final_length
+    from eval_suite.bench.trace import final_length
 
     shape = model_shape("tiny-llama")
     need = {s: plan_memory(shape, s, 1, final_length(4096) + 64, element_size=4).total
@@ -198,7 +198,7 @@ def test_bench_trace_notes_a_context_past_the_models_positions(tmp_path: Path, c
     the console, in the report and in the JSON's provenance, naming the largest context that fits."""
     import json
 
-    from eval_suite.bench_trace import final_length, positions_note
+    from eval_suite.bench.trace import final_length, positions_note
 
     assert final_length(791) == 4096 < final_length(792)
     assert positions_note("tiny-llama", [256, 791]) is None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_suite.benchmarks import (
+from eval_suite.evaluate.benchmarks import (
     BENCHMARKS,
     HOTPOTQA,
     SCIENCEQA,
@@ -18,7 +18,7 @@ from eval_suite.benchmarks import (
     parse_constraints,
     row_name,
 )
-from eval_suite.scienceqa_corpus import (
+from eval_suite.evaluate.scienceqa_corpus import (
     FAILED_PREFIXES,
     build_search_corpus,
     overlapping_questions,

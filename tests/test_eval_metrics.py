@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval_suite.metrics import (
+from eval_suite.scoring.metrics import (
     HOTPOTQA_LEVELS,
     SCIENCEQA_BANDS,
     GroupedMetric,
@@ -191,7 +191,7 @@ def test_aggregate_runs() -> None:
 def test_student_t_quantiles_against_closed_forms():
     from statistics import NormalDist
 
-    from eval_suite.metrics import mean_interval, student_t_cdf, student_t_quantile
+    from eval_suite.scoring.metrics import mean_interval, student_t_cdf, student_t_quantile
 
     for p in (0.6, 0.9, 0.975, 0.995):
         assert student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)  # Cauchy

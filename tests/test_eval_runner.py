@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 import cli
-from eval_suite import run_eval
-from eval_suite.benchmarks import load_questions
-from eval_suite.episode_log import EPISODES_FILE, read_episodes, record_key
-from eval_suite.eval_report import merge_dirs, render_markdown, summarize, write_summary
-from eval_suite.executors import SequentialExecutor
-from eval_suite.run_eval import run_episodes
+from eval_suite.evaluate import run_eval
+from eval_suite.evaluate.benchmarks import load_questions
+from eval_suite.evaluate.episode_log import EPISODES_FILE, read_episodes, record_key
+from eval_suite.evaluate.eval_report import merge_dirs, render_markdown, summarize, write_summary
+from eval_suite.evaluate.executors import SequentialExecutor
+from eval_suite.evaluate.run_eval import run_episodes
 from lragent.agents import AgentConfig
 from lragent.agents.loop import StepStats
 from lragent.agents.prompts import OPTION_LETTERS
@@ -348,7 +348,7 @@ def test_resume_refuses_other_settings(tmp_path):
 def test_a_run_of_the_old_sampler_is_not_resumed_with_the_new_one(tmp_path):
     """A run_config.json from before the sampler was versioned (sampler 1: u could round to 1.0) refuses a resume by
     today's sampler in one line; the records' protocol reads sampler 1, so a row never mixes the two."""
-    from eval_suite.eval_report import protocol_of
+    from eval_suite.evaluate.eval_report import protocol_of
     from lragent.sampling import SAMPLER_VERSION
 
     old = {"benchmark": "hotpotqa", "temperature": 0.9, "seed": 0}
@@ -478,8 +478,8 @@ def test_second_eval_on_the_same_out_is_refused(tmp_path, capsys):
     import subprocess
     import sys
 
-    from eval_suite.dir_lock import DirectoryBusyError, DirectoryLock
-    from eval_suite.run_eval import evaluate
+    from eval_suite.evaluate.dir_lock import DirectoryBusyError, DirectoryLock
+    from eval_suite.evaluate.run_eval import evaluate
 
     out = tmp_path / "busy"
     with DirectoryLock(out):
@@ -491,7 +491,7 @@ def test_second_eval_on_the_same_out_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == [".eval.lock"]  # nothing else written
     # a lock held by another process: the command refuses with one line, exit status 2
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from eval_suite.dir_lock import DirectoryLock; "
+        [sys.executable, "-c", "import sys, time; from eval_suite.evaluate.dir_lock import DirectoryLock; "
          f"l = DirectoryLock({str(out)!r}); l.acquire(); print('locked', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
@@ -677,8 +677,8 @@ def test_devices_shards_equal_one_process(tmp_path, capsys):
 
     one, two = episodes(tmp_path / "one"), episodes(tmp_path / "two")
     assert len(one) == 4 and one == two
-    # the console entry started the shards itself, before its own imports (eval_suite/shard_launch.py); evaluate()
-    # called directly launches them after its checks: the same episodes either way
+    # the console entry started the shards itself, before its own imports (eval_suite/evaluate/shard_launch.py);
+    # evaluate() called directly launches them after its checks: the same episodes either way
     assert json.loads((tmp_path / "two" / "launch.json").read_text())["early"] is True
     kw = {k.removeprefix("--"): v for k, v in zip(base[1::2], base[2::2], strict=True)}
     kw.update(limit=4, max_steps=1, thought_tokens=4, argument_tokens=3, runs=1, quiet=False)
@@ -688,8 +688,8 @@ def test_devices_shards_equal_one_process(tmp_path, capsys):
     assert "eval hotpotqa (2 shards): 100%" in capsys.readouterr().err  # the launcher's bar over the shards' logs
     assert json.loads((tmp_path / "three" / "launch.json").read_text())["early"] is False
     shard_timing = [json.loads((tmp_path / "two" / f"shard_{i}" / "timing.json").read_text()) for i in (0, 1)]
-    # the shards took their episodes from one queue (eval_suite/work_queue.py): each of the 4 ran once, on one shard,
-    # and only the launcher's merge summarises (a shard holds whichever episodes it got)
+    # the shards took their episodes from one queue (eval_suite/evaluate/work_queue.py): each of the 4 ran once, on one
+    # shard, and only the launcher's merge summarises (a shard holds whichever episodes it got)
     assert sum(t["episodes"] for t in shard_timing) == 4
     assert len(list((tmp_path / "two" / "queue").iterdir())) == 4
     assert not (tmp_path / "two" / "shard_0" / "summary.json").exists()
@@ -822,7 +822,7 @@ def test_default_scheme_follows_limit(kwargs, schemes, note, tmp_path, monkeypat
 def test_each_shard_sees_its_own_gpu_and_a_share_of_the_cores():
     """eval --devices N: shard i sees only the i-th visible GPU (nothing of it can land on another shard's GPU) and
     an N-th of the cores for its thread pools, unless the user set them; CPU shards keep their device."""
-    from eval_suite.shard_launch import shard_launch
+    from eval_suite.evaluate.shard_launch import shard_launch
 
     launches = [shard_launch(i, 4, 4, None, {"PATH": "/bin"}, 64) for i in range(4)]
     assert [dev for dev, _ in launches] == ["cuda"] * 4

@@ -1,11 +1,12 @@
-"""timing.json across resumed runs (eval_suite/eval_timing.py): parts kept, their figures summed at the top level."""
+"""timing.json across resumed runs (eval_suite/evaluate/eval_timing.py): parts kept, their figures summed at the top
+level."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from eval_suite.eval_timing import EvalTiming, totals
+from eval_suite.evaluate.eval_timing import EvalTiming, totals
 
 
 def test_totals_sum_the_seconds_and_counts_and_keep_the_last_settings() -> None:

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from eval_suite import fidelity
-from eval_suite.droidspeak_select import layer_units, select_droidspeak_layers, select_units
-from eval_suite.fidelity import (
+from eval_suite.diagnostics import fidelity
+from eval_suite.diagnostics.droidspeak_select import layer_units, select_droidspeak_layers, select_units
+from eval_suite.diagnostics.fidelity import (
     FidelityExample,
     compare,
     heldout_indices,

@@ -139,7 +139,7 @@ def test_without_triton_kernels_the_cpu_path_is_norm_then_linear():
     ],
 )
 def test_a_bad_launch_config_is_named(spec, message):
-    from eval_suite.bench_fused_gemv import parse_config
+    from eval_suite.bench.fused_gemv import parse_config
 
     assert parse_config("block_n=16,num_warps=8") == type(parse_config(""))(block_n=16, num_warps=8)
     assert parse_config("block_n=64,split_k=4").split_k == 4
@@ -350,7 +350,7 @@ def test_the_switch_names_the_most_rows_of_a_fused_step(monkeypatch):
 def test_weight_copies_outgrow_the_l2():
     """The bench cycles through enough copies of a weight that each is read from DRAM (twice the L2 in all): an
     o projection (33.5 MB) on an H100's 50 MiB L2 takes 4 (3 make 100.7 MB, short of 104.9), gate/up (235 MB) one."""
-    from eval_suite.bench_fused_gemv import weight_copies
+    from eval_suite.bench.fused_gemv import weight_copies
 
     l2 = 50 * 2**20
     assert weight_copies(4096 * 4096 * 2, l2) == 4

@@ -8,9 +8,14 @@ own layer and the layers below, never a layer above):
    (the parser machinery) and ``lragent.loading`` (model + adapters).
 2. ``lightning``: ``datamodules``, ``lit_modules``: thin Lightning adapters over the core.
 3. ``agents``: ``lragent.agents``: the AutoAct loop, policies, tools and prompts over the core.
-4. ``commands``: ``eval_suite`` (the evaluation commands, benchmarks and their reports, ``bench kernel`` included),
-   ``lit_modules.cli`` (fit / validate / test / export) and ``lragent.cli_main`` (the entry point that dispatches
-   to every command, by module name).
+4. ``scoring``: ``eval_suite.report`` and ``eval_suite.scoring`` (report helpers, scores, metrics, paired tests).
+5. ``evaluation``: ``eval_suite.evaluate`` (running the agents: ``eval``, ``session``, ``zero-shot`` and their
+   machinery), ``eval_suite.bench`` (speed benches and profilers, ``bench kernel`` included) and
+   ``eval_suite.diagnostics`` (similarity, fidelity, DroidSpeak selection, data statistics); these three never
+   import one another.
+6. ``commands``: ``eval_suite.serve`` and ``eval_suite.study`` (over the evaluation), ``lit_modules.cli`` (fit /
+   validate / test / export) and ``lragent.cli_main`` (the entry point that dispatches to every command, by module
+   name).
 
 ``kernels`` has no command of its own: it imports nothing of the project outside ``kernels``.
 
@@ -32,10 +37,17 @@ LAYERS: dict[str, int] = {
     "lit_modules": 2,
     "lragent.agents": 3,
     "eval_suite": 4,
-    "lit_modules.cli": 4,
-    "lragent.cli_main": 4,
+    "eval_suite.scoring": 4,
+    "eval_suite.evaluate": 5,
+    "eval_suite.bench": 5,
+    "eval_suite.diagnostics": 5,
+    "eval_suite.serve": 6,
+    "eval_suite.study": 6,
+    "lit_modules.cli": 6,
+    "lragent.cli_main": 6,
 }
-LAYER_NAMES = ("kernels", "core", "lightning", "agents", "commands")
+LAYER_NAMES = ("kernels", "core", "lightning", "agents", "scoring", "evaluation", "commands")
+SIBLINGS = ("eval_suite.evaluate", "eval_suite.bench", "eval_suite.diagnostics")
 
 
 def layer_of(module: str, layers: dict[str, int] = LAYERS) -> int:
@@ -160,9 +172,29 @@ def test_kernels_and_datamodules_never_import_eval_suite_or_agents():
     assert not bad, bad
 
 
+def sibling_imports(graph: dict[str, set[str]], siblings: tuple[str, ...] = SIBLINGS) -> list[str]:
+    """``"a -> b"`` for every import between two different packages of ``siblings`` (one floor, separate concerns)."""
+
+    def package(module: str) -> str | None:
+        return next((p for p in siblings if module == p or module.startswith(p + ".")), None)
+
+    return [
+        f"{m} -> {t}"
+        for m, edges in sorted(graph.items())
+        for t in sorted(edges)
+        if package(m) and package(t) and package(m) != package(t)
+    ]
+
+
+def test_evaluation_bench_and_diagnostics_never_import_one_another():
+    bad = sibling_imports(import_graph(ROOT))
+    assert not bad, bad
+
+
 def test_commands_never_import_commands():
     """A command module (one that ``lragent`` dispatches to) imports no other command module: what two commands
-    share lives in a library module (``lragent.loading``, ``lragent.schemes``, ``eval_suite.fidelity`` ...)."""
+    share lives in a library module (``lragent.loading``, ``lragent.schemes``, ``eval_suite.diagnostics.fidelity``
+    ...)."""
     from lragent.cli_main import BENCHES, COMMANDS
 
     commands = {module for module, _ in [*COMMANDS.values(), *BENCHES.values()]}
@@ -188,6 +220,10 @@ def test_the_checks_catch_a_planted_cycle_and_upward_import(tmp_path):
         "eval_suite/__init__.py": "",
         "eval_suite/report.py": "from . import helpers\nfrom lragent.a import *\n",
         "eval_suite/helpers.py": "",
+        "eval_suite/bench/__init__.py": "",
+        "eval_suite/bench/b.py": "import eval_suite.diagnostics.d\n",
+        "eval_suite/diagnostics/__init__.py": "",
+        "eval_suite/diagnostics/d.py": "from eval_suite.report import write_json\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -195,8 +231,9 @@ def test_the_checks_catch_a_planted_cycle_and_upward_import(tmp_path):
     packages = ("kernels", "lragent", "eval_suite")
     graph = import_graph(tmp_path, packages)
     assert graph["eval_suite.report"] == {"eval_suite.helpers", "lragent.a"}
-    assert upward_imports(graph) == ["kernels.k (kernels) -> eval_suite.report (commands)"]
+    assert upward_imports(graph) == ["kernels.k (kernels) -> eval_suite.report (scoring)"]
     assert find_cycles(graph) == [["lragent.a", "lragent.b"]]
+    assert sibling_imports(graph) == ["eval_suite.bench.b -> eval_suite.diagnostics.d"]
 
 
 def test_the_serving_core_knows_no_http():

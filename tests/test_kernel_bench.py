@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_suite.bench_kernel import DECODE_FLOOR_MAX, _targets
+from eval_suite.bench.kernel import DECODE_FLOOR_MAX, _targets
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_multi_lora
 
-from eval_suite.session_runner import _load_question, build_schedule
+from eval_suite.evaluate.session_runner import _load_question, build_schedule
 from lragent.schemes import SCHEMES
 from lragent.session import MultiAgentSession
 

@@ -118,7 +118,7 @@ def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys,
     """``eval --batch 96`` with too little free memory: one line naming the need and what is free, exit 2, and the
     model is never loaded; ``--batch auto`` picks, once the model is loaded, the batch that fits in what is free then
     and hands it to the executor."""
-    import eval_suite.run_eval as re_
+    import eval_suite.evaluate.run_eval as re_
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
@@ -142,7 +142,7 @@ def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys,
         chosen["batch"] = batch
         raise Stop
 
-    import eval_suite.batched_executor as be
+    import eval_suite.evaluate.batched_executor as be
 
     def load_takes_the_models_memory(**kwargs):  # after loading, the model's bytes are no longer free
         plan = plan_memory(model_shape("default"), "non_shared", 12, 4096, element_size=2)

@@ -1,4 +1,4 @@
-"""Properties of the evaluation metrics (eval_suite/metrics.py), each checked against an independent reference.
+"""Properties of the evaluation metrics (eval_suite/scoring/metrics.py), each checked against an independent reference.
 
 Pinned: the answer normalisation's invariants (idempotent, no articles / punctuation / stray spaces); token F1 by
 hand with precision != recall and repeated tokens, its symmetry and the yes/no/noanswer rule from both sides; the
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 from torchmetrics import Metric
 
-from eval_suite.metrics import (
+from eval_suite.scoring.metrics import (
     GroupedMetric,
     HotpotQAExactMatch,
     HotpotQAF1,

@@ -1,4 +1,4 @@
-"""The model FLOPs `bench trace` divides by its prefill and decode seconds (eval_suite/model_flops.py).
+"""The model FLOPs `bench trace` divides by its prefill and decode seconds (eval_suite/bench/model_flops.py).
 
 Pinned: the closed form against a per-token, per-pair count written out here (an asymmetric shape: 4 query heads, 2
 KV heads, MLP wider than the hidden size, LoRA on q and v only); the LR prefill is exactly the forward less the K
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval_suite.model_flops import (
+from eval_suite.bench.model_flops import (
     ModelShape,
     decode_flops,
     head_flops,
@@ -81,7 +81,7 @@ def test_trace_steps_count_exactly_the_positions_the_engine_prefilled(scheme: st
     the new tokens' forward), non_shared re-prefills what a role has not seen (more)."""
     import torch
 
-    from eval_suite.bench_trace import run_trace
+    from eval_suite.bench.trace import run_trace
     from lragent.engine import Engine
     from lragent.lora_model import MultiLoraModel
     from lragent.models import load_model

@@ -237,7 +237,7 @@ def test_ddp_on_two_cpu_processes_trains_as_one_process(one_process_run: tuple[P
     (every held-out example once: 3 validation batches over 2 ranks need a filler); FitSpeed writes one file per rank
     and the job's rate on rank 0."""
     tmp_path, files = one_process_run
-    speed = {"class_path": "eval_suite.bench_train.FitSpeed", "init_args": {"out": f"{tmp_path}/fs.json"}}
+    speed = {"class_path": "eval_suite.bench.train.FitSpeed", "init_args": {"out": f"{tmp_path}/fs.json"}}
     ddp = _config(tmp_path, "ddp", files, [speed])
     _fit(ddp, "--config", str(REPO / "configs" / "ddp.yaml"))
     fs = json.loads((tmp_path / "fs.json").read_text())

@@ -1,4 +1,4 @@
-"""The several-GPU report (eval_suite/multi_gpu_report.py) reads what gpu_multi.sh wrote, including cut calls."""
+"""The several-GPU report (eval_suite/bench/multi_gpu_report.py) reads what gpu_multi.sh wrote, including cut calls."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 @pytest.fixture(scope="module")
 def report():
-    import eval_suite.multi_gpu_report
+    import eval_suite.bench.multi_gpu_report
 
-    return eval_suite.multi_gpu_report
+    return eval_suite.bench.multi_gpu_report
 
 
 def _speed(path: Path, tokens_per_s: float, world: int = 1, peak: float = 12.5) -> None:
@@ -215,7 +215,7 @@ def test_a_stopped_eval_phase_is_checked_on_what_it_finished_and_not_timed(tmp_p
 
 
 def test_the_peft_line_names_the_worst_diff_and_whether_the_adapters_were_resolved() -> None:
-    from eval_suite.multi_gpu_report import _peft_detail
+    from eval_suite.bench.multi_gpu_report import _peft_detail
 
     roles = {"plan": {"rel_diff": 2e-6, "resolved": True}, "action": {"rel_diff": 7e-6, "resolved": False}}
     assert _peft_detail({"ok": True, "rel_tol": 1e-5, "roles": roles}) == (

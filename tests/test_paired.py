@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from eval_suite.eval_report import render_markdown, summarize
-from eval_suite.paired import (
+from eval_suite.evaluate.eval_report import render_markdown, summarize
+from eval_suite.scoring.paired import (
     bootstrap_mean_interval,
     paired_difference,
     per_question_differences,

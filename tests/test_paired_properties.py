@@ -1,4 +1,4 @@
-"""Properties of the paired comparison (eval_suite/paired.py), each computed independently in the test.
+"""Properties of the paired comparison (eval_suite/scoring/paired.py), each computed independently in the test.
 
 Pinned: the bootstrap interval equals the exact percentile interval of the resampled mean (enumerated by hand) at
 levels other than 0.95, is reproducible and its defaults are ``n_boot=10_000, seed=0``; the per-question
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval_suite.paired import (
+from eval_suite.scoring.paired import (
     bootstrap_mean_interval,
     paired_difference,
     per_question_differences,

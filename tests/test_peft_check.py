@@ -1,5 +1,5 @@
-"""eval_suite/peft_check.py: an export's PEFT directories load in peft and match lragent's logits per role; a
-directory whose role weights were swapped, or that is not an export, is caught."""
+"""eval_suite/diagnostics/peft_check.py: an export's PEFT directories load in peft and match lragent's logits per role;
+a directory whose role weights were swapped, or that is not an export, is caught."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_suite.peft_check import check_export, main
+from eval_suite.diagnostics.peft_check import check_export, main
 from lragent.adapters_io import NATIVE_FILE, export_peft
 from tests.conftest import tiny_multi_lora
 

@@ -158,7 +158,7 @@ def test_max_tokens_below_max_length_is_refused(tmp_path: Path) -> None:
 
 def test_data_stats_reports_lengths_and_batches(tmp_path: Path) -> None:
     from datamodules import read_records
-    from eval_suite.data_stats import data_stats
+    from eval_suite.diagnostics.data_stats import data_stats
 
     assert data_stats(str(tmp_path), ["scienceqa"], tokenizer="byte", max_length=8000, max_tokens=20000) == 0
     stats = json.loads((tmp_path / "data_stats.json").read_text())["benchmarks"]["scienceqa"]

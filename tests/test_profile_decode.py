@@ -8,7 +8,7 @@ import os
 import torch
 from conftest import tiny_multi_lora
 
-from eval_suite import profile_decode as P
+from eval_suite.bench import profile_decode as P
 from lragent.decoder import DecoderEngine
 from lragent.multi_lora import MultiLoraLinear
 

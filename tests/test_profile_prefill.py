@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 from conftest import tiny_multi_lora
 
-from eval_suite import profile_prefill as P
+from eval_suite.bench import profile_prefill as P
 from lragent.cache_views import PrefillView
 from lragent.engine import Engine
 
 
 def _short_trace(monkeypatch) -> None:
     """One plan-plan-action cycle with short generations instead of the 17 steps (CPU time)."""
-    import eval_suite.bench_trace as T
+    import eval_suite.bench.trace as T
 
     monkeypatch.setattr(T, "CYCLES", 1)
     monkeypatch.setattr(T, "CYCLE", (("plan", 8, 3), ("plan", 8, 2), ("action", 8, 2)))

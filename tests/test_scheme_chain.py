@@ -207,7 +207,7 @@ def _check(trail: SchemeTrail, expected: set[str]) -> None:
 @pytest.mark.parametrize("batch", [0, 1], ids=["sequential", "batched"])
 def test_eval_chain(batch, tmp_path, monkeypatch, capsys):
     """eval: run_eval parses --scheme; one MultiAgentSession per episode (or one Engine per scheme with --batch)."""
-    import eval_suite.run_eval as run_eval
+    import eval_suite.evaluate.run_eval as run_eval
 
     model = tiny_multi_lora(seed=3)
     monkeypatch.setattr(run_eval, "load_lora_model", lambda **kw: (model, Tok()))
@@ -216,14 +216,17 @@ def test_eval_chain(batch, tmp_path, monkeypatch, capsys):
             "--out", str(tmp_path / "e"), "--quiet", "true", "--batch", str(batch), "--capacity", "4096"]  # fmt: skip
     with SchemeTrail(run_eval.evaluate, "droidspeak") as trail:
         assert main(argv) == 0, capsys.readouterr().err
-    middle = "lragent/session.py" if batch == 0 else "eval_suite/batched_executor.py"
-    _check(trail, {"eval_suite/run_eval.py", "lragent/schemes.py", middle, "lragent/engine.py", "lragent/sharing.py"})
+    middle = "lragent/session.py" if batch == 0 else "eval_suite/evaluate/batched_executor.py"
+    _check(
+        trail,
+        {"eval_suite/evaluate/run_eval.py", "lragent/schemes.py", middle, "lragent/engine.py", "lragent/sharing.py"},
+    )
     assert trail.parses == ["lragent/schemes.py"]
 
 
 def test_session_chain(tmp_path, monkeypatch, capsys):
     """session: session_runner parses --scheme and opens the MultiAgentSession."""
-    import eval_suite.session_runner as sr
+    import eval_suite.evaluate.session_runner as sr
 
     model = tiny_multi_lora(seed=4)
     monkeypatch.setattr(sr, "load_lora_model", lambda **kw: (model, Tok()))
@@ -233,14 +236,15 @@ def test_session_chain(tmp_path, monkeypatch, capsys):
         assert main(argv) == 0, capsys.readouterr().err
     _check(
         trail,
-        {"eval_suite/session_runner.py", "lragent/schemes.py", "lragent/session.py", "lragent/engine.py",
+        {"eval_suite/evaluate/session_runner.py", "lragent/schemes.py", "lragent/session.py", "lragent/engine.py",
          "lragent/sharing.py"},
     )  # fmt: skip
 
 
 def test_fidelity_chain(tmp_path, monkeypatch, capsys):
-    """fidelity: the command parses --scheme; the measure (eval_suite.fidelity) runs each scheme on an Engine row."""
-    import eval_suite.fidelity_command as fc
+    """fidelity: the command parses --scheme; the measure (eval_suite.diagnostics.fidelity) runs each scheme on an
+    Engine row."""
+    import eval_suite.diagnostics.fidelity_command as fc
 
     model = tiny_multi_lora(seed=5)
     monkeypatch.setattr(fc, "load_lora_model", lambda **kw: (model, CharTokenizer()))
@@ -250,20 +254,20 @@ def test_fidelity_chain(tmp_path, monkeypatch, capsys):
         assert main(argv) == 0, capsys.readouterr().err
     _check(
         trail,
-        {"eval_suite/fidelity_command.py", "lragent/schemes.py", "eval_suite/fidelity.py", "lragent/engine.py",
-         "lragent/sharing.py"},
+        {"eval_suite/diagnostics/fidelity_command.py", "lragent/schemes.py", "eval_suite/diagnostics/fidelity.py",
+         "lragent/engine.py", "lragent/sharing.py"},
     )  # fmt: skip
 
 
 def test_bench_trace_chain(tmp_path, capsys):
     """bench trace: the bench parses --schemes and builds one Engine per scheme."""
-    import eval_suite.bench_trace as bt
+    import eval_suite.bench.trace as bt
 
     argv = ["bench", "trace", "--model", "tiny-llama", "--contexts", "[4]", "--schemes", "[droidspeak]",
             "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "t")]  # fmt: skip
     with SchemeTrail(bt.trace, "droidspeak", stop_at_attention=True) as trail, pytest.raises(ReachedAttention):
         main(argv)
-    _check(trail, {"eval_suite/bench_trace.py", "lragent/schemes.py", "lragent/engine.py", "lragent/sharing.py"})
+    _check(trail, {"eval_suite/bench/trace.py", "lragent/schemes.py", "lragent/engine.py", "lragent/sharing.py"})
 
 
 def test_trail_sees_every_file_and_a_second_parse():

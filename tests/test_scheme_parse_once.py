@@ -28,8 +28,8 @@ def parses(monkeypatch):
 def test_eval_path_parses_each_name_once(parses, spec):
     """eval: parse_schemes -> the command's policy factory opens MultiAgentSession -> Engine -> make_scheme (the
     SessionPolicy is handed the session opener and never sees the scheme; test_scheme_chain.py follows every file)."""
-    from eval_suite.executors import EpisodeTask
-    from eval_suite.run_eval import build_policy_factory
+    from eval_suite.evaluate.executors import EpisodeTask
+    from eval_suite.evaluate.run_eval import build_policy_factory
 
     model = tiny_multi_lora(seed=5)
     schemes = parse_schemes(spec)
@@ -48,7 +48,7 @@ def test_eval_path_parses_each_name_once(parses, spec):
 
 def test_session_command_parses_once(parses, tmp_path, monkeypatch):
     """session: the command's one Scheme.parse, then run() -> MultiAgentSession -> Engine -> make_scheme."""
-    import eval_suite.session_runner as sr
+    import eval_suite.evaluate.session_runner as sr
 
     model = tiny_multi_lora(seed=6)
     seen_scheme = []

@@ -30,7 +30,7 @@ def _comparable(rec: dict) -> dict:
 
 @pytest.mark.parametrize("bench_name", ["hotpotqa", "scienceqa"])
 def test_eval_through_a_server_gives_the_in_process_records(tmp_path, bench_name):
-    from eval_suite.run_eval import evaluate
+    from eval_suite.evaluate.run_eval import evaluate
     from eval_suite.serve.api_server import ServerThread, build_app
     from eval_suite.serve.server_state import ServerState
     from lragent.engine import Engine

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from conftest import tiny_multi_lora
 from test_serve_reliability import ByteTokenizer
 
-from eval_suite.executors import EpisodeTask
+from eval_suite.evaluate.executors import EpisodeTask
 from lragent.agents import AgentConfig, AgentLoop, get_spec
 
 CLIENTS = 64
@@ -37,8 +37,8 @@ def _tasks(scheme: str, n: int) -> list[EpisodeTask]:
 
 
 def _serve_episodes(model, scheme: str, rows: int, concurrency: int, tasks) -> tuple[dict, dict, dict]:
+    from eval_suite.evaluate.server_client import ServerExecutor
     from eval_suite.serve.api_server import ServerThread, build_app
-    from eval_suite.serve.client import ServerExecutor
     from eval_suite.serve.server_state import ServerState
     from lragent.engine import Engine
     from lragent.serving.scheduler import Scheduler
@@ -79,8 +79,8 @@ def test_64_concurrent_agent_clients_get_what_each_gets_alone():
 
 def test_64_concurrent_clients_on_8_rows_wait_for_rows_and_get_what_each_gets_alone():
     """non_shared, 8 rows: 56 clients wait; rows are reused (trajectories evicted) as requests end; half stream."""
+    from eval_suite.evaluate.server_client import ServeClient
     from eval_suite.serve.api_server import ServerThread, build_app
-    from eval_suite.serve.client import ServeClient
     from eval_suite.serve.server_state import ServerState
     from lragent.engine import Engine
     from lragent.serving.scheduler import Scheduler

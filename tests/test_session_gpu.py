@@ -25,7 +25,7 @@ def cuda_model():
 def _run(model, tok, scheme, use_kernel, cuda_graphs=None, logits=False):
     """Greedy 17-step agent schedule; per step the generated ids and (with ``logits``) each generated token's
     next-token logits row (fp32, CPU)."""
-    from eval_suite.session_runner import _load_question, build_schedule
+    from eval_suite.evaluate.session_runner import _load_question, build_schedule
 
     session = MultiAgentSession(
         model, scheme, tokenizer=tok, use_kernel=use_kernel, eos_token_ids=[], cuda_graphs=cuda_graphs

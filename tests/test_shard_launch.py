@@ -1,6 +1,6 @@
 """eval --devices N starts its shards from the raw command line before the launcher's own imports and checks
-(:mod:`eval_suite.shard_launch`): which command lines qualify, what each shard is given, and that shards of a command
-whose arguments are then refused, or that ``fan_out`` would launch differently, are stopped."""
+(:mod:`eval_suite.evaluate.shard_launch`): which command lines qualify, what each shard is given, and that shards of a
+command whose arguments are then refused, or that ``fan_out`` would launch differently, are stopped."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import cli
-from eval_suite import shard_launch
+from eval_suite.evaluate import shard_launch
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_a_profiled_console_eval_still_writes_its_profile(tmp_path):
 def test_the_launchers_bar_counts_finished_lines_of_every_shard_log(tmp_path):
     """The progress of eval --devices N: whole lines of every shard's episode log, read as they grow; a line still
     being written counts once it ends; a log not yet created counts nothing; the bar never passes its total."""
-    from eval_suite.run_eval import _ShardProgress
+    from eval_suite.evaluate.run_eval import _ShardProgress
 
     logs = [tmp_path / "s0.jsonl", tmp_path / "s1.jsonl"]
     logs[0].write_text('{"a": 1}\n{"a": 2}\n')  # resumed: two finished before
@@ -149,7 +149,7 @@ def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, mon
     import inspect
     import time
 
-    from eval_suite import run_eval
+    from eval_suite.evaluate import run_eval
 
     started: list[subprocess.Popen] = []
 
@@ -180,7 +180,7 @@ def test_ctrl_c_in_the_launcher_stops_every_shard_and_says_where_the_episodes_ar
     import inspect
     import time
 
-    from eval_suite import run_eval
+    from eval_suite.evaluate import run_eval
     from lragent import command
 
     started: list[subprocess.Popen] = []
@@ -229,7 +229,7 @@ def test_more_shards_than_questions_is_refused_in_one_line(option, message, fake
 def test_the_console_entry_starts_without_torch():
     """The shards of eval --devices N start before the launcher imports torch: the entry point and the shard launcher
     import no torch (lragent's package names load on first use), and those names still resolve."""
-    code = ("import sys; import lragent.cli_main, eval_suite.shard_launch; print('torch' in sys.modules); "
+    code = ("import sys; import lragent.cli_main, eval_suite.evaluate.shard_launch; print('torch' in sys.modules); "
             "import lragent; print(lragent.Scheme.BASE_LR_SHARED.value, lragent.RoleRouter.__name__)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "base_lr_shared", "RoleRouter"]
@@ -239,10 +239,12 @@ def test_an_eval_process_imports_the_summary_metrics_only_to_write_a_summary():
     """What runs and scores episodes (the eval command's module, the benchmarks' per-answer scores) imports no
     torchmetrics: a shard of eval --devices N never writes a summary, so it never pays for torchmetrics and what it
     pulls in (pandas, matplotlib, scipy.signal and, where installed, torchvision: 649 modules on the 2-core CPU machine,
-    whose import of eval_suite.run_eval went from 5.0 to 4.1 s); the summary still gets the metrics when written."""
+    whose import of eval_suite.evaluate.run_eval went from 5.0 to 4.1 s); the summary still gets the metrics when
+    written."""
     code = (
-        "import sys; import eval_suite.run_eval, eval_suite.benchmarks; print('torchmetrics' in sys.modules); "
-        "from eval_suite.eval_report import write_summary; print('torchmetrics' in sys.modules)"
+        "import sys; import eval_suite.evaluate.run_eval, eval_suite.evaluate.benchmarks; "
+        "print('torchmetrics' in sys.modules); "
+        "from eval_suite.evaluate.eval_report import write_summary; print('torchmetrics' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "True"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from eval_suite.similarity import (
+from eval_suite.diagnostics.similarity import (
     PAIR_METRICS,
     load_contexts,
     measure_context,
@@ -27,7 +27,7 @@ from eval_suite.similarity import (
     summarize,
     token_cosine,
 )
-from eval_suite.similarity_report import FIGURES
+from eval_suite.diagnostics.similarity_report import FIGURES
 from lragent.command import build_parser, run_command
 from tests.conftest import tiny_multi_lora
 

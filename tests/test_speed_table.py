@@ -1,12 +1,12 @@
-"""The README's speed table (eval_suite/speed_table.py) from benchmark records: the default plan's figures only, ranges
-over repeats, the trace's ratios, and whether every figure is from one commit."""
+"""The README's speed table (eval_suite/bench/speed_table.py) from benchmark records: the default plan's figures only,
+ranges over repeats, the trace's ratios, and whether every figure is from one commit."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from eval_suite import speed_table
+from eval_suite.bench import speed_table
 
 
 def _prov(device: str, commit: str) -> dict:

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eval_suite import run_eval
-from eval_suite.benchmarks import HOTPOTQA, SCIENCEQA, SPLITS, Benchmark, parse_splits
-from eval_suite.episode_log import EPISODES_FILE, read_episodes
-from eval_suite.executors import SequentialExecutor
+from eval_suite.evaluate import run_eval
+from eval_suite.evaluate.benchmarks import HOTPOTQA, SCIENCEQA, SPLITS, Benchmark, parse_splits
+from eval_suite.evaluate.episode_log import EPISODES_FILE, read_episodes
+from eval_suite.evaluate.executors import SequentialExecutor
 from lragent.agents import AgentConfig, WikiIndex
 from lragent.cli_main import main
 from tests.test_eval_runner import Factory
@@ -149,7 +149,7 @@ def test_every_question_command_refuses_a_bad_split_in_one_line_before_loading(
     """``eval``, ``zero-shot`` and ``session`` (the commands that read questions) take --split; a bad value is one
     ``error:`` line naming it, exit status 2, before any model loads and before anything is written."""
     import lragent.models
-    from eval_suite import session_runner
+    from eval_suite.evaluate import session_runner
 
     loaded = []
 
@@ -332,7 +332,7 @@ def test_an_eval_pool_gives_each_test_question_its_own_paragraphs(tmp_path, monk
 def test_the_scienceqa_corpus_checks_overlap_against_the_whole_pool(monkeypatch) -> None:
     """The ScienceQA corpus leaves out trajectories overlapping any question of the pool: the overlap check is given
     exactly the pool's questions."""
-    from eval_suite import scienceqa_corpus
+    from eval_suite.evaluate import scienceqa_corpus
 
     class Stop(Exception):
         pass
@@ -373,7 +373,7 @@ def test_zero_shot_records_and_summary_name_their_split(tmp_path, monkeypatch) -
     """zero-shot --split dev,test --limit 92: 90 dev records then 2 test ones, each naming its split, the summary the
     pool (a fake model: letter B every time)."""
     import lragent.models
-    from eval_suite.zero_shot import zero_shot
+    from eval_suite.evaluate.zero_shot import zero_shot
 
     monkeypatch.setattr(lragent.models, "load_model", lambda *a, **kw: (_FakeLM(), _FakeTokenizer()))
     out = tmp_path / "zs"
@@ -411,7 +411,7 @@ class _FakeSession:
 def test_a_session_result_names_its_split_and_runs_that_splits_question(split, index, tmp_path, monkeypatch) -> None:
     """``session --split test --question 3``: the 4th easy question of the test file, its text in the schedule; the
     result names the split and the question (a fake session: nothing loads)."""
-    from eval_suite import session_runner
+    from eval_suite.evaluate import session_runner
 
     monkeypatch.setattr(session_runner, "load_lora_model", lambda **kw: (None, None))
     monkeypatch.setattr(session_runner, "check_session", lambda *a, **kw: None)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eval_suite.study import (
+from eval_suite.study.driver import (
     PROFILES,
     SWEEP_POINTS,
     Job,
@@ -26,7 +26,7 @@ from eval_suite.study import (
     run,
     train_config,
 )
-from eval_suite.study_report import chance_gap, write_report, write_sweep_report
+from eval_suite.study.report import chance_gap, write_report, write_sweep_report
 
 SAMPLED = {"protocol": {"untrained": {"sampler": 2}}}
 SWEEP_SAMPLED = {"protocol": {"non_shared": {"sampler": 2}}}  # rows drawn by today's sampler (2)
@@ -65,7 +65,9 @@ def _launches(tmp_path: Path) -> list[dict]:
 
 
 def test_resumed_study_does_not_rerun_finished_jobs(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setattr(
+        "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]
+    )
     root = tmp_path / "study"
     plan = _fake_plan(tmp_path)
     finished = [j for j in plan if j.name in ("train/scienceqa_lam0", "eval/scienceqa_lam0/non_shared")]
@@ -96,7 +98,9 @@ def test_resumed_study_does_not_rerun_finished_jobs(tmp_path: Path, monkeypatch)
 
 
 def test_memory_budget_and_bounded_retries(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setattr(
+        "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]
+    )
     monkeypatch.setenv("FAIL_JOB", "fidelity/scienceqa_lam0.5")
     root = tmp_path / "study"
     plan = [j for j in _fake_plan(tmp_path) if "indepA" not in j.name and "untrained" not in j.name][:6]
@@ -283,7 +287,9 @@ def test_archive_is_one_file_per_set_without_weights_and_byte_stable(tmp_path: P
 
 
 def test_jobs_spread_over_gpus_within_each_budget(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setattr(
+        "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]
+    )
     plan = [j for j in _fake_plan(tmp_path) if j.kind == "eval" and "untrained" in j.name]
     log = str(tmp_path / "launches.jsonl")
     fids = [p for p in _fake_plan(tmp_path) if p.kind == "fidelity"]
@@ -313,13 +319,13 @@ def test_jobs_spread_over_gpus_within_each_budget(tmp_path: Path, monkeypatch) -
 
 
 def test_reset_failed_keeps_successes(tmp_path: Path) -> None:
-    from eval_suite.study import reset_failed
+    from eval_suite.study.driver import forget_failed_attempts
 
     for name, rcs in (("eval/a/non_shared", [1, 1, 1]), ("train/b", [1, 0]), ("eval/c/full_shared", [0])):
         d = tmp_path / name
         d.mkdir(parents=True)
         (d / "attempts.jsonl").write_text("".join(json.dumps({"rc": rc}) + "\n" for rc in rcs))
-    assert reset_failed(tmp_path) == ["eval/a/non_shared"]
+    assert forget_failed_attempts(tmp_path) == ["eval/a/non_shared"]
     assert not (tmp_path / "eval/a/non_shared/attempts.jsonl").exists()
     assert (tmp_path / "train/b/attempts.jsonl").exists()
 
@@ -498,7 +504,9 @@ def test_a_sets_rows_come_before_later_sets_train() -> None:
 def test_a_training_whose_rows_are_all_kept_is_not_run_again(tmp_path: Path, monkeypatch) -> None:
     """Results kept without their adapters (the repository keeps episodes, not adapter sets) resume without training
     again; a set with one row missing trains again for it."""
-    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setattr(
+        "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]
+    )
     root = tmp_path / "study"
     plan = [j for j in _fake_plan(tmp_path) if j.meta.get("set") in ("scienceqa_lam0", "scienceqa_lam0.5")]
     for j in plan:  # every row and fidelity of lam0 kept; lam0.5 lacks its full_shared row
@@ -530,7 +538,9 @@ def _intervals(tmp_path: Path) -> dict[str, tuple[float, float]]:
 
 
 def test_strict_priority_a_later_job_does_not_take_the_room_a_big_one_waits_for(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setattr(
+        "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]
+    )
     log = tmp_path / "launches.jsonl"
     plan = [_job("a/first", "eval", 10, 0, log), _job("b/big", "eval", 50, 1, log), _job("c/small", "eval", 10, 2, log)]
     assert run(tmp_path / "root", plan, gpu_gb=55, poll=0.02) == 0
@@ -540,7 +550,9 @@ def test_strict_priority_a_later_job_does_not_take_the_room_a_big_one_waits_for(
 
 
 def test_trainings_are_capped_per_gpu_without_holding_back_evaluations(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setattr(
+        "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]
+    )
     log = tmp_path / "launches.jsonl"
     plan = [_job(f"train/s{i}", "train", 5, i, log) for i in range(4)] + [_job("eval/e", "eval", 5, 10, log)]
     assert run(tmp_path / "root", plan, gpu_gb=1000, poll=0.02, max_train=2) == 0
@@ -555,7 +567,9 @@ def test_a_killed_drivers_running_job_is_waited_for_not_started_again(tmp_path: 
     import platform
     import subprocess
 
-    monkeypatch.setattr("eval_suite.study.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd])
+    monkeypatch.setattr(
+        "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]
+    )
     root = tmp_path / "root"
     log = tmp_path / "launches.jsonl"
     plan = [_job("eval/orphan", "eval", 10, 0, log), _job("eval/other", "eval", 10, 1, log)]
@@ -610,7 +624,7 @@ def test_study_page_carries_the_zero_shot_reference(tmp_path: Path) -> None:
 def test_a_row_of_the_old_sampler_runs_again_and_its_episodes_are_kept_beside(tmp_path: Path) -> None:
     """Sampler 1 (u could round to 1.0: a uniformly random token in 0.9% of draws on Qwen's vocabulary) rows are not
     done: the job runs again in a fresh directory, the old episodes moved to ``<scheme>.sampler1`` as evidence."""
-    from eval_suite.study import prepare
+    from eval_suite.study.driver import prepare
 
     root = tmp_path / "study"
     (job,) = [j for j in build_plan(("scienceqa",), (0.0,), runs=1) if j.name == "eval/scienceqa_lam0/non_shared"]
@@ -633,7 +647,7 @@ def test_a_row_of_the_old_sampler_runs_again_and_its_episodes_are_kept_beside(tm
 def test_sweep_changes_one_thing_at_a_time_around_each_benchmarks_best_lr() -> None:
     """After the three learning-rate points, each benchmark's epoch, rank and target points use its own best
     learning rate (HotpotQA 1e-4, ScienceQA 3e-4), the one its shipped recipe uses."""
-    from eval_suite.study import SWEEP_BEST_LR
+    from eval_suite.study.driver import SWEEP_BEST_LR
 
     plan = build_sweep_plan(("scienceqa", "hotpotqa"), SWEEP_POINTS, runs=1, profile=QWEN)
     trains = {j.meta["set"]: j.meta["recipe"] for j in plan if j.kind == "train"}
@@ -651,7 +665,7 @@ def test_sweep_changes_one_thing_at_a_time_around_each_benchmarks_best_lr() -> N
 def test_sampler_reruns_compare_each_older_copy_with_its_rerun(tmp_path: Path) -> None:
     """A row kept as <row>.sampler1 beside its rerun: episodes in both (question, run, seed), how many agree on
     prediction, token count and actions, and which differ; a rerun's extra episode is not counted as shared."""
-    from eval_suite.study_report import sampler_reruns, sampler_reruns_line
+    from eval_suite.study.report import sampler_reruns, sampler_reruns_line
 
     def write(d: Path, recs: list[dict]) -> None:
         d.mkdir(parents=True)

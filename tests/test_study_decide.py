@@ -1,4 +1,4 @@
-"""The decisive study's plan, its done-test and its verdicts (eval_suite/study_decide.py), on the CPU."""
+"""The decisive study's plan, its done-test and its verdicts (eval_suite/study/decide.py), on the CPU."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from eval_suite import study_decide as sd
-from eval_suite.study import PROFILES, main
-from eval_suite.study_jobs import is_done
+from eval_suite.study import decide as sd
+from eval_suite.study.driver import PROFILES, main
+from eval_suite.study.jobs import is_done
 
 QWEN = PROFILES["qwen2.5-coder-1.5b"]
 

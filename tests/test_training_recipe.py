@@ -338,7 +338,7 @@ def test_fit_speed_counts_the_host_syncs_of_a_micro_batch(tmp_path: Path) -> Non
     counted two for one read, not all at that line)."""
     from types import SimpleNamespace
 
-    from eval_suite.bench_train import FitSpeed, _phase_summary
+    from eval_suite.bench.train import FitSpeed, _phase_summary
 
     cb = FitSpeed(str(tmp_path / "speed.json"), warmup=1, sync_debug=True)
     module = SimpleNamespace(device=torch.device("cuda", 0))

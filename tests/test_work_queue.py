@@ -1,4 +1,5 @@
-"""The episode queue that the shards of ``eval --devices N`` share (:mod:`eval_suite.work_queue`): every episode runs
+"""The episode queue that the shards of ``eval --devices N`` share (:mod:`eval_suite.evaluate.work_queue`): every
+episode runs
 exactly once across the shards, the merge equals one process's run, and a relaunch after a kill runs exactly what
 no shard finished. With the fake policy of ``test_eval_runner`` (no model)."""
 
@@ -11,12 +12,12 @@ from pathlib import Path
 import pytest
 
 import cli
-from eval_suite import shard_launch
-from eval_suite.benchmarks import load_questions
-from eval_suite.episode_log import EPISODES_FILE, read_episodes, record_key
-from eval_suite.eval_report import merge_dirs, write_summary
-from eval_suite.run_eval import shard_queue
-from eval_suite.work_queue import QUEUE_DIR, WorkQueue, claim_name, clear_queue
+from eval_suite.evaluate import shard_launch
+from eval_suite.evaluate.benchmarks import load_questions
+from eval_suite.evaluate.episode_log import EPISODES_FILE, read_episodes, record_key
+from eval_suite.evaluate.eval_report import merge_dirs, write_summary
+from eval_suite.evaluate.run_eval import shard_queue
+from eval_suite.evaluate.work_queue import QUEUE_DIR, WorkQueue, claim_name, clear_queue
 from tests.test_eval_runner import _run
 
 RUNS, SCHEMES = 2, ("non_shared", "base_lr_shared")
@@ -82,7 +83,7 @@ def test_a_relaunch_runs_exactly_what_no_shard_finished(tmp_path, questions, ref
 def test_a_claim_is_taken_once_among_racing_processes(tmp_path):
     """Four processes claim the same 300 episodes at once: each episode is claimed exactly once (exclusive create)."""
     code = (
-        "import sys; from eval_suite.work_queue import WorkQueue\n"
+        "import sys; from eval_suite.evaluate.work_queue import WorkQueue\n"
         "q = WorkQueue(sys.argv[1], sys.argv[2])\n"
         "print(sum(q.claim(('non_shared', r, str(i))) for r in range(3) for i in range(100)))"
     )

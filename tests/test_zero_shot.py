@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import cli
-from eval_suite.zero_shot import LETTERS, hotpotqa_prompt, scienceqa_prompt, short_answer, summarize
+from eval_suite.evaluate.zero_shot import LETTERS, hotpotqa_prompt, scienceqa_prompt, short_answer, summarize
 
 
 def test_short_answer_takes_the_first_line_without_prefix_or_full_stop() -> None:

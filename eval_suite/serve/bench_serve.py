@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from eval_suite.serve.client import Completion, ServeClient, ServerExecutor, ServerPolicy, check_server_url
+from eval_suite.evaluate.server_client import Completion, ServeClient, ServerExecutor, ServerPolicy, check_server_url
 
 WORKLOADS = ("trace", "autoact")
 TRACE_GENERATED = (48, 4, 16, 48, 4)
@@ -134,7 +134,7 @@ def run_trace(
 def run_autoact(url: str, api_key: str | None, *, sessions: int, clients: int, bench, agent, temperature: float,
                 top_p: float, scheme: str) -> tuple[list, int, float]:  # fmt: skip
     """Runs ``sessions`` AutoAct episodes (the benchmark's first questions, cycled) on ``clients`` threads."""
-    from eval_suite.executors import EpisodeTask
+    from eval_suite.evaluate.executors import EpisodeTask
     from lragent.agents import AgentLoop
 
     questions = bench.load_questions(None, None)
@@ -234,7 +234,7 @@ def bench_serve(
     """
     import os
 
-    from eval_suite.benchmarks import get_benchmark
+    from eval_suite.evaluate.benchmarks import get_benchmark
     from eval_suite.report import check_writable
     from lragent.agents import AgentConfig
     from lragent.agents.policies import check_sampling
@@ -346,7 +346,7 @@ def _start(loaded, scheme: str, max_rows, capacity: int, dev: str, dtype: str, m
     """A server of ``scheme`` on 127.0.0.1 over the loaded model: its URL, its stop, its metrics' snapshot."""
     import torch
 
-    from eval_suite.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE
+    from eval_suite.evaluate.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE
     from eval_suite.serve.api_server import ServerThread, build_app
     from eval_suite.serve.server_state import ServerState
     from lragent.engine import Engine

@@ -101,7 +101,7 @@ def serve(
     rows = _size_rows(model, sch, max_rows, capacity, dtype, run_device, stored, layers, memory_fraction)
     apply_memory_fraction(run_device, memory_fraction)
 
-    from eval_suite.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE
+    from eval_suite.evaluate.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE
     from eval_suite.serve.api_server import build_app, serve_until_stopped
     from eval_suite.serve.server_state import ServerState
     from lragent.engine import Engine

@@ -1,0 +1,61 @@
+"""Builds the training results table from Lightning CSV logs (``metrics.csv`` per run).
+
+    python -m eval_suite.study.training_report results/training_h200 > results/training_h200/README.md
+
+For every run directory: the last validation row (val every half epoch), per role: plain loss / token accuracy and
+the same through each shared-cache scheme that was validated, plus the step and epoch it was taken at.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+ROLES = ("plan", "action", "reflect")
+PARTS = ("plain", "base_lr_shared", "full_shared")
+
+
+def last_validation(path: Path) -> dict[str, str]:
+    rows = [r for r in csv.DictReader(path.open()) if r.get("val/loss")]
+    if not rows:
+        raise ValueError(f"{path} has no validation row")
+    return rows[-1]
+
+
+def cell(row: dict[str, str], role: str, part: str) -> str:
+    prefix = f"val/{role}/" if part == "plain" else f"val/{role}/{part}/"
+    loss, acc = row.get(prefix + "loss", ""), row.get(prefix + "acc", "")
+    if not loss:
+        return "n/a"
+    return f"{float(loss):.3f} / {100 * float(acc):.1f}%"
+
+
+def table(root: Path) -> str:
+    lines = []
+    for ds in ("hotpotqa", "scienceqa"):
+        lines += [
+            f"### {ds}",
+            "",
+            "Each cell: val loss / token accuracy on the output tokens (held-out 5% per role).",
+            "",
+            "| run | step (epoch) | " + " | ".join(f"{r} {p}" for r in ROLES for p in PARTS) + " |",
+            "|---|---|" + "---|" * (len(ROLES) * len(PARTS)),
+        ]
+        for run in sorted(root.glob(f"{ds}_*/metrics.csv"), key=lambda p: ("untrained" not in p.parent.name, p)):
+            row = last_validation(run)
+            cells = [cell(row, r, p) for r in ROLES for p in PARTS]
+            lines.append(f"| {run.parent.name} | {row['step']} ({row['epoch']}) | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    root = Path(argv[0] if argv else "results/training_h200")
+    print(table(root))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
