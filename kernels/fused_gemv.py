@@ -1,10 +1,10 @@
 """RMSNorm or SiLU·mul fused into the matrix-vector product that reads its output (decode at a few rows).
 
-Why: at batch 1 a decode step of an 8B model is a chain of GEMVs with small elementwise kernels between them. On
-an H100 (``results/engine_h100/decode_profile_2026-11-27``) the two RMSNorms and the SiLU·mul of each layer take
-2 + 2 + 1.5 µs, and each is a graph node whose gap to the next adds about 1 µs: 0.26 ms of a 6.86 ms step, against
-issue 38's 0.8 ms to find. Computing the norm (or the activation) inside the GEMV that consumes it removes the kernel,
-its output's round trip through memory and its node. Whether a Triton GEMV keeps cuBLAS's bandwidth is what
+Why: at batch 1 a decode step of an 8B model is a chain of GEMVs with small elementwise kernels between them. On an H100
+(``results/engine_h100/decode_profile_2026-11-27``) the two RMSNorms and the SiLU·mul of each layer take 2 + 2 + 1.5 µs,
+and each is a graph node whose gap to the next adds about 1 µs: 0.26 ms of a 6.86 ms step, against the 0.8 ms a batch-1
+step had to lose to reach its target. Computing the norm (or the activation) inside the GEMV that consumes it removes
+the kernel, its output's round trip through memory and its node. Whether a Triton GEMV keeps cuBLAS's bandwidth is what
 ``python -m eval_suite.bench.fused_gemv`` measures: on an H100, 1.01-1.06x the unfused pair at one row (the 8B batch-1
 step 5% faster), and slower than unfused at 4 to 32 rows even through one tensor-core dot per tile, so the decoder takes
 them at the rows ``LRAGENT_FUSED_GEMV`` names (default 1: batch-1 decode; kernels/NOTES.md).

@@ -247,7 +247,7 @@ class DecodeView:
 
     ``LRAGENT_FUSED_GEMV=N`` in the environment when the view is made also runs each RMSNorm and SiLU·mul inside the
     GEMV that reads it, and the o projection on the same Triton GEMV (:mod:`kernels.fused_gemv`, on fused views, in
-    steps of at most N <= 32 rows; default 1: batch-1 decode 5% faster on an H100, issue 38; 0 off).
+    steps of at most N <= 32 rows; default 1: batch-1 decode 5% faster on an H100; 0 off).
     """
 
     def __init__(

@@ -36,7 +36,7 @@ if [ -d .defad ]; then mkdir -p /tmp/defad && cp -r .defad/* /tmp/defad/; fi
 for _defad in /tmp/defad/*/; do
   [ -d "$_defad" ] || continue
   _set=data/adapters/$(basename "$_defad")
-  [ -f "$_set/lragent_adapters.safetensors" ] || { rm -rf "$_set"; mkdir -p data/adapters && cp -r "$_defad" "$_set"; }
+  [ -f "$_set/train_config.json" ] || { rm -rf "$_set"; mkdir -p data/adapters && cp -r "$_defad" "$_set"; }
 done
 # The accuracy model's shipped sets (.evad/<benchmark>_sharedA, carried once by prepare-accuracy), put back into a
 # slimmed tree as data/adapters/qwen_<benchmark>_sharedA, where eval and the decisive study look for them.

@@ -9,7 +9,7 @@
 #                                                unfused + cuBLAS, against the weights' floor)
 #   bash scripts/gpu_bench.sh profile [options]  python -m eval_suite.bench.profile_decode (where a decode step's time goes;
 #                                                the engine switches as set in the environment, e.g. LRAGENT_FUSED_GEMV=0)
-#   bash scripts/gpu_bench.sh readme             the README's speed table on this GPU, one commit (issue 38): 8B decode at
+#   bash scripts/gpu_bench.sh readme             the README's speed table on this GPU, one commit: 8B decode at
 #                                                2k, batch 1 and 32, with transformers, twice (decode1, decode2; each
 #                                                with the plans $DECODE_PLANS, default "", "qkv_rope=0",
 #                                                "qkv_maxnreg=0" and "pdl=0", two turns; the table takes ""), the

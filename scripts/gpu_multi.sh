@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several GPUs (issues 21 and 35): DDP and FSDP fits and `eval --devices N` at each GPU count in $SIZES against one GPU,
+# Several GPUs: DDP and FSDP fits and `eval --devices N` at each GPU count in $SIZES against one GPU,
 # in one or more device calls (APPEND=1 goes on). First run on two H100s (five phases) in
 # results/multi_gpu_h100x2_2026-11-25/. Writes under $OUT (N: each count in $SIZES, e.g. "2 4"; A: the largest):
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU test suite (pytest -m gpu) in one device call: run 1, the planted GPU bugs (scripts/planted_bugs.yaml
+# The whole GPU test suite (pytest -m gpu) in one device call: run 1, the planted GPU bugs (tests/planted_bugs.yaml
 # "GPU:" entries: each must make its test fail), then run 2 if the time budget leaves room for it. Writes to
 # $OUT/gpu_tests/ (default ./gpu_tests_out): the record gpu_tests_<device>_<date>.{json,md} (pass/fail counts with
 # provenance: device, torch/triton/CUDA versions, commit, source hash, command; the collected tests a run never reached,
@@ -59,7 +59,7 @@ run_suite() {  # $1 = run name, $2 = seconds allowed (at least 30)
 }
 
 PLANT_SHARE=$([ "${GPU_TESTS_PLANT:-1}" = 0 ] && echo 0 || echo 100)
-PLANT_FILTER="GPU:"  # the planted bugs this suite runs (scripts/planted_bugs.yaml entries whose names hold it)
+PLANT_FILTER="GPU:"  # the planted bugs this suite runs (tests/planted_bugs.yaml entries whose names hold it)
 RUN1_ALLOWED=$(( BUDGET - PLANT_SHARE - $(elapsed) - 15 ))
 # the whole suite took 164-200 s on 12 workers of an H100 host (results/gpu_tests): say so before a run it cannot finish
 [ "$RUN1_ALLOWED" -lt 220 ] && echo "warning: GPU_TESTS_BUDGET=$BUDGET leaves run 1 ${RUN1_ALLOWED} s; the whole suite" \

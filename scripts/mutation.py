@@ -1,4 +1,4 @@
-"""Mutation testing of the modules whose bugs change results (issue 37), with mutmut, one module at a time.
+"""Mutation testing of the modules whose bugs change results, with mutmut, one module at a time.
 
     python scripts/mutation.py                       # every module of MODULES (hours on 2 cores; use a big host)
     python scripts/mutation.py sampling paired       # the modules whose key contains one of the names
@@ -266,7 +266,7 @@ def write_report() -> Path:
             f"({r['host_cpus']} CPUs), {r['commit'][:7]}; {', '.join(f'{k} {v}' for k, v in sorted(c.items()))} |"
         )
     text = (
-        "# Mutation testing (issue 37)\n\n"
+        "# Mutation testing\n\n"
         "`python scripts/mutation.py [KEY ...]` (mutmut, one module at a time, only the module's test files; "
         "`--list` names them). Score: mutmut's killed (+ timeout) over its mutants, less those marked equivalent in "
         "`equivalent/KEY.json` with a one-line reason each (a timeout, a mutant that made the tests hang, counts as "

@@ -3,7 +3,7 @@
 python scripts/plant_bugs.py [NAME_SUBSTRING ...]      # results: results/planted_bugs.json
                                                         # (or $LRAGENT_PLANTED_RESULTS)
 
-The entries are in scripts/planted_bugs.yaml, each a name holding file, old, new and tests: the file to change, the
+The entries are in tests/planted_bugs.yaml, each a name holding file, old, new and tests: the file to change, the
 text to replace (exactly once in that file), its replacement, and the pytest arguments whose tests must catch it. old
 and new may be lists of strings replaced pairwise (a bug planted in several places). Entries whose tests are GPU-marked
 catch their bug only on a GPU (without one they skip: exit 0).
@@ -21,7 +21,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRATCH = os.environ.get("LRAGENT_PLANT_SCRATCH", "/tmp/lragent_plant_copy")
 RESULTS = os.environ.get("LRAGENT_PLANTED_RESULTS") or os.path.join(ROOT, "results", "planted_bugs.json")
-CATALOGUE = os.path.join(ROOT, "scripts", "planted_bugs.yaml")
+CATALOGUE = os.path.join(ROOT, "tests", "planted_bugs.yaml")
 
 
 def load(path: str = CATALOGUE) -> dict[str, tuple]:

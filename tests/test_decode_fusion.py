@@ -1,5 +1,5 @@
 """The fused LoRA inference path (shared A appended to the fused GEMMs, B applied through a role mask) computes
-what the module-by-module path computes, for every sharing scheme and mixed-role batches (issue 18)."""
+what the module-by-module path computes, for every sharing scheme and mixed-role batches."""
 
 from __future__ import annotations
 

@@ -298,7 +298,7 @@ def test_extra_fed_rows_through_the_kernels_match_one_token_feeding(scheme):
     assert same >= 0.8 * rows * 3, (scheme, same)  # greedy tokens: equal but for bf16 near-ties
 
 
-# ---- the fused LoRA path (issue 18: shared A in the fused GEMMs, B through the role mask) -------------------------
+# ---- the fused LoRA path (shared A in the fused GEMMs, B through the role mask) ---------------------------------
 def _fused_lora_rows(model, scheme: str, fuse_lora: bool, rows: int = 8) -> list[list[list[int]]]:
     """Every row's generated ids, rows joining and leaving with different roles, decoded by CUDA-graph replay."""
     eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, fuse_ops=fuse_lora,

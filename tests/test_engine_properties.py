@@ -1,6 +1,6 @@
 """A reused engine row serves each request exactly as a fresh engine serving that request alone; stops at the edges.
 
-Row reuse (issue 37): a batched row that finished one request (its stop strings, budget, role, sampling settings,
+Row reuse: a batched row that finished one request (its stop strings, budget, role, sampling settings,
 prompt length) and then serves another must give what a fresh one-row engine gives for the new request: same
 tokens, same text, same stop reason, same kept length, same trajectory. The two requests differ in every field at
 once (a long prompt then a short one, or the reverse; other stop strings; another budget; another role; greedy then

@@ -88,7 +88,7 @@ def test_nameless_entries_of_an_interrupted_run_are_not_counted_as_passed(tmp_pa
 
 def test_planted_bugs_a_call_never_ran_are_named(tmp_path: Path, monkeypatch) -> None:
     """A call whose budget ended during the planted GPU bugs (its JSON holds those that finished, written one by one)
-    names every other ``GPU:`` entry of scripts/planted_bugs.yaml as not reached, in the JSON and the markdown."""
+    names every other ``GPU:`` entry of tests/planted_bugs.yaml as not reached, in the JSON and the markdown."""
     gpu = record.planted_names("GPU:")
     assert len(gpu) > 3 and all("GPU:" in n for n in gpu)
     planted = tmp_path / "planted.json"

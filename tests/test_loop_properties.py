@@ -1,4 +1,4 @@
-"""Properties of the agent loop (issue 37): step and context budgets at their exact boundaries, the per-role requests.
+"""Properties of the agent loop: step and context budgets at their exact boundaries, the per-role requests.
 
 Pinned here: the request each cycle issues (role, appended text, per-role token budget, stop strings), the last
 allowed step runs and the next does not, the context budget is inclusive, a Finish ends tool use and is answered

@@ -1,4 +1,4 @@
-"""The training objective against hand-computed values (issue 37, DESIGN.md §4 "Cache-sharing-aware loss").
+"""The training objective against hand-computed values (DESIGN.md §4 "Cache-sharing-aware loss").
 
 Pinned here: ``loss = (1 - λ) · plain + λ · shared`` at asymmetric λ (0, 0.25, 0.7, 1), each term the pooled mean of
 the per-token cross entropies over the batch's supervised predictions (not a mean of per-row means, not counting

@@ -249,7 +249,7 @@ def _bad_input_case(tmp_path, case: str) -> tuple[list[str], str]:
 BAD_INPUT_CASES = [  # kind:command
     "truncated:session", "truncated:eval", "rank:session", "missing-model:eval", "missing-model:fidelity",
     "bogus-device", "not-a-checkpoint",
-    # issue 20: seven tracebacks and two wrong acceptances
+    # seven tracebacks and two wrong acceptances, each now one line
     "out-is-file:eval", "out-is-file:data-stats", "peft-no-r:eval", "peft-no-r:session", "peft-list:eval",
     "peft-list:session", "peft-truncated:eval", "mps-device", "peft-no-reflect:eval", "zero-new-tokens",
     "answer-text-hotpotqa",

@@ -1,4 +1,4 @@
-"""Option-count variants of the ScienceQA training data (issue 17: the agents answered with letters that are no option).
+"""Option-count variants of the ScienceQA training data (the agents once answered with letters that are no option).
 
 The shipped ScienceQA recipe must train on questions with 2, 3 and 4 options whose answers are letters of the
 question's own options; each variant must be the original trajectory with only its options line and its ``Finish``

@@ -1,4 +1,4 @@
-"""Properties of the option-count variants (issue 37) on small synthetic trajectories with unequal option counts.
+"""Properties of the option-count variants on small synthetic trajectories with unequal option counts.
 
 Pinned here: a variant keeps every option the trajectory answers with (the gold one included), drops only
 distractors, never duplicates an option, re-letters every ``Finish`` so that it names the same option text as

@@ -1,4 +1,4 @@
-"""Properties of the policies (issue 37): stop cutting, option matching, the scripted policy and SessionPolicy.
+"""Properties of the policies: stop cutting, option matching, the scripted policy and SessionPolicy.
 
 Pinned here: :func:`cut_at_stop` cuts at the earliest stop (at the very start and the very end included),
 :func:`closest_option` prefers an exact match and then the longest common prefix (ties: the first option), the

@@ -1,4 +1,4 @@
-"""Properties of :mod:`lragent.sampling` (issue 37): what distribution the decode engine's sampler draws from.
+"""Properties of :mod:`lragent.sampling`: what distribution the decode engine's sampler draws from.
 
 Pinned here: the draws of :func:`sample_next` follow the exact temperature-scaled, top-p-truncated, renormalised
 softmax built by hand in the test (frequencies over many fixed-seed draws, with a tolerance that a wrong rule exceeds:

@@ -17,7 +17,7 @@ size memory (row names, records, the memory check's own scheme object) are not o
 are not counted.
 
 The chains (eval without/with --batch, session, fidelity, bench trace) are pinned below; a planted forwarding layer
-in another file, or a second parse, fails them (scripts/planted_bugs.yaml: "SessionPolicy carries the scheme again",
+in another file, or a second parse, fails them (tests/planted_bugs.yaml: "SessionPolicy carries the scheme again",
 "fidelity goes through the session again", "the eval factory hands the session the scheme's name").
 """
 

@@ -1,9 +1,9 @@
 """The adapter sets shipped in ``data/adapters`` (the embedded-model recipe's stage-2 runs) load through PEFT.
 
-For every set and role: ``peft.PeftModel.from_pretrained`` on the embedded model gives the same logits as the
-toolkit's multi-LoRA model with the native checkpoint; the PEFT directories and the native checkpoint hold the same
-weights; shared-A sets really share A across roles, independent-A sets do not; and B is trained (non-zero).
-"""
+For every set and role: ``peft.PeftModel.from_pretrained`` on the embedded model gives the same logits as the toolkit's
+multi-LoRA model with the set as the toolkit loads it (the native checkpoint where shipped); the PEFT directories and
+the native checkpoint hold the same weights; shared-A sets really share A across roles, independent-A sets do not; and B
+is trained (non-zero)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,10 @@ def test_shipped_set_loads_through_peft(name, load_embedded):
     from peft import PeftModel
 
     d = ADAPTERS / name
-    assert (d / "lragent_adapters.safetensors").is_file(), f"{d} is not shipped"
+    # shared-A sets ship the native checkpoint beside the PEFT directories; independent-A sets ship the PEFT
+    # directories alone (the same weights: a native checkpoint would only repeat them)
+    assert (d / "lragent_adapters.safetensors").is_file() == name.endswith("_sharedA"), f"{d}: not as shipped"
+    assert all((d / role / "adapter_model.safetensors").is_file() for role in ("plan", "action", "reflect")), d
     model = _loaded(load_embedded, d, native=True)
     cfg = model.lora_config
     assert cfg.shared_a == name.endswith("_sharedA")

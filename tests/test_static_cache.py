@@ -1,4 +1,4 @@
-"""Properties of :mod:`lragent.static_cache` (issue 37): the KV-cache pool's layout, byte accounting and growth.
+"""Properties of :mod:`lragent.static_cache`: the KV-cache pool's layout, byte accounting and growth.
 
 Pinned here: :class:`PoolLayout`'s validation (exact boundaries and messages) and defaults; bytes per position and
 allocated bytes against a hand count for asymmetric shapes, decomposed (K, V_base, V_lr) and plain (K, V, even with a

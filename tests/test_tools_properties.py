@@ -1,4 +1,4 @@
-"""Properties of the agents' offline tools (issue 37): the Toolbox state across sequences of actions.
+"""Properties of the agents' offline tools: the Toolbox state across sequences of actions.
 
 Pinned here: the Lookup cursor (advances on the same keyword, restarts on a new one, resets on every new
 Retrieve/BingSearch, refuses before any search or after a failed one), the exact observation strings the model

@@ -1,4 +1,4 @@
-"""The shared pass's two-piece attention (issue 19): each sequence a producer's prefix and a consumer's suffix attends
+"""The shared pass's two-piece attention: each sequence a producer's prefix and a consumer's suffix attends
 as the plain causal attention over the producer's values plus an r-wide correction of the consumer rows, equal
 (values and gradients) to the per-query decomposed attention over ``[V_base | V_lr]``; the consumer-row kernels
 (Triton, run here under ``TRITON_INTERPRET=1``) equal their PyTorch implementation; and the shared-sequence forward

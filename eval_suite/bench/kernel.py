@@ -330,7 +330,7 @@ def bench_prefill(seq: int, lc: int, dtype: torch.dtype, quick: bool, log: Calla
 
 
 def _targets(decode: list[dict], prefill: list[dict]) -> list[dict]:
-    """The acceptance points of issue 9, each with its measured value."""
+    """The kernel's targets, each with its measured value."""
     out = []
     for r in decode:
         tag = f"decode B={r['batch']} L={r['L']}"
@@ -409,7 +409,7 @@ def _markdown(result: dict) -> str:
                 f"| {r['batch']} | {r['variant']} | " + " | ".join(f"{r['graph_ms'][s]:.4f}" for s in lens) + " |"
             )
         lines.append("")
-    lines += ["## Targets (issue 9 acceptance)", ""]
+    lines += ["## Targets", ""]
     for t in result["targets"]:
         lines.append(f"- {t['what']}: measured {t['measured']:.3f}, target {t['target']} -> {t['status']}")
     return "\n".join(lines) + "\n" + provenance_footer(result["provenance"])

@@ -1,5 +1,5 @@
 """Model FLOPs: the architecture a count needs (:class:`ModelShape`), the cards' dense bf16 peaks, and the FLOPs of
-an agent step's prefill and decode, counted as `bench train` counts a forward (issue 38).
+an agent step's prefill and decode, counted as `bench train` counts a forward.
 
 Per token and decoder layer, with ``P`` = Σ over the 7 frozen projections of ``d_in·d_out``, ``R`` = Σ over the LoRA
 targets of ``r·(d_in + d_out)`` and ``W = H_q·D`` the query width (:class:`ModelShape`):

@@ -698,7 +698,7 @@ def markdown(res: dict[str, Any]) -> str:
     where = "CPU check (gloo processes, tiny random models; no GPU figure)" if prov["cpu_check"] else ", ".join(
         prov.get("gpus") or ["?"]
     )  # fmt: skip
-    lines = ["# Several GPUs (issues 21 and 35): scripts/gpu_multi.sh", "", f"Devices: {where}.", ""]
+    lines = ["# Several GPUs: scripts/gpu_multi.sh", "", f"Devices: {where}.", ""]
     # a call that ran only some phases (the eval alone, say) shows their sections, not tables of "missing"
     absent = [name for name, ran in (("DDP", _ddp_ran(res["ddp_embedded"], sizes)), ("FSDP", _fsdp_ran(f, sizes)),
                                      ("eval --devices N", _eval_ran(e))) if not ran]  # fmt: skip

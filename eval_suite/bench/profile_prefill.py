@@ -168,8 +168,8 @@ def profile_prefill(
     Args:
         model: a named random-weight architecture (``llama-3.1-8b``, ``smollm2-135m``, ``tiny-llama``, ...) or a
             model name.
-        schemes: sharing schemes (default: full_shared and base_lr_shared, the pair whose prefill MFU issue 38
-            compares).
+        schemes: sharing schemes (default: full_shared and base_lr_shared, the pair whose prefill MFU the
+            speed table compares).
         context: the retrieved-context length L_ctx of the trace.
         rank: LoRA rank of the random adapters (q_proj, v_proj; B != 0).
         dtype: compute dtype.

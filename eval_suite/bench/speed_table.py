@@ -11,8 +11,8 @@ in the order given; a row per figure the records hold:
 - the trace at each context: ``base_lr_shared``'s throughput against ``non_shared``'s, and ``full_shared``'s;
 - the trace's prefill MFU per context, ``base_lr_shared`` (``full_shared``) and their ratio.
 
-Below the table it names the commit of every record and says whether they are one commit (what issue 38 asks of the
-README's table); it never fills in a figure the records lack ("–").
+Below the table it names the commit of every record and says whether they are one commit (the
+README's table must be); it never fills in a figure the records lack ("–").
 """
 
 from __future__ import annotations

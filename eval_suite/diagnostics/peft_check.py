@@ -7,7 +7,7 @@ For every role of the export: the base model (loaded twice: lragent's multi-LoRA
 and a plain copy for PEFT), ``peft.PeftModel.from_pretrained`` (then ``load_adapter``) of ``DIR/<role>``, and the
 logits of one random token sequence under both. ``ok`` is every role loaded and within tolerance of lragent's logits
 (relative to the largest logit: PEFT and lragent add the LoRA term in different orders). Used by
-``scripts/gpu_multi.sh`` on FSDP exports (issue 35); works on any model ``load_model`` knows.
+``scripts/gpu_multi.sh`` on FSDP exports; works on any model ``load_model`` knows.
 
 Run it in float32: in a 16-bit dtype rounding can be as large as the adapters' whole effect on the logits (bf16 on an
 H100 at LLaMA-3.1-8B shapes: max diff 0.30 against an adapter effect of 0.44; on a 2-layer CPU model the diff equals
