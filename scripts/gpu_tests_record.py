@@ -12,7 +12,6 @@ reached are named the same way.
 
 from __future__ import annotations
 
-import argparse  # a Namespace of the options, as the record's code reads them
 import glob
 import json
 import os
@@ -23,6 +22,7 @@ import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from datetime import datetime, timezone
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's lragent
 
@@ -159,7 +159,7 @@ def record_runs(
     Returns:
         the exit status.
     """
-    args = argparse.Namespace(
+    args = SimpleNamespace(
         out_dir=out_dir, command=command, planted=planted, planted_filter=planted_filter, collected=collected
     )
     collected = read_collected(args.collected) if args.collected and os.path.exists(args.collected) else None
