@@ -75,15 +75,19 @@ def chosen(only: list[str]) -> list[str]:
     return [name for name in BUGS if not only or any(o in name for o in only)]
 
 
-def main() -> int:
+def plant(names: list[str] | None = None) -> int:
+    """Plants each chosen bug in a scratch copy and runs the tests that must catch it; results to RESULTS.
+
+    Args:
+        names: substrings of entry names: an entry runs when its name holds one of them (none: every entry).
+
+    Returns:
+        0, or 130 when interrupted (what finished is kept).
+    """
     # an interrupt stops the run even where this process started with SIGINT ignored (a background job of a
     # non-interactive shell, as `cmd &` in a script): without a handler Python would never raise KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    only = sys.argv[1:]
-    if any(a in ("-h", "--help") for a in only):
-        print(__doc__.strip())
-        print("\nentries:\n  " + "\n  ".join(BUGS))
-        return 0
+    only = list(names or [])
     names, results, current = chosen(only), {}, None
     try:
         for current in names:
@@ -97,6 +101,19 @@ def main() -> int:
         )
         return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/plant_bugs.py [NAME_SUBSTRING ...]`` (:func:`plant`); ``--help`` also lists the entries."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        print("\nentries:\n  " + "\n  ".join(BUGS))
+        return 0
+    sys.path.insert(0, ROOT)  # this checkout's lragent (its command machinery), whatever is installed
+    from lragent.command import run_command
+
+    return run_command(plant, argv, "scripts/plant_bugs.py", positional=["names"])
 
 
 if __name__ == "__main__":  # importable: BUGS and chosen() for the GPU suite's record
