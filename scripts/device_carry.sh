@@ -9,6 +9,8 @@
 #                                          # (results/ and data/adapters/ moved to $KEEP), then `check`
 #   bash scripts/device_carry.sh check     # what each planned call carries, against the 64 MiB limit
 #   bash scripts/device_carry.sh restore   # puts the moved folders back and removes .gguf1 / .gguf2 / .acc*
+#   bash scripts/device_carry.sh wheels-serve       # .swhl: the server's wheels (fastapi, uvicorn, pydantic, ...),
+#                                          # which device_model.sh installs where a call carries them
 #   bash scripts/device_carry.sh prepare-accuracy   # the accuracy model instead (Qwen2.5-Coder-1.5B, 1.1 GB): the tree
 #                                          # slimmed to code + data (results/ and data/adapters/ moved to $KEEP), .whl,
 #                                          # .commit and the checked GGUF split into .acc01 ... .accNN, each piece as
@@ -38,6 +40,7 @@ KEEP=${KEEP:-/tmp/lragent_slim}
 LIMIT=$((64 * 1024 * 1024))
 SLIM=(results data/adapters)  # what a device call need not carry: result records and adapter sets (no GPU test reads them)
 WHEELS=(gguf==0.19.0 jsonargparse==4.53.0 typeshed_client==2.15.0 docstring_parser==0.18.0)
+SERVE_WHEELS=(fastapi==0.165.0 uvicorn==0.55.0 pydantic==2.13.4 starlette==1.10.0)  # with their dependencies
 
 tree_bytes() {  # what a call carries of the tree: tracked files that exist, plus untracked files git does not ignore
   { git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null || true; } \
@@ -47,7 +50,7 @@ dir_bytes() { [ -e "$1" ] && du -sb "$1" | cut -f1 || echo 0; }
 
 exclude() {  # the carried folders must be git-ignored, or they would travel with every call
   mkdir -p .git/info
-  for p in /.whl/ /.gguf1/ /.gguf2/ /.tok/ /.commit '/.acc[0-9]*/' /.resume/ /.evad/ /.defad/; do
+  for p in /.whl/ /.swhl/ /.gguf1/ /.gguf2/ /.tok/ /.commit '/.acc[0-9]*/' /.resume/ /.evad/ /.defad/; do
     grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
   done
 }
@@ -183,5 +186,13 @@ case "${1:-}" in
     check_accuracy
     ;;
   check) if ls -d .acc[0-9]* > /dev/null 2>&1; then check_accuracy; else check; fi ;;
+  wheels-serve)  # the server's wheels the GPU image lacks, in .swhl (carry it with the call that runs bench serve)
+    exclude
+    mkdir -p .swhl
+    python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .swhl \
+      "${SERVE_WHEELS[@]}"
+    echo ".swhl: $(ls .swhl | wc -l) wheels, $(dir_bytes .swhl) bytes"
+    ;;
   *) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
 esac

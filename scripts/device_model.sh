@@ -15,6 +15,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [ -d /tmp/site/jsonargparse ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
+if ls .swhl/*.whl >/dev/null 2>&1; then  # the server's wheels (device_carry.sh wheels-serve), for bench serve
+  [ -d /tmp/ssite/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ssite .swhl/*.whl
+  export PYTHONPATH=/tmp/ssite:${PYTHONPATH:-$PWD}
+fi
 mkdir -p /tmp/gguf
 for f in .gguf*/part*; do [ -f "$f" ] && cp "$f" /tmp/gguf/; done
 if [ ! -f /tmp/gguf/model.gguf ] && [ "$(cat /tmp/gguf/part* 2>/dev/null | wc -c)" = "$GGUF_BYTES" ]; then
