@@ -296,6 +296,16 @@ def test_the_queue_bound_list_schedules_one_devices_episode_times(tmp_path: Path
     # processes of 2 rows: the first takes a's 1, 1 and at 1 s starts b's 2, 2 (ends at 3); the second takes a's
     # 1 and 3 (ends at 3): 3 s
     assert bound == pytest.approx({"loop_s_1": 4.0 + 2.0, "loop_s_2": 3.0, "bound": 6.0 / 3.0})
+    # each scheme is its own queue: a's 3 s episode holds a's rows while b waits (3 + 1 s), where one queue of all
+    # four episodes would take 3 s
+    e = tmp_path / "ev2" / "hotpotqa"
+    e.mkdir(parents=True)
+    (e / "timing.json").write_text(json.dumps({"batch": 2}))
+    recs2 = [("a", 3.0), ("a", 1.0), ("b", 1.0), ("b", 1.0)]
+    (e / "episodes.jsonl").write_text(
+        "".join(json.dumps({"qid": f"q{i}", "row": r, "wall_s": w}) + "\n" for i, (r, w) in enumerate(recs2))
+    )
+    assert report.queue_bound(tmp_path / "ev2", 2)["loop_s_1"] == pytest.approx(4.0)
     (d / "timing.json").write_text(json.dumps({}))  # no rows (the sequential executor): no bound
     assert report.queue_bound(tmp_path / "ev1", 2) is None
     (d / "timing.json").write_text(json.dumps({"batch": 2}))
