@@ -108,3 +108,11 @@ def test_bad_arguments_are_one_error_line(argv: list[str], needle: str, capsys, 
     assert main(["bench", "eval", *argv, "--out", str(tmp_path / "o")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+def test_a_sampling_interval_that_is_not_positive_is_refused(capsys, tmp_path: Path) -> None:
+    argv = ["bench", "eval", "--jobs", '["--scheme base_lr_shared"]', "--sample_s", "0", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--compare", str(tmp_path / "none")]) == 2  # checked first: no job starts
+    err = capsys.readouterr().err
+    assert err.startswith("error: --sample_s must be > 0, got 0") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()

@@ -571,3 +571,24 @@ def test_fit_speed_leaves_no_sync_debug_mode_behind_when_a_fit_stops(monkeypatch
     assert modes == ["warn"] and warnings.filters != filters
     cb.on_exception(None, module, RuntimeError("out of memory"))
     assert modes == ["warn", 0] and warnings.filters == filters
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--checkpointing", "[]"], "checkpointing: give at least one setting (true / false)"),
+        (["--steps", "0"], "steps >= 1, warmup_steps >= 0, batch_size >= 1, seq_len >= 2 needed, got 0, "),
+        (["--seq_len", "1"], "steps >= 1, warmup_steps >= 0, batch_size >= 1, seq_len >= 2 needed, got "),
+    ],
+)
+def test_bench_train_settings_are_refused_naming_them(args: list[str], message: str, capsys) -> None:
+    assert main(["bench", "train", "--model", "tiny-llama", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {message}") and "\n" not in err, err
+
+
+def test_a_data_directory_without_a_roles_file_is_named(tmp_path, capsys) -> None:
+    (tmp_path / "plan.jsonl").write_text('{"input": "q", "output": "a"}\n')
+    assert main(["bench", "train", "--model", "tiny-llama", "--data", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: data {tmp_path} has no file for role 'action' (action.jsonl.gz, .jsonl or .json)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,105 @@ def test_dataloader_batches_are_well_formed(tmp_path: Path, tok) -> None:
         assert torch.equal(sup.sum(1), b["lengths"] - b["context_len"])
         assert (b["prefix_len"] < b["context_len"]).all() and (b["prefix_len"] >= 0).all()
         assert torch.equal(b["attention_mask"].sum(1), b["lengths"])
+
+
+# ----------------------------------------------------------------------------------------- refusals, by their value
+
+
+def test_file_level_errors_name_the_file_and_line(tmp_path: Path) -> None:
+    from datamodules.role_examples import read_local_records
+
+    missing = tmp_path / "none.jsonl"
+    with pytest.raises(ValueError, match=f"^data file not found: {missing}$"):
+        read_local_records(missing)
+    for name, text in (("empty.json", "[ ]\n"), ("blank.jsonl", "\n\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"^{tmp_path / name}: no records$"):
+            read_local_records(tmp_path / name)
+    arr = tmp_path / "arr.json"
+    arr.write_text('[\n {"input": "q", "output": "a"}\n {"input": "q", "output": "b"}\n]')
+    with pytest.raises(ValueError, match=rf"^{arr}:3: not valid JSON \(expected ',' or '\]' in the array\)$"):
+        read_local_records(arr)
+    arr.write_text('[\n {"input": "q", "output": "a"}\n]\n\nmore')
+    with pytest.raises(ValueError, match=f"^{arr}:3: unexpected text after the JSON array$"):
+        read_local_records(arr)
+    bad_gz = tmp_path / "plan.jsonl.gz"
+    bad_gz.write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match=f"^{bad_gz}: cannot be read as gzip-compressed UTF-8 text: "):
+        read_local_records(bad_gz)
+
+
+def test_tokenizers_that_cannot_frame_an_example_are_refused() -> None:
+    from datamodules.role_examples import special_token_layout
+
+    class Rewrites:
+        eos_token_id = 0
+
+        def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+            return {"input_ids": [9, 9] if add_special_tokens else [1]}  # the text's own token is gone
+
+    with pytest.raises(ValueError, match="^cannot tell which special tokens the tokenizer adds around a text$"):
+        special_token_layout(Rewrites())
+    no_eos = byte_tokenizer()
+    no_eos.eos_token = None
+    with pytest.raises(ValueError, match="^the tokenizer has no eos_token_id; one is needed to end every output$"):
+        tokenize_example(no_eos, RoleRecord("q", "a", "f:1"), 0, 32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": 0}, "batch_size must be > 0, got 0"),
+        ({"pool_batches": 0}, "pool_batches must be > 0, got 0"),
+        ({"num_replicas": 2, "rank": 2}, "rank must be in [0, num_replicas=2), got 2"),
+        ({"rank": -1}, "rank must be in [0, num_replicas=1), got -1"),
+        ({"groups": [[0, 1], [2]], "drop_last": True}, "drop_last is not supported with groups"),
+    ],
+)
+def test_length_bucket_sampler_refuses_bad_settings(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        LengthBucketBatchSampler([5, 6, 7], **{"batch_size": 2, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"data_files": {}}, "data_files: give one data file per role, got none"),
+        ({"spec": 3}, "data_files['plan'] must be a path or dataset name, got 3"),
+        ({"spec": ""}, "data_files['plan'] must be a path or dataset name, got ''"),
+        ({"max_length": 1}, "max_length must be >= 2, got 1"),
+        ({"batch_size": 0}, "batch_size must be > 0, got 0"),
+        ({"val_max_per_role": 0}, "val_max_per_role must be > 0 or null, got 0"),
+        ({"num_workers": -1}, "num_workers must be >= 0, got -1"),
+    ],
+)
+def test_data_module_refuses_bad_settings_naming_them(tmp_path: Path, tok, change, message) -> None:
+    files = {r: str(_write_jsonl(tmp_path / f"{r}.jsonl", _records(r, 5))) for r in ROLES}
+    change = dict(change)
+    if "spec" in change:
+        files["plan"] = change.pop("spec")
+    files = change.pop("data_files", files)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        RoleExampleDataModule(files, tokenizer=tok, **change)
+
+
+def test_resuming_with_other_roles_is_refused(tmp_path: Path, tok) -> None:
+    files = {r: str(_write_jsonl(tmp_path / f"{r}.jsonl", _records(r, 5))) for r in ROLES}
+    dm = RoleExampleDataModule(files, tokenizer=tok)
+    dm.load_state_dict(dm.state_dict())  # the same roles: resumed
+    expected = "trained with roles ['plan', 'action'], this run has ['plan', 'action', 'reflect']"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        dm.load_state_dict({**dm.state_dict(), "roles": ["plan", "action"]})
+
+
+def test_chains_and_packing_refuse_what_they_cannot_group() -> None:
+    from datamodules.cross_role_prefixes import cross_role_groups
+    from datamodules.prefix_packing import pack_prefix_chains
+    from datamodules.records import TokenizedExample
+
+    e = TokenizedExample([1, 2, 3, 4], 2, 0, 0, "f:1")
+    with pytest.raises(ValueError, match="^max_group must be >= 1, got 0$"):
+        cross_role_groups([e], 0)
+    packed = TokenizedExample([1, 2, 3, 4], 2, 0, 0, "f:2", segments=((1, (2, 3)),))
+    with pytest.raises(ValueError, match="^f:2: example is already packed$"):
+        pack_prefix_chains([e, packed])

@@ -441,3 +441,46 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget)
     assert fed_out == eager_out
     for a, b in zip(eager_last, fed_last, strict=True):
         assert (a - b).abs().max() <= 1e-4, scheme
+
+
+@pytest.mark.parametrize("budget", [-1, True, 1.5])
+def test_a_bad_feed_budget_is_refused_naming_it(budget):
+    with pytest.raises(ValueError, match=rf"feed_budget must be an int >= 0 .*got {budget!r}"):
+        Engine(model_for("tiny-llama"), "full_shared", rows=1, capacity=32, eos_token_ids=[], feed_budget=budget)
+
+
+def test_a_decomposed_scheme_needs_a_lora_on_v_proj():
+    model = tiny_multi_lora("tiny-llama", targets=("q_proj",))
+    with pytest.raises(ValueError, match="scheme base_lr_shared stores V_lr = X·A of v_proj: targets must include"):
+        Engine(model, "base_lr_shared", rows=1, capacity=32, eos_token_ids=[])
+    Engine(model, "full_shared", rows=1, capacity=32, eos_token_ids=[])  # no V_lr: no v_proj needed
+
+
+def test_a_generating_row_refuses_append_start_generate_and_score():
+    eng = Engine(model_for("tiny-llama"), "full_shared", rows=2, capacity=32, eos_token_ids=[])
+    with pytest.raises(ValueError, match="the trajectory is empty: append tokens before scoring"):
+        eng.score(0, 0, [[1]])
+    eng.append(0, [5, 6, 7])
+    with pytest.raises(ValueError, match="an option must have at least one token"):
+        eng.score(0, 0, [[8], []])
+    assert eng.ids(0) == [5, 6, 7]  # the scored option was cut off again
+    eng.start(0, GenerationRequest(role=0, max_new_tokens=3))
+    with pytest.raises(ValueError, match="row 0 is generating: append after its result"):
+        eng.append(0, [8])
+    with pytest.raises(ValueError, match="row 0 is already generating"):
+        eng.start(0, GenerationRequest(role=1, max_new_tokens=1))
+    with pytest.raises(ValueError, match=r"rows \[0\] are generating: use start\(\)/advance\(\) to batch"):
+        eng.generate(1, GenerationRequest(role=0, max_new_tokens=1))
+    with pytest.raises(ValueError, match="row 0 is generating$"):
+        eng.score(0, 0, [[8]])
+    assert eng.ids(0) == [5, 6, 7]
+
+
+def test_a_session_without_tokenizer_refuses_text_and_stop_strings():
+    session = MultiAgentSession(model_for("tiny-llama"), "full_shared", eos_token_ids=[], capacity=64)
+    with pytest.raises(ValueError, match="append_text needs a tokenizer: pass tokenizer= to the session"):
+        session.append_text("hello")
+    session.append([5, 6])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer: pass tokenizer= to the session"):
+        session.step("plan", max_new_tokens=2, stop=["x"])
+    assert session.ids == [5, 6] and not session.steps

@@ -167,3 +167,16 @@ def test_raw_trajectory_file_has_observations():
     with gzip.open(RAW_SCIENCEQA, "rt", encoding="utf-8") as f:
         first = json.loads(f.readline())
     assert [r.tool for r in search_results(first["prompt"])] == ["BingSearch"]
+
+
+def test_missing_benchmark_and_trajectory_files_are_named(tmp_path):
+    from eval_suite.evaluate.benchmarks import get_benchmark
+    from eval_suite.evaluate.scienceqa_corpus import read_raw_trajectories
+
+    hotpot = get_benchmark("hotpotqa")
+    with pytest.raises(FileNotFoundError, match=f"benchmark file {tmp_path}/.*hotpotqa_easy.dev.jsonl is missing"):
+        hotpot.load_questions(levels=["easy"], data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"HotpotQA benchmark file {tmp_path}/.*hotpotqa_.*.dev.jsonl is"):
+        hotpot.corpus(data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"raw trajectory file {tmp_path / 'raw.jsonl.gz'} is missing"):
+        read_raw_trajectories(tmp_path / "raw.jsonl.gz")

@@ -851,3 +851,43 @@ def test_a_gpu_eval_caps_its_host_threads_unless_the_user_set_them():
     assert host_threads("cuda", {"OMP_NUM_THREADS": "64"}, 64) is None
     assert host_threads("cpu", {}, 64) is None
     assert host_threads("cuda", {}, 2) is None
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch", "-1"], "--batch must be >= 0 (0: one episode at a time), got -1"),
+        (["--batch", "2", "--capacity", "4000"], "--capacity must be >= 4096 positions per episode, got 4000"),
+        (
+            ["--batch", "2", "--capacity", "8192", "--max_context_tokens", "6200"],
+            "--max_context_tokens 6200 leaves no room for a cycle: allowed <= capacity - 2048",
+        ),
+        (["--shard", "first"], "--shard 'first' must look like i/n (e.g. 0/4)"),
+    ],
+)
+def test_batch_capacity_and_shard_options_are_refused_naming_the_value(tmp_path, capsys, argv, message):
+    out = tmp_path / "o"  # a model without a tokenizer: were the option let through, the next check stops the run
+    assert cli.main(["eval", "--adapter_init", "zero", "--model", "tiny-llama", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_merge_needs_directories_of_one_benchmark_and_one_adapter_set_per_row(tmp_path, capsys, reference):
+    ref_dir, _ = reference
+    out = tmp_path / "m"
+    assert cli.main(["eval", "--merge", "[]", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: --merge needs at least one output directory")
+    with pytest.raises(FileNotFoundError, match=f"--merge {tmp_path}: no {EPISODES_FILE} there"):
+        merge_dirs([ref_dir, tmp_path], out)
+    assert not out.exists()
+    records = read_episodes(ref_dir / EPISODES_FILE)
+    with pytest.raises(ValueError, match="no episode records to summarise"):
+        summarize([])
+    other = [{**r, "benchmark": "scienceqa"} if i == 0 else r for i, r in enumerate(records)]
+    with pytest.raises(ValueError, match=r"records of several benchmarks \['hotpotqa', 'scienceqa'\]: summarise them"):
+        summarize(other)
+    row = records[0]["row"]
+    mixed = [{**r, "adapters": "other/set"} if i == 0 else r for i, r in enumerate(records)]
+    with pytest.raises(ValueError, match=rf"row '{row}' mixes results of different adapters \['init:random', 'other"):
+        summarize(mixed)

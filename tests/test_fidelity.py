@@ -218,3 +218,76 @@ def test_cli_writes_results_with_provenance(tmp_path):
     assert "--limit 1" in prov["command"]
     md = (out / "fidelity.md").read_text()
     assert "Produced on" in md and "Command:" in md
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["fidelity", "--benchmark", "gsm8k"], "unknown benchmark 'gsm8k': allowed hotpotqa, scienceqa"),
+        (["fidelity", "--holdout", "0"], "--holdout must be >= 1, got 0"),
+        (["fidelity", "--limit", "-2"], "--limit must be >= 1, got -2"),
+        (["fidelity", "--max_context_tokens", "1"], "--max_context_tokens must be >= 2, got 1"),
+        (["fidelity", "--pool", "train"], "--pool 'train' unknown: allowed heldout, dev, val"),
+        (["droidspeak-select", "--group_size", "0"], "--group_size and --max_runs must be >= 1, got 0, 2"),
+        (["droidspeak-select", "--max_runs", "0"], "--group_size and --max_runs must be >= 1, got 2, 0"),
+        (["droidspeak-select", "--fraction", "1.5"], "--fraction must be in (0, 1], got 1.5"),
+        (["droidspeak-select", "--fraction", "0"], "--fraction must be in (0, 1], got 0"),
+    ],
+)
+def test_example_and_selection_options_are_refused_naming_the_value(capsys, tmp_path, argv, expected):
+    from lragent.cli_main import main
+
+    out = tmp_path / "out.json"
+    assert main([*argv, "--adapter_init", "zero", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_fidelity_building_blocks_refuse_bad_values_naming_them(tmp_path):
+    from eval_suite.diagnostics.droidspeak_select import select_droidspeak_layers
+    from eval_suite.diagnostics.fidelity import check_producer, producer_for, tokenize_example
+
+    ids = (1, 2, 3, 4)
+    with pytest.raises(ValueError, match="ex:1: context_len 4 must be in 1..3"):
+        FidelityExample("plan", "ex:1", ids, context_len=4)
+    with pytest.raises(ValueError, match="ex:1: context_len 0 must be in 1..3"):
+        FidelityExample("plan", "ex:1", ids, context_len=0)
+    with pytest.raises(ValueError, match="ex:1: prefix_len 2 must be in 0..1"):
+        FidelityExample("plan", "ex:1", ids, context_len=2, prefix_len=2)
+    with pytest.raises(ValueError, match="shared split 'middle' unknown: allowed last, piece"):
+        FidelityExample("plan", "ex:1", ids, context_len=2).split("middle")
+    with pytest.raises(ValueError, match="holdout must be >= 1, got 0"):
+        heldout_indices(10, 0, None, 0, "plan")
+    with pytest.raises(ValueError, match="pool 'train' unknown: allowed heldout, dev, val"):
+        heldout_indices(10, 2, None, 0, "plan", "train")
+    with pytest.raises(ValueError, match="producer 'critic' unknown: allowed next or one of plan, action"):
+        producer_for(["plan", "action"], "plan", "critic")
+    with pytest.raises(ValueError, match=r"logit shapes differ: \(2, 5\) vs \(3, 5\)"):
+        compare(torch.zeros(2, 5), torch.zeros(3, 5))
+    model = tiny_multi_lora()
+    with pytest.raises(ValueError, match=r"--producer 'critic' unknown: allowed next or plan, action, reflect"):
+        check_producer(model, "critic")
+    with pytest.raises(ValueError, match=r"unknown schemes \['half_shared'\]: allowed"):
+        run_fidelity(model, [], ["half_shared"])
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\], got 0"):
+        select_droidspeak_layers(model, [], fraction=0)
+    with pytest.raises(FileNotFoundError, match=f"role examples {tmp_path}/trajectories/hotpotqa/plan.jsonl.gz are"):
+        load_role_examples("hotpotqa", ["plan"], None, data_dir=tmp_path)
+
+    class NoEos:
+        eos_token_id = None
+
+    with pytest.raises(ValueError, match="the tokenizer has no eos_token_id; one is needed to end every output"):
+        tokenize_example(NoEos(), "plan", "ex:1", "in", "out")
+
+
+def test_layer_units_and_selection_refuse_bad_sizes():
+    with pytest.raises(ValueError, match="group size must be >= 1, got 0"):
+        layer_units(6, 0)
+    with pytest.raises(ValueError, match="k must be in 1..3, got 4"):
+        select_units([1.0, 2.0, 3.0], 4, 1)
+    with pytest.raises(ValueError, match="k must be in 1..3, got 0"):
+        select_units([1.0, 2.0, 3.0], 0, 1)
+    with pytest.raises(ValueError, match="max_runs must be >= 1, got 0"):
+        select_units([1.0, 2.0, 3.0], 2, 0)

@@ -56,3 +56,42 @@ def test_targets_flag_each_acceptance_point():
     assert verdicts["prefill 4096 chunk @ L=32k fused/floor (graph)"] == "met"
     assert verdicts["full causal prefill 2k fused/floor (graph)"] == "MISSED"
     assert DECODE_FLOOR_MAX == 1.25
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lengths", "1024,x"], "lengths must be comma-separated integers, got '1024,x'"),
+        (["--batches", "0,32"], "batches must list positive integers, got '0,32'"),
+        (["--prefill", "2048:a"], "prefill must be comma-separated L:Lc pairs, got '2048:a'"),
+        (["--prefill", "2048"], "prefill pairs L:Lc need 1 <= Lc <= L, got '2048'"),
+        (["--prefill", "2048:4096"], "prefill pairs L:Lc need 1 <= Lc <= L, got '2048:4096'"),
+        (["--modes", "decode,train"], "modes must be a comma-separated subset of decode,prefill, got 'decode,train'"),
+        (["--dtype", "fp8"], "dtype must be bf16 or fp16, got 'fp8'"),
+    ],
+)
+def test_bench_kernel_options_are_refused_in_process_naming_the_value(args, message, tmp_path, capsys):
+    """The same checks in this process (where coverage sees them); they come before the CUDA check."""
+    from lragent.cli_main import main
+
+    out = tmp_path / "out"
+    assert main(["bench", "kernel", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rows", "[0, 4]"], "--rows [0]: allowed 1..32 (the fused GEMVs are for decode)"),
+        (["--rows", "[4, 33]"], "--rows [33]: allowed 1..32 (the fused GEMVs are for decode)"),
+        (["--dtype", "float32"], "--dtype 'float32': allowed bfloat16, float16"),
+    ],
+)
+def test_bench_fused_gemv_options_are_refused_naming_the_value(args, message, capsys):
+    from eval_suite.bench.fused_gemv import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err

@@ -327,3 +327,28 @@ def test_help_is_about_lragent_and_bench_has_help(capsys):
         out = capsys.readouterr().out
         assert all(name in out for name in BENCHES) and "usage:" in out
     assert main(["bench"]) == 2 and "error: bench needs one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["--scheme", "base_lr_shared", "--independent_a"],
+            "--scheme base_lr_shared needs shared A: drop --independent_a or use base_shared",
+        ),
+        (["--question", "100000"], "--question 100000 out of range: allowed 0.."),
+        (["--question", "-1"], "--question -1 out of range: allowed 0.."),
+    ],
+)
+def test_session_cli_refuses_a_scheme_its_adapters_cannot_serve_and_a_question_past_the_file(args, needle, tmp_path):
+    proc = _cli_here("session", *args, "--out", str(tmp_path / "r.json"))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_an_unknown_schedule_is_named():
+    roles = [role for role, _ in build_schedule("roles", _load_question(0))]
+    assert roles == ["plan", "action", "reflect"] * 2
+    with pytest.raises(ValueError, match="unknown schedule 'long': allowed agent, short, roles"):
+        build_schedule("long", _load_question(0))

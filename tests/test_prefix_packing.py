@@ -174,3 +174,20 @@ def test_data_stats_reports_lengths_and_batches(tmp_path: Path) -> None:
     assert conf["padded_tokens"] / conf["batches"] <= 20000
     assert base["optimizer_steps"] == base["batches"] / 8 and base["examples_per_step"] == pytest.approx(32, rel=0.01)
     assert "| plan | 944 |" in (tmp_path / "data_stats.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--benchmarks", '["scienceqa", "gsm8k"]'], "benchmark 'gsm8k' not bundled: allowed "),
+        (["--max_length", "1"], "need max_length >= 2 and max_tokens >= max_length, got 1, 16384"),
+        (["--max_length", "64", "--max_tokens", "32"], "need max_length >= 2 and max_tokens >= max_length, got 64, 32"),
+    ],
+)
+def test_data_stats_refuses_bad_options_naming_them(capsys, tmp_path: Path, argv, expected) -> None:
+    from lragent.cli_main import main
+
+    assert main(["data-stats", "--out", str(tmp_path / "stats"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+    assert not (tmp_path / "stats").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from conftest import tiny_multi_lora
 
@@ -93,3 +94,18 @@ def test_plans_are_profiled_one_after_the_other_and_the_environment_restored(tmp
     assert [r["fused_gemv_rows"] for r in rows] == [0, 0, 3, 3]
     assert os.environ["LRAGENT_FUSED_GEMV"] == "0" and "LRAGENT_DECODE_PLAN" not in os.environ
     assert "eager b=2 fused_gemv=3,num_warps=4 (ms/step)" in (tmp_path / "decode_profile.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batches", "[0, 4]"], "batches, context and steps must be >= 1, got [0, 4], "),
+        (["--context", "0"], "batches, context and steps must be >= 1, got [1, 32], 0, "),
+    ],
+)
+def test_profile_decode_sizes_are_refused_naming_them(argv, message, capsys):
+    from eval_suite.bench.profile_decode import main
+
+    assert main([*argv, "--device", "cuda"]) == 2  # the sizes are checked first; without a GPU nothing runs after
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err

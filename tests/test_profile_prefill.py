@@ -45,3 +45,11 @@ def test_without_the_phase_filter_decode_classes_would_show(monkeypatch) -> None
     with torch.no_grad():
         row = P.profile_scheme(model, "full_shared", 16, torch.device("cpu"), None, timed_runs=False)
     assert "sampling" in row["prefill_ms_by_class"]
+
+
+def test_profile_prefill_refuses_an_empty_context(capsys):
+    from eval_suite.bench.profile_prefill import main
+
+    assert main(["--context", "0", "--device", "cuda"]) == 2  # checked first; without a GPU nothing runs after
+    err = capsys.readouterr().err
+    assert err.startswith("error: context must be >= 1 token, got 0") and err.count("\n") == 1, err

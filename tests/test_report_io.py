@@ -43,3 +43,11 @@ def test_save_figure_is_a_smaller_palette_png_of_the_same_picture(tmp_path: Path
     # the same picture: every pixel within a few levels on average, and the plot's pixels where they were
     assert np.abs(a - b).mean() < 2.0
     assert ((a.sum(-1) < 600) == (b.sum(-1) < 600)).mean() > 0.995
+
+
+def test_a_table_row_of_the_wrong_length_is_refused_naming_the_lengths() -> None:
+    from lragent.report_io import markdown_table
+
+    with pytest.raises(ValueError, match=r"every row needs 2 cells, got \[1, 2\]"):
+        markdown_table(["a", "b"], [["x", 1], ["y"]])
+    assert markdown_table(["a", "b"], [["x", 1]]).splitlines()[2] == "| x | 1 |"

@@ -61,3 +61,24 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
     assert report["provenance"]["command"] and report["config"]["server"] == server.url
     md = (tmp_path / "bench_serve.md").read_text()
     assert "| base_lr_shared | trace | 2 | 34 | 0 |" in md
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workload", "trace,replay"], "--workload 'trace,replay': allowed trace, autoact, or trace,autoact"),
+        (["--workload", ","], "--workload ',': allowed trace, autoact, or trace,autoact"),
+        (["--clients", "0"], "--clients must be >= 1, got 0"),
+        (["--max_steps", "0"], "--max_steps must be >= 1, got 0"),
+        (["--generated", "[1, 1, 1, 1]"], "--generated [1, 1, 1, 1]: allowed five integers >= 1"),
+        (["--generated", "[1, 1, 0, 1, 1]"], "--generated [1, 1, 0, 1, 1]: allowed five integers >= 1"),
+    ],
+)
+def test_bench_serve_options_are_refused_naming_the_value(tmp_path, capsys, argv, message):
+    from lragent.cli_main import main
+
+    out = tmp_path / "b"
+    assert main(["bench", "serve", "--server", "http://127.0.0.1:9", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not out.exists()

@@ -7,6 +7,7 @@ had been cut there; requests join and leave the decode batch without changing ea
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -436,3 +437,30 @@ def test_the_scheme_decides_which_trajectory_serves_a_role():
         assert res.cached_tokens == len("common head, then A's long") - 1  # the plan role: A
     finally:
         sch.stop()
+
+
+@pytest.mark.parametrize("buckets", [[], [0.5, 0.1], [1, 2, 2, 1]])
+def test_a_histogram_refuses_buckets_that_do_not_increase(buckets):
+    expected = f"histogram buckets must be increasing and non-empty, got {buckets}"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        Histogram(buckets)
+
+
+def test_fork_row_refuses_the_same_row_and_more_tokens_than_the_source_holds():
+    eng = Engine(tiny_multi_lora("tiny-llama"), "full_shared", rows=2, capacity=32, eos_token_ids=[])
+    eng.append(0, [5, 6, 7])
+    eng.append(1, [9])
+    with pytest.raises(ValueError, match="fork_row: source and destination are the same row 0"):
+        fork_row(eng, 0, 0, 2)
+    for n in (4, -1):
+        with pytest.raises(ValueError, match=f"fork_row: {n} tokens asked of a trajectory of 3"):
+            fork_row(eng, 0, 1, n)
+    assert eng.ids(1) == [9]  # the destination untouched
+
+
+def test_a_store_needs_a_row_and_a_scheduler_a_tokenizer():
+    with pytest.raises(ValueError, match="rows must be >= 1, got 0"):
+        TrajectoryStore(0)
+    eng = Engine(tiny_multi_lora("tiny-llama"), "full_shared", rows=1, capacity=32, eos_token_ids=[])
+    with pytest.raises(ValueError, match="a served model needs a tokenizer"):
+        Scheduler(eng, None)

@@ -117,3 +117,20 @@ def test_64_concurrent_clients_on_8_rows_wait_for_rows_and_get_what_each_gets_al
     assert sum(snap["requests"].values()) == CLIENTS and set(snap["requests"]) <= {"stop", "length"}, snap
     alone, _ = serve_all(1, 1)
     assert together == alone
+
+
+def test_server_urls_with_a_path_and_no_concurrency_are_refused_naming_them(tmp_path, capsys):
+    import pytest
+
+    import cli
+    from eval_suite.evaluate.server_client import ServerExecutor
+
+    url = "http://127.0.0.1:8000/api"
+    out = tmp_path / "o"
+    assert cli.main(["eval", "--server", url, "--adapter_init", "zero", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --server {url!r}: allowed a URL like http://127.0.0.1:8000 (or .../v1), no other")
+    assert not out.exists()
+    with pytest.raises(ValueError, match="concurrency must be >= 1, got 0"):
+        ServerExecutor("http://127.0.0.1:8000/v1", temperature=0.0, top_p=1.0, concurrency=0)
+    assert ServerExecutor("http://127.0.0.1:8000/v1/", temperature=0.0, top_p=1.0).url == "http://127.0.0.1:8000"

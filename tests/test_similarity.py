@@ -351,3 +351,101 @@ def test_embedded_model_untrained_control_on_bundled_contexts(tmp_path):
     assert s["tokens_total"] == 48 and s["cos"]["adapter"]["mean"] is None
     for metric in ("base", "full", "lr", "k", "hidden"):
         assert s["cos"][metric]["mean"] == pytest.approx(1.0, abs=1e-6), metric
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--adapters", "ad", "--adapter_init", "zero"], "give either --adapters ('ad') or --adapter_init ('zero')"),
+        (["--adapter_init", "zero", "--data", "/no/such.jsonl"], "--data '/no/such.jsonl': no such file"),
+        (["--adapter_init", "zero", "--max_tokens", "0"], "--max_tokens must be >= 1, got 0"),
+        (["--adapter_init", "zero", "--device", "cpu", "--dtype", "bfloat16"], "--dtype 'bfloat16' on CPU is slow"),
+        (["--adapter_init", "zero", "--device", "mps"], "--device 'mps' unknown: allowed cpu, cuda, cuda:N"),
+        (["--adapter_init", "zero", "--model", "tiny-llama"], "--model 'tiny-llama' has random weights and no tok"),
+    ],
+)
+def test_more_bad_input_is_one_line_before_any_output(tmp_path, capsys, argv, message):
+    out = tmp_path / "out"
+    rc = run_command(similarity, [*argv, "--out", str(out)], "cli.py similarity")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_without_a_gpu_is_refused_naming_the_device(tmp_path, capsys):
+    rc = run_command(similarity, ["--adapter_init", "zero", "--device", "cuda:0", "--out", str(tmp_path / "o")], "s")
+    assert rc == 2 and "--device 'cuda:0' but CUDA is not available: allowed cpu" in capsys.readouterr().err
+
+
+def test_an_out_file_a_zero_rank_and_out_of_vocabulary_ids_are_refused(tmp_path, capsys):
+    ids = _ids_file(tmp_path)
+    base = ["--adapter_init", "zero", "--model", "tiny-llama", "--data", str(ids), "--device", "cpu"]
+    out_file = tmp_path / "report.md"
+    out_file.write_text("keep me")
+    assert run_command(similarity, [*base, "--out", str(out_file)], "s") == 2
+    assert f"--out '{out_file}' is a file, not a directory" in capsys.readouterr().err
+    assert out_file.read_text() == "keep me"
+    out = tmp_path / "out"
+    assert run_command(similarity, [*base, "--rank", "0", "--out", str(out)], "s") == 2
+    assert "--rank must be >= 1, got 0" in capsys.readouterr().err
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"ids": [1, 2, 100000]}) + "\n")
+    assert run_command(similarity, [*base[:-3], str(big), "--device", "cpu", "--out", str(out)], "s") == 2
+    assert "big.jsonl:1 has token ids outside the model's vocabulary 0..255" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_adapters_without_v_proj_are_refused_before_loading(tmp_path, capsys):
+    from lragent.adapters_io import NATIVE_FILE, save_native
+
+    ad = tmp_path / "ad"
+    ad.mkdir()
+    save_native(tiny_multi_lora(targets=("q_proj",)), ad / NATIVE_FILE)
+    no_model = tmp_path / "no_model"  # the refusal comes first: the model is never looked for
+    argv = ["--adapters", str(ad), "--model", str(no_model), "--data", str(_ids_file(tmp_path)), "--device", "cpu"]
+    assert run_command(similarity, [*argv, "--out", str(tmp_path / "out")], "s") == 2
+    assert "the adapters target ['q_proj']: the similarity report needs a LoRA on v_proj" in capsys.readouterr().err
+
+
+def test_context_sources_and_models_that_cannot_serve_are_named(tmp_path):
+    from eval_suite.diagnostics.similarity import check_model
+
+    not_json = tmp_path / "a.jsonl"
+    not_json.write_text('{"text": "x"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"a.jsonl:2 is not a JSON line \("):
+        load_contexts(CharTokenizer(), 5, 4, data=not_json)
+    a_list = tmp_path / "b.jsonl"
+    a_list.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match="b.jsonl:1 must be a JSON object with a text, input or ids field"):
+        load_contexts(CharTokenizer(), 5, 4, data=a_list)
+    with pytest.raises(FileNotFoundError, match="--data '/no/such.jsonl': no such file"):
+        load_contexts(CharTokenizer(), 5, 4, data="/no/such.jsonl")
+    with pytest.raises(ValueError, match="unknown benchmark 'gsm8k': allowed hotpotqa, scienceqa"):
+        load_contexts(CharTokenizer(), 5, 4, benchmark="gsm8k", data_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"no role example files in {tmp_path}/trajectories/scienceqa"):
+        load_contexts(CharTokenizer(), 5, 4, benchmark="scienceqa", data_dir=tmp_path)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"text": "  "}) + "\n")
+    with pytest.raises(ValueError, match=f"no usable context in {blank}"):
+        load_contexts(CharTokenizer(), 5, 4, data=blank)
+    with pytest.raises(ValueError, match="no samples to summarize"):
+        summarize([], ["plan", "action"])
+    model = tiny_multi_lora()
+    attn = model.model.model.layers[1].self_attn
+    attn.v_proj = attn.v_proj.base
+    with pytest.raises(ValueError, match="layer 1's v_proj has no multi-LoRA adapter"):
+        check_model(model)
+
+
+def test_merge_refuses_a_directory_without_a_complete_run(tmp_path, capsys):
+    empty, partial = tmp_path / "empty", tmp_path / "partial"
+    empty.mkdir()
+    partial.mkdir()
+    (partial / "similarity.json").write_text(json.dumps({"complete": False}))
+    out = tmp_path / "merged"
+    assert run_command(similarity, ["--merge", json.dumps([str(empty)]), "--out", str(out)], "s") == 2
+    assert f"--merge '{empty}': no similarity.json in it" in capsys.readouterr().err
+    assert run_command(similarity, ["--merge", json.dumps([str(partial)]), "--out", str(out)], "s") == 2
+    assert f"--merge '{partial}': the run is incomplete (complete: false); rerun it first" in capsys.readouterr().err
+    assert not out.exists()

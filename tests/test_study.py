@@ -682,3 +682,38 @@ def test_sampler_reruns_compare_each_older_copy_with_its_rerun(tmp_path: Path) -
     assert row["differing"] == [["c", 0, 1]] and len(row["old_sha256"]) == 64
     assert "1 rows, 3 episodes in both, **2 with the same prediction" in sampler_reruns_line(got)
     assert sampler_reruns(tmp_path / "none") == {} and sampler_reruns_line({}) == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model", "llama-70b"], "--model 'llama-70b': allowed "),
+        (["plan", "--runs", "0"], "--runs and --epochs must be >= 1, got 0, "),
+        (["plan", "--epochs", "0"], "--runs and --epochs must be >= 1, got 3, 0"),
+        (["plan", "--max-train", "0"], "--max-train 0: at least 1 training per GPU"),
+        (["run", "--gpu-gb", "0"], "no GPU memory to fill: give --gpu-gb (the study is meant for a GPU)"),
+    ],
+)
+def test_study_options_are_refused_naming_the_value(argv, message, capsys, tmp_path) -> None:
+    root = tmp_path / "study"  # a file: were the option let through, the run could not start in it
+    root.write_text("not a study root")
+    assert main([*argv, "--root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert root.read_text() == "not a study root"
+
+
+def test_archive_of_a_missing_root_is_refused(capsys, tmp_path) -> None:
+    assert main(["archive", "--root", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --root {tmp_path / 'none'}: no such study root")
+
+
+def test_a_metrics_file_without_a_validation_row_is_named(tmp_path) -> None:
+    from eval_suite.study.training_report import last_validation
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,train/loss,val/loss\n1,2.0,\n2,1.5,\n")
+    with pytest.raises(ValueError, match=f"^{path} has no validation row$"):
+        last_validation(path)
+    path.write_text("step,train/loss,val/loss\n1,2.0,\n2,1.5,1.25\n3,1.4,\n")
+    assert last_validation(path)["val/loss"] == "1.25"

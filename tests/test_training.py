@@ -411,3 +411,57 @@ def test_tiny_trainer_run_loss_falls(tmp_path: Path) -> None:
     assert len(losses) == 36
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert last < first - 0.25, (first, last)  # measured: 5.51 -> 5.12
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"shared_a_lr": 0.0}, "shared_a_lr must be > 0, got 0.0"),
+        ({"weight_decay": -0.1}, "weight_decay must be >= 0, got -0.1"),
+        ({"betas": (0.9, 1.0)}, "betas must be two values in [0, 1), got (0.9, 1.0)"),
+        ({"betas": (0.9,)}, "betas must be two values in [0, 1), got (0.9,)"),
+        ({"warmup_ratio": 1.0}, "warmup_ratio must be in [0, 1), got 1.0"),
+        ({"min_lr_ratio": 1.5}, "min_lr_ratio must be in [0, 1], got 1.5"),
+        ({"shared_scheme": "non_shared"}, "scheme 'non_shared' cannot be trained or validated through the shared"),
+        ({"val_schemes": ("droidspeak",)}, "scheme 'droidspeak' cannot be trained or validated through the shared"),
+        ({"producer": "previous"}, "producer 'previous' not supported: allowed random, next, prefix"),
+        ({"shared_split": "middle"}, "shared_split 'middle' not supported: allowed piece, last_token"),
+    ],
+)
+def test_training_config_refuses_bad_values_naming_them(kwargs, message) -> None:
+    import re
+
+    from lit_modules.multi_lora_module import TrainingConfig
+
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        TrainingConfig(**{"role_lr": {"plan": 1e-4}, "shared_a_lr": 1e-4, **kwargs})
+
+
+def test_independent_a_refuses_base_lr_shared_and_a_small_vocabulary_is_named() -> None:
+    with pytest.raises(ValueError, match="^scheme base_lr_shared needs shared A: set shared_a: true or use full_sh"):
+        MultiLoraModule(model_name="tiny-llama", shared_a=False, val_schemes=["full_shared", "base_lr_shared"])
+    MultiLoraModule(model_name="tiny-llama", shared_a=False, val_schemes=["full_shared"])  # full_shared: allowed
+    m = MultiLoraModule(model_name="tiny-llama", tokenizer_name="byte", model_overrides={"vocab_size": 100})
+    with pytest.raises(ValueError, match=f"^tokenizer has {BYTE_VOCAB_SIZE} tokens but model 'tiny-llama' only 100"):
+        m.configure_model()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"seconds": 0}, "seconds must be > 0 or null, got 0"), ({"safety": 0.5}, "safety must be >= 1, got 0.5")],
+)
+def test_time_budget_refuses_bad_settings(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        TimeBudget(**kwargs)
+
+
+def test_export_refuses_a_dtype_and_a_file_that_is_no_checkpoint(tmp_path: Path, capsys) -> None:
+    not_ckpt = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}}, not_ckpt)
+    out = tmp_path / "export"
+    assert cli_main(["export", "--ckpt", str(not_ckpt), "--out", str(out), "--dtype", "int8"]) == 2
+    assert capsys.readouterr().err.startswith("error: --dtype 'int8' not supported: allowed float32, bfloat16, float16")
+    assert cli_main(["export", "--ckpt", str(not_ckpt), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {not_ckpt} is not a Lightning checkpoint written by fit (no state_dict and hyper")
+    assert not out.exists()

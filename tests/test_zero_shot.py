@@ -51,3 +51,35 @@ def test_probe_on_the_embedded_model_answers_a_letter_and_resumes(tmp_path: Path
     assert recs2[:3] == recs and len(recs2) == 4
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["questions"] == 4 and summary["provenance"]["command"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--benchmark", "gsm8k"], "--benchmark 'gsm8k': allowed scienceqa, hotpotqa"),
+        (["--limit", "0"], "--limit must be >= 1, got 0"),
+        (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1, got 0"),
+        (["--model", "tiny-llama", "--limit", "1"], "--model 'tiny-llama' has random weights and no tokenizer"),
+    ],
+)
+def test_probe_options_are_refused_naming_the_value(tmp_path: Path, capsys, argv, message) -> None:
+    out = tmp_path / "zs"
+    assert cli.main(["zero-shot", "--device", "cpu", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not (out / "zero_shot.jsonl").exists()
+
+
+def test_no_records_and_letters_of_several_tokens_are_named() -> None:
+    from eval_suite.evaluate.zero_shot import letter_token_ids
+
+    with pytest.raises(ValueError, match="no answered questions to summarize"):
+        summarize("scienceqa", [])
+
+    class Spelling:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [ord(c) for c in text] * (2 if text == "C" else 1)
+
+    assert letter_token_ids(Spelling(), 2) == [ord("A"), ord("B")]
+    with pytest.raises(ValueError, match="the tokenizer splits the option letter 'C' into 2 tokens"):
+        letter_token_ids(Spelling(), 3)
