@@ -333,3 +333,30 @@ def test_session_policy_passes_sampling_settings_and_seeds() -> None:
     policy.reset()  # a new episode starts the call count again: seeds depend on (episode seed, call) only
     policy.generate("plan", "t", max_new_tokens=4, stop=["\n"])
     assert calls[-1]["seed"] == 100
+
+
+def test_agent_building_blocks_refuse_bad_values_naming_them():
+    import dataclasses
+
+    from lragent.agents.constraints import option_letters
+    from lragent.agents.prompts import OPTION_LETTERS, format_question, get_spec
+    from lragent.agents.requests import best_option
+
+    n = len(OPTION_LETTERS)
+    with pytest.raises(ValueError, match=f"^number of options must be 1..{n}, got 0$"):
+        option_letters(0)
+    with pytest.raises(ValueError, match=f"^number of options must be 1..{n}, got {n + 1}$"):
+        option_letters(n + 1)
+    with pytest.raises(ValueError, match=f"^at most {n} choices are supported, got {n + 1}$"):
+        format_question("q", [str(i) for i in range(n + 1)])
+    with pytest.raises(ValueError, match="^unknown benchmark 'gsm8k': allowed hotpotqa, scienceqa$"):
+        get_spec("gsm8k")
+    spec = get_spec("hotpotqa")
+    with pytest.raises(ValueError, match="^system_prompt of 'hotpotqa' is empty$"):
+        dataclasses.replace(spec, system_prompt="")
+    with pytest.raises(ValueError, match=r"^tools of 'hotpotqa' must not contain loop actions, got \['Finish'\]$"):
+        dataclasses.replace(spec, tools=(*spec.tools, "Finish"))
+    for sums, lengths in (([], []), ([1.0, 2.0], [1]), ([1.0], [0])):
+        with pytest.raises(ValueError, match="^best_option needs one positive length per score"):
+            best_option(sums, lengths)
+    assert best_option([-3.0, -1.0], [3, 1], "sum") == 1

@@ -155,3 +155,13 @@ def test_eval_refuses_a_batch_that_does_not_fit_before_loading(tmp_path, capsys,
         cli.main([*argv, "--batch", "auto", "--out", str(tmp_path / "b")])
     assert chosen == {"batch": 12}
     assert "eval: --batch auto: 12 episodes at once" in capsys.readouterr().err  # the user sees what was chosen
+
+
+def test_sizes_below_one_are_refused_naming_them():
+    shape = model_shape("tiny-llama")
+    with pytest.raises(ValueError, match="^batch and capacity must be >= 1, got 0 and 64$"):
+        plan_memory(shape, "full_shared", 0, 64, element_size=4)
+    with pytest.raises(ValueError, match="^batch and capacity must be >= 1, got 2 and 0$"):
+        plan_memory(shape, "full_shared", 2, 0, element_size=4)
+    with pytest.raises(ValueError, match="^--batch must be >= 1 or auto, got 0$"):
+        choose_batch("tiny-llama", ["full_shared"], 0, 64, dtype="float32", device="cpu")

@@ -472,3 +472,11 @@ def test_host_split_counts_each_phase_per_micro_batch_and_leaves_the_wait(tmp_pa
     md = report.markdown(report.collect(tmp_path, None, [4]))
     assert "- 1 device: rank 0 140.0 / 132.0 / 8.0" in md
     assert "- DDP, 4 devices: rank 0 145.0 / 140.0 / 5.0; rank 1 165.0 / 140.0 / 25.0" in md
+
+
+def test_an_out_that_is_no_folder_is_refused_and_left_as_it_is(tmp_path: Path, report, capsys) -> None:
+    out = tmp_path / "multi_gpu.txt"
+    out.write_text("a file")
+    assert report.main(["--out", str(out), "--sizes", "2"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --out {out} is not a directory")
+    assert out.read_text() == "a file" and not (tmp_path / "multi_gpu.json").exists()

@@ -98,3 +98,11 @@ def test_a_folder_without_records_is_one_line_and_exit_2(tmp_path: Path, capsys)
     assert speed_table.main([str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no bench_decode.json or bench_trace.json" in err and err.count("\n") == 1
+
+
+def test_out_gets_the_printed_table_in_a_new_folder(tmp_path: Path, capsys) -> None:
+    _decode(tmp_path / "h100" / "decode", "H100", "a" * 40)
+    out = tmp_path / "new" / "speed.md"
+    assert speed_table.main([str(tmp_path / "h100"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed and out.read_text() == printed
