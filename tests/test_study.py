@@ -717,3 +717,31 @@ def test_a_metrics_file_without_a_validation_row_is_named(tmp_path) -> None:
         last_validation(path)
     path.write_text("step,train/loss,val/loss\n1,2.0,\n2,1.5,1.25\n3,1.4,\n")
     assert last_validation(path)["val/loss"] == "1.25"
+
+
+def test_an_eval_is_done_only_with_every_run_of_every_row_at_this_sampler(tmp_path: Path) -> None:
+    """is_done on an eval job's summary: fewer runs than asked, a row missing, or an older sampler's row is not done
+    (the study runs it again, resuming its episodes); every run of every row at this sampler is."""
+    from eval_suite.study.jobs import Job, is_done
+    from lragent.sampling import SAMPLER_VERSION
+
+    job = Job("eval/s/x", "eval", [], "eval/s/x/summary.json", [], 1.0, 0, {"rows": ["a", "b"], "runs": 3})
+    path = tmp_path / job.done_file
+    assert not is_done(job, tmp_path)  # no summary yet
+    path.parent.mkdir(parents=True)
+
+    def summary(runs: dict[str, int], sampler: int = SAMPLER_VERSION) -> None:
+        episodes = {row: {str(i): {} for i in range(n)} for row, n in runs.items()}
+        protocol = {row: {"sampler": sampler} for row in runs}
+        path.write_text(json.dumps({"episodes": episodes, "protocol": protocol}))
+
+    summary({"a": 3, "b": 3})
+    assert is_done(job, tmp_path)
+    summary({"a": 3, "b": 2})  # a run short
+    assert not is_done(job, tmp_path)
+    summary({"a": 3})  # a row missing
+    assert not is_done(job, tmp_path)
+    summary({"a": 3, "b": 3}, sampler=SAMPLER_VERSION - 1)  # an older sampler's rows run again
+    assert not is_done(job, tmp_path)
+    path.write_text("{not json")
+    assert not is_done(job, tmp_path)
