@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m lragent.accuracy_model [--check] [--join FILE] [--parts DIR]`` (:func:`accuracy_model`)."""
     from lragent.command import run_command
 
-    return run_command(accuracy_model, sys.argv[1:] if argv is None else argv, "python -m lragent.accuracy_model")
+    return run_command(accuracy_model, argv, "python -m lragent.accuracy_model")
 
 
 if __name__ == "__main__":

@@ -122,18 +122,20 @@ def parse_command(fn: Callable[..., Any], argv: Sequence[str], prog: str, fixed:
 
 def run_command(
     fn: Callable[..., Any],
-    argv: Sequence[str],
+    argv: Sequence[str] | None,
     prog: str,
     fixed: dict[str, Any] | None = None,
     positional: Sequence[str] = (),
 ) -> int:
-    """Parses ``argv`` (its leading words as the options ``positional`` names: :func:`with_positionals`), calls ``fn``
+    """Parses ``argv`` (``sys.argv[1:]`` when None; its leading words as the options ``positional`` names:
+    :func:`with_positionals`), calls ``fn``
     (with ``fixed``, keyword arguments the caller chose, e.g. a subcommand's name, on top), maps user errors to exit
     status 2 and Ctrl-C to 130.
 
     Returns:
         the exit status: ``fn``'s integer result, else 0.
     """
+    argv = sys.argv[1:] if argv is None else argv
     _INTERRUPT_NOTE.clear()
     _COMMAND_LINE[:] = [[*prog.split(), *argv]]
     try:
@@ -159,16 +161,17 @@ def run_command(
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
-def run_subcommands(fn: Callable[..., Any], argv: Sequence[str], prog: str, param: str = "command") -> int:
-    """``PROG NAME [options]``: the first word is ``fn``'s parameter ``param`` (its choices are the ``Literal`` the
-    parameter is annotated with), the rest :func:`run_command`'s options. A missing or unknown name is one ``error:``
-    line and status 2; ``--help`` alone lists the names.
+def run_subcommands(fn: Callable[..., Any], argv: Sequence[str] | None, prog: str, param: str = "command") -> int:
+    """``PROG NAME [options]`` (``argv``: ``sys.argv[1:]`` when None): the first word is ``fn``'s parameter ``param``
+    (its choices are the ``Literal`` the parameter is annotated with), the rest :func:`run_command`'s options. A missing
+    or unknown name is one ``error:`` line and status 2; ``--help`` alone lists the names.
 
     Returns:
         the exit status.
     """
     import typing
 
+    argv = sys.argv[1:] if argv is None else argv
     choices = typing.get_args(typing.get_type_hints(fn)[param])
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: {prog} {{{','.join(choices)}}} [options]    ({prog} NAME --help for the options)")

@@ -227,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python3 scripts/gpu_tests_record.py OUT_DIR COMMAND [options]`` (:func:`record_runs`)."""
     from lragent.command import run_command
 
-    argv = sys.argv[1:] if argv is None else argv
     return run_command(record_runs, argv, "scripts/gpu_tests_record.py", positional=["out_dir", "command"])
 
 

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python scripts/mutation.py [NAME...] [options]`` (:func:`mutation`)."""
     from lragent.command import run_command
 
-    return run_command(mutation, sys.argv[1:] if argv is None else argv, "scripts/mutation.py", positional=["names"])
+    return run_command(mutation, argv, "scripts/mutation.py", positional=["names"])
 
 
 if __name__ == "__main__":

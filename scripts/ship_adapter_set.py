@@ -57,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python scripts/ship_adapter_set.py SOURCE TARGET`` (:func:`ship`)."""
     from lragent.command import run_command
 
-    argv = sys.argv[1:] if argv is None else argv
     return run_command(ship, argv, "scripts/ship_adapter_set.py", positional=["source", "target"])
 
 

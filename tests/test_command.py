@@ -82,3 +82,11 @@ def test_every_user_error_is_one_line_and_status_2(argv, words, capsys) -> None:
 def test_no_subcommand_or_help_lists_them(capsys) -> None:
     assert run_subcommands(job, [], "prog") == 0
     assert "{plan,run}" in capsys.readouterr().out
+
+
+def test_no_argv_means_the_process_command_line(monkeypatch) -> None:
+    SEEN.clear()
+    monkeypatch.setattr("sys.argv", ["prog", "run", "--count", "2"])
+    assert run_subcommands(job, None, "prog") == 0 and SEEN[-1]["count"] == 2
+    monkeypatch.setattr("sys.argv", ["prog", "--count", "3"])
+    assert run_command(job, None, "prog", fixed={"command": "plan"}) == 0 and SEEN[-1]["count"] == 3

@@ -331,11 +331,10 @@ def refloor_record(refloor: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m eval_suite.bench.decode --refloor DIR`` (:func:`refloor_record`)."""
-    import sys
 
     from lragent.command import run_command
 
-    return run_command(refloor_record, sys.argv[1:] if argv is None else argv, "python -m eval_suite.bench.decode")
+    return run_command(refloor_record, argv, "python -m eval_suite.bench.decode")
 
 
 def _rows_prompt(vocab: int, rows: int, context: int, seed: int) -> list[list[int]]:

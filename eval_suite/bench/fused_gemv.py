@@ -229,11 +229,9 @@ def bench_fused_gemv(
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
 
     from lragent.command import run_command
 
-    argv = sys.argv[1:] if argv is None else argv
     return run_command(bench_fused_gemv, argv, prog="python -m eval_suite.bench.fused_gemv")
 
 

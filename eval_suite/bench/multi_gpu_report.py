@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import heapq
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -815,7 +814,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m eval_suite.bench.multi_gpu_report --out DIR`` (:func:`multi_gpu_report`)."""
     from lragent.command import run_command
 
-    argv = sys.argv[1:] if argv is None else argv
     return run_command(multi_gpu_report, argv, "python -m eval_suite.bench.multi_gpu_report")
 
 

@@ -350,11 +350,9 @@ def _markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
 
     from lragent.command import run_command
 
-    argv = sys.argv[1:] if argv is None else argv
     return run_command(profile_decode, argv, prog="python -m eval_suite.bench.profile_decode")
 
 

@@ -18,7 +18,6 @@ README's table must be); it never fills in a figure the records lack ("–").
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -150,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m eval_suite.bench.speed_table DIR... [--out FILE]`` (:func:`speed_table`)."""
     from lragent.command import run_command
 
-    argv = sys.argv[1:] if argv is None else argv
     return run_command(speed_table, argv, "python -m eval_suite.bench.speed_table", positional=["dirs"])
 
 

@@ -18,7 +18,6 @@ above the tolerance, i.e. whether agreement within it shows the adapters, not ju
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m eval_suite.diagnostics.peft_check`` (:func:`peft_check`)."""
     from lragent.command import run_command
 
-    return run_command(
-        peft_check, sys.argv[1:] if argv is None else argv, "python -m eval_suite.diagnostics.peft_check"
-    )
+    return run_command(peft_check, argv, "python -m eval_suite.diagnostics.peft_check")
 
 
 if __name__ == "__main__":

@@ -808,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m eval_suite.study COMMAND [options]`` (:func:`study`)."""
     from lragent.command import run_subcommands
 
-    return run_subcommands(study, sys.argv[1:] if argv is None else argv, "python -m eval_suite.study")
+    return run_subcommands(study, argv, "python -m eval_suite.study")
 
 
 if __name__ == "__main__":

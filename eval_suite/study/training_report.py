@@ -9,7 +9,6 @@ the same through each shared-cache scheme that was validated, plus the step and 
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 ROLES = ("plan", "action", "reflect")
@@ -50,11 +49,24 @@ def table(root: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    root = Path(argv[0] if argv else "results/training_h200")
-    print(table(root))
+def training_report(root: str = "results/training_h200") -> int:
+    """The validation losses of every training run under ``root``, one table per data set.
+
+    Args:
+        root: a folder of ``<set>_*/metrics.csv`` runs.
+
+    Returns:
+        the exit status.
+    """
+    print(table(Path(root)))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eval_suite.study.training_report [ROOT]`` (:func:`training_report`)."""
+    from lragent.command import run_command
+
+    return run_command(training_report, argv, "python -m eval_suite.study.training_report", positional=["root"])
 
 
 if __name__ == "__main__":
