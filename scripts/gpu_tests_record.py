@@ -22,7 +22,6 @@ import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from datetime import datetime, timezone
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's lragent
 
@@ -159,13 +158,10 @@ def record_runs(
     Returns:
         the exit status.
     """
-    args = SimpleNamespace(
-        out_dir=out_dir, command=command, planted=planted, planted_filter=planted_filter, collected=collected
-    )
-    collected = read_collected(args.collected) if args.collected and os.path.exists(args.collected) else None
-    os.environ["GPU_TESTS_OUT"] = args.out_dir
+    collected_ids = read_collected(collected) if collected and os.path.exists(collected) else None
+    os.environ["GPU_TESTS_OUT"] = out_dir
     runs = []
-    for xml in sorted(glob.glob(os.path.join(args.out_dir, "run*.xml"))):
+    for xml in sorted(glob.glob(os.path.join(out_dir, "run*.xml"))):
         stem = xml[: -len(".xml")]
         rec = {"run": os.path.basename(stem), **parse_junit(xml)}
         rec["seconds"] = float(_read(stem + ".seconds", "nan"))
@@ -173,20 +169,20 @@ def record_runs(
         rec["exit_code"] = int(rc) if rc.lstrip("-").isdigit() else None
         tail = _read(stem + ".log")[-4000:]  # timeout's SIGINT: exit 124, pytest's summary says KeyboardInterrupt
         rec["interrupted"] = rec["exit_code"] in (2, 124, 137) or "KeyboardInterrupt" in tail or "Interrupted" in tail
-        if collected is not None:
+        if collected_ids is not None:
             seen = junit_cases(xml)
-            rec["collected"] = len(collected)
-            rec["not_reached"] = [t for t in collected if junit_key(t) not in seen]
+            rec["collected"] = len(collected_ids)
+            rec["not_reached"] = [t for t in collected_ids if junit_key(t) not in seen]
         runs.append(rec)
-    prov = provenance(args.command)
+    prov = provenance(command)
     record = {"provenance": prov, "runs": runs}
-    if args.planted and os.path.exists(args.planted):
-        record["planted_bugs"] = json.load(open(args.planted))
-    if args.planted and args.planted_filter:  # a call cut short: the entries it never ran, named
+    if planted and os.path.exists(planted):
+        record["planted_bugs"] = json.load(open(planted))
+    if planted and planted_filter:  # a call cut short: the entries it never ran, named
         done = record.get("planted_bugs", {})
-        record["planted_not_reached"] = [n for n in planted_names(args.planted_filter) if n not in done]
+        record["planted_not_reached"] = [n for n in planted_names(planted_filter) if n not in done]
     dev = re.sub(r"[^A-Za-z0-9]+", "_", prov["device"]).strip("_").lower()
-    stem = os.path.join(args.out_dir, f"gpu_tests_{dev}_{prov['date_utc'][:10]}")
+    stem = os.path.join(out_dir, f"gpu_tests_{dev}_{prov['date_utc'][:10]}")
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
     lines = [
@@ -221,6 +217,7 @@ def record_runs(
         f.write(text)
     print(text)
     print(f"record: {stem}.json / .md")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
