@@ -94,7 +94,8 @@ def with_positionals(fn: Callable[..., Any], argv: Sequence[str], names: Sequenc
     for name in names:
         if not words:
             break
-        if "list" in str(hints.get(name, "")):
+        hint = hints.get(name)
+        if typing.get_origin(hint) is list or any(typing.get_origin(h) is list for h in typing.get_args(hint)):
             out += [f"--{name}", json.dumps(words)]
             words = []
         else:
