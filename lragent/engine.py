@@ -21,13 +21,15 @@ the same tokens.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels.split_workspace import workspace_owner
 from lragent.cache_views import DecodeView, PrefillView
 from lragent.fused_weights import refresh_fused_lora
 from lragent.lora_model import MultiLoraModel
@@ -193,6 +195,19 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
     return _CAPTURE_STREAMS[key]
+
+
+def _own_workspaces(method: Callable) -> Callable:
+    """Runs an engine method that launches the model's kernels with the engine's own split-K workspaces
+    (:func:`kernels.split_workspace.workspace_owner`): engines on different CUDA streams never share partials or
+    counters, and a graph captured here keeps the engine's buffers."""
+
+    @functools.wraps(method)
+    def wrapper(self: Engine, *args, **kwargs):
+        with workspace_owner(self):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Engine:
@@ -442,6 +457,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    @_own_workspaces
     def _run_op(self, row: int, role: int, op: PlanOp, want_logits: bool) -> torch.Tensor | None:
         """Runs one plan operation as ``role`` on ``row``; returns logits ``(T, vocab)`` of a Forward if asked."""
         traj, sch = self.traj[row], self.scheme
@@ -470,6 +486,7 @@ class Engine:
         sch.record(traj, role, op)
         return self.dec.logits(h if want_logits else h[:, -1:], fused=view.fused)[0]
 
+    @_own_workspaces
     def _run_lr_forward(self, row: int, role: int, lr: LRPrefill, fwd: Forward, want_logits: bool) -> torch.Tensor:
         """One pass over ``[lr.start, fwd.end)``: V_lr only for the catch-up part, everything for the new part."""
         traj, sch = self.traj[row], self.scheme
@@ -632,6 +649,7 @@ class Engine:
         self.d_pos[row] = 0
         self.d_forced_len[row] = 0
 
+    @_own_workspaces
     def _decode_step(self, b: int, sampling: bool, max_len: int | None, extra: int = 0) -> None:
         """One decode step for batch rows ``[0, b)``: sample from the pending logits (or take the row's next
         teacher-forced token, and with ``extra`` token rows more of them), record, stop, forward."""

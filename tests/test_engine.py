@@ -117,6 +117,34 @@ def _row_schedule(seed: int) -> list[tuple[int, list[int], int]]:
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_forward_of_an_engine_uses_its_own_split_workspaces(monkeypatch, scheme):
+    """Prefill, catch-up (LR prefill, DroidSpeak's recompute) and decode all run inside the engine's
+    ``workspace_owner``: two engines on two CUDA streams (``eval --concurrent_schemes``) never launch split kernels
+    over one workspace. Probed through the decoder's entry points, which every forward of the engine goes through."""
+    from kernels.split_workspace import split_workspace, workspace_owner
+
+    model = model_for("tiny-llama")
+    eng = Engine(model, scheme, rows=2, capacity=64, eos_token_ids=[], droidspeak_layers=[1, 2])
+    cpu = torch.device("cpu")
+    seen: list = []
+    for name in ("run_view", "logits"):
+        original = getattr(eng.dec, name)
+
+        def probe(*args, _original=original, **kwargs):
+            seen.append(split_workspace(("engine-probe",), 1, 1, cpu)[0])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(eng.dec, name, probe)
+    for role, ids, n in ((0, [5, 6, 7], 3), (1, [8, 9], 2), (2, [10], 2), (0, [11, 12], 1)):
+        eng.append(0, ids)
+        eng.generate(0, GenerationRequest(role=role, max_new_tokens=n))
+    with workspace_owner(eng):
+        own = split_workspace(("engine-probe",), 1, 1, cpu)[0]
+    assert len(seen) >= 8 and all(t is own for t in seen)
+    assert split_workspace(("engine-probe",), 1, 1, cpu)[0] is not own
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_batch_of_eight_equals_each_alone(scheme):
     """Eight trajectories with different roles and lengths, advancing together (rows join and leave as their
     requests start and end), give each row exactly what it gives alone: same tokens, logits within 1e-4."""

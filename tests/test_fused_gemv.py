@@ -119,6 +119,34 @@ def test_a_split_workspace_is_cached_per_key_with_zeroed_counters():
     assert other[0] is not ws and not other[1].any()
 
 
+def test_each_workspace_owner_gets_its_own_buffers_freed_with_it():
+    """Inside ``workspace_owner(o)`` a key gives o's own buffers (the same ones on every call within o), never the
+    shared ones nor another owner's: two engines on two CUDA streams must not share partials or counters. An owner's
+    buffers go when it is collected."""
+    import gc
+
+    from kernels import split_workspace as sw
+
+    class Owner:
+        pass
+
+    cpu = torch.device("cpu")
+    shared = sw.split_workspace(("owned", 1), 8, 3, cpu)
+    a, b = Owner(), Owner()
+    with sw.workspace_owner(a):
+        ws_a, cnt_a = sw.split_workspace(("owned", 1), 8, 3, cpu)
+        with sw.workspace_owner(b):  # nested: the inner owner's
+            ws_b, _ = sw.split_workspace(("owned", 1), 8, 3, cpu)
+        again = sw.split_workspace(("owned", 1), 8, 3, cpu)  # back to a's once b's block ends
+    assert again[0] is ws_a and again[1] is cnt_a
+    assert len({id(ws_a), id(ws_b), id(shared[0])}) == 3
+    assert sw.split_workspace(("owned", 1), 8, 3, cpu)[0] is shared[0]  # outside every owner: the shared one
+    assert not cnt_a.any()
+    del a, ws_a, cnt_a, again
+    gc.collect()
+    assert b in sw._BY_OWNER and len([o for o in sw._BY_OWNER if isinstance(o, Owner)]) == 1
+
+
 def test_without_triton_kernels_the_cpu_path_is_norm_then_linear():
     x, norm_w, w = torch.randn(2, 16), torch.rand(16) + 0.5, torch.randn(5, 16)
     y, h = rms_norm_linear(x, norm_w, EPS, w)

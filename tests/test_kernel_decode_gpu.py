@@ -152,6 +152,46 @@ def test_decode_is_deterministic_across_split_arrival_orders():
         assert torch.equal(flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles), first)
 
 
+def test_two_owners_replaying_on_two_streams_keep_their_own_split_merges():
+    """Two engines' decode graphs of one shape replayed at once on two CUDA streams (``eval --concurrent_schemes``):
+    each captured inside its own ``workspace_owner``, each keeps the bits it gives alone. Sharing one workspace and
+    its counters, the merges of the two would mix (a counter left off zero never merges its tile again)."""
+    from kernels.split_workspace import workspace_owner
+
+    class Owner:
+        pass
+
+    owners = (Owner(), Owner())
+    lens = torch.tensor([65536, 40000], dtype=torch.int32, device="cuda")
+    roles = torch.tensor([2, 1], device="cuda")
+    inputs = [make_decode_inputs(2, 32, 8, 65536, 128, 8, torch.bfloat16, device="cuda", seed=s) for s in (7, 8)]
+    alone, graphs, outs, streams = [], [], [], []
+    for owner, x in zip(owners, inputs, strict=True):
+        with workspace_owner(owner):
+            alone.append(flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles).clone())
+            out = torch.empty_like(x["q"])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles, out=out)  # warm-up
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                flash_lora_decode(**x, kv_lens=lens, scaling=2.0, role_ids=roles, out=out)
+        graphs.append(graph)
+        outs.append(out)
+        streams.append(stream)
+    assert fld._PLANS[(2, 8, 4, 65536, 128, lens.device, True)].n_splits > 1  # the merge path runs
+    torch.cuda.synchronize()
+    for _ in range(200):  # queued on both streams without a sync: the two graphs' kernels overlap on the device
+        for graph, stream in zip(graphs, streams, strict=True):
+            with torch.cuda.stream(stream):
+                graph.replay()
+    torch.cuda.synchronize()
+    for out, ref in zip(outs, alone, strict=True):
+        assert torch.equal(out, ref)
+
+
 def test_decode_fp32_takes_the_torch_path_without_syncing():
     x = make_decode_inputs(3, 8, 2, 700, 64, 4, torch.float32, n_slots=5, device="cuda", seed=8)
     rows = mixed_rows(3, 700, 3, seed=8)

@@ -29,6 +29,8 @@ def test_the_plan_runs_three_schemes_together_on_each_pool_with_its_runs() -> No
     assert _opt(sqa.cmd, "--concurrent_schemes") == "true" and _opt(sqa.cmd, "--model") == "qwen2.5-coder-1.5b"
     assert _opt(sqa.cmd, "--adapters") == "data/adapters/qwen_scienceqa_sharedA"  # the shipped λ = 0 set
     assert "--temperature" not in sqa.cmd  # the protocol's sampling
+    # a decode call that never returns ends the job (resumed by the driver's next call), never the whole lease
+    assert all(_opt(j.cmd, "--stall_s") == str(sd.STALL_S) for j in plan if j.kind == "eval") and sd.STALL_S <= 180
     # λ = 0.5 is trained first (the weights are not kept), from the study's recipe
     lam = by["eval/hotpotqa_lam0.5/decide"]
     assert lam.deps == ("train/hotpotqa_lam0.5",) and by["train/hotpotqa_lam0.5"].meta["lambda"] == 0.5

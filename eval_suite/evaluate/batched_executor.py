@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +154,19 @@ class BatchedExecutor:
         self.concurrent_schemes = bool(concurrent_schemes)
         self.model_device = next(model.model.parameters()).device
         self._profile = _StepProfiler.from_env()
+        # progress for a stall watchdog (eval_suite.evaluate.stall_watchdog): called as each engine call returns
+        self.heartbeat: Callable[[], None] = lambda: None
+        self._lanes: list[_Lane] = []
+        self._in_call: str | None = None  # the engine call the host is in ("<scheme> <call>"), for describe()
+
+    def describe(self) -> str:
+        """The executor's state in a few words: the engine call in progress, each lane's rows and queue."""
+        lanes = ", ".join(
+            f"{lane.eng.scheme.scheme.value}: {len(lane.active)} rows active, {len(lane.queue)} queued"
+            for lane in self._lanes
+        )
+        call = f"in {self._in_call}" if self._in_call else "between engine calls"
+        return f"{call}; {self.decode_steps} decode steps; lanes: {lanes or 'none'}"
 
     def reserve(self, scheme: str, tasks: int) -> None:
         """Allocates the engine (its static caches) that running ``tasks`` tasks of ``scheme`` first needs, now:
@@ -230,7 +243,7 @@ class BatchedExecutor:
         on its own CUDA stream and the lanes are waited for and answered in turn, each queuing its next steps at
         once, so the host's work for one lane overlaps the device's work for the others. Each lane's engine sees the
         same calls in the same order either way: the episodes are the same."""
-        lanes = [self._lane(s, g) for s, g in zip(schemes, groups, strict=True)]
+        lanes = self._lanes = [self._lane(s, g) for s, g in zip(schemes, groups, strict=True)]
         self._reserved.clear()  # a reservation serves the run that follows it; unused, its memory goes back
         while any(lane.busy for lane in lanes):
             # each lane in turn: wait for its steps, answer what finished, refill its rows and queue its next steps;
@@ -262,9 +275,12 @@ class BatchedExecutor:
         before = {k: getattr(eng, k) for k in _ENGINE_COUNTERS}
         if self._profile is not None:
             self._profile.step(self.decode_steps)
+        self._in_call = f"{eng.scheme.scheme.value} {call.__name__}"
         out = call()
+        self._in_call = None
         for k in _ENGINE_COUNTERS:
             setattr(self, k, getattr(self, k) + getattr(eng, k) - before[k])
+        self.heartbeat()
         return out
 
     def _fill(self, lane: _Lane) -> Iterator[tuple[object, EpisodeResult]]:

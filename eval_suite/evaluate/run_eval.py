@@ -63,6 +63,7 @@ from eval_suite.evaluate.shard_launch import (
     spawn_shards,
     stop_processes,
 )
+from eval_suite.evaluate.stall_watchdog import StallWatchdog, stall_seconds
 from eval_suite.evaluate.work_queue import WorkQueue, sibling_logs
 from eval_suite.report import fmt_over_runs, write_json
 from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
@@ -517,6 +518,7 @@ def evaluate(
     concurrent_schemes: bool = False,
     devices: int = 1,
     memory_fraction: float | None = None,
+    stall_s: float | None = None,
     quiet: bool = False,
     server: str | None = None,
 ) -> int:
@@ -607,6 +609,9 @@ def evaluate(
             episodes from one queue (OUT/queue), each the next one when it has a free row, so they end together.
         memory_fraction: this process's share of the device's memory, in (0, 1]: --batch auto sizes within it
             and the CUDA allocator is capped there, so several evaluations can share one GPU (e.g. six at 0.15).
+        stall_s: end the process in one line when no engine call returns and no episode ends for this many
+            seconds (a device call that never comes back), with every thread's stack in OUT/stall.txt; the finished
+            episodes stay and the same command resumes. Unset: 300 on a GPU, off on the CPU; 0: off.
         quiet: no progress bar.
         server: run the agents as HTTP clients of a running `lragent serve` at this URL (each role call one
             completions request carrying the trajectory so far) instead of loading the model here; --batch N: N
@@ -721,6 +726,7 @@ def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
     """
     a = call
     check_memory_fraction(a.get("memory_fraction"))
+    stall_seconds(a.get("stall_s"), "cpu")  # a negative value: one line now, before anything loads
     for name, low in _AT_LEAST.items():
         value = a[name]
         if value is not None and (isinstance(value, bool) or value < low):
@@ -962,41 +968,51 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
         def on_record() -> None:  # timing.json as the episodes finish: a killed run keeps its time
             nonlocal ran
             ran += 1
+            watchdog.beat()
             now = time.perf_counter()
             if now - written[0] >= TIMING_EVERY_S:
                 timing.write(timing_part(ran, now - loop_started), complete=False)
                 written[0] = now
 
         restore_sigterm = _stop_on_sigterm()  # a call's time limit (SIGTERM) stops the loop like Ctrl-C
+        watchdog = StallWatchdog(
+            stall_seconds(a.get("stall_s"), run_device), out_dir,
+            describe=lambda: executor.describe() if hasattr(executor, "describe") else type(executor).__name__,
+            on_stall=lambda: timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False),
+        )  # fmt: skip
         try:
-            while True:
-                try:
-                    records = run_episodes(
-                        plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
-                        adapters=adapters_label, seed=a["seed"], agent_config=plan.agent,
-                        toolbox_factory=toolbox_factory, constraints=plan.constraints, temperature=plan.temperature,
-                        top_p=plan.top_p, progress=not a["quiet"], provenance=prov, work_queue=queue,
-                        done_elsewhere=elsewhere, on_record=on_record,
-                    )  # fmt: skip
-                    break
-                except KeyboardInterrupt:  # stopped: what ran is in the episode log, and its time in timing.json
-                    timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)
-                    raise
-                except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
-                    if not is_oom(exc):
+            with watchdog:  # no engine call back and no episode for --stall_s: one line, process ends
+                while True:
+                    if hasattr(executor, "heartbeat"):  # engine calls count as progress too
+                        executor.heartbeat = watchdog.beat
+                    try:
+                        records = run_episodes(
+                            plan.questions, plan.schemes, a["runs"], executor, out_dir, benchmark=bench.name,
+                            adapters=adapters_label, seed=a["seed"], agent_config=plan.agent,
+                            toolbox_factory=toolbox_factory, constraints=plan.constraints, temperature=plan.temperature,
+                            top_p=plan.top_p, progress=not a["quiet"], provenance=prov, work_queue=queue,
+                            done_elsewhere=elsewhere, on_record=on_record,
+                        )  # fmt: skip
+                        break
+                    except KeyboardInterrupt:  # stopped: what ran is in the episode log, and its time in timing.json
+                        timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)
                         raise
-                    fewer = "fewer processes on the device"
-                    options = f"a smaller --capacity, a larger --memory_fraction, or {fewer}"
-                    line = oom_line(exc, run_device, options if batch else f"--batch N, or {fewer}")
-                    del executor
-                    gc.collect()
-                    if run_device.startswith("cuda"):
-                        torch.cuda.empty_cache()
-                    if not batch or batch == 1:
-                        raise ValueError(f"{line} (finished episodes are kept in {out_dir / EPISODES_FILE})") from None
-                    batch = max(1, batch // 2)
-                    print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
-                    executor = executor_of(batch)
+                    except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
+                        if not is_oom(exc):
+                            raise
+                        fewer = "fewer processes on the device"
+                        options = f"a smaller --capacity, a larger --memory_fraction, or {fewer}"
+                        line = oom_line(exc, run_device, options if batch else f"--batch N, or {fewer}")
+                        del executor
+                        gc.collect()
+                        if run_device.startswith("cuda"):
+                            torch.cuda.empty_cache()
+                        if not batch or batch == 1:
+                            kept = f"finished episodes are kept in {out_dir / EPISODES_FILE}"
+                            raise ValueError(f"{line} ({kept})") from None
+                        batch = max(1, batch // 2)
+                        print(f"eval: {line}; going on at --batch {batch} (finished episodes kept)", file=sys.stderr)
+                        executor = executor_of(batch)
         finally:
             restore_sigterm()
         ended = time.perf_counter()

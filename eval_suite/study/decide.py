@@ -43,6 +43,9 @@ BATCH = 48
 """Rows per scheme's engine: the three engines of a job (non_shared's three caches per row) fit an 80 GB card."""
 GB = {3: 66.0, 2: 36.0}
 """GPU memory of a job by its number of schemes at :data:`BATCH` rows (lragent.memory_plan, capacity 8192, bf16)."""
+STALL_S = 120
+"""``eval --stall_s`` of every job: a decode call that never returns ends the job after this long (its episodes kept,
+the driver's next call resumes it) instead of holding the GPU for the rest of the lease."""
 FIELD = {"scienceqa": "correct", "hotpotqa": "em"}
 WITHIN = 0.02
 
@@ -55,7 +58,8 @@ def _eval(profile: Any, bench: str, set_name: str, label: str, adapters: list[st
         name=name, kind="eval",
         cmd=["{python}", "cli.py", "eval", "--benchmark", bench, *profile.model_args(), *adapters,
              "--scheme", ",".join(schemes), "--runs", str(runs), "--split", split, "--batch", str(BATCH),
-             "--concurrent_schemes", "true", "--dtype", "bfloat16", *extra, "--out", f"{{root}}/{name}",
+             "--concurrent_schemes", "true", "--stall_s", str(STALL_S), "--dtype", "bfloat16", *extra,
+             "--out", f"{{root}}/{name}",
              "--quiet", "true"],
         done_file=f"{name}/summary.json", deps=deps, gb=GB.get(len(schemes), 66.0), priority=priority,
         meta={**meta, "rows": list(schemes), "runs": runs, "split": split, "label": label},

@@ -1,0 +1,155 @@
+"""The stall watchdog: a device call that never returns ends the eval in one line, with the stacks and what finished.
+
+The unit tests drive :class:`StallWatchdog` with a recorder in place of ``os._exit``; the end-to-end test hangs the
+engine's decode call of a real CPU eval (tiny random model, batched executor) after two episodes and checks what
+the user is left with: the line, ``stall.txt`` naming the waiting call and holding the stacks, the two episodes and
+the loop's timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import pytest
+
+from eval_suite.evaluate import run_eval
+from eval_suite.evaluate.episode_log import EPISODES_FILE, read_episodes
+from eval_suite.evaluate.stall_watchdog import EXIT_STALLED, GPU_DEFAULT_S, STALL_FILE, StallWatchdog, stall_seconds
+
+
+def test_stall_seconds_defaults_to_the_gpu_only_and_refuses_negative_values():
+    assert stall_seconds(None, "cuda") == stall_seconds(None, "cuda:1") == GPU_DEFAULT_S
+    assert stall_seconds(None, "cpu") == 0.0  # off: a slow CPU prefill is not a stall
+    assert stall_seconds(0, "cuda") == 0.0 and stall_seconds(2.5, "cpu") == 2.5
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match=r"--stall_s .*give seconds >= 0"):
+            stall_seconds(bad, "cpu")
+
+
+def _watch(tmp_path, seconds: float, beats_every: float | None, for_s: float):
+    ended: list[int] = []
+    stalled: list[bool] = []
+    dog = StallWatchdog(seconds, tmp_path, describe=lambda: "in non_shared collect", end=ended.append,
+                        on_stall=lambda: stalled.append(True))  # fmt: skip
+    with dog:
+        stop = time.monotonic() + for_s
+        while time.monotonic() < stop and not ended:
+            time.sleep(beats_every or 0.02)
+            if beats_every:
+                dog.beat()
+    return dog, ended, stalled
+
+
+def test_no_beat_for_the_limit_writes_the_stacks_and_ends_the_process_in_one_line(tmp_path, capsys):
+    dog, ended, stalled = _watch(tmp_path, 0.3, None, for_s=5.0)
+    assert ended == [EXIT_STALLED] and stalled == [True] and dog.fired
+    text = (tmp_path / STALL_FILE).read_text()
+    assert text.startswith("no engine call returned and no episode ended for 0.3 s\n")
+    assert "state: in non_shared collect" in text
+    assert "_watch" in text and "most recent call first" in text  # every thread's stack, the waiting one too
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("eval: stalled: nothing came back from the device")
+    assert "in non_shared collect" in err[0] and str(tmp_path / STALL_FILE) in err[0] and "resume" in err[0]
+
+
+def test_beats_keep_it_quiet_and_zero_seconds_never_watches(tmp_path, capsys):
+    dog, ended, _ = _watch(tmp_path, 0.4, 0.05, for_s=1.5)  # beats 8 times a limit: never fires
+    assert not ended and not dog.fired and not (tmp_path / STALL_FILE).exists()
+    dog, ended, _ = _watch(tmp_path, 0, None, for_s=0.3)
+    assert not ended and dog._thread is None
+    assert capsys.readouterr().err == ""
+
+
+def test_a_failing_state_or_timing_hook_still_leaves_the_stacks(tmp_path):
+    ended: list[int] = []
+
+    def broken() -> str:
+        raise RuntimeError("no lanes yet")
+
+    def failing_timing() -> None:
+        raise OSError("disk full")
+
+    with StallWatchdog(0.2, tmp_path, describe=broken, on_stall=failing_timing, end=ended.append):
+        time.sleep(1.5)
+    text = (tmp_path / STALL_FILE).read_text()
+    assert ended == [EXIT_STALLED]
+    assert "state unavailable: RuntimeError: no lanes yet" in text and "on_stall failed: OSError: disk full" in text
+
+
+@pytest.mark.model
+def test_an_eval_whose_decode_call_hangs_ends_with_its_episodes_and_timing_kept(tmp_path, monkeypatch, capsys):
+    """The batched executor's decode call blocks (as a GPU read-back that never returns) once two episodes are
+    written: with --stall_s 1 the watchdog ends the run (here: releases the call, which then raises) and leaves the
+    two episodes, timing.json with the loop's time (complete false) and stall.txt naming the waiting call."""
+    from lragent.engine import Engine
+    from tests.test_eval_runner import _tiny_model_with_embedded_tokenizer
+
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
+    out = tmp_path / "stalled"
+    released = threading.Event()
+    ended: list[int] = []
+
+    class Recorded(StallWatchdog):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs, end=lambda code: (ended.append(code), released.set()))
+
+    real_advance = Engine.advance
+
+    def advance(self, *args, **kwargs):
+        if (out / EPISODES_FILE).is_file() and len(read_episodes(out / EPISODES_FILE)) >= 2:
+            released.wait(60)  # the hang: nothing returns until the watchdog fires
+            raise RuntimeError("the device call was abandoned")
+        return real_advance(self, *args, **kwargs)
+
+    monkeypatch.setattr(run_eval, "StallWatchdog", Recorded)
+    monkeypatch.setattr(Engine, "advance", advance)
+    with pytest.raises(RuntimeError, match="abandoned"):
+        run_eval.evaluate(
+            benchmark="hotpotqa", scheme="non_shared", limit=6, runs=1, max_steps=2, thought_tokens=4,
+            argument_tokens=3, model=str(tiny), adapter_init="random", device="cpu", batch=1, stall_s=1.0,
+            quiet=True, out=str(out),
+        )  # fmt: skip
+    assert ended == [EXIT_STALLED]
+    assert len(read_episodes(out / EPISODES_FILE)) == 2
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["complete"] is False and timing["episodes"] == 2 and timing["episodes_s"] >= 1.0
+    text = (out / STALL_FILE).read_text()
+    assert "state: in non_shared advance; " in text and "lanes: non_shared: 1 rows active" in text
+    assert "in advance" in text  # the blocked main thread's stack
+    assert "eval: stalled:" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_slow_decode_calls_that_return_are_progress_not_a_stall(tmp_path, monkeypatch):
+    """Each decode call takes 0.5 s and an episode needs about nine, so an episode takes longer than --stall_s 3:
+    the executor's beat after every engine call keeps the watchdog quiet (the gap between two beats is one call plus
+    the host's work, well under 3 s), and the run completes."""
+    from lragent.engine import Engine
+    from tests.test_eval_runner import _tiny_model_with_embedded_tokenizer
+
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
+    out = tmp_path / "slow"
+    ended: list[int] = []
+
+    class Recorded(StallWatchdog):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs, end=ended.append)
+
+    real_advance = Engine.advance
+
+    def advance(self, *args, **kwargs):
+        time.sleep(0.5)
+        return real_advance(self, *args, **kwargs)
+
+    monkeypatch.setattr(run_eval, "StallWatchdog", Recorded)
+    monkeypatch.setattr(Engine, "advance", advance)
+    assert run_eval.evaluate(
+        benchmark="hotpotqa", scheme="non_shared", limit=2, runs=1, max_steps=3, thought_tokens=4, argument_tokens=3,
+        model=str(tiny), adapter_init="random", device="cpu", batch=1, stall_s=3.0, quiet=True, out=str(out),
+    ) == 0  # fmt: skip
+    assert not ended and not (out / STALL_FILE).exists() and len(read_episodes(out / EPISODES_FILE)) == 2
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["episodes_s"] / timing["episodes"] > 3.0  # an episode outlasts --stall_s: the beats kept it quiet
