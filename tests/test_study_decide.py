@@ -43,6 +43,13 @@ def test_the_plan_runs_three_schemes_together_on_each_pool_with_its_runs() -> No
     names = [j.name for j in plan]
     assert names.index("eval/scienceqa_lam0/decide") < names.index("train/scienceqa_lam0.5")
     assert names[-1].endswith("/greedy")
+    # lanes off (the fallback where they stall): every eval job one scheme at a time, nothing else changed
+    one_at_a_time = sd.build_decide_plan(("scienceqa", "hotpotqa"), QWEN, lanes=False)
+    assert [j.name for j in one_at_a_time] == [j.name for j in plan]
+    for a, b in zip(plan, one_at_a_time, strict=True):
+        if a.kind == "eval":
+            at = a.cmd.index("--concurrent_schemes") + 1
+            assert b.cmd == [*a.cmd[:at], "false", *a.cmd[at + 1 :]] and a.cmd[at] == "true"
     # --runs overrides every benchmark
     more = sd.build_decide_plan(("hotpotqa",), QWEN, runs={"hotpotqa": 11})
     assert _opt(next(j for j in more if j.name == "eval/hotpotqa_lam0/decide").cmd, "--runs") == "11"

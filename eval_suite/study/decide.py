@@ -52,13 +52,13 @@ WITHIN = 0.02
 
 def _eval(profile: Any, bench: str, set_name: str, label: str, adapters: list[str], schemes: Sequence[str],
           runs: int, split: str, deps: tuple[str, ...], priority: float, meta: dict,
-          extra: Sequence[str] = ()) -> Job:  # fmt: skip
+          extra: Sequence[str] = (), lanes: bool = True) -> Job:  # fmt: skip
     name = f"eval/{set_name}/{label}"
     return Job(
         name=name, kind="eval",
         cmd=["{python}", "cli.py", "eval", "--benchmark", bench, *profile.model_args(), *adapters,
              "--scheme", ",".join(schemes), "--runs", str(runs), "--split", split, "--batch", str(BATCH),
-             "--concurrent_schemes", "true", "--stall_s", str(STALL_S), "--dtype", "bfloat16", *extra,
+             "--concurrent_schemes", str(lanes).lower(), "--stall_s", str(STALL_S), "--dtype", "bfloat16", *extra,
              "--out", f"{{root}}/{name}",
              "--quiet", "true"],
         done_file=f"{name}/summary.json", deps=deps, gb=GB.get(len(schemes), 66.0), priority=priority,
@@ -73,6 +73,7 @@ def build_decide_plan(
     lambdas: Sequence[float] = LAMBDAS,
     epochs: int = 2,
     python: str = "python3",
+    lanes: bool = True,
 ) -> list[Job]:
     """Every job of the decisive study, in priority order (see the module docstring).
 
@@ -83,6 +84,7 @@ def build_decide_plan(
         lambdas: λ of the shared-A sets (0: the shipped set).
         epochs: training epochs of a set that is trained.
         python: the interpreter of the jobs.
+        lanes: each job's schemes together (``--concurrent_schemes true``) or one at a time in its process.
     """
     runs = {**RUNS, **(runs or {})}
     prefix = "" if profile.model == "default" else f"{profile.config_prefix}_"
@@ -102,12 +104,12 @@ def build_decide_plan(
                 adapters = ["--adapters", f"{{root}}/{train.name}/adapters"]
             prio = 10 * li + 1 + bi * 0.1
             jobs.append(_eval(profile, bench, name, "decide", adapters, SCHEMES, runs[bench], POOLS[bench], deps,
-                              prio, meta))  # fmt: skip
+                              prio, meta, lanes=lanes))  # fmt: skip
             if lam == 0:
                 jobs.append(_eval(profile, bench, name, "others", adapters, OTHER_SCHEMES, runs[bench],
-                                  POOLS[bench], deps, 100 + bi * 0.1, meta))  # fmt: skip
+                                  POOLS[bench], deps, 100 + bi * 0.1, meta, lanes=lanes))  # fmt: skip
                 jobs.append(_eval(profile, bench, name, "greedy", adapters, GREEDY_SCHEMES, 1, ",".join(PAPER_POOL),
-                                  deps, 200 + bi * 0.1, meta, extra=("--temperature", "0")))  # fmt: skip
+                                  deps, 200 + bi * 0.1, meta, extra=("--temperature", "0"), lanes=lanes))  # fmt: skip
     return _with_python(jobs, python)
 
 

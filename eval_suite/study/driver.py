@@ -708,6 +708,7 @@ def study(
     gpus: int | None = None,
     reset_failed: bool = False,
     partial: bool = False,
+    lanes: bool = True,
     out: str | None = None,
 ) -> int:
     """The sharing study's jobs: plan them, run them, pack or archive their root, report on them.
@@ -728,6 +729,8 @@ def study(
         gpus: run: how many GPUs to spread the jobs over, GPUs 0..N-1 (default: all).
         reset_failed: run: forget earlier failed attempts first.
         partial: report: include unfinished evaluations (an interim page).
+        lanes: decide: run a job's schemes together (``eval --concurrent_schemes true``); false: one scheme at a
+            time in the same process (the same episodes; the fallback where the lanes stall on a device).
         out: pack / archive / report: output directory.
 
     Returns:
@@ -768,6 +771,7 @@ def study(
             lams,
             epochs,
             python=sys.executable,
+            lanes=lanes,
         )
     else:
         plan = build_plan(chosen, lams, n_runs, epochs, python=sys.executable, profile=profile)
