@@ -52,6 +52,7 @@ class _Lane:
     queue: list
     free: list[int]
     stream: torch.cuda.Stream | None = None
+    name: str = ""  # the scheme's name (a stall report names the lane)
     active: dict[int, _Row] = field(default_factory=dict)
     launched: bool = False
 
@@ -162,8 +163,7 @@ class BatchedExecutor:
     def describe(self) -> str:
         """The executor's state in a few words: the engine call in progress, each lane's rows and queue."""
         lanes = ", ".join(
-            f"{lane.eng.scheme.scheme.value}: {len(lane.active)} rows active, {len(lane.queue)} queued"
-            for lane in self._lanes
+            f"{lane.name}: {len(lane.active)} rows active, {len(lane.queue)} queued" for lane in self._lanes
         )
         call = f"in {self._in_call}" if self._in_call else "between engine calls"
         return f"{call}; {self.decode_steps} decode steps; lanes: {lanes or 'none'}"
@@ -234,7 +234,7 @@ class BatchedExecutor:
             stream.wait_stream(torch.cuda.current_stream(self.model_device))  # the model and caches are made there
         with _on(stream):
             eng = reserved[1] if reserved is not None and reserved[0] >= rows else self._engine(scheme, rows)
-        return _Lane(eng, list(tasks), list(range(rows)), stream)
+        return _Lane(eng, list(tasks), list(range(rows)), stream, name=f"{scheme}")
 
     @torch.no_grad()
     def _run_lanes(self, schemes: list, groups: list[list]) -> Iterator[tuple[object, EpisodeResult]]:
@@ -252,10 +252,10 @@ class BatchedExecutor:
                 with _on(lane.stream):
                     finished = []
                     if lane.launched:
-                        finished = self._count(lane.eng, lane.eng.collect)
+                        finished = self._count(lane, lane.eng.collect)
                         lane.launched = False
                     elif lane.active and not self.concurrent_schemes:  # one lane: steps until a row finishes
-                        finished = self._count(lane.eng, lane.eng.advance)
+                        finished = self._count(lane, lane.eng.advance)
                     for res in finished:
                         self.generated_tokens += len(res.generated_ids)
                         state = lane.active[res.row]
@@ -267,15 +267,16 @@ class BatchedExecutor:
                             yield state.task, result
                     yield from self._fill(lane)
                     if lane.active and self.concurrent_schemes:
-                        self._count(lane.eng, lane.eng.launch)
+                        self._count(lane, lane.eng.launch)
                         lane.launched = True
 
-    def _count(self, eng: Engine, call):
-        """Calls ``call`` and adds what the engine's counters moved to this executor's."""
+    def _count(self, lane: _Lane, call):
+        """Calls ``call`` (one of the lane's engine's) and adds what the engine's counters moved to this executor's."""
+        eng = lane.eng
         before = {k: getattr(eng, k) for k in _ENGINE_COUNTERS}
         if self._profile is not None:
             self._profile.step(self.decode_steps)
-        self._in_call = f"{eng.scheme.scheme.value} {call.__name__}"
+        self._in_call = f"{lane.name} {call.__name__}"
         out = call()
         self._in_call = None
         for k in _ENGINE_COUNTERS:
