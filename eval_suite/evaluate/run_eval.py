@@ -974,11 +974,14 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 timing.write(timing_part(ran, now - loop_started), complete=False)
                 written[0] = now
 
+        def write_partial_timing() -> None:  # the loop stopped early (interrupt, stall): its time so far
+            timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)
+
         restore_sigterm = _stop_on_sigterm()  # a call's time limit (SIGTERM) stops the loop like Ctrl-C
         watchdog = StallWatchdog(
             stall_seconds(a.get("stall_s"), run_device), out_dir,
             describe=lambda: executor.describe() if hasattr(executor, "describe") else type(executor).__name__,
-            on_stall=lambda: timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False),
+            on_stall=write_partial_timing,
         )  # fmt: skip
         try:
             with watchdog:  # no engine call back and no episode for --stall_s: one line, process ends
@@ -995,7 +998,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                         )  # fmt: skip
                         break
                     except KeyboardInterrupt:  # stopped: what ran is in the episode log, and its time in timing.json
-                        timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)
+                        write_partial_timing()
                         raise
                     except Exception as exc:  # out of memory: a smaller batch goes on from the episode log
                         if not is_oom(exc):
