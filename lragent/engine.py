@@ -183,15 +183,22 @@ _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream of this process on which decode steps are warmed up and captured (per device).
+    """The stream on which an engine's decode steps are warmed up and captured: the current stream where that is a
+    side stream (an executor's lane, ``eval --concurrent_schemes``), else the one side stream of this process (per
+    device; the default stream cannot be captured).
 
     Warm-up and capture must run on the same stream: state that CUDA libraries create lazily per stream (cuBLAS and
     cuBLASLt workspaces, keyed by handle and stream, kept for the life of the process) is then created by the eager
     warm-up, in ordinary memory. Created during a capture instead, it would be allocated from the graph's private
     pool and outlive the graph, and the next capture into that pool would hit the allocator's
-    ``use_count > 0`` assert.
+    ``use_count > 0`` assert. A graph keeps the workspace of the stream it was captured on, so graphs that replay at
+    the same time on different streams must be captured on different streams: captured on one shared stream, two
+    lanes' GEMMs would share one cuBLAS workspace while they run at once.
     """
     key = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
+    current = torch.cuda.current_stream(key)
+    if current != torch.cuda.default_stream(key):
+        return current
     if key not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[key] = torch.cuda.Stream(key)
     return _CAPTURE_STREAMS[key]

@@ -19,8 +19,8 @@
 # Accuracy-model calls: call k carries [".accKK"] (call 1 also ".whl", ".commit"), back to back while the machine stays
 # warm (about 8 s a call); each command sources scripts/device_model.sh, which copies its piece to /tmp/acc and, once
 # every byte is there, joins them and sets LRAGENT_ACCURACY_GGUF (lragent checks size and sha256 before converting).
-# prepare-accuracy also packs the committed study roots (results/study_qwen/archive/*.tar.gz and, for the decisive
-# stage, results/study_decide/archive/*.tar.gz, one per adapter set, with
+# prepare-accuracy also packs the committed study roots (results/study_qwen/archive/*.tar.xz and, for the decisive
+# stage, results/study_decide/archive/*.tar.xz, one per adapter set, with
 # the trained weights from data/adapters: qwen_<b>_sharedA for the lambda-0 sets, qwen_<set> for the others; and
 # results/study_qwen/sweep_root.tar.gz) into .resume/study and .resume/sweep, and copies the shipped accuracy-model sets
 # into .evad/<benchmark>_sharedA (what gpu_multi.sh's EV_ADAPTERS and `eval --adapters` read once data/adapters is
@@ -150,8 +150,8 @@ case "${1:-}" in
       tmp=$(mktemp -d)
       arch=results/study_qwen/archive; [ $stage = decide ] && arch=results/study_decide/archive
       if [ $stage != sweep ]; then  # one archive per set (python -m eval_suite.study archive), weights apart
-        ls $arch/*.tar.gz > /dev/null 2>&1 || { rm -rf "$tmp"; continue; }
-        for a in $arch/*.tar.gz; do tar xzf "$a" -C "$tmp"; done
+        ls $arch/*.tar.[gx]z > /dev/null 2>&1 || { rm -rf "$tmp"; continue; }
+        for a in $arch/*.tar.[gx]z; do tar xf "$a" -C "$tmp"; done  # xz (archive's format) or an older gzip
         for set_dir in "$tmp"/study/train/*/; do  # trained weights: data/adapters/qwen_<set> (λ 0: the shipped sets)
           set=$(basename "$set_dir"); src=data/adapters/qwen_$set
           case $set in *_lam0) src=data/adapters/qwen_${set%_lam0}_sharedA ;; esac

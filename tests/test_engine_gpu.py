@@ -352,3 +352,53 @@ def test_fused_lora_graph_launches_fewer_kernels(model):
     n_layers = model.decoder.n_layers
     assert counts[True][0] <= counts[False][0] - 3 * n_layers * steps, counts
     assert counts[True][1] < counts[False][1], counts
+
+
+def _lane_tokens(model, schemes: tuple[str, ...], together: bool, rows: int = 24, steps: int = 48) -> dict:
+    """Each scheme's engine decodes ``rows`` sampled rows (prompt ``3 + r ..``, roles in turn, seeds by row) for
+    ``steps`` tokens, on its own CUDA stream; ``together``: launched in turn and collected in turn as ``eval
+    --concurrent_schemes``'s lanes do, so that the engines' graphs run at once on the device; else one engine after
+    the other. Returns each scheme's generated tokens per row."""
+    engines, streams = {}, {}
+    for scheme in schemes:
+        streams[scheme] = torch.cuda.Stream()
+        streams[scheme].wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(streams[scheme]):
+            eng = Engine(model, scheme, rows=rows, capacity=256, eos_token_ids=[], fuse_ops=True, fuse_lora=True)
+            for r in range(rows):
+                eng.append(r, list(range(3 + r, 3 + r + 9 + r % 5)))
+                eng.start(r, GenerationRequest(role=r % 3, max_new_tokens=steps, temperature=0.9, top_p=0.9, seed=r))
+        engines[scheme] = eng
+    out = {s: {} for s in schemes}
+    order = [schemes] if together else [(s,) for s in schemes]
+    for group in order:
+        launched = dict.fromkeys(group, False)
+        while any(engines[s]._pending or launched[s] for s in group):
+            for s in group:
+                with torch.cuda.stream(streams[s]):
+                    if launched[s]:
+                        for res in engines[s].collect():
+                            out[s][res.row] = list(res.generated_ids)
+                    launched[s] = bool(engines[s]._pending) and engines[s].launch() > 0
+    torch.cuda.synchronize()
+    return out
+
+
+def test_lanes_on_their_own_streams_decode_what_each_engine_decodes_alone(model, monkeypatch):
+    """Three engines whose graphs replay at the same time on three streams (``eval --concurrent_schemes``) give the
+    tokens each gives alone, and each engine captured its graphs on its own lane's stream: a graph keeps the
+    cuBLAS workspace of the stream it was captured on, so lanes captured on one shared stream would run GEMMs on one
+    workspace at once."""
+    import lragent.engine as engine_mod
+
+    seen = []
+    real = engine_mod.capture_stream
+    monkeypatch.setattr(engine_mod, "capture_stream", lambda device: seen.append(real(device)) or seen[-1])
+    schemes = ("non_shared", "base_lr_shared", "full_shared")
+    alone = _lane_tokens(model, schemes, together=False)
+    seen.clear()
+    together = _lane_tokens(model, schemes, together=True)
+    assert together == alone
+    assert all(len(v) == 24 and all(len(t) == 48 for t in v.values()) for v in together.values())
+    default = torch.cuda.default_stream()
+    assert seen and all(s != default for s in seen) and len(set(seen)) == len(schemes)

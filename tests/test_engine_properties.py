@@ -762,6 +762,7 @@ class FakeCuda:
         self.Stream = Stream
         monkeypatch.setattr(eng, "_decode_step", decode_step)
         for name, value in [("Stream", Stream), ("stream", stream), ("current_stream", self.current),
+                            ("default_stream", self.current),  # the engine is driven from the device's own stream
                             ("graph", graph), ("CUDAGraph", Graph), ("graph_pool_handle", handle),
                             ("current_device", lambda: 0)]:  # fmt: skip
             monkeypatch.setattr(torch.cuda, name, value)
@@ -844,7 +845,8 @@ def test_graphs_are_captured_again_after_the_pool_grows(monkeypatch):
 
 
 def test_one_capture_stream_per_cuda_device(monkeypatch):
-    """The capture stream of a device is made once, on that device; a device without an index is the current one."""
+    """The capture stream of a device is made once, on that device; a device without an index is the current one.
+    Under a side stream (an executor's lane) that stream itself is the capture stream: lanes never share one."""
     import lragent.engine as engine_mod
 
     made = []
@@ -854,9 +856,18 @@ def test_one_capture_stream_per_cuda_device(monkeypatch):
             self.device = device
             made.append(self)
 
+    default = object()
+    current = {"stream": default}
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
     monkeypatch.setattr(engine_mod, "_CAPTURE_STREAMS", {})
+    lanes = [object(), object()]
+    for lane in lanes:
+        current["stream"] = lane
+        assert capture_stream(torch.device("cuda", 1)) is lane and not made
+    current["stream"] = default
     one = capture_stream(torch.device("cuda", 1))
     assert isinstance(one, Stream) and one.device == torch.device("cuda", 1)
     assert capture_stream(torch.device("cuda", 1)) is one and capture_stream(torch.device("cuda")) is one

@@ -263,14 +263,17 @@ def test_archive_is_one_file_per_set_without_weights_and_byte_stable(tmp_path: P
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
+    (tmp_path / "a1").mkdir()
+    (tmp_path / "a1" / "a_lam0.tar.gz").write_bytes(b"an older archive of the set")
     first = {p.name: p.read_bytes() for p in archive(root, tmp_path / "a1")}
+    assert sorted(p.name for p in (tmp_path / "a1").iterdir()) == sorted(first)  # the older .tar.gz is gone
     time.sleep(1.1)
     (root / "driver.log").touch()  # a new time, the same bytes
     second = {p.name: p.read_bytes() for p in archive(root, tmp_path / "a2")}
     assert first == second
-    assert sorted(first) == ["a_lam0.tar.gz", "a_untrained.tar.gz", "driver.tar.gz", "probe.tar.gz"]
+    assert sorted(first) == ["a_lam0.tar.xz", "a_untrained.tar.xz", "driver.tar.xz", "probe.tar.xz"]
     names = {k: tarfile.open(fileobj=io.BytesIO(v)).getnames() for k, v in first.items()}
-    assert sorted(names["a_lam0.tar.gz"]) == [
+    assert sorted(names["a_lam0.tar.xz"]) == [
         "study/eval/a_lam0/base_lr_shared/episodes.jsonl", "study/eval/a_lam0/non_shared/summary.json",
         "study/fidelity/a_lam0/fidelity.json", "study/train/a_lam0/csv/version_0/metrics.csv",
         "study/train/a_lam0/log.txt",

@@ -26,7 +26,7 @@ def test_the_plan_runs_three_schemes_together_on_each_pool_with_its_runs() -> No
     assert _opt(sqa.cmd, "--split") == "dev,test,extra" and _opt(hp.cmd, "--split") == "dev,test"
     assert _opt(sqa.cmd, "--runs") == "2" and _opt(hp.cmd, "--runs") == "8"
     assert _opt(sqa.cmd, "--scheme") == "non_shared,base_lr_shared,full_shared"
-    assert _opt(sqa.cmd, "--concurrent_schemes") == "true" and _opt(sqa.cmd, "--model") == "qwen2.5-coder-1.5b"
+    assert _opt(sqa.cmd, "--concurrent_schemes") == "false" and _opt(sqa.cmd, "--model") == "qwen2.5-coder-1.5b"
     assert _opt(sqa.cmd, "--adapters") == "data/adapters/qwen_scienceqa_sharedA"  # the shipped λ = 0 set
     assert "--temperature" not in sqa.cmd  # the protocol's sampling
     # a decode call that never returns ends the job (resumed by the driver's next call), never the whole lease
@@ -43,13 +43,13 @@ def test_the_plan_runs_three_schemes_together_on_each_pool_with_its_runs() -> No
     names = [j.name for j in plan]
     assert names.index("eval/scienceqa_lam0/decide") < names.index("train/scienceqa_lam0.5")
     assert names[-1].endswith("/greedy")
-    # lanes off (the fallback where they stall): every eval job one scheme at a time, nothing else changed
-    one_at_a_time = sd.build_decide_plan(("scienceqa", "hotpotqa"), QWEN, lanes=False)
-    assert [j.name for j in one_at_a_time] == [j.name for j in plan]
-    for a, b in zip(plan, one_at_a_time, strict=True):
+    # lanes on (refused by eval on CUDA unless asked for): every eval job's schemes at once, nothing else changed
+    together = sd.build_decide_plan(("scienceqa", "hotpotqa"), QWEN, lanes=True)
+    assert [j.name for j in together] == [j.name for j in plan]
+    for a, b in zip(plan, together, strict=True):
         if a.kind == "eval":
             at = a.cmd.index("--concurrent_schemes") + 1
-            assert b.cmd == [*a.cmd[:at], "false", *a.cmd[at + 1 :]] and a.cmd[at] == "true"
+            assert b.cmd == [*a.cmd[:at], "true", *a.cmd[at + 1 :]] and a.cmd[at] == "false"
     # --runs overrides every benchmark
     more = sd.build_decide_plan(("hotpotqa",), QWEN, runs={"hotpotqa": 11})
     assert _opt(next(j for j in more if j.name == "eval/hotpotqa_lam0/decide").cmd, "--runs") == "11"
@@ -86,18 +86,34 @@ def _records(gap: float, questions: int, runs: int, noise: float, seed: int = 3)
     return out
 
 
-@pytest.mark.parametrize(("gap", "questions", "runs", "within", "narrow"), [
-    (0.0, 4000, 2, True, True),     # no loss, enough questions: within 2 points and decided
-    (0.07, 4000, 2, False, True),   # a 7-point loss: decided, not within
-    (0.0, 40, 1, False, False),     # too few questions: the interval is too wide to say yes
+@pytest.mark.parametrize(("gap", "questions", "runs", "verdict", "narrow"), [
+    (0.0, 4000, 2, "within", True),      # no loss, enough questions: within 2 points and decided
+    (0.07, 4000, 2, "outside", True),    # a 7-point loss: decided, not within
+    (0.0, 40, 1, "undecided", False),    # too few questions: the interval crosses -2
+    (0.3, 100, 1, "outside", False),     # a 30-point loss: wider than the target, yet wholly below -2
 ])  # fmt: skip
-def test_the_verdict_follows_the_intervals_lower_end_and_width(gap, questions, runs, within, narrow) -> None:
+def test_the_verdict_follows_the_intervals_ends_and_width(gap, questions, runs, verdict, narrow) -> None:
     cell = sd.decide_cell(_records(gap, questions, runs, noise=0.05), "base_lr_shared", "correct", "scienceqa")
-    assert cell["within_2_points"] is within
+    assert cell["verdict"] == verdict and cell["within_2_points"] is (verdict == "within")
     assert cell["narrow_enough"] is narrow
     low, high = cell["ci95"]
     assert cell["half_width"] == pytest.approx((high - low) / 2)
     assert low <= cell["mean"] <= high
+
+
+@pytest.mark.parametrize(("ci", "verdict"), [
+    ((-0.05, -0.01), "undecided"),   # crosses -2 from below: a loss, not shown to exceed 2 points
+    ((-0.05, -0.021), "outside"),    # wholly below -2
+    ((-0.02, 0.01), "within"),       # the lower end exactly at -2 counts as within
+    ((-0.0201, 0.03), "undecided"),  # just below -2
+    ((0.01, 0.05), "within"),        # a gain
+])  # fmt: skip
+def test_the_verdict_at_the_two_point_boundary(ci, verdict, monkeypatch) -> None:
+    monkeypatch.setattr(sd, "paired_difference", lambda *a: {"mean": sum(ci) / 2, "ci95": list(ci), "pairs": 10})
+    cell = sd.decide_cell([], "base_lr_shared", "correct", "hotpotqa")
+    assert cell["verdict"] == verdict and cell["within_2_points"] is (verdict == "within")
+    assert cell["half_width"] == pytest.approx((ci[1] - ci[0]) / 2)
+    assert cell["narrow_enough"] is ((ci[1] - ci[0]) / 2 <= 0.02)
 
 
 def test_the_report_names_the_pool_and_the_papers_questions_apart(tmp_path: Path) -> None:
@@ -115,7 +131,12 @@ def test_the_report_names_the_pool_and_the_papers_questions_apart(tmp_path: Path
     assert cell["rows"]["non_shared"]["paper_questions"] == 20  # the dev questions only (no test in these records)
     assert cell["paired"]["full_shared"]["mean"] < -0.2 and not cell["paired"]["full_shared"]["within_2_points"]
     md = (tmp_path / "report" / "decide.md").read_text()
-    assert "dev,test,extra (60 x 2)" in md and "`full_shared` no" in md
+    assert "dev,test,extra (60 x 2)" in md and "`full_shared` no |" in md and "(partial:" not in md
+    # a job still running: the rows it has so far are paired, and the table says how far it got
+    (d / "episodes.jsonl").write_text("\n".join(json.dumps(r) for r in recs + more[:90]) + "\n")
+    sd.write_decide_report(tmp_path, plan, tmp_path / "report")
+    md = (tmp_path / "report" / "decide.md").read_text()
+    assert "`full_shared` no (partial: 90 of 120 pairs)" in md and "`base_lr_shared` yes |" not in md
 
 
 def test_the_decide_stage_is_a_stage_of_the_study_command(tmp_path: Path, capsys) -> None:

@@ -52,7 +52,7 @@ WITHIN = 0.02
 
 def _eval(profile: Any, bench: str, set_name: str, label: str, adapters: list[str], schemes: Sequence[str],
           runs: int, split: str, deps: tuple[str, ...], priority: float, meta: dict,
-          extra: Sequence[str] = (), lanes: bool = True) -> Job:  # fmt: skip
+          extra: Sequence[str] = (), lanes: bool = False) -> Job:  # fmt: skip
     name = f"eval/{set_name}/{label}"
     return Job(
         name=name, kind="eval",
@@ -73,7 +73,7 @@ def build_decide_plan(
     lambdas: Sequence[float] = LAMBDAS,
     epochs: int = 2,
     python: str = "python3",
-    lanes: bool = True,
+    lanes: bool = False,
 ) -> list[Job]:
     """Every job of the decisive study, in priority order (see the module docstring).
 
@@ -84,7 +84,8 @@ def build_decide_plan(
         lambdas: λ of the shared-A sets (0: the shipped set).
         epochs: training epochs of a set that is trained.
         python: the interpreter of the jobs.
-        lanes: each job's schemes together (``--concurrent_schemes true``) or one at a time in its process.
+        lanes: each job's schemes together (``--concurrent_schemes true``; refused on CUDA, see
+            :func:`eval_suite.evaluate.run_eval.check_lanes_device`) or, by default, one at a time in its process.
     """
     runs = {**RUNS, **(runs or {})}
     prefix = "" if profile.model == "default" else f"{profile.config_prefix}_"
@@ -118,17 +119,23 @@ def _records(path: Path) -> list[dict]:
 
 
 def decide_cell(records: Sequence[dict], row: str, field: str, bench: str) -> dict[str, Any] | None:
-    """The paired difference ``row - non_shared`` on ``records`` with its half-width and the verdicts."""
+    """The paired difference ``row - non_shared`` on ``records`` with its half-width and the verdicts.
+
+    ``verdict``: ``within`` when the interval's lower end is at least -2 points, ``outside`` when its upper end is
+    below -2 (the whole interval lies further down: decided whatever its width), else ``undecided``.
+    """
     d = paired_difference(records, row, "non_shared", field)
     if d is None:
         return None
     low, high = d["ci95"]
+    verdict = "within" if low >= -WITHIN else "outside" if high < -WITHIN else "undecided"
     return {
         **d,
         "half_width": (high - low) / 2,
         "target_half_width": TARGET_HALF_WIDTH[bench],
         "narrow_enough": (high - low) / 2 <= TARGET_HALF_WIDTH[bench],
-        "within_2_points": low >= -WITHIN,
+        "within_2_points": verdict == "within",
+        "verdict": verdict,
     }
 
 
@@ -192,12 +199,15 @@ def decide_table(data: dict[str, Any]) -> str:
             ns = c["rows"].get("non_shared", {})
             blr, full = c["paired"].get("base_lr_shared"), c["paired"].get("full_shared")
             pb, pf = c["paired_paper"].get("base_lr_shared"), c["paired_paper"].get("full_shared")
+            planned = ns.get("questions", 0) * c["planned_runs"]  # the pairs a finished job has
             verdict = []
             for name, cell in (("base_lr_shared", blr), ("full_shared", full)):
                 if cell is None:
                     continue
-                word = "yes" if cell["within_2_points"] else "no"
-                verdict.append(f"`{name}` {word}" + ("" if cell["narrow_enough"] else " (interval too wide)"))
+                word = {"within": "yes", "outside": "no", "undecided": "undecided (interval crosses -2)"}
+                verdict.append(f"`{name}` {word[cell['verdict']]}")
+                if cell["pairs"] < planned:
+                    verdict[-1] += f" (partial: {cell['pairs']:,} of {planned:,} pairs)"
             lines.append(
                 f"| {bench}, λ {entry['lambda']:g} | {c['pool']} ({ns.get('questions', 0)} x {ns.get('runs', 0)}) "
                 f"| {_pts(ns.get('mean'))} | {_cell(blr)} | {_cell(full)} "
@@ -234,8 +244,9 @@ def write_decide_report(root: Path, plan: Sequence[Job], out: Path) -> dict[str,
     md = (
         "# The decisive study: paired gaps to `non_shared` with intervals that decide\n\n"
         "Paired by question and seed; per question the mean over runs; 95% percentile bootstrap over questions. "
-        "Within 2 points: the interval's lower end is at least -2. Half-width targets: ScienceQA ±2.5, "
-        "HotpotQA ±2.0 points.\n\n" + decide_table(data) + "\n\n## Other rows\n\n" + other_rows_table(data) + "\n"
+        "Within 2 points (yes): the interval's lower end is at least -2; no: its upper end is below -2; else "
+        "undecided. Half-width targets: ScienceQA ±2.5, HotpotQA ±2.0 points. A job still running is marked partial "
+        "with the pairs it has.\n\n" + decide_table(data) + "\n\n## Other rows\n\n" + other_rows_table(data) + "\n"
     )
     write_text(out / "decide.md", md)
     return data

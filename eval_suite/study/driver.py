@@ -30,7 +30,7 @@ finished job is never launched again (``tests/test_study.py``).
     python -m eval_suite.study plan   --root runs/study                      # the jobs and their state
     python -m eval_suite.study run    --root runs/study --reset-failed      # until every job is done
     python -m eval_suite.study pack   --root runs/study --out OUT            # <= 8 files for the device tool
-    python -m eval_suite.study archive --root runs/study --out DIR            # one <set>.tar.gz per set, no weights
+    python -m eval_suite.study archive --root runs/study --out DIR            # one <set>.tar.xz per set, no weights
     python -m eval_suite.study report --root runs/study --out results/study
     python -m eval_suite.study run --model qwen2.5-coder-1.5b --stage sweep --root runs/sweep_qwen --runs 1
 
@@ -653,20 +653,22 @@ def _pack_member(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
 
 
 def archive(root: Path, out: Path) -> list[Path]:
-    """The study root as compact evidence: one ``<set>.tar.gz`` per adapter set, plus ``probe`` and ``driver``.
+    """The study root as compact evidence: one ``<set>.tar.xz`` per adapter set, plus ``probe`` and ``driver``.
 
     Each set's archive holds ``study/train/<set>/``, ``study/eval/<set>/`` and ``study/fidelity/<set>/`` without
-    adapter weights; ``probe.tar.gz`` the zero-shot rows, ``driver.tar.gz`` the driver's log. The bytes depend only on
-    the files (sorted members, zero times, no gzip time), so a set whose files did not change is rewritten
-    byte-identical and a commit carries only the sets that moved. Extract every archive into one folder to get back a
+    adapter weights; ``probe.tar.xz`` the zero-shot rows, ``driver.tar.xz`` the driver's log. xz at its strongest
+    preset: the episode records repeat their long fields line after line, which xz's large window finds (less than
+    half gzip's size). The bytes depend only on the files (sorted members, zero times), so a set whose files did not
+    change is rewritten byte-identical and a commit carries only the sets that moved; an older ``<set>.tar.gz`` of
+    the same set is removed. Extract every archive into one folder to get back a
     root that ``report`` and ``run`` read (``run`` retrains a set only if its weights are missing from
     ``train/<set>/adapters/``).
 
     Returns:
         The archives written, sorted.
     """
-    import gzip
     import io
+    import lzma
 
     groups: dict[str, list[Path]] = {}
     for kind in ("train", "eval", "fidelity"):
@@ -687,8 +689,9 @@ def archive(root: Path, out: Path) -> list[Path]:
                 if info is not None:
                     with f.open("rb") as fh:
                         tar.addfile(info, fh)
-        path = out / f"{name}.tar.gz"
-        path.write_bytes(gzip.compress(buf.getvalue(), compresslevel=9, mtime=0))
+        path = out / f"{name}.tar.xz"
+        path.write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
+        (out / f"{name}.tar.gz").unlink(missing_ok=True)
         written.append(path)
     return written
 
@@ -708,14 +711,14 @@ def study(
     gpus: int | None = None,
     reset_failed: bool = False,
     partial: bool = False,
-    lanes: bool = True,
+    lanes: bool = False,
     out: str | None = None,
 ) -> int:
     """The sharing study's jobs: plan them, run them, pack or archive their root, report on them.
 
     Args:
         command: plan (the jobs and their state), run (until every job is done), pack (<= 8 files for the device
-            tool), archive (one <set>.tar.gz per adapter set, no weights) or report.
+            tool), archive (one <set>.tar.xz per adapter set, no weights) or report.
         root: directory of the jobs.
         model: base model's profile (``default`` or ``qwen2.5-coder-1.5b``).
         stage: the λ study, the recipe sweep, or the decisive study (:mod:`eval_suite.study.decide`).
@@ -729,8 +732,9 @@ def study(
         gpus: run: how many GPUs to spread the jobs over, GPUs 0..N-1 (default: all).
         reset_failed: run: forget earlier failed attempts first.
         partial: report: include unfinished evaluations (an interim page).
-        lanes: decide: run a job's schemes together (``eval --concurrent_schemes true``); false: one scheme at a
-            time in the same process (the same episodes; the fallback where the lanes stall on a device).
+        lanes: decide: run a job's schemes together (``eval --concurrent_schemes true``, which eval refuses on CUDA
+            unless LRAGENT_LANES_ON_CUDA=1: on an H100 the lanes diverged and stalled); false (default): one scheme
+            at a time in the same process, the model loaded once.
         out: pack / archive / report: output directory.
 
     Returns:
