@@ -19,7 +19,7 @@ def _opt(cmd: list[str], name: str) -> str:
     return cmd[cmd.index(name) + 1]
 
 
-def test_the_plan_runs_three_schemes_together_on_each_pool_with_its_runs() -> None:
+def test_the_plan_runs_three_schemes_in_one_job_on_each_pool_with_its_runs() -> None:
     plan = sd.build_decide_plan(("scienceqa", "hotpotqa"), QWEN)
     by = {j.name: j for j in plan}
     sqa, hp = by["eval/scienceqa_lam0/decide"], by["eval/hotpotqa_lam0/decide"]
