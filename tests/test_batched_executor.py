@@ -153,3 +153,31 @@ def test_concurrent_schemes_run_the_episodes_of_one_scheme_at_a_time() -> None:
     # one at a time finishes every episode of a scheme before the next starts; together they interleave
     assert one_order == sorted(one_order, key=list(counts).index)
     assert order != one_order
+
+
+def test_one_scheme_at_a_time_holds_one_engine_at_a_time(monkeypatch) -> None:
+    """Run one scheme at a time, the executor has let the previous scheme's engine go when it makes the next one (the
+    memory plan and the study's estimate count one engine: two alive at once would need both schemes' caches)."""
+    import gc
+    import weakref
+
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    spec = get_spec("hotpotqa")
+    cfg = AgentConfig(max_steps=2, thought_tokens=4, action_type_tokens=3, argument_tokens=3, reflect_tokens=3)
+    ex = BatchedExecutor(model, ByteTokenizer(), batch=2, capacity=4096, temperature=0.9, top_p=0.75,
+                         eos_token_ids=[])  # fmt: skip
+    made: list[weakref.ref] = []
+    alive_at_creation: list[int] = []
+    real = ex._engine
+
+    def engine(scheme, rows):
+        gc.collect()
+        alive_at_creation.append(sum(r() is not None for r in made))
+        eng = real(scheme, rows)
+        made.append(weakref.ref(eng))
+        return eng
+
+    monkeypatch.setattr(ex, "_engine", engine)
+    tasks = [t for s in ("non_shared", "base_lr_shared", "full_shared") for t in _tasks(spec, cfg, 2, s, False)]
+    assert len(list(ex.run(tasks))) == 6
+    assert alive_at_creation == [0, 0, 0]

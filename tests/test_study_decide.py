@@ -143,3 +143,28 @@ def test_the_decide_stage_is_a_stage_of_the_study_command(tmp_path: Path, capsys
     assert main(["plan", "--stage", "decide", "--model", "qwen2.5-coder-1.5b", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "eval/scienceqa_lam0/decide" in out and "train/hotpotqa_lam0.5" in out
+
+
+def test_a_job_asks_for_the_memory_of_one_engine_at_a_time_or_of_all_with_lanes() -> None:
+    """Run one scheme at a time, a job needs its largest scheme's plan (lragent.memory_plan), so the driver can put
+    both λ 0.5 trainings or a two-scheme job beside a three-scheme job on one 80 GB card; with lanes it needs every
+    scheme's caches at once (about 66 GiB at 48 rows: alone on the card)."""
+    from lragent.memory_plan import GIB, model_shape, plan_memory
+
+    shape = model_shape(QWEN.model)
+
+    def one(scheme: str) -> float:
+        return plan_memory(shape, scheme, sd.BATCH, sd.CAPACITY, element_size=2).total / GIB
+
+    by = {j.name: j for j in sd.build_decide_plan(("hotpotqa",), QWEN)}
+    three, two = by["eval/hotpotqa_lam0/decide"], by["eval/hotpotqa_lam0/others"]
+    assert three.gb == sd.job_gib(QWEN.model, ("non_shared", "base_lr_shared", "full_shared"), lanes=False)
+    assert one("non_shared") <= three.gb < one("non_shared") + 0.5  # the largest plan, rounded up to a half
+    assert max(one("base_shared"), one("droidspeak")) <= two.gb < max(one("base_shared"), one("droidspeak")) + 0.5
+    train = by["train/hotpotqa_lam0.5"].gb
+    assert three.gb + 2 * train <= 71.5 and three.gb + two.gb <= 71.5  # beside each other on an 80 GB card
+    lanes = {j.name: j for j in sd.build_decide_plan(("hotpotqa",), QWEN, lanes=True)}["eval/hotpotqa_lam0/decide"]
+    model = plan_memory(shape, "full_shared", 1, 1, element_size=2).model_bytes / GIB
+    together = sum(one(s) for s in ("non_shared", "base_lr_shared", "full_shared")) - 2 * model  # the model once
+    assert together <= lanes.gb < together + 0.5
+    assert lanes.gb > 60 and lanes.gb + train > 71.5  # all three engines at once: the card is full

@@ -243,6 +243,7 @@ class BatchedExecutor:
         on its own CUDA stream and the lanes are waited for and answered in turn, each queuing its next steps at
         once, so the host's work for one lane overlaps the device's work for the others. Each lane's engine sees the
         same calls in the same order either way: the episodes are the same."""
+        self._lanes = []  # the previous scheme's engine goes before the next is made: one at a time holds one
         lanes = self._lanes = [self._lane(s, g) for s, g in zip(schemes, groups, strict=True)]
         self._reserved.clear()  # a reservation serves the run that follows it; unused, its memory goes back
         while any(lane.busy for lane in lanes):

@@ -18,6 +18,7 @@ difference of each shared scheme to ``non_shared`` (per question the mean over r
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,13 +42,29 @@ OTHER_SCHEMES: tuple[str, ...] = ("base_shared", "droidspeak")
 GREEDY_SCHEMES: tuple[str, ...] = ("non_shared", "base_lr_shared")
 BATCH = 48
 """Rows per scheme's engine: the three engines of a job (non_shared's three caches per row) fit an 80 GB card."""
-GB = {3: 66.0, 2: 36.0}
-"""GPU memory of a job by its number of schemes at :data:`BATCH` rows (lragent.memory_plan, capacity 8192, bf16)."""
+CAPACITY = 8192
+"""Positions per row: eval's default ``--capacity``, which the jobs keep."""
 STALL_S = 120
 """``eval --stall_s`` of every job: a decode call that never returns ends the job after this long (its episodes kept,
 the driver's next call resumes it) instead of holding the GPU for the rest of the lease."""
 FIELD = {"scienceqa": "correct", "hotpotqa": "em"}
 WITHIN = 0.02
+
+
+def job_gib(model: str, schemes: Sequence[str], lanes: bool) -> float:
+    """GPU memory of one eval job in GiB (:mod:`lragent.memory_plan`, :data:`BATCH` rows of :data:`CAPACITY`, bf16),
+    rounded up to a half: one scheme's engine at a time needs the largest scheme's plan; the lanes need every
+    scheme's caches and workspace at once, beside one copy of the model. The driver packs jobs onto a GPU by it, so
+    one scheme at a time lets a trainings or a two-scheme job run beside a three-scheme job on an 80 GB card."""
+    from lragent.memory_plan import GIB, model_shape, plan_memory
+
+    shape = model_shape(model)
+    plans = [plan_memory(shape, s, BATCH, CAPACITY, element_size=2) for s in schemes]
+    if lanes:
+        need = plans[0].model_bytes + sum(p.total - p.model_bytes for p in plans)
+    else:
+        need = max(p.total for p in plans)
+    return math.ceil(2 * need / GIB) / 2
 
 
 def _eval(profile: Any, bench: str, set_name: str, label: str, adapters: list[str], schemes: Sequence[str],
@@ -61,7 +78,7 @@ def _eval(profile: Any, bench: str, set_name: str, label: str, adapters: list[st
              "--concurrent_schemes", str(lanes).lower(), "--stall_s", str(STALL_S), "--dtype", "bfloat16", *extra,
              "--out", f"{{root}}/{name}",
              "--quiet", "true"],
-        done_file=f"{name}/summary.json", deps=deps, gb=GB.get(len(schemes), 66.0), priority=priority,
+        done_file=f"{name}/summary.json", deps=deps, gb=job_gib(profile.model, schemes, lanes), priority=priority,
         meta={**meta, "rows": list(schemes), "runs": runs, "split": split, "label": label},
     )  # fmt: skip
 
