@@ -82,3 +82,44 @@ def test_bench_serve_options_are_refused_naming_the_value(tmp_path, capsys, argv
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_bench_serve_refuses_a_server_that_is_not_lragent_serve(tmp_path, capsys):
+    """An OpenAI-compatible server whose answers carry no ``lragent`` field (a plain server: the scheme it serves is
+    unknown, so its figures could not be labelled) is one ``error:`` line naming the URL, exit 2, nothing written."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from lragent.cli_main import main
+
+    class Plain(BaseHTTPRequestHandler):
+        def _send(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
+            self._send({"object": "list", "data": [{"id": "plain", "object": "model"}]})
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            self._send({"choices": [{"text": "!", "finish_reason": "length", "index": 0}], "usage": usage})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Plain)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        capsys.readouterr()
+        assert main(["bench", "serve", "--server", url, "--out", str(tmp_path / "o")]) == 2
+    finally:
+        httpd.shutdown()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"error: --server {url}: its answers carry no lragent.scheme; is it lragent serve?"], lines
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())

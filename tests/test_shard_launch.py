@@ -248,3 +248,18 @@ def test_an_eval_process_imports_the_summary_metrics_only_to_write_a_summary():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_more_shards_than_the_gpus_is_refused_in_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """``eval --devices 3`` on a machine with 2 GPUs (as torch reports them) is one ``error:`` line naming both
+    counts, exit 2, before any shard starts or any folder is made."""
+    import torch
+
+    from lragent.cli_main import main  # the command itself, without the console entry's early shard start
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    capsys.readouterr()
+    assert main(["eval", "--devices", "3", "--adapter_init", "zero", "--out", str(tmp_path / "o")]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["error: --devices 3 but this machine has 2 GPU(s): allowed at most 2"], lines
+    assert not (tmp_path / "o").exists()
