@@ -150,8 +150,9 @@ case "${1:-}" in
       tmp=$(mktemp -d)
       arch=results/study_qwen/archive; [ $stage = decide ] && arch=results/study_decide/archive
       if [ $stage != sweep ]; then  # one archive per set (python -m eval_suite.study archive), weights apart
-        ls $arch/*.tar.[gx]z > /dev/null 2>&1 || { rm -rf "$tmp"; continue; }
-        for a in $arch/*.tar.[gx]z; do tar xf "$a" -C "$tmp"; done  # xz (archive's format) or an older gzip
+        ls $arch/*.tar.[gx]z* > /dev/null 2>&1 || { rm -rf "$tmp"; continue; }
+        # every archive (xz, split into pieces over 1 MB, or an older gzip) into one root
+        python3 -c "import sys; from pathlib import Path; from eval_suite.study.driver import read_archives as r; r(Path(sys.argv[1]), Path(sys.argv[2]))" "$arch" "$tmp"
         for set_dir in "$tmp"/study/train/*/; do  # trained weights: data/adapters/qwen_<set> (λ 0: the shipped sets)
           set=$(basename "$set_dir"); src=data/adapters/qwen_$set
           case $set in *_lam0) src=data/adapters/qwen_${set%_lam0}_sharedA ;; esac

@@ -289,6 +289,53 @@ def test_archive_is_one_file_per_set_without_weights_and_byte_stable(tmp_path: P
     assert main(["archive", "--root", str(tmp_path / "nowhere")]) == 2
 
 
+def test_an_archive_over_the_piece_size_is_split_and_read_back_whole(tmp_path: Path) -> None:
+    """A set whose archive outgrows the largest file the repository keeps is written in pieces that join into the one
+    archive; reading the folder extracts pieces, whole archives and older gzip ones alike; archiving again at a size
+    that fits replaces the pieces by one file (no stale piece left)."""
+    import random
+
+    from eval_suite.study.driver import read_archives
+
+    root = tmp_path / "root"
+    rng = random.Random(0)
+    files = {"eval/big_lam0/decide/episodes.jsonl": "".join(f"{rng.random()}\n" for _ in range(4000)),
+             "eval/small_lam0/decide/summary.json": "{}", "driver.log": "log"}  # fmt: skip
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    out = tmp_path / "a"
+    written = archive(root, out, piece_bytes=20_000)
+    names = sorted(p.name for p in out.iterdir())
+    pieces = [n for n in names if n.startswith("big_lam0.tar.xz.part")]
+    assert len(pieces) >= 2 and names == sorted([*pieces, "driver.tar.xz", "small_lam0.tar.xz"])
+    assert sorted(p.name for p in written) == names and all(p.stat().st_size <= 20_000 for p in written)
+    assert archive(root, tmp_path / "b", piece_bytes=20_000) and all(
+        (tmp_path / "b" / n).read_bytes() == (out / n).read_bytes() for n in names
+    )  # byte-stable, pieces too
+    (out / "old_lam1.tar.gz").write_bytes(_gzip_tar({"study/eval/old_lam1/x/summary.json": "{}"}))
+    assert read_archives(out, tmp_path / "back") == ["big_lam0", "driver", "old_lam1", "small_lam0"]
+    back = tmp_path / "back" / "study"
+    assert all((back / rel).read_text() == text for rel, text in files.items())
+    assert (back / "eval/old_lam1/x/summary.json").read_text() == "{}"
+    archive(root, out, piece_bytes=10_000_000)
+    assert not list(out.glob("big_lam0.tar.xz.part*")) and (out / "big_lam0.tar.xz").is_file()
+
+
+def _gzip_tar(members: dict[str, str]) -> bytes:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
 def test_jobs_spread_over_gpus_within_each_budget(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(
         "eval_suite.study.driver.prepare", lambda job, root: [c.replace("{root}", str(root)) for c in job.cmd]

@@ -652,7 +652,32 @@ def _pack_member(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
     return info
 
 
-def archive(root: Path, out: Path) -> list[Path]:
+ARCHIVE_PIECE_BYTES = 1_000_000
+"""The largest archive file: the repository keeps no file over 1 MB outside data/ (a larger archive is split)."""
+
+
+def read_archives(folder: Path, dest: Path) -> list[str]:
+    """Extracts every archive of ``folder`` into ``dest``: ``<set>.tar.xz`` files, ``<set>.tar.xz.partNN`` pieces
+    (joined in order) and older ``<set>.tar.gz`` files. Returns the sets extracted, sorted."""
+    import io
+
+    dest.mkdir(parents=True, exist_ok=True)
+    names = []
+    for path in sorted(folder.glob("*.tar.[gx]z")) + sorted(folder.glob("*.tar.xz.part00")):
+        if path.name.endswith(".part00"):
+            stem = path.name[: -len(".part00")]
+            data = b"".join(p.read_bytes() for p in sorted(folder.glob(f"{stem}.part[0-9][0-9]")))
+            names.append(stem[: -len(".tar.xz")])
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
+                tar.extractall(dest, filter="data")
+            continue
+        names.append(path.name[: -len(".tar.xz")])
+        with tarfile.open(path) as tar:
+            tar.extractall(dest, filter="data")
+    return sorted(names)
+
+
+def archive(root: Path, out: Path, piece_bytes: int = ARCHIVE_PIECE_BYTES) -> list[Path]:
     """The study root as compact evidence: one ``<set>.tar.xz`` per adapter set, plus ``probe`` and ``driver``.
 
     Each set's archive holds ``study/train/<set>/``, ``study/eval/<set>/`` and ``study/fidelity/<set>/`` without
@@ -660,8 +685,9 @@ def archive(root: Path, out: Path) -> list[Path]:
     preset: the episode records repeat their long fields line after line, which xz's large window finds (less than
     half gzip's size). The bytes depend only on the files (sorted members, zero times), so a set whose files did not
     change is rewritten byte-identical and a commit carries only the sets that moved; an older ``<set>.tar.gz`` of
-    the same set is removed. Extract every archive into one folder to get back a
-    root that ``report`` and ``run`` read (``run`` retrains a set only if its weights are missing from
+    the same set is removed. An archive over ``piece_bytes`` is written as ``<set>.tar.xz.part00``, ``part01``, ...
+    (joined in order they are the one file). :func:`read_archives` extracts them all into one folder: a root that
+    ``report`` and ``run`` read (``run`` retrains a set only if its weights are missing from
     ``train/<set>/adapters/``).
 
     Returns:
@@ -689,10 +715,17 @@ def archive(root: Path, out: Path) -> list[Path]:
                 if info is not None:
                     with f.open("rb") as fh:
                         tar.addfile(info, fh)
-        path = out / f"{name}.tar.xz"
-        path.write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
-        (out / f"{name}.tar.gz").unlink(missing_ok=True)
-        written.append(path)
+        data = lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME)
+        for old in [out / f"{name}.tar.gz", out / f"{name}.tar.xz", *out.glob(f"{name}.tar.xz.part[0-9][0-9]")]:
+            old.unlink(missing_ok=True)
+        if len(data) <= piece_bytes:
+            pieces = [(out / f"{name}.tar.xz", data)]
+        else:
+            pieces = [(out / f"{name}.tar.xz.part{i // piece_bytes:02d}", data[i : i + piece_bytes])
+                      for i in range(0, len(data), piece_bytes)]  # fmt: skip
+        for path, chunk in pieces:
+            path.write_bytes(chunk)
+            written.append(path)
     return written
 
 
