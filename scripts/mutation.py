@@ -38,6 +38,7 @@ PACKAGES = ["lragent", "eval_suite", "datamodules", "lit_modules", "kernels"]
 # tests/test_scheme_chain.py, whose sys.settrace trail of the scheme through the library cannot see through mutmut's
 # trampolines (it fails on the unmutated code there; it passes in the plain suite).
 MODULES: dict[str, tuple[str, str, list[str]]] = {
+    "decide": ("eval_suite/study/decide.py", "", ["tests/test_study_decide.py"]),
     "sampling": (
         "lragent/sampling.py",
         "",

@@ -168,3 +168,106 @@ def test_a_job_asks_for_the_memory_of_one_engine_at_a_time_or_of_all_with_lanes(
     together = sum(one(s) for s in ("non_shared", "base_lr_shared", "full_shared")) - 2 * model  # the model once
     assert together <= lanes.gb < together + 0.5
     assert lanes.gb > 60 and lanes.gb + train > 71.5  # all three engines at once: the card is full
+
+
+def _parsed(job) -> dict:
+    """The job's eval command as the eval command itself parses it (``--print_config``): an option the command does
+    not know, or a value it refuses, fails here as it would on the device."""
+    import contextlib
+    import io
+
+    import yaml
+
+    from lragent.cli_main import main as cli_main
+
+    argv = [a.replace("{root}", "ROOT") for a in job.cmd[2:]] + ["--print_config"]
+    assert job.cmd[:2] == ["python3", "cli.py"]  # the plan's interpreter (python=), then the one entry point
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        cli_main(argv)
+    return yaml.safe_load(buf.getvalue())
+
+
+def test_every_eval_job_is_an_eval_command_with_the_studys_settings() -> None:
+    plan = sd.build_decide_plan(("scienceqa", "hotpotqa"), QWEN)
+    evals = [j for j in plan if j.kind == "eval"]
+    assert len(evals) == 8 and [j.kind for j in plan].count("train") == 2
+    for job in evals:
+        c = _parsed(job)
+        bench, label = job.meta["benchmark"], job.meta["label"]
+        assert c["benchmark"] == bench and c["model"] == "qwen2.5-coder-1.5b" and c["dtype"] == "bfloat16"
+        assert c["batch"] == sd.BATCH == 48 and c["capacity"] == sd.CAPACITY and c["quiet"] is True
+        assert c["concurrent_schemes"] is False and c["stall_s"] == sd.STALL_S
+        assert c["out"] == f"ROOT/{job.name}" and job.done_file == f"{job.name}/summary.json"
+        assert c["split"] == job.meta["split"] and c["runs"] == job.meta["runs"]
+        assert c["scheme"] == ",".join(job.meta["rows"])
+        want_split = {"decide": sd.POOLS[bench], "others": sd.POOLS[bench], "greedy": "dev,test"}[label]
+        want_runs = {"decide": sd.RUNS[bench], "others": sd.RUNS[bench], "greedy": 1}[label]
+        assert (c["split"], c["runs"]) == (want_split, want_runs), job.name
+        assert c["temperature"] == (0.0 if label == "greedy" else 0.9), job.name
+        lam = job.meta["lambda"]
+        shipped = f"data/adapters/qwen_{bench}_sharedA"
+        assert c["adapters"] == (shipped if lam == 0 else f"ROOT/train/{bench}_lam{lam:g}/adapters"), job.name
+    by = {j.name: j for j in plan}
+    assert by["train/scienceqa_lam0.5"].meta["epochs"] == 2 and by["train/scienceqa_lam0.5"].meta["lambda"] == 0.5
+    assert [j.priority for j in plan] == sorted(j.priority for j in plan)  # the plan is in priority order
+
+
+def test_the_report_tables_line_by_line(tmp_path: Path, monkeypatch) -> None:
+    """``decide.md`` on records whose means are counted by hand and whose paired cells are fixed (the bootstrap is
+    tested apart): every column of both tables, the partial mark, the verdict words, the rows with no records."""
+
+    def fixed(records, row, ref, field):
+        mine = [r for r in records if r["row"] == row]
+        if not mine:
+            return None
+        pool = any(r["split"] == "extra" for r in records)
+        mean, ci = CELLS[row] if pool or row != "base_lr_shared" else (-0.05, (-0.09, -0.01))
+        return {"mean": mean, "ci95": list(ci), "pairs": len(mine)}
+
+    monkeypatch.setattr(sd, "paired_difference", fixed)
+    plan = sd.build_decide_plan(("scienceqa", "hotpotqa"), QWEN)
+    by = {j.name: j for j in plan}
+
+    def write(job_name: str, rows: dict[str, list[float]], runs: int, splits: list[str], field: str) -> None:
+        recs = [{"row": row, "run": run, "qid": f"q{i}", "split": split, field: score[i]}
+                for row, score in rows.items() for run in range(runs) for i, split in enumerate(splits)]  # fmt: skip
+        d = tmp_path / by[job_name].name
+        d.mkdir(parents=True)
+        (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    sqa = ["dev", "test", "extra"]
+    write("eval/scienceqa_lam0/decide", {"non_shared": [1, 1, 1], "base_lr_shared": [1, 0, 1],
+                                         "full_shared": [0, 0, 0]}, 2, sqa, "correct")  # fmt: skip
+    write("eval/scienceqa_lam0/others", {"base_shared": [1, 0, 0], "droidspeak": [0, 0, 1]}, 2, sqa, "correct")
+    write("eval/scienceqa_lam0/greedy", {"non_shared": [1, 1], "base_lr_shared": [0, 1]}, 1, ["dev", "test"],
+          "correct")  # fmt: skip
+    write("eval/hotpotqa_lam0/decide", {"non_shared": [0.5, 0]}, 8, ["dev", "test"], "em")
+    d = tmp_path / "eval/hotpotqa_lam0/decide/episodes.jsonl"  # base_lr_shared part-way: 10 of its 16 episodes
+    more = [{"row": "base_lr_shared", "run": k // 2, "qid": f"q{k % 2}", "split": ["dev", "test"][k % 2], "em": 0.0}
+            for k in range(10)]  # fmt: skip
+    d.write_text(d.read_text() + "".join(json.dumps(r) + "\n" for r in more))
+    data = sd.write_decide_report(tmp_path, plan, tmp_path / "out")
+    md = (tmp_path / "out" / "decide.md").read_text().splitlines()
+    rows = [x for x in md if x.startswith("| scienceqa") or x.startswith("| hotpotqa")]
+    assert rows == [
+        "| scienceqa, λ 0 | dev,test,extra (3 x 2) | 100.0 | -3.4 [-5.6, -1.2] (±2.2) | -8.1 [-10.2, -6.0] (±2.1) "
+        "| 100.0, -5.0, -8.1 | `base_lr_shared` undecided (interval crosses -2); `full_shared` no |",
+        "| scienceqa, λ 0.5 | dev,test,extra (0 x 0) | – | – | – | –, –, – | – |",
+        "| hotpotqa, λ 0 | dev,test (2 x 8) | 25.0 | -5.0 [-9.0, -1.0] (±4.0) | – | 25.0, -5.0, – "
+        "| `base_lr_shared` undecided (interval crosses -2) (partial: 10 of 16 pairs) |",
+        "| hotpotqa, λ 0.5 | dev,test (0 x 0) | – | – | – | –, –, – | – |",
+        "| scienceqa, λ 0 | others | dev,test,extra | `base_shared` 33.3 (3 x 2), `droidspeak` 33.3 (3 x 2) |",
+        "| scienceqa, λ 0 | greedy | dev,test | `non_shared` 100.0 (2 x 1), `base_lr_shared` 50.0 (2 x 1); "
+        "Δ `base_lr_shared` -5.0 [-9.0, -1.0] (±4.0) |",
+    ]
+    cell = data["scienceqa"]["scienceqa_lam0"]["labels"]["decide"]
+    assert cell["rows"]["base_lr_shared"] == {"mean": 4 / 6, "episodes": 6, "questions": 3, "runs": 2,
+                                              "paper_mean": 0.5, "paper_episodes": 4, "paper_questions": 2}  # fmt: skip
+    assert cell["planned_runs"] == 2 and cell["episodes"] == 18 and cell["pool"] == "dev,test,extra"
+    assert data["hotpotqa"]["hotpotqa_lam0"]["lambda"] == 0.0 and data["scienceqa"]["scienceqa_lam0.5"]["lambda"] == 0.5
+    assert json.loads((tmp_path / "out" / "decide.json").read_text())["results"] == json.loads(json.dumps(data))
+
+
+CELLS = {"base_lr_shared": (-0.034, (-0.056, -0.012)), "full_shared": (-0.081, (-0.102, -0.06)),
+         "base_shared": (-0.03, (-0.05, -0.01)), "droidspeak": (-0.15, (-0.2, -0.1))}  # fmt: skip
