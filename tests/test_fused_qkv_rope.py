@@ -322,7 +322,7 @@ def test_a_call_naming_both_caches_or_neither_or_a_bad_v_b_is_refused(monkeypatc
             call(None, (bad, 0.5, c["role"]))
 
 
-def _engine_one_row(device: str) -> dict:
+def _engine_one_row(device: str, schemes: tuple[str, ...] = ("base_lr_shared", "full_shared")) -> dict:
     """One-row decode (tiny LLaMA, q/v adapters, fp16) of both shared schemes with the switch on and off: the same
     tokens, logits within 2e-3; the launch taken only with the switch on, for both (a full cache's with v's LoRA
     term added in it)."""
@@ -344,7 +344,7 @@ def _engine_one_row(device: str) -> dict:
     fq.qkv_rope_store = spy
     counted, caps = {}, set()
     try:
-        for scheme in ("base_lr_shared", "full_shared"):
+        for scheme in schemes:
             outs = {}
             # "0": the compiler's register count; "72": a cap; "": the default cap (80)
             for flag, cap in (("0", "0"), ("1", "0"), ("1", "72"), ("1", "")):
@@ -361,7 +361,7 @@ def _engine_one_row(device: str) -> dict:
                 assert a.generated_ids == b.generated_ids, (scheme, a.generated_ids, b.generated_ids)
                 assert float((a.logits - b.logits).abs().max()) <= 2e-3, scheme
                 assert torch.equal(b.logits, c.logits) and torch.equal(b.logits, d.logits), scheme  # caps: no change
-        for scheme in ("base_lr_shared", "full_shared"):
+        for scheme in schemes:
             assert counted[(scheme, "10")] > 0 and counted[(scheme, "172")] > 0 and counted[(scheme, "1")] > 0, counted
             assert counted[(scheme, "00")] == 0, counted
         assert caps == {("0", 0), ("72", 72), ("", 80)}, caps  # the view hands the switch's cap to the launch
@@ -375,8 +375,12 @@ def _engine_one_row(device: str) -> dict:
     return {f"{s} {k}": v for (s, k), v in counted.items()}
 
 
-def test_the_engine_decodes_the_same_with_the_launch_under_the_interpreter():
-    out = run_under_interpreter("import tests.test_fused_qkv_rope as t; print('ok', t._engine_one_row('cpu'))")
+@pytest.mark.parametrize("scheme", ["base_lr_shared", "full_shared"])
+def test_the_engine_decodes_the_same_with_the_launch_under_the_interpreter(scheme):
+    """One scheme per test (each its own interpreter process): the two together outlast a minute."""
+    out = run_under_interpreter(
+        f"import tests.test_fused_qkv_rope as t; print('ok', t._engine_one_row('cpu', ({scheme!r},)))"
+    )
     assert out.startswith("ok"), out
 
 
