@@ -49,6 +49,8 @@ STALL_S = 120
 the driver's next call resumes it) instead of holding the GPU for the rest of the lease."""
 FIELD = {"scienceqa": "correct", "hotpotqa": "em"}
 WITHIN = 0.02
+VERDICT_WORDS = {"within": "yes", "outside": "no", "undecided": "undecided (interval crosses -2)"}
+"""How the decisive table words each :func:`decide_cell` verdict."""
 
 
 def job_gib(model: str, schemes: Sequence[str], lanes: bool) -> float:
@@ -221,8 +223,7 @@ def decide_table(data: dict[str, Any]) -> str:
             for name, cell in (("base_lr_shared", blr), ("full_shared", full)):
                 if cell is None:
                     continue
-                word = {"within": "yes", "outside": "no", "undecided": "undecided (interval crosses -2)"}
-                verdict.append(f"`{name}` {word[cell['verdict']]}")
+                verdict.append(f"`{name}` {VERDICT_WORDS[cell['verdict']]}")
                 if cell["pairs"] < planned:
                     verdict[-1] += f" (partial: {cell['pairs']:,} of {planned:,} pairs)"
             lines.append(

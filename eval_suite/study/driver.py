@@ -631,9 +631,14 @@ def pack(root: Path, out: Path, piece_bytes: int = 15_500_000) -> list[Path]:
     tmp.unlink()
     for old in out.glob("study.tar.gz.part*"):
         old.unlink()
+    return _write_pieces(data, out / "study.tar.gz", piece_bytes)
+
+
+def _write_pieces(data: bytes, stem: Path, piece_bytes: int) -> list[Path]:
+    """``data`` as ``<stem>.part00``, ``part01``, ... of at most ``piece_bytes`` each (at least one), in order."""
     paths = []
     for i in range(0, max(1, len(data)), piece_bytes):
-        p = out / f"study.tar.gz.part{i // piece_bytes:02d}"
+        p = stem.with_name(f"{stem.name}.part{i // piece_bytes:02d}")
         p.write_bytes(data[i : i + piece_bytes])
         paths.append(p)
     return paths
@@ -662,19 +667,15 @@ def read_archives(folder: Path, dest: Path) -> list[str]:
     import io
 
     dest.mkdir(parents=True, exist_ok=True)
-    names = []
-    for path in sorted(folder.glob("*.tar.[gx]z")) + sorted(folder.glob("*.tar.xz.part00")):
-        if path.name.endswith(".part00"):
-            stem = path.name[: -len(".part00")]
-            data = b"".join(p.read_bytes() for p in sorted(folder.glob(f"{stem}.part[0-9][0-9]")))
-            names.append(stem[: -len(".tar.xz")])
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
-                tar.extractall(dest, filter="data")
-            continue
-        names.append(path.name[: -len(".tar.xz")])
-        with tarfile.open(path) as tar:
+    found = [(p.name[: -len(".tar.xz")], p.read_bytes()) for p in sorted(folder.glob("*.tar.[gx]z"))]
+    for first in sorted(folder.glob("*.tar.xz.part00")):  # a split archive: its pieces joined in order
+        stem = first.name[: -len(".part00")]
+        pieces = sorted(folder.glob(f"{stem}.part[0-9][0-9]"))
+        found.append((stem[: -len(".tar.xz")], b"".join(p.read_bytes() for p in pieces)))
+    for _, data in found:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:  # gzip or xz, as the bytes say
             tar.extractall(dest, filter="data")
-    return sorted(names)
+    return sorted(name for name, _ in found)
 
 
 def archive(root: Path, out: Path, piece_bytes: int = ARCHIVE_PIECE_BYTES) -> list[Path]:
@@ -719,13 +720,10 @@ def archive(root: Path, out: Path, piece_bytes: int = ARCHIVE_PIECE_BYTES) -> li
         for old in [out / f"{name}.tar.gz", out / f"{name}.tar.xz", *out.glob(f"{name}.tar.xz.part[0-9][0-9]")]:
             old.unlink(missing_ok=True)
         if len(data) <= piece_bytes:
-            pieces = [(out / f"{name}.tar.xz", data)]
+            (out / f"{name}.tar.xz").write_bytes(data)
+            written.append(out / f"{name}.tar.xz")
         else:
-            pieces = [(out / f"{name}.tar.xz.part{i // piece_bytes:02d}", data[i : i + piece_bytes])
-                      for i in range(0, len(data), piece_bytes)]  # fmt: skip
-        for path, chunk in pieces:
-            path.write_bytes(chunk)
-            written.append(path)
+            written += _write_pieces(data, out / f"{name}.tar.xz", piece_bytes)
     return written
 
 
