@@ -21,7 +21,8 @@
 # every byte is there, joins them and sets LRAGENT_ACCURACY_GGUF (lragent checks size and sha256 before converting).
 # prepare-accuracy also packs the committed study roots (results/study_qwen/archive/*.tar.xz and, for the decisive
 # stage, results/study_decide/archive/*.tar.xz, one per adapter set, with
-# the trained weights from data/adapters: qwen_<b>_sharedA for the lambda-0 sets, qwen_<set> for the others; and
+# the trained weights from data/adapters: qwen_<b>_sharedA for the lambda-0 sets, qwen_<set> for the others
+# (qwen_decide_<set> for the decisive stage's; kept out of git, see .gitignore); and
 # results/study_qwen/sweep_root.tar.gz) into .resume/study and .resume/sweep, and copies the shipped accuracy-model sets
 # into .evad/<benchmark>_sharedA (what gpu_multi.sh's EV_ADAPTERS and `eval --adapters` read once data/adapters is
 # slimmed away); carry [".resume", ".evad"] in one more call (copy them to /tmp there) before the first
@@ -155,9 +156,16 @@ case "${1:-}" in
         python3 -c "import sys; from pathlib import Path; from eval_suite.study.driver import read_archives as r; r(Path(sys.argv[1]), Path(sys.argv[2]))" "$arch" "$tmp"
         for set_dir in "$tmp"/study/train/*/; do  # trained weights: data/adapters/qwen_<set> (λ 0: the shipped sets)
           set=$(basename "$set_dir"); src=data/adapters/qwen_$set
+          [ $stage = decide ] && src=data/adapters/qwen_decide_$set  # its own training of the set, not the λ study's
           case $set in *_lam0) src=data/adapters/qwen_${set%_lam0}_sharedA ;; esac
           if [ -f "$src/lragent_adapters.safetensors" ]; then
             mkdir -p "$set_dir/adapters" && cp "$src"/{lragent_adapters.safetensors,train_config.json} "$set_dir/adapters/"
+          elif [ $stage = decide ] && ls "$tmp"/study/eval/"$set"/*/episodes.jsonl > /dev/null 2>&1; then
+            # without them the driver would train the set again and add its episodes to those of these weights
+            echo "error: $src/lragent_adapters.safetensors is missing: the decisive study's $set episodes were made" \
+              "with those weights (sha256 in results/study_decide/README.md); put them back or move" \
+              "results/study_decide/archive/$set.tar.xz* aside to start that set again" >&2
+            rm -rf "$tmp"; exit 2
           fi
         done
       else

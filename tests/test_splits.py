@@ -424,22 +424,3 @@ def test_a_session_result_names_its_split_and_runs_that_splits_question(split, i
     result = json.loads(out.read_text())
     assert (result["split"], result["question"], result["question_id"]) == (split, index, row["id"])
     assert row["question"].strip() in _FakeSession.texts[0]
-
-
-def test_lanes_are_refused_on_cuda_in_one_line_unless_asked_for(tmp_path, capsys, monkeypatch) -> None:
-    """``--concurrent_schemes true`` on a CUDA device is one ``error:`` line (its lanes diverged and stalled on an
-    H100) before anything loads; on the CPU, or with LRAGENT_LANES_ON_CUDA=1, the check lets it through."""
-    monkeypatch.setattr(run_eval, "resolve_device", lambda device: "cuda:0" if device == "cuda" else "cpu")
-    monkeypatch.delenv(run_eval.LANES_ON_CUDA_ENV, raising=False)
-    cmd = ["eval", "--batch", "4", "--scheme", "non_shared,full_shared", "--concurrent_schemes", "true",
-           "--adapter_init", "zero", "--device", "cuda", "--out", str(tmp_path / "o")]  # fmt: skip
-    capsys.readouterr()
-    assert main(cmd) == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --concurrent_schemes true on CUDA: "), lines
-    assert not (tmp_path / "o").exists()
-    run_eval.check_lanes_device(True, "cpu", {})
-    run_eval.check_lanes_device(False, "cuda", {})
-    run_eval.check_lanes_device(True, "cuda", {run_eval.LANES_ON_CUDA_ENV: "1"})
-    with pytest.raises(ValueError, match="on CUDA"):
-        run_eval.check_lanes_device(True, "cuda", {run_eval.LANES_ON_CUDA_ENV: "0"})

@@ -138,6 +138,13 @@ def test_the_report_names_the_pool_and_the_papers_questions_apart(tmp_path: Path
     sd.write_decide_report(tmp_path, plan, tmp_path / "report")
     md = (tmp_path / "report" / "decide.md").read_text()
     assert "`full_shared` no (partial: 90 of 120 pairs)" in md and "`base_lr_shared` yes |" not in md
+    # a job whose first scheme is still running: no pair yet, and its `non_shared` figure is marked partial
+    ns_only = [r for r in recs if r["row"] == "non_shared"][:70]  # 35 questions reached, of the pool's 60
+    (d / "run_config.json").write_text(json.dumps({"questions": 60}))
+    (d / "episodes.jsonl").write_text("\n".join(json.dumps(r) for r in ns_only) + "\n")
+    sd.write_decide_report(tmp_path, plan, tmp_path / "report")
+    md = (tmp_path / "report" / "decide.md").read_text()
+    assert "| – (partial: 70 of 360 episodes) |" in md
 
 
 def test_the_decide_stage_is_a_stage_of_the_study_command(tmp_path: Path, capsys) -> None:

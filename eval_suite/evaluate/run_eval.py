@@ -36,7 +36,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -603,8 +603,8 @@ def evaluate(
             its own engine of --batch rows (on a GPU its own CUDA stream): the host answers one scheme's finished
             calls while the device runs the others', and the process starts once. The episodes are those of one
             scheme at a time (each engine sees the same calls in the same order); the schemes' caches are held
-            together, so --batch auto sizes for all of them. Off by default; refused on CUDA unless
-            LRAGENT_LANES_ON_CUDA=1 until a GPU run shows the lanes giving one scheme at a time's episodes.
+            together, so --batch auto sizes for all of them. Off by default (on an H100 it gave about the throughput of
+            one scheme at a time: results/eval_throughput/README.md).
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
             --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT. The shards take their
             episodes from one queue (OUT/queue), each the next one when it has a free row, so they end together.
@@ -716,27 +716,6 @@ def _check_out(out: str) -> Path:
     return out_dir
 
 
-LANES_ON_CUDA_ENV = "LRAGENT_LANES_ON_CUDA"
-
-
-def check_lanes_device(concurrent: bool, device: str, env: Mapping[str, str]) -> None:
-    """Refuses ``--concurrent_schemes true`` on a CUDA device unless ``LRAGENT_LANES_ON_CUDA=1`` (for debugging the
-    lanes): on an H100 its lanes gave other episodes than one scheme at a time and stopped making progress
-    (``results/eval_throughput/README.md``), so its records would not be the protocol's. The CPU path keeps them.
-
-    Raises:
-        ValueError: naming the option, what happened and what to run instead.
-    """
-    if not concurrent or env.get(LANES_ON_CUDA_ENV, "") == "1":
-        return
-    if resolve_device(device).split(":")[0] == "cuda":
-        raise ValueError(
-            "--concurrent_schemes true on CUDA: its lanes gave other episodes than one scheme at a time and stalled "
-            f"on an H100 (results/eval_throughput/README.md); run without it ({LANES_ON_CUDA_ENV}=1 runs it anyway, "
-            "to debug the lanes)"
-        )
-
-
 def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
     """Every check of :func:`evaluate`'s arguments, before anything is loaded or written; returns the plan.
 
@@ -781,7 +760,6 @@ def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
         max_context = capacity - 2048
     if batch and max_context > capacity - 2048:
         raise ValueError(f"--max_context_tokens {max_context} leaves no room for a cycle: allowed <= capacity - 2048")
-    check_lanes_device(bool(a.get("concurrent_schemes")), a["device"], os.environ)
     i, n = parse_shard(a["shard"])
     if a["work_queue"] and Path(a["work_queue"]).exists() and not Path(a["work_queue"]).is_dir():
         raise ValueError(f"--work_queue {a['work_queue']} is a file: give a folder that the shards share")

@@ -2,7 +2,7 @@
 
 ``python -m eval_suite.study run --stage decide`` plans, for each benchmark and each λ of :data:`LAMBDAS` (the
 shipped λ = 0 shared-A set, and λ = 0.5 trained from the study's recipe), one eval job that runs ``non_shared``,
-``base_lr_shared`` and ``full_shared`` together in one process (``--concurrent_schemes``) over the benchmark's
+``base_lr_shared`` and ``full_shared`` in one process, one scheme after the other, over the benchmark's
 decision pool (:data:`POOLS`: the paper's test sets, ``dev`` + ``test``, and for ScienceQA the ``extra`` questions)
 with :data:`RUNS` runs, the evaluation protocol's sampling and paired seeds; then ``base_shared`` and ``droidspeak``
 of the shipped set; then one greedy pair (temperature 0: ``non_shared`` and ``base_lr_shared``) on the paper's pool.
@@ -103,8 +103,8 @@ def build_decide_plan(
         lambdas: λ of the shared-A sets (0: the shipped set).
         epochs: training epochs of a set that is trained.
         python: the interpreter of the jobs.
-        lanes: each job's schemes together (``--concurrent_schemes true``; refused on CUDA, see
-            :func:`eval_suite.evaluate.run_eval.check_lanes_device`) or, by default, one at a time in its process.
+        lanes: each job's schemes together (``--concurrent_schemes true``) or, by default, one at a time in its
+            process.
     """
     runs = {**RUNS, **(runs or {})}
     prefix = "" if profile.model == "default" else f"{profile.config_prefix}_"
@@ -177,7 +177,10 @@ def collect_decide(root: Path, plan: Sequence[Job]) -> dict[str, Any]:
         field = FIELD[bench]
         entry = out.setdefault(bench, {}).setdefault(set_name, {"lambda": job.meta["lambda"], "labels": {}})
         paper = [r for r in recs if r.get("split", "dev") in PAPER_POOL]
-        cell: dict[str, Any] = {"pool": job.meta["split"], "planned_runs": job.meta["runs"], "episodes": len(recs),
+        config = root / job.name / "run_config.json"  # the pool's size, as the job counted it when it started
+        pool_questions = json.loads(config.read_text()).get("questions") if config.is_file() else None
+        cell: dict[str, Any] = {"pool": job.meta["split"], "pool_questions": pool_questions,
+                                "planned_runs": job.meta["runs"], "episodes": len(recs),
                                 "rows": {}, "paired": {}, "paired_paper": {}}  # fmt: skip
         for row in job.meta["rows"]:
             mean, n, q = _mean(recs, row, field)
@@ -218,7 +221,8 @@ def decide_table(data: dict[str, Any]) -> str:
             ns = c["rows"].get("non_shared", {})
             blr, full = c["paired"].get("base_lr_shared"), c["paired"].get("full_shared")
             pb, pf = c["paired_paper"].get("base_lr_shared"), c["paired_paper"].get("full_shared")
-            planned = ns.get("questions", 0) * c["planned_runs"]  # the pairs a finished job has
+            # the pairs a finished job has (a job without its run_config: the questions it has reached)
+            planned = (c.get("pool_questions") or ns.get("questions", 0)) * c["planned_runs"]
             verdict = []
             for name, cell in (("base_lr_shared", blr), ("full_shared", full)):
                 if cell is None:
@@ -226,6 +230,9 @@ def decide_table(data: dict[str, Any]) -> str:
                 verdict.append(f"`{name}` {VERDICT_WORDS[cell['verdict']]}")
                 if cell["pairs"] < planned:
                     verdict[-1] += f" (partial: {cell['pairs']:,} of {planned:,} pairs)"
+            episodes = planned * len(c["rows"])  # a job with no pair yet: its first row's mean is partial too
+            if not verdict and 0 < c["episodes"] < episodes:
+                verdict.append(f"– (partial: {c['episodes']:,} of {episodes:,} episodes)")
             lines.append(
                 f"| {bench}, λ {entry['lambda']:g} | {c['pool']} ({ns.get('questions', 0)} x {ns.get('runs', 0)}) "
                 f"| {_pts(ns.get('mean'))} | {_cell(blr)} | {_cell(full)} "

@@ -763,9 +763,8 @@ def study(
         gpus: run: how many GPUs to spread the jobs over, GPUs 0..N-1 (default: all).
         reset_failed: run: forget earlier failed attempts first.
         partial: report: include unfinished evaluations (an interim page).
-        lanes: decide: run a job's schemes together (``eval --concurrent_schemes true``, which eval refuses on CUDA
-            unless LRAGENT_LANES_ON_CUDA=1: on an H100 the lanes diverged and stalled); false (default): one scheme
-            at a time in the same process, the model loaded once.
+        lanes: decide: run a job's schemes together (``eval --concurrent_schemes true``); false (default): one
+            scheme at a time in the same process, the model loaded once.
         out: pack / archive / report: output directory.
 
     Returns:
