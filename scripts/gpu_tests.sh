@@ -31,7 +31,7 @@ OUTDIR=${OUT:-./gpu_tests_out}/gpu_tests
 mkdir -p "$OUTDIR"
 PY=$(command -v python3 || command -v python)
 WORKERS=${GPU_TESTS_WORKERS:-12}
-XDIST=""; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS --dist load"
+XDIST="-n 0"; [ "$WORKERS" -gt 1 ] && XDIST="-n $WORKERS --dist load"
 # the switches that change which kernels run are part of the command a record names (lragent/provenance.py's list)
 SWITCHES=$("$PY" -c 'from lragent.provenance import switches; print("".join(f" {k}={v}" for k, v in switches().items()))')
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && SWITCHES="$SWITCHES CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"

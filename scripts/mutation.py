@@ -155,7 +155,7 @@ def _config(module: str, tests: list[str], deselect: list[str] = ()) -> str:
         f"only_mutate = {arr([module])}\n"
         f"also_copy = {arr(also)}\n"
         f"pytest_add_cli_args_test_selection = {arr(tests)}\n"
-        f"pytest_add_cli_args = {arr(['-p', 'no:cacheprovider', '-q', *pytest_deselect])}\n"
+        f"pytest_add_cli_args = {arr(['-p', 'no:cacheprovider', '-q', '-n', '0', *pytest_deselect])}\n"
     )
 
 

@@ -50,7 +50,8 @@ def run_one(name: str, results: dict) -> None:
         src = src.replace(o, n)
     open(f"{scratch}/{path}", "w").write(src)
     r = subprocess.run(
-        f"cd {scratch} && OMP_NUM_THREADS=1 timeout 1500 {sys.executable} -m pytest -q -x -p no:cacheprovider {tests}",
+        f"cd {scratch} && OMP_NUM_THREADS=1 timeout 1500 {sys.executable} -m pytest -q -x -n 0 -p no:cacheprovider "
+        f"{tests}",  # -n 0: one process (the default run's workers would only slow a -x run)
         shell=True,
         capture_output=True,
         text=True,

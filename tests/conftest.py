@@ -25,6 +25,11 @@ settings.register_profile(
 settings.register_profile("explore", deadline=None, max_examples=500)
 settings.load_profile(os.environ.get("LRAGENT_HYPOTHESIS_PROFILE", "ci"))
 
+# Under pytest-xdist (the default run: ``-n auto`` in pyproject.toml) each worker gets its share of the cores: torch's
+# default of one intra-op thread per core in every worker would oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():

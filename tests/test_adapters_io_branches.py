@@ -104,3 +104,14 @@ def test_adapter_directories_without_every_piece_are_named(export: Path, tmp_pat
         FileNotFoundError, match=f"^PEFT adapter directory {no_weights / 'action'} has no {PEFT_WEIGHTS}"
     ):
         adapter_config_of(no_weights)
+
+
+def test_adapters_of_another_architectures_shapes_are_refused_naming_the_tensor(export: Path) -> None:
+    """Same roles, rank and targets, but v_proj is narrower (tiny-mistral: 1 KV head, tiny-llama's set: 2)."""
+    narrow = tiny_multi_lora("tiny-mistral", rank=4)
+    shapes = r"has shape \(32, 4\), the model expects \(16, 4\)$"
+    path = export / NATIVE_FILE
+    with pytest.raises(ValueError, match=rf"^{path}: model\.layers\.0\.self_attn\.v_proj\.lora_B\.0 {shapes}"):
+        load_native(narrow, path)
+    with pytest.raises(ValueError, match=rf"^{export / 'plan'}: model\.layers\.0\.self_attn\.v_proj lora_B {shapes}"):
+        load_peft_role(narrow, export / "plan", "plan")

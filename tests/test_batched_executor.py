@@ -181,3 +181,24 @@ def test_one_scheme_at_a_time_holds_one_engine_at_a_time(monkeypatch) -> None:
     tasks = [t for s in ("non_shared", "base_lr_shared", "full_shared") for t in _tasks(spec, cfg, 2, s, False)]
     assert len(list(ex.run(tasks))) == 6
     assert alive_at_creation == [0, 0, 0]
+
+
+def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_path, monkeypatch) -> None:
+    """``LRAGENT_EVAL_PROFILE=DIR:FIRST:COUNT``: the executor's run creates DIR and writes one
+    ``eval_profile_<pid>.txt`` whose header names the decode calls from FIRST to at least FIRST + COUNT."""
+    import os
+    import re
+
+    from eval_suite.evaluate.batched_executor import PROFILE_ENV
+
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    cfg = AgentConfig(max_steps=2, thought_tokens=4, action_type_tokens=3, argument_tokens=3, reflect_tokens=2)
+    folder = tmp_path / "prof" / "nested"
+    monkeypatch.setenv(PROFILE_ENV, f"{folder}:1:3")
+    ex = BatchedExecutor(model, ByteTokenizer(), batch=1, capacity=4096, temperature=0.9, top_p=0.75, eos_token_ids=[])
+    assert len(list(ex.run(_tasks(get_spec("hotpotqa"), cfg, 1, "base_lr_shared", False)))) == 1
+    assert ex.decode_steps >= 6
+    assert [p.name for p in folder.iterdir()] == [f"eval_profile_{os.getpid()}.txt"]
+    text = (folder / f"eval_profile_{os.getpid()}.txt").read_text()
+    start, end = map(int, re.match(r"decode calls (\d+)\.\.(\d+), wall \d+\.\d{3} s\n\n", text).groups())
+    assert start >= 1 and end >= start + 3 and "Name" in text

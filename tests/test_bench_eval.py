@@ -116,3 +116,22 @@ def test_a_sampling_interval_that_is_not_positive_is_refused(capsys, tmp_path: P
     err = capsys.readouterr().err
     assert err.startswith("error: --sample_s must be > 0, got 0") and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()
+
+
+CRASHING_EVAL = """#!{python}
+import sys
+sys.exit(5)  # dies before it writes any episode
+"""
+
+
+def test_a_job_that_wrote_no_episode_file_counts_none_and_fails_the_bench(tmp_path: Path) -> None:
+    """A job that exits before writing ``episodes.jsonl``: zero episodes in its summary and the record, exit 1."""
+    fake = tmp_path / "crashing_eval"
+    fake.write_text(CRASHING_EVAL.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "b"
+    assert be.bench_eval(["--scheme base_lr_shared"], out=str(out), python=str(fake)) == 1
+    assert not (out / "job_0" / "episodes.jsonl").exists()
+    result = json.loads((out / "bench_eval.json").read_text())
+    assert [(j["rc"], j["episodes"]) for j in result["jobs"]] == [(5, 0)] and result["summary"]["episodes"] == 0
+    assert be.read_compared(out) == []  # a compared bench's job folder without episodes adds none

@@ -443,3 +443,25 @@ def test_chains_and_packing_refuse_what_they_cannot_group() -> None:
     packed = TokenizedExample([1, 2, 3, 4], 2, 0, 0, "f:2", segments=((1, (2, 3)),))
     with pytest.raises(ValueError, match="^f:2: example is already packed$"):
         pack_prefix_chains([e, packed])
+
+
+def test_a_spec_that_is_no_file_and_no_loadable_dataset_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name with no local file is read as ``name[:split]`` (split default ``train``); any failure of the loader is
+    one line naming the spec and the loader's first line."""
+    import datasets
+
+    asked = []
+
+    def load_dataset(name: str, split: str):
+        asked.append((name, split))
+        raise FileNotFoundError(f"Dataset '{name}' doesn't exist on the Hub\nor cannot be accessed.")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    for spec, split in (("someone/role-data", "train"), ("someone/role-data:validation", "validation")):
+        with pytest.raises(ValueError) as info:
+            read_records(spec)
+        assert str(info.value) == (
+            f"data not found: {spec!r} is no local file and no loadable dataset "
+            "(Dataset 'someone/role-data' doesn't exist on the Hub)"
+        )
+        assert asked[-1] == ("someone/role-data", split)

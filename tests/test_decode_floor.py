@@ -201,3 +201,15 @@ def test_a_decode_run_measures_the_bandwidth_twice_and_floors_on_the_higher(tmp_
     for r in rows:
         assert r["floor_ms"] == pytest.approx(1e3 * r["bytes_read_per_step"] / max(measures))
         assert r["vs_floor"] == pytest.approx(r["ms_per_token"] / r["floor_ms"])
+
+
+def test_bench_decode_without_a_gpu_is_refused_before_its_output_folder_is_made(tmp_path, monkeypatch) -> None:
+    """Without CUDA, ``bench decode`` raises its one-line error and creates no output folder."""
+    from eval_suite.bench.decode import decode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("LRAGENT_DECODE_PLAN", raising=False)
+    out = tmp_path / "decode"
+    with pytest.raises(ValueError, match="^bench decode needs a CUDA GPU$"):
+        decode(model="tiny-llama", context=16, batches=[1], new_tokens=1, out=str(out))
+    assert not out.exists()

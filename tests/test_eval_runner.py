@@ -891,3 +891,19 @@ def test_merge_needs_directories_of_one_benchmark_and_one_adapter_set_per_row(tm
     mixed = [{**r, "adapters": "other/set"} if i == 0 else r for i, r in enumerate(records)]
     with pytest.raises(ValueError, match=rf"row '{row}' mixes results of different adapters \['init:random', 'other"):
         summarize(mixed)
+
+
+def test_every_corpus_file_is_checked_and_existing_ones_are_kept_in_order(tmp_path):
+    """``--corpus`` files: each is checked, not only the first (the missing second one is named), and a plan of
+    existing files keeps them all, in order, without writing the output folder."""
+    import inspect
+
+    call = {k: p.default for k, p in inspect.signature(run_eval.evaluate).parameters.items()}
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text('{"title": "A", "text": "a"}\n')
+    call.update(adapter_init="zero", out=str(tmp_path / "o"), corpus=[str(first), str(second)])
+    with pytest.raises(FileNotFoundError, match=f"^--corpus {re.escape(str(second))}: no such file$"):
+        run_eval.check_eval_args(call, notes=False)
+    second.write_text('{"title": "B", "text": "b"}\n')
+    assert run_eval.check_eval_args(call, notes=False).corpus_files == [str(first), str(second)]
+    assert not (tmp_path / "o").exists()

@@ -232,11 +232,13 @@ def _engine_check(device: str, gate_up_fused: bool = True) -> dict[str, int]:
     return calls
 
 
-def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_interpreter():
+@pytest.mark.parametrize("gate_up_fused", [True, False])
+def test_the_engine_with_norms_and_silu_in_the_gemvs_decodes_the_same_under_the_interpreter(gate_up_fused):
     """fp16 under TRITON_INTERPRET=1 (a fresh process): with LRAGENT_FUSED_GEMV=2 each two-row decode step's RMSNorms
     and SiLU·mul run inside the q/k/v, gate/up and down GEMVs (through the Triton kernels, two rows of different roles,
-    the shared A rows of q and v in the q/k/v GEMV) and the engine gives the unfused path's tokens and logits."""
-    code = "import tests.test_fused_gemv as t; print('ok', t._engine_check('cpu'), t._engine_check('cpu', False))"
+    the shared A rows of q and v in the q/k/v GEMV) and the engine gives the unfused path's tokens and logits. One
+    gate/up layout per test (each its own interpreter process): the two together outlast a minute."""
+    code = f"import tests.test_fused_gemv as t; print('ok', t._engine_check('cpu', {gate_up_fused}))"
     assert run_under_interpreter(code).startswith("ok")
 
 

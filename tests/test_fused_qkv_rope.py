@@ -353,7 +353,7 @@ def _engine_one_row(device: str, schemes: tuple[str, ...] = ("base_lr_shared", "
                 m = tiny_multi_lora("tiny-llama", b_std=0.3)
                 m.to(device)
                 m.model.half()
-                outs[flag + cap] = decode_rows(m, scheme, rows=1)
+                outs[flag + cap] = decode_rows(m, scheme, rows=1, max_new_tokens=2)  # a step past the prefill's
                 counted[(scheme, flag + cap)] = calls["n"] - before
                 caps |= {(cap, kw.get("maxnreg")) for kw in calls.get("kw", [])}
                 calls["kw"] = []

@@ -95,3 +95,30 @@ def test_bench_fused_gemv_options_are_refused_naming_the_value(args, message, ca
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_bench_kernel_without_a_gpu_is_refused_before_its_output_folder_is_made(tmp_path, monkeypatch):
+    """Valid options without CUDA: ``bench_kernel`` raises its one-line error and creates no output folder."""
+    import torch
+
+    from eval_suite.bench.kernel import bench_kernel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "kernel"
+    message = "^bench kernel needs a CUDA GPU \\(torch.cuda.is_available\\(\\) is False\\)$"
+    with pytest.raises(ValueError, match=message):
+        bench_kernel(out=str(out), quick=True)
+    assert not out.exists()
+
+
+def test_bench_fused_gemv_without_a_gpu_is_refused_before_its_output_folder_is_made(tmp_path, monkeypatch):
+    """Valid rows and dtype without CUDA: ``bench_fused_gemv`` raises its one-line error and writes nothing."""
+    import torch
+
+    from eval_suite.bench.fused_gemv import bench_fused_gemv
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "fused_gemv"
+    with pytest.raises(ValueError, match="^bench_fused_gemv times CUDA graphs: it needs a CUDA GPU$"):
+        bench_fused_gemv(rows=[1, 4], out=str(out))
+    assert not out.exists()

@@ -165,3 +165,28 @@ def test_sizes_below_one_are_refused_naming_them():
         plan_memory(shape, "full_shared", 2, 0, element_size=4)
     with pytest.raises(ValueError, match="^--batch must be >= 1 or auto, got 0$"):
         choose_batch("tiny-llama", ["full_shared"], 0, 64, dtype="float32", device="cpu")
+
+
+def test_extra_memory_beside_the_engine_counts_where_it_is_larger(free):
+    """``extra_bytes`` (memory needed next to the model at another time than the engine): the need is the model plus
+    the larger of the engine's memory and it, so a batch that fits the engine alone is refused for a larger extra."""
+    plan = plan_memory(model_shape("default"), "full_shared", 8, 4096, element_size=2)
+    beside = plan.total - plan.model_bytes
+    args = dict(dtype="bfloat16", device="cpu")
+    free(plan.total)
+    assert choose_batch("default", ["full_shared"], 8, 4096, extra_bytes=beside, **args) == 8
+    with pytest.raises(ValueError, match="^--batch 8 needs .* allowed fewer positions per episode than 4096$"):
+        choose_batch("default", ["full_shared"], 8, 4096, extra_bytes=beside + GIB // 10, **args)  # any batch
+    extra = 3 * beside
+    free(plan.model_bytes + extra)  # room for the extra: every batch whose engine needs less fits too
+    assert choose_batch("default", ["full_shared"], 8, 4096, extra_bytes=extra, **args) == 8
+    free(plan.model_bytes + extra - 1)
+    with pytest.raises(ValueError, match=f"^--batch 8 needs {(plan.model_bytes + extra) / GIB:.2f} GiB"):
+        choose_batch("default", ["full_shared"], 8, 4096, extra_bytes=extra, **args)
+
+
+def test_a_model_whose_config_cannot_be_read_is_named(tmp_path):
+    """A model folder whose config.json is broken is refused in one line naming the model."""
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"^could not read the config of model '{tmp_path}' \\(.+\\)$"):
+        memory_plan.model_config(str(tmp_path))

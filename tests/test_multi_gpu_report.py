@@ -480,3 +480,61 @@ def test_an_out_that_is_no_folder_is_refused_and_left_as_it_is(tmp_path: Path, r
     assert report.main(["--out", str(out), "--sizes", "2"]) == 2
     assert capsys.readouterr().err.startswith(f"error: --out {out} is not a directory")
     assert out.read_text() == "a file" and not (tmp_path / "multi_gpu.json").exists()
+
+
+def test_lines_of_timings_that_are_not_phase_records_are_skipped(tmp_path: Path, report) -> None:
+    """Only ``phase rc=N seconds=S`` lines count; a note, a cut line or a wrong field leaves the phases as they are."""
+    (tmp_path / "timings.txt").write_text("b1 rc=0 seconds=52\n# a note\nfsdp2 rc=0\nfsdp2 status=0 seconds=3\n"
+                                          "fsdp2 rc=1 seconds=9\n\nemb1 rc=0 took=4\n")  # fmt: skip
+    assert report.timings(tmp_path) == {"b1": {"rc": 0, "seconds": 52}, "fsdp2": {"rc": 1, "seconds": 9}}
+
+
+def _export(directory: Path, value: float) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    (directory / "plan").mkdir(parents=True)
+    save_file({"a": torch.full((2, 4), value), "b": torch.zeros(3)}, str(directory / "lragent_adapters.safetensors"))
+    (directory / "plan" / "adapter_config.json").write_text(
+        json.dumps({"r": 8, "lora_alpha": 16, "peft_type": "LORA", "target_modules": ["v_proj", "q_proj"]})
+    )
+
+
+def test_exports_are_compared_by_their_layout_and_largest_difference(tmp_path: Path, report) -> None:
+    """An export folder's files, tensor shapes and PEFT configs are read; two exports of the same layout compare
+    equal, one with another file does not, and the fit's export against the export command's gives the largest
+    absolute difference (none where a native file is missing)."""
+    _export(tmp_path / "b1_export", 0.0)
+    _export(tmp_path / "fsdp2r_export", 1.0)
+    _export(tmp_path / "fx2_export", 1.25)
+    (tmp_path / "fx2_export" / "notes.txt").write_text("an extra file")
+    layout = report.export_layout(tmp_path / "b1_export")
+    assert layout["files"] == ["lragent_adapters.safetensors", "plan/adapter_config.json"]
+    assert layout["tensors"] == {"lragent_adapters.safetensors": {"a": [2, 4], "b": [3]}}
+    assert layout["peft_configs"]["plan/adapter_config.json"] == {"r": 8, "lora_alpha": 16, "peft_type": "LORA",
+                                                                  "target_modules": ["q_proj", "v_proj"]}  # fmt: skip
+    f = report.collect(tmp_path, None, [2])["fsdp_8b"]
+    assert f["export_layout_1gpu"] == layout
+    assert f["export_fsdp2r_same_format_as_1gpu"] is True and f["export_fx2_same_format_as_1gpu"] is False
+    assert f["fsdp2_export_fit_vs_export_command_max_abs_diff"] == pytest.approx(0.25)
+    assert report.max_abs_diff(tmp_path / "b1_export", tmp_path / "fsdp2r_export") == pytest.approx(1.0)
+    (tmp_path / "fx2_export" / "lragent_adapters.safetensors").unlink()
+    assert report.max_abs_diff(tmp_path / "fsdp2r_export", tmp_path / "fx2_export") is None
+
+
+def test_the_report_writes_json_and_markdown_and_links_the_plot_only_when_one_was_drawn(tmp_path: Path, report) -> None:
+    """Nothing measured: json and md, no plot and no image line. A measured speed-up: the plot and its line."""
+    (tmp_path / "timings.txt").write_text("b1 rc=0 seconds=5\n")
+    assert report.multi_gpu_report(str(tmp_path), command="cmd", sizes="2") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multi_gpu.json", "multi_gpu.md", "timings.txt"]
+    assert json.loads((tmp_path / "multi_gpu.json").read_text())["phases"] == {"b1": {"rc": 0, "seconds": 5}}
+    md = (tmp_path / "multi_gpu.md").read_text()
+    assert "| b1 | 0 | 5 |" in md and "multi_gpu.png" not in md
+    _speed(tmp_path / "emb1_speed.json", 1000.0)
+    _speed(tmp_path / "ddp2_speed.json", 1800.0, world=2)
+    assert report.multi_gpu_report(str(tmp_path), sizes="2") == 0
+    assert (tmp_path / "multi_gpu.png").stat().st_size > 1000
+    assert (tmp_path / "multi_gpu.md").read_text().endswith("\n![speed-up against GPUs](multi_gpu.png)\n")
+    assert json.loads((tmp_path / "multi_gpu.json").read_text())["ddp_embedded"]["ddp2_speedup_tokens_per_s"] == (
+        pytest.approx(1.8)
+    )

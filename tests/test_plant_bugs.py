@@ -1,5 +1,7 @@
 """scripts/plant_bugs.py keeps what finished when it is cut short: each entry's outcome is in the results file as soon
-as it ends, and an interrupt (a device call's ``timeout -s INT``) ends the run with one line and no traceback."""
+as it ends, and an interrupt (a device call's ``timeout -s INT``) ends the run with one line and no traceback. Each
+entry is planted in a fresh scratch copy (the repository itself untouched), and the results file is merged through a
+temporary file."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = "q/k/v in one launch: off again when LRAGENT_QKV_ROPE is unset"  # its test takes about a second
@@ -48,3 +53,56 @@ def test_an_interrupted_run_keeps_the_entries_it_finished(tmp_path: Path) -> Non
     assert f"plant_bugs: interrupted during {SLOW!r}: 1 of 2 run, kept in {results}" in err, err[-2000:]
     kept = json.loads(results.read_text())
     assert list(kept) == [FAST] and kept[FAST]["exit"] != 0, kept
+
+
+def test_an_entry_is_planted_in_a_fresh_copy_and_its_failing_test_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run_one deletes the previous scratch copy, copies the repository without .git, __pycache__ and data (linked),
+    replaces each old/new pair in the entry's file there, runs the entry's tests in the copy and records their
+    failure; the repository's own file is untouched."""
+    pb = load_script("plant_bugs")
+    root, scratch = tmp_path / "repo", tmp_path / "scratch"
+    (root / "pkg").mkdir(parents=True)
+    calc = "def add(a, b):\n    return a + b\n\n\ndef neg(a):\n    return -a\n"
+    (root / "pkg" / "calc.py").write_text(calc)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_calc.py").write_text(
+        "from pkg.calc import add, neg\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+        "def test_neg():\n    assert neg(2) == -2\n"
+    )
+    (root / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
+    for junk in (".git", "__pycache__", "data"):
+        (root / junk).mkdir()
+        (root / junk / "f").write_text(junk)
+    scratch.mkdir()
+    (scratch / "stale.txt").write_text("the previous entry's copy")
+    monkeypatch.setattr(pb, "ROOT", str(root))
+    monkeypatch.setattr(pb, "SCRATCH", str(scratch))
+    bug = ("pkg/calc.py", ("return a + b", "return -a"), ("return a - b", "return a"), "tests/test_calc.py")
+    monkeypatch.setattr(pb, "BUGS", {"add subtracts, neg is identity": bug})
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the copy's pytest starts in 1 s, not 3
+    monkeypatch.setenv("PYTEST_PLUGINS", "xdist.plugin")  # but knows the runner's `-n 0`
+    results: dict = {}
+    pb.run_one("add subtracts, neg is identity", results)
+    assert (scratch / "pkg" / "calc.py").read_text() == calc.replace("a + b", "a - b").replace("-a\n", "a\n")
+    assert (root / "pkg" / "calc.py").read_text() == calc
+    assert not (scratch / "stale.txt").exists()
+    assert not (scratch / ".git").exists() and not (scratch / "__pycache__").exists()
+    assert (scratch / "data").is_symlink() and (scratch / "data" / "f").read_text() == "data"
+    entry = results["add subtracts, neg is identity"]
+    assert entry["exit"] == 1 and entry["failed"] == ["tests/test_calc.py::test_add"], entry  # -x: first failure
+
+
+def test_saving_merges_into_the_results_file_through_a_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save() keeps the entries already in the results file, adds (or replaces) the new ones, and leaves no
+    temporary .part file behind."""
+    pb = load_script("plant_bugs")
+    results = tmp_path / "planted.json"
+    results.write_text(json.dumps({"earlier": {"exit": 1}, "rerun": {"exit": 0}}))
+    monkeypatch.setattr(pb, "RESULTS", str(results))
+    pb.save({"rerun": {"exit": 2}, "new": {"exit": 1}})
+    assert json.loads(results.read_text()) == {"earlier": {"exit": 1}, "rerun": {"exit": 2}, "new": {"exit": 1}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["planted.json"]

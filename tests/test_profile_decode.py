@@ -109,3 +109,13 @@ def test_profile_decode_sizes_are_refused_naming_them(argv, message, capsys):
     assert main([*argv, "--device", "cuda"]) == 2  # the sizes are checked first; without a GPU nothing runs after
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_profile_decode_on_cuda_without_a_gpu_is_refused_before_writing(device, tmp_path, monkeypatch):
+    """``--device cuda`` or ``cuda:N`` without CUDA: one error naming the device and cpu, and no output folder."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "profile"
+    with pytest.raises(ValueError, match=f"^--device '{device}' but CUDA is not available: allowed cpu$"):
+        P.profile_decode(model="tiny-llama", batches=[1], context=16, steps=1, device=device, out=str(out))
+    assert not out.exists()

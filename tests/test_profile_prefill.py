@@ -3,6 +3,7 @@ that the prefill path has gets time, and the labels are removed afterwards."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_multi_lora
 
@@ -53,3 +54,27 @@ def test_profile_prefill_refuses_an_empty_context(capsys):
     assert main(["--context", "0", "--device", "cuda"]) == 2  # checked first; without a GPU nothing runs after
     err = capsys.readouterr().err
     assert err.startswith("error: context must be >= 1 token, got 0") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_profile_prefill_on_cuda_without_a_gpu_is_refused_before_writing(device, tmp_path, monkeypatch) -> None:
+    """``--device cuda`` or ``cuda:N`` without CUDA: one error naming the device and cpu, and no output folder."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "profile"
+    with pytest.raises(ValueError, match=f"^--device '{device}' but CUDA is not available: allowed cpu$"):
+        P.profile_prefill(model="tiny-llama", context=16, device=device, out=str(out))
+    assert not out.exists()
+
+
+def test_a_cpu_prefill_profile_writes_its_json_and_markdown_into_a_new_folder(tmp_path, monkeypatch) -> None:
+    """On the CPU the profile creates its (nested) output folder and writes both records, one row per scheme."""
+    import json
+
+    _short_trace(monkeypatch)
+    out = tmp_path / "a" / "b"
+    assert P.profile_prefill(model="tiny-llama", schemes=["full_shared"], context=16, dtype="float32", device="cpu",
+                             overrides={"num_hidden_layers": 1}, out=str(out)) == 0  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["prefill_profile.json", "prefill_profile.md"]
+    rec = json.loads((out / "prefill_profile.json").read_text())
+    assert [r["scheme"] for r in rec["rows"]] == ["full_shared"] and rec["context"] == 16
+    assert (out / "prefill_profile.md").read_text().startswith("# Prefill profile of the 17-step trace: tiny-llama")

@@ -795,3 +795,137 @@ def test_an_eval_is_done_only_with_every_run_of_every_row_at_this_sampler(tmp_pa
     assert not is_done(job, tmp_path)
     path.write_text("{not json")
     assert not is_done(job, tmp_path)
+
+
+def test_pack_replaces_the_pieces_of_an_earlier_pack(tmp_path: Path) -> None:
+    """Packing again into the same folder removes every older piece first: only the new pieces remain, and they
+    join into the new archive."""
+    import io
+    import tarfile
+
+    root = tmp_path / "study"
+    (root / "eval/x").mkdir(parents=True)
+    (root / "eval/x/summary.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = [out / f"study.tar.gz.part{i:02d}" for i in range(5)]
+    for p in stale:
+        p.write_bytes(b"an earlier, longer pack")
+    (out / "notes.txt").write_text("not a piece")
+    parts = pack(root, out, piece_bytes=10_000_000)
+    assert [p.name for p in parts] == ["study.tar.gz.part00"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "study.tar.gz.part00"]
+    names = tarfile.open(fileobj=io.BytesIO(parts[0].read_bytes())).getnames()
+    assert "study/eval/x/summary.json" in names
+
+
+def test_the_archive_command_archives_an_existing_root_and_skips_loose_files_beside_the_sets(
+    tmp_path: Path, capsys
+) -> None:
+    """``archive --root R --out O`` on an existing root: one archive per set folder, each path printed with its
+    size; a file lying directly in ``train/`` (no set folder) starts no archive of its own; no probe folder, no
+    probe archive."""
+    import io
+    import tarfile
+
+    root = tmp_path / "study"
+    for rel in ("train/a_lam0/log.txt", "eval/a_lam0/non_shared/summary.json", "train/notes.txt", "driver.log"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(rel)
+    out = tmp_path / "arch"
+    assert main(["archive", "--root", str(root), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["a_lam0.tar.xz", "driver.tar.xz"]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"{out / n} {(out / n).stat().st_size}" for n in ("a_lam0.tar.xz", "driver.tar.xz")]
+    names = tarfile.open(fileobj=io.BytesIO((out / "a_lam0.tar.xz").read_bytes())).getnames()
+    assert sorted(names) == ["study/eval/a_lam0/non_shared/summary.json", "study/train/a_lam0/log.txt"]
+    assert not (root / "archive").exists()  # --out given: nothing inside the root
+
+
+def _write_episodes(d: Path, recs: list[dict]) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_a_partial_report_takes_an_unfinished_rows_episodes_and_a_full_one_calls_it_missing(tmp_path: Path) -> None:
+    """``partial``: an unfinished row with episodes adds them and its count; an empty episode file is still missing.
+    Without ``partial`` both are missing and no episode counts."""
+    from eval_suite.study.report import collect
+
+    root = tmp_path / "study"
+    plan = [j for j in build_plan(("scienceqa",), (0.0,), runs=2) if j.name.startswith("eval/scienceqa_lam0/")]
+    recs = [dict(_episode("non_shared", f"q{q}", 0, q % 2 == 0, 2), seed=q) for q in range(3)]
+    _write_episodes(root / "eval/scienceqa_lam0/non_shared", recs)  # no summary: unfinished
+    (root / "eval/scienceqa_lam0/base_lr_shared").mkdir(parents=True)
+    (root / "eval/scienceqa_lam0/base_lr_shared/episodes.jsonl").write_text("")  # started, nothing yet
+    part = collect(root, plan, partial=True)["scienceqa_lam0"]
+    assert part["partial"] == {"non_shared": 3} and part["summary"]["episodes"] == {"non_shared": {"0": 3}}
+    assert "non_shared" not in part["missing"] and "base_lr_shared" in part["missing"]
+    whole = collect(root, plan)["scienceqa_lam0"]
+    assert whole["partial"] == {} and whole["summary"] is None
+    assert {"non_shared", "base_lr_shared"} <= set(whole["missing"])
+
+
+def test_a_finished_trainings_last_fit_status_is_reported_and_without_one_it_is_just_done(tmp_path: Path) -> None:
+    """A done training: the last ``fit_status.jsonl`` record; with no status file, ``{"done": True}``."""
+    from eval_suite.study.report import collect
+
+    root = tmp_path / "study"
+    plan = [j for j in build_plan(("scienceqa",), (0.0,), runs=2) if j.name == "train/scienceqa_lam0"]
+    done = root / plan[0].done_file
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text("{}")
+    assert collect(root, plan)["scienceqa_lam0"]["train"] == {"done": True}
+    status = [{"start_step": 0, "train_s": 10.0}, {"start_step": 50, "train_s": 5.0, "stopped": "max_epochs"}]
+    (root / "train/scienceqa_lam0/fit_status.jsonl").write_text("".join(json.dumps(s) + "\n" for s in status))
+    assert collect(root, plan)["scienceqa_lam0"]["train"] == status[-1]
+
+
+def test_an_older_sampler_copy_without_episodes_is_not_compared(tmp_path: Path) -> None:
+    """A ``<row>.samplerN`` folder lacking its episode file is skipped; the copies that have one are compared."""
+    from eval_suite.study.report import sampler_reruns
+
+    ep = {"qid": "a", "run": 0, "seed": 1, "prediction": "x", "num_tokens": 5, "actions": []}
+    _write_episodes(tmp_path / "eval/s/non_shared", [ep])
+    _write_episodes(tmp_path / "eval/s/non_shared.sampler1", [ep])
+    (tmp_path / "eval/s/base_lr_shared.sampler1").mkdir(parents=True)  # the copy's episodes were never kept
+    _write_episodes(tmp_path / "eval/s/base_lr_shared", [ep])
+    got = sampler_reruns(tmp_path)
+    assert list(got) == ["s/non_shared.sampler1"] and got["s/non_shared.sampler1"]["identical"] == 1
+
+
+def test_the_sampler_comparison_outlives_the_copies_it_was_made_from(tmp_path: Path) -> None:
+    """Once written, ``sampler_reruns.json`` is kept and its line stays on the page when a later report (from a root
+    without the older copies) has nothing to compare; with neither, no line."""
+    import shutil
+
+    from eval_suite.study.report import SAMPLER_RERUNS_FILE
+
+    root = tmp_path / "study"
+    plan = build_plan(("scienceqa",), (0.0,), runs=1)
+    ep = {"qid": "a", "run": 0, "seed": 1, "prediction": "x", "num_tokens": 5, "actions": []}
+    _write_episodes(root / "eval/scienceqa_lam0/non_shared", [ep])
+    _write_episodes(root / "eval/scienceqa_lam0/non_shared.sampler1", [dict(ep, prediction="y")])
+    out = tmp_path / "report"
+    write_report(root, plan, out)
+    kept = (out / SAMPLER_RERUNS_FILE).read_text()
+    assert json.loads(kept)["scienceqa_lam0/non_shared.sampler1"]["differing"] == [["a", 0, 1]]
+    first = (out / "study.md").read_text()
+    assert "Rows rerun with the current sampler" in first
+    shutil.rmtree(root / "eval/scienceqa_lam0/non_shared.sampler1")
+    write_report(root, plan, out)
+    assert (out / SAMPLER_RERUNS_FILE).read_text() == kept
+    assert "Rows rerun with the current sampler" in (out / "study.md").read_text()
+    write_report(root, plan, tmp_path / "fresh")
+    assert not (tmp_path / "fresh" / SAMPLER_RERUNS_FILE).exists()
+    assert "Rows rerun with the current sampler" not in (tmp_path / "fresh" / "study.md").read_text()
+
+
+def test_a_run_without_a_status_file_has_no_status_records(tmp_path: Path) -> None:
+    """``read_status``: no ``fit_status.jsonl`` gives no records; one gives each non-blank line, in order."""
+    from eval_suite.study.training_logs import STATUS_FILE, read_status
+
+    assert read_status(tmp_path / "never_trained") == []
+    assert read_status(tmp_path) == []
+    (tmp_path / STATUS_FILE).write_text('{"train_s": 1.0}\n\n{"train_s": 2.0}\n')
+    assert read_status(tmp_path) == [{"train_s": 1.0}, {"train_s": 2.0}]

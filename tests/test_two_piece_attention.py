@@ -278,3 +278,18 @@ def test_training_step_lays_out_the_shared_pass_from_host_copies(tmp_path: Path)
         moved[key] = torch.empty(moved[key].shape, dtype=torch.long, device="meta")
     got = m.compute_loss(moved, seed=3)
     assert torch.equal(got["loss"], want["loss"]) and torch.equal(got["shared"], want["shared"])
+
+
+def test_queries_keys_and_layout_of_other_lengths_are_refused() -> None:
+    """The two-piece path is for a whole sequence at once: queries, keys and the layout must all have T positions."""
+    x = {k: v.detach() for k, v in inputs(torch.float32).items()}
+    r = torch.zeros(4, dtype=torch.long)
+    for q_len, k_len, layout_len in ((T - 1, T, T), (T, T - 1, T), (T, T, T + 1)):
+        layout = RoleSplit.make(r, r + 1, torch.full((4,), 5), layout_len)
+        q, k = x["q"][:, :, :q_len], x["k"][:, :, :k_len]
+        with pytest.raises(ValueError) as info:
+            two_piece_attention(q, k, x["v_base"], x["v_lr"], x["lora_b"], 0.7, layout)
+        assert str(info.value) == (
+            "two-piece attention needs as many queries as keys as the layout's length, "
+            f"got {q_len}, {k_len} and {layout_len}"
+        )

@@ -1,0 +1,274 @@
+"""scripts/mutation.py's files: the scratch copy holds the repository's tracked and untracked files (not the ignored
+or deleted ones), is rebuilt for a changed module, takes in changed tests while keeping mutmut's kills, and is left
+alone (to resume) when nothing changed; a run stopped by its timeout is recorded as incomplete; the result and the
+README table are written; a name that matches no module, or a missing mutmut, is refused with one line.
+
+mutmut itself is replaced by a fake on PATH (a shell script that records its arguments and prints a given listing):
+a real ``mutmut run`` of even a one-mutant module takes over 4 s (its stats pass plus a pytest per mutant), and what
+these tests check is the script's own handling of the scratch copy and of mutmut's output, not mutmut's verdicts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from conftest import load_script
+
+MODULE = "def f(\n    x,\n):\n    return x\n"
+TESTS = "from pkg.mod import f\n\n\ndef test_f():\n    assert f(1) == 1\n"
+FAKE_MUTMUT = """#!/bin/sh
+echo "$*" >> "$FAKE_MUTMUT_LOG"
+case "$1" in
+  run) [ -n "$FAKE_MUTMUT_SLEEP" ] && exec sleep "$FAKE_MUTMUT_SLEEP"; exit 0 ;;
+  results) cat "$FAKE_MUTMUT_RESULTS" 2>/dev/null; exit 0 ;;
+  show) printf '# %s\\n-    return x\\n+    return None\\n' "$2" ;;
+esac
+"""
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo, check=True, capture_output=True
+    )
+
+
+def _repo(root: Path) -> Path:
+    """A git repository with a module, its test file, a pyproject.toml and an ignore rule, committed."""
+    root.mkdir()
+    (root / "pkg").mkdir()
+    (root / "pkg" / "mod.py").write_text(MODULE)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_mod.py").write_text(TESTS)
+    (root / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    (root / ".gitignore").write_text("*.log\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "init")
+    return root
+
+
+@pytest.fixture
+def mm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """scripts/mutation.py on a tiny repository (ROOT), with its scratch copies and results under tmp_path and the
+    fake mutmut first on PATH."""
+    m = load_script("mutation")
+    monkeypatch.setattr(m, "ROOT", _repo(tmp_path / "repo"))
+    monkeypatch.setattr(m, "OUT", tmp_path / "out")
+    monkeypatch.setattr(m, "SCRATCH", tmp_path / "scratch")
+    monkeypatch.setattr(m, "MODULES", {"mod": ("pkg/mod.py", "", ["tests/test_mod.py", "tests/test_gone.py"])})
+    monkeypatch.setattr(m, "UNWRAPPED", {})
+    monkeypatch.setattr(m, "DESELECT", {})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mutmut").write_text(FAKE_MUTMUT)
+    (bin_dir / "mutmut").chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MUTMUT_LOG", str(tmp_path / "mutmut.log"))
+    monkeypatch.setenv("FAKE_MUTMUT_RESULTS", str(tmp_path / "listing.txt"))
+    monkeypatch.delenv("FAKE_MUTMUT_SLEEP", raising=False)
+    return m
+
+
+def _stamp(root: Path, tests: list[str]) -> str:
+    module_hash = hashlib.sha256((root / "pkg" / "mod.py").read_bytes()).hexdigest()
+    tests_hash = hashlib.sha256("".join(tests).encode() + b"".join((root / t).read_bytes() for t in tests)).hexdigest()
+    return f"{module_hash} {tests_hash}"
+
+
+def _meta(work: Path, codes: dict) -> Path:
+    meta = work / "mutants" / "pkg" / "mod.py.meta"
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps({"exit_code_by_key": codes, "durations_by_key": {"pkg.mod.x_f__mutmut_1": 0.5}}))
+    return meta
+
+
+def test_the_scratch_copy_holds_tracked_and_untracked_files_but_not_ignored_or_deleted_ones(
+    mm: ModuleType, tmp_path: Path
+) -> None:
+    """_copy_repo copies what a CI checkout has (nested directories made); a tracked file deleted from the work tree
+    and an ignored file are not copied (and do not stop the copy)."""
+    root = mm.ROOT
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "deep.txt").write_text("deep")
+    (root / "gone.txt").write_text("gone")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "more")
+    (root / "gone.txt").unlink()  # tracked, deleted from the work tree
+    (root / "new.txt").write_text("untracked")
+    (root / "run.log").write_text("ignored")
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    mm._copy_repo(dest)
+    assert (dest / "a" / "b" / "deep.txt").read_text() == "deep"
+    assert (dest / "pkg" / "mod.py").read_text() == MODULE
+    assert (dest / "new.txt").read_text() == "untracked"
+    assert not (dest / "gone.txt").exists() and not (dest / "run.log").exists()
+
+
+def test_resetting_the_unkilled_mutants_forgets_survivors_and_keeps_kills_and_timeouts(
+    mm: ModuleType, tmp_path: Path
+) -> None:
+    """_reset_unkilled rewrites each .meta file: a killed or timed-out mutant keeps its exit code (tests are only
+    added), every other verdict is forgotten (None: tested again); the file's other data stays."""
+    codes = {"killed": 1, "timeout": 36, "survived": 0, "no_tests": 5, "unchecked": None}
+    meta = _meta(tmp_path / "work", {f"pkg.mod.x_f__mutmut_{k}": v for k, v in codes.items()})
+    mm._reset_unkilled(tmp_path / "work")
+    data = json.loads(meta.read_text())
+    assert data["exit_code_by_key"] == {
+        "pkg.mod.x_f__mutmut_killed": 1,
+        "pkg.mod.x_f__mutmut_timeout": 36,
+        "pkg.mod.x_f__mutmut_survived": None,
+        "pkg.mod.x_f__mutmut_no_tests": None,
+        "pkg.mod.x_f__mutmut_unchecked": None,
+    }
+    assert data["durations_by_key"] == {"pkg.mod.x_f__mutmut_1": 0.5}
+
+
+def test_a_changed_module_rebuilds_the_scratch_copy_from_scratch(mm: ModuleType) -> None:
+    """A scratch copy stamped with another module hash is deleted and copied afresh: its stale files go, the copy
+    gets the [tool.mutmut] table (the module, its existing test files only) and the new stamp."""
+    work = mm.SCRATCH / "mod"
+    (work / "pkg").mkdir(parents=True)
+    (work / "stale.txt").write_text("from an older module")
+    (work / "pkg" / "mod.py").write_text("def f(x):\n    return 0\n")
+    (work / ".lragent_source").write_text("0ld 0ld")
+    result = mm.run_module("mod", 1, 60)
+    assert not (work / "stale.txt").exists()
+    assert (work / "pkg" / "mod.py").read_text() == MODULE
+    assert (work / "tests" / "test_mod.py").read_text() == TESTS
+    config = (work / "pyproject.toml").read_text()
+    assert config.startswith('[project]\nname = "x"\n\n[tool.mutmut]\n')
+    assert 'only_mutate = ["pkg/mod.py"]' in config
+    assert 'pytest_add_cli_args_test_selection = ["tests/test_mod.py"]' in config  # tests/test_gone.py: no file
+    assert result["tests"] == ["tests/test_mod.py"]
+    assert (work / ".lragent_source").read_text() == _stamp(mm.ROOT, ["tests/test_mod.py"])
+    assert (mm.ROOT / "pkg" / "mod.py").read_text() == MODULE  # the repository's copy untouched
+
+
+def test_the_unwrapped_functions_are_marked_no_mutate_in_the_scratch_copy_only(mm: ModuleType) -> None:
+    """A function of UNWRAPPED gets ``# pragma: no mutate block`` on its header's last line (the colon) in the
+    scratch copy; the repository's module stays clean."""
+    mm.UNWRAPPED["mod"] = ["def f("]
+    mm.run_module("mod", 1, 60)
+    assert (mm.SCRATCH / "mod" / "pkg" / "mod.py").read_text() == MODULE.replace(
+        "):\n", "):  # pragma: no mutate block\n"
+    )
+    assert (mm.ROOT / "pkg" / "mod.py").read_text() == MODULE
+
+
+def test_changed_tests_are_brought_in_and_only_the_unkilled_mutants_reset(mm: ModuleType) -> None:
+    """Same module, changed tests: the scratch copy is kept (not rebuilt), the new test file replaces the old one in
+    the copy and in mutmut's mutants/ tree, survivors are reset, kills kept, and the stamp names the new tests."""
+    work = mm.SCRATCH / "mod"
+    mm.run_module("mod", 1, 60)
+    (work / "kept.txt").write_text("mutmut's cache")
+    meta = _meta(work, {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0})
+    new_tests = TESTS + "\n\ndef test_f_again():\n    assert f(2) == 2\n"
+    (mm.ROOT / "tests" / "test_mod.py").write_text(new_tests)
+    mm.run_module("mod", 1, 60)
+    assert (work / "kept.txt").read_text() == "mutmut's cache"
+    assert (work / "tests" / "test_mod.py").read_text() == new_tests
+    assert (work / "mutants" / "tests" / "test_mod.py").read_text() == new_tests
+    assert json.loads(meta.read_text())["exit_code_by_key"] == {
+        "pkg.mod.x_f__mutmut_1": 1,
+        "pkg.mod.x_f__mutmut_2": None,
+    }
+    assert (work / ".lragent_source").read_text() == _stamp(mm.ROOT, ["tests/test_mod.py"])
+
+
+def test_a_rerun_with_nothing_changed_resumes_on_the_kept_scratch_copy(mm: ModuleType, tmp_path: Path) -> None:
+    """Same module and tests: nothing is copied or reset (mutmut's cache and verdicts resume as they were); mutmut
+    runs again on the same copy."""
+    work = mm.SCRATCH / "mod"
+    mm.run_module("mod", 1, 60)
+    (work / "kept.txt").write_text("mutmut's cache")
+    meta = _meta(work, {"pkg.mod.x_f__mutmut_1": 1, "pkg.mod.x_f__mutmut_2": 0})
+    before = meta.read_text()
+    mm.run_module("mod", 1, 60)
+    assert (work / "kept.txt").read_text() == "mutmut's cache"
+    assert meta.read_text() == before
+    runs = [ln for ln in (tmp_path / "mutmut.log").read_text().splitlines() if ln.startswith("run ")]
+    assert runs == ["run --max-children 1"] * 2
+
+
+def test_a_run_stopped_by_its_timeout_is_recorded_incomplete_and_resumable(
+    mm: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mutmut run that outlives the timeout is stopped; the result says so (not complete, log_tail says rerun to
+    resume) and is written; the scratch copy and its stamp stay for the rerun."""
+    monkeypatch.setenv("FAKE_MUTMUT_SLEEP", "30")
+    result = mm.run_module("mod", 1, 1)
+    assert result["complete"] is False
+    assert result["log_tail"] == "stopped after 1 s (rerun to resume)"
+    assert json.loads((mm.OUT / "mod.json").read_text())["log_tail"] == "stopped after 1 s (rerun to resume)"
+    assert (mm.SCRATCH / "mod" / ".lragent_source").read_text() == _stamp(mm.ROOT, ["tests/test_mod.py"])
+
+
+def test_a_pattern_keeps_only_its_mutants_and_the_result_file_is_written(mm: ModuleType, tmp_path: Path) -> None:
+    """With a mutant-name pattern mutmut runs only those and the result counts only those; a mutant marked
+    equivalent is left out of the score and the survivors; results/mutation/KEY.json holds the result."""
+    mm.MODULES["mod"] = ("pkg/mod.py", "pkg.mod.*loss*", ["tests/test_mod.py"])
+    (tmp_path / "listing.txt").write_text(
+        "    pkg.mod.x_loss__mutmut_1: killed\n"
+        "    pkg.mod.x_loss__mutmut_2: survived\n"
+        "    pkg.mod.x_loss__mutmut_3: survived\n"
+        "    pkg.mod.x_other__mutmut_1: survived\n"
+    )
+    (mm.OUT / "equivalent").mkdir(parents=True)
+    (mm.OUT / "equivalent" / "mod.json").write_text(json.dumps({"pkg.mod.x_loss__mutmut_3": "same value"}))
+    result = mm.run_module("mod", 1, 60)
+    assert result["counts"] == {"killed": 1, "survived": 2}
+    assert result["equivalent"] == {"pkg.mod.x_loss__mutmut_3": "same value"}
+    assert result["score"] == 50.0 and result["considered"] == 2
+    assert result["survivors"] == [
+        {"mutant": "pkg.mod.x_loss__mutmut_2", "status": "survived", "diff": "-    return x\n+    return None"}
+    ]
+    assert json.loads((mm.OUT / "mod.json").read_text()) == result
+    assert "run --max-children 1 pkg.mod.*loss*" in (tmp_path / "mutmut.log").read_text().splitlines()
+
+
+def test_the_report_lists_a_module_not_run_yet_next_to_one_that_ran(mm: ModuleType) -> None:
+    """write_report writes results/mutation/README.md with a row per module: ``not run yet`` where there is no
+    KEY.json, the score and counts where there is."""
+    mm.MODULES["other"] = ("pkg/other.py", "", [])
+    mm.OUT.mkdir(parents=True)
+    result = {
+        "module": "pkg/mod.py", "pattern": None, "counts": {"killed": 3, "survived": 1}, "equivalent": {},
+        "killed_or_timeout": 3, "considered": 4, "score": 75.0, "survivors": [{}], "complete": True,
+        "seconds": 12.0, "workers": 2, "host_cpus": 2, "commit": "abcdef0123",
+    }  # fmt: skip
+    (mm.OUT / "mod.json").write_text(json.dumps(result))
+    path = mm.write_report()
+    assert path == mm.OUT / "README.md"
+    rows = [ln for ln in path.read_text().splitlines() if ln.startswith("| `")]
+    assert rows == [
+        "| `pkg/mod.py` | 75.0% | 3 of 4 | 0 | 1 | "
+        "complete, 12 s on 2 workers (2 CPUs), abcdef0; killed 3, survived 1 |",
+        "| `pkg/other.py` | not run yet | | | | |",
+    ]
+
+
+def test_a_name_that_matches_no_module_is_refused_naming_the_allowed_ones(mm: ModuleType) -> None:
+    """mutation() with names matching no key raises one line listing the keys, and writes nothing."""
+    mm.MODULES["other"] = ("pkg/other.py", "", [])
+    with pytest.raises(ValueError, match=r"^no module matches \['nosuch'\]; allowed: mod, other$"):
+        mm.mutation(["nosuch"])
+    assert not mm.OUT.exists() and not mm.SCRATCH.exists()
+
+
+def test_a_missing_mutmut_is_refused_with_how_to_install_it(
+    mm: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without mutmut on PATH, mutation() raises one line saying how to install it, before any scratch copy or
+    result is made."""
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match=r"^mutmut is not installed: pip install mutmut==3\.8\.1$"):
+        mm.mutation(["mod"])
+    assert not mm.OUT.exists() and not mm.SCRATCH.exists()
