@@ -23,7 +23,7 @@
 # stage, results/study_decide/archive/*.tar.xz, one per adapter set, with
 # the trained weights from data/adapters: qwen_<b>_sharedA for the lambda-0 sets, qwen_<set> for the others
 # (qwen_decide_<set> for the decisive stage's; kept out of git, see .gitignore); and
-# results/study_qwen/sweep_root.tar.gz) into .resume/study and .resume/sweep, and copies the shipped accuracy-model sets
+# results/study_qwen/sweep_root.tar.xz) into .resume/study and .resume/sweep, and copies the shipped accuracy-model sets
 # into .evad/<benchmark>_sharedA (what gpu_multi.sh's EV_ADAPTERS and `eval --adapters` read once data/adapters is
 # slimmed away); carry [".resume", ".evad"] in one more call (copy them to /tmp there) before the first
 # scripts/gpu_study.sh call of the lease, and the study resumes there (finished jobs are not run again).
@@ -169,8 +169,8 @@ case "${1:-}" in
           fi
         done
       else
-        [ -f results/study_qwen/sweep_root.tar.gz ] || { rm -rf "$tmp"; continue; }
-        tar xzf results/study_qwen/sweep_root.tar.gz -C "$tmp"
+        [ -f results/study_qwen/sweep_root.tar.xz ] || { rm -rf "$tmp"; continue; }
+        tar xJf results/study_qwen/sweep_root.tar.xz -C "$tmp"
       fi
       python3 -m eval_suite.study pack --root "$tmp/study" --out ".resume/$stage" > /dev/null
       rm -rf "$tmp"
