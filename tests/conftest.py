@@ -31,12 +31,6 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker more than the cores (at most 8), since many tests wait on subprocesses, servers and
-    sockets part of their time; the extra worker fills those gaps."""
-    return min(8, (os.cpu_count() or 1) + 1)
-
-
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
