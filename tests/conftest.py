@@ -74,6 +74,19 @@ def load_embedded():
     return load
 
 
+def flock_held(path: Path) -> bool:
+    """Whether another open file description holds an exclusive ``flock`` on ``path`` (the file must exist)."""
+    import fcntl
+
+    with open(path) as other:
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(other, fcntl.LOCK_UN)
+        return False
+
+
 def tiny_multi_lora(
     arch: str = "tiny-llama",
     rank: int = 4,

@@ -83,7 +83,7 @@ def test_a_rename_that_fails_without_a_finished_copy_raises_and_removes_ours(tmp
 def test_convert_once_makes_the_folder_converts_under_the_lock_and_then_reuses(tmp_path: Path, monkeypatch) -> None:
     """A first conversion creates the cache folder, holds ``.<name>.lock`` beside the target while it converts, gives
     the tokenizer the model's EOS, leaves no temporary folder, and a second call converts nothing."""
-    import fcntl
+    from conftest import flock_held
 
     from lragent import converted_cache as cc
     from lragent.models import load_model
@@ -95,19 +95,10 @@ def test_convert_once_makes_the_folder_converts_under_the_lock_and_then_reuses(t
     lock = target.parent / ".model.lock"
     loads = []
 
-    def lock_is_held() -> bool:
-        with open(lock) as other:
-            try:
-                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(other, fcntl.LOCK_UN)
-            return False
-
     class Auto:
         @staticmethod
         def from_pretrained(folder, gguf_file, dtype):
-            loads.append((Path(folder), gguf_file, dtype, lock_is_held()))
+            loads.append((Path(folder), gguf_file, dtype, flock_held(lock)))
             return load_model("tiny-llama")[0]
 
     class Tok:
@@ -123,7 +114,7 @@ def test_convert_once_makes_the_folder_converts_under_the_lock_and_then_reuses(t
     monkeypatch.setattr(cc, "tokenizer_from", lambda folder, gguf_file: Tok())
     assert cc.convert_gguf_once(gguf, target, torch.float32) == target
     assert loads == [(gguf.parent, "m.gguf", torch.float32, True)]
-    assert _is_converted(target) and not lock_is_held()
+    assert _is_converted(target) and not flock_held(lock)
     assert json.loads((target / "tokenizer_config.json").read_text())["eos_token"] == "<tok2>"  # tiny-llama's EOS id
     assert sorted(p.name for p in target.parent.iterdir()) == [".model.lock", "model"]
     assert cc.convert_gguf_once(gguf, target) == target and len(loads) == 1

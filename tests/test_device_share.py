@@ -215,8 +215,9 @@ def test_bench_trace_notes_a_context_past_the_models_positions(tmp_path: Path, c
 def test_the_allocation_lock_is_a_file_per_card_held_while_sizing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """On a (faked) GPU the lock file, named by the card's UUID, is made in ``$LRAGENT_LOCK_DIR`` (created if
     missing) and held exclusively inside the block, released after it; off CUDA no file is made."""
-    import fcntl
     from types import SimpleNamespace
+
+    from conftest import flock_held
 
     lock_dir = tmp_path / "locks" / "deep"
     monkeypatch.setenv("LRAGENT_LOCK_DIR", str(lock_dir))
@@ -226,16 +227,7 @@ def test_the_allocation_lock_is_a_file_per_card_held_while_sizing(tmp_path: Path
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-ab/{i}"))
     lock = lock_dir / "lragent-gpu-GPU-ab_1.lock"
 
-    def held() -> bool:
-        with open(lock) as other:
-            try:
-                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(other, fcntl.LOCK_UN)
-            return False
-
     with device_share.allocation_lock("cuda:1"):
-        assert lock.is_file() and held()
-    assert not held()
+        assert lock.is_file() and flock_held(lock)
+    assert not flock_held(lock)
     assert [p.name for p in lock_dir.iterdir()] == [lock.name]
