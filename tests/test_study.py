@@ -322,6 +322,32 @@ def test_an_archive_over_the_piece_size_is_split_and_read_back_whole(tmp_path: P
     assert not list(out.glob("big_lam0.tar.xz.part*")) and (out / "big_lam0.tar.xz").is_file()
 
 
+def test_archived_episode_timings_are_kept_to_the_millisecond_and_nothing_else_changes(tmp_path: Path) -> None:
+    """An episode log's seconds (``wall_s``, a role's ``decode_s``) come back rounded to 1 ms; every other value, a
+    float under another key included, comes back as written, and a torn last line is kept as it was."""
+    import json
+
+    from eval_suite.study.driver import read_archives
+
+    record = {"qid": "7", "correct": 0.5, "wall_s": 2.5586348009999256, "seed": 3,
+              "roles": {"plan": {"decode_s": 1.4119887909998852, "prefill_s": 0.0, "decode_tokens": 27}},
+              "protocol": {"top_p": 0.7512345}, "thoughts": ["naïve é"]}  # fmt: skip
+    root = tmp_path / "root"
+    (root / "eval/s_lam0/decide").mkdir(parents=True)
+    (root / "eval/s_lam0/decide/episodes.jsonl").write_text(json.dumps(record) + '\n{"qid": "8", "wall')
+    (root / "eval/s_lam0/decide/timing.json").write_text('{"loop_s": 1.23456789}')
+    read_archives(tmp_path / "a" if archive(root, tmp_path / "a") else tmp_path, tmp_path / "back")
+    first, torn = (tmp_path / "back/study/eval/s_lam0/decide/episodes.jsonl").read_text().split("\n")
+    back = json.loads(first)
+    assert back["wall_s"] == 2.559 and back["roles"]["plan"]["decode_s"] == 1.412
+    assert back["roles"]["plan"]["prefill_s"] == 0.0 and back["roles"]["plan"]["decode_tokens"] == 27
+    assert {k: back[k] for k in ("qid", "correct", "seed", "protocol", "thoughts")} == {
+        k: record[k] for k in ("qid", "correct", "seed", "protocol", "thoughts")
+    }
+    assert torn == '{"qid": "8", "wall'
+    assert (tmp_path / "back/study/eval/s_lam0/decide/timing.json").read_text() == '{"loop_s": 1.23456789}'
+
+
 def _gzip_tar(members: dict[str, str]) -> bytes:
     import io
     import tarfile
