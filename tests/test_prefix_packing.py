@@ -191,3 +191,11 @@ def test_data_stats_refuses_bad_options_naming_them(capsys, tmp_path: Path, argv
     err = capsys.readouterr().err
     assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
     assert not (tmp_path / "stats").exists()
+
+
+def test_length_stats_count_an_example_of_exactly_max_length_as_fitting() -> None:
+    from eval_suite.diagnostics.data_stats import length_stats
+
+    s = length_stats([10, 20, 30, 40], [1, 2, 3, 4], max_length=30)
+    assert s["fit_share"] == 0.75 and s["max"] == 40 and s["n"] == 4
+    assert s["output_share"] == 10 / 100 and s["p50"] == 25.0

@@ -51,3 +51,11 @@ def test_a_table_row_of_the_wrong_length_is_refused_naming_the_lengths() -> None
     with pytest.raises(ValueError, match=r"every row needs 2 cells, got \[1, 2\]"):
         markdown_table(["a", "b"], [["x", 1], ["y"]])
     assert markdown_table(["a", "b"], [["x", 1]]).splitlines()[2] == "| x | 1 |"
+
+
+def test_a_table_has_one_rule_cell_per_column_first_left_the_rest_right_unless_told() -> None:
+    from lragent.report_io import markdown_table
+
+    lines = markdown_table(["row", "a", "b"], [["x", 1, 2]]).splitlines()
+    assert lines == ["| row | a | b |", "| :--- | ---: | ---: |", "| x | 1 | 2 |"]
+    assert markdown_table(["a", "b"], [], align=["r", "l"]).splitlines()[1] == "| ---: | :--- |"

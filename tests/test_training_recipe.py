@@ -108,6 +108,16 @@ def test_early_stopping_on_rising_val_loss_exports_the_best_epoch(tmp_path: Path
     assert record["best_score"] == 2.0 and record["train_tokens"] > 0 and record["device"] == "cpu"
 
 
+def test_a_fit_stopped_by_max_steps_is_recorded_as_finished_for_that_reason(tmp_path: Path) -> None:
+    """The step limit reached exactly (global_step == max_steps) is a finished run, and says so."""
+    status = RunStatus(str(tmp_path / "status.jsonl"))
+    t = trainer(tmp_path, [status], max_epochs=50, max_steps=2, enable_checkpointing=False, limit_val_batches=0)
+    t.fit(module(), data(tmp_path))
+    (record,) = records(tmp_path / "status.jsonl")
+    assert t.global_step == 2 and record["global_step"] == 2 and record["epochs_done"] < 50
+    assert record["reason"] == "max_steps" and record["finished"]
+
+
 def test_bf16_export_halves_the_size_and_loads_back(tmp_path: Path) -> None:
     from lit_modules.export import export_adapters
 
