@@ -123,7 +123,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "converted_cache": ("lragent/converted_cache.py", "", ["tests/test_converted_cache.py"]),
     "device_share": ("lragent/device_share.py", "", ["tests/test_device_share.py"]),
     "memory_plan": ("lragent/memory_plan.py", "", ["tests/test_memory_plan.py"]),
-    "prefix_packing": ("datamodules/prefix_packing.py", "", ["tests/test_datamodule.py"]),
+    "prefix_packing": (
+        "datamodules/prefix_packing.py",
+        "",
+        ["tests/test_prefix_packing.py", "tests/test_datamodule.py"],
+    ),
     "records": ("datamodules/records.py", "", ["tests/test_datamodule.py", "tests/test_cross_role_batches.py"]),
     "multi_lora_module_loss": (  # the loss paths only: token loss, the λ-weighted shared term, the training step
         "lit_modules/multi_lora_module.py",
