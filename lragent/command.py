@@ -37,7 +37,8 @@ def on_interrupt(note: str) -> None:
 
 
 def command_line() -> list[str] | None:
-    """The command line of the command :func:`run_command` is running (``["lragent", "eval", ...]``), else None."""
+    """The command line of the command :func:`run_command` is running (``["lragent", "eval", ...]``), else None (after
+    it returns: the outer command's line, or None)."""
     return list(_COMMAND_LINE[0]) if _COMMAND_LINE else None
 
 
@@ -138,6 +139,7 @@ def run_command(
     """
     argv = sys.argv[1:] if argv is None else argv
     _INTERRUPT_NOTE.clear()
+    outer = list(_COMMAND_LINE)  # a command run inside another (a driver's) gives the line back when it returns
     _COMMAND_LINE[:] = [[*prog.split(), *argv]]
     try:
         if positional:
@@ -159,6 +161,8 @@ def run_command(
         note = _INTERRUPT_NOTE[0] if _INTERRUPT_NOTE else "nothing was saved"
         print(f"interrupted: {note}", file=sys.stderr)
         return 130
+    finally:
+        _COMMAND_LINE[:] = outer
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
