@@ -22,6 +22,7 @@ from lragent.serving.trajectories import (
     TextTrajectory,
     TrajectoryStore,
     common_prefix_len,
+    common_token_prefix,
     match_prompt,
 )
 from lragent.session import MultiAgentSession
@@ -129,6 +130,121 @@ def test_the_store_picks_the_most_reusable_trajectory_and_evicts_the_least_recen
     assert store.spare_row(busy=[]) == 1  # then the least recently used
     assert store.spare_row(busy=[1]) == 2
     assert store.spare_row(busy=[0, 1, 2]) is None
+
+
+def _reference_prefix_len(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_common_prefix_len_equals_a_character_by_character_count_wherever_the_strings_part():
+    """Every parting point of every length up to 40, and whichever string is the longer: the binary search never
+    skips the answer."""
+    for length in range(41):
+        base = "".join(chr(97 + i % 26) for i in range(length))
+        for part in range(length + 1):
+            a, b = base, base[:part] + "#" + base[part + 1 :]
+            for x, y in ((a, b), (b, a), (a, b[: part + 1]), (a[:part], b)):
+                assert common_prefix_len(x, y) == _reference_prefix_len(x, y), (x, y)
+
+
+def test_common_token_prefix_counts_leading_equal_ids_up_to_the_shorter_list():
+    assert common_token_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_token_prefix([1, 2], [1, 2, 3, 4]) == 2
+    assert common_token_prefix([1, 2, 3], [1]) == 1
+    assert common_token_prefix([5, 2], [1, 2]) == 0
+    assert common_token_prefix([], [1]) == 0
+
+
+def test_appending_a_piece_with_text_or_tokens_adds_a_mark_and_an_empty_piece_adds_none():
+    t = TextTrajectory()
+    t.append("ab", 2)
+    t.append("", 3)  # tokens without text (e.g. generated tokens the client was not sent)
+    t.append("c", 0)  # text without tokens (a token dropped with a stop string)
+    t.append("", 0)  # nothing: no mark
+    assert t.text == "abc" and t.n_tokens == 5
+    assert t.marks == [(0, 0), (2, 2), (2, 5), (3, 5)]
+
+
+class _CountingTokenizer:
+    """Byte tokenizer that records every text it is asked to tokenise."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, text: str) -> list[int]:
+        self.calls.append(text)
+        return list(text.encode("utf-8"))
+
+
+def test_a_prompt_ending_on_a_piece_boundary_is_not_tokenised_and_adds_no_mark():
+    held = TextTrajectory()
+    held.append("sys\n", 4)
+    held.append("q1", 2)
+    ids = list(b"sys\nq1")
+    tok = _CountingTokenizer()
+    m = match_prompt("sys\n", held, ids, tok, row=1)
+    assert tok.calls == []  # no new text: nothing to tokenise
+    assert m.tokens == list(b"sys\n") and m.shared == 4 and not m.extends
+    assert m.trajectory.text == "sys\n" and m.trajectory.marks == [(0, 0), (4, 4)]
+    m = match_prompt("sys\nq1", held, ids, tok, row=1)
+    assert tok.calls == [] and m.extends and m.trajectory.marks == held.marks
+
+
+def _byte_store(texts: dict[int, list[str]], rows: int = 3) -> tuple[TrajectoryStore, dict[int, list[int]]]:
+    """A store whose rows hold the given pieces, one byte a token; the rows are set (used) in key order."""
+    store, ids = TrajectoryStore(rows), {}
+    for row, pieces in texts.items():
+        held = TextTrajectory()
+        for piece in pieces:
+            held.append(piece, len(piece.encode()))
+        store.set(row, held)
+        ids[row] = list("".join(pieces).encode())
+    return store, ids
+
+
+def test_best_match_skips_rows_holding_nothing_or_no_first_character_in_common_and_tries_the_next():
+    store, ids = _byte_store({0: ["xyz"], 1: ["ab", "c"]})
+    for candidates in ([2, 0, 1], [0, 2, 1], [1, 0, 2]):  # row 2 holds nothing
+        tok = _CountingTokenizer()
+        m = store.best_match("abd", candidates, ids.__getitem__, lambda r, s: s, tok)
+        assert m.row == 1 and m.shared == 2 and m.tokens == list(b"abd"), candidates
+        assert tok.calls == ["d"]  # only row 1's rest of the prompt: row 0 shares no character, so no tokenising
+
+
+def test_best_match_ignores_a_row_sharing_text_but_no_token_and_returns_one_sharing_a_single_token():
+    tok = WordTokenizer()
+    store, held = TrajectoryStore(2), TextTrajectory()
+    held.append("abc", 1)  # one "abc" token; the prompt's "ab z" is "ab", " ", "z": 2 characters, no token shared
+    store.set(0, held)
+    ids = {0: tok("abc")["input_ids"], 1: tok("ab y")["input_ids"]}
+    assert store.best_match("ab z", [0], ids.__getitem__, lambda r, s: s, tokenize_with(tok)) is None
+    other = TextTrajectory()
+    other.append("ab y", len(ids[1]))
+    store.set(1, other)
+    m = store.best_match("ab z", [0, 1], ids.__getitem__, lambda r, s: s, tokenize_with(tok))
+    assert m.row == 1 and m.shared == 2  # row 0 (first, sharing no token) is passed over, not the end
+    byte_store, byte_ids = _byte_store({0: ["ab"]})
+    m = byte_store.best_match("aZ", [0], byte_ids.__getitem__, lambda r, s: s, tokenize_with(ByteTokenizer()))
+    assert m.row == 0 and m.shared == 1 and not m.extends
+
+
+def test_best_match_breaks_a_tie_in_favour_of_the_most_recently_used_row_whatever_the_candidate_order():
+    store, ids = _byte_store({0: ["abc"], 1: ["abc"]})  # row 1 set last
+
+    def pick(candidates: list[int]) -> int:
+        return store.best_match("abcd", candidates, ids.__getitem__, lambda r, s: s, tokenize_with(ByteTokenizer())).row
+
+    assert pick([0, 1]) == 1 and pick([1, 0]) == 1
+    store.touch(0)
+    assert pick([0, 1]) == 0 and pick([1, 0]) == 0
+    # more shared tokens beat recency
+    store.set(2, TextTrajectory("abcd", [(0, 0), (4, 4)]))
+    ids[2] = list(b"abcd")
+    store.touch(0)
+    assert pick([0, 1, 2]) == 2 and pick([2, 1, 0]) == 2
 
 
 # ---- forking a row --------------------------------------------------------------------------------------------------
@@ -421,6 +537,169 @@ def test_metrics_render_as_prometheus_text():
                  'lragent_cache_bytes{component="v_lr"} 7', 'lragent_requests_total{outcome="stop"} 1',
                  'lragent_time_to_first_token_seconds_bucket{le="0.5"} 1', "lragent_cache_bytes_peak 207"):  # fmt: skip
         assert line in text.splitlines(), line
+
+
+def test_a_fresh_serve_metrics_reports_zero_everywhere_and_no_labelled_samples():
+    m = ServeMetrics()
+    assert m.snapshot() == {
+        "running": 0,
+        "waiting": 0,
+        "peak_running": 0,
+        "peak_waiting": 0,
+        "prompt_tokens": 0,
+        "generation_tokens": 0,
+        "cached_tokens": 0,
+        "requests": {},
+        "evictions": 0,
+        "forks": 0,
+        "trajectories": 0,
+        "cache_bytes": {},
+        "peak_cache_bytes": 0,
+    }
+    lines = m.render().splitlines()
+    samples = [line for line in lines if not line.startswith("#")]
+    assert [line for line in samples if "_bucket" not in line] == [
+        "lragent_num_requests_running 0",
+        "lragent_num_requests_waiting 0",
+        "lragent_prompt_tokens_total 0",
+        "lragent_generation_tokens_total 0",
+        "lragent_cached_prompt_tokens_total 0",
+        "lragent_trajectories 0",
+        "lragent_trajectory_evictions_total 0",
+        "lragent_trajectory_forks_total 0",
+        "lragent_cache_bytes_peak 0",
+        "lragent_time_to_first_token_seconds_sum 0.000000",
+        "lragent_time_to_first_token_seconds_count 0",
+        "lragent_time_per_output_token_seconds_sum 0.000000",
+        "lragent_time_per_output_token_seconds_count 0",
+    ]
+    assert all(line.endswith("} 0") for line in samples if "_bucket" in line)
+    # a labelled metric with no samples yet still announces itself
+    assert lines[lines.index("# TYPE lragent_requests_total counter") + 1].startswith("# HELP lragent_trajectories ")
+
+
+def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_and_peaks_the_maximum():
+    m = ServeMetrics()
+    m.set_queue(3, 1)
+    m.set_queue(1, 4)
+    m.set_cache(2, {"v_lr": 7, "k": 100})
+    m.set_cache(1, {"k": 50})
+    m.finished("stop", 10, 4, 6, 0.3, 0.02)
+    m.finished("length", 5, 16, 0, 0.004, 0.5)
+    m.finished("stop", 1, 2, 3)
+    m.finished("cancelled")  # no tokens, no timings: only the outcome is counted
+    assert m.snapshot() == {
+        "running": 1,
+        "waiting": 4,
+        "peak_running": 3,
+        "peak_waiting": 4,
+        "prompt_tokens": 16,
+        "generation_tokens": 22,
+        "cached_tokens": 9,
+        "requests": {"stop": 2, "length": 1, "cancelled": 1},
+        "evictions": 0,
+        "forks": 0,
+        "trajectories": 1,
+        "cache_bytes": {"k": 50},
+        "peak_cache_bytes": 107,
+    }
+    assert (m.ttft.count, m.tpot.count) == (2, 2)  # the requests without timings observe nothing
+
+
+def test_a_snapshot_is_a_copy_that_later_updates_do_not_change():
+    m = ServeMetrics()
+    m.finished("stop", 1)
+    m.set_cache(1, {"k": 8})
+    snap = m.snapshot()
+    m.finished("stop", 1)
+    m.set_cache(1, {"k": 9})
+    assert snap["requests"] == {"stop": 1} and snap["cache_bytes"] == {"k": 8}
+
+
+@pytest.mark.parametrize(
+    "events, evictions, forks",
+    [
+        ([{"evicted": True}], 1, 0),
+        ([{"forked": True}], 0, 1),
+        ([{}], 0, 0),
+        ([{"evicted": True, "forked": True}] * 2, 2, 2),
+    ],
+)
+def test_count_event_counts_only_the_events_named(events, evictions, forks):
+    m = ServeMetrics()
+    for kw in events:
+        m.count_event(**kw)
+    snap = m.snapshot()
+    assert (snap["evictions"], snap["forks"]) == (evictions, forks)
+
+
+def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_before_each_metric():
+    """The text GET /metrics serves (format 0.0.4): every metric's HELP and TYPE, labelled samples sorted by label,
+    cumulative histogram buckets ending at +Inf, and a final newline."""
+    m = ServeMetrics()
+    m.set_queue(1, 4)
+    m.set_cache(1, {"v_lr": 7, "k": 50})
+    m.count_event(evicted=True)
+    m.count_event(evicted=True, forked=True)
+    m.finished("stop", 10, 4, 6, 0.3, 0.02)
+    m.finished("length", 5, 16, 0, 0.004, 0.5)
+    m.finished("cancelled")
+    ttft = "lragent_time_to_first_token_seconds"
+    tpot = "lragent_time_per_output_token_seconds"
+    ttft_buckets = [("0.01", 1), ("0.025", 1), ("0.05", 1), ("0.1", 1), ("0.25", 1), ("0.5", 2), ("1", 2), ("2.5", 2),
+                    ("5", 2), ("10", 2), ("30", 2), ("60", 2), ("+Inf", 2)]  # fmt: skip
+    tpot_buckets = [("0.001", 0), ("0.0025", 0), ("0.005", 0), ("0.01", 0), ("0.025", 1), ("0.05", 1), ("0.1", 1),
+                    ("0.25", 1), ("0.5", 2), ("1", 2), ("2.5", 2), ("+Inf", 2)]  # fmt: skip
+    expected = [
+        "# HELP lragent_num_requests_running Requests generating in the engine's rows.",
+        "# TYPE lragent_num_requests_running gauge",
+        "lragent_num_requests_running 1",
+        "# HELP lragent_num_requests_waiting Requests waiting for a row.",
+        "# TYPE lragent_num_requests_waiting gauge",
+        "lragent_num_requests_waiting 4",
+        "# HELP lragent_prompt_tokens_total Prompt tokens of finished requests.",
+        "# TYPE lragent_prompt_tokens_total counter",
+        "lragent_prompt_tokens_total 15",
+        "# HELP lragent_generation_tokens_total Generated tokens of finished requests.",
+        "# TYPE lragent_generation_tokens_total counter",
+        "lragent_generation_tokens_total 20",
+        "# HELP lragent_cached_prompt_tokens_total Prompt tokens read from a held trajectory's caches instead of "
+        "computed.",
+        "# TYPE lragent_cached_prompt_tokens_total counter",
+        "lragent_cached_prompt_tokens_total 6",
+        "# HELP lragent_requests_total Finished requests by outcome.",
+        "# TYPE lragent_requests_total counter",
+        'lragent_requests_total{outcome="cancelled"} 1',
+        'lragent_requests_total{outcome="length"} 1',
+        'lragent_requests_total{outcome="stop"} 1',
+        "# HELP lragent_trajectories Trajectories held in the engine's rows.",
+        "# TYPE lragent_trajectories gauge",
+        "lragent_trajectories 1",
+        "# HELP lragent_trajectory_evictions_total Least recently used trajectories evicted.",
+        "# TYPE lragent_trajectory_evictions_total counter",
+        "lragent_trajectory_evictions_total 2",
+        "# HELP lragent_trajectory_forks_total Trajectories started from another's shared prefix (its caches copied).",
+        "# TYPE lragent_trajectory_forks_total counter",
+        "lragent_trajectory_forks_total 1",
+        "# HELP lragent_cache_bytes Bytes the caches hold (valid positions) by component.",
+        "# TYPE lragent_cache_bytes gauge",
+        'lragent_cache_bytes{component="k"} 50',
+        'lragent_cache_bytes{component="v_lr"} 7',
+        "# HELP lragent_cache_bytes_peak Peak of the caches' total bytes.",
+        "# TYPE lragent_cache_bytes_peak gauge",
+        "lragent_cache_bytes_peak 57",
+        f"# HELP {ttft} Seconds from a request's arrival to its first generated token.",
+        f"# TYPE {ttft} histogram",
+        *(f'{ttft}_bucket{{le="{le}"}} {n}' for le, n in ttft_buckets),
+        f"{ttft}_sum 0.304000",
+        f"{ttft}_count 2",
+        f"# HELP {tpot} Seconds per generated token after the first, per request.",
+        f"# TYPE {tpot} histogram",
+        *(f'{tpot}_bucket{{le="{le}"}} {n}' for le, n in tpot_buckets),
+        f"{tpot}_sum 0.520000",
+        f"{tpot}_count 2",
+    ]
+    assert m.render() == "\n".join(expected) + "\n"
 
 
 def test_the_scheme_decides_which_trajectory_serves_a_role():
