@@ -231,3 +231,165 @@ def test_the_allocation_lock_is_a_file_per_card_held_while_sizing(tmp_path: Path
         assert lock.is_file() and flock_held(lock)
     assert not flock_held(lock)
     assert [p.name for p in lock_dir.iterdir()] == [lock.name]
+
+
+# ------------------------------------------------------------------------- the share's pieces on two faked cards
+@pytest.fixture
+def two_cards(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """CUDA faked with two cards (the current one is card 1): each answers for its own index only, so a call that
+    asks the wrong card fails. Returns the calls to ``set_per_process_memory_fraction``."""
+    from types import SimpleNamespace
+
+    cards = {
+        0: dict(total=40 * GIB, free=30 * GIB, held=1 * GIB),
+        1: dict(total=80 * GIB, free=3 * GIB // 2, held=3 * GIB // 4),
+    }
+    calls: dict = {"fraction": []}
+
+    def set_fraction(fraction, device=None) -> None:
+        calls["fraction"].append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=cards[i]["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: cards[i]["held"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (cards[i]["free"], cards[i]["total"]))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    return calls
+
+
+def test_a_share_of_exactly_the_whole_device_is_allowed_and_a_bad_one_is_named_with_its_option() -> None:
+    for whole in (1, 1.0):
+        device_share.check_memory_fraction(whole)
+    device_share.check_memory_fraction(None)
+    with pytest.raises(ValueError, match=r"^--share 1\.01: allowed a share of the device's memory in \(0, 1\]"):
+        device_share.check_memory_fraction(1.01, option="--share")
+
+
+def test_apply_memory_fraction_caps_the_named_card_or_the_current_one(two_cards: dict) -> None:
+    device_share.apply_memory_fraction("cuda:0", 1)
+    device_share.apply_memory_fraction("cuda", 0.25)  # no index: the current card
+    assert two_cards["fraction"] == [(1.0, 0), (0.25, 1)]
+    assert all(type(f) is float for f, _ in two_cards["fraction"])
+
+
+def test_apply_memory_fraction_caps_nothing_without_a_share_or_off_cuda(two_cards: dict) -> None:
+    device_share.apply_memory_fraction("cuda:0", None)
+    device_share.apply_memory_fraction("cpu", 0.5)  # CUDA is there, but the process runs on the CPU
+    assert two_cards["fraction"] == []
+
+
+def test_apply_memory_fraction_on_a_machine_without_cuda_caps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: pytest.fail("capped"))
+    device_share.apply_memory_fraction("cuda:0", 0.5)
+
+
+def test_apply_memory_fraction_and_memory_budget_refuse_a_bad_share_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"--memory_fraction 1\.5:"):
+        device_share.apply_memory_fraction("cpu", 1.5)
+    with pytest.raises(ValueError, match=r"--memory_fraction 0:"):
+        device_share.memory_budget(GIB, "cpu", 0)
+
+
+def test_total_and_held_memory_of_a_card_are_its_own(two_cards: dict) -> None:
+    assert [device_share.total_memory(d) for d in ("cuda:0", "cuda:1", "cuda")] == [40 * GIB, 80 * GIB, 80 * GIB]
+    assert [device_share.held_memory(d) for d in ("cuda:0", "cuda")] == [1 * GIB, 3 * GIB // 4]
+    assert device_share.held_memory("cpu") == 0  # a CPU process holds nothing on a card, CUDA or not
+
+
+def test_total_and_held_memory_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_share.total_memory("cuda:0") is None
+    assert device_share.held_memory("cuda:0") == 0 and device_share.held_memory("cpu") == 0
+
+
+def _fake_meminfo(monkeypatch: pytest.MonkeyPatch, text: str | None) -> None:
+    """``/proc/meminfo`` as ``text`` for :mod:`lragent.device_share` (None: no such file); other paths do not exist."""
+    import io
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/meminfo" and text is not None:
+            return io.StringIO(text)
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(device_share, "open", fake_open, raising=False)
+
+
+def test_meminfo_fields_are_read_in_bytes_and_the_cpu_total_is_memtotal(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_meminfo(monkeypatch, "MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n")
+    assert device_share.meminfo_bytes("MemAvailable") == 8192 * 1024
+    assert device_share.meminfo_bytes("MemTotal") == device_share.total_memory("cpu") == 16384 * 1024
+    assert device_share.meminfo_bytes("SwapTotal") is None
+
+
+def test_without_proc_meminfo_the_cpu_total_is_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_meminfo(monkeypatch, None)
+    assert device_share.meminfo_bytes("MemTotal") is None and device_share.total_memory("cpu") is None
+
+
+def test_memory_budget_on_a_card_is_the_share_of_its_total_less_what_it_holds(two_cards: dict) -> None:
+    """Card 0: 40 GiB, 1 GiB held; a 0.25 share leaves 9 GiB (what is free bounds it; unknown free: the share)."""
+    assert device_share.memory_budget(None, "cuda:0", 0.25) == 9 * GIB
+    assert device_share.memory_budget(20 * GIB, "cuda:0", 0.25) == 9 * GIB
+    assert device_share.memory_budget(5 * GIB, "cuda:0", 0.25) == 5 * GIB
+    assert device_share.memory_budget(None, "cuda", 0.5) == 40 * GIB - 3 * GIB // 4  # the current card, 80 GiB
+
+
+def test_memory_budget_is_zero_when_the_process_already_holds_more_than_its_share(two_cards: dict) -> None:
+    assert device_share.memory_budget(None, "cuda:0", 0.02) == 0  # 0.8 GiB share, 1 GiB held
+    assert device_share.memory_budget(GIB, "cuda:0", 0.02) == 0
+
+
+def test_memory_budget_with_an_unknown_total_is_what_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_share.memory_budget(5 * GIB, "cuda:0", 0.5) == 5 * GIB
+    assert device_share.memory_budget(None, "cuda:0", 0.5) is None
+
+
+def test_is_oom_knows_torch_oom_whatever_its_text_and_runtime_errors_saying_out_of_memory() -> None:
+    assert device_share.is_oom(torch.OutOfMemoryError("allocator gave up"))
+    assert device_share.is_oom(RuntimeError("CUDA error: Out Of Memory while launching"))
+    assert device_share.is_oom(RuntimeError("out of memory"))
+    assert not device_share.is_oom(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not device_share.is_oom(ValueError("out of memory"))  # not a RuntimeError
+
+
+def test_oom_line_without_a_size_says_an_allocation_and_names_the_given_device(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = device_share.oom_line(RuntimeError("out of memory"), "cpu", "a smaller --batch")
+    assert line == "out of memory on cpu an allocation; try a smaller --batch"
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has ...")
+    assert device_share.oom_line(exc, "cuda:1", "x") == "out of memory on cuda:1 allocating 2.00 GiB; try x"
+    assert device_share.oom_line(exc, None, "x") == "out of memory on cpu allocating 2.00 GiB; try x"
+
+
+def test_oom_line_on_a_card_tells_what_is_free_of_its_total_and_held_here(two_cards: dict) -> None:
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.25 GiB. GPU 1 has a total capacity ...")
+    line = "out of memory on cuda:1 allocating 3.25 GiB: 1.50 GiB free of 80.00 GiB, 0.75 GiB held here; try x"
+    assert device_share.oom_line(exc, "cuda:1", "x") == line
+    current = "out of memory on cuda allocating 3.25 GiB: 1.50 GiB free of 80.00 GiB, 0.75 GiB held here; try x"
+    assert device_share.oom_line(exc, None, "x") == current  # no device named: CUDA's current card
+    assert device_share.oom_line(exc, "cpu", "x") == "out of memory on cpu allocating 3.25 GiB; try x"
+
+
+def test_the_lock_of_a_card_without_a_uuid_is_named_by_visible_devices_and_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No UUID (older torch): ``CUDA_VISIBLE_DEVICES`` and the index name the lock (unset: the index alone); with no
+    ``$LRAGENT_LOCK_DIR`` it lives in the temporary directory."""
+    import tempfile
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=GIB))
+    monkeypatch.delenv("LRAGENT_LOCK_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with device_share.allocation_lock("cuda:1"):
+        pass
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with device_share.allocation_lock("cuda"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lragent-gpu--1.lock", "lragent-gpu-2_3-1.lock"]

@@ -190,3 +190,325 @@ def test_a_model_whose_config_cannot_be_read_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"^could not read the config of model '{tmp_path}' \\(.+\\)$"):
         memory_plan.model_config(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------ the plan's parts, one by one
+def test_describe_names_the_caches_the_model_and_the_rest_in_gib():
+    plan = memory_plan.MemoryPlan("full_shared", 2, 64, GIB, GIB // 4, 3 * GIB // 2, GIB // 2)
+    assert plan.total == 13 * GIB // 4
+    assert plan.describe() == (
+        "full_shared: caches 1.00 GiB for 2 episode(s) x 64 positions, model 1.50 GiB, "
+        "decode state and workspace 0.75 GiB"
+    )
+
+
+def test_a_plan_records_its_scheme_batch_and_capacity_and_one_position_is_a_capacity():
+    plan = plan_memory(model_shape("tiny-llama"), "base_shared", 3, 1, element_size=4)
+    assert (plan.scheme, plan.batch, plan.capacity) == ("base_shared", 3, 1)
+    assert all(type(v) is int and v > 0 for v in (plan.cache_bytes, plan.state_bytes, plan.model_bytes))
+
+
+def test_decode_state_is_an_int64_per_position_and_a_bool_and_an_fp32_per_vocabulary_entry_per_row():
+    """One more position adds a generated-token (int64) per row; one more vocabulary entry adds the stop mask's
+    bool and the pending logits' fp32 per row, and one entry of the EOS mask the rows share."""
+    import dataclasses
+
+    shape = model_shape("tiny-llama")
+    state = lambda shape, capacity: plan_memory(shape, "full_shared", 3, capacity, element_size=2).state_bytes
+    assert state(shape, 65) - state(shape, 64) == 3 * 8
+    wider = dataclasses.replace(shape, vocab=shape.vocab + 1)
+    assert state(wider, 64) - state(shape, 64) == 3 * (1 + 4) + 1
+
+
+def test_the_plan_of_the_embedded_model_at_32_episodes_of_8192_positions_in_bf16_is_pinned():
+    """The figures ``--batch auto`` and the study's card packing (eval_suite/study/decide.py) are sized from, for
+    every scheme: a change to any term of the plan (the decode state, the workspace's decode-step, prefill and fixed
+    parts, the 3 % margin) shows up here and must be deliberate."""
+    shape = model_shape("default")
+    pinned = {  # scheme: (caches, decode state, model, workspace) in bytes
+        "non_shared": (18308136960, 10013696, 270688896, 1761261024),
+        "full_shared": (6228541440, 10013696, 270688896, 1398873158),
+        "droidspeak": (6539968512, 10013696, 270688896, 1408215970),
+        "base_shared": (6609960960, 10013696, 270688896, 1410315744),
+        "base_lr_shared": (6358302720, 10013696, 270688896, 1402765996),
+    }
+    for scheme, figures in pinned.items():
+        plan = plan_memory(shape, scheme, 32, 8192, element_size=2)
+        assert (plan.cache_bytes, plan.state_bytes, plan.model_bytes, plan.workspace_bytes) == figures, scheme
+
+
+def test_droidspeak_caches_follow_the_recompute_layers_given():
+    """Two recompute groups (layers 0 and 2 of tiny-llama) hold twice the hidden states of the default one group:
+    the plan is what an engine with those layers allocates, not the default's."""
+    model = tiny_multi_lora("tiny-llama", rank=4)
+    shape = ModelShape.from_config(model.model.config)
+    plan = plan_memory(shape, "droidspeak", 2, 64, element_size=4, rank=4, droidspeak_layers=[0, 2])
+    eng = Engine(model, "droidspeak", rows=2, capacity=64, eos_token_ids=[], droidspeak_layers=[0, 2])
+    assert plan.cache_bytes == eng.pool.allocated_bytes()
+    assert plan.cache_bytes > plan_memory(shape, "droidspeak", 2, 64, element_size=4, rank=4).cache_bytes
+
+
+def test_model_bytes_count_one_a_per_role_without_shared_a():
+    shared, own = tiny_multi_lora("tiny-llama", rank=4), tiny_multi_lora("tiny-llama", rank=4, shared_a=False)
+    shape = ModelShape.from_config(shared.model.config)
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    assert shape.base_params() + shape.adapter_params(4, 3) == count(shared)  # shared A by default
+    assert shape.base_params() + shape.adapter_params(4, 3, shared_a=False) == count(own) > count(shared)
+    plan = plan_memory(shape, "full_shared", 1, 64, element_size=4, rank=4, shared_a=False)
+    assert plan.model_bytes == 4 * count(own)
+
+
+def test_base_lr_shared_without_shared_a_is_refused_by_the_plan():
+    with pytest.raises(ValueError, match="^scheme base_lr_shared needs shared A"):
+        plan_memory(model_shape("tiny-llama"), "base_lr_shared", 1, 64, element_size=4, shared_a=False)
+
+
+# ------------------------------------------------------------------------------------------- shapes from configs
+def _meta_params(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def test_a_head_dim_other_than_hidden_over_heads_is_read_from_the_config():
+    """A LLaMA whose heads are wider than hidden / heads (head_dim 32, not 16): the shape reads it, and its parameter
+    count is the model's."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    shape = ModelShape.from_config(config)
+    assert (shape.head_dim, shape.qkv_bias) == (32, False)
+    assert shape.base_params() == _meta_params(config)
+
+
+def test_attention_biases_are_read_from_a_llama_config_and_implied_by_qwen2():
+    from transformers import AutoConfig
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    assert ModelShape.from_config(AutoConfig.for_model("llama", attention_bias=True, **sizes)).qkv_bias is True
+    assert ModelShape.from_config(AutoConfig.for_model("llama", attention_bias=False, **sizes)).qkv_bias is False
+    assert model_shape("tiny-qwen2").qkv_bias is True  # Qwen2 configs carry no attention_bias field
+
+
+def test_a_mistral_config_has_no_attention_bias_field_and_no_biases():
+    config = memory_plan.model_config("tiny-mistral")
+    assert not hasattr(config, "attention_bias")
+    shape = memory_plan.model_shape("tiny-mistral")
+    assert shape.qkv_bias is False and shape.base_params() == _meta_params(config)
+
+
+def test_a_config_naming_only_the_sizes_is_multi_head_untied_and_without_biases():
+    """A bare config (no head_dim, num_key_value_heads, tie_word_embeddings or attention_bias): one K/V head per
+    query head, head_dim = hidden / heads as a whole number, untied embeddings, no q/k/v biases."""
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=256
+    )
+    shape = ModelShape.from_config(config)
+    assert shape == ModelShape(2, 64, 128, 4, 4, 16, 256, tied=False, qkv_bias=False)
+    assert type(shape.head_dim) is int
+
+
+def test_the_accuracy_models_config_is_its_architecture_without_any_download():
+    from lragent import accuracy_model
+
+    for name in accuracy_model.NAMES:
+        config = memory_plan.model_config(name)
+        assert config.model_type == "qwen2" and config.hidden_size == accuracy_model.ARCHITECTURE["hidden_size"]
+        assert memory_plan.model_shape(name).n_layers == accuracy_model.ARCHITECTURE["num_hidden_layers"]
+
+
+def test_an_unreadable_config_is_named_by_the_first_line_of_the_error_or_else_its_type(monkeypatch):
+    import transformers
+
+    errors = iter([OSError("no config.json in m\nsee the docs"), OSError(), ValueError("  \n ")])
+
+    def unreadable(name, *args, **kwargs):
+        raise next(errors)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", unreadable)
+    for reason in ("no config.json in m", "OSError", "ValueError"):
+        with pytest.raises(ValueError) as err:
+            memory_plan.model_config("some/model")
+        assert str(err.value) == f"could not read the config of model 'some/model' ({reason})"
+
+
+def test_session_capacity_grows_as_the_engine_doubling_rounded_up_to_256():
+    assert session_capacity(1024) == 1024  # exactly full: no growth
+    assert session_capacity(2048) == 2048
+    assert session_capacity(1000, initial=100) == 1024  # 100 -> 256 -> 512 -> 1024
+    assert session_capacity(600, initial=257) == 768  # 2 x 257 = 514, rounded up to 768
+    assert type(session_capacity(1000, initial=100)) is int
+
+
+# -------------------------------------------------------------------------------------- choosing and refusing
+@pytest.fixture
+def free_on(monkeypatch):
+    """Fakes the free-memory query per device (a query for any other device fails); returns the dict to fill."""
+    sizes: dict[str, int | None] = {}
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: sizes[str(device)])
+    return sizes
+
+
+def test_a_batch_whose_need_is_exactly_what_is_free_fits(free_on):
+    free_on["cpu"] = _need("non_shared", 40)
+    args = dict(dtype="bfloat16", device="cpu")
+    assert choose_batch("default", ["non_shared"], "auto", 8192, **args) == 40
+    assert choose_batch("default", ["non_shared"], 40, 8192, **args) == 40
+
+
+def test_refusing_a_batch_names_the_need_the_device_what_is_free_and_the_largest_that_fits(free_on):
+    free_on["cpu"] = _need("non_shared", 40)
+    plan = plan_memory(model_shape("default"), "non_shared", 41, 8192, element_size=2)
+    with pytest.raises(ValueError) as err:
+        choose_batch("default", ["non_shared"], 41, 8192, dtype="bfloat16", device="cpu")
+    assert str(err.value) == (
+        f"--batch 41 needs {plan.total / GIB:.2f} GiB on cpu ({plan.describe()}) but "
+        f"{free_on['cpu'] / GIB:.2f} GiB is free: allowed --batch <= 40 or --batch auto"
+    )
+
+
+def test_an_option_that_takes_no_auto_is_offered_only_a_number(free_on):
+    free_on["cpu"] = _need("non_shared", 40)
+    with pytest.raises(ValueError, match=r"needs .*: allowed --rows <= 40$"):
+        choose_batch(
+            "default", ["non_shared"], 41, 8192, dtype="bfloat16", device="cpu", option="--rows", auto_ok=False
+        )
+
+
+def test_auto_refuses_when_not_even_one_episode_fits_naming_that_episodes_need(free_on):
+    plan = plan_memory(model_shape("default"), "full_shared", 1, 8192, element_size=2)
+    free_on["cpu"] = plan.total - 1
+    with pytest.raises(ValueError) as err:
+        choose_batch("default", ["full_shared"], "auto", 8192, dtype="bfloat16", device="cpu")
+    assert str(err.value) == (
+        f"--batch auto: even one episode needs {plan.total / GIB:.2f} GiB on cpu ({plan.describe()}) but "
+        f"{(plan.total - 1) / GIB:.2f} GiB is free: allowed fewer positions per episode than 8192, a larger "
+        "--memory_fraction or another device"
+    )
+
+
+def test_with_the_free_memory_unknown_the_batch_is_taken_as_given_and_auto_is_the_maximum(free_on):
+    free_on["cpu"] = None
+    args = dict(dtype="bfloat16", device="cpu")
+    assert choose_batch("default", ["non_shared"], 10_000, 8192, **args) == 10_000
+    assert choose_batch("default", ["non_shared"], "auto", 8192, max_batch=7, **args) == 7
+
+
+def test_a_share_of_the_device_bounds_the_batch_and_the_refusal_says_so(free_on, monkeypatch):
+    """80 GiB free of a 100 GiB device, a 0.1 share: the batch is sized to 10 GiB, and a refusal says the memory is
+    this process's to take under that share."""
+    from lragent import device_share
+
+    free_on["cpu"] = 80 * GIB
+    monkeypatch.setattr(device_share, "total_memory", lambda device: {"cpu": 100 * GIB}[str(device)])
+    args = dict(dtype="bfloat16", device="cpu", memory_fraction=0.1)
+    b = choose_batch("default", ["full_shared"], "auto", 8192, **args)
+    assert _need("full_shared", b) <= 10 * GIB < _need("full_shared", b + 1)
+    with pytest.raises(ValueError, match=r"GiB is this process's to take \(--memory_fraction 0.1\): allowed --batch"):
+        choose_batch("default", ["full_shared"], b + 1, 8192, **args)
+
+
+def test_with_the_model_loaded_its_bytes_are_left_out_of_the_need(free_on):
+    plan = plan_memory(model_shape("default"), "full_shared", 8, 4096, element_size=2)
+    args = dict(dtype="bfloat16", device="cpu", model_loaded=True)
+    free_on["cpu"] = plan.total - plan.model_bytes
+    assert choose_batch("default", ["full_shared"], 8, 4096, **args) == 8
+    free_on["cpu"] -= 1
+    with pytest.raises(ValueError, match="^--batch 8 needs"):
+        choose_batch("default", ["full_shared"], 8, 4096, **args)
+
+
+@pytest.mark.parametrize(
+    "scheme, settings",
+    [
+        ("full_shared", dict(rank=32)),
+        ("full_shared", dict(n_roles=5)),
+        ("full_shared", dict(shared_a=False)),
+        ("droidspeak", dict(droidspeak_layers=[0, 10, 20])),
+    ],
+)
+def test_the_batch_is_sized_with_the_rank_roles_a_sharing_and_droidspeak_layers_given(free_on, scheme, settings):
+    """Each setting here needs more than the default; the batch fits exactly the plan made with it, not one byte
+    less."""
+    plan = plan_memory(model_shape("default"), scheme, 6, 4096, element_size=2, **settings)
+    args = dict(dtype="bfloat16", device="cpu", **settings)
+    free_on["cpu"] = plan.total
+    assert choose_batch("default", [scheme], 6, 4096, **args) == 6
+    free_on["cpu"] = plan.total - 1
+    with pytest.raises(ValueError, match="^--batch 6 needs"):
+        choose_batch("default", [scheme], 6, 4096, **args)
+
+
+def test_a_session_fits_exactly_its_grown_cache_at_batch_one(free_on):
+    """A session of 3000 bytes grows to 4096 positions: it fits in exactly its one-episode plan (rank 8, shared A by
+    default) and is refused one byte below, in one line naming the session."""
+    plan = plan_memory(model_shape("tiny-llama"), "full_shared", 1, 4096, element_size=4)
+    args = dict(dtype="float32", device="cpu")
+    free_on["cpu"] = plan.total
+    assert memory_plan.check_session("tiny-llama", "full_shared", 3000, **args) is None
+    free_on["cpu"] = plan.total - 1
+    with pytest.raises(ValueError) as err:
+        memory_plan.check_session("tiny-llama", "full_shared", 3000, **args)
+    assert str(err.value) == (
+        f"the session (batch 1) 1 needs {plan.total / GIB:.2f} GiB on cpu ({plan.describe()}) but "
+        f"{(plan.total - 1) / GIB:.2f} GiB is free: allowed fewer positions per episode than 4096"
+    )
+
+
+def test_a_session_is_sized_with_its_dtype_rank_a_sharing_and_droidspeak_layers(free_on):
+    settings = dict(rank=16, shared_a=False, droidspeak_layers=[0, 2])
+    plan = plan_memory(model_shape("tiny-llama"), "droidspeak", 1, 2048, element_size=2, **settings)
+    args = dict(dtype="bfloat16", device="cpu", **settings)
+    free_on["cpu"] = plan.total
+    memory_plan.check_session("tiny-llama", "droidspeak", 1500, **args)
+    free_on["cpu"] = plan.total - 1
+    with pytest.raises(ValueError, match=r"^the session \(batch 1\) 1 needs"):
+        memory_plan.check_session("tiny-llama", "droidspeak", 1500, **args)
+
+
+def test_free_memory_is_the_cards_free_figure_or_memavailable_on_the_cpu(monkeypatch):
+    import io
+
+    from lragent import device_share
+
+    free = {0: 7 * GIB, 1: 5 * GIB}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 80 * GIB))
+    assert [memory_plan.free_memory(d) for d in ("cuda:0", "cuda")] == [7 * GIB, 5 * GIB]
+
+    def meminfo(path, *args, **kwargs):
+        if path != "/proc/meminfo":
+            raise FileNotFoundError(path)
+        return io.StringIO("MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n")
+
+    monkeypatch.setattr(device_share, "open", meminfo, raising=False)
+    assert memory_plan.free_memory("cpu") == 8192 * 1024
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert memory_plan.free_memory("cuda:0") is None
+
+
+def test_the_transformers_baseline_is_its_dynamic_cache_its_logits_and_one_layers_activations():
+    """Against a real prefill of tiny-llama (fp32, 2 x 16 tokens): the DynamicCache and the logits are exactly the
+    tensors transformers makes; the rest is one layer's activations, 1024 elements a token (8 x hidden 64, q/k/v
+    128, 3 x intermediate 128); the figure depends on batch x context only."""
+    from lragent.models import load_model
+
+    model = load_model("tiny-llama")[0]
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(32).reshape(2, 16), use_cache=True)
+    cache = sum(
+        t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values)
+    )
+    logits = out.logits.numel() * out.logits.element_size()
+    shape = model_shape("tiny-llama")
+    total = memory_plan.transformers_baseline_bytes(shape, 2, 16, 4)
+    assert total - cache - logits == 2 * 16 * 1024 * 4
+    assert memory_plan.transformers_baseline_bytes(shape, 1, 32, 4) == total
+    assert memory_plan.transformers_baseline_bytes(shape, 2, 16, 2) == total // 2
