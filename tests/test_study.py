@@ -955,3 +955,254 @@ def test_a_run_without_a_status_file_has_no_status_records(tmp_path: Path) -> No
     assert read_status(tmp_path) == []
     (tmp_path / STATUS_FILE).write_text('{"train_s": 1.0}\n\n{"train_s": 2.0}\n')
     assert read_status(tmp_path) == [{"train_s": 1.0}, {"train_s": 2.0}]
+
+
+def test_metrics_files_come_in_numeric_version_order_and_read_metrics_joins_every_fit_in_that_order(
+    tmp_path: Path,
+) -> None:
+    """``version_10`` is the eleventh ``fit`` call, after ``version_2`` (not between 1 and 2 as a name sort puts it);
+    every version's rows are kept, each under its own header, in that order; other files are not metrics."""
+    from eval_suite.study.training_logs import metrics_files, read_metrics
+
+    for v in (10, 2, 0, 11, 1, 3):  # made out of order
+        d = tmp_path / "csv" / f"version_{v}"
+        d.mkdir(parents=True)
+        (d / "metrics.csv").write_text(f"step,v{v}/loss\n{v},{v}.5\n{v + 100},\n")
+    (tmp_path / "csv" / "version_3" / "hparams.yaml").write_text("lr: 1\n")
+    (tmp_path / "metrics.csv").write_text("step\n99\n")  # not a fit's version folder
+    assert [p.parent.name for p in metrics_files(tmp_path)] == [f"version_{v}" for v in (0, 1, 2, 3, 10, 11)]
+    assert all(p.name == "metrics.csv" for p in metrics_files(tmp_path))
+    fit = {v: [{"step": str(v), f"v{v}/loss": f"{v}.5"}, {"step": str(v + 100), f"v{v}/loss": ""}] for v in range(12)}
+    assert read_metrics(tmp_path) == [row for v in (0, 1, 2, 3, 10, 11) for row in fit[v]]
+    assert metrics_files(tmp_path / "never_trained") == [] and read_metrics(tmp_path / "never_trained") == []
+
+
+def test_read_metrics_gives_each_cell_as_the_csv_writer_wrote_it_a_quoted_line_break_included(tmp_path: Path) -> None:
+    """A quoted cell holding ``\\r\\n`` comes back with both characters (the file is read as csv asks, newline='')."""
+    import csv
+
+    from eval_suite.study.training_logs import read_metrics
+
+    d = tmp_path / "csv" / "version_0"
+    d.mkdir(parents=True)
+    with (d / "metrics.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerows([["step", "note"], ["1", "first\r\nsecond"], ["2", "plain"]])
+    assert read_metrics(tmp_path) == [{"step": "1", "note": "first\r\nsecond"}, {"step": "2", "note": "plain"}]
+
+
+def test_validation_rows_are_the_rows_with_a_number_in_val_loss_zero_included_nan_and_blank_left_out() -> None:
+    """A training row (``val/loss`` blank or absent) and a NaN validation are not validation rows; ``0`` is one."""
+    from eval_suite.study.training_logs import validation_rows
+
+    rows = [
+        {"step": "1", "val/loss": ""},
+        {"step": "2"},
+        {"step": "3", "val/loss": "nan"},
+        {"step": "4", "val/loss": "1.25"},
+        {"step": "5", "val/loss": "NaN"},
+        {"step": "6", "val/loss": "0"},
+        {"step": "7", "val/loss": None},  # csv.DictReader's value for a short row
+    ]
+    assert [r["step"] for r in validation_rows(rows)] == ["4", "6"]
+    assert validation_rows([]) == []
+
+
+def test_a_train_job_asks_for_its_profiles_training_memory() -> None:
+    """Every training job's ``gb`` is its profile's ``gb["train"]`` (55 GB for the embedded model, 12 for Qwen)."""
+    for profile, gb in ((PROFILES["default"], 55.0), (QWEN, 12.0)):
+        trains = [j for j in build_plan(("scienceqa",), (0.0, 0.5), runs=1, profile=profile) if j.kind == "train"]
+        assert trains and {j.gb for j in trains} == {gb} == {profile.gb["train"]}
+        assert all(j.done_file == f"{j.name}/adapters/lragent_adapters.safetensors" for j in trains)
+
+
+def test_an_eval_job_without_a_row_name_is_judged_by_its_schemes_row(tmp_path: Path) -> None:
+    """``is_done`` of an eval job whose meta names no ``row``/``rows``: its scheme is the row it looks for."""
+    from eval_suite.study.jobs import Job, is_done
+    from lragent.sampling import SAMPLER_VERSION
+
+    meta = {"scheme": "full_shared", "runs": 2}
+    job = Job("eval/s/full_shared", "eval", [], "eval/s/full_shared/summary.json", meta=meta)
+    path = tmp_path / job.done_file
+    path.parent.mkdir(parents=True)
+
+    def summary(row: str) -> None:
+        body = {"episodes": {row: {"0": {}, "1": {}}}, "protocol": {row: {"sampler": SAMPLER_VERSION}}}
+        path.write_text(json.dumps(body))
+
+    summary("full_shared")
+    assert is_done(job, tmp_path)
+    summary("non_shared")  # another scheme's row only
+    assert not is_done(job, tmp_path)
+    named = dataclasses.replace(job, meta={"scheme": "non_shared", "row": "untrained", "runs": 2})
+    summary("untrained")  # a row name, when given, wins over the scheme
+    assert is_done(named, tmp_path)
+
+
+def test_a_summary_without_episodes_or_protocol_is_not_done_and_raises_nothing(tmp_path: Path) -> None:
+    """An eval summary lacking ``episodes`` (or ``protocol``, which means sampler 1) is a job to run, not an error."""
+    from eval_suite.study.jobs import Job, is_done
+    from lragent.sampling import SAMPLER_VERSION
+
+    job = Job("eval/s/x", "eval", [], "eval/s/x/summary.json", meta={"row": "x", "runs": 1})
+    path = tmp_path / job.done_file
+    path.parent.mkdir(parents=True)
+    for body in ({}, {"protocol": {"x": {"sampler": SAMPLER_VERSION}}}, {"episodes": {"x": {"0": {}}}}):
+        path.write_text(json.dumps(body))
+        assert not is_done(job, tmp_path), body
+    path.write_text(json.dumps({"episodes": {"x": {"0": {}}}, "protocol": {"x": {"sampler": SAMPLER_VERSION}}}))
+    assert is_done(job, tmp_path)
+
+
+def test_set_names_and_a_lambda_zero_set_is_one_set_whatever_its_schemes_term() -> None:
+    """With λ = 0 the shared term is off, so ``full_shared`` adds no ``_full``: the same set as base_lr_shared's."""
+    from eval_suite.study.jobs import set_name
+
+    assert set_name("scienceqa", 0.0, "full_shared") == set_name("scienceqa", 0.0) == "scienceqa_lam0"
+    assert set_name("scienceqa", 1.0, "full_shared") == "scienceqa_lam1_full"
+    assert set_name("hotpotqa", 0.5) == set_name("hotpotqa", 0.5, "base_lr_shared") == "hotpotqa_lam0.5"
+    assert set_name("hotpotqa", 0.25, "full_shared", shared_a=False) == "hotpotqa_indepA"
+    assert set_name("scienceqa", None, "full_shared") == "scienceqa_untrained"
+
+
+def _training_csv(path: Path, rows: list[dict[str, str]]) -> None:
+    """A Lightning-like metrics.csv: the union of the rows' columns in first-seen order, blanks where a row has none."""
+    import csv
+
+    header = list(dict.fromkeys(k for r in rows for k in r))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, header, restval="")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _validation(step: int, epoch: int, first: int, parts=("plain", "base_lr_shared", "full_shared")) -> dict:
+    """A validation row: role i, scheme j has loss ``<first + i>.<j>254`` and accuracy ``0.<first><i><j>6``."""
+    row = {"epoch": str(epoch), "step": str(step), "val/loss": "9.0"}
+    for i, role in enumerate(("plan", "action", "reflect")):
+        for j, part in enumerate(("plain", "base_lr_shared", "full_shared")):
+            if part in parts:
+                prefix = f"val/{role}/" if part == "plain" else f"val/{role}/{part}/"
+                row[prefix + "loss"], row[prefix + "acc"] = f"{first + i}.{j}254", f"0.{first}{i}{j}6"
+    return row
+
+
+TRAINING_TABLE = """### hotpotqa
+
+Each cell: val loss / token accuracy on the output tokens (held-out 5% per role).
+
+| run | step (epoch) | plan plain | plan base_lr_shared | plan full_shared | action plain | action base_lr_shared \
+| action full_shared | reflect plain | reflect base_lr_shared | reflect full_shared |
+|---|---|---|---|---|---|---|---|---|---|---|
+| hotpotqa_untrained | 0 (0) | 5.025 / 50.1% | 5.125 / 50.2% | 5.225 / 50.3% | 6.025 / 51.1% | 6.125 / 51.2% \
+| 6.225 / 51.3% | 7.025 / 52.1% | 7.125 / 52.2% | 7.225 / 52.3% |
+| hotpotqa_indepA_lam0 | 20 (1) | 2.025 / 20.1% | n/a | 2.225 / 20.3% | 3.025 / 21.1% | n/a | 3.225 / 21.3% \
+| 4.025 / 22.1% | n/a | 4.225 / 22.3% |
+| hotpotqa_indepA_lam0.5 | 20 (1) | 2.025 / 20.1% | n/a | 2.225 / 20.3% | 3.025 / 21.1% | n/a | 3.225 / 21.3% \
+| 4.025 / 22.1% | n/a | 4.225 / 22.3% |
+| hotpotqa_sharedA_lam0 | 30 (2) | 1.025 / 10.1% | 1.125 / 10.2% | 1.225 / 10.3% | 2.025 / 11.1% \
+| 2.125 / 11.2% | 2.225 / 11.3% | 3.025 / 12.1% | 3.125 / 12.2% | n/a |
+| hotpotqa_sharedA_lam0.5 | 30 (2) | 1.025 / 10.1% | 1.125 / 10.2% | 1.225 / 10.3% | 2.025 / 11.1% \
+| 2.125 / 11.2% | 2.225 / 11.3% | 3.025 / 12.1% | 3.125 / 12.2% | n/a |
+
+### scienceqa
+
+Each cell: val loss / token accuracy on the output tokens (held-out 5% per role).
+
+| run | step (epoch) | plan plain | plan base_lr_shared | plan full_shared | action plain | action base_lr_shared \
+| action full_shared | reflect plain | reflect base_lr_shared | reflect full_shared |
+|---|---|---|---|---|---|---|---|---|---|---|
+| scienceqa_untrained | 0 (0) | 5.025 / 50.1% | 5.125 / 50.2% | 5.225 / 50.3% | 6.025 / 51.1% | 6.125 / 51.2% \
+| 6.225 / 51.3% | 7.025 / 52.1% | 7.125 / 52.2% | 7.225 / 52.3% |
+| scienceqa_sharedA_lam0 | 30 (2) | 1.025 / 10.1% | 1.125 / 10.2% | 1.225 / 10.3% | 2.025 / 11.1% \
+| 2.125 / 11.2% | 2.225 / 11.3% | 3.025 / 12.1% | 3.125 / 12.2% | n/a |
+"""
+
+
+def _training_root(root: Path) -> None:
+    untrained = [_validation(0, 0, 5)]
+    indep = [  # no base_lr_shared columns at all (refused for independent A); the last row is a training row
+        {"epoch": "0", "step": "5", "train/loss": "3.0"},
+        _validation(10, 0, 8, parts=("plain", "full_shared")),
+        _validation(20, 1, 2, parts=("plain", "full_shared")),
+        {"epoch": "1", "step": "25", "train/loss": "2.0"},
+    ]
+    last = _validation(30, 2, 1)
+    last["val/reflect/full_shared/loss"] = last["val/reflect/full_shared/acc"] = ""  # logged, but not this time
+    shared = [_validation(15, 1, 6), {"epoch": "1", "step": "20", "train/loss": "2.5"}, last]
+    for name, rows in (
+        ("hotpotqa_sharedA_lam0.5", shared),
+        ("hotpotqa_indepA_lam0", indep),
+        ("hotpotqa_untrained", untrained),
+        ("hotpotqa_sharedA_lam0", shared),
+        ("hotpotqa_indepA_lam0.5", indep),
+        ("scienceqa_sharedA_lam0", shared),
+        ("scienceqa_untrained", untrained),
+        ("gsm8k_untrained", untrained),  # no table of its own
+        ("hotpotqa", untrained),  # not a <set>_* run folder
+    ):
+        _training_csv(root / name / "metrics.csv", rows)
+    (root / "scienceqa_notes").mkdir()  # no metrics.csv: no row
+
+
+def test_the_training_table_has_one_section_per_set_untrained_first_then_by_name_with_each_runs_last_validation(
+    tmp_path: Path, capsys
+) -> None:
+    """``python -m eval_suite.study.training_report ROOT``: per data set (hotpotqa, then scienceqa) a heading, the
+    legend and a 9-column table; the untrained run first, the others by name; each row is the run's last validation
+    row (step and epoch), each cell loss to 3 decimals / accuracy in percent to 1; ``n/a`` where the scheme's loss
+    column is absent or blank in that row."""
+    from eval_suite.study import training_report
+
+    _training_root(tmp_path)
+    assert training_report.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out == TRAINING_TABLE + "\n"
+    assert training_report.main(["--root", str(tmp_path)]) == 0 and capsys.readouterr().out == out
+
+
+def test_the_training_report_reads_results_training_h200_by_default_and_its_help_names_the_command(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Without a root the report reads ``results/training_h200`` (from the working directory); ``--help`` shows the
+    command as it is typed; a root without runs prints the two sections with their headers only."""
+    from eval_suite.study import training_report
+
+    monkeypatch.chdir(tmp_path)
+    _training_csv(tmp_path / "results/training_h200/scienceqa_untrained/metrics.csv", [_validation(0, 0, 5)])
+    assert training_report.main([]) == 0
+    out = capsys.readouterr().out
+    keep = [
+        x
+        for x in TRAINING_TABLE.splitlines()
+        if not x.startswith("| ") or x.startswith(("| run ", "| scienceqa_untrained "))
+    ]
+    assert out == "\n".join(keep) + "\n\n"
+    assert training_report.training_report() == 0 and capsys.readouterr().out == out  # the function's own default
+    with pytest.raises(SystemExit) as exc:
+        training_report.main(["--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: python -m eval_suite.study.training_report ")
+    assert "default: results/training_h200" in help_text
+    assert training_report.main([str(tmp_path / "empty")]) == 0
+    empty = capsys.readouterr().out
+    assert empty == "\n".join(x for x in keep if not x.startswith("| scienceqa_untrained ")) + "\n\n"
+
+
+def test_a_training_log_the_table_cannot_read_is_a_one_line_error_with_status_2(tmp_path: Path, capsys) -> None:
+    """A run with no validation row is refused naming its file; a validation row with a loss but no accuracy for a
+    role is refused as a user error too (status 2, one ``error:`` line), not a traceback."""
+    from eval_suite.study import training_report
+
+    no_val = tmp_path / "a" / "scienceqa_x" / "metrics.csv"
+    _training_csv(no_val, [{"epoch": "0", "step": "5", "train/loss": "3.0", "val/loss": ""}])
+    assert training_report.main([str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err == f"error: {no_val} has no validation row\n"
+    row = _validation(10, 0, 2)
+    del row["val/action/full_shared/acc"]  # the loss was logged, its accuracy was not
+    _training_csv(tmp_path / "b" / "hotpotqa_x" / "metrics.csv", [row])
+    assert training_report.main([str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
