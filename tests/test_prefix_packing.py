@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +200,42 @@ def test_length_stats_count_an_example_of_exactly_max_length_as_fitting() -> Non
     s = length_stats([10, 20, 30, 40], [1, 2, 3, 4], max_length=30)
     assert s["fit_share"] == 0.75 and s["max"] == 40 and s["n"] == 4
     assert s["output_share"] == 10 / 100 and s["p50"] == 25.0
+
+
+def _role_examples(pairs: list[tuple[str, str]], role_id: int = 0) -> list:
+    tok = byte_tokenizer()  # bytes: id = byte value, EOS = 256
+    return [tokenize_example(tok, RoleRecord(i, o, f"f:{n}"), role_id, 256) for n, (i, o) in enumerate(pairs, 1)]
+
+
+def test_an_example_rides_in_a_host_whose_context_strictly_extends_it_not_in_one_that_merely_equals_it() -> None:
+    """``a``+``b`` is the whole context of ``ab -> c`` (its EOS label would sit on that host's first output label)
+    and a strict prefix of ``abd -> e``'s context: it rides in the latter; the unrelated ones stay as they are."""
+    examples = _role_examples([("a", "b"), ("ab", "c"), ("abd", "e"), ("A", "x"), ("B", "y")])
+    short, equal, longer, other_a, other_b = examples
+    packed = pack_prefix_chains(examples)
+    assert packed == [equal, replace(longer, segments=((1, (ord("b"), 256)),)), other_a, other_b]
+    assert unpack(packed) == unpack(examples)
+
+
+def test_an_example_whose_last_output_token_differs_from_the_hosts_context_is_not_packed() -> None:
+    """Packing needs every token but the EOS to match: ``q`` -> ``xy`` is not a prefix of ``qxzzz``."""
+    examples = _role_examples([("q", "xy"), ("qxzzz", "w")])
+    assert pack_prefix_chains(examples) == examples
+    assert [s.segments for s in pack_prefix_chains(examples)] == [(), ()]
+
+
+def test_a_packed_host_is_the_same_whatever_the_order_of_the_examples() -> None:
+    """The segments are listed by position in the host (``a -> b`` at 1, ``abc -> d`` at 3), in any input order."""
+    host, first, second = _role_examples([("abcdefgh", "z"), ("a", "b"), ("abc", "d")])
+    expected = replace(host, segments=((1, (ord("b"), 256)), (3, (ord("d"), 256))))
+    assert pack_prefix_chains([host, first, second]) == [expected]
+    assert pack_prefix_chains([second, first, host]) == [expected]
+    assert pack_prefix_chains([first, host, second]) == [expected]
+
+
+def test_an_example_left_out_by_a_collision_does_not_keep_later_ones_out_of_the_host() -> None:
+    """The duplicate of ``a -> b`` collides with it and stays alone; ``abc -> d``, further on, still rides along."""
+    host, first, duplicate, later = _role_examples([("abcdefgh", "z"), ("a", "b"), ("a", "b"), ("abc", "d")])
+    packed = pack_prefix_chains([host, first, duplicate, later])
+    assert packed == [replace(host, segments=((1, (ord("b"), 256)), (3, (ord("d"), 256)))), duplicate]
+    assert sum(s.n_examples for s in packed) == 4
