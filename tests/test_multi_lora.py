@@ -195,3 +195,37 @@ def test_shared_forwards_refuse_a_scheme_that_reprocesses_the_context(forward):
     )
     with pytest.raises(ValueError, match="non_shared makes the consumer re-process the context"):
         getattr(model, forward)(*args, scheme="non_shared")
+
+
+def test_router_accepts_every_id_from_zero_to_last_and_names_the_allowed_range_when_out_of_it():
+    router = RoleRouter(("plan", "action", "reflect"))
+    assert [router.id(i) for i in range(3)] == [0, 1, 2]
+    assert router.name(0) == "plan"
+    for bad in (3, -1):
+        with pytest.raises(ValueError) as err:
+            router.id(bad)
+        assert str(err.value) == f"role id {bad} is out of range: allowed 0..2"
+
+
+def test_router_refuses_an_empty_role_list_with_the_whole_message():
+    with pytest.raises(ValueError) as err:
+        RoleRouter([])
+    assert str(err.value) == "roles: at least one role is needed, got an empty list"
+
+
+def test_router_ids_are_int64_on_the_requested_device_even_for_an_empty_batch():
+    """``ids`` is documented as an int64 ``(B,)`` tensor on ``device``: also for B = 0 (torch.tensor([]) is float)."""
+    router = RoleRouter(("plan", "action"))
+    empty = router.ids([])
+    assert empty.dtype == torch.long and empty.shape == (0,)
+    on_meta = router.ids(["action", 0], device="meta")
+    assert on_meta.device.type == "meta" and on_meta.dtype == torch.long and on_meta.shape == (2,)
+    assert router.ids(["action", 0], device="cpu").tolist() == [1, 0]
+
+
+def test_router_membership_length_and_repr_follow_the_role_names():
+    router = RoleRouter(("plan", "reflect"))
+    assert "plan" in router and "reflect" in router
+    assert "action" not in router and 0 not in router
+    assert len(router) == 2
+    assert repr(router) == "RoleRouter(['plan', 'reflect'])"

@@ -8,14 +8,18 @@ the loop's timing.
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import sys
 import threading
 import time
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 
-from eval_suite.evaluate import run_eval
+from eval_suite.evaluate import run_eval, stall_watchdog
 from eval_suite.evaluate.episode_log import EPISODES_FILE, read_episodes
 from eval_suite.evaluate.stall_watchdog import EXIT_STALLED, GPU_DEFAULT_S, STALL_FILE, StallWatchdog, stall_seconds
 
@@ -154,3 +158,88 @@ def test_slow_decode_calls_that_return_are_progress_not_a_stall(tmp_path, monkey
     assert not ended and not (out / STALL_FILE).exists() and len(read_episodes(out / EPISODES_FILE)) == 2
     timing = json.loads((out / "timing.json").read_text())
     assert timing["episodes_s"] / timing["episodes"] > 3.0  # an episode outlasts --stall_s: the beats kept it quiet
+
+
+class _Clock:
+    """A monotonic clock that moves only when the test says (the watchdog's own polling still sleeps for real)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _until(done: Callable[[], object], for_s: float) -> None:
+    stop = time.perf_counter() + for_s
+    while not done() and time.perf_counter() < stop:
+        time.sleep(0.005)
+
+
+def test_the_watchdog_is_one_daemon_thread_named_eval_stall_watchdog_only_while_inside(tmp_path):
+    """A daemon, so it never keeps a finished process alive; named, so tools that list threads by name (py-spy,
+    threading.enumerate) tell it from the eval's own threads; gone once the block ends, without having fired."""
+    ended: list[int] = []
+    dog = StallWatchdog(30, tmp_path, describe=lambda: "idle", end=ended.append)
+    assert dog.fired is False
+    with dog:
+        mine = [t for t in threading.enumerate() if t.name == "eval-stall-watchdog"]
+        assert len(mine) == 1 and mine[0].daemon is True and mine[0].is_alive()
+    assert not mine[0].is_alive() and not any(t.name == "eval-stall-watchdog" for t in threading.enumerate())
+    assert dog.fired is False and ended == [] and not (tmp_path / STALL_FILE).exists()
+
+
+def test_without_an_end_hook_a_stall_ends_the_process_with_os_exit_and_exit_stalled(tmp_path, monkeypatch):
+    """The default ``end`` is ``os._exit`` (replaced here by a recorder, or it would end pytest)."""
+    exits: list[int] = []
+    monkeypatch.setattr(stall_watchdog.os, "_exit", exits.append)
+    dog = StallWatchdog(0.2, tmp_path, describe=lambda: "in non_shared advance")
+    with dog:
+        _until(lambda: exits, 5.0)
+    assert exits == [EXIT_STALLED] and dog.fired is True and (tmp_path / STALL_FILE).is_file()
+
+
+def test_the_stall_line_reaches_stderr_before_the_process_ends_even_when_stderr_is_block_buffered(
+    tmp_path, monkeypatch
+):
+    """os._exit drops whatever a stream still buffers: the line must be flushed before ``end`` runs."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, encoding="utf-8", line_buffering=False))
+    at_end: list[bytes] = []
+    with StallWatchdog(0.2, tmp_path, describe=lambda: "in base_lr_shared collect",
+                       end=lambda code: at_end.append(raw.getvalue())):  # fmt: skip
+        _until(lambda: at_end, 5.0)
+    assert len(at_end) == 1
+    line = at_end[0].decode()
+    assert line.startswith("eval: stalled: nothing came back from the device for 0.2 s (in base_lr_shared collect)")
+    assert line.endswith("rerun the same command to resume\n") and line.count("\n") == 1
+
+
+def test_a_gap_of_exactly_the_limit_since_the_last_beat_is_a_stall_and_a_shorter_one_is_not(tmp_path, monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(stall_watchdog, "time", SimpleNamespace(monotonic=clock))
+    ended: list[int] = []
+    with StallWatchdog(0.5, tmp_path, describe=lambda: "waiting", end=ended.append) as dog:  # beat at 1000.0
+        clock.now = 1000.25
+        time.sleep(0.3)  # two polls of 0.125 s see half the limit: quiet
+        assert ended == [] and dog.fired is False
+        clock.now = 1000.5  # exactly the limit
+        _until(lambda: ended, 3.0)
+    assert ended == [EXIT_STALLED] and dog.fired is True
+
+
+@pytest.mark.parametrize(("seconds", "within_s"), [(1.6, 0.75), (600.0, 1.6)])
+def test_an_overdue_stall_is_noticed_within_a_quarter_of_a_short_limit_and_a_second_of_a_long_one(
+    tmp_path, monkeypatch, seconds, within_s
+):
+    """The watchdog looks every min(1 s, limit / 4): 0.4 s for a 1.6 s limit, 1 s for a 600 s one."""
+    clock = _Clock()
+    monkeypatch.setattr(stall_watchdog, "time", SimpleNamespace(monotonic=clock))
+    ended: list[float] = []
+    start = time.perf_counter()
+    with StallWatchdog(
+        seconds, tmp_path, describe=lambda: "waiting", end=lambda code: ended.append(time.perf_counter())
+    ):
+        clock.now += 10 * seconds  # long past the limit from the first look on
+        _until(lambda: ended, 4.0)
+    assert len(ended) == 1 and ended[0] - start < within_s
