@@ -360,3 +360,35 @@ def test_agent_building_blocks_refuse_bad_values_naming_them():
         with pytest.raises(ValueError, match="^best_option needs one positive length per score"):
             best_option(sums, lengths)
     assert best_option([-3.0, -1.0], [3, 1], "sum") == 1
+
+
+def test_option_letters_run_from_one_option_up_to_every_letter() -> None:
+    assert option_letters(1) == ("A",)
+    assert option_letters(4) == ("A", "B", "C", "D")
+    assert option_letters(10) == tuple("ABCDEFGHIJ")  # every letter format_question can write
+
+
+def test_answer_texts_are_the_stripped_option_texts_in_letter_order() -> None:
+    """The texts the answer_text constraint scores: each option as the Options line shows it, stripped, one per
+    letter; a non-string option is shown as its text."""
+    from lragent.agents.constraints import answer_texts
+
+    assert answer_texts(["  the Sun ", "Moon\n", 7]) == ("the Sun", "Moon", "7")
+    assert answer_texts(("only",)) == ("only",)
+    assert answer_texts([f"o{i}" for i in range(10)]) == tuple(f"o{i}" for i in range(10))
+
+
+@pytest.mark.parametrize(
+    ("choices", "message"),
+    [
+        (["ok", "  "], r"^answer_text needs a non-empty text for every option, got \['ok', '  '\]$"),
+        (["", "b"], r"^answer_text needs a non-empty text for every option, got \['', 'b'\]$"),
+        ([], r"^number of options must be 1..10, got 0$"),
+        ([str(i) for i in range(11)], r"^number of options must be 1..10, got 11$"),
+    ],
+)
+def test_answer_texts_refuse_an_empty_option_or_a_count_no_letter_fits_naming_them(choices, message) -> None:
+    from lragent.agents.constraints import answer_texts
+
+    with pytest.raises(ValueError, match=message):
+        answer_texts(choices)
