@@ -392,3 +392,41 @@ def test_answer_texts_refuse_an_empty_option_or_a_count_no_letter_fits_naming_th
 
     with pytest.raises(ValueError, match=message):
         answer_texts(choices)
+
+
+def test_best_option_by_mean_ranks_per_token_and_by_sum_favours_the_short_option() -> None:
+    """One token at -3 against four tokens at -1 each: the sum picks the short option, the mean the long one; ties
+    go to the first best option either way."""
+    from lragent.agents.requests import best_option
+
+    assert best_option([-3.0, -4.0], [1, 4], "sum") == 0
+    assert best_option([-3.0, -4.0], [1, 4], "mean") == 1
+    assert best_option([-2.0, -4.0, -1.0], [2, 4, 1], "mean") == 0  # all -1 per token: the first
+    assert best_option([-6.0, -2.0, -4.0], [3, 1, 1], "mean") == 0  # -2, -2, -4 per token: the first of the tie
+
+
+@pytest.mark.parametrize("score", ["max", "Mean", "SUM", ""])
+def test_an_unknown_choice_score_is_refused_naming_it_and_the_allowed_ones(score) -> None:
+    from lragent.agents.requests import best_option, check_choice_score
+
+    message = f"^choice score {score!r}: allowed sum, mean$"
+    with pytest.raises(ValueError, match=message):
+        check_choice_score(score)
+    with pytest.raises(ValueError, match=message):
+        best_option([-1.0], [1], score)
+    with pytest.raises(ValueError, match=message):
+        Choose("action", "", ("A", "B"), score=score)
+    assert check_choice_score("mean") == "mean" and check_choice_score("sum") == "sum"
+
+
+@pytest.mark.parametrize(
+    "appends",
+    [("A",), ("A", "B", "C"), ("A", ""), ("A", 3), (None, "B")],
+    ids=["too few", "too many", "empty", "not a string", "None"],
+)
+def test_choose_appends_must_be_one_non_empty_string_per_option(appends) -> None:
+    with pytest.raises(ValueError, match=r"^Choose appends must be one non-empty string per option, got \("):
+        Choose("action", "", ("the Sun", "the Moon"), score="mean", appends=appends)
+    ok = Choose("action", "", ("the Sun", "the Moon"), score="mean", appends=("A", "B"))
+    assert [ok.appended(i) for i in range(2)] == ["A", "B"]
+    assert Choose("action", "", ("the Sun", "the Moon")).appended(1) == "the Moon"

@@ -180,3 +180,191 @@ def test_missing_benchmark_and_trajectory_files_are_named(tmp_path):
         hotpot.corpus(data_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match=f"raw trajectory file {tmp_path / 'raw.jsonl.gz'} is missing"):
         read_raw_trajectories(tmp_path / "raw.jsonl.gz")
+
+
+# ------------------------------------------------------------------------------- a small data folder of our own
+_SUN = "Which of the following could be used to measure the distance between the Earth and the Sun?"
+_SUN_CHOICES = ["A meter stick", "A stopwatch", "A telescope", "A laser rangefinder"]  # a training question's
+
+
+def _hotpot_row(qid: object, question: str, answer: str, *paragraphs: tuple[str, list[str]]) -> dict:
+    titles, sentences = [t for t, _ in paragraphs], [s for _, s in paragraphs]
+    return {"id": qid, "question": question, "answer": answer, "context": {"title": titles, "sentences": sentences}}
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    """A data folder with a few hand-written questions per level and split, and the real ScienceQA trajectories."""
+    files = {
+        "hotpotqa_easy.dev": [
+            _hotpot_row(101, "Are  Paris and Lyon both in France? ", "yes", ("Paris", ["Paris is in France."]),
+                        ("Lyon", ["Lyon is a French city.", " It is old."])),
+            _hotpot_row("e2", "Who founded Lugdunum?", "the Romans", ("Lugdunum", ["Romans founded Lugdunum."])),
+        ],
+        "hotpotqa_medium.dev": [_hotpot_row("m1", "Where is Zorb?", "Qux", ("Zorb", ["Zorb is in Qux."]))],
+        "hotpotqa_hard.dev": [_hotpot_row(f"h{i}", f"Hard {i}?", str(i), (f"Hard{i}", [f"Hard{i} says {i}."]))
+                              for i in (1, 2, 3)],
+        "scienceqa_grade1_4.dev": [{"pid": 7, "question": _SUN, "choices": _SUN_CHOICES, "answer": 3,
+                                    "caption": "a ruler", "ocr": "10 cm"}],
+        "scienceqa_grade5_8.dev": [{"pid": "58a", "question": "Hot or cold?", "choices": ["hot", "cold"],
+                                    "answer": "1"}],
+        "scienceqa_grade9_12.dev": [{"pid": "912a", "question": "Is ice a solid?", "choices": ["yes", "no"],
+                                     "answer": 0}],
+        "scienceqa_grade9_12.test": [{"pid": f"t{i}", "question": f"Test {i}?", "choices": ["x", "y", "z"],
+                                      "answer": i} for i in (2, 1)],
+    }  # fmt: skip
+    (tmp_path / "benchmarks").mkdir()
+    for stem, rows in files.items():
+        (tmp_path / "benchmarks" / f"{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    (tmp_path / "trajectories" / "raw").mkdir(parents=True)
+    (tmp_path / "trajectories" / "raw" / RAW_SCIENCEQA.name).symlink_to(RAW_SCIENCEQA)
+    return tmp_path
+
+
+def test_questions_are_read_with_their_ids_texts_golds_options_and_split_level_by_level(data_dir) -> None:
+    """One Question per row: the id as a string, the prompt's question text (ScienceQA: with its options), the gold
+    answer (HotpotQA: its text; ScienceQA: the option index as an int), options, caption and OCR (None when the row has
+    none) and the split; levels interleave (first of each level, then the second...), ``limit`` keeps the first."""
+    from eval_suite.evaluate.benchmarks import Question, load_questions
+
+    qs = HOTPOTQA.load_questions(data_dir=data_dir)
+    assert [(q.qid, q.level) for q in qs] == [("101", "easy"), ("m1", "medium"), ("h1", "hard"), ("e2", "easy"),
+                                              ("h2", "hard"), ("h3", "hard")]  # fmt: skip
+    assert qs[0] == Question("101", "easy", "Are  Paris and Lyon both in France?", "yes", split="dev")
+    assert qs[3] == Question("e2", "easy", "Who founded Lugdunum?", "the Romans", (), None, None, "dev")
+    assert load_questions("hotpotqa", levels=["hard", "EASY"], limit=3, data_dir=data_dir) == [qs[2], qs[0], qs[4]]
+    sq = load_questions("scienceqa", data_dir=data_dir)
+    options = "\nOptions:(A) A meter stick (B) A stopwatch (C) A telescope (D) A laser rangefinder"
+    assert sq == [
+        Question("7", "1-4", _SUN + options, 3, tuple(_SUN_CHOICES), "a ruler", "10 cm", "dev"),
+        Question("58a", "5-8", "Hot or cold?\nOptions:(A) hot (B) cold", 1, ("hot", "cold"), None, None, "dev"),
+        Question("912a", "9-12", "Is ice a solid?\nOptions:(A) yes (B) no", 0, ("yes", "no"), None, None, "dev"),
+    ]
+    test_q = Question("t2", "9-12", "Test 2?\nOptions:(A) x (B) y (C) z", 2, ("x", "y", "z"), None, None, "test")
+    assert load_questions("scienceqa", levels=["grade9_12"], limit=1, data_dir=data_dir, splits="test") == [test_q]
+
+
+def test_a_row_parsed_without_a_split_is_a_dev_question_and_level_files_default_to_dev(data_dir) -> None:
+    row = json.loads((data_dir / "benchmarks" / "hotpotqa_medium.dev.jsonl").read_text().splitlines()[0])
+    assert HOTPOTQA.parse_row(row, "medium").split == "dev"
+    assert SCIENCEQA.parse_row({"pid": 1, "question": "Q?", "choices": ["a"], "answer": 0}, "1-4").split == "dev"
+    assert HOTPOTQA.level_file("easy", data_dir) == data_dir / "benchmarks" / "hotpotqa_easy.dev.jsonl"
+    assert SCIENCEQA.level_file("5-8", data_dir, "extra") == data_dir / "benchmarks" / "scienceqa_grade5_8.extra.jsonl"
+
+
+def test_each_benchmark_scores_an_answer_by_its_own_fields(data_dir) -> None:
+    """HotpotQA: exact match and token F1 against the gold text; ScienceQA: whether the answer names the gold option
+    (by letter or text); no answer scores 0."""
+    hq = HOTPOTQA.load_questions(data_dir=data_dir)[3]  # gold "the Romans"
+    assert HOTPOTQA.score(hq, "Romans") == {"em": 1.0, "f1": 1.0}  # articles are dropped
+    assert HOTPOTQA.score(hq, "old Romans") == {"em": 0.0, "f1": pytest.approx(2 / 3)}
+    assert HOTPOTQA.score(hq, None) == {"em": 0.0, "f1": 0.0}
+    sq = SCIENCEQA.load_questions(data_dir=data_dir)[0]  # gold D
+    assert SCIENCEQA.score(sq, "D") == {"correct": 1.0} and SCIENCEQA.score(sq, "A laser rangefinder") == {
+        "correct": 1.0
+    }
+    assert SCIENCEQA.score(sq, "A") == {"correct": 0.0} and SCIENCEQA.score(sq, None) == {"correct": 0.0}
+
+
+def test_the_hotpotqa_corpus_is_the_pools_paragraphs_then_each_extra_file_in_order(data_dir, tmp_path) -> None:
+    extras = [tmp_path / "one.jsonl", tmp_path / "two.jsonl"]
+    extras[0].write_text(json.dumps({"title": "Extra A", "text": "A is first."}) + "\n")
+    extras[1].write_text("".join(json.dumps({"title": f"Extra {t}", "text": f"{t}."}) + "\n" for t in "BC"))
+    passages, desc = HOTPOTQA.corpus(extras, data_dir=data_dir)
+    # the dev files in file-name order: easy, hard, medium
+    own = ["Paris", "Lyon", "Lugdunum", "Hard1", "Hard2", "Hard3", "Zorb"]
+    assert [p.title for p in passages] == [*own, "Extra A", "Extra B", "Extra C"]
+    assert desc == {
+        "source": "HotpotQA context paragraphs",
+        "files": ["hotpotqa_easy.dev.jsonl", "hotpotqa_hard.dev.jsonl", "hotpotqa_medium.dev.jsonl"],
+        "splits": ["dev"],
+        "extra": [{"file": str(extras[0]), "passages": 1}, {"file": str(extras[1]), "passages": 2}],
+        "passages": 10,
+    }
+
+
+def test_a_missing_hotpotqa_file_of_the_pool_is_named(data_dir) -> None:
+    missing = data_dir / "benchmarks" / "hotpotqa_medium.dev.jsonl"
+    missing.unlink()
+    with pytest.raises(FileNotFoundError, match=f"^HotpotQA benchmark file {missing} is missing$"):
+        HOTPOTQA.corpus(data_dir=data_dir)
+
+
+def test_the_scienceqa_corpus_leaves_out_training_questions_of_the_given_data_folders_pool(data_dir) -> None:
+    """The overlap check reads the questions of the data folder it is given (here one is a training question)."""
+    passages, desc = SCIENCEQA.corpus(data_dir=data_dir)
+    sun = SCIENCEQA.load_questions(data_dir=data_dir)[0].text
+    assert desc["source"] == f"search results of {RAW_SCIENCEQA.name}" and desc["splits"] == ["dev"]
+    assert desc["excluded_overlapping_questions"] == [sun] and desc["trajectories"] == 200
+    assert desc["passages"] == len(passages) > 200
+
+
+def test_a_hotpotqa_search_that_finds_nothing_answers_with_the_training_datas_spelling(data_dir) -> None:
+    """HotpotQA's failed BingSearch observation is its training trajectories' ``bingSearch error`` (lower-case b)."""
+    make, desc = HOTPOTQA.toolbox_factory(data_dir=data_dir)
+    box = make(HOTPOTQA.load_questions(data_dir=data_dir)[0])
+    assert box("BingSearch", "xylophone quasar") == "bingSearch error, please try again."
+    assert box("Retrieve", "Zorb") == "Zorb is in Qux."
+    assert desc["indexed"] == desc["passages"] == 7
+
+
+def test_the_answer_text_constraint_is_scienceqa_only_and_excludes_the_letter_constraint(data_dir) -> None:
+    from eval_suite.evaluate.benchmarks import answer_score, parse_level
+
+    assert parse_constraints("answer_text") == ("answer_text",)
+    assert parse_constraints(["answer_text", " action_type"]) == ("action_type", "answer_text")
+    with pytest.raises(ValueError, match="^--constrain 'answer, answer_text': answer and answer_text both choose the "
+                                         "Finish argument; allowed one of them$"):  # fmt: skip
+        parse_constraints("answer, answer_text")
+    assert row_name("base_lr_shared", ["answer_text"]) == "base_lr_shared+answer_text"
+    assert row_name("base_lr_shared", ["answer_text", "action_type"]) == "base_lr_shared+action_type,answer_text"
+    assert answer_score(["answer_text"]) == "mean" and answer_score(("action_type", "answer_text")) == "mean"
+    assert answer_score(["action_type", "answer"]) is None and answer_score([]) is None
+    sq = SCIENCEQA.load_questions(data_dir=data_dir)[0]
+    assert SCIENCEQA.answer_texts(sq, ("answer_text",)) == tuple(_SUN_CHOICES)
+    assert SCIENCEQA.answer_texts(sq, ("answer",)) is None
+    assert SCIENCEQA.constraint_options(sq, ("answer_text",)) == (None, ("A", "B", "C", "D"))
+    SCIENCEQA.check_constraints(("action_type", "answer_text"))
+    hq = HOTPOTQA.load_questions(data_dir=data_dir)[0]
+    message = (
+        "^--constrain 'answer_text' scores the options' texts and hotpotqa questions have none: allowed on hotpotqa "
+        "none, all or a comma list of action_type, answer$"
+    )
+    for refused in (
+        lambda: HOTPOTQA.check_constraints(["answer_text"]),
+        lambda: HOTPOTQA.constraint_options(hq, ("answer_text",)),
+        lambda: HOTPOTQA.answer_texts(hq, ("action_type", "answer_text")),
+    ):
+        with pytest.raises(ValueError, match=message):
+            refused()
+    assert parse_level("scienceqa", "GRADE5_8") == "5-8" and parse_level("hotpotqa", "Hard") == "hard"
+    with pytest.raises(ValueError, match="^unknown scienceqa level 'grade13': allowed 1-4, 5-8, 9-12$"):
+        parse_level("scienceqa", "grade13")
+
+
+def test_benchmark_questions_load_the_same_under_a_locale_that_is_not_utf8(monkeypatch) -> None:
+    """Where the default text encoding is not UTF-8 (an ASCII locale without UTF-8 mode, in a fresh process and
+    simulated here through :func:`io.text_encoding`) the questions load as they do under UTF-8, non-ASCII text
+    included."""
+    import io
+    import os
+    import subprocess
+    import sys
+
+    utf8 = HOTPOTQA.load_questions(levels=["easy"])
+    non_ascii = sum(any(ord(c) > 127 for c in q.text) for q in utf8)
+    assert non_ascii > 0, "the easy questions must hold non-ASCII text, or this checks nothing"
+    code = (
+        "import locale; from eval_suite.evaluate.benchmarks import HOTPOTQA; "
+        "print(locale.getpreferredencoding(False)); "
+        "print(sum(any(ord(c) > 127 for c in q.text) for q in HOTPOTQA.load_questions(levels=['easy'])))"
+    )
+    env = {**os.environ, "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "LC_ALL": "C", "LANG": "C"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    encoding, count = run.stdout.split()
+    assert encoding.lower() not in ("utf-8", "utf8") and int(count) == non_ascii
+    real = io.text_encoding
+    monkeypatch.setattr(io, "text_encoding", lambda enc, stacklevel=2: "ascii" if enc is None else real(enc))
+    assert HOTPOTQA.load_questions(levels=["easy"]) == utf8
