@@ -318,10 +318,10 @@ def test_a_finished_command_gives_the_line_back_to_the_command_around_it(monkeyp
         """
         assert command.run_command(inner, ["--count", "2"], "lragent inner") == 0
         seen.append(command.command_line())
-        assert command.run_command(lambda_fail, [], "lragent fail") == 2
+        assert command.run_command(fail, [], "lragent fail") == 2
         seen.append(command.command_line())
 
-    def lambda_fail() -> None:
+    def fail() -> None:
         """Fails."""
         raise ValueError("bad")
 

@@ -289,34 +289,28 @@ def test_convert_once_logs_which_gguf_it_converts_into_which_folder(tmp_path: Pa
     assert [r.levelno for r in named] == [logging.INFO]
 
 
-def test_a_failed_save_raises_its_error_and_leaves_no_temporary_folder(tmp_path: Path, monkeypatch) -> None:
-    from lragent.converted_cache import convert_gguf_once
-
-    def disk_full(folder: Path) -> None:
-        raise RuntimeError("disk full")
-
-    gguf, _ = _fake_gguf_loading(monkeypatch, tmp_path, save=disk_full)
-    target = tmp_path / "cache" / "model"
-    with pytest.raises(RuntimeError, match="disk full"):
-        convert_gguf_once(gguf, target)
-    assert sorted(p.name for p in target.parent.iterdir()) == [".model.lock"]
+def _disk_full(folder: Path) -> None:
+    raise RuntimeError("disk full")
 
 
-def test_a_failed_save_whose_temporary_folder_is_already_gone_still_raises_the_save_error(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """The clean-up after a failed save never masks the save's own error, even with nothing left to remove."""
+def _vanished(folder: Path) -> None:
     import shutil
 
+    shutil.rmtree(folder)
+    raise RuntimeError("folder vanished")
+
+
+@pytest.mark.parametrize("save, error", [(_disk_full, "disk full"), (_vanished, "folder vanished")])
+def test_a_failed_save_raises_its_error_and_leaves_no_temporary_folder(
+    tmp_path: Path, monkeypatch, save, error
+) -> None:
+    """The save's own error reaches the caller and no temporary folder is left; the clean-up never masks that error,
+    even when the folder is already gone (``_vanished``)."""
     from lragent.converted_cache import convert_gguf_once
 
-    def vanished(folder: Path) -> None:
-        shutil.rmtree(folder)
-        raise RuntimeError("folder vanished")
-
-    gguf, _ = _fake_gguf_loading(monkeypatch, tmp_path, save=vanished)
+    gguf, _ = _fake_gguf_loading(monkeypatch, tmp_path, save=save)
     target = tmp_path / "cache" / "model"
-    with pytest.raises(RuntimeError, match="folder vanished"):
+    with pytest.raises(RuntimeError, match=error):
         convert_gguf_once(gguf, target)
     assert sorted(p.name for p in target.parent.iterdir()) == [".model.lock"]
 

@@ -336,7 +336,8 @@ def test_archived_episode_timings_are_kept_to_the_millisecond_and_nothing_else_c
     (root / "eval/s_lam0/decide").mkdir(parents=True)
     (root / "eval/s_lam0/decide/episodes.jsonl").write_text(json.dumps(record) + '\n{"qid": "8", "wall')
     (root / "eval/s_lam0/decide/timing.json").write_text('{"loop_s": 1.23456789}')
-    read_archives(tmp_path / "a" if archive(root, tmp_path / "a") else tmp_path, tmp_path / "back")
+    archive(root, tmp_path / "a")
+    read_archives(tmp_path / "a", tmp_path / "back")
     first, torn = (tmp_path / "back/study/eval/s_lam0/decide/episodes.jsonl").read_text().split("\n")
     back = json.loads(first)
     assert back["wall_s"] == 2.559 and back["roles"]["plan"]["decode_s"] == 1.412
