@@ -626,6 +626,35 @@ def test_a_killed_eval_keeps_its_timing_and_the_resumed_run_adds_to_it(tmp_path,
 
 
 @pytest.mark.model
+def test_an_interrupt_between_a_records_append_and_its_count_keeps_the_logs_count(tmp_path, monkeypatch):
+    """A signal that lands after an episode's record is in the log but before the loop counted it: timing.json says
+    the episodes the log holds (2), not the ones counted (1)."""
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
+    out = tmp_path / "cut"
+    argv = ["eval", "--benchmark", "hotpotqa", "--scheme", "non_shared", "--limit", "3", "--max_steps", "1",
+            "--thought_tokens", "4", "--argument_tokens", "3", "--model", str(tiny), "--adapter_init", "random",
+            "--runs", "1", "--device", "cpu", "--quiet", "true", "--out", str(out)]  # fmt: skip
+    real = run_eval.run_episodes
+
+    def cut_after_the_second_append(*args, on_record=None, **kwargs):
+        seen = []
+
+        def record() -> None:
+            seen.append(1)
+            if len(seen) == 2:
+                raise KeyboardInterrupt  # the second record is in the log; on_record never counted it
+            on_record()
+
+        return real(*args, on_record=record, **kwargs)
+
+    monkeypatch.setattr(run_eval, "run_episodes", cut_after_the_second_append)
+    assert cli.main(argv) == 130
+    timing = json.loads((out / "timing.json").read_text())
+    assert len(read_episodes(out / EPISODES_FILE)) == 2
+    assert timing["complete"] is False and timing["episodes"] == 2
+
+
+@pytest.mark.model
 def test_sigterm_stops_an_eval_like_ctrl_c_with_its_records_and_time_kept(tmp_path):
     """``timeout``'s SIGTERM (a device call's limit) mid-loop: exit 130 with one line, no traceback, and timing.json
     holds exactly the episodes the log holds (written on the way out, not only every few seconds)."""

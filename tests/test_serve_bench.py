@@ -123,3 +123,42 @@ def test_bench_serve_refuses_a_server_that_is_not_lragent_serve(tmp_path, capsys
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"error: --server {url}: its answers carry no lragent.scheme; is it lragent serve?"], lines
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_served_episodes_stop_at_the_servers_context_instead_of_being_refused(tmp_path):
+    """A server states its context (``max_model_len``); ``bench serve`` and ``eval --server`` bound their episodes at
+    it less one cycle's reserve (as ``eval --batch`` bounds its own rows), so a long episode ends as out of function
+    (``context_limit``) where it used to send a prompt the server must refuse (400), which stopped the whole run."""
+    from eval_suite.evaluate.run_eval import evaluate
+    from eval_suite.evaluate.server_client import ServeClient, served_context_bound
+    from eval_suite.serve.api_server import ServerThread, build_app
+    from eval_suite.serve.server_state import ServerState
+    from lragent.engine import Engine
+    from lragent.serving.scheduler import Scheduler
+
+    tok = ByteTokenizer()  # one token per byte: the HotpotQA prompt alone is about 1,600 tokens
+    engine = Engine(tiny_multi_lora("tiny-llama"), "base_lr_shared", rows=2, capacity=4096, tokenizer=tok,
+                    eos_token_ids=[])  # fmt: skip
+    scheduler = Scheduler(engine, tok)
+    server = ServerThread(build_app(ServerState(scheduler, "base_lr_shared", "tiny", tok))).start()
+    try:
+        cards = ServeClient(server.url).get("/v1/models")["data"]
+        assert {c["max_model_len"] for c in cards} == {4095}
+        assert served_context_bound(server.url) == 4096 - 2048
+        agent = dict(max_steps=15, thought_tokens=128, argument_tokens=64, temperature=0.0)
+        assert bench_serve(server=server.url, workload="autoact", clients=1, sessions=1, out=str(tmp_path / "b"),
+                           **agent) == 0  # fmt: skip
+        out = tmp_path / "e"
+        rc = evaluate(benchmark="hotpotqa", limit=1, runs=1, scheme="base_lr_shared", quiet=True, server=server.url,
+                      out=str(out), **agent)  # fmt: skip
+        snap = scheduler.metrics.snapshot()
+    finally:
+        server.stop()
+    report = json.loads((tmp_path / "b" / "bench_serve.json").read_text())
+    assert report["config"]["agent"]["max_context_tokens"] == 2048
+    assert report["runs"][0]["failed_requests"] == 0
+    assert rc == 0
+    (record,) = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert record["stop_reason"] == "context_limit", record["stop_reason"]
+    assert json.loads((out / "run_config.json").read_text())["agent"]["max_context_tokens"] == 2048
+    assert snap["requests"].get("error", 0) == 0

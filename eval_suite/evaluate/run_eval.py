@@ -66,7 +66,7 @@ from eval_suite.evaluate.shard_launch import (
 from eval_suite.evaluate.stall_watchdog import StallWatchdog, stall_seconds
 from eval_suite.evaluate.work_queue import WorkQueue, sibling_logs
 from eval_suite.report import fmt_over_runs, write_json
-from lragent.agents import AgentConfig, AgentLoop, EpisodeResult, Policy
+from lragent.agents import CYCLE_RESERVE_TOKENS, AgentConfig, AgentLoop, EpisodeResult, Policy, context_bound
 from lragent.agents.policies import check_sampling
 from lragent.device_share import allocation_lock, apply_memory_fraction, check_memory_fraction, is_oom, oom_line
 from lragent.host_threads import host_threads
@@ -570,7 +570,8 @@ def evaluate(
         max_steps: agent cycles before an episode is out of function.
         thought_tokens: generation budget of a thought.
         argument_tokens: generation budget of an action argument.
-        max_context_tokens: an episode is out of function past this many trajectory tokens (default: no limit).
+        max_context_tokens: an episode is out of function past this many trajectory tokens (default: no limit; with
+            --batch, capacity - 2048; with --server, the server's context + 1 - 2048, from its /v1/models).
         out: output directory (locked while this run writes to it).
         shard: i/n: this process takes every n-th question starting at i (give each shard its own --out).
         work_queue: with --shard, a folder shared by the shards (empty at their start; e.g. on a filesystem several
@@ -756,10 +757,16 @@ def check_eval_args(call: dict[str, Any], notes: bool = True) -> EvalPlan:
         raise ValueError(f"--batch must be >= 0 (0: one episode at a time), got {batch}")
     if batch and capacity < 4096:
         raise ValueError(f"--capacity must be >= 4096 positions per episode, got {capacity}")
-    if batch and max_context is None:
-        max_context = capacity - 2048
-    if batch and max_context > capacity - 2048:
-        raise ValueError(f"--max_context_tokens {max_context} leaves no room for a cycle: allowed <= capacity - 2048")
+    if a["server"] is not None:  # the server's trajectories bound the episodes, not this process's --capacity
+        if max_context is None:
+            from eval_suite.evaluate.server_client import served_context_bound
+
+            max_context = served_context_bound(a["server"], os.environ.get("LRAGENT_API_KEY") or None)
+    elif batch and max_context is None:
+        max_context = context_bound(capacity)
+    elif batch and max_context > capacity - CYCLE_RESERVE_TOKENS:
+        raise ValueError(f"--max_context_tokens {max_context} leaves no room for a cycle: allowed <= capacity - "
+                         f"{CYCLE_RESERVE_TOKENS}")  # fmt: skip
     i, n = parse_shard(a["shard"])
     if a["work_queue"] and Path(a["work_queue"]).exists() and not Path(a["work_queue"]).is_dir():
         raise ValueError(f"--work_queue {a['work_queue']} is a file: give a folder that the shards share")
@@ -976,7 +983,9 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 written[0] = now
 
         def write_partial_timing() -> None:  # the loop stopped early (interrupt, stall): its time so far
-            timing.write(timing_part(ran, time.perf_counter() - loop_started), complete=False)
+            # the log's count, not ``ran``: a signal between a record's append and on_record would leave ran one short
+            appended = len(read_episodes(out_dir / EPISODES_FILE)) - before
+            timing.write(timing_part(appended, time.perf_counter() - loop_started), complete=False)
 
         restore_sigterm = _stop_on_sigterm()  # a call's time limit (SIGTERM) stops the loop like Ctrl-C
         watchdog = StallWatchdog(

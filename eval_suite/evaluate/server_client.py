@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from lragent.agents import EpisodeResult
+from lragent.agents import EpisodeResult, context_bound
 from lragent.agents.requests import Generate, Reply, StepStats
 
 
@@ -353,6 +353,22 @@ class ServerExecutor:
             pool.shutdown(wait=True)
             for client in clients:
                 client.close()
+
+
+def served_context_bound(url: str, api_key: str | None = None) -> int | None:
+    """The default ``max_context_tokens`` of episodes a server runs: its context (``max_model_len`` of
+    ``GET /v1/models``) + 1 less one cycle's reserve (:func:`lragent.agents.context_bound`, as ``eval --batch`` bounds
+    its own trajectories), so an episode ends as out of function instead of sending a prompt the server must refuse.
+    None when the server states no context or one too short for a reserve. Raises :class:`ServerError` when the server
+    cannot be reached or refuses."""
+    client = ServeClient(url, api_key, timeout=10)
+    try:
+        listing = client.get("/v1/models")
+    finally:
+        client.close()
+    lengths = [c.get("max_model_len") for c in listing.get("data", [])] if isinstance(listing, dict) else []
+    lengths = [n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return context_bound(min(lengths) + 1) if lengths else None
 
 
 def check_server_args(args: dict, constraints: Sequence[str]) -> None:

@@ -91,7 +91,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> JSONResponse:
         created = now()
         cards = [
-            ModelCard(id=name, created=created, root=name, parent=None if name == state.base_name else state.base_name)
+            ModelCard(
+                id=name,
+                created=created,
+                root=name,
+                parent=None if name == state.base_name else state.base_name,
+                max_model_len=state.scheduler.context,
+            )
             for name in state.models
         ]
         return JSONResponse(ModelList(data=cards).model_dump())

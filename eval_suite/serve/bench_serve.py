@@ -33,7 +33,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from eval_suite.evaluate.server_client import Completion, ServeClient, ServerExecutor, ServerPolicy, check_server_url
+from eval_suite.evaluate.server_client import (
+    Completion,
+    ServeClient,
+    ServerExecutor,
+    ServerPolicy,
+    check_server_url,
+    served_context_bound,
+)
 
 WORKLOADS = ("trace", "autoact")
 TRACE_GENERATED = (48, 4, 16, 48, 4)
@@ -236,7 +243,7 @@ def bench_serve(
 
     from eval_suite.evaluate.benchmarks import get_benchmark
     from eval_suite.report import check_writable
-    from lragent.agents import AgentConfig
+    from lragent.agents import AgentConfig, context_bound
     from lragent.agents.policies import check_sampling
     from lragent.provenance import provenance
     from lragent.report_io import write_json, write_text
@@ -255,13 +262,17 @@ def bench_serve(
                          "reflect thought, verdict)")  # fmt: skip
     check_sampling(temperature, top_p)
     bench = get_benchmark(benchmark)
-    agent = AgentConfig(max_steps=max_steps, thought_tokens=thought_tokens, argument_tokens=argument_tokens)
     out_dir = check_writable(out, is_dir=True)
     api_key = os.environ.get("LRAGENT_API_KEY") or None
+    if server is not None:
+        check_server_url(server)
+    # an AutoAct episode ends as out of function before its trajectory outgrows the server's (as eval --batch's do)
+    bound = served_context_bound(server, api_key) if server is not None else context_bound(capacity)
+    agent = AgentConfig(max_steps=max_steps, thought_tokens=thought_tokens, argument_tokens=argument_tokens,
+                        max_context_tokens=bound)  # fmt: skip
     questions = [q.text for q in bench.load_questions(None, None)]
     scheme_list = [str(s) for s in parse_schemes(schemes)]
     if server is not None:
-        check_server_url(server)
         served = _served_scheme(server, api_key)
         if schemes != "all" and scheme_list != [served]:
             raise ValueError(f"--server {server} serves {served}: allowed --schemes {served} (or all) with it")

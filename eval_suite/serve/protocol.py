@@ -407,6 +407,7 @@ class ModelCard(BaseModel):
     owned_by: str = "lragent"
     root: str | None = None
     parent: str | None = None
+    max_model_len: int | None = None  # positions a prompt and its completion may take together (vLLM's field)
 
 
 class ModelList(BaseModel):

@@ -4,13 +4,25 @@ Nothing here imports torch: :class:`~lragent.agents.policies.SessionPolicy` is h
 """
 
 from lragent.agents.constraints import action_type_options, answer_options, is_judgement_question
-from lragent.agents.loop import AgentConfig, AgentLoop, EpisodeResult, RoleStats, Step, drive, run_episode
+from lragent.agents.loop import (
+    CYCLE_RESERVE_TOKENS,
+    AgentConfig,
+    AgentLoop,
+    EpisodeResult,
+    RoleStats,
+    Step,
+    context_bound,
+    drive,
+    run_episode,
+)
 from lragent.agents.policies import Policy, ScriptedPolicy, SessionPolicy
 from lragent.agents.prompts import HOTPOTQA, SCIENCEQA, BenchmarkSpec, format_question, get_spec, initial_text
 from lragent.agents.requests import Choose, Generate, Reply, StepStats
 from lragent.agents.tools import Passage, Toolbox, WikiIndex
 
 __all__ = [
+    "CYCLE_RESERVE_TOKENS",
+    "context_bound",
     "AgentConfig",
     "AgentLoop",
     "BenchmarkSpec",

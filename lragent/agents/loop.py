@@ -120,6 +120,17 @@ class RoleStats:
             self.recomputed_tokens += stats.recomputed_tokens
 
 
+CYCLE_RESERVE_TOKENS = 2048  # positions kept free past the context bound: one more cycle (thought, action, observation)
+
+
+def context_bound(capacity: int) -> int | None:
+    """The default ``max_context_tokens`` of episodes run on trajectories of ``capacity`` positions: the capacity less
+    one cycle's reserve (:data:`CYCLE_RESERVE_TOKENS`), so an episode stops as out of function before its trajectory
+    outgrows its cache; None (no bound) when the capacity leaves no such room."""
+    bound = capacity - CYCLE_RESERVE_TOKENS
+    return bound if bound >= 1 else None
+
+
 @dataclass
 class AgentConfig:
     """Budgets of the agent loop.
