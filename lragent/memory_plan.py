@@ -59,6 +59,8 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    o_bias: bool = False  # LLaMA's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
+    mlp_bias: bool = False  # LLaMA's mlp_bias: gate, up and down projections
 
     @classmethod
     def from_config(cls, config: object) -> ModelShape:
@@ -74,6 +76,8 @@ class ModelShape:
             vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            o_bias=config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
 
     def base_params(self) -> int:
@@ -83,6 +87,10 @@ class ModelShape:
         per_layer = h * (q_out + 2 * kv_out) + q_out * h + 3 * h * self.intermediate + 2 * h
         if self.qkv_bias:
             per_layer += q_out + 2 * kv_out
+        if self.o_bias:
+            per_layer += h
+        if self.mlp_bias:
+            per_layer += 2 * self.intermediate + h
         return self.vocab * h * (1 if self.tied else 2) + self.n_layers * per_layer + h
 
     def adapter_params(self, rank: int, n_roles: int, shared_a: bool = True) -> int:

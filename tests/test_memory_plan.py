@@ -294,6 +294,20 @@ def test_attention_biases_are_read_from_a_llama_config_and_implied_by_qwen2():
     assert model_shape("tiny-qwen2").qkv_bias is True  # Qwen2 configs carry no attention_bias field
 
 
+@pytest.mark.parametrize(
+    "biases", [dict(attention_bias=True), dict(mlp_bias=True), dict(attention_bias=True, mlp_bias=True)]
+)
+def test_a_llama_with_biases_counts_every_bias_it_has(biases):
+    """LLaMA's attention_bias puts a bias on o_proj as well as q/k/v; mlp_bias on gate, up and down: the count
+    from the config is the model's."""
+    from transformers import AutoConfig
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    config = AutoConfig.for_model("llama", **sizes, **biases)
+    assert ModelShape.from_config(config).base_params() == _meta_params(config)
+
+
 def test_a_mistral_config_has_no_attention_bias_field_and_no_biases():
     config = memory_plan.model_config("tiny-mistral")
     assert not hasattr(config, "attention_bias")

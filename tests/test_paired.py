@@ -178,6 +178,8 @@ def test_hotpotqa_summary_gives_em_f1_and_oof_per_level_over_runs_with_t_interva
         "base_lr_shared": {"temperature": 0.0, "top_p": 1.0, "constraints": [], "sampler": 2},
     }
     assert s["episode_commits"] == ["aaa", "bbb"] and s["validity"] == {}
+    recs[0]["provenance"] = {"python": "3.12"}  # provenance without a commit names none
+    assert summarize(recs)["episode_commits"] == ["aaa", "bbb"]
     acc = _rounded(s["accuracy"])
     assert acc["em"] == {
         "non_shared": {"easy": _cell([1, 0]), "medium": _cell([0, 1]), "avg": _cell([0.5, 0.5]),
@@ -567,3 +569,14 @@ def test_merge_dirs_summarises_the_episodes_of_every_folder_and_names_one_withou
     with pytest.raises(FileNotFoundError, match=f"^--merge {empty}: no episodes.jsonl there$"):
         merge_dirs([shards[0], empty], tmp_path / "never")
     assert not (tmp_path / "never").exists()
+
+
+def test_a_sampling_protocol_without_its_top_p_is_rendered_with_the_policies_default() -> None:
+    """A record whose protocol holds ``top_p: None`` (a caller that gave none: the policies sample without a nucleus
+    cut) renders as top-p 1, as one without the key does, instead of failing to format None."""
+    from eval_suite.evaluate.eval_report import _fmt_protocol
+
+    assert _fmt_protocol({"temperature": 0.9, "top_p": None}) == "sampling T=0.9, top-p=1; constraints: none"
+    assert _fmt_protocol({"temperature": 0.9}) == "sampling T=0.9, top-p=1; constraints: none"
+    assert _fmt_protocol({"temperature": 0.9, "top_p": 0.75}) == "sampling T=0.9, top-p=0.75; constraints: none"
+    assert _fmt_protocol({"temperature": 0.0, "top_p": None}) == "greedy; constraints: none"

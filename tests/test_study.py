@@ -796,6 +796,33 @@ def test_a_metrics_file_without_a_validation_row_is_named(tmp_path) -> None:
     assert last_validation(path)["val/loss"] == "1.25"
 
 
+@pytest.mark.parametrize(("acc", "what"), [("", "empty"), ("high", "'high', not a number")])
+def test_a_loss_without_a_readable_accuracy_names_its_file_and_column(tmp_path, acc, what) -> None:
+    from eval_suite.study.training_report import cell
+
+    row = {"step": "40", "val/plan/loss": "1.5", "val/plan/acc": acc}
+    path = tmp_path / "hotpotqa_x" / "metrics.csv"
+    with pytest.raises(ValueError) as err:
+        cell(row, "plan", "plain", path)
+    assert str(err.value) == f"{path}: column val/plan/acc is {what} in the row of step 40"
+    assert cell({"val/plan/loss": "1.5", "val/plan/acc": "0.25"}, "plan", "plain", path) == "1.500 / 25.0%"
+
+
+def test_reading_a_metrics_file_leaves_no_file_open(tmp_path) -> None:
+    import gc
+    import warnings
+
+    from eval_suite.study.training_report import last_validation
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,val/loss\n1,1.25\n")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        assert last_validation(path)["val/loss"] == "1.25"
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+
+
 def test_an_eval_is_done_only_with_every_run_of_every_row_at_this_sampler(tmp_path: Path) -> None:
     """is_done on an eval job's summary: fewer runs than asked, a row missing, or an older sampler's row is not done
     (the study runs it again, resuming its episodes); every run of every row at this sampler is."""

@@ -197,10 +197,28 @@ def test_clear_queue_returns_a_usable_queue_when_the_folder_cannot_be_removed(tm
     (tmp_path / "shared").mkdir()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / QUEUE_DIR).symlink_to(tmp_path / "shared", target_is_directory=True)
+    stale = tmp_path / "shared" / claim_name(("non_shared", 0, "q1"))
+    stale.write_text("1/2")  # an earlier launch's claim of an episode that may never have finished
+    (tmp_path / "shared" / "leftover").mkdir()
     folder = clear_queue(tmp_path / "out")
-    assert folder == tmp_path / "out" / QUEUE_DIR and folder.is_dir()
+    assert folder == tmp_path / "out" / QUEUE_DIR and folder.is_dir() and folder.is_symlink()
+    assert list(folder.iterdir()) == []  # the link kept, the earlier launch's claims gone
     assert WorkQueue(folder, "0/2").claim(("non_shared", 0, "q1"))
-    assert (tmp_path / "shared" / claim_name(("non_shared", 0, "q1"))).read_text() == "0/2"
+    assert stale.read_text() == "0/2"
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link"])
+def test_clear_queue_names_a_queue_that_is_no_folder(tmp_path, kind):
+    (tmp_path / "out").mkdir()
+    queue = tmp_path / "out" / QUEUE_DIR
+    if kind == "file":
+        queue.write_text("x")
+    else:
+        queue.symlink_to(tmp_path / "gone", target_is_directory=True)
+    with pytest.raises(OSError) as err:
+        clear_queue(tmp_path / "out")
+    why = "not a folder" if kind == "file" else "a link to nothing"
+    assert str(err.value) == f"cannot empty the work queue {queue}: {why}; remove it and launch again"
 
 
 # -------------------------------------------------- the episode logs that the shards resume from and are merged from

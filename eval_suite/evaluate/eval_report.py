@@ -167,7 +167,8 @@ def summarize(records: Iterable[dict]) -> dict:
         if row != _reference_row(row) and _reference_row(row) in rows
     }
     valid = {row: validity(r for r in recs if r["row"] == row) for row in rows} if bench.name == "scienceqa" else {}
-    commits = sorted({str((r.get("provenance") or {}).get("git_commit")) for r in recs if r.get("provenance")})
+    # the commits the records name (a record whose provenance names none adds nothing, not the text "None")
+    commits = sorted({str(c) for r in recs if (c := (r.get("provenance") or {}).get("git_commit")) is not None})
     return {
         "benchmark": bench.name,
         "levels": levels,
@@ -206,7 +207,8 @@ def _fmt_protocol(p: dict) -> str:
     elif temp == 0:
         decoding = "greedy"
     else:
-        decoding = f"sampling T={temp:g}, top-p={p.get('top_p', 1.0):g}"
+        top_p = p.get("top_p")  # None where not recorded: the policies' default, no nucleus cut
+        decoding = f"sampling T={temp:g}, top-p={1.0 if top_p is None else top_p:g}"
     cons = ", ".join(p.get("constraints") or []) or "none"
     if p.get("answer_score"):
         cons += f" (option texts by {p['answer_score']} log-prob)"

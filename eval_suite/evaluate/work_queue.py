@@ -69,8 +69,19 @@ def clear_queue(out_dir: str | Path) -> Path:
     """Empties ``out_dir/queue`` for a new launch (claims of an earlier one may name episodes that never finished:
     the shards' episode logs say which did) and returns it."""
     folder = Path(out_dir) / QUEUE_DIR
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        if folder.is_dir():  # a link to a folder elsewhere (a shared filesystem) stays a link: its claims go
+            for entry in folder.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        elif folder.is_symlink() or folder.exists():
+            raise OSError(f"{'a link to nothing' if folder.is_symlink() else 'not a folder'}")
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise OSError(f"cannot empty the work queue {folder}: {reason}; remove it and launch again") from None
     return folder
 
 

@@ -16,18 +16,31 @@ PARTS = ("plain", "base_lr_shared", "full_shared")
 
 
 def last_validation(path: Path) -> dict[str, str]:
-    rows = [r for r in csv.DictReader(path.open()) if r.get("val/loss")]
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val/loss")]
     if not rows:
         raise ValueError(f"{path} has no validation row")
     return rows[-1]
 
 
-def cell(row: dict[str, str], role: str, part: str) -> str:
+def cell(row: dict[str, str], role: str, part: str, source: Path | str = "metrics.csv") -> str:
+    """``loss / accuracy`` of one role through one scheme in a validation row (``n/a`` without its loss).
+
+    Raises:
+        ValueError: a loss without its accuracy, or a value that is no number, naming ``source`` and the column.
+    """
     prefix = f"val/{role}/" if part == "plain" else f"val/{role}/{part}/"
     loss, acc = row.get(prefix + "loss", ""), row.get(prefix + "acc", "")
     if not loss:
         return "n/a"
-    return f"{float(loss):.3f} / {100 * float(acc):.1f}%"
+    values = []
+    for column, value in ((prefix + "loss", loss), (prefix + "acc", acc)):
+        try:
+            values.append(float(value))
+        except ValueError:
+            what = "empty" if not value else f"{value!r}, not a number"
+            raise ValueError(f"{source}: column {column} is {what} in the row of step {row.get('step')}") from None
+    return f"{values[0]:.3f} / {100 * values[1]:.1f}%"
 
 
 def table(root: Path) -> str:
@@ -43,7 +56,7 @@ def table(root: Path) -> str:
         ]
         for run in sorted(root.glob(f"{ds}_*/metrics.csv"), key=lambda p: ("untrained" not in p.parent.name, p)):
             row = last_validation(run)
-            cells = [cell(row, r, p) for r in ROLES for p in PARTS]
+            cells = [cell(row, r, p, run) for r in ROLES for p in PARTS]
             lines.append(f"| {run.parent.name} | {row['step']} ({row['epoch']}) | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
