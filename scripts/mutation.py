@@ -137,6 +137,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "roles": ("lragent/roles.py", "", ["tests/test_multi_lora.py"]),
     "benchmarks": ("eval_suite/evaluate/benchmarks.py", "", ["tests/test_eval_benchmarks.py", "tests/test_splits.py"]),
     "cross_role_prefixes": ("datamodules/cross_role_prefixes.py", "", ["tests/test_cross_role_batches.py"]),
+    "answer_thoughts": ("datamodules/answer_thoughts.py", "", ["tests/test_answer_thoughts.py"]),
     "constraints": ("lragent/agents/constraints.py", "", ["tests/test_agents_requests.py"]),
     "requests": (
         "lragent/agents/requests.py",

@@ -526,3 +526,27 @@ def test_the_transformers_baseline_is_its_dynamic_cache_its_logits_and_one_layer
     assert total - cache - logits == 2 * 16 * 1024 * 4
     assert memory_plan.transformers_baseline_bytes(shape, 1, 32, 4) == total
     assert memory_plan.transformers_baseline_bytes(shape, 2, 16, 2) == total // 2
+
+
+def test_a_qwen2_config_carrying_attention_bias_still_has_no_o_proj_bias():
+    """Qwen2's q/k/v carry biases and its o_proj none, whatever an attention_bias attribute says (a config may carry
+    it from elsewhere): the count is the model's."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen2", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, attention_bias=True)  # fmt: skip
+    shape = ModelShape.from_config(config)
+    assert (shape.qkv_bias, shape.o_bias) == (True, False)
+    assert shape.base_params() == _meta_params(config)
+
+
+def test_the_shape_of_a_model_directory_is_read_from_its_config(tmp_path):
+    """A name that is no known architecture is read as a directory (or hub id) holding config.json."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config.save_pretrained(tmp_path)
+    shape = memory_plan.model_shape(str(tmp_path))
+    assert (shape.n_layers, shape.hidden, shape.n_kv_heads) == (3, 64, 2)
+    assert shape.base_params() == _meta_params(config)

@@ -808,6 +808,25 @@ def test_a_loss_without_a_readable_accuracy_names_its_file_and_column(tmp_path, 
     assert cell({"val/plan/loss": "1.5", "val/plan/acc": "0.25"}, "plan", "plain", path) == "1.500 / 25.0%"
 
 
+def test_the_training_report_names_the_file_and_column_of_a_value_it_cannot_read(tmp_path, capsys) -> None:
+    """Through the command: an accuracy column absent where its loss is present, and a loss that is no number, each
+    one ``error:`` line naming the run's metrics.csv and the column."""
+    from eval_suite.study import training_report
+
+    path = tmp_path / "hotpotqa_a" / "metrics.csv"
+    path.parent.mkdir()
+    path.write_text("step,epoch,val/loss,val/plan/loss\n7,0,1.0,1.5\n")
+    assert training_report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {path}: column val/plan/acc is empty in the row of step 7"
+    path.write_text("step,epoch,val/loss,val/plan/loss,val/plan/acc\n7,0,1.0,n.a.,0.5\n")
+    assert training_report.main([str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: {path}: column val/plan/loss is 'n.a.', not a number in the row of step 7"
+    )
+
+
 def test_reading_a_metrics_file_leaves_no_file_open(tmp_path) -> None:
     import gc
     import warnings
@@ -1234,3 +1253,26 @@ def test_a_training_log_the_table_cannot_read_is_a_one_line_error_with_status_2(
     assert training_report.main([str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_the_chance_verdict_reads_the_whole_interval() -> None:
+    """Above chance only when the interval's lower end is above 0, below only when its upper end is below 0, else
+    not distinguishable (an interval holding 0 is no verdict either way)."""
+    from eval_suite.study.report import chance_table
+
+    def verdicts(*intervals):
+        sets = {
+            f"s{i}": {"meta": {"benchmark": "scienceqa", "set": f"s{i}"},
+                      "chance": {"ci95": ci, "chance": 0.3, "mean": sum(ci) / 2, "questions": 90}}
+            for i, ci in enumerate(intervals)
+        }  # fmt: skip
+        rows = [line.split("|") for line in chance_table(sets).splitlines()[2:]]
+        return [r[4].strip() for r in rows]
+
+    assert verdicts((0.01, 0.2), (-0.05, 0.1), (-0.2, -0.01), (0.0, 0.1), (-0.1, 0.0)) == [
+        "above chance",
+        "not distinguishable from chance",
+        "below chance",
+        "not distinguishable from chance",
+        "not distinguishable from chance",
+    ]

@@ -14,8 +14,10 @@ trajectory's length after the request, over the wall time: ``bench trace``'s thr
 p50 / p99 (client side: from sending a request to its first streamed text), the prompt tokens served from held
 trajectories (cached-prefix fraction), the caches' peak bytes and bytes by component, failed requests.
 
-Without ``--server`` the bench starts its own server per scheme and workload on 127.0.0.1 (a free port; the model
-loaded once); with ``--server URL`` it loads nothing and measures that server under the one scheme it serves.
+Without ``--server`` the bench starts its own server per scheme and workload on 127.0.0.1 (a free port): by default
+a ``cli.py serve`` process, as a server is deployed (``--isolate false``: in this process, the model loaded once,
+where the server's scheduler shares one interpreter with the clients); with ``--server URL`` it loads nothing and
+measures that server under the one scheme it serves.
 Writes ``bench_serve.json`` and ``bench_serve.md`` with provenance.
 
     python cli.py bench serve --clients 8 --sessions 16 --out out/bench_serve                     # CPU, embedded model
@@ -208,6 +210,7 @@ def bench_serve(
     dtype: str | None = None,
     device: str | None = None,
     memory_fraction: float | None = None,
+    isolate: bool = True,
     out: str = "bench_serve",
 ) -> int:
     """Load generator for lragent serve: concurrent agent sessions per scheme; tokens/s, sessions/s, TTFT, caches.
@@ -234,6 +237,8 @@ def bench_serve(
         dtype: their dtype (default bfloat16 on a GPU, float32 on the CPU).
         device: cpu or cuda (default cuda when available).
         memory_fraction: their share of the device's memory.
+        isolate: start each server here as a ``cli.py serve`` process of its own (as it is deployed; its model
+            loaded per server); false: in this process, the model loaded once.
         out: output directory (bench_serve.json, bench_serve.md).
 
     Returns:
@@ -245,6 +250,7 @@ def bench_serve(
     from eval_suite.report import check_writable
     from lragent.agents import AgentConfig, context_bound
     from lragent.agents.policies import check_sampling
+    from lragent.device_share import check_memory_fraction
     from lragent.provenance import provenance
     from lragent.report_io import write_json, write_text
     from lragent.schemes import parse_schemes
@@ -261,6 +267,7 @@ def bench_serve(
         raise ValueError(f"--generated {generated}: allowed five integers >= 1 (thought, action type, argument, "
                          "reflect thought, verdict)")  # fmt: skip
     check_sampling(temperature, top_p)
+    check_memory_fraction(memory_fraction)
     bench = get_benchmark(benchmark)
     out_dir = check_writable(out, is_dir=True)
     api_key = os.environ.get("LRAGENT_API_KEY") or None
@@ -284,6 +291,10 @@ def bench_serve(
         for wl in workloads:
             if server is not None:
                 url, stop, snapshot = server, None, lambda url=server: _server_metrics(url, api_key)
+            elif isolate:
+                dev, dtype = _device_and_dtype(device, dtype)
+                url, stop = _spawn(model, adapters, scheme, max_rows, capacity, dtype, dev, memory_fraction)
+                snapshot = lambda url=url: _server_metrics(url, api_key)  # noqa: E731
             else:
                 if loaded is None:
                     loaded, dev, dtype = _load(model, adapters, dtype, device, memory_fraction)
@@ -339,14 +350,60 @@ def _warm_up(url: str, api_key: str | None) -> None:
         client.close()
 
 
+def _device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
+    from lragent.loading import resolve_device
+
+    dev = resolve_device(device)
+    return dev, dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
+
+
+def _spawn(model: str, adapters: str | None, scheme: str, max_rows, capacity: int, dtype: str, dev: str,
+           memory_fraction: float | None):  # fmt: skip
+    """A ``cli.py serve`` process of ``scheme`` on 127.0.0.1 (a free port): its URL and its stop. Its key, if any,
+    is ``$LRAGENT_API_KEY``, as the clients'. Raises ``RuntimeError`` with its last lines when it ends before it
+    listens."""
+    import collections
+    import subprocess
+    from pathlib import Path
+
+    cli = Path(__file__).resolve().parents[2] / "cli.py"
+    cmd = [sys.executable, str(cli), "serve", "--scheme", scheme, "--port", "0", "--max_rows", str(max_rows),
+           "--capacity", str(capacity), "--model", model, "--dtype", dtype, "--device", dev]  # fmt: skip
+    if adapters is not None:
+        cmd += ["--adapters", adapters]
+    if memory_fraction is not None:
+        cmd += ["--memory_fraction", str(memory_fraction)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    last: collections.deque[str] = collections.deque(maxlen=3)
+    url = None
+    for line in proc.stderr:  # the model loads, then one line names the URL
+        last.append(line.rstrip())
+        if line.startswith("serve: http://"):
+            url = line.split()[1]
+            break
+    if url is None:
+        proc.wait()
+        said = " | ".join(last)
+        raise ValueError(f"the {scheme} server ended (exit {proc.returncode}) before it listened: {said}")
+    threading.Thread(target=lambda: collections.deque(proc.stderr, maxlen=0), daemon=True).start()  # drain
+
+    def stop() -> None:
+        proc.terminate()  # SIGTERM: it answers what is in flight, then exits
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    return url, stop
+
+
 def _load(model: str, adapters: str | None, dtype: str | None, device: str | None, memory_fraction: float | None):
     from lragent.device_share import apply_memory_fraction, check_memory_fraction
-    from lragent.loading import resolve_device
     from lragent.serving.model import default_serve_adapters, load_served_model
 
     check_memory_fraction(memory_fraction)
-    dev = resolve_device(device)
-    dtype = dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
+    dev, dtype = _device_and_dtype(device, dtype)
     apply_memory_fraction(dev, memory_fraction)
     lm, tok = load_served_model(model=model, adapters=adapters or default_serve_adapters(model), dtype=dtype,
                                 device=dev)  # fmt: skip

@@ -23,7 +23,7 @@ def last_validation(path: Path) -> dict[str, str]:
     return rows[-1]
 
 
-def cell(row: dict[str, str], role: str, part: str, source: Path | str = "metrics.csv") -> str:
+def cell(row: dict[str, str], role: str, part: str, source: Path | str) -> str:
     """``loss / accuracy`` of one role through one scheme in a validation row (``n/a`` without its loss).
 
     Raises:
