@@ -66,8 +66,10 @@ def save(results: dict) -> None:
     """Merges the entries run so far into RESULTS (through a temporary file: a kill mid-write leaves the old file)."""
     merged = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
     merged.update(results)
-    with open(RESULTS + ".part", "w") as f:
-        json.dump(merged, f, indent=1)
+    text = lambda v: json.dumps(v, ensure_ascii=False)  # noqa: E731
+    lines = [f"{text(name)}: {text(r)}" for name, r in merged.items()]
+    with open(RESULTS + ".part", "w") as f:  # one entry a line: small, and a rerun's diff is its own lines
+        f.write("{\n" + ",\n".join(lines) + "\n}\n")
     os.replace(RESULTS + ".part", RESULTS)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from datamodules.answer_thoughts import THOUGHT, add_answer_thoughts, answer_sentence
+from datamodules.answer_thoughts import THOUGHT, add_answer_thoughts, answer_sentence, finish_thoughts
 from datamodules.option_variants import LETTERS, option_count_variants, parse_options, question_key
 from datamodules.records import RoleRecord
 from datamodules.role_examples import read_records
@@ -107,3 +107,96 @@ def test_datamodule_applies_it_to_training_only() -> None:
     assert on.answer_thought_stats["records_changed"] > 1000 and not off.answer_thought_stats
     assert [e.input_ids for e in on.val_set.examples] == [e.input_ids for e in off.val_set.examples]
     assert [e.input_ids for e in on.train_set.examples] != [e.input_ids for e in off.train_set.examples]
+
+
+_ACTION = "\nAction: \n### Response:\n"
+_FINISH_OPEN = "\nAciton: Finish[\n### Response:\n"
+_REFLECT = "\nObversation: Please reflect your answer.\n"
+
+
+def _rec(input: str, output: str, source: str = "t") -> RoleRecord:
+    return RoleRecord(input=input, output=output, source=source)
+
+
+def test_answer_sentence_strips_trailing_space_and_full_stops_only() -> None:
+    """The option text keeps everything but its trailing white space and full stops; one full stop ends it."""
+    assert answer_sentence("Osmium") == " So the answer is Osmium."
+    assert answer_sentence("Mt. Everest. \t") == " So the answer is Mt. Everest."
+    assert answer_sentence("beta...") == " So the answer is beta."
+    assert answer_sentence(".5 m") == " So the answer is .5 m."
+    assert answer_sentence("Planet X") == " So the answer is Planet X."
+
+
+def test_every_role_of_one_trajectory_names_the_answer_exactly() -> None:
+    """One small trajectory across the roles: the plan's thought example, the plan's action-type example that decides
+    Finish (after an earlier thought), the action example completing ``Finish[`` and the examples that read
+    ``Finish[B]`` all name option B's text; the example before a search and a record without options stay the very
+    same objects, the order and the count of records are kept, and the stats count exactly what changed."""
+    head = "Answer it.\nQuestion:Which planet?\nOptions:(A) alpha (B) beta. (C) Planet X\n"
+    search = THOUGHT + "I should search." + _ACTION + "BingSearch[planets]\nObversation: Beta is a planet.\n"
+    named = "It is beta. So the answer is beta."
+    plain = _rec("Question: no options\n" + THOUGHT, "x", "plain")
+    p1 = _rec(head + THOUGHT + "I should search." + _ACTION, "BingSearch", "p1")
+    p2 = _rec(head + search + THOUGHT, "It is beta.", "p2")
+    p3 = _rec(head + search + THOUGHT + "It is beta." + _ACTION, "Finish", "p3")
+    p4 = _rec(head + search + THOUGHT + "It is beta." + _ACTION + "Finish[B]" + _REFLECT + THOUGHT, "Correct.", "p4")
+    a1 = _rec(head + search + THOUGHT + "It is beta." + _FINISH_OPEN, "B", "a1")
+    r1 = _rec(head + search + THOUGHT + "It is beta." + _FINISH_OPEN + "B]" + _REFLECT + THOUGHT, "Correct.", "r1")
+    records = {"plan": [plain, p1, p2, p3, p4], "action": [a1], "reflect": [r1]}
+    out, stats = add_answer_thoughts(records)
+    assert stats == {"trajectories": 1, "with_finish_thought": 1, "records_changed": 5}
+    assert out["plan"][0] is plain and out["plan"][1] is p1
+    assert out["plan"][2:] == [
+        _rec(head + search + THOUGHT, named, "p2"),
+        _rec(head + search + THOUGHT + named + _ACTION, "Finish", "p3"),
+        _rec(head + search + THOUGHT + named + _ACTION + "Finish[B]" + _REFLECT + THOUGHT, "Correct.", "p4"),
+    ]
+    assert out["action"] == [_rec(head + search + THOUGHT + named + _FINISH_OPEN, "B", "a1")]
+    assert out["reflect"] == [_rec(head + search + THOUGHT + named + _FINISH_OPEN + "B]" + _REFLECT + THOUGHT,
+                                   "Correct.", "r1")]  # fmt: skip
+    assert records == {"plan": [plain, p1, p2, p3, p4], "action": [a1], "reflect": [r1]}  # inputs untouched
+    again, stats_again = add_answer_thoughts(out)
+    assert again == out and stats_again["records_changed"] == 0
+
+
+def test_a_thought_is_named_only_where_finish_follows_it() -> None:
+    """The same thought text before a search is left as it is, in the plan's action-type example that picks the
+    search and in later inputs; only its occurrence directly before ``Finish`` is named."""
+    head = "Go.\nQuestion:Which?\nOptions:(A) alpha (B) beta\n"
+    p1 = _rec(head + THOUGHT + "Look it up." + _ACTION, "Retrieve")
+    a1 = _rec(head + THOUGHT + "Look it up.\nAciton: Retrieve[\n### Response:\n", "beta")
+    later = head + THOUGHT + "Look it up.\nAction: Retrieve[beta]\nObversation: Beta.\n" + THOUGHT + "Look it up."
+    a2 = _rec(later + _FINISH_OPEN, "B")
+    out, stats = add_answer_thoughts({"plan": [p1], "action": [a1, a2]})
+    assert stats == {"trajectories": 1, "with_finish_thought": 1, "records_changed": 1}
+    assert out["plan"][0] is p1 and out["action"][0] is a1
+    assert out["action"][1] == _rec(later + " So the answer is beta." + _FINISH_OPEN, "B")
+
+
+def test_a_finish_letter_without_an_option_changes_nothing() -> None:
+    """``Finish[C]`` in a two-option trajectory has no option text to name: every record comes back as it is."""
+    head = "Go.\nQuestion:Two options?\nOptions:(A) yes (B) no\n"
+    records = {
+        "plan": [
+            _rec(head + THOUGHT, "Pick C."),
+            _rec(head + THOUGHT + "Pick C." + _ACTION, "Finish"),
+            _rec(head + THOUGHT + "Pick C." + _ACTION + "Finish[C]" + _REFLECT + THOUGHT, "ok"),
+        ],
+        "action": [_rec(head + THOUGHT + "Pick C." + _FINISH_OPEN, "C")],
+    }
+    out, stats = add_answer_thoughts(records)
+    assert stats == {"trajectories": 1, "with_finish_thought": 1, "records_changed": 0}
+    for role, recs in records.items():
+        assert len(out[role]) == len(recs) and all(a is b for a, b in zip(out[role], recs, strict=True))
+
+
+def test_only_an_open_action_finish_is_completed_by_its_output_letter() -> None:
+    """An action example ending in ``Aciton: Finish[`` reads its output letter (stripped) as the Finish letter; an
+    input that stops inside a plan's ``Finish[`` with a letter as output finishes nothing."""
+    head = "Go.\nQuestion:Which?\nOptions:(A) alpha (B) beta\n"
+    action = _rec(head + THOUGHT + "Maybe beta." + _FINISH_OPEN, " B\n")
+    assert finish_thoughts([action]) == {"Maybe beta.": "B"}
+    inside = _rec(head + THOUGHT + "Maybe beta." + _ACTION + "Finish[", "B")
+    assert finish_thoughts([inside]) == {}
+    out, stats = add_answer_thoughts({"plan": [inside]})
+    assert out["plan"][0] is inside and stats == {"trajectories": 1, "with_finish_thought": 0, "records_changed": 0}
