@@ -138,6 +138,8 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "benchmarks": ("eval_suite/evaluate/benchmarks.py", "", ["tests/test_eval_benchmarks.py", "tests/test_splits.py"]),
     "cross_role_prefixes": ("datamodules/cross_role_prefixes.py", "", ["tests/test_cross_role_batches.py"]),
     "answer_thoughts": ("datamodules/answer_thoughts.py", "", ["tests/test_answer_thoughts.py"]),
+    "serving_rows": ("lragent/serving/rows.py", "", ["tests/test_serve_core.py"]),
+    "scienceqa_corpus": ("eval_suite/evaluate/scienceqa_corpus.py", "", ["tests/test_eval_benchmarks.py"]),
     "constraints": ("lragent/agents/constraints.py", "", ["tests/test_agents_requests.py"]),
     "requests": (
         "lragent/agents/requests.py",

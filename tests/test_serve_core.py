@@ -485,6 +485,36 @@ def test_out_of_memory_fails_the_request_with_503_and_the_server_goes_on(monkeyp
         sch.stop()
 
 
+def test_a_request_whose_start_fails_leaves_the_generating_rows_as_they_were(monkeypatch):
+    """Out of memory in one request's prefill while another row generates: the failed row is emptied, and the
+    generating request finishes with exactly the tokens it gets alone (its row's caches and state untouched)."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    alone, client = _serve(model, "base_lr_shared", rows=2)
+    try:
+        ref, _ = client.call("plan", "alpha ", max_tokens=120)
+    finally:
+        alone.stop()
+    sch, client = _serve(model, "base_lr_shared", rows=2)
+    eng = sch.engine
+    start = eng.start
+
+    def oom_for_the_second(row, req):
+        if eng.ids(row)[:4] == list(b"beta"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return start(row, req)
+
+    monkeypatch.setattr(eng, "start", oom_for_the_second)
+    try:
+        _, a_done, a_events = client.submit("plan", "alpha ", max_tokens=120)
+        b, _ = client.call("plan", "beta ", max_tokens=3)  # admitted while the first generates; its start fails
+        assert a_done.wait(60)
+    finally:
+        sch.stop()
+    assert isinstance(b, Failed) and b.status == 503
+    a = a_events[-1]
+    assert isinstance(a, Finished) and a.completion_tokens == 120 and a.text == ref.text
+
+
 def test_errors_name_the_field():
     model = tiny_multi_lora("tiny-llama", b_std=0.3)
     sch, client = _serve(model, "base_lr_shared", rows=1, capacity=64)
