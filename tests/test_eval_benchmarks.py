@@ -20,14 +20,17 @@ from eval_suite.evaluate.benchmarks import (
 )
 from eval_suite.evaluate.scienceqa_corpus import (
     FAILED_PREFIXES,
+    SearchResult,
     build_search_corpus,
+    max_similarity,
     overlapping_questions,
+    question_key,
     read_raw_trajectories,
     search_results,
 )
 from lragent.agents import WikiIndex
 from lragent.agents.constraints import YES_NO
-from lragent.agents.tools import iter_hotpotqa_passages
+from lragent.agents.tools import Passage, iter_hotpotqa_passages
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 RAW_SCIENCEQA = DATA / "trajectories" / "raw" / "70b_scienceqa_200.jsonl.gz"
@@ -368,3 +371,104 @@ def test_benchmark_questions_load_the_same_under_a_locale_that_is_not_utf8(monke
     real = io.text_encoding
     monkeypatch.setattr(io, "text_encoding", lambda enc, stacklevel=2: "ascii" if enc is None else real(enc))
     assert HOTPOTQA.load_questions(levels=["easy"]) == utf8
+
+
+# ---------------------------------------------------------- the ScienceQA search corpus on hand-made trajectories
+def _prompt(*steps: tuple[str, str]) -> str:
+    """A raw trajectory prompt whose step i is ``Action i: <action>`` then ``Observation i: <observation>``."""
+    body = "".join(
+        f"\nThought {i}: I look it up.\nAction {i}: {action}\nObservation {i}: {obs}" for i, (action, obs) in
+        enumerate(steps, 1)
+    )  # fmt: skip
+    return f"Question: a question\nOptions:(A) yes (B) no{body}\nThought {len(steps) + 1}: done."
+
+
+def test_search_results_keep_each_search_steps_tool_argument_and_unescaped_observation() -> None:
+    """Arguments and observations have their whitespace collapsed (observations HTML-unescaped); only a Lookup
+    observation loses its ``(Result i / n)`` prefix; failed searches and non-search steps are dropped."""
+    prompt = _prompt(
+        ("BingSearch[  solar   energy uses ]", "Solar  energy &amp; wind\n  power are renewable."),
+        ("Lookup[wind]", "(Result 1 / 3) Wind power is clean."),
+        ("Retrieve[Photosynthesis]", "(Result 2/5) Photosynthesis makes sugar."),
+        ("Lookup[sun]", "No more results."),
+        ("Image2Text[image]", "A red planet."),
+    )
+    assert search_results(prompt) == [
+        SearchResult("BingSearch", "solar energy uses", "Solar energy & wind power are renewable."),
+        SearchResult("Lookup", "wind", "Wind power is clean."),
+        SearchResult("Retrieve", "Photosynthesis", "(Result 2/5) Photosynthesis makes sugar."),
+    ]
+
+
+def test_question_similarity_is_the_lower_case_word_set_jaccard_and_0_8_counts_as_the_same() -> None:
+    """Word sets are lower-case; a Jaccard similarity of exactly 0.8 is an overlap, 4/6 is not; the highest
+    similarity is the Jaccard ratio itself (0 without any pair or without shared words)."""
+    assert question_key("Which  GAS? Options:(A) CO2") == frozenset({"which", "gas", "options", "a", "co2"})
+    assert overlapping_questions(["a b c d e", "A b c d e f", "x y"], ["a B c d"]) == [0]
+    assert max_similarity(["a b c d e f", "x y"], ["a b c d"]) == 4 / 6
+    assert max_similarity(["x y"], ["a b"]) == 0.0 and max_similarity([], ["a b"]) == 0.0
+
+
+def test_the_search_corpus_titles_deduplicates_and_excludes_hand_made_trajectories(tmp_path) -> None:
+    """Retrieve passages come first, then BingSearch, then Lookup; titles lose surrounding quotes, an empty one is
+    the text's first 60 characters, a taken title gets `` (search result)`` and a result whose suffixed title is
+    taken too is dropped (later ones kept); a repeated text is dropped; the overlapping training question's results
+    are left out, and :meth:`describe` reports it all."""
+    long_text = "An empty search still returns a passage whose text is longer than sixty characters."
+    spider = "How many legs does a spider have"
+    rows = [
+        {
+            "question": "Which planet is red? Options:(A) Mars (B) Venus",
+            "prompt": _prompt(
+                ('BingSearch["red planet"]', "Mars is called the red planet. It looks red."),
+                ("Lookup[gas]", "(Result 1 / 2) Noble gases do not react."),
+                ("Retrieve[Mars]", "Mars is the fourth planet."),
+            ),
+        },
+        {
+            "question": "What is xenon? Options:(A) a gas (B) a metal",
+            "prompt": _prompt(
+                ("BingSearch[Mars]", "Mars has two moons."),
+                ("BingSearch[mars]", "Mars is cold."),
+                ("BingSearch[Xenon]", "Xenon is a noble gas."),
+                ("BingSearch['']", long_text),
+                ("BingSearch[solar wind]", "Mars is the fourth planet."),
+                ("BingSearch[Neon]", "Neon glows red."),
+            ),
+        },
+        {"question": spider, "prompt": _prompt(("Retrieve[Spider]", "Spiders have eight legs."))},
+    ]
+    raw = tmp_path / "raw.jsonl.gz"
+    with gzip.open(raw, "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    corpus = build_search_corpus(raw, ["How many legs does a spider", "Unrelated"])
+    assert corpus.passages == (
+        Passage("Mars", ("Mars is the fourth planet.",)),
+        Passage("red planet", ("Mars is called the red planet.", " It looks red.")),
+        Passage("Mars (search result)", ("Mars has two moons.",)),
+        Passage("Xenon", ("Xenon is a noble gas.",)),
+        Passage(long_text[:60], (long_text,)),
+        Passage("Neon", ("Neon glows red.",)),
+        Passage("gas", ("Noble gases do not react.",)),
+    )
+    assert corpus.trajectories == 3 and corpus.excluded == (spider,) and corpus.max_similarity == 6 / 7
+    assert corpus.describe() == {
+        "passages": 7,
+        "trajectories": 3,
+        "excluded_overlapping_questions": [spider],
+        "max_train_eval_question_similarity": 0.8571,
+    }
+
+
+def test_raw_trajectories_are_read_as_utf8_under_a_locale_that_is_not(tmp_path, monkeypatch) -> None:
+    """Raw trajectory files are UTF-8 whatever the default text encoding (simulated through
+    :func:`io.text_encoding`); blank lines are skipped."""
+    import io
+
+    rows = [{"question": "How long is 1 \u00c5ngstr\u00f6m?", "prompt": "40 \u00b0C"}, {"question": "q", "prompt": "p"}]
+    raw = tmp_path / "raw.jsonl.gz"
+    with gzip.open(raw, "wt", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n")
+    real = io.text_encoding
+    monkeypatch.setattr(io, "text_encoding", lambda enc, stacklevel=2: "ascii" if enc is None else real(enc))
+    assert read_raw_trajectories(raw) == rows
