@@ -140,7 +140,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "answer_thoughts": ("datamodules/answer_thoughts.py", "", ["tests/test_answer_thoughts.py"]),
     "serving_rows": ("lragent/serving/rows.py", "", ["tests/test_serve_core.py"]),
     "scienceqa_corpus": ("eval_suite/evaluate/scienceqa_corpus.py", "", ["tests/test_eval_benchmarks.py"]),
-    "prompts": ("lragent/agents/prompts.py", "", ["tests/test_agents_loop.py", "tests/test_eval_benchmarks.py"]),
+    "prompts": (
+        "lragent/agents/prompts.py",
+        "",
+        ["tests/test_agents_loop.py", "tests/test_eval_benchmarks.py", "tests/test_prompts.py"],
+    ),
     "dir_lock": ("eval_suite/evaluate/dir_lock.py", "", ["tests/test_dir_lock.py"]),
     "constraints": ("lragent/agents/constraints.py", "", ["tests/test_agents_requests.py"]),
     "requests": (
