@@ -101,7 +101,7 @@ check() {
   local tree whl tok g1 g2 dad ok=0
   tree=$(tree_bytes); whl=$(dir_bytes .whl); tok=$(dir_bytes .tok); g1=$(dir_bytes .gguf1); g2=$(dir_bytes .gguf2)
   dad=$(dir_bytes .defad)
-  [ -f .defad/hotpotqa_sharedA/lragent_adapters.safetensors ] || { echo "MISSING: .defad (the GPU eval tests would fail)"; ok=1; }
+  [ -f .defad/hotpotqa_sharedA/plan/adapter_model.safetensors ] || { echo "MISSING: .defad (the GPU eval tests would fail)"; ok=1; }
   ls .whl/gguf-*.whl > /dev/null 2>&1 || { echo "MISSING: .whl has no gguf wheel (the model tests would skip)"; ok=1; }
   [ -s .commit ] && [ "$(cat .commit)" = "$(git rev-parse HEAD)" ] || { echo "STALE: .commit is not HEAD"; ok=1; }
   for call in "call 1: tree + .whl + .commit + .tok + .gguf1:$((tree + whl + tok + g1))" \
