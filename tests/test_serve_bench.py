@@ -61,6 +61,16 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
     assert report["provenance"]["command"] and report["config"]["server"] == server.url
     md = (tmp_path / "bench_serve.md").read_text()
     assert "| base_lr_shared | trace | 2 | 34 | 0 |" in md
+    # where the time went, from the server's counters over the workload alone (the warm-up and the other workload
+    # not counted): each batched step samples at most one token per row (4 rows), and the scheduler's thread accounts
+    # for its time by phase, never more than the workload's wall
+    for r in runs.values():
+        assert r["decode_steps"] > 0 and 1 <= r["tokens_per_decode_step"] <= 4, r
+        assert r["tokens_per_decode_step"] == r["generated_tokens"] / r["decode_steps"]
+        assert set(r["worker_s"]) == {"admit", "decode", "idle", "other"} and min(r["worker_s"].values()) >= 0
+        assert r["worker_s"]["decode"] > 0 and sum(r["worker_s"].values()) <= r["wall_s"] + 0.5, r
+        assert 0 < r["server_decode_mean_s"] and 0 < r["server_ttft_mean_s"] < r["request_wall_mean_s"], r
+    assert trace["decode_steps"] < trace["generated_tokens"]  # two sessions at once: batched steps
 
 
 @pytest.mark.parametrize(

@@ -569,7 +569,7 @@ def test_metrics_render_as_prometheus_text():
         assert line in text.splitlines(), line
 
 
-def test_a_fresh_serve_metrics_reports_zero_everywhere_and_no_labelled_samples():
+def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worker_phases():
     m = ServeMetrics()
     assert m.snapshot() == {
         "running": 0,
@@ -585,10 +585,12 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_no_labelled_samples()
         "trajectories": 0,
         "cache_bytes": {},
         "peak_cache_bytes": 0,
+        "decode_steps": 0,
+        "worker_s": {"admit": 0.0, "decode": 0.0, "idle": 0.0, "other": 0.0},
     }
     lines = m.render().splitlines()
     samples = [line for line in lines if not line.startswith("#")]
-    assert [line for line in samples if "_bucket" not in line] == [
+    assert [line for line in samples if "_bucket" not in line and "{" not in line] == [
         "lragent_num_requests_running 0",
         "lragent_num_requests_waiting 0",
         "lragent_prompt_tokens_total 0",
@@ -598,12 +600,16 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_no_labelled_samples()
         "lragent_trajectory_evictions_total 0",
         "lragent_trajectory_forks_total 0",
         "lragent_cache_bytes_peak 0",
+        "lragent_decode_steps_total 0",
         "lragent_time_to_first_token_seconds_sum 0.000000",
         "lragent_time_to_first_token_seconds_count 0",
         "lragent_time_per_output_token_seconds_sum 0.000000",
         "lragent_time_per_output_token_seconds_count 0",
     ]
     assert all(line.endswith("} 0") for line in samples if "_bucket" in line)
+    assert [line for line in samples if "{" in line and "_bucket" not in line] == [
+        f'lragent_worker_seconds_total{{phase="{k}"}} 0.0' for k in ("admit", "decode", "idle", "other")
+    ]
     # a labelled metric with no samples yet still announces itself
     assert lines[lines.index("# TYPE lragent_requests_total counter") + 1].startswith("# HELP lragent_trajectories ")
 
@@ -618,6 +624,9 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
     m.finished("length", 5, 16, 0, 0.004, 0.5)
     m.finished("stop", 1, 2, 3)
     m.finished("cancelled")  # no tokens, no timings: only the outcome is counted
+    m.worker_time("decode", 0.5, decode_steps=3)
+    m.worker_time("idle", 0.25)
+    m.worker_time("decode", 0.125, decode_steps=4)
     assert m.snapshot() == {
         "running": 1,
         "waiting": 4,
@@ -632,6 +641,8 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
         "trajectories": 1,
         "cache_bytes": {"k": 50},
         "peak_cache_bytes": 107,
+        "decode_steps": 7,
+        "worker_s": {"admit": 0.0, "decode": 0.625, "idle": 0.25, "other": 0.0},
     }
     assert (m.ttft.count, m.tpot.count) == (2, 2)  # the requests without timings observe nothing
 
@@ -674,6 +685,8 @@ def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_be
     m.finished("stop", 10, 4, 6, 0.3, 0.02)
     m.finished("length", 5, 16, 0, 0.004, 0.5)
     m.finished("cancelled")
+    m.worker_time("admit", 1.5)
+    m.worker_time("decode", 2.0, decode_steps=9)
     ttft = "lragent_time_to_first_token_seconds"
     tpot = "lragent_time_per_output_token_seconds"
     ttft_buckets = [("0.01", 1), ("0.025", 1), ("0.05", 1), ("0.1", 1), ("0.25", 1), ("0.5", 2), ("1", 2), ("2.5", 2),
@@ -718,6 +731,17 @@ def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_be
         "# HELP lragent_cache_bytes_peak Peak of the caches' total bytes.",
         "# TYPE lragent_cache_bytes_peak gauge",
         "lragent_cache_bytes_peak 57",
+        "# HELP lragent_decode_steps_total Batched decode steps the engine ran (generated tokens over them: the mean "
+        "batch).",
+        "# TYPE lragent_decode_steps_total counter",
+        "lragent_decode_steps_total 9",
+        "# HELP lragent_worker_seconds_total Seconds of the scheduler's thread by phase: admit (matching, prefills), "
+        "decode (batched steps, streaming), idle (waiting for requests), other.",
+        "# TYPE lragent_worker_seconds_total counter",
+        'lragent_worker_seconds_total{phase="admit"} 1.5',
+        'lragent_worker_seconds_total{phase="decode"} 2.0',
+        'lragent_worker_seconds_total{phase="idle"} 0.0',
+        'lragent_worker_seconds_total{phase="other"} 0.0',
         f"# HELP {ttft} Seconds from a request's arrival to its first generated token.",
         f"# TYPE {ttft} histogram",
         *(f'{ttft}_bucket{{le="{le}"}} {n}' for le, n in ttft_buckets),

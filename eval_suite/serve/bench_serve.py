@@ -79,13 +79,28 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def summarise(completions: list[Completion], wall_s: float, sessions: int, failed: int, server: dict) -> dict:
-    """A workload's figures from its requests' answers and the server's metrics."""
+def summarise(completions: list[Completion], wall_s: float, sessions: int, failed: int, server: dict,
+              before: dict | None = None) -> dict:  # fmt: skip
+    """A workload's figures from its requests' answers and the server's metrics (``server``; its counters less
+    ``before``'s, the metrics read when the workload started).
+
+    Where a request's time goes: ``request_wall_mean_s`` (the client's, sending to the whole answer) against the
+    server's ``server_ttft_mean_s`` (arrival to first token: queue and prefill) and ``server_decode_mean_s``; the
+    scheduler thread's seconds by phase (``worker_s``) and the mean decode batch (``tokens_per_decode_step``: generated
+    tokens over the batched steps run).
+    """
     prompt = sum(c.usage.get("prompt_tokens", 0) for c in completions)
     cached = sum((c.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for c in completions)
     generated = sum(c.usage.get("completion_tokens", 0) for c in completions)
     trajectory = sum(c.details.get("trajectory_tokens", 0) for c in completions)
     ttft = [c.ttft_s for c in completions]
+    before = before or {}
+    steps = server.get("decode_steps", 0) - before.get("decode_steps", 0) if "decode_steps" in server else None
+    worker = {k: v - (before.get("worker_s") or {}).get(k, 0.0) for k, v in (server.get("worker_s") or {}).items()}
+
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
     return {
         "sessions": sessions,
         "requests": len(completions),
@@ -106,12 +121,18 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
         "peak_waiting": server.get("peak_waiting"),
         "evictions": server.get("evictions"),
         "forks": server.get("forks"),
+        "request_wall_mean_s": mean([c.wall_s for c in completions]),
+        "server_ttft_mean_s": mean([c.details["ttft_s"] for c in completions if "ttft_s" in c.details]),
+        "server_decode_mean_s": mean([c.details["decode_s"] for c in completions if "decode_s" in c.details]),
+        "decode_steps": steps,
+        "tokens_per_decode_step": generated / steps if steps else None,
+        "worker_s": worker or None,
     }
 
 
 def run_trace(
     url: str, api_key: str | None, *, sessions: int, clients: int, questions: list[str], spec: str, context: int,
-    generated: Sequence[int], temperature: float, top_p: float,
+    generated: Sequence[int], temperature: float, top_p: float, stream: bool = True,
 ) -> tuple[list, int, float]:  # fmt: skip
     """Runs ``sessions`` trace sessions on ``clients`` threads; returns the answers, the failed requests, the wall."""
     answers: list[Completion] = []
@@ -120,7 +141,7 @@ def run_trace(
 
     def session(s: int) -> None:
         client = ServeClient(url, api_key)
-        policy = ServerPolicy(client, temperature=temperature, top_p=top_p, seed=1000 + s, stream=True)
+        policy = ServerPolicy(client, temperature=temperature, top_p=top_p, seed=1000 + s, stream=stream)
         policy.reset()
         try:
             for role, text, max_tokens, stop in trace_steps(questions[s % len(questions)], spec, context, generated, s):
@@ -141,7 +162,7 @@ def run_trace(
 
 
 def run_autoact(url: str, api_key: str | None, *, sessions: int, clients: int, bench, agent, temperature: float,
-                top_p: float, scheme: str) -> tuple[list, int, float]:  # fmt: skip
+                top_p: float, scheme: str, stream: bool = True) -> tuple[list, int, float]:  # fmt: skip
     """Runs ``sessions`` AutoAct episodes (the benchmark's first questions, cycled) on ``clients`` threads."""
     from eval_suite.evaluate.executors import EpisodeTask
     from lragent.agents import AgentLoop
@@ -154,7 +175,8 @@ def run_autoact(url: str, api_key: str | None, *, sessions: int, clients: int, b
         q = questions[s % len(questions)]
         episode = loop.episode(q.text, toolbox_factory(q), **_free(bench, q))
         tasks.append(EpisodeTask((scheme, s, q.qid), scheme, 1000 + s, q, episode))
-    ex = ServerExecutor(url, temperature=temperature, top_p=top_p, concurrency=clients, api_key=api_key, stream=True)
+    ex = ServerExecutor(url, temperature=temperature, top_p=top_p, concurrency=clients, api_key=api_key,
+                        stream=stream)  # fmt: skip
     started = time.perf_counter()
     failed = 0
     try:
@@ -173,11 +195,12 @@ def _free(bench, q) -> dict:
 
 
 def _server_metrics(url: str, api_key: str | None) -> dict:
-    """The peak and current cache bytes and queue peaks from a server's /metrics text."""
+    """The cache bytes, queue peaks, counters (evictions, forks, decode steps) and the scheduler thread's seconds by
+    phase, from a server's /metrics text."""
     text = ServeClient(url, api_key).get("/metrics")
     out: dict = {"cache_bytes": {}}
     names = {"lragent_cache_bytes_peak": "peak_cache_bytes", "lragent_trajectory_evictions_total": "evictions",
-             "lragent_trajectory_forks_total": "forks"}  # fmt: skip
+             "lragent_trajectory_forks_total": "forks", "lragent_decode_steps_total": "decode_steps"}  # fmt: skip
     for line in str(text).splitlines():
         if line.startswith("#") or " " not in line:
             continue
@@ -186,6 +209,8 @@ def _server_metrics(url: str, api_key: str | None) -> dict:
             out[names[name]] = int(float(value))
         elif name.startswith('lragent_cache_bytes{component="'):
             out["cache_bytes"][name.split('"')[1]] = int(float(value))
+        elif name.startswith('lragent_worker_seconds_total{phase="'):
+            out.setdefault("worker_s", {})[name.split('"')[1]] = float(value)
     return out
 
 
@@ -211,6 +236,7 @@ def bench_serve(
     device: str | None = None,
     memory_fraction: float | None = None,
     isolate: bool = True,
+    stream: bool = True,
     out: str = "bench_serve",
 ) -> int:
     """Load generator for lragent serve: concurrent agent sessions per scheme; tokens/s, sessions/s, TTFT, caches.
@@ -239,6 +265,8 @@ def bench_serve(
         memory_fraction: their share of the device's memory.
         isolate: start each server here as a ``cli.py serve`` process of its own (as it is deployed; its model
             loaded per server); false: in this process, the model loaded once.
+        stream: stream the completions (server-sent events; the time to first token is measured client side);
+            false: whole answers, as an agent that waits for them asks.
         out: output directory (bench_serve.json, bench_serve.md).
 
     Returns:
@@ -301,14 +329,16 @@ def bench_serve(
                 url, stop, snapshot = _start(loaded, scheme, max_rows, capacity, dev, dtype, model)
             try:
                 _warm_up(url, api_key)
-                common = {"sessions": sessions, "clients": clients, "temperature": temperature, "top_p": top_p}
+                before = snapshot()
+                common = {"sessions": sessions, "clients": clients, "temperature": temperature, "top_p": top_p,
+                          "stream": stream}  # fmt: skip
                 if wl == "trace":
                     answers, failed, wall = run_trace(url, api_key, questions=questions, spec=bench.name,
                                                       context=context, generated=generated, **common)  # fmt: skip
                 else:
                     answers, failed, wall = run_autoact(url, api_key, bench=bench, agent=agent, scheme=scheme,
                                                         **common)  # fmt: skip
-                figures = summarise(answers, wall, sessions, failed, snapshot())
+                figures = summarise(answers, wall, sessions, failed, snapshot(), before)
             finally:
                 if stop is not None:
                     stop()
@@ -319,6 +349,7 @@ def bench_serve(
         "server": server, "model": model, "adapters": adapters, "schemes": scheme_list, "workloads": workloads,
         "clients": clients, "sessions": sessions, "benchmark": bench.name, "context": context, "generated": generated,
         "agent": vars(agent), "temperature": temperature, "top_p": top_p, "max_rows": max_rows, "capacity": capacity,
+        "stream": stream,
     }  # fmt: skip
     write_json(out_dir / "bench_serve.json", {"config": config, "runs": runs, "provenance": prov})
     write_text(out_dir / "bench_serve.md", render(runs, config, prov))
@@ -470,6 +501,16 @@ def render(runs: list[dict], config: dict, prov: dict) -> str:
             _fmt(peak, ".1f"),
         ])  # fmt: skip
     where = config["server"] or f"servers started here ({config['model']}, max_rows {config['max_rows']})"
+    phases = ("admit", "decode", "idle", "other")
+    time_rows = [
+        [r["scheme"], r["workload"], _fmt(r.get("request_wall_mean_s"), ".3f"),
+         _fmt(r.get("server_ttft_mean_s"), ".3f"), _fmt(r.get("server_decode_mean_s"), ".3f"),
+         _fmt(r.get("tokens_per_decode_step"), ".2f"),
+         *[_fmt((r.get("worker_s") or {}).get(k), ".1f") for k in phases]]
+        for r in runs
+    ]  # fmt: skip
+    time_header = ["scheme", "workload", "request (client, s)", "arrival to first token (server, s)",
+                   "decode (server, s)", "mean decode batch", *[f"worker {k} (s)" for k in phases]]  # fmt: skip
     return (
         "# bench serve\n\n"
         f"{config['clients']} concurrent clients, {config['sessions']} sessions per workload and scheme, "
@@ -478,5 +519,8 @@ def render(runs: list[dict], config: dict, prov: dict) -> str:
         "request, summed, over the wall time; TTFT: client side, from sending a streamed request to its first text; "
         "cached prefix: prompt tokens served from held trajectories, of all prompt tokens.\n\n"
         + markdown_table(header, rows)
+        + "\n\nWhere the time goes (means per request; the mean decode batch is generated tokens over batched decode "
+        "steps; the worker is the server's scheduler thread, during the workload):\n\n"
+        + markdown_table(time_header, time_rows)
         + provenance_footer(prov)
     )

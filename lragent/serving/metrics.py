@@ -14,6 +14,8 @@ TTFT_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 """Seconds from a request's arrival to its first generated token."""
 TPOT_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Seconds per generated token after the first."""
+WORKER_PHASES: tuple[str, ...] = ("admit", "decode", "idle", "other")
+"""Where the scheduler's thread spends its time (``lragent_worker_seconds_total``)."""
 
 
 class Histogram:
@@ -64,6 +66,8 @@ class ServeMetrics:
         self.cache_bytes: dict[str, int] = {}
         self.peak_cache_bytes = 0
         self.ttft = Histogram(TTFT_BUCKETS)
+        self.decode_steps = 0
+        self.worker_s = dict.fromkeys(WORKER_PHASES, 0.0)
         self.tpot = Histogram(TPOT_BUCKETS)
 
     def set_queue(self, running: int, waiting: int) -> None:
@@ -77,6 +81,13 @@ class ServeMetrics:
             self.trajectories = trajectories
             self.cache_bytes = dict(cache_bytes)
             self.peak_cache_bytes = max(self.peak_cache_bytes, sum(cache_bytes.values()))
+
+    def worker_time(self, phase: str, seconds: float, decode_steps: int = 0) -> None:
+        """Adds ``seconds`` of the worker thread to ``phase`` (one of :data:`WORKER_PHASES`) and the decode steps
+        it ran."""
+        with self._lock:
+            self.worker_s[phase] += seconds
+            self.decode_steps += decode_steps
 
     def count_event(self, evicted: bool = False, forked: bool = False) -> None:
         with self._lock:
@@ -120,6 +131,8 @@ class ServeMetrics:
                 "trajectories": self.trajectories,
                 "cache_bytes": dict(self.cache_bytes),
                 "peak_cache_bytes": self.peak_cache_bytes,
+                "decode_steps": self.decode_steps,
+                "worker_s": dict(self.worker_s),
             }
 
     def render(self) -> str:
@@ -165,6 +178,16 @@ class ServeMetrics:
             )
             metric("lragent_cache_bytes_peak", "gauge", "Peak of the caches' total bytes.",
                    self.peak_cache_bytes)  # fmt: skip
+            metric("lragent_decode_steps_total", "counter",
+                   "Batched decode steps the engine ran (generated tokens over them: the mean batch).",
+                   self.decode_steps)  # fmt: skip
+            metric(
+                "lragent_worker_seconds_total",
+                "counter",
+                "Seconds of the scheduler's thread by phase: admit (matching, prefills), decode (batched steps, "
+                "streaming), idle (waiting for requests), other.",
+                [f'lragent_worker_seconds_total{{phase="{k}"}} {v}' for k, v in self.worker_s.items()],
+            )
             metric("lragent_time_to_first_token_seconds", "histogram",
                    "Seconds from a request's arrival to its first generated token.",
                    self.ttft.lines("lragent_time_to_first_token_seconds"))  # fmt: skip

@@ -245,8 +245,10 @@ class Scheduler:
     def _loop(self, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        clock = time.perf_counter
         with torch.no_grad():
             while True:
+                t0 = clock()
                 with self._cond:
                     while not (self._inbox or self._waiting or self._running or self._stopping):
                         self._cond.wait()
@@ -255,14 +257,26 @@ class Scheduler:
                     if self._stopping and not (self._waiting or self._running):
                         self._publish()
                         return
+                t1 = clock()
+                self.metrics.worker_time("idle", t1 - t0)
                 self._cancel_requested()
                 admitted = self._admit()
+                t2 = clock()
+                self.metrics.worker_time("admit", t2 - t1)
                 if self._running:
+                    steps = self.engine.decode_steps
                     self._step()
+                    t3 = clock()
+                    self.metrics.worker_time("decode", t3 - t2, self.engine.decode_steps - steps)
+                    t2 = t3
                 elif self._waiting and not admitted:  # defensive: nothing can run now; wait for a change
                     with self._cond:
                         self._cond.wait(0.05)
+                    t3 = clock()
+                    self.metrics.worker_time("idle", t3 - t2)
+                    t2 = t3
                 self._publish()
+                self.metrics.worker_time("other", clock() - t2)
 
     def _send(self, req: ServeRequest, event: Event) -> None:
         try:
