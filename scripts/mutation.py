@@ -157,6 +157,16 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         "lit_modules.multi_lora_module.*loss*",
         ["tests/test_loss_weights.py", "tests/test_training.py", "tests/test_training_recipe.py"],
     ),
+    "schemes": ("lragent/schemes.py", "", ["tests/test_sharing_properties.py", "tests/test_scheme_parse_once.py"]),
+    "rope": ("lragent/rope.py", "", ["tests/test_rope_training.py"]),
+    "train_norm": ("lragent/train_norm.py", "", ["tests/test_train_norm.py"]),
+    "frozen_cast": ("lragent/frozen_cast.py", "", ["tests/test_frozen_cast.py"]),
+    "kv_cache": ("lragent/kv_cache.py", "", ["tests/test_cache_views_properties.py", "tests/test_decoder_checks.py"]),
+    "loading": ("lragent/loading.py", "", ["tests/test_loading_branches.py"]),
+    "serving_model": ("lragent/serving/model.py", "", ["tests/test_serving_model_checks.py"]),
+    "executors": ("eval_suite/evaluate/executors.py", "", ["tests/test_batched_executor.py"]),
+    "time_budget": ("lit_modules/time_budget.py", "", ["tests/test_training.py"]),
+    "run_status": ("lit_modules/run_status.py", "", ["tests/test_training.py"]),
 }
 # functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
 # arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The
