@@ -161,7 +161,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "rope": ("lragent/rope.py", "", ["tests/test_rope_training.py"]),
     "train_norm": ("lragent/train_norm.py", "", ["tests/test_train_norm.py"]),
     "frozen_cast": ("lragent/frozen_cast.py", "", ["tests/test_frozen_cast.py"]),
-    "kv_cache": ("lragent/kv_cache.py", "", ["tests/test_cache_views_properties.py", "tests/test_decoder_checks.py"]),
+    "kv_cache": (
+        "lragent/kv_cache.py",
+        "",
+        ["tests/test_kv_cache.py", "tests/test_cache_views_properties.py", "tests/test_decoder_checks.py"],
+    ),
     "loading": ("lragent/loading.py", "", ["tests/test_loading_branches.py"]),
     "serving_model": ("lragent/serving/model.py", "", ["tests/test_serving_model_checks.py"]),
     "executors": ("eval_suite/evaluate/executors.py", "", ["tests/test_batched_executor.py"]),

@@ -109,6 +109,33 @@ def test_only_where_autocast_would_cast() -> None:
             frozen_cast_switch({SWITCH_ENV: bad})
 
 
+def test_only_frozen_linears_not_yet_in_the_dtype_are_cast_and_counted() -> None:
+    """A trainable linear (weight or bias alone requiring grad) stays float32; a frozen one already in the dtype is
+    left and not counted; every other frozen linear, wherever it comes, is cast (weight and bias, the same parameter
+    objects); a linear tied to an embedding stays as it is."""
+    lin = torch.nn.Linear
+    already, trainable, bias_trained, frozen = lin(4, 4), lin(4, 4), lin(4, 4), lin(4, 3)
+    no_bias = lin(3, 4, bias=False)
+    embed, tied = torch.nn.Embedding(5, 4), lin(4, 5, bias=False)
+    tied.weight = embed.weight
+    model = torch.nn.Sequential(already, trainable, bias_trained, frozen, no_bias, embed, tied)
+    for m in (already, frozen, no_bias, tied):
+        m.requires_grad_(False)
+    bias_trained.weight.requires_grad_(False)
+    already.to(torch.bfloat16)
+    params = [frozen.weight, frozen.bias, no_bias.weight]
+    values = [p.detach().clone() for p in params]
+    assert cast_frozen_linears(model, torch.bfloat16) == 2
+    now = [frozen.weight, frozen.bias, no_bias.weight]
+    assert all(a is p for a, p in zip(now, params, strict=True))  # the same objects, now in bfloat16
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, v.to(p.dtype)) for p, v in zip(params, values, strict=True))
+    assert already.weight.dtype == torch.bfloat16
+    for m in (trainable, bias_trained):
+        assert m.weight.dtype == m.bias.dtype == torch.float32
+    assert tied.weight.dtype == embed.weight.dtype == torch.float32
+    assert cast_frozen_linears(model, torch.bfloat16) == 0  # a second pass: nothing left to cast
+
+
 def _fit(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

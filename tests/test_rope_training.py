@@ -91,3 +91,43 @@ def test_the_joint_rope_dispatches_fewer_ops_forward_and_backward() -> None:
     with torch.no_grad(), _Ops() as two_calls:
         _separate(q, k, v, cos, sin)
     assert inference.count == two_calls.count, (inference.count, two_calls.count)
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, v_lr: torch.Tensor | None) -> None:
+        self.calls.append((layer, k, v, v_lr))
+
+
+def test_apply_rope_rotates_each_half_pair_by_its_angle() -> None:
+    """RoPE (the half-split convention of LLaMA/Qwen2): entries i and i + D/2 of each head are one complex number
+    x_i + j x_{i+D/2}, turned by the angle of its position and frequency; cos/sin (B, T, D) apply to every head."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)  # (B, H, T, D)
+    angle = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)  # (B, T, D/2)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    turned = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(angle), angle)[:, None]
+    assert torch.allclose(apply_rope(x, cos, sin), torch.cat([turned.real, turned.imag], -1), atol=1e-12, rtol=0)
+    # a quarter turn of (1, 0) is (0, 1), of (0, 1) is (-1, 0); a zero angle leaves x as it is
+    e = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])  # (1, 1, 2, 2): two positions, D = 2
+    quarter = (torch.zeros(1, 2, 2), torch.ones(1, 2, 2))
+    assert torch.equal(apply_rope(e, *quarter), torch.tensor([[[[0.0, 1.0], [-1.0, 0.0]]]]))
+    assert torch.equal(apply_rope(x, torch.ones(2, 5, 8, dtype=torch.float64), torch.zeros(2, 5, 8, dtype=x.dtype)), x)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_rope_store_unfused_stores_the_layer_the_roped_keys_the_values_and_v_lr(grad) -> None:
+    """With autograd (one joint RoPE) and without (two calls): one store, of the given layer, the keys after RoPE and
+    the values as (B, H_kv, T, D), and the low-rank values handed in, the same tensor."""
+    q, k, v, cos, sin = _inputs(torch.float32, torch.float32)
+    v_lr = torch.randn(2, 7, 4)
+    view = _Record()
+    with torch.set_grad_enabled(grad):
+        q_out = rope_store_unfused(view, 5, q, k, v, v_lr, cos, sin)
+    ref_q, ref_k, ref_v = _separate(q, k, v, cos, sin)
+    [(layer, k_stored, v_stored, v_lr_stored)] = view.calls
+    assert layer == 5 and v_lr_stored is v_lr
+    assert k_stored.shape == (2, 2, 7, 16) and v_stored.shape == (2, 2, 7, 16) and q_out.shape == (2, 6, 7, 16)
+    assert torch.equal(k_stored, ref_k) and torch.equal(v_stored, ref_v) and torch.equal(q_out, ref_q)

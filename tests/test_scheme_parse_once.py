@@ -91,3 +91,33 @@ def test_a_benchmarks_schemes_accept_all_a_comma_list_or_a_list() -> None:
     assert resolve_schemes(["droidspeak"], []) == [Scheme.DROIDSPEAK]
     with pytest.raises(ValueError, match=r"--schemes 'non_shared,bogus': unknown \['bogus'\]; allowed non_shared"):
         resolve_schemes(["non_shared", "bogus"], [])
+
+
+def test_a_refused_scheme_names_the_option_the_spec_and_every_allowed_name() -> None:
+    """The refusal is the user's only guide: it names the option it came from (``--scheme`` unless told,
+    ``--schemes`` for a benchmark's), the spec as given, the unknown names (or ``nothing`` for an empty list) and
+    every allowed name, comma-separated, in the order of SCHEMES."""
+    from lragent.schemes import resolve_schemes
+
+    allowed = "allowed non_shared, full_shared, droidspeak, base_shared, base_lr_shared"
+    cases = [
+        (lambda: parse_schemes("droidspeak,bad"), f"--scheme 'droidspeak,bad': unknown ['bad']; {allowed} or all"),
+        (lambda: parse_schemes(" , "), f"--scheme ' , ': unknown nothing; {allowed} or all"),
+        (lambda: parse_schemes("Non_Shared", "--x"), f"--x 'Non_Shared': unknown ['Non_Shared']; {allowed} or all"),
+        (lambda: resolve_schemes("nope", ["non_shared"]), f"--schemes 'nope': unknown ['nope']; {allowed} or all"),
+        (lambda: resolve_schemes("", ["non_shared"]), f"--schemes '': unknown nothing; {allowed} or all"),
+        (lambda: Scheme.parse("shared"), f"unknown scheme 'shared': {allowed}"),
+    ]  # fmt: skip
+    for call, message in cases:
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value) == message
+
+
+def test_a_scheme_formats_as_its_name_with_any_format_spec() -> None:
+    """f-strings and format() give the scheme's name, and a format spec (width, alignment, precision) applies to the
+    name as it would to the plain string."""
+    for s in Scheme:
+        assert f"{s}" == str(s) == format(s, "") == s.value
+        assert f"{s:>16}" == f"{s.value:>16}" and f"{s:<16}|" == f"{s.value:<16}|"
+    assert f"[{Scheme.DROIDSPEAK:^14}]" == "[  droidspeak  ]" and f"{Scheme.BASE_LR_SHARED:.4}" == "base"

@@ -67,10 +67,11 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
     for r in runs.values():
         assert r["decode_steps"] > 0 and 1 <= r["tokens_per_decode_step"] <= 4, r
         assert r["tokens_per_decode_step"] == r["generated_tokens"] / r["decode_steps"]
-        assert set(r["worker_s"]) == {"admit", "decode", "idle", "other"} and min(r["worker_s"].values()) >= 0
+        assert set(r["worker_s"]) == {"admit", "decode", "capture", "idle", "other"}, r
+        assert min(r["worker_s"].values()) >= 0, r
+        assert r["worker_s"]["capture"] == 0  # no CUDA graphs on the CPU
         assert r["worker_s"]["decode"] > 0 and sum(r["worker_s"].values()) <= r["wall_s"] + 0.5, r
         assert 0 < r["server_decode_mean_s"] and 0 < r["server_ttft_mean_s"] < r["request_wall_mean_s"], r
-    assert trace["decode_steps"] < trace["generated_tokens"]  # two sessions at once: batched steps
 
 
 @pytest.mark.parametrize(

@@ -586,7 +586,7 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
         "cache_bytes": {},
         "peak_cache_bytes": 0,
         "decode_steps": 0,
-        "worker_s": {"admit": 0.0, "decode": 0.0, "idle": 0.0, "other": 0.0},
+        "worker_s": {"admit": 0.0, "decode": 0.0, "capture": 0.0, "idle": 0.0, "other": 0.0},
     }
     lines = m.render().splitlines()
     samples = [line for line in lines if not line.startswith("#")]
@@ -608,7 +608,7 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
     ]
     assert all(line.endswith("} 0") for line in samples if "_bucket" in line)
     assert [line for line in samples if "{" in line and "_bucket" not in line] == [
-        f'lragent_worker_seconds_total{{phase="{k}"}} 0.0' for k in ("admit", "decode", "idle", "other")
+        f'lragent_worker_seconds_total{{phase="{k}"}} 0.0' for k in ("admit", "decode", "capture", "idle", "other")
     ]
     # a labelled metric with no samples yet still announces itself
     assert lines[lines.index("# TYPE lragent_requests_total counter") + 1].startswith("# HELP lragent_trajectories ")
@@ -642,7 +642,7 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
         "cache_bytes": {"k": 50},
         "peak_cache_bytes": 107,
         "decode_steps": 7,
-        "worker_s": {"admit": 0.0, "decode": 0.625, "idle": 0.25, "other": 0.0},
+        "worker_s": {"admit": 0.0, "decode": 0.625, "capture": 0.0, "idle": 0.25, "other": 0.0},
     }
     assert (m.ttft.count, m.tpot.count) == (2, 2)  # the requests without timings observe nothing
 
@@ -736,10 +736,12 @@ def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_be
         "# TYPE lragent_decode_steps_total counter",
         "lragent_decode_steps_total 9",
         "# HELP lragent_worker_seconds_total Seconds of the scheduler's thread by phase: admit (matching, prefills), "
-        "decode (batched steps, streaming), idle (waiting for requests), other.",
+        "decode (batched steps, streaming), capture (CUDA graphs for a new decode width), idle (waiting for requests), "
+        "other.",
         "# TYPE lragent_worker_seconds_total counter",
         'lragent_worker_seconds_total{phase="admit"} 1.5',
         'lragent_worker_seconds_total{phase="decode"} 2.0',
+        'lragent_worker_seconds_total{phase="capture"} 0.0',
         'lragent_worker_seconds_total{phase="idle"} 0.0',
         'lragent_worker_seconds_total{phase="other"} 0.0',
         f"# HELP {ttft} Seconds from a request's arrival to its first generated token.",

@@ -131,3 +131,87 @@ def test_a_gpu_training_forward_runs_the_fused_rmsnorm_kernel(monkeypatch: pytes
     torch.testing.assert_close(loss_fused, loss_ref, atol=2e-2, rtol=1e-2)
     for g, r in zip(grads_fused, grads_ref, strict=True):
         torch.testing.assert_close(g, r, atol=2e-2 * r.abs().max().item() + 1e-6, rtol=5e-2)
+
+
+class _Marked(torch.nn.Module):
+    """RMSNorm-shaped (``weight``, ``variance_epsilon``) but its own forward returns a mark: which path ran shows."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, hidden).to(dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(h, -7.0)
+
+
+def _formula(norm: _Marked, h: torch.Tensor) -> torch.Tensor:
+    """x · rsqrt(mean(x²) + eps) in float32, cast back to the input's dtype, times the weight."""
+    x = h.float()
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(h.dtype)
+
+
+@pytest.mark.parametrize(("in_dtype", "w_dtype"), PAIRS)
+def test_the_fused_formula_reads_the_modules_weight_and_eps_and_never_calls_it(in_dtype, w_dtype) -> None:
+    """Forced (or wanted): the formula with the module's own ``weight`` and ``variance_epsilon`` on a (B, T, hidden)
+    input, without calling the module; not forced: the module, whatever attributes it has."""
+    norm = _Marked(16, eps=0.25, dtype=w_dtype)
+    h = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4)).to(in_dtype)
+    out = rms_norm_like(norm, h, fused=True)
+    tol = _tolerance(torch.float32 if in_dtype == w_dtype == torch.float32 else torch.bfloat16)
+    assert out.dtype == torch.promote_types(in_dtype, w_dtype) and out.shape == h.shape
+    torch.testing.assert_close(out, _formula(norm, h), **tol)
+    assert torch.equal(rms_norm_like(norm, h, fused=False), torch.full_like(h, -7.0))
+
+
+def test_unforced_the_path_is_the_one_fused_rms_norm_wanted_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fused=None`` defers to :func:`fused_rms_norm_wanted` (here answering for a CUDA training step, and against)."""
+    import lragent.train_norm as train_norm
+
+    norm, h = _Marked(8, eps=1e-5), torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(train_norm, "fused_rms_norm_wanted", lambda x: x is h)
+    torch.testing.assert_close(rms_norm_like(norm, h), _formula(norm, h), atol=1e-6, rtol=1e-6)
+    other = h.clone()
+    assert torch.equal(rms_norm_like(norm, other), torch.full_like(other, -7.0))
+
+
+def test_a_weight_of_another_width_or_a_missing_attribute_calls_the_module() -> None:
+    """The formula only where the weight is (hidden,) of the input's last dimension and both attributes exist."""
+    h = torch.randn(2, 5, 8)
+    assert torch.equal(rms_norm_like(_Marked(5, eps=1e-5), h, fused=True), torch.full_like(h, -7.0))  # (5,): T
+    assert torch.equal(rms_norm_like(_Marked(40, eps=1e-5), h, fused=True), torch.full_like(h, -7.0))  # T · hidden
+    no_eps = _Marked(8, eps=1e-5)
+    del no_eps.variance_epsilon
+    assert torch.equal(rms_norm_like(no_eps, h, fused=True), torch.full_like(h, -7.0))
+    no_weight = _Marked(8, eps=1e-5)
+    no_weight.weight = None
+    assert torch.equal(rms_norm_like(no_weight, h, fused=True), torch.full_like(h, -7.0))
+    for weightless in (torch.nn.GELU(), torch.nn.Identity()):  # no weight attribute at all
+        assert torch.equal(rms_norm_like(weightless, h, fused=True), weightless(h))
+        assert torch.equal(rms_norm_like(weightless, h), weightless(h))
+
+
+@pytest.mark.parametrize(("in_dtype", "w_dtype"), PAIRS)
+def test_eps_counts_for_every_dtype_pairing(in_dtype, w_dtype) -> None:
+    """Tiny activations (mean square 1e-6 against eps 1e-5) for every pairing: the formula's eps is the module's."""
+    _compare(in_dtype, w_dtype, scale=1e-3)
+
+
+@pytest.mark.parametrize(("in_dtype", "w_dtype"), PAIRS)
+def test_the_weight_goes_into_the_kernel_only_where_it_can_fuse(in_dtype, w_dtype, monkeypatch) -> None:
+    """One launch where input and weight are float32 (the weight handed to ``F.rms_norm``); any other pairing
+    normalizes the float32 input without a weight (a weight of another dtype than the input cannot take the fused
+    kernel) and multiplies after."""
+    calls = []
+    real = torch.nn.functional.rms_norm
+
+    def spy(x, shape, weight=None, eps=None):
+        calls.append((x.dtype, weight, eps))
+        return real(x, shape, weight, eps)
+
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", spy)
+    norm = _Marked(16, eps=0.125, dtype=w_dtype)
+    rms_norm_like(norm, torch.randn(3, 16).to(in_dtype), fused=True)
+    [(x_dtype, weight, eps)] = calls
+    assert x_dtype == torch.float32 and eps == 0.125
+    assert weight is (norm.weight if in_dtype == w_dtype == torch.float32 else None)

@@ -501,7 +501,7 @@ def render(runs: list[dict], config: dict, prov: dict) -> str:
             _fmt(peak, ".1f"),
         ])  # fmt: skip
     where = config["server"] or f"servers started here ({config['model']}, max_rows {config['max_rows']})"
-    phases = ("admit", "decode", "idle", "other")
+    phases = ("admit", "decode", "capture", "idle", "other")
     time_rows = [
         [r["scheme"], r["workload"], _fmt(r.get("request_wall_mean_s"), ".3f"),
          _fmt(r.get("server_ttft_mean_s"), ".3f"), _fmt(r.get("server_decode_mean_s"), ".3f"),

@@ -14,7 +14,7 @@ TTFT_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 """Seconds from a request's arrival to its first generated token."""
 TPOT_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Seconds per generated token after the first."""
-WORKER_PHASES: tuple[str, ...] = ("admit", "decode", "idle", "other")
+WORKER_PHASES: tuple[str, ...] = ("admit", "decode", "capture", "idle", "other")
 """Where the scheduler's thread spends its time (``lragent_worker_seconds_total``)."""
 
 
@@ -185,7 +185,7 @@ class ServeMetrics:
                 "lragent_worker_seconds_total",
                 "counter",
                 "Seconds of the scheduler's thread by phase: admit (matching, prefills), decode (batched steps, "
-                "streaming), idle (waiting for requests), other.",
+                "streaming), capture (CUDA graphs for a new decode width), idle (waiting for requests), other.",
                 [f'lragent_worker_seconds_total{{phase="{k}"}} {v}' for k, v in self.worker_s.items()],
             )
             metric("lragent_time_to_first_token_seconds", "histogram",

@@ -264,10 +264,12 @@ class Scheduler:
                 t2 = clock()
                 self.metrics.worker_time("admit", t2 - t1)
                 if self._running:
-                    steps = self.engine.decode_steps
+                    steps, captured = self.engine.decode_steps, self.engine.capture_s
                     self._step()
                     t3 = clock()
-                    self.metrics.worker_time("decode", t3 - t2, self.engine.decode_steps - steps)
+                    capture = self.engine.capture_s - captured  # a new decode width's graphs, inside the step
+                    self.metrics.worker_time("capture", capture)
+                    self.metrics.worker_time("decode", t3 - t2 - capture, self.engine.decode_steps - steps)
                     t2 = t3
                 elif self._waiting and not admitted:  # defensive: nothing can run now; wait for a change
                     with self._cond:
