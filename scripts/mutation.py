@@ -171,6 +171,14 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "executors": ("eval_suite/evaluate/executors.py", "", ["tests/test_batched_executor.py"]),
     "time_budget": ("lit_modules/time_budget.py", "", ["tests/test_training.py"]),
     "run_status": ("lit_modules/run_status.py", "", ["tests/test_training.py"]),
+    "host_threads": ("lragent/host_threads.py", "", ["tests/test_rank_pinning.py", "tests/test_eval_runner.py"]),
+    "fused_weights": ("lragent/fused_weights.py", "", ["tests/test_decode_fusion.py"]),
+    "device_guard": ("kernels/device_guard.py", "", ["tests/test_device_guard.py"]),
+    "pdl": ("kernels/pdl.py", "", ["tests/test_pdl.py"]),
+    "split_workspace": ("kernels/split_workspace.py", "", ["tests/test_engine.py"]),
+    "progress": ("lit_modules/progress.py", "", ["tests/test_progress.py"]),
+    "report": ("eval_suite/report.py", "", ["tests/test_report_branches.py"]),
+    "session": ("lragent/session.py", "", ["tests/test_runtime_tiny.py", "tests/test_agents_loop.py"]),
 }
 # functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
 # arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The
