@@ -202,3 +202,30 @@ def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_pa
     text = (folder / f"eval_profile_{os.getpid()}.txt").read_text()
     start, end = map(int, re.match(r"decode calls (\d+)\.\.(\d+), wall \d+\.\d{3} s\n\n", text).groups())
     assert start >= 1 and end >= start + 3 and "Name" in text
+
+
+def test_the_sequential_executor_skips_only_the_tasks_another_process_claimed() -> None:
+    """A task whose claim fails is skipped and the executor goes on with the next ones; each task it takes runs to
+    its end with its own fresh policy (a scripted one: thought, Finish, the task's own answer)."""
+    from lragent.agents import ScriptedPolicy
+
+    spec = get_spec("hotpotqa")
+    loop = AgentLoop(None, spec, AgentConfig(max_steps=1))
+    claims = {"0": True, "1": False, "2": False, "3": True}
+    asked, made = [], []
+
+    def claim(qid: str):
+        return lambda: asked.append(qid) or claims[qid]
+
+    tasks = [
+        EpisodeTask(("non_shared", 0, q), "non_shared", 7, None, loop.episode(f"Q{q}?", lambda a, b: "obs"), claim(q))
+        for q in claims
+    ]
+
+    def factory(task: EpisodeTask) -> ScriptedPolicy:
+        made.append(task.key[2])
+        return ScriptedPolicy(["thinking", "Finish", f"answer {task.key[2]}"])
+
+    done = [(task.key[2], result.candidate) for task, result in SequentialExecutor(factory).run(tasks)]
+    assert done == [("0", "answer 0"), ("3", "answer 3")]
+    assert asked == ["0", "1", "2", "3"] and made == ["0", "3"]  # every claim asked once, a policy per taken task
