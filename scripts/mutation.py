@@ -179,6 +179,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "progress": ("lit_modules/progress.py", "", ["tests/test_progress.py"]),
     "report": ("eval_suite/report.py", "", ["tests/test_report_branches.py"]),
     "session": ("lragent/session.py", "", ["tests/test_runtime_tiny.py", "tests/test_agents_loop.py"]),
+    "multi_lora": ("lragent/multi_lora.py", "", ["tests/test_multi_lora.py"]),
+    "lora_model": ("lragent/lora_model.py", "", ["tests/test_multi_lora.py"]),
+    "models": ("lragent/models.py", "", ["tests/test_models.py"]),
+    "strategies": ("lit_modules/strategies.py", "", ["tests/test_fsdp_strategy_checks.py"]),
+    "scheduler": ("lragent/serving/scheduler.py", "", ["tests/test_serve_core.py"]),
 }
 # functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
 # arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The
