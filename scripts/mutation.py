@@ -171,14 +171,14 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "executors": ("eval_suite/evaluate/executors.py", "", ["tests/test_batched_executor.py"]),
     "time_budget": ("lit_modules/time_budget.py", "", ["tests/test_time_budget.py"]),
     "run_status": ("lit_modules/run_status.py", "", ["tests/test_run_status.py"]),
-    "host_threads": ("lragent/host_threads.py", "", ["tests/test_rank_pinning.py", "tests/test_eval_runner.py"]),
-    "fused_weights": ("lragent/fused_weights.py", "", ["tests/test_decode_fusion.py"]),
+    "host_threads": ("lragent/host_threads.py", "", ["tests/test_rank_pinning.py", "tests/test_host_threads.py"]),
+    "fused_weights": ("lragent/fused_weights.py", "", ["tests/test_fused_weights.py"]),  # test_decode_fusion: 27 s
     "device_guard": ("kernels/device_guard.py", "", ["tests/test_device_guard.py"]),
     "pdl": ("kernels/pdl.py", "", ["tests/test_pdl.py"]),
-    "split_workspace": ("kernels/split_workspace.py", "", ["tests/test_engine.py"]),
+    "split_workspace": ("kernels/split_workspace.py", "", ["tests/test_split_workspace.py"]),  # not test_engine
     "progress": ("lit_modules/progress.py", "", ["tests/test_progress.py"]),
     "report": ("eval_suite/report.py", "", ["tests/test_report_branches.py"]),
-    "session": ("lragent/session.py", "", ["tests/test_runtime_tiny.py", "tests/test_agents_loop.py"]),
+    "session": ("lragent/session.py", "", ["tests/test_session.py"]),  # the two schedule files: 85 s a run
     "multi_lora": ("lragent/multi_lora.py", "", ["tests/test_multi_lora.py"]),
     "lora_model": ("lragent/lora_model.py", "", ["tests/test_multi_lora.py"]),
     "models": ("lragent/models.py", "", ["tests/test_models.py"]),

@@ -4,12 +4,14 @@ the same tokens and logits bit for bit with and without it, through kernels that
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import decode_rows, tiny_multi_lora
 
-from kernels.pdl import PDL_ENV, pdl_setting, use_pdl
+import kernels.pdl as pdl_mod
+from kernels.pdl import PDL_ENV, pdl_launch, pdl_setting, pdl_switch, use_pdl
 
 
 def test_the_switch_reads_on_off_and_names_a_bad_value() -> None:
@@ -23,6 +25,81 @@ def test_the_switch_reads_on_off_and_names_a_bad_value() -> None:
 def test_never_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(PDL_ENV, "1")
     assert not use_pdl(torch.zeros(2, dtype=torch.float16))
+
+
+def test_the_switch_reads_the_process_environment_without_a_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PDL_ENV, " 0 ")
+    assert pdl_setting() is False
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl_setting() is True
+    monkeypatch.delenv(PDL_ENV)
+    assert pdl_setting() is True
+    monkeypatch.setenv(PDL_ENV, "on")
+    with pytest.raises(ValueError, match=rf"{PDL_ENV}='on'"):
+        pdl_setting()
+
+
+def test_pdl_switch_records_the_value_given_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl_switch("0") == 0 and type(pdl_switch("0")) is int  # the value given wins over the environment
+    assert pdl_switch(None) == 1 and type(pdl_switch()) is int
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert pdl_switch("1") == 1 and pdl_switch("") == 1
+    assert pdl_switch() == 0
+    with pytest.raises(ValueError, match=rf"{PDL_ENV}='2'"):
+        pdl_switch("2")
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> list:
+    """cuda:0 is a Hopper (9.0), cuda:1 an Ampere (8.6), cuda:0 current; an empty capability cache; PDL on and the
+    Triton interpreter off. Returns the indices get_device_capability was asked for (None: the current device)."""
+    asked: list = []
+    caps = {0: (9, 0), 1: (8, 6)}
+
+    def capability(index=None):
+        asked.append(index)
+        return caps[0 if index is None else index]
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(pdl_mod, "_CAPABLE", {})
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return asked
+
+
+def _on(device: torch.device) -> SimpleNamespace:
+    return SimpleNamespace(is_cuda=True, device=device)
+
+
+def test_pdl_only_on_a_device_of_compute_capability_9_asked_once(fake_gpus: list) -> None:
+    hopper, ampere, current = _on(torch.device("cuda", 0)), _on(torch.device("cuda", 1)), _on(torch.device("cuda"))
+    assert use_pdl(hopper) is True and use_pdl(ampere) is False
+    assert use_pdl(current) is True  # an index-less device is the current one, cuda:0
+    assert use_pdl(ampere) is False and use_pdl(hopper) is True
+    assert fake_gpus == [0, 1] and pdl_mod._CAPABLE == {0: True, 1: False}  # each device's capability asked once
+
+
+def test_no_pdl_when_switched_off_or_interpreted(fake_gpus: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    hopper = _on(torch.device("cuda", 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert use_pdl(hopper) is True
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_pdl(hopper) is False
+    assert pdl_launch(hopper) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert use_pdl(hopper) is False
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl_launch(hopper) == {"PDL": True, "launch_pdl": True}
+
+
+def test_pdl_launch_sets_both_arguments_alike(fake_gpus: list) -> None:
+    for t, on in ((_on(torch.device("cuda", 0)), True), (_on(torch.device("cuda", 1)), False), (torch.ones(1), False)):
+        launch = pdl_launch(t)
+        assert launch == {"PDL": on, "launch_pdl": on}
+        assert launch["PDL"] is on and launch["launch_pdl"] is on
 
 
 def _compiled_with_wait(fn) -> list[bool]:

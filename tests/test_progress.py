@@ -73,6 +73,10 @@ def test_bar_totals_equal_the_batches_run(tmp_path: Path, trainer_args: dict) ->
         (10, 100, 98, 3, 6),
         (float("inf"), 8, 0, 2, 16),
         (float("inf"), -1, 0, 2, float("inf")),
+        (595, 0, 0, 1, 0),  # max_steps=0: no step, so no batch (only negative values mean no limit)
+        (595, 0, 0, 4, 0),
+        (10, 5, 7, 2, 0),  # resumed past max_steps: nothing left, not a negative or one-step total
+        (10, 5, 5, 3, 0),
     ],
 )
 def test_batches_this_epoch(epoch, max_steps, step, acc, expected) -> None:
