@@ -179,8 +179,8 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "progress": ("lit_modules/progress.py", "", ["tests/test_progress.py"]),
     "report": ("eval_suite/report.py", "", ["tests/test_report_branches.py"]),
     "session": ("lragent/session.py", "", ["tests/test_session.py"]),  # the two schedule files: 85 s a run
-    "multi_lora": ("lragent/multi_lora.py", "", ["tests/test_multi_lora.py"]),
-    "lora_model": ("lragent/lora_model.py", "", ["tests/test_multi_lora.py"]),
+    "multi_lora": ("lragent/multi_lora.py", "", ["tests/test_multi_lora.py", "tests/test_multi_lora_layer.py"]),
+    "lora_model": ("lragent/lora_model.py", "", ["tests/test_multi_lora.py", "tests/test_lora_model.py"]),
     "models": ("lragent/models.py", "", ["tests/test_models.py"]),
     "strategies": ("lit_modules/strategies.py", "", ["tests/test_fsdp_strategy_checks.py"]),
     "scheduler": ("lragent/serving/scheduler.py", "", ["tests/test_serve_core.py"]),

@@ -4,7 +4,9 @@ lacking adapter weights refused. The two-process FSDP fits are in tests/test_mul
 
 from __future__ import annotations
 
+import pickle
 import re
+from pathlib import PurePosixPath
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 
 from datamodules import BYTE_VOCAB_SIZE
 from lit_modules import MultiLoraModule
-from lit_modules.strategies import LoraFSDPStrategy, clean_name
+from lit_modules.strategies import FrozenLeafPolicy, LoraFSDPPrecision, LoraFSDPStrategy, clean_name, tied_parameter_ids
 
 
 def test_the_wrappers_components_are_dropped_from_a_name_wherever_they_are() -> None:
@@ -38,8 +40,12 @@ def test_a_root_unit_of_two_dtypes_is_refused_before_wrapping() -> None:
     model.head.weight = model.embed.weight  # tied: owned by two modules
     model.embed.weight.requires_grad_(False)
     model.adapter = nn.Linear(4, 4)  # trainable, fp32
-    with pytest.raises(ValueError, match=re.escape("FSDP: the tied embedding weights (bfloat16, float32)")):
+    with pytest.raises(ValueError) as err:
         LoraFSDPStrategy()._setup_model(model)
+    assert str(err.value) == (
+        "FSDP: the tied embedding weights (bfloat16, float32) and the adapters must share one dtype in the root unit: "
+        "train this model with DDP (configs/ddp.yaml) or with model.model_dtype float32"
+    )
 
 
 def test_a_checkpoint_lacking_adapter_weights_is_refused_and_a_whole_one_is_copied_in() -> None:
@@ -57,3 +63,104 @@ def test_a_checkpoint_lacking_adapter_weights_is_refused_and_a_whole_one_is_copi
     del stored[drop]
     with pytest.raises(ValueError, match=f"^checkpoint has no weights for 1 adapter tensors, e.g. {re.escape(drop)}$"):
         strategy.load_model_state_dict({"state_dict": stored})
+
+
+def test_tied_parameters_are_those_two_modules_own() -> None:
+    model = nn.Module()
+    model.embed = nn.Embedding(8, 4)
+    model.head = nn.Linear(4, 8, bias=False)
+    model.head.weight = model.embed.weight
+    model.other = nn.Linear(4, 4)
+    assert tied_parameter_ids(model) == {id(model.embed.weight)}
+    assert tied_parameter_ids(nn.Linear(3, 3)) == set()
+
+
+def test_frozen_leaf_policy_wraps_frozen_untied_owners_with_the_unit_settings() -> None:
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    trainable = nn.Linear(4, 4)
+    half = nn.Linear(4, 4)
+    half.weight.requires_grad_(False)  # its bias still trains
+    tied = nn.Embedding(8, 4).requires_grad_(False)
+    parent = nn.Sequential(frozen)  # owns no parameter itself
+    policy = FrozenLeafPolicy({id(tied.weight)}, {"sharding_strategy": "FULL_SHARD"})
+    assert policy(frozen) == {"sharding_strategy": "FULL_SHARD"}
+    assert policy(trainable) is False and policy(half) is False and policy(tied) is False
+    assert policy(parent) is False
+    assert FrozenLeafPolicy(set())(frozen) is True  # no unit settings: plain wrap
+    unit = {"a": 1}
+    given = FrozenLeafPolicy(set(), unit)(frozen)
+    assert given == unit and given is not unit  # each unit its own copy
+
+
+def test_the_default_mixed_precision_casts_nothing_and_reduces_in_float32() -> None:
+    mp = LoraFSDPStrategy().mixed_precision
+    assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (None, torch.float32, None)
+    from torch.distributed.fsdp import MixedPrecision
+
+    mine = MixedPrecision(param_dtype=torch.bfloat16)
+    assert LoraFSDPStrategy(mixed_precision=mine).mixed_precision is mine
+
+
+def test_norm_clipping_of_the_replicated_adapters_is_torchs_global_norm() -> None:
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+
+    strategy = LoraFSDPStrategy()
+    strategy.precision_plugin = FSDPPrecision("32-true")
+    plugin = strategy.precision_plugin
+    assert isinstance(plugin, LoraFSDPPrecision)
+    p, q = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4))
+    p.grad, q.grad = torch.full((3,), 3.0), torch.full((4,), 4.0)  # norm sqrt(27 + 64)
+    opt = torch.optim.SGD([p, q], lr=0.1)
+    plugin.clip_grad_by_norm(opt, 1.0)
+    norm = (27 + 64) ** 0.5
+    assert torch.allclose(p.grad, torch.full((3,), 3.0 / norm), atol=1e-6)
+    assert torch.allclose(q.grad, torch.full((4,), 4.0 / norm), atol=1e-6)
+
+
+def test_optimizer_state_is_the_plain_one_saved_loaded_and_read_back(tmp_path) -> None:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([p], lr=0.1)
+    p.grad = torch.tensor([1.0, -2.0])
+    opt.step()
+    strategy = LoraFSDPStrategy(parallel_devices=[torch.device("cpu")])
+    state = strategy.optimizer_state(LightningOptimizer(opt))
+    assert state == opt.state_dict()
+    assert torch.equal(strategy.optimizer_state(opt)["state"][0]["exp_avg"], opt.state[p]["exp_avg"])
+    fresh_p = nn.Parameter(torch.ones(2))
+    fresh = torch.optim.Adam([fresh_p], lr=0.5)
+    strategy.optimizers = [fresh]
+    strategy.load_optimizer_state_dict({"optimizer_states": [state]})
+    assert fresh.param_groups[0]["lr"] == 0.1
+    assert torch.equal(fresh.state[fresh_p]["exp_avg"], opt.state[p]["exp_avg"])
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(3)}, "optimizer_states": [state], "note": "x"}, path)
+    back = strategy.load_checkpoint(path)
+    assert torch.equal(back["state_dict"]["w"], torch.arange(3)) and back["note"] == "x"
+    back = strategy.load_checkpoint(str(path), weights_only=True)
+    assert back["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
+    # by default a checkpoint's other Python objects load too (Lightning's own files hold some); weights_only refuses
+    odd = tmp_path / "odd.ckpt"
+    torch.save({"state_dict": {}, "where": PurePosixPath("runs/a")}, odd)
+    assert strategy.load_checkpoint(odd)["where"] == PurePosixPath("runs/a")
+    with pytest.raises(pickle.UnpicklingError):
+        strategy.load_checkpoint(odd, weights_only=True)
+    # one state per optimizer: a checkpoint of another optimizer count is refused
+    strategy.optimizers = [fresh, torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)]
+    with pytest.raises(ValueError, match="zip"):
+        strategy.load_optimizer_state_dict({"optimizer_states": [state]})
+
+
+def test_the_adapter_state_is_a_detached_cpu_copy_named_without_the_wrappers() -> None:
+    m = MultiLoraModule(model_name="tiny-llama", tokenizer_name="byte",
+                        model_overrides={"vocab_size": BYTE_VOCAB_SIZE, "num_hidden_layers": 1})  # fmt: skip
+    m.configure_model()
+    strategy = LoraFSDPStrategy()
+    strategy._lightning_module = m
+    params = strategy._adapter_params()
+    assert set(params) == m.adapter_state_keys() and all(p.requires_grad for p in params.values())
+    state = strategy.lightning_module_state_dict()
+    for k, v in state.items():
+        assert v.device.type == "cpu" and not v.requires_grad and torch.equal(v, params[k].detach())
+        assert v.data_ptr() != params[k].data_ptr()  # a copy: a later step does not change the saved state
