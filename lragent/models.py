@@ -320,5 +320,12 @@ def load_model(
         check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     check_supported(model.config)
-    tokenizer = tokenizer_from(source)
+    try:
+        tokenizer = tokenizer_from(source)
+    except (OSError, ValueError) as exc:  # a model directory saved without its tokenizer: one line, not transformers'
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"could not load the tokenizer of model {name!r} ({first}): a model directory needs its tokenizer files "
+            "(tokenizer.json or tokenizer_config.json beside config.json)"
+        ) from None
     return model.to(device).eval(), tokenizer

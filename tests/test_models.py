@@ -123,3 +123,159 @@ def test_cuda_on_a_machine_without_it_is_refused():
 
     with pytest.raises(ValueError, match="device 'cuda:1' asked for, but this machine has no CUDA GPU: use cpu"):
         check_device("cuda:1")
+
+
+@pytest.mark.parametrize(
+    "name, path",
+    [
+        ("/abs/model", True), ("/model", True), ("./local", True), ("../up", True), ("~/home/model", True),
+        (".\\win", True), ("dir\\model", True), ("a/b/c", True), ("org/model", False), ("default", False),
+        ("Qwen/Qwen2.5-1.5B", False), (".hidden", False), ("~", True), ("a/b/", True),
+    ],
+)  # fmt: skip
+def test_a_local_path_is_told_from_a_hub_id(name, path):
+    from lragent.models import _looks_like_path
+
+    assert _looks_like_path(name) is path
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("gpu", "device 'gpu' is not a device: allowed cpu, cuda, cuda:N, mps"),
+        (3.5, "device 3.5 is not a device: allowed cpu, cuda, cuda:N, mps"),
+        ("meta", "device 'meta' is not supported: allowed cpu, cuda, cuda:N, mps"),
+        (torch.device("meta"), "device device(type='meta') is not supported: allowed cpu, cuda, cuda:N, mps"),
+    ],
+)
+def test_a_bad_device_is_one_line_naming_it(device, message):
+    from lragent.models import check_device
+
+    with pytest.raises(ValueError) as info:
+        check_device(device)
+    assert str(info.value) == message
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="for a CPU-only machine")
+def test_devices_this_machine_lacks_are_refused_and_cpu_is_taken():
+    from lragent.models import check_device
+
+    assert check_device("cpu") == torch.device("cpu") and check_device(torch.device("cpu")) == torch.device("cpu")
+    for device, what in (("cuda", "no CUDA GPU"), ("cuda:0", "no CUDA GPU"), ("mps", "no MPS (Apple GPU) device")):
+        with pytest.raises(ValueError) as info:
+            check_device(device)
+        assert str(info.value) == f"device {device!r} asked for, but this machine has {what}: use cpu"
+
+
+def test_embedded_model_missing_says_why_or_nothing(monkeypatch, tmp_path):
+    from lragent import models
+
+    def absent():
+        raise FileNotFoundError("the GGUF is missing: reinstall")
+
+    monkeypatch.setattr(models, "embedded_gguf_path", absent)
+    assert models.embedded_model_missing() == "the GGUF is missing: reinstall"
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"x")
+    monkeypatch.setattr(models, "embedded_gguf_path", lambda: gguf)
+    monkeypatch.setattr(models, "_converted_target", lambda g: tmp_path / f"conv-{g.name}")
+    converted = {"now": False}
+    monkeypatch.setattr(models, "is_converted", lambda t: converted["now"] and t == tmp_path / "conv-model.gguf")
+    spec = {"gguf": None}
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: spec.get(name, object()))
+    expected = f"{gguf} is not converted yet and the gguf package that converts it is not installed"
+    assert models.embedded_model_missing() == expected
+    spec["gguf"] = object()  # the converter is there: it can be converted on first use
+    assert models.embedded_model_missing() is None
+    spec["gguf"], converted["now"] = None, True  # converted already: no converter needed
+    assert models.embedded_model_missing() is None
+
+
+def test_an_unloadable_model_is_one_line_naming_it_and_what_is_allowed(tmp_path, monkeypatch):
+    from lragent import models
+
+    named = ", ".join(models.NAMED_ARCHITECTURES)
+    allowed = f"default, {models.ACCURACY_MODEL}, a named architecture ({named}), a hub name or a local directory"
+    with pytest.raises(ValueError) as info:
+        models.load_model(str(tmp_path / "absent"))
+    assert str(info.value) == f"model directory {str(tmp_path / 'absent')!r} does not exist: allowed {allowed}"
+    with pytest.raises(ValueError) as info:
+        models.load_model("default", overrides={"num_hidden_layers": 2})
+    assert str(info.value) == f"overrides are only for named architectures ({named}), not 'default'"
+
+    def refuse(message):
+        def from_pretrained(path):
+            assert path == str(tmp_path)  # the source itself is read
+            raise OSError(message)
+
+        monkeypatch.setattr(models.AutoConfig, "from_pretrained", from_pretrained)
+        with pytest.raises(ValueError) as info:
+            models.load_model(str(tmp_path))
+        return str(info.value)
+
+    # the first line of the loader's own message, or its type where it says nothing
+    assert refuse("  no config.json here\nsecond line") == (
+        f"could not load model {str(tmp_path)!r} (no config.json here): allowed {allowed}"
+    )
+    assert refuse("   ") == f"could not load model {str(tmp_path)!r} (OSError): allowed {allowed}"
+
+
+def test_a_named_architecture_is_seeded_and_leaves_the_callers_random_state(monkeypatch):
+    from lragent.models import load_model
+
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a, tok = load_model("tiny-llama")
+    assert tok is None and torch.equal(torch.random.get_rng_state(), before)
+    b, _ = load_model("tiny-llama", seed=0)
+    c, _ = load_model("tiny-llama", seed=1)
+    wa, wb, wc = (next(m.parameters()) for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)  # seed 0 by default; another seed, other weights
+
+
+def test_a_saved_model_directory_loads_in_the_dtype_asked_with_its_weights(tmp_path, monkeypatch):
+    from lragent import models
+    from lragent.models import load_model, parse_dtype
+
+    tiny, _ = load_model("tiny-llama")
+    tiny.save_pretrained(tmp_path)
+    monkeypatch.setattr(models, "tokenizer_from", lambda source: ("tokenizer of", source))  # none was saved
+    back, tok = load_model(str(tmp_path), dtype="bfloat16")
+    assert tok == ("tokenizer of", str(tmp_path))
+    assert next(back.parameters()).dtype == torch.bfloat16 and not back.training
+    for (name, p), (_, q) in zip(tiny.named_parameters(), back.named_parameters(), strict=True):
+        assert torch.equal(p.to(torch.bfloat16), q), name
+    with pytest.raises(ValueError) as info:
+        parse_dtype("float8")
+    assert str(info.value) == "dtype 'float8' not supported: allowed float32, fp32, bfloat16, bf16, float16, fp16"
+
+
+def test_a_model_directory_without_its_tokenizer_is_one_line_naming_it(tmp_path):
+    from lragent.models import load_model
+
+    tiny, _ = load_model("tiny-llama")
+    tiny.save_pretrained(tmp_path)  # weights and config, no tokenizer files
+    with pytest.raises(ValueError) as info:
+        load_model(str(tmp_path))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"could not load the tokenizer of model {str(tmp_path)!r} (")
+    assert message.endswith("): a model directory needs its tokenizer files (tokenizer.json or tokenizer_config.json "
+                            "beside config.json)")  # fmt: skip
+
+
+def test_the_tokenizer_refusal_names_the_loaders_first_line_or_its_type(tmp_path, monkeypatch):
+    from lragent import models
+
+    tiny, _ = models.load_model("tiny-llama")
+    tiny.save_pretrained(tmp_path)
+    tail = ": a model directory needs its tokenizer files (tokenizer.json or tokenizer_config.json beside config.json)"
+    cases = ((ValueError("  no tokenizer here\nsecond line"), "no tokenizer here"), (OSError("  "), "OSError"))
+    for raised, said in cases:
+
+        def refuse(source, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(models, "tokenizer_from", refuse)
+        with pytest.raises(ValueError) as info:
+            models.load_model(str(tmp_path))
+        assert str(info.value) == f"could not load the tokenizer of model {str(tmp_path)!r} ({said}){tail}"
