@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from datamodules.role_examples import RoleExampleDataModule
 from lit_modules.multi_lora_module import MultiLoraModule
 from lit_modules.progress import RunProgressBar
+from lragent.command import first_line
 from lragent.roles import DEFAULT_ROLES
 
 
@@ -108,8 +109,8 @@ def export(ckpt: str, out: str, dtype: str | None = None, device: str = "cpu") -
         if not isinstance(state, dict) or "state_dict" not in state or "hyper_parameters" not in state:
             raise ValueError("no state_dict and hyper_parameters")
     except Exception as exc:  # unpickling errors come in many types; any of them means "not a checkpoint"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{ckpt_path} is not a Lightning checkpoint written by fit ({first[:200]})") from None
+        what = first_line(exc)[:200]
+        raise ValueError(f"{ckpt_path} is not a Lightning checkpoint written by fit ({what})") from None
     with torch.device(device):  # configure_model builds the base on the default device
         module = MultiLoraModule.load_from_checkpoint(ckpt_path, map_location=device)
     source = checkpoint_source(state, ckpt_path)

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lragent.command import first_line
 from lragent.lora_model import MultiLoraModel
 from lragent.multi_lora import MultiLoraConfig
 
@@ -105,8 +106,7 @@ def _readable(path: str | Path) -> Iterator[None]:
     try:
         yield
     except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as exc:
-        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path} is not a readable adapter weights file ({what})") from None
+        raise ValueError(f"{path} is not a readable adapter weights file ({first_line(exc)})") from None
 
 
 def read_peft_config(path: str | Path) -> dict:
@@ -120,8 +120,7 @@ def read_peft_config(path: str | Path) -> dict:
     try:
         pc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{path} is not a readable PEFT adapter config ({what})") from None
+        raise ValueError(f"{path} is not a readable PEFT adapter config ({first_line(exc)})") from None
     if not isinstance(pc, dict):
         raise ValueError(f"{path} is not a PEFT adapter config: a JSON mapping is needed, got {type(pc).__name__}")
     r, alpha, targets = pc.get("r"), pc.get("lora_alpha"), pc.get("target_modules")

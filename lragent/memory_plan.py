@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lragent.command import first_line
 from lragent.device_share import device_index, meminfo_bytes, memory_budget
 from lragent.sharing import make_scheme
 
@@ -122,8 +123,7 @@ def model_config(name: str) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"could not read the config of model {name!r} ({first})") from None
+        raise ValueError(f"could not read the config of model {name!r} ({first_line(exc)})") from None
 
 
 def model_shape(name: str) -> ModelShape:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lragent import accuracy_model
+from lragent.command import first_line
 from lragent.converted_cache import cache_dir, convert_gguf_once, is_converted, tokenizer_from
 
 log = logging.getLogger(__name__)
@@ -315,17 +316,15 @@ def load_model(
         try:
             config = AutoConfig.from_pretrained(source)
         except (OSError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"could not load model {name!r} ({first}): allowed {allowed}") from None
+            raise ValueError(f"could not load model {name!r} ({first_line(exc)}): allowed {allowed}") from None
         check_supported(config)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     check_supported(model.config)
     try:
         tokenizer = tokenizer_from(source)
     except (OSError, ValueError) as exc:  # a model directory saved without its tokenizer: one line, not transformers'
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
-            f"could not load the tokenizer of model {name!r} ({first}): a model directory needs its tokenizer files "
-            "(tokenizer.json or tokenizer_config.json beside config.json)"
+            f"could not load the tokenizer of model {name!r} ({first_line(exc)}): a model directory needs its "
+            "tokenizer files (tokenizer.json or tokenizer_config.json beside config.json)"
         ) from None
     return model.to(device).eval(), tokenizer

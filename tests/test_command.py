@@ -185,6 +185,11 @@ def test_an_error_without_a_message_is_named_by_its_type(capsys) -> None:
 
     assert one_line(ValueError("a\n   b\tc ")) == "a b c"
     assert one_line(FileNotFoundError()) == "FileNotFoundError"
+    # first_line: a library's multi-line message cut to its first line (leading blanks dropped), else the type
+    from lragent.command import first_line
+
+    assert first_line(ValueError("  first  \nsecond\nthird")) == "first"
+    assert first_line(OSError(" \n ")) == "OSError"
 
     def missing(path: str = "x") -> None:
         """Fails.
