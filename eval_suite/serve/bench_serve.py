@@ -488,6 +488,7 @@ def render(runs: list[dict], config: dict, prov: dict) -> str:
     """The Markdown report."""
     from lragent.provenance import provenance_footer
     from lragent.report_io import markdown_table
+    from lragent.serving.metrics import WORKER_PHASES
 
     header = ["scheme", "workload", "sessions", "requests", "failed", "tokens/s", "trajectory tokens/s", "sessions/s",
               "TTFT p50 (s)", "TTFT p99 (s)", "cached prefix", "peak cache (MiB)"]  # fmt: skip
@@ -501,16 +502,15 @@ def render(runs: list[dict], config: dict, prov: dict) -> str:
             _fmt(peak, ".1f"),
         ])  # fmt: skip
     where = config["server"] or f"servers started here ({config['model']}, max_rows {config['max_rows']})"
-    phases = ("admit", "decode", "capture", "idle", "other")
     time_rows = [
         [r["scheme"], r["workload"], _fmt(r.get("request_wall_mean_s"), ".3f"),
          _fmt(r.get("server_ttft_mean_s"), ".3f"), _fmt(r.get("server_decode_mean_s"), ".3f"),
          _fmt(r.get("tokens_per_decode_step"), ".2f"),
-         *[_fmt((r.get("worker_s") or {}).get(k), ".1f") for k in phases]]
+         *[_fmt((r.get("worker_s") or {}).get(k), ".1f") for k in WORKER_PHASES]]
         for r in runs
     ]  # fmt: skip
     time_header = ["scheme", "workload", "request (client, s)", "arrival to first token (server, s)",
-                   "decode (server, s)", "mean decode batch", *[f"worker {k} (s)" for k in phases]]  # fmt: skip
+                   "decode (server, s)", "mean decode batch", *[f"worker {k} (s)" for k in WORKER_PHASES]]  # fmt: skip
     return (
         "# bench serve\n\n"
         f"{config['clients']} concurrent clients, {config['sessions']} sessions per workload and scheme, "
