@@ -74,6 +74,17 @@ def load_embedded():
     return load
 
 
+class SetClock:
+    """A clock that reads what the test sets (``now``, advanced by hand): stands in for ``time.time`` or
+    ``time.monotonic`` where a test decides when time passes."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def flock_held(path: Path) -> bool:
     """Whether another open file description holds an exclusive ``flock`` on ``path`` (the file must exist)."""
     import fcntl

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import SetClock
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -23,19 +24,9 @@ from lit_modules.run_status import FINISHED_REASONS, STOP_REASONS, RunStatus
 from lit_modules.time_budget import TimeBudget, TimeBudgetExceeded
 
 
-class Clock:
-    """The time the test says it is."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch) -> Clock:
-    c = Clock()
+def clock(monkeypatch) -> SetClock:
+    c = SetClock()
     monkeypatch.setattr(run_status, "time", SimpleNamespace(time=c))  # the module's clock only, not Lightning's
     monkeypatch.setattr(TimeBudget, "clock", c)
     return c
@@ -46,7 +37,7 @@ class Tick(Callback):
     raises ``error`` at the end of the batch of global step ``raise_at_step``."""
 
     def __init__(
-        self, clock: Clock, raise_at_step: int = -1, error: BaseException | None = None, seconds: float = 10.0
+        self, clock: SetClock, raise_at_step: int = -1, error: BaseException | None = None, seconds: float = 10.0
     ) -> None:
         self.clock, self.raise_at_step, self.error, self.seconds = clock, raise_at_step, error, seconds
 
@@ -114,7 +105,7 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_a_finished_fit_is_recorded_with_its_times_tokens_and_reason(tmp_path: Path, clock: Clock) -> None:
+def test_a_finished_fit_is_recorded_with_its_times_tokens_and_reason(tmp_path: Path, clock: SetClock) -> None:
     status = RunStatus(str(tmp_path / "runs" / "a" / "status.jsonl"))  # the directory is made when written
     clock.now = 1100.0  # 100 s between the callback's creation and the fit's first epoch: wall time, not training
     trainer(tmp_path, [Tick(clock), status]).fit(Tiny())
@@ -143,7 +134,7 @@ def test_a_finished_fit_is_recorded_with_its_times_tokens_and_reason(tmp_path: P
     assert FINISHED_REASONS == ("early_stopping", "max_epochs", "max_steps")
 
 
-def test_each_fit_appends_a_line_that_starts_where_the_last_one_ended(tmp_path: Path, clock: Clock) -> None:
+def test_each_fit_appends_a_line_that_starts_where_the_last_one_ended(tmp_path: Path, clock: SetClock) -> None:
     """Two fit calls (the second resumes from the first's last checkpoint): two lines, in the default file under
     the trainer's root directory; batches that are not dicts count no tokens."""
     ckpt = tmp_path / "ckpt"
@@ -166,7 +157,7 @@ def test_each_fit_appends_a_line_that_starts_where_the_last_one_ended(tmp_path: 
     assert (two["train_tokens"], two["train_examples"], two["tokens_per_s"]) == (0, 0, 0.0)
 
 
-def test_the_best_checkpoint_and_its_score_are_recorded(tmp_path: Path, clock: Clock) -> None:
+def test_the_best_checkpoint_and_its_score_are_recorded(tmp_path: Path, clock: SetClock) -> None:
     """val/loss 3.0, 2.0, 2.5, 2.6: early stopping (patience 2) ends the fit after epoch 3; the best is epoch 1."""
     status = RunStatus(str(tmp_path / "status.jsonl"))
     last = ModelCheckpoint(dirpath=tmp_path / "last", save_last=True)  # no monitor: neither best nor a score
@@ -180,7 +171,7 @@ def test_the_best_checkpoint_and_its_score_are_recorded(tmp_path: Path, clock: C
     assert Path(record["best_checkpoint"]).name.startswith("epoch=1-")
 
 
-def test_a_fit_ended_by_its_step_limit_is_finished(tmp_path: Path, clock: Clock) -> None:
+def test_a_fit_ended_by_its_step_limit_is_finished(tmp_path: Path, clock: SetClock) -> None:
     status = RunStatus(str(tmp_path / "status.jsonl"))
     trainer(tmp_path, [Tick(clock), status], max_epochs=5, max_steps=6).fit(Tiny())
     (record,) = records(tmp_path / "status.jsonl")
@@ -188,7 +179,7 @@ def test_a_fit_ended_by_its_step_limit_is_finished(tmp_path: Path, clock: Clock)
     assert record["train_tokens"] == 3 + 4 + 5 + 6 + 3 + 4 and record["train_examples"] == 12
 
 
-def test_a_fit_stopped_by_the_time_budget_is_not_finished(tmp_path: Path, clock: Clock) -> None:
+def test_a_fit_stopped_by_the_time_budget_is_not_finished(tmp_path: Path, clock: SetClock) -> None:
     """40-s epochs, 48 s assumed for the next, the deadline 100 s after the start: stopped after two epochs."""
     status = RunStatus(str(tmp_path / "status.jsonl"))
     budget = TimeBudget(deadline=clock.now + 100)
@@ -206,7 +197,7 @@ def test_a_fit_stopped_by_the_time_budget_is_not_finished(tmp_path: Path, clock:
     ],
 )
 def test_a_fit_that_raised_is_recorded_with_the_error_and_the_time_it_trained(
-    tmp_path: Path, clock: Clock, error: BaseException, raised: type, reason: str
+    tmp_path: Path, clock: SetClock, error: BaseException, raised: type, reason: str
 ) -> None:
     """The error comes at the end of epoch 1's second batch: 40 + 20 s trained, the partial epoch counted (the batch
     whose end raised is not: RunStatus never saw it end)."""
@@ -225,7 +216,7 @@ def test_a_fit_that_raised_is_recorded_with_the_error_and_the_time_it_trained(
     assert record["train_tokens"] == 3 + 4 + 5 + 6 + 3 and record["tokens_per_s"] == round(21 / 60.0, 1)
 
 
-def test_a_hard_time_budget_stop_is_recorded_as_the_budgets(tmp_path: Path, clock: Clock) -> None:
+def test_a_hard_time_budget_stop_is_recorded_as_the_budgets(tmp_path: Path, clock: SetClock) -> None:
     """The deadline passes at the second batch: the budget raises mid-epoch, and the record names the budget."""
     status = RunStatus(str(tmp_path / "status.jsonl"))
     budget = TimeBudget(deadline=clock.now + 15)
@@ -239,14 +230,14 @@ def test_a_hard_time_budget_stop_is_recorded_as_the_budgets(tmp_path: Path, cloc
     )
 
 
-def test_batches_without_token_counts_count_none(tmp_path: Path, clock: Clock) -> None:
+def test_batches_without_token_counts_count_none(tmp_path: Path, clock: SetClock) -> None:
     status = RunStatus(str(tmp_path / "status.jsonl"))
     trainer(tmp_path, [Tick(clock), status], max_epochs=1).fit(Tiny(counts=False))
     (record,) = records(tmp_path / "status.jsonl")
     assert (record["train_tokens"], record["train_examples"], record["tokens_per_s"]) == (0, 0, 0.0)
 
 
-def test_times_are_kept_to_the_hundredth_of_a_second(tmp_path: Path, clock: Clock) -> None:
+def test_times_are_kept_to_the_hundredth_of_a_second(tmp_path: Path, clock: SetClock) -> None:
     """Two batches of 0.1234 s: 0.2468 s trained (and since the callback was made), 7 tokens in it."""
     status = RunStatus(str(tmp_path / "status.jsonl"))
     trainer(tmp_path, [Tick(clock, seconds=0.1234), status], max_steps=2).fit(Tiny())
@@ -255,7 +246,7 @@ def test_times_are_kept_to_the_hundredth_of_a_second(tmp_path: Path, clock: Cloc
     assert record["reason"] == "max_steps"
 
 
-def test_a_fit_that_fails_before_training_is_recorded_from_its_start(tmp_path: Path, clock: Clock) -> None:
+def test_a_fit_that_fails_before_training_is_recorded_from_its_start(tmp_path: Path, clock: SetClock) -> None:
     """configure_optimizers fails: nothing trained, no epoch timed, no tokens (no rate either)."""
 
     class Broken(Tiny):
@@ -272,7 +263,7 @@ def test_a_fit_that_fails_before_training_is_recorded_from_its_start(tmp_path: P
     assert record["device"] == "cpu"
 
 
-def test_a_callback_reused_after_a_crash_mid_epoch_records_the_next_fit_too(tmp_path: Path, clock: Clock) -> None:
+def test_a_callback_reused_after_a_crash_mid_epoch_records_the_next_fit_too(tmp_path: Path, clock: SetClock) -> None:
     status = RunStatus(str(tmp_path / "status.jsonl"))
     with pytest.raises(RuntimeError):
         trainer(tmp_path, [Tick(clock, raise_at_step=2, error=RuntimeError("boom")), status]).fit(Tiny())
@@ -296,14 +287,14 @@ class StopAfterFirstEpoch(Callback):
         trainer.should_stop = True
 
 
-def test_a_fit_ended_for_another_reason_is_not_finished(tmp_path: Path, clock: Clock) -> None:
+def test_a_fit_ended_for_another_reason_is_not_finished(tmp_path: Path, clock: SetClock) -> None:
     status = RunStatus(str(tmp_path / "status.jsonl"))
     trainer(tmp_path, [Tick(clock), StopAfterFirstEpoch(), status], max_epochs=5).fit(Tiny())
     (record,) = records(tmp_path / "status.jsonl")
     assert (record["reason"], record["finished"], record["epochs_done"]) == ("other", False, 1)
 
 
-def test_the_reason_is_the_limit_reached_whatever_else_watched(tmp_path: Path, clock: Clock) -> None:
+def test_the_reason_is_the_limit_reached_whatever_else_watched(tmp_path: Path, clock: SetClock) -> None:
     """Early stopping that never fired leaves max_epochs; one that fired after epoch 1 is early stopping; a one-step
     limit is max_steps; zero epochs asked and run is max_epochs."""
     path = tmp_path / "status.jsonl"
@@ -336,7 +327,7 @@ class Snapshot(Checkpoint):
     """A checkpoint callback of its own kind: no best model, no score."""
 
 
-def test_a_checkpoint_callback_without_a_score_is_passed_over(tmp_path: Path, clock: Clock) -> None:
+def test_a_checkpoint_callback_without_a_score_is_passed_over(tmp_path: Path, clock: SetClock) -> None:
     status = RunStatus(str(tmp_path / "status.jsonl"))
     best = ModelCheckpoint(dirpath=tmp_path / "best", monitor="val/loss", mode="min", save_top_k=1)
     trainer(tmp_path, [Tick(clock), Snapshot(), best, status], enable_checkpointing=True).fit(Tiny())

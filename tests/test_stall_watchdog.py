@@ -18,6 +18,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+from conftest import SetClock
 
 from eval_suite.evaluate import run_eval, stall_watchdog
 from eval_suite.evaluate.episode_log import EPISODES_FILE, read_episodes
@@ -160,16 +161,6 @@ def test_slow_decode_calls_that_return_are_progress_not_a_stall(tmp_path, monkey
     assert timing["episodes_s"] / timing["episodes"] > 3.0  # an episode outlasts --stall_s: the beats kept it quiet
 
 
-class _Clock:
-    """A monotonic clock that moves only when the test says (the watchdog's own polling still sleeps for real)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _until(done: Callable[[], object], for_s: float) -> None:
     stop = time.perf_counter() + for_s
     while not done() and time.perf_counter() < stop:
@@ -216,7 +207,7 @@ def test_the_stall_line_reaches_stderr_before_the_process_ends_even_when_stderr_
 
 
 def test_a_gap_of_exactly_the_limit_since_the_last_beat_is_a_stall_and_a_shorter_one_is_not(tmp_path, monkeypatch):
-    clock = _Clock()
+    clock = SetClock()  # the watchdog's own polling still sleeps for real
     monkeypatch.setattr(stall_watchdog, "time", SimpleNamespace(monotonic=clock))
     ended: list[int] = []
     with StallWatchdog(0.5, tmp_path, describe=lambda: "waiting", end=ended.append) as dog:  # beat at 1000.0
@@ -233,7 +224,7 @@ def test_an_overdue_stall_is_noticed_within_a_quarter_of_a_short_limit_and_a_sec
     tmp_path, monkeypatch, seconds, within_s
 ):
     """The watchdog looks every min(1 s, limit / 4): 0.4 s for a 1.6 s limit, 1 s for a 600 s one."""
-    clock = _Clock()
+    clock = SetClock()
     monkeypatch.setattr(stall_watchdog, "time", SimpleNamespace(monotonic=clock))
     ended: list[float] = []
     start = time.perf_counter()

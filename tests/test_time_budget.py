@@ -8,25 +8,16 @@ import logging
 
 import pytest
 import torch
+from conftest import SetClock
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_modules.time_budget import TimeBudget, TimeBudgetExceeded
 
 
-class Clock:
-    """The time the test says it is."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch) -> Clock:
-    c = Clock()
+def clock(monkeypatch) -> SetClock:
+    c = SetClock()
     monkeypatch.setattr(TimeBudget, "clock", c)  # before any TimeBudget exists: __init__ reads it too
     return c
 
@@ -38,14 +29,14 @@ def bare_trainer() -> Trainer:
     )  # fmt: skip
 
 
-def epoch(budget: TimeBudget, trainer: Trainer, clock: Clock, seconds: float) -> None:
+def epoch(budget: TimeBudget, trainer: Trainer, clock: SetClock, seconds: float) -> None:
     """One epoch of ``seconds`` through the budget's hooks."""
     budget.on_train_epoch_start(trainer, None)
     clock.now += seconds
     budget.on_train_epoch_end(trainer, None)
 
 
-def test_the_deadline_is_the_given_one_or_seconds_after_creation(clock: Clock) -> None:
+def test_the_deadline_is_the_given_one_or_seconds_after_creation(clock: SetClock) -> None:
     assert TimeBudget(seconds=50).deadline == 1050.0
     assert TimeBudget(seconds=0.5).deadline == 1000.5  # any positive budget, under a second too
     assert TimeBudget(deadline=1234.0, seconds=50).deadline == 1234.0  # an absolute deadline wins
@@ -70,7 +61,7 @@ def test_a_bad_budget_is_refused_naming_the_value(kwargs, message) -> None:
     assert str(info.value) == message
 
 
-def test_an_epoch_end_stops_when_the_next_epoch_would_not_finish_in_time(clock: Clock, caplog) -> None:
+def test_an_epoch_end_stops_when_the_next_epoch_would_not_finish_in_time(clock: SetClock, caplog) -> None:
     trainer = bare_trainer()
     budget = TimeBudget(deadline=1100.0, safety=1.5)
     epoch(budget, trainer, clock, 20.0)  # at 1020: 1.5 x 20 s more ends at 1050, in time
@@ -85,7 +76,7 @@ def test_an_epoch_end_stops_when_the_next_epoch_would_not_finish_in_time(clock: 
     ]
 
 
-def test_the_next_epoch_ending_exactly_at_the_deadline_still_runs(clock: Clock) -> None:
+def test_the_next_epoch_ending_exactly_at_the_deadline_still_runs(clock: SetClock) -> None:
     trainer = bare_trainer()
     budget = TimeBudget(deadline=1044.0)  # default safety 1.2: after a 20 s epoch ending at 1020, 24 s more
     epoch(budget, trainer, clock, 20.0)
@@ -95,7 +86,7 @@ def test_the_next_epoch_ending_exactly_at_the_deadline_still_runs(clock: Clock) 
     assert late.stopped and trainer.should_stop
 
 
-def test_no_deadline_no_estimate_or_a_stop_already_asked_leaves_the_run_alone(clock: Clock) -> None:
+def test_no_deadline_no_estimate_or_a_stop_already_asked_leaves_the_run_alone(clock: SetClock) -> None:
     trainer = bare_trainer()
     unlimited = TimeBudget()
     epoch(unlimited, trainer, clock, 1e6)
@@ -111,7 +102,7 @@ def test_no_deadline_no_estimate_or_a_stop_already_asked_leaves_the_run_alone(cl
     assert passed.last_epoch_s == 10.0 and not passed.stopped
 
 
-def test_the_deadline_passing_mid_epoch_is_a_hard_stop_naming_where(clock: Clock) -> None:
+def test_the_deadline_passing_mid_epoch_is_a_hard_stop_naming_where(clock: SetClock) -> None:
     trainer = bare_trainer()
     budget = TimeBudget(deadline=1010.0)
     clock.now = 1010.0
@@ -148,14 +139,14 @@ class Tiny(LightningModule):
 class Tick(Callback):
     """Advances the clock 10 s per training batch, and ``slow`` s on the batch of global step ``slow_step``."""
 
-    def __init__(self, clock: Clock, slow_step: int = -1, slow: float = 0.0) -> None:
+    def __init__(self, clock: SetClock, slow_step: int = -1, slow: float = 0.0) -> None:
         self.clock, self.slow_step, self.slow = clock, slow_step, slow
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.clock.now += self.slow if trainer.global_step == self.slow_step else 10.0
 
 
-def fit(clock: Clock, budget: TimeBudget, max_epochs: int = 5, **tick) -> Trainer:
+def fit(clock: SetClock, budget: TimeBudget, max_epochs: int = 5, **tick) -> Trainer:
     t = Trainer(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, max_epochs=max_epochs, callbacks=[Tick(clock, **tick), budget],
@@ -164,7 +155,7 @@ def fit(clock: Clock, budget: TimeBudget, max_epochs: int = 5, **tick) -> Traine
     return t
 
 
-def test_a_fit_ends_at_the_last_epoch_end_that_leaves_room_for_the_next(clock: Clock) -> None:
+def test_a_fit_ends_at_the_last_epoch_end_that_leaves_room_for_the_next(clock: SetClock) -> None:
     """40 s epochs, 48 s assumed for the next: from 1000 with the deadline at 1130, epochs end at 1040, 1080 (1128
     fits) and 1120 (1168 does not): three epochs run, of the five asked."""
     budget = TimeBudget(deadline=1130.0)
@@ -175,7 +166,7 @@ def test_a_fit_ends_at_the_last_epoch_end_that_leaves_room_for_the_next(clock: C
     assert not unlimited.stopped and t.current_epoch == 5 and t.global_step == 20
 
 
-def test_a_fit_past_its_deadline_mid_epoch_raises_naming_the_epoch_and_step(clock: Clock) -> None:
+def test_a_fit_past_its_deadline_mid_epoch_raises_naming_the_epoch_and_step(clock: SetClock) -> None:
     """Epoch 0 (40 s) leaves room for epoch 1, whose first batch (global step 5 when it ends) takes 1000 s."""
     budget = TimeBudget(deadline=1100.0)
     with pytest.raises(TimeBudgetExceeded) as info:

@@ -17,6 +17,7 @@ from lit_modules import ExportAdapters, MultiLoraModule
 from lit_modules.run_status import RunStatus
 from lit_modules.time_budget import TimeBudget, TimeBudgetExceeded
 from lragent.adapters_io import NATIVE_FILE
+from tests.conftest import SetClock
 from tests.test_prefix_packing import write_trajectories
 
 ROLES = ["plan", "action", "reflect"]
@@ -140,20 +141,10 @@ def test_bf16_export_halves_the_size_and_loads_back(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------------- time budget + resume
 
 
-class FakeClock:
-    """Time that advances 10 s per training batch (on the batch-end hook)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class Tick(Callback):
     """Advances the clock by 10 s per batch, and by ``slow`` s on the batch of global step ``slow_step``."""
 
-    def __init__(self, clock: FakeClock, slow_step: int = -1, slow: float = 0.0) -> None:
+    def __init__(self, clock: SetClock, slow_step: int = -1, slow: float = 0.0) -> None:
         self.clock, self.slow_step, self.slow = clock, slow_step, slow
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -163,7 +154,7 @@ class Tick(Callback):
 def budgeted_fit(
     tmp_path: Path, run: str, deadline_after: float | None, max_epochs: int, ckpt_path=None, slow_step: int = -1
 ):
-    clock = FakeClock()
+    clock = SetClock()
     budget = TimeBudget(deadline=None if deadline_after is None else clock.now + deadline_after)
     budget.clock = clock
     status = RunStatus(str(tmp_path / run / "status.jsonl"))
