@@ -48,12 +48,19 @@ def test_a_root_unit_of_two_dtypes_is_refused_before_wrapping() -> None:
     )
 
 
-def test_a_checkpoint_lacking_adapter_weights_is_refused_and_a_whole_one_is_copied_in() -> None:
+def _strategy_of_a_tiny_module(layers: int) -> tuple[MultiLoraModule, LoraFSDPStrategy]:
+    """A tiny-llama training module (byte vocabulary, ``layers`` layers), built, and an FSDP strategy attached to it
+    without a process group (what the strategy's state-dict hooks need)."""
     m = MultiLoraModule(model_name="tiny-llama", tokenizer_name="byte",
-                        model_overrides={"vocab_size": BYTE_VOCAB_SIZE, "num_hidden_layers": 2})  # fmt: skip
+                        model_overrides={"vocab_size": BYTE_VOCAB_SIZE, "num_hidden_layers": layers})  # fmt: skip
     m.configure_model()
     strategy = LoraFSDPStrategy()
     strategy._lightning_module = m
+    return m, strategy
+
+
+def test_a_checkpoint_lacking_adapter_weights_is_refused_and_a_whole_one_is_copied_in() -> None:
+    m, strategy = _strategy_of_a_tiny_module(layers=2)
     state = strategy.lightning_module_state_dict()
     assert set(state) == m.adapter_state_keys()
     stored = {k: torch.full_like(v, 0.5) for k, v in state.items()}
@@ -153,11 +160,7 @@ def test_optimizer_state_is_the_plain_one_saved_loaded_and_read_back(tmp_path) -
 
 
 def test_the_adapter_state_is_a_detached_cpu_copy_named_without_the_wrappers() -> None:
-    m = MultiLoraModule(model_name="tiny-llama", tokenizer_name="byte",
-                        model_overrides={"vocab_size": BYTE_VOCAB_SIZE, "num_hidden_layers": 1})  # fmt: skip
-    m.configure_model()
-    strategy = LoraFSDPStrategy()
-    strategy._lightning_module = m
+    m, strategy = _strategy_of_a_tiny_module(layers=1)
     params = strategy._adapter_params()
     assert set(params) == m.adapter_state_keys() and all(p.requires_grad for p in params.values())
     state = strategy.lightning_module_state_dict()
