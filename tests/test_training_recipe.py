@@ -19,6 +19,7 @@ from lit_modules.time_budget import TimeBudget, TimeBudgetExceeded
 from lragent.adapters_io import NATIVE_FILE
 from tests.conftest import SetClock
 from tests.test_prefix_packing import write_trajectories
+from tests.test_time_budget import Tick
 
 ROLES = ["plan", "action", "reflect"]
 TINY = {"vocab_size": 258, "num_hidden_layers": 2}
@@ -139,16 +140,6 @@ def test_bf16_export_halves_the_size_and_loads_back(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------- time budget + resume
-
-
-class Tick(Callback):
-    """Advances the clock by 10 s per batch, and by ``slow`` s on the batch of global step ``slow_step``."""
-
-    def __init__(self, clock: SetClock, slow_step: int = -1, slow: float = 0.0) -> None:
-        self.clock, self.slow_step, self.slow = clock, slow_step, slow
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.clock.now += self.slow if trainer.global_step == self.slow_step else 10.0
 
 
 def budgeted_fit(
