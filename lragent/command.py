@@ -51,7 +51,7 @@ def first_line(exc: BaseException) -> str:
     """The first line of the exception's message (a library's multi-line error, cut to what names the fault), or its
     type's name when it says nothing."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return text.splitlines()[0].rstrip() if text else type(exc).__name__
 
 
 def build_parser(fn: Callable[..., Any], prog: str, fixed: Sequence[str] = ()) -> Any:
