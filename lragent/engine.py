@@ -338,6 +338,7 @@ class Engine:
             eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.stop_index = StopTokenIndex(tokenizer, self.dec.vocab_size) if tokenizer is not None else None
+        self._stop_masks: dict[tuple[str, ...], torch.Tensor] = {}
         self.peak_cache_bytes = 0
         self.decode_steps = 0  # batched decode steps run (graph replays included): an episode's latency in steps
         # wall seconds in advance(), and the part of it spent reading results back (waiting for the device, stop
@@ -597,9 +598,9 @@ class Engine:
         # load the row into the decode state
         self.d_logits[row] = logits[-1].float()
         self._load_row(row, request, pos=len(traj.ids))
-        self.d_forced_len[row] = 0
-        self.d_forced_count[row] = 0
-        self.d_active[row] = True
+        self.d_forced_len[row].fill_(0)
+        self.d_forced_count[row].fill_(0)
+        self.d_active[row].fill_(True)
         self._pending[row] = pend
         return None
 
@@ -617,44 +618,60 @@ class Engine:
         """Enters ``row`` into decoding with ``op``'s tokens to feed first (the row samples once they are in)."""
         traj = self.traj[row]
         n = op.end - op.start
-        self.d_forced[row, :n] = torch.tensor(traj.ids[op.start : op.end], dtype=torch.long)
-        self.d_forced_len[row] = n
-        self.d_forced_count[row] = 0
+        self.d_forced[row, :n].copy_(self._host_ids(traj.ids[op.start : op.end]), non_blocking=True)
+        self.d_forced_len[row].fill_(n)
+        self.d_forced_count[row].fill_(0)
         self._load_row(row, request, pos=op.start)
         # The forward is recorded now: the row's caches hold [start, end) once its first token is sampled, before
         # anything can read them (the row is busy until its result is collected).
         self.scheme.record(traj, request.role, op)
-        self.d_active[row] = True
+        self.d_active[row].fill_(True)
         self._pending[row] = _Pending(request, len(traj.ids), n, 0, 0.0, time.perf_counter(), forced_left=n)
         self._note_peak()
         return None
 
     def _load_row(self, row: int, request: GenerationRequest, pos: int) -> None:
         """Loads ``row``'s request into the decode state; its next fed token goes to position ``pos``."""
+        # fill_ puts the value in the kernel's arguments: ``t[row] = value`` would copy it from pageable host memory,
+        # which waits for every step in flight, so a row could not join while the others decode
         role, sch, pool = request.role, self.scheme, self.pool
-        self.d_pos[row] = pos
-        self.d_role[row] = role
-        self.d_kv_slot[row] = sch.kv_slot(row, role)
-        self.d_lr_slot[row] = sch.lr_slot(row, role) if pool.layout.decomposed else pool.scratch_lr
-        self.d_hid_slot[row] = sch.hidden_slot(row) if sch.hidden_layers else pool.scratch_hidden
-        self.d_remaining[row] = request.max_new_tokens
-        self.d_count[row] = 0
-        self.d_temp[row] = float(request.temperature)
-        self.d_top_p[row] = float(request.top_p)
-        self.d_seed[row] = int(request.seed)
+        self.d_pos[row].fill_(pos)
+        self.d_role[row].fill_(role)
+        self.d_kv_slot[row].fill_(sch.kv_slot(row, role))
+        self.d_lr_slot[row].fill_(sch.lr_slot(row, role) if pool.layout.decomposed else pool.scratch_lr)
+        self.d_hid_slot[row].fill_(sch.hidden_slot(row) if sch.hidden_layers else pool.scratch_hidden)
+        self.d_remaining[row].fill_(request.max_new_tokens)
+        self.d_count[row].fill_(0)
+        self.d_temp[row].fill_(float(request.temperature))
+        self.d_top_p[row].fill_(float(request.top_p))
+        self.d_seed[row].fill_(int(request.seed))
         if request.stop:
-            self.d_stop[row] = self.stop_index.mask(request.stop).to(self.device)
+            self.d_stop[row].copy_(self._stop_mask(tuple(request.stop)))
         else:
-            self.d_stop[row] = False
+            self.d_stop[row].fill_(False)
+
+    def _stop_mask(self, stops: tuple[str, ...]) -> torch.Tensor:
+        """``(vocab,)`` bool on the engine's device: the tokens whose text holds one of ``stops`` (made and moved once
+        per set of stop strings; an agent asks with the same few sets all along)."""
+        mask = self._stop_masks.get(stops)
+        if mask is None:
+            mask = self._stop_masks[stops] = self.stop_index.mask(stops).to(self.device)
+        return mask
+
+    def _host_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        """``(n,)`` int64 token ids on the host, page-locked on CUDA so that a ``non_blocking`` copy from them does
+        not wait for the device (the caching host allocator keeps the block until the copy is done)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     def _release(self, row: int) -> None:
         """Points an idle row at the scratch slots so graph steps for other rows cannot touch its caches."""
-        self.d_active[row] = False
-        self.d_kv_slot[row] = self.pool.scratch_kv
-        self.d_lr_slot[row] = self.pool.scratch_lr
-        self.d_hid_slot[row] = self.pool.scratch_hidden
-        self.d_pos[row] = 0
-        self.d_forced_len[row] = 0
+        self.d_active[row].fill_(False)
+        self.d_kv_slot[row].fill_(self.pool.scratch_kv)
+        self.d_lr_slot[row].fill_(self.pool.scratch_lr)
+        self.d_hid_slot[row].fill_(self.pool.scratch_hidden)
+        self.d_pos[row].fill_(0)
+        self.d_forced_len[row].fill_(0)
 
     @_own_workspaces
     def _decode_step(self, b: int, sampling: bool, max_len: int | None, extra: int = 0) -> None:
@@ -930,16 +947,25 @@ class Engine:
         active = self.d_active.cpu()  # the first read-back waits for the steps in flight
         self.wait_s += time.perf_counter() - waited
         count = self.d_count.cpu()
+        # the generated ids the host reads (rows done, rows whose stop strings are looked for in the text) in one
+        # read-back: one copy per row cost a device round trip each
+        read = [
+            row
+            for row, p in self._pending.items()
+            if not bool(active[row]) or (p.request.stop and StopTokenIndex.needs_text_check(p.request.stop))
+        ]
+        width = max((int(count[row]) for row in read), default=0)
+        gen = self.d_gen[:, :width].cpu()
         out: list[StepResult] = []
         for row in sorted(self._pending):
             p = self._pending[row]
             n = int(count[row])
             done = not bool(active[row])
             if not done and p.request.stop and StopTokenIndex.needs_text_check(p.request.stop) and n:
-                text = self.tokenizer.decode(self.d_gen[row, :n].tolist(), skip_special_tokens=True)
+                text = self.tokenizer.decode(gen[row, :n].tolist(), skip_special_tokens=True)
                 done = find_stop(text, p.request.stop) is not None
             if done:
-                generated = self.d_gen[row, :n].tolist()
+                generated = gen[row, :n].tolist()
                 self._release(row)
                 del self._pending[row]
                 out.append(self._finish(row, p, generated))

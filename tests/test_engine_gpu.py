@@ -402,3 +402,40 @@ def test_lanes_on_their_own_streams_decode_what_each_engine_decodes_alone(model,
     assert all(len(v) == 24 and all(len(t) == 48 for t in v.values()) for v in together.values())
     default = torch.cuda.default_stream()
     assert seen and all(s != default for s in seen) and len(set(seen)) == len(schemes)
+
+
+def test_a_row_joins_and_leaves_the_decode_batch_without_waiting_for_the_steps_in_flight(model):
+    """Starting a fed row and releasing a finished one only queue work on the stream: no host-device synchronisation
+    (``torch.cuda.set_sync_debug_mode("error")`` raises on any), so the host can admit the next request while the
+    device runs the steps already queued (a value written as ``t[row] = x`` is copied from pageable memory, which
+    synchronises). The row that joined mid-flight then decodes what it decodes alone."""
+
+    def engine() -> Engine:
+        return Engine(model, "base_lr_shared", rows=4, capacity=256, eos_token_ids=[], cuda_graphs=True,
+                      prefill_in_decode=64)  # fmt: skip
+
+    req = GenerationRequest(role=1, max_new_tokens=32, temperature=0.0, seed=1)
+    alone = engine()
+    alone.append(2, _prompt(2, 24))
+    assert alone.start(2, req) is None
+    want = []
+    while not want:
+        want = alone.advance()
+    eng = engine()
+    for row in range(3):
+        eng.append(row, _prompt(row, 24))
+    for row in (0, 1):
+        assert eng.start(row, req) is None
+    eng.launch()  # captures the step's graph (synchronising: before the check)
+    eng.collect()
+    eng.launch()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert eng.start(2, req) is None  # a fed row: its prompt goes through the decode steps
+        eng._release(1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = [r for r in eng.collect() if r.row == 2]
+    while not got:
+        got = [r for r in eng.advance() if r.row == 2]
+    assert got[0].generated_ids == want[0].generated_ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -799,3 +800,20 @@ def test_a_store_needs_a_row_and_a_scheduler_a_tokenizer():
     eng = Engine(tiny_multi_lora("tiny-llama"), "full_shared", rows=1, capacity=32, eos_token_ids=[])
     with pytest.raises(ValueError, match="a served model needs a tokenizer"):
         Scheduler(eng, None)
+
+
+def test_an_idle_worker_counts_its_idle_seconds_as_they_pass():
+    """With no request the worker's idle seconds grow on /metrics while it waits, not all at once when a request
+    wakes it: a bench window between two reads of the metrics then holds only its own idle time (idle counted at the
+    wake would put the seconds before the first read into the window)."""
+    sch, client = _serve(tiny_multi_lora("tiny-llama", b_std=0.3), "base_lr_shared")
+    try:
+        time.sleep(0.6)
+        idle = sch.metrics.snapshot()["worker_s"]["idle"]
+        assert 0.3 <= idle <= 1.5, idle
+        res, _ = client.call("plan", "Question: who?", max_tokens=2)
+        assert isinstance(res, Finished)
+        after = sch.metrics.snapshot()["worker_s"]
+        assert after["idle"] - idle < 0.5, after  # the request found the worker with its idle time already counted
+    finally:
+        sch.stop()

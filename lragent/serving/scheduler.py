@@ -39,6 +39,9 @@ from lragent.serving.metrics import ServeMetrics
 from lragent.serving.rows import abandon_rows, fork_row
 from lragent.serving.trajectories import TextTrajectory, TrajectoryStore
 
+IDLE_TICK_S = 0.1
+"""How often an idle worker adds its idle seconds to the metrics."""
+
 
 class RequestError(ValueError):
     """A request the server cannot serve as asked (a 4xx for the front end).
@@ -251,7 +254,12 @@ class Scheduler:
                 t0 = clock()
                 with self._cond:
                     while not (self._inbox or self._waiting or self._running or self._stopping):
-                        self._cond.wait()
+                        # idle counted as it passes (not all at the wake): a reader of /metrics between two requests
+                        # sees the idle seconds up to its read, so a window between two reads holds its own only
+                        self._cond.wait(IDLE_TICK_S)
+                        now = clock()
+                        self.metrics.worker_time("idle", now - t0)
+                        t0 = now
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
                     if self._stopping and not (self._waiting or self._running):
