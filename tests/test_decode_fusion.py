@@ -174,7 +174,7 @@ fo.rope_store = spy
 for scheme in ("base_lr_shared", "full_shared"):
     outs = []
     for fuse in (False, True):
-        m = tiny_multi_lora("tiny-llama", b_std=0.3)
+        m = tiny_multi_lora("tiny-llama", b_std=0.3, overrides={"num_hidden_layers": 2})
         m.model.half()
         eng = Engine(m, scheme, rows=2, capacity=32, eos_token_ids=[], fuse_ops=fuse, fuse_lora=fuse)
         for r, role in ((0, 1), (1, 2)):
