@@ -254,6 +254,27 @@ def test_the_report_lists_a_module_not_run_yet_next_to_one_that_ran(mm: ModuleTy
     ]
 
 
+def test_the_report_names_every_module_of_the_packages_without_a_score_and_why(mm: ModuleType) -> None:
+    """Below the table, every module of PACKAGES that no MODULES entry covers: with its LEFT_OUT reason, or ``not run
+    yet`` (a package's __init__.py is not a module to score)."""
+    for name in ("slow", "new", "__init__"):
+        (mm.ROOT / "pkg" / f"{name}.py").write_text("X = 1\n")
+    mm.PACKAGES = ["pkg"]
+    mm.LEFT_OUT = {"pkg/slow.py": "times a GPU"}
+    mm.OUT.mkdir(parents=True)
+    assert mm.unscored_modules() == [("pkg/new.py", "not run yet"), ("pkg/slow.py", "times a GPU")]
+    text = mm.write_report().read_text()
+    assert "## Not scored (2 modules)" in text
+    assert text.endswith("| `pkg/new.py` | not run yet |\n| `pkg/slow.py` | times a GPU |\n")
+
+
+def test_every_module_left_out_of_mutation_testing_exists() -> None:
+    """A LEFT_OUT entry names a module of the repository (one renamed or moved would keep a reason for nothing)."""
+    m = load_script("mutation")
+    missing = [path for path in m.LEFT_OUT if not (m.ROOT / path).is_file()]
+    assert not missing, missing
+
+
 def test_a_name_that_matches_no_module_is_refused_naming_the_allowed_ones(mm: ModuleType) -> None:
     """mutation() with names matching no key raises one line listing the keys, and writes nothing."""
     mm.MODULES["other"] = ("pkg/other.py", "", [])
