@@ -74,7 +74,7 @@ def agreement_interval(env: Mapping[str, str]) -> int | None:
     raw = env.get(EVERY_ENV, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    if not raw.isdecimal() or int(raw) < 1:
         raise ValueError(
             f"{EVERY_ENV}={raw!r}: expected a whole number of training batches >= 1 (unset: from the pace, 1 to "
             f"{MAX_EVERY})"

@@ -195,6 +195,21 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         "",
         ["tests/test_shard_launch.py", "tests/test_shard_launch_units.py"],
     ),
+    "server_state": ("eval_suite/serve/server_state.py", "", ["tests/test_serve_handlers.py"]),
+    "serving_completion": ("eval_suite/serve/serving_completion.py", "", ["tests/test_serve_handlers.py"]),
+    "serving_chat": ("eval_suite/serve/serving_chat.py", "", ["tests/test_serve_handlers.py"]),
+    "serve_events": ("eval_suite/serve/engine_client.py", "", ["tests/test_serve_handlers.py"]),
+    "api_server": ("eval_suite/serve/api_server.py", "", ["tests/test_serve_handlers.py"]),
+    "serve_cli": (
+        "eval_suite/serve/serve_command.py",
+        "",
+        ["tests/test_serve_command_wiring.py", "tests/test_serve_command_branches.py"],
+    ),
+    "schedule_runner": ("eval_suite/evaluate/session_runner.py", "", ["tests/test_session_runner_units.py"]),
+    "server_client": ("eval_suite/evaluate/server_client.py", "", ["tests/test_server_client_units.py"]),
+    "prompt_pieces": ("lragent/prompt_pieces.py", "", ["tests/test_prompt_pieces_and_byte_tokenizer.py"]),
+    "tiny_tokenizer": ("datamodules/tiny_tokenizer.py", "", ["tests/test_prompt_pieces_and_byte_tokenizer.py"]),
+    "sigterm_check": ("lit_modules/sigterm_check.py", "", ["tests/test_sigterm_check_units.py"]),
 }
 # functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
 # arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The

@@ -155,6 +155,50 @@ def test_concurrent_schemes_run_the_episodes_of_one_scheme_at_a_time() -> None:
     assert order != one_order
 
 
+def test_launch_ahead_queues_the_rows_still_generating_before_answering_and_runs_the_same_episodes(
+    monkeypatch,
+) -> None:
+    """With ``launch_ahead`` the executor queues the next steps of the rows still generating right after a collect
+    that ended some rows' calls, before it answers them (their tools, prompts and next starts): the device decodes
+    while the host works. The episodes are those of the plain loop: more tasks than rows, sampling at 0.9, calls fed
+    through the decode step."""
+    from lragent.engine import Engine
+
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    spec = get_spec("hotpotqa")
+    cfg = AgentConfig(max_steps=2, thought_tokens=5, action_type_tokens=3, argument_tokens=3, reflect_tokens=3)
+
+    def run(ahead: bool) -> tuple[dict, list]:
+        ex = BatchedExecutor(model, tok, batch=2, capacity=4096, temperature=0.9, top_p=0.75, eos_token_ids=[],
+                             prefill_in_decode=32, feed_budget=5, launch_ahead=ahead)  # fmt: skip
+        events: list = []
+        for name in ("launch", "collect", "advance"):
+            real = getattr(Engine, name)
+            monkeypatch.setattr(Engine, name, lambda self, *a, _r=real, _n=name, **k: (
+                events.append((_n, len(self._pending))), _r(self, *a, **k))[1])  # fmt: skip
+        real_answer = ex._timed_answer
+        monkeypatch.setattr(ex, "_timed_answer", lambda *a: (events.append(("answer", None)), real_answer(*a))[1])
+        tasks = _tasks(spec, cfg, 4, "base_lr_shared", constrained=False)
+        out = {task.key: result for task, result in ex.run(tasks)}
+        monkeypatch.undo()
+        return out, events
+
+    plain, plain_events = run(False)
+    ahead, events = run(True)
+    assert plain.keys() == ahead.keys() and len(plain) == 4
+    for key in plain:
+        assert ahead[key].trajectory == plain[key].trajectory, key
+        assert ahead[key].num_tokens == plain[key].num_tokens
+    assert not any(name == "launch" for name, _ in plain_events)  # the plain loop: advance (launch + collect) only
+    assert not any(name == "advance" for name, _ in events)
+    # after a collect, the rows still generating are launched before the first answer of the rows that finished
+    overlapped = [i for i in range(1, len(events) - 1) if events[i - 1][0] == "collect" and events[i][0] == "launch"
+                  and events[i + 1][0] == "answer"]  # fmt: skip
+    assert overlapped, events[:40]
+    assert all(events[i][1] > 0 for i in overlapped)
+
+
 def test_one_scheme_at_a_time_holds_one_engine_at_a_time(monkeypatch) -> None:
     """Run one scheme at a time, the executor has let the previous scheme's engine go when it makes the next one (the
     memory plan and the study's estimate count one engine: two alive at once would need both schemes' caches)."""

@@ -936,3 +936,20 @@ def test_every_corpus_file_is_checked_and_existing_ones_are_kept_in_order(tmp_pa
     second.write_text('{"title": "B", "text": "b"}\n')
     assert run_eval.check_eval_args(call, notes=False).corpus_files == [str(first), str(second)]
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.model
+def test_eval_launch_ahead_is_an_option_its_records_name(tmp_path):
+    """``eval --batch 2 --launch_ahead true`` runs the batched loop with the next steps queued before the host answers
+    (the executor's own test pins the order and the episodes); timing.json, beside the other decode settings, says it
+    ran so."""
+    tiny = _tiny_model_with_embedded_tokenizer(tmp_path / "tiny")
+    out = tmp_path / "ahead"
+    assert run_eval.evaluate(
+        benchmark="hotpotqa", scheme="base_lr_shared", limit=2, runs=1, max_steps=1, thought_tokens=4,
+        argument_tokens=3, model=str(tiny), adapter_init="random", device="cpu", batch=2, launch_ahead=True,
+        quiet=True, out=str(out),
+    ) == 0  # fmt: skip
+    assert len(read_episodes(out / EPISODES_FILE)) == 2
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["launch_ahead"] is True and timing["batch"] == 2

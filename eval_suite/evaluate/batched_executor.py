@@ -99,6 +99,11 @@ class BatchedExecutor:
         concurrent_schemes: tasks of several schemes run at once, each scheme on its own engine of ``batch`` rows
             (and on CUDA its own stream), the host serving one engine while the device runs the others; the episodes
             are those of one scheme at a time. Each scheme's engine needs its memory at the same time.
+        launch_ahead: after each collect, the next decode steps of the rows still generating are queued before the
+            host answers the rows that finished (their agents' tools, prompts and the next calls' starts), so the
+            device decodes while the host works; a row that starts then joins the steps after those. Each row draws
+            the same tokens (its sampling depends on its seed and token index only); on a GPU the decode widths a
+            row meets may differ, as with another batch.
     """
 
     def __init__(
@@ -118,6 +123,7 @@ class BatchedExecutor:
         batch_invariant: bool = False,
         feed_budget: int | None = None,
         concurrent_schemes: bool = False,
+        launch_ahead: bool = False,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
@@ -153,6 +159,7 @@ class BatchedExecutor:
         self.agent_s = 0.0
         self._reserved: dict[str, tuple[int, Engine]] = {}  # scheme -> (rows, engine) made under the alloc lock
         self.concurrent_schemes = bool(concurrent_schemes)
+        self.launch_ahead = bool(launch_ahead)
         self.model_device = next(model.model.parameters()).device
         self._profile = _StepProfiler.from_env()
         # progress for a stall watchdog (eval_suite.evaluate.stall_watchdog): called as each engine call returns
@@ -252,11 +259,15 @@ class BatchedExecutor:
             for lane in lanes:
                 with _on(lane.stream):
                     finished = []
+                    queued = self.concurrent_schemes or self.launch_ahead  # steps queued, then collected
                     if lane.launched:
                         finished = self._count(lane, lane.eng.collect)
                         lane.launched = False
-                    elif lane.active and not self.concurrent_schemes:  # one lane: steps until a row finishes
+                    elif lane.active and not queued:  # one lane: steps until a row finishes
                         finished = self._count(lane, lane.eng.advance)
+                    if self.launch_ahead and len(lane.active) > len(finished):
+                        # the rows still generating decode on while the host answers those that finished
+                        lane.launched = self._count(lane, lane.eng.launch) > 0
                     for res in finished:
                         self.generated_tokens += len(res.generated_ids)
                         state = lane.active[res.row]
@@ -267,9 +278,8 @@ class BatchedExecutor:
                             lane.free.sort()  # refill low rows first: the decode batch stays small at the tail
                             yield state.task, result
                     yield from self._fill(lane)
-                    if lane.active and self.concurrent_schemes:
-                        self._count(lane, lane.eng.launch)
-                        lane.launched = True
+                    if lane.active and queued and not lane.launched:
+                        lane.launched = self._count(lane, lane.eng.launch) > 0
 
     def _count(self, lane: _Lane, call):
         """Calls ``call`` (one of the lane's engine's) and adds what the engine's counters moved to this executor's."""

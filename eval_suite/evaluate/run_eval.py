@@ -516,6 +516,7 @@ def evaluate(
     feed_budget: int | None = None,
     batch_invariant: bool = False,
     concurrent_schemes: bool = False,
+    launch_ahead: bool = False,
     devices: int = 1,
     memory_fraction: float | None = None,
     stall_s: float | None = None,
@@ -606,6 +607,11 @@ def evaluate(
             scheme at a time (each engine sees the same calls in the same order); the schemes' caches are held
             together, so --batch auto sizes for all of them. Off by default (on an H100 it gave about the throughput of
             one scheme at a time: results/eval_throughput/README.md).
+        launch_ahead: with --batch, queue the next decode steps of the episodes still generating before answering
+            those whose call ended, so the device decodes while the host runs their tools and starts their next
+            calls (a call that starts meanwhile joins the steps after those). Every episode draws the same tokens
+            from its seeds; on a GPU the decode widths an episode meets may differ, as with another --batch. Off
+            by default until a GPU measures it (results/eval_throughput/README.md).
         devices: N > 1 runs N shard processes at once, one per GPU (cuda:0 … cuda:N-1; N CPU processes with
             --device cpu or without a GPU), each into OUT/shard_i, then merges them into OUT. The shards take their
             episodes from one queue (OUT/queue), each the next one when it has a free row, so they end together.
@@ -929,6 +935,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 use_kernel=a["use_kernel"], cuda_graphs=a["cuda_graphs"] if run_device.startswith("cuda") else False,
                 droidspeak_layers=plan.droidspeak_layers, prefill_in_decode=a["prefill_in_decode"],
                 batch_invariant=a["batch_invariant"], feed_budget=a["feed_budget"], concurrent_schemes=concurrent,
+                launch_ahead=bool(a.get("launch_ahead")),
             )  # fmt: skip
 
         loaded = time.perf_counter()
@@ -959,6 +966,7 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 "prefill_in_decode": getattr(executor, "prefill_in_decode", None),
                 "feed_budget": getattr(executor, "feed_budget", None),
                 "concurrent_schemes": getattr(executor, "concurrent_schemes", None),
+                "launch_ahead": getattr(executor, "launch_ahead", None),
                 "decode_steps": getattr(executor, "decode_steps", None),
                 # where the loop's time went (None: the sequential executor): the engines' decode calls, the part of
                 # them reading results back, the episodes' own work between them; and the host's torch threads
