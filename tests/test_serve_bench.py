@@ -178,8 +178,8 @@ def test_served_episodes_stop_at_the_servers_context_instead_of_being_refused(tm
 @pytest.mark.model
 def test_bench_serve_starts_each_server_in_a_process_of_its_own(tmp_path, monkeypatch):
     """By default each scheme's server is a ``cli.py serve`` process (embedded model, CPU): the run is measured
-    against it through HTTP alone (its /metrics give the cache figures), and it is stopped afterwards; a server that
-    cannot start is one error naming its own last line."""
+    against it through HTTP alone (its /metrics give the cache figures), and it is stopped afterwards (this one was
+    started with --launch_ahead); a server that cannot start is one error naming its own last line."""
     from eval_suite.evaluate.server_client import ServeClient, ServerError
     from eval_suite.serve import bench_serve as module
 
@@ -189,17 +189,20 @@ def test_bench_serve_starts_each_server_in_a_process_of_its_own(tmp_path, monkey
     def spawn(*args, **kwargs):
         url, stop = real(*args, **kwargs)
         urls.append(url)
+        assert args[-1] is True  # --launch_ahead handed to the server's command line (its serve runs with it)
         assert ServeClient(url).get("/health") is not None  # a process of its own, listening
         return url, stop
 
     monkeypatch.setattr(module, "_spawn", spawn)
     small = dict(workload="trace", clients=1, sessions=1, context=2, generated=[1, 1, 1, 1, 1], temperature=0.0,
                  capacity=2048, max_rows=1, schemes="base_lr_shared")  # fmt: skip
-    assert bench_serve(out=str(tmp_path / "ok"), **small) == 0
+    assert bench_serve(out=str(tmp_path / "ok"), launch_ahead=True, **small) == 0
     assert len(urls) == 1
     with pytest.raises(ServerError, match="cannot reach the server"):
         ServeClient(urls[0], timeout=5).get("/health")  # stopped after its run
-    (run,) = json.loads((tmp_path / "ok" / "bench_serve.json").read_text())["runs"]
+    report = json.loads((tmp_path / "ok" / "bench_serve.json").read_text())
+    (run,) = report["runs"]
+    assert report["config"]["launch_ahead"] is True
     assert run["requests"] == 17 and run["failed_requests"] == 0
     assert run["peak_cache_bytes"] > 0 and run["cached_prefix_fraction"] > 0.5  # read from the server's /metrics
     with pytest.raises(ValueError, match=r"base_lr_shared server ended \(exit 2\) before it listened: .*error: "):

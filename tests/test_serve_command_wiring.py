@@ -49,8 +49,8 @@ class Recorder:
                 rec.engine = self
 
         class Scheduler:
-            def __init__(self, engine, tokenizer) -> None:
-                rec.calls["scheduler"] = (engine, tokenizer)
+            def __init__(self, engine, tokenizer, launch_ahead) -> None:
+                rec.calls["scheduler"] = (engine, tokenizer, launch_ahead)
                 self.roles = (*STORED.roles, "Base")
 
         def serve_until_stopped(app, sock, log_level):
@@ -175,7 +175,7 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
         "prefill_in_decode": 0,
         "feed_budget": 0,
     }
-    assert rec.calls["scheduler"] == (rec.engine, "TOK")
+    assert rec.calls["scheduler"] == (rec.engine, "TOK", False)
     app, (host, port), level = rec.calls["serve_until_stopped"]
     assert (host, level) == ("127.0.0.1", "info") and port > 0
     state = app.state.serve
@@ -191,8 +191,9 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
 def test_serve_on_a_gpu_takes_bfloat16_and_the_cuda_engine_features(monkeypatch, capsys):
     rec = Recorder(monkeypatch, device="cuda:0", rows=5)
     monkeypatch.delenv("LRAGENT_API_KEY", raising=False)
-    assert serve(port=0, adapters="A", capacity=32, max_rows=5) == 0
+    assert serve(port=0, adapters="A", capacity=32, max_rows=5, launch_ahead=True) == 0
     assert rec.calls["check_model_args"]["dtype"] == "bfloat16"
+    assert rec.calls["scheduler"][2] is True  # --launch_ahead reaches the scheduler
     args, kwargs = rec.calls["choose_batch"]
     assert args == ("default", ["base_lr_shared"], 5, 32)
     assert kwargs["max_batch"] == GPU_AUTO_ROWS and kwargs["droidspeak_layers"] is None and kwargs["n_roles"] == 4

@@ -817,3 +817,44 @@ def test_an_idle_worker_counts_its_idle_seconds_as_they_pass():
         assert after["idle"] - idle < 0.5, after  # the request found the worker with its idle time already counted
     finally:
         sch.stop()
+
+
+def test_launch_ahead_queues_the_next_round_before_answering_and_serves_the_same_text(monkeypatch):
+    """With ``launch_ahead`` the worker queues the next decode steps of the requests still generating before it
+    streams and finishes the others (the device decodes while the host sends): the requests get the text, streamed
+    pieces and token counts they get without it (sampled at 0.9, different lengths, half streamed, more requests than
+    rows so some wait and join mid-flight)."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    tok = ByteTokenizer()
+    bodies = [(("plan", "action", "reflect")[i % 3], f"<{i}> ask " + "why " * i, 3 + 2 * i, bool(i % 2))
+              for i in range(5)]  # fmt: skip
+
+    def serve(ahead: bool) -> tuple[list, list]:
+        eng = Engine(model, "base_lr_shared", rows=3, capacity=256, tokenizer=tok, eos_token_ids=[])
+        sch = Scheduler(eng, tok, launch_ahead=ahead)
+        order: list[str] = []
+        real_launch, real_finish = eng.launch, sch._finish
+        monkeypatch.setattr(eng, "launch", lambda: (order.append("launch"), real_launch())[1])
+        monkeypatch.setattr(sch, "_finish", lambda res, now: (order.append("finish"), real_finish(res, now))[1])
+        client = Client(sch.start())
+        try:
+            subs = [client.submit(role, prompt, max_tokens=n, temperature=0.9, seed=i, stream=stream)
+                    for i, (role, prompt, n, stream) in enumerate(bodies)]  # fmt: skip
+            for _, done, _ in subs:
+                assert done.wait(60)
+        finally:
+            sch.stop()
+        out = []
+        for _, _, events in subs:
+            res = events[-1]
+            assert isinstance(res, Finished), events
+            out.append((res.text, res.completion_tokens, "".join(e.text for e in events if isinstance(e, Delta))))
+        return out, order
+
+    plain, plain_order = serve(False)
+    ahead, order = serve(True)
+    assert ahead == plain
+    assert all(text == streamed for (text, _, streamed), body in zip(plain, bodies, strict=True) if body[3])
+    assert "launch" not in plain_order
+    # a round queued, then a request of the round before it finished (answered while the device decodes)
+    assert any(a == "launch" and b == "finish" for a, b in zip(order, order[1:], strict=False)), order

@@ -237,6 +237,7 @@ def bench_serve(
     memory_fraction: float | None = None,
     isolate: bool = True,
     stream: bool = True,
+    launch_ahead: bool = False,
     out: str = "bench_serve",
 ) -> int:
     """Load generator for lragent serve: concurrent agent sessions per scheme; tokens/s, sessions/s, TTFT, caches.
@@ -267,6 +268,8 @@ def bench_serve(
             loaded per server); false: in this process, the model loaded once.
         stream: stream the completions (server-sent events; the time to first token is measured client side);
             false: whole answers, as an agent that waits for them asks.
+        launch_ahead: the servers started here queue each round's next decode steps before streaming and answering
+            (as serve --launch_ahead).
         out: output directory (bench_serve.json, bench_serve.md).
 
     Returns:
@@ -321,12 +324,13 @@ def bench_serve(
                 url, stop, snapshot = server, None, lambda url=server: _server_metrics(url, api_key)
             elif isolate:
                 dev, dtype = _device_and_dtype(device, dtype)
-                url, stop = _spawn(model, adapters, scheme, max_rows, capacity, dtype, dev, memory_fraction)
+                url, stop = _spawn(model, adapters, scheme, max_rows, capacity, dtype, dev, memory_fraction,
+                                   launch_ahead)  # fmt: skip
                 snapshot = lambda url=url: _server_metrics(url, api_key)  # noqa: E731
             else:
                 if loaded is None:
                     loaded, dev, dtype = _load(model, adapters, dtype, device, memory_fraction)
-                url, stop, snapshot = _start(loaded, scheme, max_rows, capacity, dev, dtype, model)
+                url, stop, snapshot = _start(loaded, scheme, max_rows, capacity, dev, dtype, model, launch_ahead)
             try:
                 _warm_up(url, api_key)
                 before = snapshot()
@@ -349,7 +353,7 @@ def bench_serve(
         "server": server, "model": model, "adapters": adapters, "schemes": scheme_list, "workloads": workloads,
         "clients": clients, "sessions": sessions, "benchmark": bench.name, "context": context, "generated": generated,
         "agent": vars(agent), "temperature": temperature, "top_p": top_p, "max_rows": max_rows, "capacity": capacity,
-        "stream": stream,
+        "stream": stream, "launch_ahead": launch_ahead,
     }  # fmt: skip
     write_json(out_dir / "bench_serve.json", {"config": config, "runs": runs, "provenance": prov})
     write_text(out_dir / "bench_serve.md", render(runs, config, prov))
@@ -389,7 +393,7 @@ def _device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
 
 
 def _spawn(model: str, adapters: str | None, scheme: str, max_rows, capacity: int, dtype: str, dev: str,
-           memory_fraction: float | None):  # fmt: skip
+           memory_fraction: float | None, launch_ahead: bool = False):  # fmt: skip
     """A ``cli.py serve`` process of ``scheme`` on 127.0.0.1 (a free port): its URL and its stop. Its key, if any,
     is ``$LRAGENT_API_KEY``, as the clients'. Raises ``RuntimeError`` with its last lines when it ends before it
     listens."""
@@ -404,6 +408,8 @@ def _spawn(model: str, adapters: str | None, scheme: str, max_rows, capacity: in
         cmd += ["--adapters", adapters]
     if memory_fraction is not None:
         cmd += ["--memory_fraction", str(memory_fraction)]
+    if launch_ahead:
+        cmd += ["--launch_ahead", "true"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     last: collections.deque[str] = collections.deque(maxlen=3)
     url = None
@@ -441,7 +447,7 @@ def _load(model: str, adapters: str | None, dtype: str | None, device: str | Non
     return (lm, tok), dev, dtype
 
 
-def _start(loaded, scheme: str, max_rows, capacity: int, dev: str, dtype: str, model: str):
+def _start(loaded, scheme: str, max_rows, capacity: int, dev: str, dtype: str, model: str, launch_ahead: bool = False):
     """A server of ``scheme`` on 127.0.0.1 over the loaded model: its URL, its stop, its metrics' snapshot."""
     import torch
 
@@ -462,7 +468,7 @@ def _start(loaded, scheme: str, max_rows, capacity: int, dev: str, dtype: str, m
         lm, scheme, rows=rows, capacity=capacity, tokenizer=tok, cuda_graphs=on_gpu,
         prefill_in_decode=PREFILL_IN_DECODE if on_gpu else 0, feed_budget=FEED_BUDGET if on_gpu else 0,
     )  # fmt: skip
-    scheduler = Scheduler(engine, tok)
+    scheduler = Scheduler(engine, tok, launch_ahead=launch_ahead)
     srv = ServerThread(build_app(ServerState(scheduler, scheme, base_model_name(model), tok))).start()
 
     def stop() -> None:

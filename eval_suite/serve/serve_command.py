@@ -35,6 +35,7 @@ def serve(
     api_key: str | None = None,
     droidspeak_config: str | None = None,
     cuda_graphs: bool = True,
+    launch_ahead: bool = False,
     log_level: str = "warning",
 ) -> int:
     """Serves the role adapters on an OpenAI-compatible HTTP server whose prefix cache is shared across adapters.
@@ -66,6 +67,9 @@ def serve(
             key). Without a key, keep the default host.
         droidspeak_config: JSON/YAML with droidspeak_layers (as droidspeak-select writes).
         cuda_graphs: decode with CUDA graphs on a GPU.
+        launch_ahead: queue the next decode steps of the requests still generating before streaming, answering and
+            admitting (the device decodes while the host works; a request admitted then joins the round after).
+            The same tokens per request; off by default until a GPU measures it.
         log_level: uvicorn's log level (warning, info, debug).
 
     Returns:
@@ -115,7 +119,7 @@ def serve(
         cuda_graphs=cuda_graphs and on_gpu, prefill_in_decode=PREFILL_IN_DECODE if on_gpu else 0,
         feed_budget=FEED_BUDGET if on_gpu else 0,
     )  # fmt: skip
-    scheduler = Scheduler(engine, tokenizer)
+    scheduler = Scheduler(engine, tokenizer, launch_ahead=launch_ahead)
     app = build_app(ServerState(scheduler, str(sch), base, tokenizer, api_key))
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host

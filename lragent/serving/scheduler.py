@@ -182,6 +182,10 @@ class Scheduler:
         steps_per_sync: decode steps per :meth:`~lragent.engine.Engine.advance` (default: the engine's
             ``sync_every`` with CUDA graphs, else 1): how often tokens are streamed and rows join or leave.
         metrics: where counters go (default: a new :class:`~lragent.serving.metrics.ServeMetrics`).
+        launch_ahead: after each round, the next decode steps of the requests still generating are queued before the
+            worker streams, finishes and admits (:meth:`~lragent.engine.Engine.launch`), so the device decodes while
+            the host works; a request admitted then joins the round after. Each request gets the same tokens (its
+            sampling depends on its seed and token index only); on a GPU the decode widths it meets may differ.
     """
 
     def __init__(
@@ -191,6 +195,7 @@ class Scheduler:
         *,
         steps_per_sync: int | None = None,
         metrics: ServeMetrics | None = None,
+        launch_ahead: bool = False,
     ) -> None:
         if tokenizer is None:
             raise ValueError("a served model needs a tokenizer (the prompts are text)")
@@ -207,6 +212,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.launch_ahead = bool(launch_ahead)
+        self._launched = False  # a round of decode steps is queued and not yet collected
 
     # ---- the client side (any thread) ----------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
@@ -308,7 +315,7 @@ class Scheduler:
             if run.req.cancelled.is_set() and not run.stopping:
                 # the row ends at its next sampled token, through the engine's own bookkeeping (its caches stay
                 # consistent and the trajectory, with what it generated, stays held)
-                self.engine.d_remaining[row] = 0
+                self.engine.d_remaining[row].fill_(0)  # queued behind any steps in flight: no wait for them
                 run.stopping = True
 
     def _tokenize(self, text: str) -> list[int]:
@@ -447,35 +454,62 @@ class Scheduler:
         self._send(req, failed)
 
     def _step(self) -> None:
+        """One round: the decode steps (collected when queued by the last round), what they produced read back, the
+        next round queued with ``launch_ahead``, then the text streamed and the finished requests answered."""
+        eng = self.engine
         try:
-            finished = self.engine.advance(max_steps=self.steps_per_sync)
+            if self._launched:
+                self._launched = False
+                finished = eng.collect()
+            else:
+                finished = eng.advance(max_steps=self.steps_per_sync)
         except Exception as exc:  # out of memory mid-decode: every generating request fails, the server goes on
-            failed = self._failure(exc)
-            rows = list(self._running)
-            for row in rows:
-                self._fail(self._running.pop(row).req, failed)
-                self.store.drop(row)
-            abandon_rows(self.engine, rows)
+            self._fail_rows(list(self._running), exc)
             return
         now = time.perf_counter()
         done = {res.row for res in finished}
         live = [(row, run) for row, run in self._running.items() if row not in done]
-        if any(run.first_token is None or run.req.stream for _, run in live):
-            counts = self.engine.d_count.cpu()
-            for row, run in live:
-                n = int(counts[row])
-                if n and run.first_token is None:
-                    run.first_token = now
-                if run.req.stream and n > run.seen:
-                    self._stream(row, run, n)
+        progress = self._progress(live)  # read back before the next round is queued (a read then would wait for it)
+        if self.launch_ahead and live:
+            try:
+                self._launched = eng.launch() > 0
+            except Exception as exc:  # the requests still generating fail; those that finished are answered
+                self._fail_rows([row for row, _ in live], exc)
+                progress = []
+        for run, n, ids in progress:
+            if n and run.first_token is None:
+                run.first_token = now
+            if ids is not None:
+                self._stream(run, n, ids)
         for res in finished:
             self._finish(res, now)
 
-    def _stream(self, row: int, run: _Run, n: int) -> None:
+    def _progress(self, live: list[tuple[int, _Run]]) -> list[tuple[_Run, int, list[int] | None]]:
+        """Per generating row: its token count and, for a streaming row with new tokens, its generated ids."""
+        if not any(run.first_token is None or run.req.stream for _, run in live):
+            return []
+        counts = self.engine.d_count.cpu()
+        out = []
+        for row, run in live:
+            n = int(counts[row])
+            ids = self.engine.d_gen[row, :n].tolist() if run.req.stream and n > run.seen else None
+            out.append((run, n, ids))
+        return out
+
+    def _fail_rows(self, rows: list[int], exc: BaseException) -> None:
+        """Fails the requests of ``rows`` with ``exc`` and drops their trajectories (their caches may be half
+        written)."""
+        failed = self._failure(exc)
+        for row in rows:
+            self._fail(self._running.pop(row).req, failed)
+            self.store.drop(row)
+        abandon_rows(self.engine, rows)
+
+    def _stream(self, run: _Run, n: int, ids: list[int]) -> None:
         """Sends the new text of a streaming row: never past a stop string, holding back what could still be the
         start of one (and an unfinished character)."""
         stops = run.req.stop
-        text = self.tokenizer.decode(self.engine.d_gen[row, :n].tolist(), skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         cut = find_stop(text, stops) if stops else None
         if cut is not None:
             text = text[:cut]
