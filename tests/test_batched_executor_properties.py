@@ -12,7 +12,10 @@ first with the next task in order, a reserved engine is used only when it fits, 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -84,6 +87,8 @@ class FakeEngine:
     """Stands in for :class:`lragent.engine.Engine`: per-row trajectories, generations that finish after a few steps."""
 
     built: list[FakeEngine] = []
+    during_call: Callable[[], None] = staticmethod(lambda: None)  # what a test looks at inside an engine call
+    stream: object = None  # the CUDA stream the engine calls run on (the fake torch.cuda.stream's)
 
     def __init__(self, model, scheme, *, rows, **kwargs) -> None:
         self.model, self.scheme, self.rows, self.kwargs = model, scheme, rows, kwargs
@@ -96,6 +101,8 @@ class FakeEngine:
         self.replay_s = 0.0  # of advance_s: graph replays; of sync_s: the wait for the device (fake)
         self.wait_s = 0.0
         self.capture_s = 0.0  # of advance_s: graph captures (fake: the first call captures)
+        self.events: list[tuple[str, object]] = []  # (engine call, its row or the rows generating)
+        self.streams = [FakeEngine.stream]  # the stream current when made, then at each launch
         FakeEngine.built.append(self)
 
     def _row(self, row: int) -> list[int]:
@@ -103,11 +110,13 @@ class FakeEngine:
         return self.traj[row]
 
     def reset(self, row: int) -> None:
+        self.events.append(("reset", row))
         self._row(row)
         self.placements.append((row, len(self.traj[row])))
         self.traj[row] = []
 
     def append(self, row: int, ids: list[int]) -> None:
+        self.events.append(("append", row))
         assert row not in self.pending, "append while generating"
         self._row(row).extend(ids)
 
@@ -118,6 +127,7 @@ class FakeEngine:
         return _scores(self._row(row), role, options)
 
     def start(self, row: int, req: GenerationRequest) -> StepResult | None:
+        self.events.append(("start", row))
         assert row not in self.pending and self._row(row), "start on a busy or empty row"
         if req.max_new_tokens == 0:
             return self._finish(row, req)
@@ -130,6 +140,8 @@ class FakeEngine:
         return res
 
     def advance(self) -> list[StepResult]:
+        self.events.append(("advance", len(self.pending)))
+        FakeEngine.during_call()
         out = []
         self.decode_steps += 3  # as if each call ran three steps
         self.advance_s += 0.5  # and took half a second, a fifth of it reading back
@@ -144,10 +156,34 @@ class FakeEngine:
                 out.append(self._finish(row, req))
         return out
 
+    def launch(self) -> int:
+        """Queues one step of the rows generating now (a row started before :meth:`collect` joins the next one);
+        returns the steps queued, 0 when no row is generating."""
+        assert not hasattr(self, "in_flight"), "launch twice without a collect"
+        self.streams.append(FakeEngine.stream)
+        self.events.append(("launch", len(self.pending)))
+        if not self.pending:
+            return 0
+        self.in_flight = sorted(self.pending)
+        self.decode_steps += 3
+        return 3
+
+    def collect(self) -> list[StepResult]:
+        """Waits for the launched step: the rows that finished in it."""
+        out = []
+        for row in reversed(self.__dict__.pop("in_flight")):
+            self.pending[row][1] -= 1
+            if self.pending[row][1] == 0:
+                req, _ = self.pending.pop(row)
+                out.append(self._finish(row, req))
+        self.events.append(("collect", (len(out), len(self.pending))))  # (rows finished, rows still generating)
+        return out
+
 
 @pytest.fixture(autouse=True)
 def fake_engine(monkeypatch):
     FakeEngine.built = []
+    monkeypatch.setattr(FakeEngine, "during_call", staticmethod(lambda: None))
     monkeypatch.setattr(be, "Engine", FakeEngine)
     return FakeEngine
 
@@ -445,3 +481,192 @@ def test_a_task_runs_only_if_its_claim_succeeds_asked_once_when_a_row_is_free(pl
             assert running <= batch
         elif event == "done":
             running -= 1
+
+
+# ------------------------------------------------------------------------------------------ queued steps
+
+
+@given(
+    st.lists(st.tuples(PLAN, st.sampled_from(["a", "b"])), max_size=6),
+    st.integers(1, 3),
+    st.sampled_from([(True, False), (False, True), (True, True)]),
+)
+@settings(max_examples=30, deadline=None)
+def test_queued_steps_give_every_episode_the_replies_it_would_get_alone(plans, batch, modes) -> None:
+    """With ``launch_ahead`` and/or ``concurrent_schemes`` (steps queued by launch, then collected) every episode
+    gets exactly the replies of running it alone, each task runs once and the generated tokens are counted."""
+    launch_ahead, concurrent = modes
+    FakeEngine.built = []  # this example's engines
+    schemes = [s for _, s in plans]
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=batch, temperature=0.7, top_p=0.85,
+                         launch_ahead=launch_ahead, concurrent_schemes=concurrent)  # fmt: skip
+    got = _run(ex, _tasks([p for p, _ in plans], schemes))
+    expected = {t.key: _alone(t, 0.7, 0.85) for t in _tasks([p for p, _ in plans], schemes)}
+    assert got == expected
+    gen_tokens = sum(
+        r.stats.decode_tokens for replies in expected.values() for r in replies if r.choice is None and r.stats
+    )
+    assert ex.generated_tokens == gen_tokens
+    assert ex.decode_steps == sum(e.decode_steps for e in FakeEngine.built)
+    assert all(name != "advance" for e in FakeEngine.built for name, _ in e.events)  # queued steps only
+
+
+def test_launch_ahead_queues_the_rows_still_generating_before_answering_those_that_finished() -> None:
+    """With ``launch_ahead``, right after a collect that ended some rows' calls while others still generate, the next
+    engine call queues those others' next step, before the host appends to or starts the finished rows; a step is
+    queued only while some row generates. Without it, one scheme runs by ``advance`` only."""
+    plan = [("gen", "plan", "", 3), ("gen", "action", "x", 2), ("gen", "reflect", "", 4)]
+    plans = [plan] * 5
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=3, launch_ahead=True)
+    assert ex.launch_ahead is True and BatchedExecutor(_fake_model(), Tokenizer()).launch_ahead is False
+    got = _run(ex, _tasks(plans))
+    assert got == {t.key: _alone(t, 0.0, 1.0) for t in _tasks(plans)}
+    (eng,) = FakeEngine.built
+    events = eng.events
+    assert not any(name == "advance" for name, _ in events)
+    assert all(n > 0 for name, n in events if name == "launch"), events
+    overlapped = 0
+    for i, (name, rows) in enumerate(events[:-1]):
+        if name == "collect" and rows[0] > 0 and rows[1] > 0:  # some calls ended, some rows still generate
+            assert events[i + 1][0] == "launch", events[i : i + 3]
+            overlapped += 1
+    assert overlapped > 0
+    plain = BatchedExecutor(_fake_model(), Tokenizer(), batch=3)
+    assert _run(plain, _tasks(plans)) == got
+    assert {name for name, _ in FakeEngine.built[-1].events} == {"reset", "append", "start", "advance"}
+
+
+def test_a_failed_claim_does_not_hold_up_the_next_tasks() -> None:
+    """A task whose claim fails (another shard runs it) gives its free row to the next task in the same refill:
+    the first decode step already runs every row."""
+    plan = [("gen", "plan", "", 3), ("gen", "action", "", 2)]
+    tasks = _tasks([plan] * 4)
+    tasks[1].claim = lambda: False
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=3)
+    got = _run(ex, tasks)
+    assert sorted(got) == sorted(t.key for i, t in enumerate(tasks) if i != 1)
+    (eng,) = FakeEngine.built
+    assert [e for e in eng.events if e[0] in ("reset", "advance")][:4] == [
+        ("reset", 0), ("reset", 1), ("reset", 2), ("advance", 3)
+    ]  # fmt: skip
+
+
+def test_batch_invariant_keeps_the_batch_rows_for_a_single_task() -> None:
+    """Batch-invariant decoding gives the engine ``batch`` rows even for one task (the decode width stays fixed)."""
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=4, batch_invariant=True)
+    _run(ex, _tasks([[("gen", "plan", "", 2)]]))
+    assert [e.rows for e in FakeEngine.built] == [4]
+    assert BatchedExecutor(_fake_model(), Tokenizer(), batch=4)._rows(1) == 1 and ex._rows(0) == 0
+
+
+def test_describe_names_the_engine_call_in_progress_and_each_lane() -> None:
+    """``describe()`` (the stall watchdog's report): between runs no lanes; inside an engine call that call and
+    its scheme, the decode steps so far and each lane's active rows and queued tasks; between calls says so."""
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    assert ex.describe() == "between engine calls; 0 decode steps; lanes: none"
+    seen: list[str] = []
+    FakeEngine.during_call = staticmethod(lambda: seen.append(ex.describe()))
+    beats: list[str] = []
+    ex.heartbeat = lambda: beats.append(ex.describe())
+    _run(ex, _tasks([[("gen", "plan", "", 2)]] * 3, ["sch"] * 3))
+    assert seen[0] == "in sch advance; 0 decode steps; lanes: sch: 2 rows active, 1 queued"
+    assert all(x.startswith("in sch advance; ") for x in seen) and len(seen) == len(beats)
+    assert beats[0] == "between engine calls; 3 decode steps; lanes: sch: 2 rows active, 1 queued"
+    after = ex.describe()
+    assert after.startswith("between engine calls; ") and after.endswith("lanes: sch: 0 rows active, 0 queued")
+    both = BatchedExecutor(_fake_model(), Tokenizer(), batch=2, concurrent_schemes=True)
+    FakeEngine.during_call = staticmethod(lambda: None)
+    _run(both, _tasks([[("gen", "plan", "", 2)]] * 3, ["a", "b", "a"]))
+    assert both.describe().endswith("lanes: a: 0 rows active, 0 queued, b: 0 rows active, 0 queued")
+
+
+def test_the_agent_time_sums_every_answer(monkeypatch) -> None:
+    """``agent_s`` adds up the host's time in every episode answer: a row's first requests and each reply (a clock
+    that moves one second per reading: one second per answer)."""
+    clock = iter(range(10**6))
+    monkeypatch.setattr(be.time, "perf_counter", lambda: float(next(clock)))
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    _run(ex, _tasks([[("gen", "plan", "", 2), ("gen", "action", "", 1)]] * 3))
+    assert ex.agent_s == 3 * 3  # per task: its start and the reply to each of its two generate calls
+
+
+class _Stream:
+    """Stands in for ``torch.cuda.Stream``: its device and the streams it was told to wait for."""
+
+    def __init__(self, device) -> None:
+        self.device, self.waits = device, []
+
+    def wait_stream(self, other) -> None:
+        self.waits.append(other)
+
+
+def test_concurrent_schemes_on_cuda_run_each_lane_on_its_own_stream(monkeypatch) -> None:
+    """With ``concurrent_schemes`` on CUDA each scheme's engine is made and driven on a stream of its own, made on
+    the model's device and waiting first for that device's current stream (where the model and caches were made);
+    one scheme at a time, or off CUDA, every call stays on the current stream."""
+    current = {}
+
+    @contextlib.contextmanager
+    def stream(s):
+        assert s is not None, "torch.cuda.stream(None)"
+        old, FakeEngine.stream = FakeEngine.stream, s
+        try:
+            yield
+        finally:
+            FakeEngine.stream = old
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current.setdefault(device, ("current", device)))
+    plan = [("gen", "plan", "", 2), ("gen", "action", "", 1)]
+    schemes = ["a", "b", "a", "b"]
+    ex = BatchedExecutor(_fake_model("cuda"), Tokenizer(), batch=2, concurrent_schemes=True)
+    got = _run(ex, _tasks([plan] * 4, schemes))
+    assert got == {t.key: _alone(t, 0.0, 1.0) for t in _tasks([plan] * 4, schemes)}
+    ea, eb = FakeEngine.built
+    assert (ea.scheme, eb.scheme) == ("a", "b") and [lane.name for lane in ex._lanes] == ["a", "b"]
+    sa, sb = ea.streams[0], eb.streams[0]
+    assert isinstance(sa, _Stream) and isinstance(sb, _Stream) and sa is not sb
+    assert sa.device == sb.device == torch.device("cuda")
+    assert sa.waits == sb.waits == [("current", torch.device("cuda"))]
+    assert set(map(id, ea.streams)) == {id(sa)} and set(map(id, eb.streams)) == {id(sb)}
+    assert [lane.stream for lane in ex._lanes] == [sa, sb]
+    for model, concurrent in ((_fake_model("cuda"), False), (_fake_model("cpu"), True)):
+        FakeEngine.built = []
+        _run(BatchedExecutor(model, Tokenizer(), batch=2, concurrent_schemes=concurrent, launch_ahead=True),
+             _tasks([plan] * 4, schemes))  # fmt: skip
+        assert all(s is None for e in FakeEngine.built for s in e.streams)
+
+
+def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_path, monkeypatch) -> None:
+    """``LRAGENT_EVAL_PROFILE=DIR:FIRST:COUNT`` records from the first engine call at FIRST decode steps until COUNT
+    more and writes one ``DIR/eval_profile_<pid>.txt`` naming those decode steps and holding torch's tables;
+    ``DIR`` alone means FIRST 300, COUNT 100; unset or empty, no profiler."""
+    monkeypatch.delenv(be.PROFILE_ENV, raising=False)
+    assert BatchedExecutor(_fake_model(), Tokenizer())._profile is None
+    monkeypatch.setenv(be.PROFILE_ENV, "")
+    assert be._StepProfiler.from_env() is None
+    monkeypatch.setenv(be.PROFILE_ENV, "/x/y")
+    p = be._StepProfiler.from_env()
+    assert (p.folder, p.first, p.count) == ("/x/y", 300, 100)
+    monkeypatch.setenv(be.PROFILE_ENV, "/x/y:7")
+    assert (be._StepProfiler.from_env().first, be._StepProfiler.from_env().count) == (7, 100)
+    folder = tmp_path / "prof" / "deep"
+    monkeypatch.setenv(be.PROFILE_ENV, f"{folder}:3:6:99")
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    assert (ex._profile.folder, ex._profile.first, ex._profile.count) == (str(folder), 3, 6)
+    plan = [("gen", "plan", "", 4), ("gen", "action", "", 3), ("gen", "plan", "", 2)]
+    FakeEngine.during_call = staticmethod(lambda: torch.ones(3).add_(1))  # some work for the profiler to see
+    _run(ex, _tasks([plan] * 4))
+    assert ex.decode_steps >= 30  # the fake engine: 3 steps per call, well past 3 + 6
+    name = f"eval_profile_{os.getpid()}.txt"
+    assert [f.name for f in folder.iterdir()] == [name]
+    text = (folder / name).read_text()
+    head, _, rest = text.partition("\n")
+    assert head.startswith("decode calls 3..9, wall ") and head.endswith(" s")  # from the call at >= 3 to >= 3 + 6
+    assert 0 <= float(head.split("wall ")[1][:-2]) < 60
+    # an existing folder is written into
+    monkeypatch.setenv(be.PROFILE_ENV, f"{tmp_path}:0:3")
+    _run(BatchedExecutor(_fake_model(), Tokenizer(), batch=2), _tasks([plan] * 2))
+    assert (tmp_path / name).read_text().startswith("decode calls 0..3, wall ")
+    assert rest.count("aten::add_") == 2 and rest.count("Self CPU") >= 2  # the device-time and CPU-time tables
