@@ -947,29 +947,36 @@ class Engine:
         active = self.d_active.cpu()  # the first read-back waits for the steps in flight
         self.wait_s += time.perf_counter() - waited
         count = self.d_count.cpu()
-        # the generated ids the host reads (rows done, rows whose stop strings are looked for in the text) in one
-        # read-back: one copy per row cost a device round trip each
-        read = [
-            row
-            for row, p in self._pending.items()
-            if not bool(active[row]) or (p.request.stop and StopTokenIndex.needs_text_check(p.request.stop))
-        ]
-        width = max((int(count[row]) for row in read), default=0)
-        gen = self.d_gen[:, :width].cpu()
+        # the generated ids the host reads: rows done, rows whose stop strings are looked for in the text
+        gen = self.generated_ids(
+            count,
+            [
+                row
+                for row, p in self._pending.items()
+                if not bool(active[row]) or (p.request.stop and StopTokenIndex.needs_text_check(p.request.stop))
+            ],
+        )
         out: list[StepResult] = []
         for row in sorted(self._pending):
             p = self._pending[row]
             n = int(count[row])
             done = not bool(active[row])
             if not done and p.request.stop and StopTokenIndex.needs_text_check(p.request.stop) and n:
-                text = self.tokenizer.decode(gen[row, :n].tolist(), skip_special_tokens=True)
+                text = self.tokenizer.decode(gen[row], skip_special_tokens=True)
                 done = find_stop(text, p.request.stop) is not None
             if done:
-                generated = gen[row, :n].tolist()
+                generated = gen[row]
                 self._release(row)
                 del self._pending[row]
                 out.append(self._finish(row, p, generated))
         return out
+
+    def generated_ids(self, count: torch.Tensor, rows: Sequence[int]) -> dict[int, list[int]]:
+        """The ids each of ``rows`` has generated so far, given ``count`` (``(rows,)`` on the host, as read from
+        ``d_count``), read back in one copy: one copy per row would cost a device round trip each."""
+        width = max((int(count[row]) for row in rows), default=0)
+        gen = self.d_gen[:, :width].cpu()
+        return {row: gen[row, : int(count[row])].tolist() for row in rows}
 
     def _finish(self, row: int, p: _Pending, generated: list[int]) -> StepResult:
         """Host bookkeeping of a finished request: stop cut, kept tokens, cache lengths, ``seen``."""

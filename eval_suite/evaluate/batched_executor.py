@@ -253,13 +253,13 @@ class BatchedExecutor:
         self._lanes = []  # the previous scheme's engine goes before the next is made: one at a time holds one
         lanes = self._lanes = [self._lane(s, g) for s, g in zip(schemes, groups, strict=True)]
         self._reserved.clear()  # a reservation serves the run that follows it; unused, its memory goes back
+        queued = self.concurrent_schemes or self.launch_ahead  # steps queued by launch(), then collected
         while any(lane.busy for lane in lanes):
             # each lane in turn: wait for its steps, answer what finished, refill its rows and queue its next steps;
             # meanwhile the device runs the steps the other lanes queued
             for lane in lanes:
                 with _on(lane.stream):
                     finished = []
-                    queued = self.concurrent_schemes or self.launch_ahead  # steps queued, then collected
                     if lane.launched:
                         finished = self._count(lane, lane.eng.collect)
                         lane.launched = False

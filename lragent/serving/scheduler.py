@@ -489,12 +489,8 @@ class Scheduler:
         if not any(run.first_token is None or run.req.stream for _, run in live):
             return []
         counts = self.engine.d_count.cpu()
-        out = []
-        for row, run in live:
-            n = int(counts[row])
-            ids = self.engine.d_gen[row, :n].tolist() if run.req.stream and n > run.seen else None
-            out.append((run, n, ids))
-        return out
+        ids = self.engine.generated_ids(counts, [row for row, run in live if run.req.stream and counts[row] > run.seen])
+        return [(run, int(counts[row]), ids.get(row)) for row, run in live]
 
     def _fail_rows(self, rows: list[int], exc: BaseException) -> None:
         """Fails the requests of ``rows`` with ``exc`` and drops their trajectories (their caches may be half
