@@ -187,7 +187,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "role_examples": (
         "datamodules/role_examples.py",
         "",
-        ["tests/test_datamodule.py", "tests/test_role_examples_batches.py"],
+        ["tests/test_datamodule.py", "tests/test_role_examples_batches.py", "tests/test_role_examples_units.py"],
     ),
     "zero_shot": ("eval_suite/evaluate/zero_shot.py", "", ["tests/test_zero_shot_probe.py"]),  # test_zero_shot: 22 s
     "shard_launch": (

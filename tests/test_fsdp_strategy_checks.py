@@ -1,6 +1,7 @@
 """``LoraFSDPStrategy``'s own checks and its adapter-only state, in one process (lit_modules/strategies.py): the
-settings it refuses, the dtype rule of its root unit, parameter names without FSDP's wrappers, and a checkpoint
-lacking adapter weights refused. The two-process FSDP fits are in tests/test_multi_gpu.py."""
+settings it refuses, the dtype rule of its root unit, its wrapping on a one-rank gloo group, parameter names without
+FSDP's wrappers, and a checkpoint lacking adapter weights refused. The two-process FSDP fits are in
+tests/test_multi_gpu.py."""
 
 from __future__ import annotations
 
@@ -167,3 +168,113 @@ def test_the_adapter_state_is_a_detached_cpu_copy_named_without_the_wrappers() -
     for k, v in state.items():
         assert v.device.type == "cpu" and not v.requires_grad and torch.equal(v, params[k].detach())
         assert v.data_ptr() != params[k].data_ptr()  # a copy: a later step does not change the saved state
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")
+def test_setup_model_makes_each_frozen_untied_leaf_a_unit_of_the_configured_sharding_and_keeps_the_rest_in_the_root(
+    tmp_path, monkeypatch
+) -> None:
+    """A one-rank gloo group wraps for real: the frozen leaf is its own FSDP unit, the adapter and the tied
+    embedding/head stay in the replicated (NO_SHARD) root, which gets the strategy's offload, mixed precision, extra
+    FSDP arguments and activation checkpointing; the units ask for the configured sharding strategy (one rank turns it
+    into NO_SHARD, so FSDP's arguments are read as given)."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as torch_fsdp
+    from lightning.pytorch.strategies import fsdp as lightning_fsdp
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    given: list[dict] = []
+
+    class Recorded(FullyShardedDataParallel):
+        def __init__(self, **kwargs) -> None:
+            given.append(kwargs)
+            super().__init__(**kwargs)
+
+    moved: list[tuple] = []
+    monkeypatch.setattr(torch_fsdp, "FullyShardedDataParallel", Recorded)
+    monkeypatch.setattr(
+        lightning_fsdp, "_move_torchmetrics_to_device", lambda module, device: moved.append((module, device))
+    )
+    model = nn.Module()
+    model.embed = nn.Embedding(8, 4)
+    model.head = nn.Linear(4, 8, bias=False)
+    model.head.weight = model.embed.weight  # tied: stays in the root
+    model.embed.requires_grad_(False)
+    model.base = nn.Linear(4, 4).requires_grad_(False)  # frozen, untied: its own unit
+    model.adapter = nn.Linear(4, 2)  # trainable: the root
+    strategy = LoraFSDPStrategy(
+        parallel_devices=[torch.device("cpu")], cpu_offload=True, forward_prefetch=True,
+        activation_checkpointing_policy={nn.Embedding},
+    )  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    try:
+        wrapped = strategy._setup_model(model)
+    finally:
+        dist.destroy_process_group()
+    units = {clean_name(n) for n, m in wrapped.named_modules() if isinstance(m, FullyShardedDataParallel)}
+    assert units == {"", "base"}
+    assert isinstance(wrapped, Recorded) and len(given) == 1 and given[0]["module"] is model
+    root = given[0]
+    assert root["sharding_strategy"] is ShardingStrategy.NO_SHARD
+    assert root["cpu_offload"] is strategy.cpu_offload and wrapped.cpu_offload.offload_params
+    assert root["mixed_precision"] is strategy.mixed_precision_config
+    assert wrapped.mixed_precision.reduce_dtype is torch.float32
+    assert root["device_id"] == torch.device("cpu") and root["forward_prefetch"] is True and wrapped.forward_prefetch
+    policy = root["auto_wrap_policy"]._lambda_fn  # the FrozenLeafPolicy behind torch's CustomPolicy
+    assert policy.tied == {id(model.embed.weight)}
+    assert policy.unit_kwargs == {"sharding_strategy": strategy.sharding_strategy}
+    assert strategy.sharding_strategy is ShardingStrategy.FULL_SHARD
+    assert moved == [(wrapped, torch.device("cpu"))]
+    names = [n for n, _ in wrapped.named_parameters()]
+    assert "_fsdp_wrapped_module.embed._checkpoint_wrapped_module.weight" in names  # activation checkpointing applied
+    assert sorted(clean_name(n) for n in names) == ["adapter.bias", "adapter.weight", "base.bias", "base.weight",
+                                                     "embed.weight"]  # fmt: skip
+
+
+def test_the_adapter_state_is_asked_as_a_cpu_copy_wherever_the_adapters_live() -> None:
+    """Adapters on a GPU are saved as CPU copies (a stand-in tensor records where its detached copy goes)."""
+
+    class OnAnotherDevice:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def detach(self) -> OnAnotherDevice:
+            return self
+
+        def to(self, *args, **kwargs) -> str:
+            self.sent.append((args, kwargs))
+            return "cpu copy"
+
+    strategy = LoraFSDPStrategy()
+    adapter = OnAnotherDevice()
+    strategy._adapter_params = lambda: {"layers.0.lora_A": adapter}
+    assert strategy.lightning_module_state_dict() == {"layers.0.lora_A": "cpu copy"}
+    assert adapter.sent == [(("cpu",), {"copy": True})]
+
+
+def test_a_checkpoint_written_on_a_gpu_loads_onto_the_cpu(tmp_path, monkeypatch) -> None:
+    """Tensors a GPU run saved (storages tagged ``cuda:0``) load onto the CPU, whatever devices this host has."""
+    import torch.serialization
+
+    path = tmp_path / "gpu.ckpt"
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"state_dict": {"w": torch.arange(3.0)}}, path)
+    strategy = LoraFSDPStrategy()
+    for weights_only in (None, True):
+        back = strategy.load_checkpoint(path, weights_only=weights_only)["state_dict"]["w"]
+        assert back.device.type == "cpu" and torch.equal(back, torch.arange(3.0))
+
+
+def test_a_loaded_optimizer_state_moves_to_the_strategys_device() -> None:
+    """The loaded moments go to the root device (``meta`` standing in for a GPU); Adam's step count stays put."""
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([p], lr=0.1)
+    p.grad = torch.ones(2)
+    opt.step()
+    strategy = LoraFSDPStrategy(parallel_devices=[torch.device("meta")])
+    fresh = torch.optim.Adam([nn.Parameter(torch.ones(2))], lr=0.5)
+    strategy.optimizers = [fresh]
+    strategy.load_optimizer_state_dict({"optimizer_states": [opt.state_dict()]})
+    (state,) = fresh.state.values()
+    assert {k: v.device.type for k, v in state.items()} == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
