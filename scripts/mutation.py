@@ -183,7 +183,12 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "lora_model": ("lragent/lora_model.py", "", ["tests/test_multi_lora.py", "tests/test_lora_model.py"]),
     "models": ("lragent/models.py", "", ["tests/test_models.py"]),
     "strategies": ("lit_modules/strategies.py", "", ["tests/test_fsdp_strategy_checks.py"]),
-    "scheduler": ("lragent/serving/scheduler.py", "", ["tests/test_serve_core.py"]),
+    "scheduler": ("lragent/serving/scheduler.py", "", ["tests/test_scheduler_units.py", "tests/test_serve_core.py"]),
+    "decoder": (  # not test_decode_fusion (27 s) nor the interpreter checks of test_fused_qkv_rope
+        "lragent/decoder.py",
+        "",
+        ["tests/test_decoder_properties.py", "tests/test_decoder_checks.py"],
+    ),
     "role_examples": (
         "datamodules/role_examples.py",
         "",
