@@ -404,6 +404,10 @@ def unscored_modules() -> list[tuple[str, str]]:
     return [(m, LEFT_OUT.get(m, "not run yet")) for m in found if m not in covered]
 
 
+UNREACHED = "could not find any test case for any mutant"
+"""What mutmut prints when its stats run saw no test run any mutated function (it then checks none)."""
+
+
 def write_report() -> Path:
     rows = []
     for key in MODULES:
@@ -413,6 +417,13 @@ def write_report() -> Path:
             continue
         r = json.loads(path.read_text())
         c = r["counts"]
+        if not c and UNREACHED in r.get("log_tail", ""):
+            rows.append(
+                f"| `{r['module']}` | no mutant checked | | | | mutmut generated mutants but found no test that "
+                f"reaches them (it cannot trace a call into a property or a function nested in a decorator), "
+                f"{r['commit'][:7]} |"
+            )
+            continue
         rows.append(
             f"| `{r['module']}`{' (' + r['pattern'] + ')' if r['pattern'] else ''} | "
             + (

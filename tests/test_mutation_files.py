@@ -293,3 +293,22 @@ def test_a_missing_mutmut_is_refused_with_how_to_install_it(
     with pytest.raises(FileNotFoundError, match=r"^mutmut is not installed: pip install mutmut==3\.8\.1$"):
         mm.mutation(["mod"])
     assert not mm.OUT.exists() and not mm.SCRATCH.exists()
+
+
+def test_a_module_whose_mutants_no_test_reaches_is_reported_as_none_checked_not_as_incomplete(mm: ModuleType) -> None:
+    """A run that mutmut stopped because no test reached its mutants (it cannot trace calls into a property or a
+    decorator's nested function) is reported as checking none, with why, instead of as an interrupted run."""
+    mm.OUT.mkdir(parents=True)
+    result = {
+        "module": "pkg/mod.py", "pattern": None, "counts": {}, "equivalent": {}, "killed_or_timeout": 0,
+        "considered": 0, "score": None, "survivors": [], "complete": False, "seconds": 9.0, "workers": 1,
+        "host_cpus": 2, "commit": "abcdef0123", "log_tail": f"...\nStopping early, because we {mm.UNREACHED}.\n",
+    }  # fmt: skip
+    (mm.OUT / "mod.json").write_text(json.dumps(result))
+    row = next(ln for ln in mm.write_report().read_text().splitlines() if ln.startswith("| `pkg/mod.py`"))
+    assert row.startswith("| `pkg/mod.py` | no mutant checked | | | | mutmut generated mutants but found no test")
+    assert row.endswith("abcdef0 |")
+    result["log_tail"] = "killed by its timeout"  # a run cut short before any count stays an interrupted run
+    (mm.OUT / "mod.json").write_text(json.dumps(result))
+    row = next(ln for ln in mm.write_report().read_text().splitlines() if ln.startswith("| `pkg/mod.py`"))
+    assert row.startswith("| `pkg/mod.py` | incomplete (0 of 0 checked) |")
