@@ -218,6 +218,17 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "speed_table": ("eval_suite/bench/speed_table.py", "", ["tests/test_speed_table.py"]),
     "model_flops": ("eval_suite/bench/model_flops.py", "", ["tests/test_model_flops_units.py"]),  # not its trace: 324 s
     "data_stats": ("eval_suite/diagnostics/data_stats.py", "", ["tests/test_data_stats_units.py"]),  # bundled: 47 s
+    "study_report": ("eval_suite/study/report.py", "", ["tests/test_study.py", "tests/test_study_report_units.py"]),
+    "similarity_report": (
+        "eval_suite/diagnostics/similarity_report.py",
+        "",
+        ["tests/test_similarity.py", "tests/test_similarity_report_units.py"],
+    ),
+    "droidspeak_select": (
+        "eval_suite/diagnostics/droidspeak_select.py",
+        "",
+        ["tests/test_fidelity.py", "tests/test_droidspeak_select_units.py"],
+    ),
 }
 # functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
 # arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The
