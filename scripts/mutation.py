@@ -110,6 +110,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     ),
     "stall_watchdog": ("eval_suite/evaluate/stall_watchdog.py", "", ["tests/test_stall_watchdog.py"]),
     "study_jobs": ("eval_suite/study/jobs.py", "", ["tests/test_study.py", "tests/test_study_decide.py"]),
+    "study_driver": (
+        "eval_suite/study/driver.py",
+        "",
+        ["tests/test_study_driver_units.py", "tests/test_study.py", "tests/test_study_decide.py"],
+    ),
     "training_logs": ("eval_suite/study/training_logs.py", "", ["tests/test_study.py"]),
     "training_report": ("eval_suite/study/training_report.py", "", ["tests/test_study.py"]),
     "report_io": ("lragent/report_io.py", "", ["tests/test_report_io.py"]),
@@ -121,6 +126,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         ["tests/test_serve_core.py", "tests/test_metrics_properties.py"],
     ),
     "converted_cache": ("lragent/converted_cache.py", "", ["tests/test_converted_cache.py"]),
+    "accuracy_model": ("lragent/accuracy_model.py", "", ["tests/test_accuracy_model.py"]),
     "device_share": ("lragent/device_share.py", "", ["tests/test_device_share.py"]),
     "memory_plan": ("lragent/memory_plan.py", "", ["tests/test_memory_plan.py"]),
     "prefix_packing": (

