@@ -196,10 +196,19 @@ def test_the_sweep_reference_is_the_first_point_at_each_benchmarks_best_lr() -> 
 
 
 def test_pid_runs_tells_a_live_process_a_gone_one_and_a_reused_pid(tmp_path: Path) -> None:
-    """This process lives (and its command line holds ``python``, not a stranger's path); an exited one does not,
-    nor a pid too large to exist."""
-    assert driver._pid_runs(os.getpid()) and driver._pid_runs(os.getpid(), "python")
-    assert not driver._pid_runs(os.getpid(), str(tmp_path / "never-in-a-command-line"))
+    """A live process runs (and, given a needle, only when its command line holds it: a stranger's path is not
+    there); an exited one does not, nor a pid too large to exist. (A child, not this process: pytest-xdist rewrites
+    its workers' command lines.)"""
+    assert driver._pid_runs(os.getpid())
+    code = "import time; print('up', flush=True); time.sleep(30)"
+    live = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline() == "up\n"  # exec'd: its command line is its own, no longer the forked parent's
+        assert driver._pid_runs(live.pid) and driver._pid_runs(live.pid, "time.sleep(30)")
+        assert not driver._pid_runs(live.pid, str(tmp_path / "never-in-a-command-line"))
+    finally:
+        live.kill()
+        live.wait()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     assert not driver._pid_runs(dead.pid) and not driver._pid_runs(2**70)
