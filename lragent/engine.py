@@ -961,7 +961,7 @@ class Engine:
             p = self._pending[row]
             n = int(count[row])
             done = not bool(active[row])
-            if not done and p.request.stop and StopTokenIndex.needs_text_check(p.request.stop) and n:
+            if not done and row in gen and n:  # a generating row is read back only to look for its stop strings
                 text = self.tokenizer.decode(gen[row], skip_special_tokens=True)
                 done = find_stop(text, p.request.stop) is not None
             if done:
