@@ -61,6 +61,15 @@ def _prefill(model, pool, ids, role: int, slot: int, start: int = 0, fused: bool
     return dec.run_view(h, dec.rotary(h, torch.arange(start, start + t)[None]), torch.tensor([role]), view, **kw)
 
 
+def _prefill_rows(model, pool, ids, roles: list[int], n: int, fused: bool = False, want=None) -> None:
+    """Prefills row i's first ``n`` ids (``ids`` ``(B, T)``) into slot i with role ``roles[i]``; given ``want`` (the
+    merged model's logits ``(B, T, V)``), each row's prefill logits must equal its first ``n``."""
+    for i, role in enumerate(roles):
+        h = _prefill(model, pool, ids[i : i + 1, :n], role, slot=i, fused=fused)
+        if want is not None:
+            assert torch.allclose(model.decoder.logits(h, fused)[0], want[i, :n], atol=1e-4)
+
+
 def _decode(model, pool, tokens: list[int], slots: list[int], pos: list[int], roles, fused: bool) -> torch.Tensor:
     """One decode step of one token per row (row i in slot ``slots[i]`` at ``pos[i]``); the logits ``(B, 1, V)``."""
     dec = model.decoder
@@ -160,9 +169,7 @@ def test_prefill_then_decode_over_a_pool_equals_the_merged_model(decomposed, fus
     ids, roles = _ids(2, 7, seed=4), [1, 2]
     want = _merged_logits(model, ids, roles)
     pool = _pool(model, decomposed)
-    for i in range(2):
-        h = _prefill(model, pool, ids[i : i + 1, :6], roles[i], slot=i, fused=fused)
-        assert torch.allclose(model.decoder.logits(h, fused)[0], want[i, :6], atol=1e-4)
+    _prefill_rows(model, pool, ids, roles, 6, fused, want)
     got = _decode(model, pool, ids[:, 6].tolist(), [0, 1], [6, 6], roles, fused)
     assert torch.allclose(got[:, 0], want[:, 6], atol=1e-4)
     one = _decode(model, pool, ids[1:, 6].tolist(), [1], [6], roles[1:], fused)  # one row: the norm GEMVs
@@ -708,9 +715,7 @@ def test_fused_ops_without_fused_lora_gather_each_rows_b_and_give_the_merged_log
     want = _merged_logits(model, ids, roles)
     _fuse(model, lora=False)
     pool = _pool(model, True)
-    for i in range(2):
-        h = _prefill(model, pool, ids[i : i + 1, :5], roles[i], slot=i, fused=True)
-        assert torch.allclose(model.decoder.logits(h, True)[0], want[i, :5], atol=1e-4)
+    _prefill_rows(model, pool, ids, roles, 5, True, want)
     paths = _Paths(monkeypatch, model.decoder)
     got = _decode(model, pool, ids[:, 5].tolist(), [0, 1], [5, 5], roles, True)
     assert torch.allclose(got[:, 0], want[:, 5], atol=1e-4)
@@ -745,8 +750,7 @@ def test_a_fused_step_adds_the_residual_in_the_down_gemm_where_down_is_a_plain_l
     model = _model()
     ids, roles = _ids(2, 5, seed=15), [0, 1]
     pool = _pool(model, True)
-    for i in range(2):
-        _prefill(model, pool, ids[i : i + 1, :4], roles[i], slot=i)
+    _prefill_rows(model, pool, ids, roles, 4)
     plain = _decode(model, pool, ids[:, 4].tolist(), [0, 1], [4, 4], roles, False)
     _fuse(model)
     paths = _Paths(monkeypatch, model.decoder)
@@ -774,9 +778,7 @@ def test_per_role_a_matrices_reach_every_path(fused):
     ids, roles = _ids(2, 6, seed=17), [1, 2]
     want = _merged_logits(model, ids, roles)
     pool = _pool(model, True)
-    for i in range(2):
-        h = _prefill(model, pool, ids[i : i + 1, :5], roles[i], slot=i, fused=fused)
-        assert torch.allclose(model.decoder.logits(h, fused)[0], want[i, :5], atol=1e-4)
+    _prefill_rows(model, pool, ids, roles, 5, fused, want)
     got = _decode(model, pool, ids[:, 5].tolist(), [0, 1], [5, 5], roles, fused)
     assert torch.allclose(got[:, 0], want[:, 5], atol=1e-4)
     one = _decode(model, pool, ids[1:, 5].tolist(), [1], [5], roles[1:], fused)
@@ -821,8 +823,7 @@ def test_a_one_role_fused_step_without_role_ids_folds_q_for_role_zero():
     want = _merged_logits(model, ids, [0, 0])
     _fuse(model)
     pool = _pool(model, True)
-    for i in range(2):
-        _prefill(model, pool, ids[i : i + 1, :4], 0, slot=i, fused=True)
+    _prefill_rows(model, pool, ids, [0, 0], 4, True)
     got = _decode(model, pool, ids[:, 4].tolist(), [0, 1], [4, 4], None, True)
     assert torch.allclose(got[:, 0], want[:, 4], atol=1e-4)
     half = model.decoder.role_mask_for(SimpleNamespace(fused=True), None, torch.zeros(2, 1, 64).half())()
@@ -838,8 +839,7 @@ def test_a_one_adapter_model_fuses_and_masks_a_single_a():
     want = _merged_logits(model, ids, roles)
     _fuse(model)
     pool = _pool(model, False)  # a full cache: v's B applied through the mask
-    for i in range(2):
-        _prefill(model, pool, ids[i : i + 1, :4], roles[i], slot=i, fused=True)
+    _prefill_rows(model, pool, ids, roles, 4, True)
     got = _decode(model, pool, ids[:, 4].tolist(), [0, 1], [4, 4], roles, True)
     assert torch.allclose(got[:, 0], want[:, 4], atol=1e-4) and model.decoder._n_roles == 3
 
@@ -998,9 +998,7 @@ def test_a_fused_qwen2_step_keeps_the_q_k_v_biases():
     want = _merged_logits(model, ids, roles)
     _fuse(model)
     pool = _pool(model, True)
-    for i in range(2):
-        h = _prefill(model, pool, ids[i : i + 1, :4], roles[i], slot=i, fused=True)
-        assert torch.allclose(model.decoder.logits(h, True)[0], want[i, :4], atol=1e-4)
+    _prefill_rows(model, pool, ids, roles, 4, True, want)
     got = _decode(model, pool, ids[:, 4].tolist(), [0, 1], [4, 4], roles, True)
     assert torch.allclose(got[:, 0], want[:, 4], atol=1e-4)
 
@@ -1070,8 +1068,7 @@ def test_a_fused_step_without_fused_groups_masks_each_mlp_projections_b(monkeypa
     ids, roles = _ids(2, 5, seed=30), [1, 2]
     want = _merged_logits(model, ids, roles)
     pool = _pool(model, True)
-    for i in range(2):
-        _prefill(model, pool, ids[i : i + 1, :4], roles[i], slot=i, fused=True)
+    _prefill_rows(model, pool, ids, roles, 4, True)
     gathered = []
     real = MultiLoraLinear._add_lora
     monkeypatch.setattr(MultiLoraLinear, "_add_lora", lambda m, *a: gathered.append(m) or real(m, *a))

@@ -405,26 +405,26 @@ def test_rounded_timings_reach_into_lists_and_keep_blank_lines_and_undecodable_b
     )
 
 
+def _xz_archive(name: str, data: bytes) -> bytes:
+    """An xz tar archive holding one member ``name`` with ``data``."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:xz") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
 def test_read_archives_makes_its_folder_and_refuses_a_member_outside_it(tmp_path: Path) -> None:
     """The destination is made with its parents, and reading into it twice is fine; a member that would land outside
     the destination is refused and nothing is written there."""
     folder = tmp_path / "a"
     folder.mkdir()
-    good = io.BytesIO()
-    with tarfile.open(fileobj=good, mode="w:xz") as tar:
-        info = tarfile.TarInfo("study/eval/x/summary.json")
-        info.size = 2
-        tar.addfile(info, io.BytesIO(b"{}"))
-    (folder / "x.tar.xz").write_bytes(good.getvalue())
+    (folder / "x.tar.xz").write_bytes(_xz_archive("study/eval/x/summary.json", b"{}"))
     dest = tmp_path / "deep" / "er" / "back"
     assert driver.read_archives(folder, dest) == ["x"] and driver.read_archives(folder, dest) == ["x"]
     assert (dest / "study/eval/x/summary.json").read_text() == "{}"
-    bad = io.BytesIO()
-    with tarfile.open(fileobj=bad, mode="w:xz") as tar:
-        info = tarfile.TarInfo("../escaped.txt")
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"!"))
-    (folder / "y.tar.xz").write_bytes(bad.getvalue())
+    (folder / "y.tar.xz").write_bytes(_xz_archive("../escaped.txt", b"!"))
     with pytest.raises(tarfile.OutsideDestinationError):
         driver.read_archives(folder, dest)
     assert not (dest.parent / "escaped.txt").exists()
