@@ -160,8 +160,11 @@ case "${1:-}" in
           case $set in *_lam0) src=data/adapters/qwen_${set%_lam0}_sharedA ;; esac
           if [ -f "$src/lragent_adapters.safetensors" ]; then
             mkdir -p "$set_dir/adapters" && cp "$src"/{lragent_adapters.safetensors,train_config.json} "$set_dir/adapters/"
-          elif [ $stage = decide ] && ls "$tmp"/study/eval/"$set"/*/episodes.jsonl > /dev/null 2>&1; then
-            # without them the driver would train the set again and add its episodes to those of these weights
+          elif [ $stage = decide ] && [ -n "$(for e in "$tmp"/study/eval/"$set"/*/; do
+              [ -f "$e/episodes.jsonl" ] && [ ! -f "$e/summary.json" ] && echo "$e"; done)" ]; then
+            # an evaluation of the set is unfinished: without the weights the driver would train the set again and
+            # add its episodes to those of these weights (a set whose evaluations are all finished needs none: the
+            # driver marks its training unneeded)
             echo "error: $src/lragent_adapters.safetensors is missing: the decisive study's $set episodes were made" \
               "with those weights (sha256 in results/study_decide/README.md); put them back or move" \
               "results/study_decide/archive/$set.tar.xz* aside to start that set again" >&2
