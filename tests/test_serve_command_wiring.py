@@ -133,6 +133,7 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
             droidspeak_config=str(config),
             memory_fraction=0.5,
             log_level="info",
+            launch_ahead=False,
         )
         == 0
     )
@@ -191,9 +192,9 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
 def test_serve_on_a_gpu_takes_bfloat16_and_the_cuda_engine_features(monkeypatch, capsys):
     rec = Recorder(monkeypatch, device="cuda:0", rows=5)
     monkeypatch.delenv("LRAGENT_API_KEY", raising=False)
-    assert serve(port=0, adapters="A", capacity=32, max_rows=5, launch_ahead=True) == 0
+    assert serve(port=0, adapters="A", capacity=32, max_rows=5) == 0
     assert rec.calls["check_model_args"]["dtype"] == "bfloat16"
-    assert rec.calls["scheduler"][2] is True  # --launch_ahead reaches the scheduler
+    assert rec.calls["scheduler"][2] is True  # launch ahead is on by default
     args, kwargs = rec.calls["choose_batch"]
     assert args == ("default", ["base_lr_shared"], 5, 32)
     assert kwargs["max_batch"] == GPU_AUTO_ROWS and kwargs["droidspeak_layers"] is None and kwargs["n_roles"] == 4

@@ -286,7 +286,8 @@ def test_the_report_tables_line_by_line(tmp_path: Path, monkeypatch) -> None:
         "",
         "| benchmark, set | job | pool | rows (mean, questions x runs) |",
         "|---|---|---|---|",
-        "| scienceqa, λ 0 | others | dev,test,extra | `base_shared` 33.3 (3 x 2), `droidspeak` 33.3 (3 x 2) |",
+        "| scienceqa, λ 0 | others | dev,test,extra | `base_shared` 33.3 (3 x 2), `droidspeak` 33.3 (3 x 2); "
+        "Δ `base_shared` -3.0 [-5.0, -1.0] (±2.0); Δ `droidspeak` -15.0 [-20.0, -10.0] (±5.0) |",
         "| scienceqa, λ 0 | greedy | dev,test | `non_shared` 100.0 (2 x 1), `base_lr_shared` 50.0 (2 x 1); "
         "Δ `base_lr_shared` +3.0 [+0.6, +5.4] (±2.4) |",
         "| hotpotqa, λ 0 | greedy | dev,test | `non_shared` 50.0 (2 x 1), `base_lr_shared` – (0 x 0) |",
@@ -361,3 +362,25 @@ def test_records_without_a_split_count_as_dev_questions(tmp_path: Path) -> None:
         cell["rows"]["base_lr_shared"]["paper_episodes"] == 4 and cell["rows"]["base_lr_shared"]["paper_mean"] == 0.25
     )
     assert cell["paired_paper"]["base_lr_shared"]["pairs"] == 4
+
+
+def test_the_other_rows_pair_with_the_decide_jobs_non_shared_by_question_and_run(tmp_path: Path) -> None:
+    """The ``others`` job runs no ``non_shared`` of its own: its rows are paired with the ``decide`` job's
+    ``non_shared`` of the same set, question by question and run by run (a run only one side has is left out)."""
+    plan = [j for j in sd.build_decide_plan(("hotpotqa",), QWEN, lambdas=(0.0,)) if j.kind == "eval"]
+    by = {j.meta["label"]: j for j in plan}
+    ns = [{"row": "non_shared", "run": run, "qid": f"q{i}", "split": "dev", "em": float(i < 2)}
+          for run in range(2) for i in range(4)]  # fmt: skip
+    others = [{"row": "base_shared", "run": 0, "qid": f"q{i}", "split": "test", "em": float(i == 0)} for i in range(4)]
+    others.append({"row": "base_shared", "run": 5, "qid": "q3", "split": "test", "em": 1.0})  # no non_shared run 5
+    for label, recs in (("decide", ns), ("others", others)):
+        d = tmp_path / by[label].name
+        d.mkdir(parents=True)
+        (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cell = sd.collect_decide(tmp_path, plan)["hotpotqa"]["hotpotqa_lam0"]["labels"]["others"]
+    gap = cell["paired"]["base_shared"]
+    assert gap["pairs"] == 4 and gap["questions"] == 4
+    assert gap["mean"] == pytest.approx((0 - 1 + 0 + 0) / 4)  # q1 lost its point; q0 kept it; q2, q3 both 0
+    assert cell["paired"]["droidspeak"] is None  # no droidspeak records yet
+    assert cell["rows"]["base_shared"]["episodes"] == 5  # the row's own mean counts every episode it has
+    assert cell["paired_paper"]["base_shared"]["pairs"] == 4  # every record here is a paper-pool split

@@ -237,7 +237,7 @@ def bench_serve(
     memory_fraction: float | None = None,
     isolate: bool = True,
     stream: bool = True,
-    launch_ahead: bool = False,
+    launch_ahead: bool = True,
     out: str = "bench_serve",
 ) -> int:
     """Load generator for lragent serve: concurrent agent sessions per scheme; tokens/s, sessions/s, TTFT, caches.
@@ -269,7 +269,7 @@ def bench_serve(
         stream: stream the completions (server-sent events; the time to first token is measured client side);
             false: whole answers, as an agent that waits for them asks.
         launch_ahead: the servers started here queue each round's next decode steps before streaming and answering
-            (as serve --launch_ahead).
+            (as serve --launch_ahead, on by default there too).
         out: output directory (bench_serve.json, bench_serve.md).
 
     Returns:
@@ -408,8 +408,7 @@ def _spawn(model: str, adapters: str | None, scheme: str, max_rows, capacity: in
         cmd += ["--adapters", adapters]
     if memory_fraction is not None:
         cmd += ["--memory_fraction", str(memory_fraction)]
-    if launch_ahead:
-        cmd += ["--launch_ahead", "true"]
+    cmd += ["--launch_ahead", "true" if launch_ahead else "false"]  # explicit: the server's default may change
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     last: collections.deque[str] = collections.deque(maxlen=3)
     url = None

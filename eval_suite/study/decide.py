@@ -167,16 +167,25 @@ def _mean(records: Sequence[dict], row: str, field: str) -> tuple[float | None, 
 
 
 def collect_decide(root: Path, plan: Sequence[Job]) -> dict[str, Any]:
-    """Per benchmark and set: accuracy of every row and the paired cells, on the pool and on the paper's pool."""
+    """Per benchmark and set: accuracy of every row and the paired cells, on the pool and on the paper's pool.
+
+    A job without a ``non_shared`` row of its own (``others``) is paired with its set's ``decide`` job's
+    ``non_shared`` records: the same questions, runs, seeds and sampling, so ``(question, run)`` pairs the same way.
+    """
     out: dict[str, Any] = {}
-    for job in plan:
-        if job.kind != "eval":
-            continue
+    evals = [job for job in plan if job.kind == "eval"]
+    records = {job.name: _records(root / job.name / "episodes.jsonl") for job in evals}
+    reference = {job.meta["set"]: [r for r in records[job.name] if r.get("row") == "non_shared"]
+                 for job in evals if job.meta["label"] == "decide"}  # fmt: skip
+    for job in evals:
         bench, set_name, label = job.meta["benchmark"], job.meta["set"], job.meta["label"]
-        recs = _records(root / job.name / "episodes.jsonl")
+        recs = records[job.name]
+        own_reference = "non_shared" in job.meta["rows"]
+        paired_recs = recs if own_reference else recs + reference.get(set_name, [])
         field = FIELD[bench]
         entry = out.setdefault(bench, {}).setdefault(set_name, {"lambda": job.meta["lambda"], "labels": {}})
         paper = [r for r in recs if r.get("split", "dev") in PAPER_POOL]
+        paired_paper = [r for r in paired_recs if r.get("split", "dev") in PAPER_POOL]
         config = root / job.name / "run_config.json"  # the pool's size, as the job counted it when it started
         pool_questions = json.loads(config.read_text()).get("questions") if config.is_file() else None
         cell: dict[str, Any] = {"pool": job.meta["split"], "pool_questions": pool_questions,
@@ -188,9 +197,9 @@ def collect_decide(root: Path, plan: Sequence[Job]) -> dict[str, Any]:
             runs = sorted({r["run"] for r in recs if r.get("row") == row})
             cell["rows"][row] = {"mean": mean, "episodes": n, "questions": q, "runs": len(runs),
                                  "paper_mean": pmean, "paper_episodes": pn, "paper_questions": pq}  # fmt: skip
-            if row != "non_shared" and "non_shared" in job.meta["rows"]:
-                cell["paired"][row] = decide_cell(recs, row, field, bench)
-                cell["paired_paper"][row] = decide_cell(paper, row, field, bench)
+            if row != "non_shared":
+                cell["paired"][row] = decide_cell(paired_recs, row, field, bench)
+                cell["paired_paper"][row] = decide_cell(paired_paper, row, field, bench)
         entry["labels"][label] = cell
     return out
 
@@ -243,7 +252,8 @@ def decide_table(data: dict[str, Any]) -> str:
 
 
 def other_rows_table(data: dict[str, Any]) -> str:
-    """The shipped set's ``base_shared`` / ``droidspeak`` rows and the greedy pair."""
+    """The shipped set's ``base_shared`` / ``droidspeak`` rows and the greedy pair, each with its paired gap to
+    ``non_shared`` (the ``others`` rows against the ``decide`` job's)."""
     lines = ["| benchmark, set | job | pool | rows (mean, questions x runs) |", "|---|---|---|---|"]
     for bench, sets in data.items():
         for entry in sets.values():
