@@ -167,6 +167,28 @@ def test_start_runs_one_worker_and_stop_ends_it():
     assert snap["worker_s"]["admit"] > 0 and snap["worker_s"]["other"] > 0 and snap["running"] == 0
 
 
+def test_the_worker_tells_its_profiler_the_decode_steps_at_the_top_of_each_round():
+    """A profiler (``LRAGENT_SERVE_PROFILE``'s recorder) is told the engine's decode step count once per round, before
+    that round's admissions: 0 first, then the counts as they grow, none past the last step."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.seen: list[int] = []
+
+        def step(self, n: int) -> None:
+            self.seen.append(n)
+
+    rec = Recorder()
+    sch = _scheduler(profiler=rec)
+    req, events = _request("plan", "hello ", max_tokens=4)
+    sch.submit(req)
+    sch.start()
+    sch.stop(timeout=10)
+    assert isinstance(events[-1], Finished) and sch.engine.decode_steps > 1
+    assert rec.seen[0] == 0 and rec.seen == sorted(rec.seen) and len(set(rec.seen)) > 1
+    assert rec.seen[-1] < sch.engine.decode_steps  # told before its round's steps, never after the last
+
+
 def test_the_worker_loop_serves_what_is_queued_then_returns_once_stopping():
     """The worker's loop run on this thread with two requests queued and the stop asked: it serves both (one row:
     the second waits for the first), publishes an empty queue and returns; its seconds per phase (admit, decode,

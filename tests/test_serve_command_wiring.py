@@ -49,8 +49,9 @@ class Recorder:
                 rec.engine = self
 
         class Scheduler:
-            def __init__(self, engine, tokenizer, launch_ahead) -> None:
+            def __init__(self, engine, tokenizer, launch_ahead, profiler) -> None:
                 rec.calls["scheduler"] = (engine, tokenizer, launch_ahead)
+                rec.calls["profiler"] = profiler
                 self.roles = (*STORED.roles, "Base")
 
         def serve_until_stopped(app, sock, log_level):
@@ -120,6 +121,7 @@ def test_each_end_of_an_allowed_range_is_taken(monkeypatch, options):
 def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys, tmp_path):
     rec = Recorder(monkeypatch)
     monkeypatch.setenv("LRAGENT_API_KEY", "from-env")
+    monkeypatch.delenv("LRAGENT_SERVE_PROFILE", raising=False)
     config = tmp_path / "droidspeak.json"
     config.write_text(json.dumps({"droidspeak_layers": [1, 3]}))
     assert (
@@ -177,6 +179,7 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
         "feed_budget": 0,
     }
     assert rec.calls["scheduler"] == (rec.engine, "TOK", False)
+    assert rec.calls["profiler"] is None  # LRAGENT_SERVE_PROFILE unset: nothing recorded
     app, (host, port), level = rec.calls["serve_until_stopped"]
     assert (host, level) == ("127.0.0.1", "info") and port > 0
     state = app.state.serve
@@ -192,7 +195,10 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
 def test_serve_on_a_gpu_takes_bfloat16_and_the_cuda_engine_features(monkeypatch, capsys):
     rec = Recorder(monkeypatch, device="cuda:0", rows=5)
     monkeypatch.delenv("LRAGENT_API_KEY", raising=False)
+    monkeypatch.setenv("LRAGENT_SERVE_PROFILE", "/some/dir:40:7")
     assert serve(port=0, adapters="A", capacity=32, max_rows=5) == 0
+    p = rec.calls["profiler"]  # the diagnostic the variable asks for, named as the server's
+    assert (p.folder, p.first, p.count, p.name) == ("/some/dir", 40, 7, "serve")
     assert rec.calls["check_model_args"]["dtype"] == "bfloat16"
     assert rec.calls["scheduler"][2] is True  # launch ahead is on by default
     args, kwargs = rec.calls["choose_batch"]

@@ -40,6 +40,10 @@ PROFILE_ENV = "LRAGENT_EVAL_PROFILE"
 (default 300 and 100: past the graph captures) and writes where their device and host time went to
 ``DIR/eval_profile_<pid>.txt`` (a diagnostic: the profiler slows the steps it records, not the others)."""
 
+SERVE_PROFILE_ENV = "LRAGENT_SERVE_PROFILE"
+"""The same for a server (``lragent serve``, the servers ``bench serve`` starts): its scheduler's rounds from decode
+step FIRST until COUNT steps later, admissions and streaming included, into ``DIR/serve_profile_<pid>.txt``."""
+
 _ENGINE_COUNTERS = ("decode_steps", "advance_s", "sync_s", "replay_s", "wait_s", "capture_s")
 """The engine's counters an executor sums over its engines (its timing.json figures)."""
 
@@ -370,20 +374,22 @@ class _StepProfiler:
     """:data:`PROFILE_ENV`'s recorder: starts torch's profiler at decode call ``first`` and writes its table after
     ``count`` calls."""
 
-    def __init__(self, folder: str, first: int = 300, count: int = 100) -> None:
-        self.folder, self.first, self.count = folder, first, count
+    def __init__(self, folder: str, first: int = 300, count: int = 100, name: str = "eval") -> None:
+        self.folder, self.first, self.count, self.name = folder, first, count, name
         self._prof = None
         self._done = False
 
     @classmethod
-    def from_env(cls) -> _StepProfiler | None:
+    def from_env(cls, env: str = PROFILE_ENV, name: str = "eval") -> _StepProfiler | None:
+        """The recorder ``env`` asks for (``DIR[:FIRST:COUNT]``), writing ``DIR/<name>_profile_<pid>.txt``; None when
+        it is unset or empty."""
         import os
 
-        spec = os.environ.get(PROFILE_ENV)
+        spec = os.environ.get(env)
         if not spec:
             return None
         folder, *rest = spec.split(":")
-        return cls(folder, *(int(x) for x in rest[:2]))
+        return cls(folder, *(int(x) for x in rest[:2]), name=name)
 
     def step(self, calls: int) -> None:
         if self._done:
@@ -405,7 +411,7 @@ class _StepProfiler:
 
             table = self._prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
             cpu = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-            path = Path(self.folder) / f"eval_profile_{os.getpid()}.txt"
+            path = Path(self.folder) / f"{self.name}_profile_{os.getpid()}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"decode calls {self._start[0]}..{calls}, wall {wall:.3f} s\n\n{table}\n\n{cpu}\n")
             self._done = True

@@ -30,6 +30,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -186,6 +187,9 @@ class Scheduler:
             worker streams, finishes and admits (:meth:`~lragent.engine.Engine.launch`), so the device decodes while
             the host works; a request admitted then joins the round after. Each request gets the same tokens (its
             sampling depends on its seed and token index only); on a GPU the decode widths it meets may differ.
+        profiler: a diagnostic recorder told the engine's decode step count at the top of each round (``step(n)``,
+            as ``eval``'s ``LRAGENT_EVAL_PROFILE`` recorder is; the serving commands pass the one
+            ``LRAGENT_SERVE_PROFILE`` asks for); None: nothing is recorded.
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class Scheduler:
         steps_per_sync: int | None = None,
         metrics: ServeMetrics | None = None,
         launch_ahead: bool = False,
+        profiler: Any | None = None,
     ) -> None:
         if tokenizer is None:
             raise ValueError("a served model needs a tokenizer (the prompts are text)")
@@ -214,6 +219,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.launch_ahead = bool(launch_ahead)
         self._launched = False  # a round of decode steps is queued and not yet collected
+        self.profiler = profiler
 
     # ---- the client side (any thread) ----------------------------------------------------------------------------
     def submit(self, req: ServeRequest) -> None:
@@ -274,6 +280,8 @@ class Scheduler:
                         return
                 t1 = clock()
                 self.metrics.worker_time("idle", t1 - t0)
+                if self.profiler is not None:  # told the decode steps so far at the top of each round
+                    self.profiler.step(self.engine.decode_steps)
                 self._cancel_requested()
                 admitted = self._admit()
                 t2 = clock()
