@@ -232,6 +232,11 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         "",
         ["tests/test_similarity.py", "tests/test_similarity_report_units.py"],
     ),
+    "run_eval": (  # not the embedded-model end-to-end test nor the --devices / several-benchmark shard runs (100+ s)
+        "eval_suite/evaluate/run_eval.py",
+        "",
+        ["tests/test_eval_runner.py", "tests/test_shard_launch.py"],
+    ),
     "droidspeak_select": (
         "eval_suite/diagnostics/droidspeak_select.py",
         "",
@@ -241,6 +246,17 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "lit_cli": ("lit_modules/cli.py", "", ["tests/test_lit_cli_units.py"]),
     "fidelity_command": ("eval_suite/diagnostics/fidelity_command.py", "", ["tests/test_fidelity_command_units.py"]),
     "attention": ("lragent/attention.py", "", ["tests/test_attention_units.py"]),  # test_two_piece_attention: 106 s
+    "peft_check": ("eval_suite/diagnostics/peft_check.py", "", ["tests/test_peft_check.py"]),
+    "fidelity": (
+        "eval_suite/diagnostics/fidelity.py",
+        "",
+        ["tests/test_fidelity_units.py", "tests/test_fidelity.py"],
+    ),
+    "similarity": (
+        "eval_suite/diagnostics/similarity.py",
+        "",
+        ["tests/test_similarity_units.py", "tests/test_similarity.py"],
+    ),
 }
 # functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
 # arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The
@@ -248,7 +264,32 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
 UNWRAPPED: dict[str, list[str]] = {"multi_lora_module_loss": ["    def __init__("]}  # MultiLoraModule's
 # tests that cannot run under mutmut's trampolines (they fail on the unmutated code there, pass in the plain suite):
 # isinstance against the runtime-checkable Policy protocol, defined in the mutated module itself
-DESELECT: dict[str, list[str]] = {"policies": ["tests/test_agents_loop.py::test_helpers"]}
+DESELECT: dict[str, list[str]] = {
+    "policies": ["tests/test_agents_loop.py::test_helpers"],
+    # run_eval: the tests of 10 s and more (the embedded model, the tiny model's evals, --devices shards, console
+    # subprocesses): run_plan and fan_out are run in-process by the fast tests of the same files
+    "run_eval": [
+        f"tests/test_eval_runner.py::{name}"
+        for name in (
+            "test_eval_command_end_to_end_on_the_embedded_model",
+            "test_a_killed_eval_keeps_its_timing_and_the_resumed_run_adds_to_it",
+            "test_devices_shards_equal_one_process",
+            "test_several_benchmarks_in_one_process_and_on_two_shards_equal_one_run_each",
+            "test_sigterm_stops_an_eval_like_ctrl_c_with_its_records_and_time_kept",
+            "test_eval_launch_ahead_is_an_option_its_records_name",
+            "test_an_interrupt_between_a_records_append_and_its_count_keeps_the_logs_count",
+        )
+    ]
+    + [
+        f"tests/test_shard_launch.py::{name}"
+        for name in (
+            "test_a_profiled_console_eval_still_writes_its_profile",
+            "test_an_eval_process_imports_the_summary_metrics_only_to_write_a_summary",
+            "test_a_console_eval_exits_with_its_status",
+            "test_the_console_entry_starts_without_torch",
+        )
+    ],
+}
 STATUS = re.compile(r"^\s+(\S+): (.+)$")
 
 

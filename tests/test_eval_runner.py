@@ -953,3 +953,1216 @@ def test_eval_launch_ahead_is_an_option_its_records_name(tmp_path):
     assert len(read_episodes(out / EPISODES_FILE)) == 2
     timing = json.loads((out / "timing.json").read_text())
     assert timing["launch_ahead"] is True and timing["batch"] == 2
+
+
+# ------------------------------------------------------------------ the command's small parts, one value at a time
+def test_cli_values_last_lines_shards_and_seeds(tmp_path):
+    """What --devices re-issues per shard (booleans lower case, lists bracketed), a shard log's last line, --shard's
+    parse and the paired episode seed, each against its value."""
+    assert [run_eval._cli_value(v) for v in (True, False, [1, "a"], ("x", 2), 0.5, "s")] == [
+        "true", "false", "[1,a]", "[x,2]", "0.5", "s"
+    ]  # fmt: skip
+    log = tmp_path / "shard_0.log"
+    assert run_eval._last_line(log) == "no output"  # not written
+    log.write_text("")
+    assert run_eval._last_line(log) == "no output"
+    log.write_text("first\n  error: the one line  \n\n   \n")
+    assert run_eval._last_line(log) == "error: the one line"
+    log.write_text("x" * 400 + "\n")
+    assert run_eval._last_line(log) == "x" * 300
+    log.write_bytes(b"error: \xff bad byte\n")  # a shard's output is not always UTF-8: read, not refused
+    assert run_eval._last_line(log) == "error: \ufffd bad byte"
+    assert run_eval.parse_shard("0/1") == (0, 1) and run_eval.parse_shard("3/4") == (3, 4)
+    for bad, why in (("4/4", "need 0 <= i < n"), ("-1/4", "need 0 <= i < n"), ("0/0", "need 0 <= i < n"),
+                     ("1/2/3", "must look like i/n"), ("a/2", "must look like i/n")):  # fmt: skip
+        with pytest.raises(
+            ValueError, match=f"^--shard {re.escape(repr(bad))}: {why}|^--shard {re.escape(repr(bad))} {why}"
+        ):
+            run_eval.parse_shard(bad)
+    digest = hashlib.sha256(b"7:2:q-1").hexdigest()
+    assert run_eval.episode_seed(7, 2, "q-1") == int(digest[:8], 16)
+    assert 0 <= run_eval.episode_seed(0, 0, "x") < 2**32
+    assert len({run_eval.episode_seed(b, r, q) for b in (0, 1) for r in (0, 1) for q in ("a", "b")}) == 8
+
+
+def test_run_config_is_written_then_kept_and_old_files_read_with_their_defaults(tmp_path):
+    """The first run writes run_config.json (its folder created); a resume with the same identity rewrites it; an
+    older file without sampler/split reads as sampler 1 and split dev; only the fields that differ are named."""
+    out = tmp_path / "a" / "b"
+    config = {k: 1 for k in run_eval.IDENTITY_FIELDS} | {"sampler": 2, "split": ["dev"], "runs": 3}
+    run_eval.check_run_config(out, config)
+    assert json.loads((out / "run_config.json").read_text()) == config
+    run_eval.check_run_config(out, {**config, "runs": 5})  # not an identity field
+    assert json.loads((out / "run_config.json").read_text())["runs"] == 5
+    old = {k: v for k, v in config.items() if k not in ("sampler", "split")}
+    (out / "run_config.json").write_text(json.dumps(old))
+    run_eval.check_run_config(out, {**old, "sampler": 1, "split": ["dev"]})  # what the old file meant
+    (out / "run_config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError) as err:
+        run_eval.check_run_config(out, {**old, "seed": 2, "split": ["test"], "sampler": 1})
+    assert (
+        str(err.value)
+        == f"{out} holds a run with other settings (seed: 1 -> 2, split: ['dev'] -> ['test']); use another --out"
+    )
+
+
+def test_lists_adapter_defaults_and_benchmark_calls():
+    assert run_eval._as_list(None) == [] and run_eval._as_list("") == []
+    assert run_eval._as_list(" a, b,,c ") == ["a", "b", "c"] and run_eval._as_list([1, "x"]) == ["1", "x"]
+    d = Path("/data")
+    assert run_eval.default_adapters("hotpotqa", d) == d / "adapters" / "hotpotqa_sharedA"
+    assert run_eval.default_adapters("scienceqa", d, "Qwen2.5-Coder-1.5B") == d / "adapters" / "qwen_scienceqa_sharedA"
+    assert run_eval.default_adapters("scienceqa", d, "other") == d / "adapters" / "scienceqa_sharedA"
+    assert run_eval.default_adapters("hotpotqa") == run_eval.DATA_DIR / "adapters" / "hotpotqa_sharedA"
+    assert run_eval.benchmark_names("scienceqa,hotpotqa") == ["scienceqa", "hotpotqa"]
+    assert run_eval.benchmark_names(["hotpotqa"]) == ["hotpotqa"]
+    call = {"out": "O/{benchmark}/x", "work_queue": None, "adapters": "A/{benchmark}_sharedA", "benchmark": "b"}
+    one = run_eval.benchmark_call(call, "scienceqa", several=True)
+    assert one == {"out": "O/scienceqa/x", "work_queue": None, "adapters": "A/scienceqa_sharedA",
+                   "benchmark": "scienceqa"}  # fmt: skip
+    assert call["out"] == "O/{benchmark}/x"  # the caller's call is not changed
+    assert run_eval.benchmark_call({"out": "O", "work_queue": None, "adapters": None}, "hotpotqa", several=True)[
+        "out"
+    ] == str(Path("O") / "hotpotqa")
+    assert run_eval.benchmark_call({"out": "O", "work_queue": None, "adapters": None}, "hotpotqa", False)["out"] == "O"
+    queued = {"out": "Q/{benchmark}/shard_0", "work_queue": "Q/{benchmark}/queue", "adapters": None}
+    assert run_eval.benchmark_call(queued, "hotpotqa", several=True)["work_queue"] == "Q/hotpotqa/queue"
+    with pytest.raises(ValueError, match=r"^--out Q/shard_0 with several benchmarks and --work_queue: put \{benchmark"):
+        run_eval.benchmark_call({**queued, "out": "Q/shard_0"}, "hotpotqa", several=True)
+    assert run_eval.benchmark_call({**queued, "out": "Q/shard_0"}, "hotpotqa", several=False)["out"] == "Q/shard_0"
+
+
+def _call(tmp_path, **kw):
+    import inspect
+
+    call = {k: p.default for k, p in inspect.signature(run_eval.evaluate).parameters.items()}
+    call.update(adapter_init="random", device="cpu", out=str(tmp_path / "o"), limit=4)
+    call.update(kw)
+    return call
+
+
+@pytest.mark.parametrize("name", list(run_eval._AT_LEAST))
+def test_each_lower_bound_is_checked_at_its_bound_and_refuses_a_boolean(name, tmp_path):
+    low = run_eval._AT_LEAST[name]
+    for bad in (low - 1, True):
+        with pytest.raises(ValueError, match=f"^--{name} must be >= {low}, got {bad}$"):
+            run_eval.check_eval_args(_call(tmp_path, **{name: bad}), notes=False)
+    if name not in ("devices", "limit", "max_context_tokens"):  # those three make their own checks at their bound
+        run_eval.check_eval_args(_call(tmp_path, **{name: max(low, 1)}), notes=False)
+
+
+def test_the_plan_holds_the_checked_arguments(tmp_path, capsys):
+    """check_eval_args: greedy records top_p 1; --batch sets the context bound from --capacity; a shard takes every
+    n-th question, a queue shard all of them; the untrained row is non_shared only; nothing is written."""
+    from eval_suite.evaluate.benchmarks import load_questions as load
+    from lragent.schemes import Scheme
+
+    plan = run_eval.check_eval_args(_call(tmp_path, temperature=0.0, top_p=0.5, seed=3, runs=2), notes=False)
+    assert plan.top_p == 1.0 and plan.temperature == 0.0 and plan.max_context_tokens is None
+    assert plan.agent.max_steps == 15 and plan.agent.max_context_tokens is None
+    assert plan.questions == load("hotpotqa", None, 4) and plan.levels is None and plan.splits == ("dev",)
+    assert plan.out_dir == tmp_path / "o" and plan.adapters is None and plan.corpus_files == []
+    assert plan.droidspeak_layers is None and list(plan.constraints) == [] and plan.args["seed"] == 3
+    assert [str(s) for s in plan.schemes] == ["base_lr_shared"]
+    assert run_eval.check_eval_args(_call(tmp_path, temperature=0.5, top_p=0.5), notes=False).top_p == 0.5
+    plan = run_eval.check_eval_args(_call(tmp_path, batch=2, capacity=4096, max_steps=3, thought_tokens=5,
+                                          argument_tokens=6), notes=False)  # fmt: skip
+    assert plan.max_context_tokens == plan.agent.max_context_tokens == 4096 - 2048
+    assert (plan.agent.max_steps, plan.agent.thought_tokens, plan.agent.argument_tokens) == (3, 5, 6)
+    plan = run_eval.check_eval_args(_call(tmp_path, batch=2, capacity=8192, max_context_tokens=6144), notes=False)
+    assert plan.max_context_tokens == 6144  # exactly capacity - 2048: allowed
+    assert (
+        run_eval.check_eval_args(_call(tmp_path, batch="auto", capacity=8192), notes=False).max_context_tokens == 6144
+    )
+    assert run_eval.check_eval_args(_call(tmp_path, max_context_tokens=99), notes=False).max_context_tokens == 99
+    plan = run_eval.check_eval_args(_call(tmp_path, shard="1/2"), notes=False)
+    assert plan.questions == load("hotpotqa", None, 4)[1::2]
+    plan = run_eval.check_eval_args(_call(tmp_path, shard="1/2", work_queue=str(tmp_path / "q")), notes=False)
+    assert plan.questions == load("hotpotqa", None, 4)
+    plan = run_eval.check_eval_args(_call(tmp_path, adapter_init="zero", limit=None, levels="easy"), notes=False)
+    assert plan.schemes == [Scheme.NON_SHARED] and plan.levels == ["easy"]
+    assert {q.level for q in plan.questions} == {"easy"}
+    plan = run_eval.check_eval_args(_call(tmp_path, adapter_init="zero", scheme="non_shared"), notes=False)
+    assert plan.schemes == [Scheme.NON_SHARED]
+    assert run_eval.check_eval_args(_call(tmp_path, shard="3/4"), notes=False).questions == [plan.questions[3]]
+    assert run_eval.check_eval_args(_call(tmp_path, devices=4), notes=False).questions == plan.questions
+    assert not (tmp_path / "o").exists() and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"memory_fraction": 1.5}, "--memory_fraction 1.5: allowed"),
+        ({"stall_s": -1.0}, "--stall_s"),
+        ({"batch": 2, "capacity": 4095}, "--capacity must be >= 4096 positions per episode, got 4095"),
+        ({"batch": 2, "capacity": 8192, "max_context_tokens": 6145}, "--max_context_tokens 6145 leaves no room"),
+        ({"adapter_init": "zero", "scheme": "base_shared"}, "--adapter_init zero is the untrained row"),
+        ({"devices": 2, "work_queue": "q"}, "give --devices or --work_queue, not both"),
+        ({"devices": 5}, "--devices 5: 4 question(s) to split over 5 shards (--limit, --levels); allowed at most 4"),
+        ({"shard": "4/5"}, "--shard 4/5: 4 question(s) to split over 5 shards"),
+        ({"constrain": "answer_text"}, "answer_text"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_written(kw, message, tmp_path):
+    with pytest.raises(ValueError) as err:
+        run_eval.check_eval_args(_call(tmp_path, **kw), notes=False)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_work_queue_that_is_a_file_and_a_missing_default_adapter_set_are_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "q").write_text("")
+    with pytest.raises(ValueError, match=rf"^--work_queue {re.escape(str(tmp_path / 'q'))} is a file: give a folder"):
+        run_eval.check_eval_args(_call(tmp_path, work_queue=str(tmp_path / "q")), notes=False)
+    monkeypatch.setattr(run_eval, "DATA_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no --adapters given"):
+        run_eval.check_eval_args(_call(tmp_path, adapter_init=None), notes=False)
+    shipped = tmp_path / "adapters" / "hotpotqa_sharedA"
+    shipped.mkdir(parents=True)
+    monkeypatch.setattr(run_eval, "check_model_args", lambda **kw: None)  # an empty folder: only its choice here
+    assert run_eval.check_eval_args(_call(tmp_path, adapter_init=None), notes=True).adapters == str(shipped)
+    err = capsys.readouterr().err
+    assert f"eval: using the trained shared-A adapters {shipped} (no --adapters given)" in err
+    assert "--limit without --scheme runs base_lr_shared only" in err
+    run_eval.check_eval_args(_call(tmp_path, adapter_init=None), notes=False)
+    assert "--limit without --scheme" not in capsys.readouterr().err  # said once, by the first benchmark
+
+
+def test_check_out_and_merge_refuse_in_one_line(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is an existing file; give a directory"):
+        run_eval._check_out(str(tmp_path / "f"))
+    assert run_eval._check_out(str(tmp_path / "d")) == tmp_path / "d"
+    with pytest.raises(ValueError, match="^--merge needs at least one output directory$"):
+        run_eval.merge_outputs([], tmp_path / "m")
+    with pytest.raises(FileNotFoundError, match=f"^--merge {re.escape(str(tmp_path))}: no {EPISODES_FILE} there$"):
+        run_eval.merge_outputs([str(tmp_path)], tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_shard_queue_knows_the_episodes_its_sibling_shards_hold(tmp_path):
+    assert run_eval.shard_queue(None, "0/2", tmp_path / "shard_0") == (None, set())
+    assert run_eval.shard_queue("", "0/2", tmp_path / "shard_0") == (None, set())
+    (tmp_path / "shard_1").mkdir()
+    rec = {"row": "non_shared", "run": 1, "qid": "q7"}
+    (tmp_path / "shard_1" / EPISODES_FILE).write_text(json.dumps(rec) + "\n")
+    (tmp_path / "shard_0").mkdir()
+    (tmp_path / "shard_0" / EPISODES_FILE).write_text(json.dumps({**rec, "qid": "mine"}) + "\n")
+    queue, elsewhere = run_eval.shard_queue(str(tmp_path / "queue"), "0/2", tmp_path / "shard_0")
+    assert elsewhere == {("non_shared", 1, "q7")}
+    assert queue.claim(("non_shared", 0, "q1")) is True and queue.claim(("non_shared", 0, "q1")) is False
+
+
+def test_sigterm_raises_keyboard_interrupt_until_the_handler_is_restored():
+    import signal
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    restore = run_eval._stop_on_sigterm()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is before
+    got = []
+    t = threading.Thread(target=lambda: got.append(run_eval._stop_on_sigterm()))
+    t.start()
+    t.join()
+    assert got[0]() is None and signal.getsignal(signal.SIGTERM) is before  # off the main thread: nothing set
+
+
+# ------------------------------------------------------------- run_plan and fan_out, with the fake policy's episodes
+def _fake_model(monkeypatch, questions):
+    """The model's loading and its policies replaced by the fake policy (run_plan's own work is what is checked);
+    returns what they were called with."""
+    seen: dict = {"load": [], "factory": []}
+
+    def load(**kw):
+        seen["load"].append(kw)
+        return "LM", "TOK"
+
+    def factory(lm, tokenizer, **kw):
+        seen["factory"].append((lm, tokenizer, kw))
+        return Factory(questions)
+
+    monkeypatch.setattr(run_eval, "load_lora_model", load)
+    monkeypatch.setattr(run_eval, "build_policy_factory", factory)
+    return seen
+
+
+def _without(records, *keys):
+    return [{k: v for k, v in r.items() if k not in keys} for r in records]
+
+
+def test_run_plan_writes_its_config_records_timing_and_summary_and_a_rerun_redoes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    qs = load_questions("hotpotqa", limit=3)
+    seen = _fake_model(monkeypatch, qs)
+    out = tmp_path / "o"
+    kw = dict(benchmark="hotpotqa", scheme="non_shared,base_lr_shared", limit=3, runs=2, seed=5, max_steps=4,
+              adapter_init="random", device="cpu", quiet=True, out=str(out), temperature=0.7, top_p=0.8)  # fmt: skip
+    assert run_eval.evaluate(**kw) == 0
+    assert seen["load"] == [dict(model="default", adapters=None, adapter_init="random", rank=8, alpha=16.0, seed=5,
+                                 dtype="float32", device="cpu")]  # fmt: skip
+    assert seen["factory"] == [("LM", "TOK", dict(temperature=0.7, top_p=0.8, use_kernel=True,
+                                                  droidspeak_layers=None))]  # fmt: skip
+    records = read_episodes(out / EPISODES_FILE)
+    ref = run_episodes(
+        qs, ["non_shared", "base_lr_shared"], 2, SequentialExecutor(Factory(qs)), tmp_path / "ref",
+        benchmark="hotpotqa", adapters="init:random", seed=5, agent_config=AgentConfig(max_steps=4), temperature=0.7,
+        top_p=0.8, progress=False,
+    )  # fmt: skip
+    assert len(records) == 12 and _without(records, "provenance", "wall_s") == _without(ref, "wall_s")
+    assert records[0]["provenance"]["dtype"] == "float32"
+    config = json.loads((out / "run_config.json").read_text())
+    assert {k: config[k] for k in ("benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints",
+                                   "answer_score", "corpus_files", "seed", "droidspeak_layers", "schemes", "runs",
+                                   "levels", "split", "limit", "shard", "work_queue", "questions",
+                                   "batch_invariant")} == dict(
+        benchmark="hotpotqa", model="default", adapters="init:random", dtype="float32", temperature=0.7, top_p=0.8,
+        constraints=[], answer_score=None, corpus_files=[], seed=5, droidspeak_layers=None,
+        schemes=["non_shared", "base_lr_shared"], runs=2, levels=None, split=["dev"], limit=3, shard="0/1",
+        work_queue=None, questions=3, batch_invariant=False,
+    )  # fmt: skip
+    from lragent.sampling import SAMPLER_VERSION
+
+    assert config["agent"] == vars(AgentConfig(max_steps=4)) and config["sampler"] == SAMPLER_VERSION
+    assert config["corpus"]["splits"] == ["dev"] and config["provenance"] == records[0]["provenance"]
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["complete"] is True and timing["episodes"] == 12 and timing["batch"] == 0
+    assert timing["device"] == "cpu" and timing["episodes_s"] > 0 and timing["summary_s"] is not None
+    assert timing["prefill_in_decode"] is None and timing["decode_steps"] is None and timing["torch_threads"] >= 1
+    assert timing["setup_s"] >= timing["prepare_s"] + timing["load_s"] >= 0 and timing["size_s"] >= 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rows"] == ["non_shared", "base_lr_shared"] and (out / "report.md").is_file()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:2]] == ["non_shared", "base_lr_shared"]
+    assert all(re.fullmatch(r"\w+: em \d+\.\d ± \d+\.\d OOF \d+\.\d ± \d+\.\d", line) for line in lines[:2]), lines
+    assert lines[2] == f"-> {out / 'summary.json'}, {out / 'report.md'}"
+    before = (out / "timing.json").read_text()
+    assert run_eval.evaluate(**kw) == 0  # nothing to do: the records and the runs' timing stay as they were
+    assert read_episodes(out / EPISODES_FILE) == records and (out / "timing.json").read_text() == before
+    assert run_eval.evaluate(**{**kw, "runs": 3}) == 0  # the third run only
+    assert len(read_episodes(out / EPISODES_FILE)) == 18
+    timing = json.loads((out / "timing.json").read_text())
+    assert [p["episodes"] for p in timing["parts"]] == [12, 6] and timing["parts"][1]["startup_s"] >= 0
+
+
+def test_run_plan_greedy_records_top_p_one_and_a_stopped_loop_keeps_its_time(tmp_path, monkeypatch):
+    qs = load_questions("hotpotqa", limit=3)
+    _fake_model(monkeypatch, qs)
+    out = tmp_path / "o"
+    kw = dict(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4, adapter_init="random",
+              device="cpu", quiet=True, out=str(out), temperature=0.0)  # fmt: skip
+    real = run_eval.run_episodes
+
+    def stopped_after_two(*args, on_record=None, **kwargs):
+        count = []
+
+        def record():
+            on_record()
+            count.append(1)
+            if len(count) == 2:
+                raise KeyboardInterrupt
+
+        return real(*args, on_record=record, **kwargs)
+
+    monkeypatch.setattr(run_eval, "run_episodes", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval.evaluate(**kw)
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["complete"] is False and timing["episodes"] == 2 and timing["summary_s"] is None
+    assert not (out / "summary.json").exists()
+    records = read_episodes(out / EPISODES_FILE)
+    assert len(records) == 2 and {r["protocol"]["top_p"] for r in records} == {1.0}
+    assert json.loads((out / "run_config.json").read_text())["top_p"] == 1.0
+
+
+def test_timing_is_rewritten_as_episodes_end_only_every_few_seconds(tmp_path, monkeypatch):
+    qs = load_questions("hotpotqa", limit=3)
+    _fake_model(monkeypatch, qs)
+    seen = []
+    real = run_eval.run_episodes
+
+    def watch(*args, on_record=None, **kwargs):
+        def record():
+            on_record()
+            path = tmp_path / "o" / "timing.json"
+            seen.append(json.loads(path.read_text())["episodes"] if path.exists() else None)
+
+        return real(*args, on_record=record, **kwargs)
+
+    monkeypatch.setattr(run_eval, "run_episodes", watch)
+    kw = dict(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4, adapter_init="random",
+              device="cpu", quiet=True, out=str(tmp_path / "o"))  # fmt: skip
+    assert run_eval.evaluate(**kw) == 0
+    assert seen == [None, None, None]  # within TIMING_EVERY_S of the loop's start: not rewritten
+    monkeypatch.setattr(run_eval, "TIMING_EVERY_S", 0.0)
+    seen.clear()
+    assert run_eval.evaluate(**{**kw, "runs": 2}) == 0  # every record rewrites it: the resumed part counts up
+    assert seen == [4, 5, 6]
+
+
+def test_out_of_memory_one_episode_at_a_time_ends_in_one_line_keeping_the_finished_episodes(tmp_path, monkeypatch):
+    import torch
+
+    qs = load_questions("hotpotqa", limit=3)
+    _fake_model(monkeypatch, qs)
+
+    class Full(Factory):
+        def __call__(self, task):
+            if self.calls == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().__call__(task)
+
+    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: Full(qs))
+    out = tmp_path / "o"
+    with pytest.raises(ValueError) as err:
+        run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4,
+                          adapter_init="random", device="cpu", quiet=True, out=str(out))  # fmt: skip
+    assert str(err.value).endswith(f"(finished episodes are kept in {out / EPISODES_FILE})")
+    assert "--batch N, or fewer processes on the device" in str(err.value)
+    assert len(read_episodes(out / EPISODES_FILE)) == 2
+    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: Factory(qs))
+    with pytest.raises(RuntimeError, match="not memory"):  # any other error goes through as it is
+
+        def broken(*a, **kw):
+            raise RuntimeError("not memory")
+
+        monkeypatch.setattr(run_eval, "build_policy_factory", broken)
+        run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4,
+                          adapter_init="random", device="cpu", quiet=True, out=str(out))  # fmt: skip
+
+
+def test_a_queue_shard_runs_what_it_claims_and_writes_no_summary(tmp_path, monkeypatch, capsys):
+    qs = load_questions("hotpotqa", limit=4)
+    _fake_model(monkeypatch, qs)
+    out, queue = tmp_path / "shard_0", tmp_path / "queue"
+    (tmp_path / "shard_1").mkdir()  # an earlier launch's shard holds one episode: not run again
+    ref, _ = _run(tmp_path / "ref", qs[:1], runs=1, schemes=["full_shared"])
+    (tmp_path / "shard_1" / EPISODES_FILE).write_text(json.dumps(ref[0]) + "\n")
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=4, runs=1, max_steps=4,
+                             adapter_init="random", device="cpu", quiet=True, out=str(out), shard="0/2",
+                             work_queue=str(queue)) == 0  # fmt: skip
+    records = read_episodes(out / EPISODES_FILE)
+    assert sorted(r["qid"] for r in records) == sorted(q.qid for q in qs[1:])  # all four questions, less the held one
+    assert not (out / "summary.json").exists()
+    assert capsys.readouterr().out == (
+        f"eval: shard 0/2 ran 3 hotpotqa episode(s) from the queue {queue} -> {out / EPISODES_FILE}\n"
+    )
+    assert json.loads((out / "timing.json").read_text())["episodes"] == 3
+
+
+def test_several_benchmarks_in_one_process_each_into_its_folder_with_its_label(tmp_path, monkeypatch, capsys):
+    qs = load_questions("hotpotqa", limit=2) + load_questions("scienceqa", limit=2)
+    _fake_model(monkeypatch, qs)
+    plans = []
+    real = run_eval.run_plan
+
+    def watch(plan, first=True, label=""):
+        plans.append((plan.bench.name, first, label))
+        return real(plan, first=first, label=label)
+
+    monkeypatch.setattr(run_eval, "run_plan", watch)
+    assert (
+        run_eval.evaluate(
+            benchmark="hotpotqa,scienceqa",
+            scheme="full_shared",
+            limit=2,
+            runs=1,
+            max_steps=4,
+            adapter_init="random",
+            device="cpu",
+            quiet=True,
+            out=str(tmp_path / "o"),
+        )
+        == 0
+    )
+    assert plans == [("hotpotqa", True, "hotpotqa"), ("scienceqa", False, "scienceqa")]
+    for b in ("hotpotqa", "scienceqa"):
+        assert {r["benchmark"] for r in read_episodes(tmp_path / "o" / b / EPISODES_FILE)} == {b}
+    t = json.loads((tmp_path / "o" / "scienceqa" / "timing.json").read_text())
+    assert t["startup_s"] == 0.0  # the process's start is counted once, by the first benchmark
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("hotpotqa full_shared: em ") and lines[2].startswith("scienceqa full_shared: acc")
+    assert lines[1] == f"-> {tmp_path / 'o' / 'hotpotqa' / 'summary.json'}, {tmp_path / 'o' / 'hotpotqa' / 'report.md'}"
+    monkeypatch.setattr(run_eval, "run_plan", lambda plan, first, label: 3)  # a failed benchmark ends the command
+    assert (
+        run_eval.evaluate(
+            benchmark="hotpotqa,scienceqa",
+            scheme="full_shared",
+            limit=2,
+            runs=1,
+            adapter_init="random",
+            device="cpu",
+            quiet=True,
+            out=str(tmp_path / "p"),
+        )
+        == 3
+    )
+
+
+def _shards_that_ran(monkeypatch, episodes: dict[str, list], codes=None):
+    """spawn_shards replaced by processes that end at once (exit status ``codes[i]``, default 0), whose shard folders
+    hold the episodes given per benchmark (split over the shards): what fan_out's wait, merge and launch.json see."""
+    import subprocess
+
+    calls = []
+
+    def spawn(n, out_dir, args, gpus, device, env, benchmarks=()):
+        calls.append({"n": n, "out_dir": out_dir, "args": list(args), "gpus": gpus, "device": device,
+                      "benchmarks": list(benchmarks)})  # fmt: skip
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for b, records in episodes.items():
+            for i in range(n):
+                folder = (out_dir / b if len(benchmarks) > 1 else out_dir) / f"shard_{i}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / EPISODES_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[i::n]))
+        logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
+        procs = [subprocess.Popen(["true" if not codes or codes[i] == 0 else "false"]) for i in range(n)]
+        calls[-1].update(env=env, logs=logs)
+        return procs, logs, [f"shard {i}" for i in range(n)]
+
+    monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    real_sleep, polls = run_eval.time.sleep, []
+
+    def poll_wait(seconds):  # the shards end at once: a launcher still polling after 300 waits never sees them end
+        polls.append(seconds)
+        if len(polls) > 300:
+            raise AssertionError("fan_out kept waiting for shards that had ended")
+        real_sleep(seconds)
+
+    monkeypatch.setattr(run_eval.time, "sleep", poll_wait)
+    return calls
+
+
+def test_fan_out_gives_each_shard_the_options_that_differ_merges_them_and_records_the_launch(
+    tmp_path, monkeypatch, capsys
+):
+    qs = load_questions("hotpotqa", limit=4)
+    records, _ = _run(tmp_path / "one", qs, runs=1, schemes=["full_shared"])
+    calls = _shards_that_ran(monkeypatch, {"": records})
+    call = _call(tmp_path, scheme="full_shared", runs=1, use_kernel=False, levels=["easy", "medium"], quiet=False,
+                 devices=2)  # fmt: skip
+    out = tmp_path / "o"
+    assert run_eval.fan_out(call, 2, out, total=4) == 0
+    assert calls[0].pop("env") is os.environ and all(log.closed for log in calls[0].pop("logs"))
+    assert calls == [{"n": 2, "out_dir": out, "gpus": 0, "device": "cpu", "benchmarks": [], "args": [
+        "--scheme", "full_shared", "--levels", "[easy,medium]", "--limit", "4", "--runs", "1", "--adapter_init",
+        "random", "--use_kernel", "false"]}]  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    expected = write_summary(records, tmp_path / "one")
+    assert {k: v for k, v in summary.items() if k != "provenance"} == {
+        k: v for k, v in json.loads(json.dumps(expected)).items() if k != "provenance"
+    }
+    assert summary["provenance"]["dtype"] == "float32"
+    launch = json.loads((out / "launch.json").read_text())
+    assert set(launch) == {"devices", "early", "startup_s", "launch_s", "shard_wall_s", "merge_s"}
+    assert launch["launch_s"] < 60
+    assert launch["devices"] == 2 and launch["early"] is False and len(launch["shard_wall_s"]) == 2
+    assert all(0 < s < 60 for s in launch["shard_wall_s"]) and 0 <= launch["merge_s"] < 60
+    assert launch["launch_s"] >= 0 and launch["startup_s"] >= 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert re.fullmatch(r"full_shared: em \d+\.\d OOF \d+\.\d", lines[0]) and lines[1] == (
+        f"-> {out / 'summary.json'}, {out / 'report.md'}"
+    )
+    assert "shard 0\nshard 1\n" in captured.err and "4/4" in captured.err  # where each runs; the bar, at its end
+    assert "eval hotpotqa (2 shards)" in captured.err
+    from lragent import command
+
+    assert command._INTERRUPT_NOTE == [f"the shards' finished episodes are in {out}/shard_*/{EPISODES_FILE}; rerun "
+                                       "the same command to resume"]  # fmt: skip
+
+
+def test_fan_out_of_several_benchmarks_merges_each_into_its_folder(tmp_path, monkeypatch, capsys):
+    hp = load_questions("hotpotqa", limit=2)
+    sq = load_questions("scienceqa", limit=2)
+    episodes = {
+        "hotpotqa": _run(tmp_path / "hp", hp, runs=1, schemes=["full_shared"])[0],
+        "scienceqa": _run(tmp_path / "sq", sq, runs=1, schemes=["full_shared"], benchmark="scienceqa")[0],
+    }
+    calls = _shards_that_ran(monkeypatch, episodes)
+    call = _call(tmp_path, benchmark="hotpotqa,scienceqa", scheme="full_shared", runs=1, quiet=True, devices=2)
+    out = tmp_path / "o"
+    assert run_eval.fan_out(call, 2, out, total=4, benchmarks=["hotpotqa", "scienceqa"]) == 0
+    assert calls[0]["benchmarks"] == ["hotpotqa", "scienceqa"]
+    assert calls[0]["args"][:2] == ["--benchmark", "hotpotqa,scienceqa"]
+    for b in ("hotpotqa", "scienceqa"):
+        assert json.loads((out / b / "summary.json").read_text())["episodes"] == {"full_shared": {"0": 2}}
+    assert json.loads((out / "launch.json").read_text())["benchmarks"] == ["hotpotqa", "scienceqa"]
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("hotpotqa full_shared: em ") and lines[2].startswith("scienceqa full_shared: accuracy ")
+    assert lines[3] == f"-> {out / 'scienceqa' / 'summary.json'}, {out / 'scienceqa' / 'report.md'}"
+    assert "eval hotpotqa,scienceqa" not in captured.err  # --quiet: no bar
+    from lragent import command
+
+    assert command._INTERRUPT_NOTE == [f"the shards' finished episodes are in {out}/*/shard_*/{EPISODES_FILE}; rerun "
+                                       "the same command to resume"]  # fmt: skip
+
+
+def test_a_shard_that_fails_after_the_others_ended_is_named_and_nothing_is_merged(tmp_path, monkeypatch, capsys):
+    records, _ = _run(tmp_path / "one", load_questions("hotpotqa", limit=2), runs=1, schemes=["full_shared"])
+    _shards_that_ran(monkeypatch, {"": records}, codes=[0, 0, 1])
+    out = tmp_path / "o"
+    (out).mkdir()
+    (out / "shard_2.log").write_text("")
+    assert run_eval.fan_out(_call(tmp_path, quiet=True, devices=3), 3, out, total=6) == 1
+    err = capsys.readouterr().err
+    assert f"error: shard 2/3 failed: no output (log: {out / 'shard_2.log'})" in err
+    assert "eval: finished episodes are kept: rerun the same command to resume" in err
+    assert "shard 0/3 failed" not in err and not (out / "summary.json").exists() and not (out / "launch.json").exists()
+
+
+def test_evaluate_with_devices_fans_out_over_its_plans_questions(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(run_eval, "fan_out", lambda call, n, out, total, benchmarks: seen.append(
+        (call["benchmark"], call["out"], n, out, total, benchmarks)) or 0)  # fmt: skip
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="non_shared,full_shared", limit=3, runs=2, devices=2,
+                             adapter_init="random", device="cpu", out=str(tmp_path / "o")) == 0  # fmt: skip
+    assert seen == [("hotpotqa", str(tmp_path / "o"), 2, tmp_path / "o", 3 * 2 * 2, ["hotpotqa"])]
+    seen.clear()
+    assert run_eval.evaluate(benchmark="hotpotqa,scienceqa", scheme="non_shared", limit=2, runs=1, devices=2,
+                             adapter_init="random", device="cpu", out=str(tmp_path / "p")) == 0  # fmt: skip
+    assert seen == [("hotpotqa,scienceqa", str(tmp_path / "p"), 2, tmp_path / "p", 4, ["hotpotqa", "scienceqa"])]
+    seen.clear()
+    assert (
+        run_eval.evaluate(
+            benchmark="scienceqa",
+            scheme="non_shared",
+            limit=2,
+            runs=1,
+            devices=2,
+            adapter_init="random",
+            device="cpu",
+            out=str(tmp_path / "q" / "{benchmark}"),
+        )
+        == 0
+    )
+    assert seen == [("scienceqa", str(tmp_path / "q" / "scienceqa"), 2, tmp_path / "q" / "scienceqa", 2,
+                     ["scienceqa"])]  # fmt: skip
+    assert not (tmp_path / "o").exists() and not (tmp_path / "p").exists()
+
+
+# ------------------------------------------------------------------------------------- run_episodes, record by record
+def test_an_untrained_scienceqa_record_holds_every_field(tmp_path):
+    qs = load_questions("scienceqa", limit=1)
+    records, _ = _run(tmp_path / "o", qs, runs=1, schemes=["full_shared"], benchmark="scienceqa", adapters="init:zero",
+                      provenance={"x": 1}, temperature=0.9, top_p=0.75)  # fmt: skip
+    (rec,) = records
+    assert rec.pop("wall_s") > 0
+    stats = {"calls": 2, "prefill_tokens": 473, "decode_tokens": 4, "prefill_s": 0.18950000000000003,
+             "decode_s": 0.020999999999999998, "recomputed_tokens": 0}  # fmt: skip
+    assert rec == {
+        "benchmark": "scienceqa", "qid": "14767", "level": "1-4", "split": "dev", "row": "untrained",
+        "scheme": "full_shared", "adapters": "init:zero", "run": 0, "seed": run_eval.episode_seed(7, 0, "14767"),
+        "protocol": {"temperature": 0.9, "top_p": 0.75, "constraints": [], "sampler": 2},
+        "prediction": "something else", "candidate": "something else", "gold": 0,
+        "choices": ["All the judges at the important meeting.", "The cardboard box gets wet it falls apart."],
+        "correct": 0.0, "oof": False, "stop_reason": "finished", "steps": 2, "constrained_calls": 0,
+        "actions": ["Finish[something else]", "Reflect[right]"], "thoughts": ["I should think.", "I should think."],
+        "num_tokens": 510,
+        "roles": {
+            "plan": stats,
+            "action": {"calls": 1, "prefill_tokens": 4, "decode_tokens": 3, "prefill_s": 0.0016, "decode_s": 0.014,
+                       "recomputed_tokens": 0},
+            "reflect": {"calls": 2, "prefill_tokens": 16, "decode_tokens": 6, "prefill_s": 0.0068000000000000005,
+                        "decode_s": 0.028999999999999998, "recomputed_tokens": 0},
+        },
+        "provenance": {"x": 1},
+    }  # fmt: skip
+    hp, _ = _run(tmp_path / "hp", load_questions("hotpotqa", limit=1), runs=1, schemes=["full_shared"])
+    assert "choices" not in hp[0] and "provenance" not in hp[0] and hp[0]["row"] == "full_shared"
+
+
+def test_letter_constrained_rows_record_no_answer_score_and_thoughts_are_stripped(tmp_path):
+    qs = load_questions("scienceqa", limit=2)
+
+    class Spaced(Factory):
+        def __call__(self, task):
+            policy = super().__call__(task)
+            real = policy.generate
+
+            def generate(role, new_text, **kw):
+                out = real(role, new_text, **kw)
+                return f"  {out} \n" if out == "I should think." else out
+
+            policy.generate = generate
+            return policy
+
+    records, _ = _run(tmp_path / "o", qs, runs=1, schemes=["full_shared"], benchmark="scienceqa",
+                      constraints=("action_type", "answer"), factory=Spaced(qs))  # fmt: skip
+    assert {r["row"] for r in records} == {"full_shared+constrained"}
+    assert all("answer_score" not in r["protocol"] for r in records)
+    assert all(t == t.strip() and t for r in records for t in r["thoughts"])
+
+
+def test_only_missing_episodes_run_in_grid_order_and_each_record_is_announced(tmp_path):
+    qs = load_questions("hotpotqa", limit=3)
+    announced = []
+    out = tmp_path / "o"
+    first, f1 = _run(out, qs, runs=2, schemes=["non_shared", "full_shared"], max_episodes=3,
+                     on_record=lambda: announced.append(len(read_episodes(out / EPISODES_FILE))))  # fmt: skip
+    assert announced == [1, 2, 3] and f1.calls == 3
+    assert [record_key(r) for r in first] == [("non_shared", 0, q.qid) for q in qs]
+    elsewhere = {("non_shared", 1, qs[0].qid), ("full_shared", 0, qs[2].qid)}
+    second, f2 = _run(out, qs, runs=2, schemes=["non_shared", "full_shared"], done_elsewhere=elsewhere)
+    assert f2.calls == 12 - 3 - 2 and len(second) == 10
+    assert not {record_key(r) for r in second} & elsewhere
+    third, f3 = _run(out, qs, runs=2, schemes=["non_shared", "full_shared"])
+    assert f3.calls == 2 and len(third) == 12
+    assert [record_key(r) for r in third[10:]] == sorted(elsewhere, key=lambda k: (k[0] != "non_shared", k[1]))
+    _, f4 = _run(out, qs, runs=2, schemes=["non_shared", "full_shared"], max_episodes=0)
+    assert f4.calls == 0
+
+
+def test_a_queued_run_takes_only_the_episodes_it_claims(tmp_path):
+    from eval_suite.evaluate.work_queue import WorkQueue
+
+    qs = load_questions("hotpotqa", limit=3)
+    other = WorkQueue(tmp_path / "q", shard="1/2")
+    assert other.claim(("full_shared", 0, qs[1].qid))
+    records, factory = _run(tmp_path / "o", qs, runs=1, schemes=["full_shared"],
+                            work_queue=WorkQueue(tmp_path / "q", shard="0/2"))  # fmt: skip
+    assert [r["qid"] for r in records] == [qs[0].qid, qs[2].qid] and factory.calls == 2
+
+
+def test_a_batched_run_builds_its_engine_from_the_options_and_reserves_each_scheme(tmp_path, monkeypatch, capsys):
+    """--batch: the engine's executor gets the command's decode options (CUDA graphs only on a GPU), --batch auto
+    takes what fits (on the CPU: every episode, at most MAX_AUTO_BATCH), and each scheme that runs at once reserves
+    its rows; timing.json reads the executor's own settings and counters. The executor runs the fake policy."""
+    from eval_suite.evaluate import batched_executor
+
+    qs = load_questions("hotpotqa", limit=2)
+    _fake_model(monkeypatch, qs)
+    built, reserved = [], []
+
+    class Recorder(SequentialExecutor):
+        prefill_in_decode, feed_budget, concurrent_schemes, launch_ahead, decode_steps = 7, 8, "c", "l", 9
+        advance_s, sync_s, agent_s, replay_s, wait_s, capture_s = 1.5, 2.5, 3.5, 4.5, 5.5, 6.5
+
+        def __init__(self, lm, tokenizer, **kw):
+            built.append((lm, tokenizer, kw))
+            super().__init__(Factory(qs))
+
+        def reserve(self, scheme, n):
+            reserved.append((str(scheme), n))
+
+    monkeypatch.setattr(batched_executor, "BatchedExecutor", Recorder)
+    kw = dict(benchmark="hotpotqa", scheme="non_shared,full_shared", limit=2, runs=2, max_steps=4,
+              adapter_init="random", device="cpu", quiet=True)  # fmt: skip
+    assert (
+        run_eval.evaluate(
+            **kw,
+            out=str(tmp_path / "a"),
+            batch="auto",
+            concurrent_schemes=True,
+            prefill_in_decode=5,
+            feed_budget=6,
+            batch_invariant=True,
+            launch_ahead=True,
+            use_kernel=False,
+        )
+        == 0
+    )
+    assert built == [("LM", "TOK", dict(
+        batch=4, capacity=8192, temperature=0.9, top_p=0.75, use_kernel=False, cuda_graphs=False,
+        droidspeak_layers=None, prefill_in_decode=5, feed_budget=6, batch_invariant=True, concurrent_schemes=True,
+        launch_ahead=True))]  # fmt: skip
+    assert reserved == [("non_shared", 4), ("full_shared", 4)]
+    assert "eval: --batch auto: 4 episodes at once (what fits now; at most 4)" in capsys.readouterr().err
+    timing = json.loads((tmp_path / "a" / "timing.json").read_text())
+    assert {k: timing[k] for k in ("batch", "prefill_in_decode", "feed_budget", "concurrent_schemes", "launch_ahead",
+                                   "decode_steps", "advance_s", "sync_s", "agent_s", "replay_s", "wait_s",
+                                   "capture_s")} == dict(
+        batch=4, prefill_in_decode=7, feed_budget=8, concurrent_schemes="c", launch_ahead="l", decode_steps=9,
+        advance_s=1.5, sync_s=2.5, agent_s=3.5, replay_s=4.5, wait_s=5.5, capture_s=6.5)  # fmt: skip
+    assert len(read_episodes(tmp_path / "a" / EPISODES_FILE)) == 8
+    built.clear(), reserved.clear()
+    assert run_eval.evaluate(**kw, out=str(tmp_path / "c"), batch=2) == 0  # one scheme at a time: the first reserves
+    assert built[0][2]["concurrent_schemes"] is False and reserved == [("non_shared", 4)]
+    built.clear(), reserved.clear()
+    assert run_eval.evaluate(**{**kw, "scheme": "full_shared"}, out=str(tmp_path / "d"), batch=2,
+                             concurrent_schemes=True) == 0  # fmt: skip
+    assert built[0][2]["concurrent_schemes"] is False and reserved == [("full_shared", 4)]
+    run_config = json.loads((tmp_path / "d" / "run_config.json").read_text())
+    assert run_config["agent"]["max_context_tokens"] == 8192 - 2048
+
+
+def test_a_batch_out_of_memory_halves_the_batch_and_goes_on_from_the_log(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from eval_suite.evaluate import batched_executor
+
+    qs = load_questions("hotpotqa", limit=3)
+    _fake_model(monkeypatch, qs)
+    batches = []
+
+    class Full(Factory):
+        def __call__(self, task):
+            if batches[-1] > 1 and self.calls == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().__call__(task)
+
+    class Recorder(SequentialExecutor):
+        def __init__(self, lm, tokenizer, **kw):
+            batches.append(kw["batch"])
+            super().__init__(Full(qs))
+
+        def reserve(self, scheme, n):
+            pass
+
+    monkeypatch.setattr(batched_executor, "BatchedExecutor", Recorder)
+    out = tmp_path / "o"
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4, batch=4,
+                             adapter_init="random", device="cpu", quiet=True, out=str(out)) == 0  # fmt: skip
+    assert batches == [4, 2, 1]
+    err = capsys.readouterr().err
+    assert "; going on at --batch 2 (finished episodes kept)" in err and "; going on at --batch 1 (" in err
+    assert "a smaller --capacity, a larger --memory_fraction, or fewer processes on the device" in err
+    assert len(read_episodes(out / EPISODES_FILE)) == 3
+    assert json.loads((out / "timing.json").read_text())["batch"] == 1
+
+
+def test_the_launchers_bar_is_named_counts_episodes_and_is_off_when_asked(tmp_path):
+    logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    logs[1].write_text("{}\n{}\n{}\n")
+    bar = run_eval._ShardProgress(logs, total=2, desc="eval x", enabled=False)
+    assert bar.done == 3 and bar.bar.n == 2 and bar.bar.disable is True and bar.offsets == [0, 9]
+    bar.close()
+    on = run_eval._ShardProgress(logs, total=5, desc="eval y", enabled=True)
+    assert on.bar.disable is False and on.bar.n == 3 and on.bar.desc == "eval y" and on.bar.unit == "ep"
+    logs[0].write_text("{}\n")
+    on.update()
+    assert on.done == 4 and on.bar.n == 4 and on.offsets == [3, 9]
+    on.update()
+    assert on.done == 4 and on.bar.n == 4  # nothing new: nothing counted twice
+    on.close()
+
+
+def test_run_plan_hands_the_device_its_share_sizes_under_its_lock_and_watches_for_stalls(tmp_path, monkeypatch, capsys):
+    """What run_plan gives the device helpers (memory share, allocation lock, batch sizing before and after the model
+    loads), the stall watchdog (seconds, folder, what it names, what it writes when it fires), the engine's heartbeat,
+    the adapters' label, and that SIGTERM's handler and the interrupt note are as they should be afterwards."""
+    import contextlib
+    import signal
+
+    from eval_suite.evaluate import batched_executor
+    from lragent import command
+
+    qs = load_questions("hotpotqa", limit=2)
+    seen = _fake_model(monkeypatch, qs)
+    calls: dict = {"fraction": [], "lock": [], "choose": [], "dog": [], "models": [], "execs": []}
+
+    @contextlib.contextmanager
+    def lock(device):
+        calls["lock"].append(device)
+        yield
+
+    def choose(model, schemes, batch, capacity, **kw):
+        calls["choose"].append((model, [str(s) for s in schemes], batch, capacity, kw))
+        return 2 if batch == "auto" else batch
+
+    class Dog(run_eval.StallWatchdog):
+        def __init__(self, seconds, out_dir, describe, on_stall):
+            calls["dog"].append((seconds, out_dir, describe, on_stall))
+            super().__init__(seconds, out_dir, describe=describe, on_stall=on_stall)
+
+    class Recorder(SequentialExecutor):
+        heartbeat = None
+
+        def __init__(self, lm, tokenizer, **kw):
+            calls["execs"].append(self)
+            super().__init__(Factory(qs))
+
+        def reserve(self, scheme, n):
+            pass
+
+    monkeypatch.setattr(run_eval, "apply_memory_fraction", lambda device, f: calls["fraction"].append((device, f)))
+    monkeypatch.setattr(run_eval, "allocation_lock", lock)
+    monkeypatch.setattr(run_eval, "choose_batch", choose)
+    monkeypatch.setattr(run_eval, "StallWatchdog", Dog)
+    monkeypatch.setattr(run_eval, "check_model_args", lambda **kw: calls["models"].append(kw))
+    monkeypatch.setattr(batched_executor, "BatchedExecutor", Recorder)
+    adapters = tmp_path / "set"
+    adapters.mkdir()
+    monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "o"
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="non_shared,full_shared", limit=2, runs=1, max_steps=4,
+                             adapters="set", rank=4, alpha=8.0, dtype="bfloat16", device="cpu", quiet=True,
+                             out=str(out), batch="auto", memory_fraction=0.5, concurrent_schemes=True, stall_s=7.0,
+                             droidspeak_config=None) == 0  # fmt: skip
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert command._INTERRUPT_NOTE == [
+        f"finished episodes are in {out / EPISODES_FILE}; rerun the same command to resume"
+    ]
+    assert calls["fraction"] == [("cpu", 0.5)] and calls["lock"] == ["cpu"]
+    size = dict(dtype="bfloat16", device="cpu", rank=4, droidspeak_layers=None, memory_fraction=0.5, concurrent=True)
+    schemes = ["non_shared", "full_shared"]
+    assert calls["choose"] == [
+        ("default", schemes, 1, 8192, size),
+        ("default", schemes, "auto", 8192, dict(max_batch=2, model_loaded=True, **size)),
+    ]
+    assert calls["models"] == [
+        dict(
+            model="default",
+            adapters="set",
+            adapter_init=None,
+            rank=4,
+            alpha=8.0,
+            dtype="bfloat16",
+            device="cpu",
+            roles=run_eval.DEFAULT_ROLES,
+            needs_text=True,
+        )
+    ]
+    assert seen["load"][0]["adapters"] == "set" and seen["load"][0]["dtype"] == "bfloat16"
+    ((seconds, folder, describe, on_stall),) = calls["dog"]
+    assert seconds == 7.0 and folder == out and describe() == "Recorder"
+    (executor,) = calls["execs"]
+    assert executor.heartbeat is not None and executor.heartbeat.__self__.__class__ is Dog
+    on_stall()  # what a stall writes: the loop's time so far, its episodes from the log
+    timing = json.loads((out / "timing.json").read_text())
+    assert timing["complete"] is False and timing["episodes"] == 4 and timing["batch"] == 2
+    config = json.loads((out / "run_config.json").read_text())
+    assert config["adapters"] == str(adapters.resolve()) and config["dtype"] == "bfloat16"
+    assert {r["adapters"] for r in read_episodes(out / EPISODES_FILE)} == {str(adapters.resolve())}
+    err = capsys.readouterr().err
+    assert err.startswith("eval: hotpotqa search corpus: {") and '"splits": ["dev"]' in err.splitlines()[0]
+    calls["choose"].clear()
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=2, runs=1, adapter_init="random",
+                             device="cpu", quiet=True, out=str(tmp_path / "seq")) == 0  # fmt: skip
+    assert calls["choose"] == [] and calls["dog"][-1][0] == 0.0  # one at a time: nothing to size; CPU: no watchdog
+
+
+def test_a_described_executor_is_named_by_its_own_description(tmp_path, monkeypatch):
+    from eval_suite.evaluate import batched_executor
+
+    qs = load_questions("hotpotqa", limit=1)
+    _fake_model(monkeypatch, qs)
+    dogs = []
+
+    class Dog(run_eval.StallWatchdog):
+        def __init__(self, seconds, out_dir, describe, on_stall):
+            dogs.append(describe)
+            super().__init__(seconds, out_dir, describe=describe, on_stall=on_stall)
+
+    class Described(SequentialExecutor):
+        def __init__(self, lm, tokenizer, **kw):
+            super().__init__(Factory(qs))
+
+        def reserve(self, scheme, n):
+            pass
+
+        def describe(self):
+            return "in full_shared advance"
+
+    monkeypatch.setattr(run_eval, "StallWatchdog", Dog)
+    monkeypatch.setattr(batched_executor, "BatchedExecutor", Described)
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=1, runs=1, adapter_init="random",
+                             device="cpu", quiet=True, out=str(tmp_path / "o"), batch=1) == 0  # fmt: skip
+    assert dogs[0]() == "in full_shared advance"
+
+
+def test_a_loud_run_shows_its_bar_and_a_resumed_stop_counts_only_its_own_episodes(tmp_path, monkeypatch, capsys):
+    qs = load_questions("hotpotqa", limit=3)
+    _fake_model(monkeypatch, qs)
+    kw = dict(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4, adapter_init="random",
+              device="cpu", out=str(tmp_path / "o"))  # fmt: skip
+    real = run_eval.run_episodes
+
+    def stop_after(k):
+        def run(*args, on_record=None, **kwargs):
+            count = []
+
+            def record():
+                on_record()
+                count.append(1)
+                if len(count) == k:
+                    raise KeyboardInterrupt
+
+            return real(*args, on_record=record, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(run_eval, "run_episodes", stop_after(1))
+    with pytest.raises(KeyboardInterrupt):
+        run_eval.evaluate(**kw, quiet=False)
+    assert "eval hotpotqa:" in capsys.readouterr().err  # the bar, unless --quiet
+    with pytest.raises(KeyboardInterrupt):
+        run_eval.evaluate(**kw, quiet=True)  # resumed: one more episode, then stopped again
+    assert "eval hotpotqa:" not in capsys.readouterr().err
+    timing = json.loads((tmp_path / "o" / "timing.json").read_text())
+    assert [p["episodes"] for p in timing["parts"]] == [1, 1] and timing["parts"][0]["startup_s"] > 0
+    monkeypatch.setattr(run_eval, "run_episodes", real)
+    assert run_eval.evaluate(**kw, quiet=True) == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["provenance"]["dtype"] == "float32" and summary["episodes"] == {"full_shared": {"0": 3}}
+
+
+def test_droidspeak_layers_reach_the_plan_and_the_policies(tmp_path, monkeypatch):
+    qs = load_questions("hotpotqa", limit=1)
+    seen = _fake_model(monkeypatch, qs)
+    (tmp_path / "d.json").write_text(json.dumps({"droidspeak_layers": [0, 1]}))
+    plan = run_eval.check_eval_args(_call(tmp_path, droidspeak_config=str(tmp_path / "d.json")), notes=False)
+    assert plan.droidspeak_layers == [0, 1] and plan.bench.name == "hotpotqa"
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="droidspeak", limit=1, runs=1, adapter_init="random",
+                             device="cpu", quiet=True, out=str(tmp_path / "o"),
+                             droidspeak_config=str(tmp_path / "d.json")) == 0  # fmt: skip
+    assert seen["factory"][0][2]["droidspeak_layers"] == [0, 1]
+    assert json.loads((tmp_path / "o" / "run_config.json").read_text())["droidspeak_layers"] == [0, 1]
+
+
+def test_the_policy_factory_opens_a_session_of_the_tasks_scheme_with_the_commands_options(monkeypatch):
+    """build_policy_factory: each task's policy samples as the command says, seeded by the task, and each reset opens
+    a fresh session of the task's scheme over the one model, with the tokenizer, kernel and droidspeak layers."""
+    import lragent.session
+    from eval_suite.evaluate.executors import EpisodeTask
+    from lragent.agents import SessionPolicy
+    from lragent.schemes import Scheme
+    from tests.conftest import tiny_multi_lora
+
+    model = tiny_multi_lora(seed=5)
+    opened = []
+    real = lragent.session.MultiAgentSession
+
+    def opening(*args, **kw):
+        opened.append((args, kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lragent.session, "MultiAgentSession", opening)
+    tokenizer = object()  # the session keeps it for decoding (nothing is decoded here)
+    factory = run_eval.build_policy_factory(model, tokenizer, temperature=0.5, top_p=0.6, use_kernel=False,
+                                            droidspeak_layers=[1])  # fmt: skip
+    task = EpisodeTask(key=("droidspeak", 0, "q"), scheme=Scheme.DROIDSPEAK, seed=11, question=None, episode=None)
+    policy = factory(task)
+    assert isinstance(policy, SessionPolicy) and (policy.temperature, policy.top_p, policy.seed) == (0.5, 0.6, 11)
+    assert opened == []  # a session opens when the episode starts
+    policy.reset()
+    policy.reset()
+    assert opened == [((model, Scheme.DROIDSPEAK), dict(tokenizer=tokenizer, use_kernel=False,
+                                                        droidspeak_layers=[1]))] * 2  # fmt: skip
+    assert policy.session.scheme is Scheme.DROIDSPEAK and policy.session.engine.use_kernel is False
+    assert policy.session.engine.tokenizer is tokenizer
+
+
+def test_answer_text_episodes_rank_option_texts_and_record_the_score(tmp_path):
+    """run_episodes with answer_text: the loop hands the policy the option texts and the mean score (the fake asserts
+    both), the rows are scheme+answer_text and the protocol names the score; HotpotQA refuses the constraint."""
+    from tests.test_answer_text import _TextPolicy
+
+    qs = load_questions("scienceqa", limit=2)
+    gold = {q.text: q.choices[int(q.gold)].strip() for q in qs}
+    records = run_episodes(
+        qs, ["non_shared"], 1, SequentialExecutor(lambda t: _TextPolicy(gold)), tmp_path / "a" / "b",
+        benchmark="scienceqa", adapters="init:random", constraints=("answer_text",), temperature=0.9, top_p=0.75,
+        agent_config=AgentConfig(max_steps=3), progress=False,
+    )  # fmt: skip
+    assert [r["row"] for r in records] == ["non_shared+answer_text"] * 2 and all(r["correct"] for r in records)
+    assert records[0]["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["answer_text"],
+                                      "answer_score": "mean", "sampler": 2}  # fmt: skip
+    with pytest.raises(ValueError, match="answer_text"):
+        run_episodes(
+            load_questions("hotpotqa", limit=1),
+            ["non_shared"],
+            1,
+            SequentialExecutor(Factory([])),
+            tmp_path / "h",
+            benchmark="hotpotqa",
+            adapters="init:random",
+            constraints=("answer_text",),
+        )
+    assert not (tmp_path / "h").exists()
+
+
+def test_without_a_toolbox_the_benchmarks_own_searches_the_questions_split(tmp_path, capsys):
+    qs = load_questions("hotpotqa", limit=1, splits=("test",))
+    records = run_episodes(
+        qs,
+        ["non_shared"],
+        1,
+        SequentialExecutor(Factory(qs)),
+        tmp_path / "o",
+        benchmark="hotpotqa",
+        adapters="init:random",
+        agent_config=CONFIG,
+        progress=True,
+    )
+    assert len(records) == 1 and records[0]["split"] == "test"
+    err = capsys.readouterr().err
+    assert "eval hotpotqa: 100%" in err and "1/1" in err and "ep/s" in err
+    again = run_episodes(
+        qs,
+        ["non_shared"],
+        1,
+        SequentialExecutor(Factory(qs)),
+        tmp_path / "o",
+        benchmark="hotpotqa",
+        adapters="init:random",
+        agent_config=CONFIG,
+        progress=True,
+    )
+    assert again == records and "eval hotpotqa" not in capsys.readouterr().err  # nothing to run: no bar
+
+
+def test_a_served_eval_loads_nothing_sizes_nothing_and_takes_its_bound_from_the_server(tmp_path, monkeypatch):
+    """--server: its checks run, the context bound comes from the server (with $LRAGENT_API_KEY), the model is not
+    loaded nor a batch sized here, and the episodes run on the server's executor (here the fake policy's)."""
+    from eval_suite.evaluate import server_client
+
+    qs = load_questions("hotpotqa", limit=2)
+    seen = _fake_model(monkeypatch, qs)
+    calls: dict = {"check": [], "bound": [], "executor": [], "choose": []}
+    monkeypatch.setattr(server_client, "check_server_args", lambda a, cons: calls["check"].append((a["server"], cons)))
+    monkeypatch.setattr(server_client, "served_context_bound",
+                        lambda url, key: calls["bound"].append((url, key)) or 1000)  # fmt: skip
+
+    class Served(SequentialExecutor):
+        def reserve(self, scheme, n):
+            calls["reserve"].append((str(scheme), n))
+
+    calls["reserve"] = []
+    monkeypatch.setattr(server_client, "server_executor", lambda a, t, p, rows: calls["executor"].append(
+        (a["server"], t, p, rows)) or Served(Factory(qs)))  # fmt: skip
+    monkeypatch.setattr(run_eval, "choose_batch", lambda *a, **kw: calls["choose"].append(a) or 2)
+    monkeypatch.setenv("LRAGENT_API_KEY", "key")
+    kw = dict(benchmark="hotpotqa", scheme="full_shared", limit=2, runs=1, adapter_init="random", device="cpu",
+              quiet=True, server="http://127.0.0.1:9", batch=2, temperature=0.5, top_p=0.6)  # fmt: skip
+    plan = run_eval.check_eval_args(_call(tmp_path, **kw), notes=False)
+    assert plan.max_context_tokens == plan.agent.max_context_tokens == 1000
+    assert calls["check"] == [("http://127.0.0.1:9", ())] and calls["bound"] == [("http://127.0.0.1:9", "key")]
+    assert (
+        run_eval.check_eval_args(_call(tmp_path, **kw, max_context_tokens=500), notes=False).max_context_tokens == 500
+    )
+    assert len(calls["bound"]) == 1  # given: the server is not asked
+    monkeypatch.setenv("LRAGENT_API_KEY", "")
+    run_eval.check_eval_args(_call(tmp_path, **kw), notes=False)
+    assert calls["bound"][-1] == ("http://127.0.0.1:9", None)
+    assert run_eval.evaluate(**kw, out=str(tmp_path / "o")) == 0
+    assert seen["load"] == [] and calls["choose"] == [] and calls["executor"] == [("http://127.0.0.1:9", 0.5, 0.6, 2)]
+    assert calls["reserve"] == [("full_shared", 2)]
+    assert len(read_episodes(tmp_path / "o" / EPISODES_FILE)) == 2
+    calls["check"].clear()
+    run_eval.check_eval_args(_call(tmp_path, adapter_init="random"), notes=False)
+    assert calls["check"] == []  # no --server: its checks do not run
+
+
+def test_fan_out_adopts_the_early_shards_that_match_and_counts_their_start(tmp_path, monkeypatch, capsys):
+    """Shards the console entry started early for this very launch (count, folder, GPUs, device, benchmarks) are
+    adopted, not started again: launch.json says early, their launcher's age, and no launch time of its own."""
+    import subprocess
+    import time
+
+    from eval_suite.evaluate import shard_launch
+
+    records, _ = _run(tmp_path / "one", load_questions("hotpotqa", limit=2), runs=1, schemes=["full_shared"])
+    out = tmp_path / "o"
+    for i in range(2):
+        (out / f"shard_{i}").mkdir(parents=True)
+        (out / f"shard_{i}" / EPISODES_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[i::2]))
+    logs = [open(out / f"shard_{i}.log", "w") for i in range(2)]  # noqa: SIM115
+    early = shard_launch.EarlyShards(n=2, out_dir=out, gpus=0, device="cpu", procs=[subprocess.Popen(["true"])] * 2,
+                                     logs=logs, spawned_at=time.perf_counter(), startup_s=1.5,
+                                     lines=["early shard 0", "early shard 1"])  # fmt: skip
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("started again")
+
+    monkeypatch.setattr(shard_launch, "_EARLY", [early])
+    monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    assert run_eval.fan_out(_call(tmp_path, quiet=True), 2, out, total=2, benchmarks=["hotpotqa"]) == 0
+    launch = json.loads((out / "launch.json").read_text())
+    assert launch["early"] is True and launch["startup_s"] == 1.5 and launch["launch_s"] == 0.0
+    assert early.adopted and all(log.closed for log in logs)
+    assert "early shard 0\nearly shard 1\n" in capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["episodes"] == {"full_shared": {"0": 2}}
+
+
+@pytest.mark.parametrize(
+    ("device", "count", "n", "gpus", "refused"),
+    [("cuda", 4, 2, 4, False), ("cuda", 2, 2, 2, False), (None, 1, 2, 1, True), ("cuda", 1, 2, 1, True),
+     (None, 0, 2, 0, False), ("cpu", 2, 3, 0, False)],
+)  # fmt: skip
+def test_fan_out_counts_the_gpus_of_a_gpu_run_and_refuses_fewer_than_its_shards(
+    device, count, n, gpus, refused, tmp_path, monkeypatch
+):
+    import torch
+
+    records, _ = _run(tmp_path / "one", load_questions("hotpotqa", limit=3), runs=1, schemes=["full_shared"])
+    calls = _shards_that_ran(monkeypatch, {"": records})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    call = _call(tmp_path, quiet=True, device=device)
+    if refused:
+        with pytest.raises(ValueError, match=rf"^--devices {n} but this machine has {count} GPU\(s\): allowed at most"):
+            run_eval.fan_out(call, n, tmp_path / "o", total=3, benchmarks=["hotpotqa"])
+        assert calls == []
+    else:
+        assert run_eval.fan_out(call, n, tmp_path / "o", total=3, benchmarks=["hotpotqa"]) == 0
+        assert calls[0]["gpus"] == gpus and calls[0]["benchmarks"] == []
+        assert (tmp_path / "o" / "summary.json").is_file()
+
+
+def test_the_launchers_own_options_are_never_given_to_a_shard(tmp_path, monkeypatch, capsys):
+    records, _ = _run(tmp_path / "one", load_questions("hotpotqa", limit=2), runs=1, schemes=["full_shared"])
+    calls = _shards_that_ran(monkeypatch, {"": records})
+    call = _call(tmp_path, quiet=True, shard="1/2", work_queue=str(tmp_path / "q"), merge=["m"], devices=2, limit=2,
+                 adapter_init="zero")  # fmt: skip
+    assert run_eval.fan_out(call, 2, tmp_path / "o", total=2) == 0
+    assert calls[0]["args"] == ["--limit", "2", "--adapter_init", "zero"]
+    assert "(2 shards)" not in capsys.readouterr().err  # --quiet: no bar
+
+
+def test_the_test_split_is_planned_searched_and_recorded(tmp_path, monkeypatch):
+    qs = load_questions("hotpotqa", limit=2, splits=("test",))
+    _fake_model(monkeypatch, qs)
+    plan = run_eval.check_eval_args(_call(tmp_path, split="test", limit=2), notes=False)
+    assert plan.splits == ("test",) and plan.questions == qs and {q.split for q in qs} == {"test"}
+    assert (
+        run_eval.evaluate(
+            benchmark="hotpotqa",
+            scheme="full_shared",
+            split="test",
+            limit=2,
+            runs=1,
+            adapter_init="random",
+            device="cpu",
+            quiet=True,
+            out=str(tmp_path / "o"),
+        )
+        == 0
+    )
+    config = json.loads((tmp_path / "o" / "run_config.json").read_text())
+    assert config["split"] == ["test"] and config["corpus"]["splits"] == ["test"]
+    assert {r["split"] for r in read_episodes(tmp_path / "o" / EPISODES_FILE)} == {"test"}
+
+
+def test_fan_out_adopts_early_shards_of_several_benchmarks_and_names_them_on_its_bar(tmp_path, monkeypatch, capsys):
+    import subprocess
+    import time
+
+    from eval_suite.evaluate import shard_launch
+
+    out = tmp_path / "o"
+    for b in ("hotpotqa", "scienceqa"):
+        records, _ = _run(tmp_path / b, load_questions(b, limit=2), runs=1, schemes=["full_shared"], benchmark=b)
+        for i in range(2):
+            (out / b / f"shard_{i}").mkdir(parents=True)
+            (out / b / f"shard_{i}" / EPISODES_FILE).write_text(json.dumps(records[i]) + "\n")
+    logs = [open(out / f"shard_{i}.log", "w") for i in range(2)]  # noqa: SIM115
+    early = shard_launch.EarlyShards(n=2, out_dir=out, gpus=0, device="cpu", benchmarks=["hotpotqa", "scienceqa"],
+                                     procs=[subprocess.Popen(["true"])] * 2, logs=logs,
+                                     spawned_at=time.perf_counter(), startup_s=2.0)  # fmt: skip
+
+    def spawn(*args, **kwargs):
+        raise AssertionError("started again")
+
+    monkeypatch.setattr(shard_launch, "_EARLY", [early])
+    monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    call = _call(tmp_path, benchmark="hotpotqa,scienceqa", quiet=False)
+    assert run_eval.fan_out(call, 2, out, total=4, benchmarks=["hotpotqa", "scienceqa"]) == 0
+    assert early.adopted and json.loads((out / "launch.json").read_text())["startup_s"] == 2.0
+    assert "eval hotpotqa,scienceqa (2 shards)" in capsys.readouterr().err

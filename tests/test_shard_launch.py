@@ -258,6 +258,12 @@ def test_more_shards_than_the_gpus_is_refused_in_one_line(tmp_path, capsys, monk
     from lragent.cli_main import main  # the command itself, without the console entry's early shard start
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    from eval_suite.evaluate import run_eval
+
+    def spawned(*args, **kwargs):  # were the check let through, no shard must start (it would run the whole eval)
+        raise AssertionError("shards started")
+
+    monkeypatch.setattr(run_eval, "spawn_shards", spawned)
     capsys.readouterr()
     assert main(["eval", "--devices", "3", "--adapter_init", "zero", "--out", str(tmp_path / "o")]) == 2
     lines = capsys.readouterr().err.splitlines()

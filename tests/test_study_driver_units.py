@@ -3,10 +3,12 @@ prepared directory and config, the sweep's defaults and reference sets, process 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -646,3 +648,452 @@ def test_pack_writes_into_study_pack_by_default(tmp_path: Path, monkeypatch, cap
     monkeypatch.chdir(tmp_path)
     assert driver.main(["pack", "--root", str(tmp_path / "study")]) == 0
     assert (tmp_path / "study_pack" / "study.tar.gz.part00").is_file()
+
+
+def test_the_zero_shot_probe_jobs_are_the_reference_rows_command_at_the_profiles_memory() -> None:
+    """A profile with a reference row plans, per benchmark, one ``cli.py zero-shot`` of the base model (no adapters,
+    bf16, into ``probe/<bench>``), done by its summary, at the profile's probe memory, first in the plan, with the
+    report's metadata of a zero-shot line."""
+    qwen = driver.PROFILES["qwen2.5-coder-1.5b"]
+    plan = build_plan(("scienceqa", "hotpotqa"), (0.0,), runs=1, epochs=1, python="py", profile=qwen)
+    probes = [j for j in plan if j.kind == "probe"]
+    assert probes == plan[:2]
+    for job, bench, prio in zip(probes, ("scienceqa", "hotpotqa"), (-1.0, -0.9), strict=True):
+        assert job == Job(
+            f"probe/{bench}", "probe",
+            ["py", "cli.py", "zero-shot", "--benchmark", bench, "--model", "qwen2.5-coder-1.5b", "--dtype", "bfloat16",
+             "--out", f"{{root}}/probe/{bench}", "--quiet", "true"],
+            f"probe/{bench}/summary.json", (), 8.0, pytest.approx(prio),
+        )  # fmt: skip
+        assert job.meta == {"benchmark": bench, "set": f"{bench}_zero_shot", "lambda": None, "train_scheme": "",
+                            "shared_a": True}  # fmt: skip
+
+
+def test_an_attempt_record_makes_its_folders_and_appends_one_json_line(tmp_path: Path) -> None:
+    """An attempt of a job whose folder is not there yet (an adopted orphan's) still gets its record: the folders are
+    made, and each record is one more JSON line."""
+    path = tmp_path / "eval" / "set" / "scheme" / "attempts.jsonl"
+    driver._append(path, {"rc": 1, "seconds": 0.5})
+    driver._append(path, {"rc": 0})
+    assert path.read_text() == '{"rc": 1, "seconds": 0.5}\n{"rc": 0}\n'
+
+
+def _sh_job(name: str, kind: str, script: str, log: Path, priority: float = 0.0) -> Job:
+    """A job of 1 GB whose command is a shell line: it notes its start and end in ``log`` around ``script``."""
+    line = f'echo "start {name}" >> {log}; {script}; rc=$?; echo "end {name}" >> {log}; exit $rc'
+    meta = BASE_META if kind == "train" else {}  # a training's config is written from it
+    return Job(name, kind, ["sh", "-c", line], f"{name}/done", gb=1.0, priority=priority, meta=meta)
+
+
+def test_run_by_default_retries_a_failing_job_twice_polls_every_5_s_and_says_so_live(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Without options: a job that always fails is tried 3 times (2 retries), the driver looks at its processes
+    every 5 s, and each message is a ``[study HH:MM:SS]`` line flushed as it is said; a root whose parent folders are
+    not there yet is made."""
+    import re
+    import time as time_module
+
+    naps: list[float] = []
+    real_sleep = time_module.sleep
+    monkeypatch.setattr(time_module, "sleep", lambda s: naps.append(s) or real_sleep(0.01))
+
+    class Live(io.StringIO):
+        flushed: list[int] = []
+
+        def flush(self) -> None:
+            self.flushed.append(len(self.getvalue()))
+
+    out = Live()
+    monkeypatch.setattr(sys, "stdout", out)
+    root = tmp_path / "new" / "study"
+    job = _sh_job("fidelity/f", "fidelity", "exit 3", tmp_path / "log")
+    assert driver.run(root, [job], gpu_gb=4.0) == 1
+    monkeypatch.undo()
+    assert attempts(job, root) == 3 and naps and set(naps) == {5.0}
+    lines = out.getvalue().splitlines()
+    stamp = r"\[study \d\d:\d\d:\d\d\] "
+    assert re.fullmatch(stamp + r"launched fidelity/f on GPU 0 \(1 GB est\., 1 of 4 in use there\)", lines[0])
+    assert re.fullmatch(stamp + r"fidelity/f: exit 3 after [0-2] s", lines[1])
+    assert re.fullmatch(stamp + r"finished: 0 of 1 jobs done or not needed", lines[-1]) and len(lines) == 7
+    ends = {m.end() for m in re.finditer("\n", out.getvalue())}
+    assert ends <= set(out.flushed)  # every line reached the log as soon as it was said
+
+
+def _order(log: Path) -> list[str]:
+    return log.read_text().splitlines()
+
+
+def test_run_by_default_starts_at_most_12_processes_per_gpu(tmp_path: Path) -> None:
+    """Thirteen small jobs that fit the memory: twelve start at once, the thirteenth only once one has ended."""
+    log = tmp_path / "log"
+    plan = [_sh_job(f"fidelity/f{i:02d}", "fidelity", f"sleep 0.6; mkdir -p {tmp_path}/r/fidelity/f{i:02d}; "
+                    f"touch {tmp_path}/r/fidelity/f{i:02d}/done", log, priority=i) for i in range(13)]  # fmt: skip
+    assert driver.run(tmp_path / "r", plan, gpu_gb=100.0, poll=0.02) == 0
+    order = _order(log)
+    last = order.index("start fidelity/f12")
+    assert sum(x.startswith("start") for x in order[:last]) == 12 and any(x.startswith("end") for x in order[:last])
+
+
+def test_run_by_default_trains_at_most_two_sets_at_once_per_gpu(tmp_path: Path) -> None:
+    """Three trainings that fit the memory: two start at once, the third only once one has ended."""
+    log = tmp_path / "log"
+    plan = [_sh_job(f"train/t{i}", "train", f"sleep 0.6; mkdir -p {tmp_path}/r/train/t{i}; "
+                    f"touch {tmp_path}/r/train/t{i}/done", log, priority=i) for i in range(3)]  # fmt: skip
+    assert driver.run(tmp_path / "r", plan, gpu_gb=100.0, poll=0.02) == 0
+    order = _order(log)
+    last = order.index("start train/t2")
+    assert sum(x.startswith("start") for x in order[:last]) == 2 and any(x.startswith("end") for x in order[:last])
+
+
+def test_a_fit_config_saves_the_last_checkpoint_and_validates_plainly_whatever_the_recipe_says(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A recipe that would not save the last checkpoint and validates under a scheme: the study's fit saves
+    ``last.ckpt`` (it resumes from it) and validates plainly (no scheme)."""
+    (tmp_path / "configs").mkdir()
+    recipe = {"trainer": {"callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                         "init_args": {"save_last": False, "monitor": "val/loss", "save_top_k": 2}}]},
+              "model": {"roles": ["plan"], "val_schemes": ["non_shared", "full_shared"]}, "data": {}}  # fmt: skip
+    (tmp_path / "configs" / "embedded_x.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.setattr(driver, "ROOT", tmp_path)
+    cfg = train_config("x", 0.5, "base_lr_shared", True, tmp_path / "run", 1)
+    (cb,) = cfg["trainer"]["callbacks"]
+    assert cb["init_args"] == {"save_last": True, "monitor": None, "save_top_k": 0,
+                               "dirpath": str(tmp_path / "run" / "checkpoints")}  # fmt: skip
+    assert cfg["model"]["val_schemes"] == []
+
+
+def test_a_report_goes_to_the_roots_report_folder_by_default(tmp_path: Path) -> None:
+    """``report`` without ``--out``, of the λ study and of the sweep: the pages are written into ``<root>/report``."""
+    root = tmp_path / "study"
+    root.mkdir()
+    assert driver.study("report", root=str(root), benchmarks="scienceqa") == 0
+    assert (root / "report" / "study.md").is_file() and (root / "report" / "study.json").is_file()
+    assert not (root / "report" / "sweep.md").exists()
+    assert driver.study("report", root=str(root), stage="sweep", benchmarks="hotpotqa") == 0
+    assert (root / "report" / "sweep.md").is_file() and (root / "report" / "sweep.json").is_file()
+    assert sorted(p.name for p in root.iterdir()) == ["report"]
+
+
+def test_the_pack_command_prints_one_line_per_piece(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A pack cut into several pieces (here at 100 bytes a piece): one ``<path> <size>`` line per piece, in order."""
+    import functools
+
+    monkeypatch.setattr(driver, "pack", functools.partial(driver.pack, piece_bytes=100))
+    root = tmp_path / "study"
+    (root / "eval/a/x").mkdir(parents=True)
+    (root / "eval/a/x/summary.json").write_text(json.dumps({"r": list(range(200))}))
+    assert driver.main(["pack", "--root", str(root), "--out", str(tmp_path / "p")]) == 0
+    pieces = sorted((tmp_path / "p").iterdir())
+    assert len(pieces) >= 2
+    assert capsys.readouterr().out == "".join(f"{p} {p.stat().st_size}\n" for p in pieces)
+
+
+def test_a_launched_job_logs_its_command_and_output_runs_in_the_repository_with_its_threads_and_is_recorded(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Each job's ``log.txt`` starts with ``$ <command>`` and then takes its stdout and stderr; it runs in the
+    repository root with no input, expandable CUDA segments, 4 threads for a training and 1 otherwise, and (one GPU)
+    no ``CUDA_VISIBLE_DEVICES``; while it runs ``driver.json`` names this driver, this host and the job's pid; its
+    attempt records its exit status and its seconds to 0.1 s. The driver's environment reaches the job, and the job
+    runs in the repository root whatever the driver's working folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LRAGENT_STUDY_TEST_VAR", "kept")
+    root = tmp_path / "r"
+    script = ('sleep 0.4; echo "pid $$"; echo "cwd $(pwd)"; echo "in $(readlink /proc/$$/fd/0)"; '
+              'echo "env $OMP_NUM_THREADS $PYTORCH_CUDA_ALLOC_CONF ${CUDA_VISIBLE_DEVICES-none} '
+              '$LRAGENT_STUDY_TEST_VAR"; '
+              f'cat {root}/driver.json; echo; echo oops >&2; mkdir -p {root}/$J; touch {root}/$J/done')  # fmt: skip
+    plan = [Job(name, kind, ["sh", "-c", f"J={name}; {script}"], f"{name}/done", gb=1.0, priority=i,
+                meta=BASE_META if kind == "train" else {})
+            for i, (name, kind) in enumerate((("train/t", "train"), ("fidelity/f", "fidelity")))]  # fmt: skip
+    read_end, write_end = os.pipe()  # the driver's own input: a pipe, which a job must not inherit
+    saved = os.dup(0)
+    os.dup2(read_end, 0)
+    try:
+        assert driver.run(root, plan, gpu_gb=10.0, poll=0.05) == 0
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read_end, write_end):
+            os.close(fd)
+    for job, threads in zip(plan, ("4", "1"), strict=True):
+        log = (root / job.name / "log.txt").read_text().splitlines()
+        assert log[:2] == ["", f"$ {shlex.join(job.cmd)}"]
+        pid = int(log[2].split()[1])
+        assert log[3:6] == [f"cwd {driver.ROOT}", "in /dev/null", f"env {threads} expandable_segments:True none kept"]
+        assert log[-1] == "oops"
+        record = json.loads("\n".join(log[6:-1]))
+        assert record["pid"] == os.getpid() and record["host"] == platform.node()
+        assert record["running"][job.name] == pid
+        (attempt,) = [json.loads(x) for x in (root / job.name / "attempts.jsonl").read_text().splitlines()]
+        assert attempt["rc"] == 0 and 0.4 <= attempt["seconds"] <= 10
+        assert isinstance(attempt["seconds"], float) and attempt["seconds"] == round(attempt["seconds"], 1)
+    assert json.loads((root / "driver.json").read_text()) == {"pid": os.getpid(), "host": platform.node(),
+                                                              "running": {}}  # fmt: skip
+
+
+def test_a_job_larger_than_a_gpu_is_said_once_at_once_and_never_launched(tmp_path: Path, capsys) -> None:
+    """A job whose estimate exceeds the memory per GPU is named once with both sizes, in the first pass even behind a
+    job that waits for room, and never started (nor the job that needs it); the jobs that fit run in priority order,
+    each launch naming the memory in use; the driver ends with status 1 (not every job is done)."""
+    log = tmp_path / "log"
+    root = tmp_path / "r"
+
+    def job(n: str, gb: float, prio: float, deps: tuple = ()) -> Job:
+        j = _sh_job(f"fidelity/{n}", "fidelity", f"sleep 0.2; mkdir -p {root}/fidelity/{n}; "
+                    f"touch {root}/fidelity/{n}/done", log, priority=prio)  # fmt: skip
+        return dataclasses.replace(j, gb=gb, deps=deps)
+
+    plan = [job("s1", 60, 0), job("s2", 60, 1), job("s3", 10, 2), job("big", 150, 3), job("s4", 10, 4),
+            job("dep", 10, 5, ("fidelity/big",))]  # fmt: skip
+    assert driver.run(root, plan, gpu_gb=100.0, poll=0.02) == 1
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert said[:2] == ["launched fidelity/s1 on GPU 0 (60 GB est., 60 of 100 in use there)",
+                        "fidelity/big needs 150 GB, more than the 100 GB per GPU: not launched"]  # fmt: skip
+    assert said[2].startswith("fidelity/s1: exit 0 after ")
+    assert said[3:6] == ["launched fidelity/s2 on GPU 0 (60 GB est., 60 of 100 in use there)",
+                         "launched fidelity/s3 on GPU 0 (10 GB est., 70 of 100 in use there)",
+                         "launched fidelity/s4 on GPU 0 (10 GB est., 80 of 100 in use there)"]  # fmt: skip
+    assert sum("big" in x for x in said) == 1 and said[-1] == "finished: 4 of 6 jobs done or not needed"
+    order = _order(log)
+    assert order[:2] == ["start fidelity/s1", "end fidelity/s1"] and len(order) == 8  # the rest waited for its room
+
+
+def test_the_plans_eval_fidelity_and_training_jobs_are_exactly_the_studys_commands() -> None:
+    """Whole jobs of the λ plan, command by command: a trained set's rows (non_shared at 32 rows and 20 GB, droidspeak
+    at 48, the others at 64 and 14 GB; bf16, quiet, into the job's folder), the untrained row (B = 0, named
+    ``untrained``), the shipped set's rows (its bundled adapters, no training), a shared-A and an independent-A
+    fidelity (every scheme that set can run, the whole validation pool), a training; each with its priority,
+    dependencies and the report's metadata."""
+    plan = {j.name: j for j in build_plan(("scienceqa", "hotpotqa"), (0.0, 0.5), runs=3, epochs=2, python="py")}
+
+    def ev(set_: str, sch: str, adapters: list[str], batch: int, gb: float, deps: tuple, prio: float) -> Job:
+        name = f"eval/{set_}/{sch}"
+        return Job(name, "eval", ["py", "cli.py", "eval", "--benchmark", "hotpotqa", *adapters, "--scheme", sch,
+                                  "--runs", "3", "--batch", str(batch), "--dtype", "bfloat16", "--out",
+                                  f"{{root}}/{name}", "--quiet", "true"],
+                   f"{name}/summary.json", deps, gb, prio)  # fmt: skip
+
+    trained = ["--adapters", "{root}/train/hotpotqa_lam0/adapters"]
+    shipped = ["--adapters", "data/adapters/hotpotqa_sharedA"]
+    want = [
+        ev("hotpotqa_lam0", "non_shared", trained, 32, 20.0, ("train/hotpotqa_lam0",), 2.1),
+        ev("hotpotqa_lam0", "droidspeak", trained, 48, 14.0, ("train/hotpotqa_lam0",), 2.14),
+        ev("hotpotqa_untrained", "non_shared", ["--adapter_init", "zero"], 32, 20.0, (), 52.1),
+        ev("hotpotqa_shipped", "full_shared", shipped, 64, 14.0, (), 22.12),
+    ]
+    for job in want:
+        assert plan[job.name] == job, job.name
+    lam0 = {"benchmark": "hotpotqa", "set": "hotpotqa_lam0", "lambda": 0.0, "train_scheme": "base_lr_shared",
+            "shared_a": True, "data": {}}  # fmt: skip
+    assert plan["eval/hotpotqa_lam0/droidspeak"].meta == {**lam0, "scheme": "droidspeak", "runs": 3,
+                                                          "row": "droidspeak"}  # fmt: skip
+    assert plan["eval/hotpotqa_untrained/non_shared"].meta == {
+        "benchmark": "hotpotqa", "set": "hotpotqa_untrained", "lambda": None, "train_scheme": "", "shared_a": True,
+        "data": {}, "scheme": "non_shared", "runs": 3, "row": "untrained"}  # fmt: skip
+    assert plan["eval/hotpotqa_shipped/full_shared"].meta == {
+        **lam0, "set": "hotpotqa_shipped", "data": {"shipped": "data/adapters/hotpotqa_sharedA"},
+        "scheme": "full_shared", "runs": 3, "row": "full_shared"}  # fmt: skip
+    assert "train/hotpotqa_shipped" not in plan and "train/hotpotqa_untrained" not in plan
+
+    def fid(set_: str, schemes: str, prio: float) -> Job:
+        name = f"fidelity/{set_}"
+        return Job(name, "fidelity", ["py", "cli.py", "fidelity", "--benchmark", "scienceqa", "--adapters",
+                                      f"{{root}}/train/{set_}/adapters", "--pool", "val", "--scheme", schemes,
+                                      "--limit", "100000", "--dtype", "bfloat16", "--out", f"{{root}}/{name}",
+                                      "--quiet", "true"],
+                   f"{name}/fidelity.json", (f"train/{set_}",), 10.0, prio)  # fmt: skip
+
+    assert plan["fidelity/scienceqa_lam0.5"] == fid(
+        "scienceqa_lam0.5", "non_shared,base_lr_shared,full_shared,base_shared,droidspeak", 210.0
+    )
+    assert plan["fidelity/scienceqa_indepA"] == fid("scienceqa_indepA", "non_shared,full_shared,base_shared,droidspeak",
+                                                    230.0)  # fmt: skip
+    assert plan["fidelity/scienceqa_indepA"].meta == {
+        "benchmark": "scienceqa", "set": "scienceqa_indepA", "lambda": 0.0, "train_scheme": "base_lr_shared",
+        "shared_a": False, "data": {}}  # fmt: skip
+    assert "fidelity/hotpotqa_untrained" not in plan
+    train = plan["train/hotpotqa_lam0.5"]
+    assert train == Job("train/hotpotqa_lam0.5", "train",
+                        ["py", "cli.py", "fit", "--config", "{root}/train/hotpotqa_lam0.5/config.yaml"],
+                        "train/hotpotqa_lam0.5/adapters/lragent_adapters.safetensors", (), 55.0, 10.1)  # fmt: skip
+    assert train.meta == {"benchmark": "hotpotqa", "set": "hotpotqa_lam0.5", "lambda": 0.5,
+                          "train_scheme": "base_lr_shared", "shared_a": True, "data": {}, "epochs": 2,
+                          "config_prefix": "embedded"}  # fmt: skip
+
+
+def test_an_adopted_orphan_holds_its_memory_and_ending_without_its_result_is_recorded_and_retried(
+    tmp_path: Path, capsys
+) -> None:
+    """A gone driver's job that still runs is waited for and counts against GPU 0's memory (a job that would not fit
+    beside it waits); when it ends without its result its attempt is recorded as ADOPTED_ENDED and the job runs
+    again, here, before the job behind it."""
+    root = tmp_path / "r"
+    log = tmp_path / "log"
+    plan = [_sh_job(f"fidelity/{n}", "fidelity", f"sleep 0.2; mkdir -p {root}/fidelity/{n}; "
+                    f"touch {root}/fidelity/{n}/done", log, priority=i)
+            for i, n in enumerate(("orphan", "other"))]  # fmt: skip
+    plan = [dataclasses.replace(j, gb=60.0) for j in plan]
+    code = "import time; print('up', flush=True); time.sleep(0.8)"
+    orphan = subprocess.Popen([sys.executable, "-c", code, f"--out={root}/fidelity/orphan"], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert orphan.stdout.readline() == "up\n"
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        _driver_json(root, pid=dead.pid, host=platform.node(), running={"fidelity/orphan": orphan.pid})
+        assert driver.run(root, plan, gpu_gb=100.0, poll=0.02) == 0
+    finally:
+        orphan.kill()
+        orphan.wait()
+        orphan.stdout.close()
+    said = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert said[0] == f"fidelity/orphan: still running from an earlier driver (pid {orphan.pid}); waiting for it"
+    assert said[1].startswith(f"fidelity/orphan: exit {driver.ADOPTED_ENDED} after ")
+    assert _order(log) == ["start fidelity/orphan", "end fidelity/orphan", "start fidelity/other", "end fidelity/other"]
+    rcs = [json.loads(x)["rc"] for x in (root / "fidelity/orphan/attempts.jsonl").read_text().splitlines()]
+    assert rcs == [driver.ADOPTED_ENDED, 0]
+
+
+def test_a_training_skips_the_least_used_gpu_when_it_already_has_its_trainings(tmp_path: Path) -> None:
+    """Two GPUs, one training each at most: a big eval takes GPU 0, the first training the emptier GPU 1, and the
+    second training GPU 0 (GPU 1, though still the emptier, has its training)."""
+    root = tmp_path / "r"
+    log = tmp_path / "log"
+    plan = [_sh_job(n, k, f"echo gpu $CUDA_VISIBLE_DEVICES; sleep 0.5; mkdir -p {root}/{n}; touch {root}/{n}/done",
+                    log, priority=i) for i, (n, k) in enumerate((("fidelity/big", "fidelity"), ("train/t1", "train"),
+                                                                 ("train/t2", "train")))]  # fmt: skip
+    plan[0] = dataclasses.replace(plan[0], gb=50.0)
+    assert driver.run(root, plan, gpu_gb=100.0, poll=0.02, gpus=2, max_train=1) == 0
+    gpu = {j.name: (root / j.name / "log.txt").read_text().splitlines()[2] for j in plan}
+    assert gpu == {"fidelity/big": "gpu 0", "train/t1": "gpu 1", "train/t2": "gpu 0"}
+    order = _order(log)
+    assert order.index("start train/t2") < order.index("end train/t1")  # it did not wait for GPU 1's training
+
+
+def test_pid_runs_reads_the_state_after_the_last_parenthesis_and_the_command_line_as_spaced_text(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Asking does not signal the process (it still runs afterwards); a program whose name holds ``) Z (`` is read by
+    the state after its name's last parenthesis (running, not a zombie); the needle is looked for in the arguments
+    joined by single spaces, bytes that are not UTF-8 included; a process gone between the two reads does not run."""
+    import shutil
+    import time as time_module
+
+    link = tmp_path / "s) Z (x"
+    link.symlink_to(shutil.which("sh"))
+    import signal
+
+    hangup = lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)  # noqa: E731  (a hang-up ends it, even under nohup)
+    proc = subprocess.Popen([str(link), "-c", "sleep 30; :", "/tmp/x/a", "b", b"\xff"], preexec_fn=hangup)
+    try:
+        for _ in range(200):  # until the program is exec'd: its name is the link's
+            if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "s) Z (x":
+                break
+            time_module.sleep(0.01)
+        assert driver._pid_runs(proc.pid) and driver._pid_runs(proc.pid, "/tmp/x/a b \ufffd")
+        assert not driver._pid_runs(proc.pid, "/tmp/x/a  b")
+        time_module.sleep(0.2)
+        assert proc.poll() is None  # not signalled by the question
+        real = Path.read_bytes
+        monkeypatch.setattr(
+            Path,
+            "read_bytes",
+            lambda p: real(p) if p.name != "cmdline" else (_ for _ in ()).throw(FileNotFoundError(p)),
+        )  # the process ended between reading its state and its command line
+        assert not driver._pid_runs(proc.pid, "/tmp/x/a")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_job_whose_last_attempt_succeeded_runs_again_whatever_its_failures_and_an_exit_with_its_result_is_kept(
+    tmp_path: Path,
+) -> None:
+    """Only a failed last attempt counts against the retries: a job with three failures and then a success that is
+    not done (its result since removed) runs again; a job that writes its result but exits non-zero is done, and its
+    attempt keeps the exit status."""
+    root = tmp_path / "r"
+    log = tmp_path / "log"
+    again, nonzero = (_sh_job(f"fidelity/{n}", "fidelity",
+                              f"mkdir -p {root}/fidelity/{n}; touch {root}/fidelity/{n}/done"
+                              + ("; exit 3" if n == "nonzero" else ""), log) for n in ("again", "nonzero"))  # fmt: skip
+    (root / "fidelity/again").mkdir(parents=True)
+    (root / "fidelity/again/attempts.jsonl").write_text('{"rc": 1}\n{"rc": 1}\n{"rc": 1}\n{"rc": 0}\n')
+    assert driver.run(root, [again, nonzero], gpu_gb=10.0, poll=0.02) == 0
+    assert "start fidelity/again" in _order(log) and attempts(again, root) == 5
+    assert [json.loads(x)["rc"] for x in (root / "fidelity/nonzero/attempts.jsonl").read_text().splitlines()] == [3]
+
+
+def test_a_ready_job_without_a_process_slot_keeps_the_driver_waiting(tmp_path: Path) -> None:
+    """No process may start (``max_procs`` 0): the driver does not end while the job is ready; it ends, all done,
+    once the job's result appears."""
+    import threading
+    import time as time_module
+
+    root = tmp_path / "r"
+    job = _sh_job("fidelity/f", "fidelity", "true", tmp_path / "log")
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(driver.run(root, [job], gpu_gb=10.0, poll=0.02, max_procs=0)))
+    thread.start()
+    time_module.sleep(0.3)
+    alive = thread.is_alive()
+    (root / "fidelity/f").mkdir(parents=True, exist_ok=True)
+    (root / "fidelity/f/done").write_text("")
+    thread.join(10)
+    assert alive and out == [0] and not (tmp_path / "log").exists()
+
+
+def test_only_trainings_count_against_the_trainings_cap(tmp_path: Path) -> None:
+    """One training per GPU: a long evaluation running beside the first training does not hold back the second once
+    the first has ended."""
+    root = tmp_path / "r"
+    log = tmp_path / "log"
+    plan = [_sh_job(n, k, f"sleep {t}; mkdir -p {root}/{n}; touch {root}/{n}/done", log, priority=i)
+            for i, (n, k, t) in enumerate((("fidelity/long", "fidelity", 1.0), ("train/t1", "train", 0.1),
+                                           ("train/t2", "train", 0.1)))]  # fmt: skip
+    assert driver.run(root, plan, gpu_gb=100.0, poll=0.02, max_train=1) == 0
+    order = _order(log)
+    assert order.index("end train/t1") < order.index("start train/t2") < order.index("end fidelity/long")
+
+
+def test_one_failed_attempt_is_a_failed_job_and_the_state_reads_the_last_record_only(tmp_path: Path) -> None:
+    """A single attempt that exited non-zero makes the job ``failed``; after a success it is ``ready`` again; an
+    attempt record without an exit status fails nothing."""
+    job = Job("eval/a", "eval", [], "eval/a/summary.json")
+    jobs = {job.name: job}
+    log = tmp_path / "eval/a/attempts.jsonl"
+    log.parent.mkdir(parents=True)
+    for text, state in (('{"rc": 2}\n', "failed"), ('{"rc": 2}\n{"rc": 0}\n', "ready"),
+                        ('{"rc": 0}\n{"rc": 2}\n', "failed"), ('{"rc": 2}\n{"seconds": 1}\n', "ready")):  # fmt: skip
+        log.write_text(text)
+        assert job_state(job, tmp_path, set(), jobs) == state, text
+
+
+def test_only_lambda_zero_and_the_shipped_study_set_get_every_scheme_and_the_full_shared_set_is_lambda_one() -> None:
+    """Of the shared-A λ sets only λ = 0 and the bundled study set (ScienceQA λ 0.5) are evaluated under all five
+    schemes, the others under the three λ schemes; the ``full_shared`` set trains at λ = 1 with that term."""
+    plan = {j.name: j for j in build_plan(("scienceqa", "hotpotqa"), (0.0, 0.5, 0.25), runs=3)}
+
+    def schemes(set_: str) -> set[str]:
+        return {n.rsplit("/", 1)[1] for n in plan if n.startswith(f"eval/{set_}/")}
+
+    for set_ in ("scienceqa_lam0", "hotpotqa_lam0", "scienceqa_lam0.5"):
+        assert schemes(set_) == set(driver.FIVE), set_
+    for set_ in ("hotpotqa_lam0.5", "scienceqa_lam0.25", "hotpotqa_lam0.25", "hotpotqa_lam1_full"):
+        assert schemes(set_) == set(driver.LAMBDA_SCHEMES), set_
+    full = plan["train/hotpotqa_lam1_full"].meta
+    assert (full["lambda"], full["train_scheme"], full["shared_a"]) == (1.0, "full_shared", True)
+
+
+def test_fidelity_jobs_take_the_profiles_memory_and_follow_every_row_benchmark_by_benchmark() -> None:
+    """A fidelity job asks for its profile's fidelity memory (14 GB on the accuracy model) and comes after every
+    evaluation row, its set's place then its benchmark's (+0.1 for the second) deciding among them."""
+    qwen = build_plan(("scienceqa", "hotpotqa"), (0.0,), runs=1, profile=driver.PROFILES["qwen2.5-coder-1.5b"])
+    fids = {j.name: j for j in qwen if j.kind == "fidelity"}
+    assert {j.gb for j in fids.values()} == {14.0}
+    assert fids["fidelity/scienceqa_lam0"].priority == 200.0
+    assert fids["fidelity/hotpotqa_lam0"].priority == pytest.approx(200.1)
+    assert fids["fidelity/hotpotqa_indepA"].priority == pytest.approx(220.1)  # λ 0, full, indepA: the third set
+    assert max(j.priority for j in qwen if j.kind == "eval") < min(j.priority for j in fids.values())
