@@ -57,6 +57,16 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight other processes for the cores): a module that asks for
+    it (``pytestmark = pytest.mark.usefixtures("one_thread")``) runs on one torch thread, restored after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="session")
 def load_embedded():
     """Returns a loader of fresh copies of the embedded SmolLM2-135M-Instruct (fp32, CPU) and its tokenizer.

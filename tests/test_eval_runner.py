@@ -1366,20 +1366,9 @@ def test_several_benchmarks_in_one_process_each_into_its_folder_with_its_label(t
         return real(plan, first=first, label=label)
 
     monkeypatch.setattr(run_eval, "run_plan", watch)
-    assert (
-        run_eval.evaluate(
-            benchmark="hotpotqa,scienceqa",
-            scheme="full_shared",
-            limit=2,
-            runs=1,
-            max_steps=4,
-            adapter_init="random",
-            device="cpu",
-            quiet=True,
-            out=str(tmp_path / "o"),
-        )
-        == 0
-    )
+    kw = dict(benchmark="hotpotqa,scienceqa", scheme="full_shared", limit=2, runs=1, adapter_init="random",
+              device="cpu", quiet=True)  # fmt: skip
+    assert run_eval.evaluate(**kw, max_steps=4, out=str(tmp_path / "o")) == 0
     assert plans == [("hotpotqa", True, "hotpotqa"), ("scienceqa", False, "scienceqa")]
     for b in ("hotpotqa", "scienceqa"):
         assert {r["benchmark"] for r in read_episodes(tmp_path / "o" / b / EPISODES_FILE)} == {b}
@@ -1389,19 +1378,7 @@ def test_several_benchmarks_in_one_process_each_into_its_folder_with_its_label(t
     assert lines[0].startswith("hotpotqa full_shared: em ") and lines[2].startswith("scienceqa full_shared: acc")
     assert lines[1] == f"-> {tmp_path / 'o' / 'hotpotqa' / 'summary.json'}, {tmp_path / 'o' / 'hotpotqa' / 'report.md'}"
     monkeypatch.setattr(run_eval, "run_plan", lambda plan, first, label: 3)  # a failed benchmark ends the command
-    assert (
-        run_eval.evaluate(
-            benchmark="hotpotqa,scienceqa",
-            scheme="full_shared",
-            limit=2,
-            runs=1,
-            adapter_init="random",
-            device="cpu",
-            quiet=True,
-            out=str(tmp_path / "p"),
-        )
-        == 3
-    )
+    assert run_eval.evaluate(**kw, out=str(tmp_path / "p")) == 3
 
 
 def _shards_that_ran(monkeypatch, episodes: dict[str, list], codes=None):

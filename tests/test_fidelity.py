@@ -29,13 +29,7 @@ ROLES = ("plan", "action", "reflect")
 SHARED = ("full_shared", "droidspeak", "base_shared", "base_lr_shared")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other processes for the cores)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the tiny models
 
 
 def _examples(roles=ROLES, per_role=2, length=36, context=24, seed=0) -> list[FidelityExample]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from eval_suite.diagnostics.fidelity import load_role_examples, render_markdown, run_fidelity
 from eval_suite.diagnostics.fidelity_command import fidelity
@@ -17,12 +16,7 @@ TINY = {"vocab_size": 384, "num_hidden_layers": 2, "hidden_size": 32, "intermedi
         "num_attention_heads": 2, "num_key_value_heads": 1}  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the tiny models
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("plan", "action", "reflect")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other processes for the cores)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the tiny models
 
 
 def _ids(n: int = 40, seed: int = 0) -> list[int]:

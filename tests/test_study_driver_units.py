@@ -724,26 +724,17 @@ def _order(log: Path) -> list[str]:
     return log.read_text().splitlines()
 
 
-def test_run_by_default_starts_at_most_12_processes_per_gpu(tmp_path: Path) -> None:
-    """Thirteen small jobs that fit the memory: twelve start at once, the thirteenth only once one has ended."""
+@pytest.mark.parametrize("kind, cap", [("fidelity", 12), ("train", 2)])
+def test_run_by_default_starts_at_most_its_cap_of_jobs_per_gpu(kind: str, cap: int, tmp_path: Path) -> None:
+    """One job more than the default cap, all fitting the memory (at most 12 processes per GPU, of which at most two
+    trainings): ``cap`` start at once, the last only once one has ended."""
     log = tmp_path / "log"
-    plan = [_sh_job(f"fidelity/f{i:02d}", "fidelity", f"sleep 0.6; mkdir -p {tmp_path}/r/fidelity/f{i:02d}; "
-                    f"touch {tmp_path}/r/fidelity/f{i:02d}/done", log, priority=i) for i in range(13)]  # fmt: skip
+    plan = [_sh_job(f"{kind}/j{i:02d}", kind, f"sleep 0.6; mkdir -p {tmp_path}/r/{kind}/j{i:02d}; "
+                    f"touch {tmp_path}/r/{kind}/j{i:02d}/done", log, priority=i) for i in range(cap + 1)]  # fmt: skip
     assert driver.run(tmp_path / "r", plan, gpu_gb=100.0, poll=0.02) == 0
     order = _order(log)
-    last = order.index("start fidelity/f12")
-    assert sum(x.startswith("start") for x in order[:last]) == 12 and any(x.startswith("end") for x in order[:last])
-
-
-def test_run_by_default_trains_at_most_two_sets_at_once_per_gpu(tmp_path: Path) -> None:
-    """Three trainings that fit the memory: two start at once, the third only once one has ended."""
-    log = tmp_path / "log"
-    plan = [_sh_job(f"train/t{i}", "train", f"sleep 0.6; mkdir -p {tmp_path}/r/train/t{i}; "
-                    f"touch {tmp_path}/r/train/t{i}/done", log, priority=i) for i in range(3)]  # fmt: skip
-    assert driver.run(tmp_path / "r", plan, gpu_gb=100.0, poll=0.02) == 0
-    order = _order(log)
-    last = order.index("start train/t2")
-    assert sum(x.startswith("start") for x in order[:last]) == 2 and any(x.startswith("end") for x in order[:last])
+    last = order.index(f"start {kind}/j{cap:02d}")
+    assert sum(x.startswith("start") for x in order[:last]) == cap and any(x.startswith("end") for x in order[:last])
 
 
 def test_a_fit_config_saves_the_last_checkpoint_and_validates_plainly_whatever_the_recipe_says(

@@ -415,3 +415,9 @@ class _StepProfiler:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(f"decode calls {self._start[0]}..{calls}, wall {wall:.3f} s\n\n{table}\n\n{cpu}\n")
             self._done = True
+
+
+def serve_profiler() -> _StepProfiler | None:
+    """The recorder :data:`SERVE_PROFILE_ENV` asks for (the serving commands hand it to their scheduler); None when
+    unset."""
+    return _StepProfiler.from_env(SERVE_PROFILE_ENV, "serve")

@@ -450,7 +450,7 @@ def _start(loaded, scheme: str, max_rows, capacity: int, dev: str, dtype: str, m
     """A server of ``scheme`` on 127.0.0.1 over the loaded model: its URL, its stop, its metrics' snapshot."""
     import torch
 
-    from eval_suite.evaluate.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE, SERVE_PROFILE_ENV, _StepProfiler
+    from eval_suite.evaluate.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE, serve_profiler
     from eval_suite.serve.api_server import ServerThread, build_app
     from eval_suite.serve.server_state import ServerState
     from lragent.engine import Engine
@@ -467,8 +467,7 @@ def _start(loaded, scheme: str, max_rows, capacity: int, dev: str, dtype: str, m
         lm, scheme, rows=rows, capacity=capacity, tokenizer=tok, cuda_graphs=on_gpu,
         prefill_in_decode=PREFILL_IN_DECODE if on_gpu else 0, feed_budget=FEED_BUDGET if on_gpu else 0,
     )  # fmt: skip
-    profiler = _StepProfiler.from_env(SERVE_PROFILE_ENV, "serve")  # a diagnostic, off unless the variable is set
-    scheduler = Scheduler(engine, tok, launch_ahead=launch_ahead, profiler=profiler)
+    scheduler = Scheduler(engine, tok, launch_ahead=launch_ahead, profiler=serve_profiler())
     srv = ServerThread(build_app(ServerState(scheduler, scheme, base_model_name(model), tok))).start()
 
     def stop() -> None:

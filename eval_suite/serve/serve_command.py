@@ -106,7 +106,7 @@ def serve(
     rows = _size_rows(model, sch, max_rows, capacity, dtype, run_device, stored, layers, memory_fraction)
     apply_memory_fraction(run_device, memory_fraction)
 
-    from eval_suite.evaluate.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE, SERVE_PROFILE_ENV, _StepProfiler
+    from eval_suite.evaluate.batched_executor import FEED_BUDGET, PREFILL_IN_DECODE, serve_profiler
     from eval_suite.serve.api_server import build_app, serve_until_stopped
     from eval_suite.serve.server_state import ServerState
     from lragent.engine import Engine
@@ -120,8 +120,7 @@ def serve(
         cuda_graphs=cuda_graphs and on_gpu, prefill_in_decode=PREFILL_IN_DECODE if on_gpu else 0,
         feed_budget=FEED_BUDGET if on_gpu else 0,
     )  # fmt: skip
-    profiler = _StepProfiler.from_env(SERVE_PROFILE_ENV, "serve")  # a diagnostic, off unless the variable is set
-    scheduler = Scheduler(engine, tokenizer, launch_ahead=launch_ahead, profiler=profiler)
+    scheduler = Scheduler(engine, tokenizer, launch_ahead=launch_ahead, profiler=serve_profiler())
     app = build_app(ServerState(scheduler, str(sch), base, tokenizer, api_key))
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
