@@ -11,14 +11,15 @@ set -u
 # so without this every record's provenance names an old commit (lragent/provenance.py reads LRAGENT_COMMIT).
 [ -s .commit ] && [ -z "${LRAGENT_COMMIT:-}" ] && export LRAGENT_COMMIT=$(cat .commit)
 GGUF_BYTES=98362432
-if ls .whl/*.whl >/dev/null 2>&1; then
-  [ -d /tmp/site/jsonargparse ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+# Wheels are installed once per machine under /tmp; a later call that does not carry them still finds them there
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/jsonargparse ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
-if ls .swhl/*.whl >/dev/null 2>&1; then  # the server's wheels (device_carry.sh wheels-serve), for bench serve
-  [ -d /tmp/ssite/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ssite .swhl/*.whl
-  export PYTHONPATH=/tmp/ssite:${PYTHONPATH:-$PWD}
+if [ -d /tmp/site/jsonargparse ]; then export PYTHONPATH=/tmp/site:$PWD; fi
+if ls .swhl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/ssite/fastapi ]; then  # the server's wheels (wheels-serve)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ssite .swhl/*.whl
 fi
+if [ -d /tmp/ssite/fastapi ]; then export PYTHONPATH=/tmp/ssite:${PYTHONPATH:-$PWD}; fi
 mkdir -p /tmp/gguf
 for f in .gguf*/part*; do [ -f "$f" ] && cp "$f" /tmp/gguf/; done
 if [ ! -f /tmp/gguf/model.gguf ] && [ "$(cat /tmp/gguf/part* 2>/dev/null | wc -c)" = "$GGUF_BYTES" ]; then

@@ -70,7 +70,10 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
         assert set(r["worker_s"]) == {"admit", "decode", "capture", "idle", "other"}, r
         assert min(r["worker_s"].values()) >= 0, r
         assert r["worker_s"]["capture"] == 0  # no CUDA graphs on the CPU
-        assert r["worker_s"]["decode"] > 0 and sum(r["worker_s"].values()) <= r["wall_s"] + 0.5, r
+        # the phases that work fit in the run's wall time (idle is credited a tick at a time, so a tick begun before
+        # the first snapshot can land after it: on a loaded machine that alone passed the wall by a few ms)
+        busy = sum(v for k, v in r["worker_s"].items() if k != "idle")
+        assert r["worker_s"]["decode"] > 0 and busy <= r["wall_s"] + 0.5, r
         assert 0 < r["server_decode_mean_s"] and 0 < r["server_ttft_mean_s"] < r["request_wall_mean_s"], r
 
 

@@ -7,6 +7,7 @@ had been cut there; requests join and leave the decode batch without changing ea
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 import torch
 from conftest import tiny_multi_lora
 
+from eval_suite.bench.serve_match import match_every_candidate, time_matching
 from lragent.engine import Engine
 from lragent.serving.metrics import Histogram, ServeMetrics
 from lragent.serving.rows import fork_row
@@ -157,6 +159,85 @@ def test_common_token_prefix_counts_leading_equal_ids_up_to_the_shorter_list():
     assert common_token_prefix([1, 2, 3], [1]) == 1
     assert common_token_prefix([5, 2], [1, 2]) == 0
     assert common_token_prefix([], [1]) == 0
+
+
+def test_common_token_prefix_equals_an_id_by_id_count_wherever_the_lists_part():
+    """Every parting point of every length up to 40, either list the longer, lists and tuples: the binary search never
+    skips the answer."""
+    for length in range(41):
+        base = [i % 7 for i in range(length)]
+        for part in range(length + 1):
+            a, b = base, base[:part] + [99] + base[part + 1 :]
+            for x, y in ((a, b), (b, a), (a, b[: part + 1]), (a[:part], b), (tuple(a), b)):
+                n = 0
+                while n < min(len(x), len(y)) and x[n] == y[n]:
+                    n += 1
+                assert common_token_prefix(x, y) == n, (x, y)
+
+
+def test_best_match_equals_matching_every_candidate_on_trajectories_with_a_common_system_prompt():
+    """Random stores of agent-like trajectories (one system prompt, then questions, generated and observed pieces,
+    tokenised as BPE does, a piece's tokens depending on what follows), random per-row cache limits as a scheme's
+    (``non_shared``: a role reads only its own cache), random use order: the search that matches the best-ranked
+    candidates first and stops when none left can win picks what matching every candidate picks."""
+    tok = WordTokenizer()
+    rng = random.Random(7)
+    words = ("ab", "abc", "a", "b", "c", "x", "y", "z", "Q", "Thought", ": ")
+    text = lambda n: "".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    system = "Question: " + text(12) + "\n"
+    for _case in range(300):
+        rows = rng.randint(1, 12)
+        store, ids = TrajectoryStore(rows), {}
+        for row in rng.sample(range(rows), rows):  # set in a random order: the use order
+            held, toks = TextTrajectory(), []
+            forkable = [r for r in store.held if len(store.held[r].marks) > 1]
+            if forkable and rng.random() < 0.6:  # a fork: another trajectory's first pieces, then its own
+                src = rng.choice(forkable)
+                keep = rng.randrange(1, len(store.held[src].marks))
+                chars, n = store.held[src].marks[keep]
+                held.append(store.held[src].text[:chars], n)
+                toks += ids[src][:n]
+            for k in range(rng.randint(1, 5)):
+                piece = (system if k == 0 and not toks and rng.random() < 0.8 else "") + text(rng.randint(0, 6))
+                piece_ids = tok(piece)["input_ids"]
+                held.append(piece, len(piece_ids))
+                toks += piece_ids
+            store.set(row, held)
+            ids[row] = toks
+        if rng.random() < 0.5:
+            store.touch(rng.randrange(rows))
+        source = store.held[rng.randrange(rows)].text
+        prompt = source[: rng.randint(0, len(source))] + text(rng.randint(0, 4))
+        caps = {row: rng.choice([0, 3, 10**6, rng.randint(0, 40)]) for row in range(rows)}
+        reusable = lambda r, shared, caps=caps: min(shared, caps[r])  # noqa: E731
+        candidates = rng.sample(range(rows), rng.randint(0, rows))
+        got = store.best_match(prompt, candidates, ids.__getitem__, reusable, tokenize_with(tok))
+        want = match_every_candidate(store, prompt, candidates, ids.__getitem__, reusable, tokenize_with(tok))
+        assert (got is None) == (want is None), (prompt, candidates)
+        if want is not None:
+            assert (got.row, got.shared, got.tokens) == (want.row, want.shared, want.tokens), (prompt, candidates)
+
+
+def test_a_prompt_continuing_its_trajectory_is_matched_without_tokenising_what_other_trajectories_share():
+    """Sixteen held trajectories with one system prompt: a prompt that continues one of them tokenises only its own
+    new text, not the whole prompt again for the other fifteen (each of which shares the system prompt)."""
+    system = "You answer questions. " * 40
+    store, ids = _byte_store({row: [system + f"Question {row}?", f" Thought {row}."] for row in range(16)}, rows=16)
+    tok = _CountingTokenizer()
+    prompt = store.held[5].text + " Action: look."
+    m = store.best_match(prompt, list(range(16)), ids.__getitem__, lambda r, s: s, tok)
+    assert m.row == 5 and m.extends and m.tokens == list(prompt.encode())
+    assert tok.calls == [" Action: look."]
+
+
+def test_the_match_timing_runs_both_searches_on_the_bundled_questions_and_refuses_more_rows_than_it_has(capsys):
+    res = time_matching(rows=3, benchmark="hotpotqa", steps=1, repeat=1, tokenizer="default")
+    assert res["rows"] == 3 and res["held_tokens_mean"] > 100
+    for kind in ("continuing", "first_prompt"):
+        ranked, every = res[f"{kind}_ranked_ms"], res[f"{kind}_every_candidate_ms"]
+        assert ranked > 0 and every > 0 and res[f"{kind}_speedup"] == pytest.approx(every / ranked)
+    with pytest.raises(SystemExit, match=r"--rows 200: hotpotqa has 300 questions, allowed --rows <= 150"):
+        time_matching(rows=200, benchmark="hotpotqa", steps=1, repeat=1, tokenizer="default")
 
 
 def test_appending_a_piece_with_text_or_tokens_adds_a_mark_and_an_empty_piece_adds_none():

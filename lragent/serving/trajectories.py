@@ -49,13 +49,20 @@ def common_prefix_len(a: str, b: str) -> int:
 
 
 def common_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading tokens two id lists share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """Number of leading tokens two id lists share (binary search over slice comparisons, as
+    :func:`common_prefix_len`: a server compares each prompt with every held trajectory, thousands of tokens each)."""
+    a = a if isinstance(a, list) else list(a)  # slices of two lists compare; a list and a tuple never equal
+    b = b if isinstance(b, list) else list(b)
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass
@@ -202,15 +209,32 @@ class TrajectoryStore:
                 cache[text] = tokenize(text)
             return cache[text]
 
-        best, best_key = None, None
+        # Each candidate's bound: its tokens up to the first piece boundary past the text it shares with the prompt.
+        # Tokens that match decode to text both hold, so no match runs past that boundary (for tokens that decode to
+        # the text they were made from: byte-level BPE). Candidates go best bound first, then most recently used; one
+        # that cannot beat the best so far, and every one after it, is not matched: a server holds many trajectories
+        # with the same system prompt, and matching one tokenises the prompt from its first piece and compares
+        # thousands of tokens.
+        ranked = []
         for row in candidates:
             held = self.held.get(row)
-            if held is None or common_prefix_len(prompt[:1], held.text[:1]) == 0:
+            if held is None:
+                continue
+            common = common_prefix_len(prompt, held.text)
+            if common == 0:
                 continue  # not a single character in common: no token can be
+            nxt = bisect.bisect_right(held.marks, (common, float("inf")))
+            bound = held.marks[nxt][1] if nxt < len(held.marks) else held.n_tokens
+            ranked.append((bound, self._used.get(row, 0), row, held))
+        ranked.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        best, best_key = None, None
+        for bound, used, row, held in ranked:
+            if best_key is not None and (bound, bound, used) < best_key:
+                break  # reusable <= shared <= bound: neither this one nor any after it can win
             m = match_prompt(prompt, held, ids_of(row), cached_tokenize, row)
             if m.shared == 0:
                 continue
-            key = (reusable(row, m.shared), m.shared, self._used.get(row, 0))
+            key = (reusable(row, m.shared), m.shared, used)
             if best_key is None or key > best_key:
                 best, best_key = m, key
         return best
