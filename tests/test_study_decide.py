@@ -206,6 +206,7 @@ def test_every_eval_job_is_an_eval_command_with_the_studys_settings() -> None:
         assert c["benchmark"] == bench and c["model"] == "qwen2.5-coder-1.5b" and c["dtype"] == "bfloat16"
         assert c["batch"] == sd.BATCH == 48 and c["capacity"] == sd.CAPACITY and c["quiet"] is True
         assert c["concurrent_schemes"] is False and c["stall_s"] == sd.STALL_S
+        assert c["launch_ahead"] is True and c["feed_budget"] == sd.FEED_BUDGET == 2048
         assert c["out"] == f"ROOT/{job.name}" and job.done_file == f"{job.name}/summary.json"
         assert c["split"] == job.meta["split"] and c["runs"] == job.meta["runs"]
         assert c["scheme"] == ",".join(job.meta["rows"])

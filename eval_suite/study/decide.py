@@ -44,6 +44,11 @@ BATCH = 48
 """Rows per scheme's engine: the three engines of a job (non_shared's three caches per row) fit an 80 GB card."""
 CAPACITY = 8192
 """Positions per row: eval's default ``--capacity``, which the jobs keep."""
+FEED_BUDGET = 2048
+"""``eval --feed_budget`` of every job, with ``--launch_ahead true``: on an H100 the two gave 17.6 episodes per
+GPU-second against 11.2 at the default 256 (`results/eval_throughput/README.md`), the same sampling protocol (seeds,
+temperature, top-p). A job resumed with them keeps its finished episodes; its later ones round bf16 steps at other
+decode widths, as another ``--batch`` would (accuracies compare, records not)."""
 STALL_S = 120
 """``eval --stall_s`` of every job: a decode call that never returns ends the job after this long (its episodes kept,
 the driver's next call resumes it) instead of holding the GPU for the rest of the lease."""
@@ -77,7 +82,8 @@ def _eval(profile: Any, bench: str, set_name: str, label: str, adapters: list[st
         name=name, kind="eval",
         cmd=["{python}", "cli.py", "eval", "--benchmark", bench, *profile.model_args(), *adapters,
              "--scheme", ",".join(schemes), "--runs", str(runs), "--split", split, "--batch", str(BATCH),
-             "--concurrent_schemes", str(lanes).lower(), "--stall_s", str(STALL_S), "--dtype", "bfloat16", *extra,
+             "--concurrent_schemes", str(lanes).lower(), "--stall_s", str(STALL_S), "--dtype", "bfloat16",
+             "--launch_ahead", "true", "--feed_budget", str(FEED_BUDGET), *extra,
              "--out", f"{{root}}/{name}",
              "--quiet", "true"],
         done_file=f"{name}/summary.json", deps=deps, gb=job_gib(profile.model, schemes, lanes), priority=priority,
