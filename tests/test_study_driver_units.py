@@ -247,6 +247,22 @@ def test_orphans_are_a_gone_drivers_live_children_of_this_root_only(tmp_path: Pa
         child.stdout.close()
 
 
+def test_a_gone_drivers_child_that_ended_or_whose_pid_runs_another_command_is_no_orphan(tmp_path: Path) -> None:
+    """A gone driver's child of a job of the plan is not adopted once it has ended, nor when its pid now belongs to a
+    live process that runs no job of this root (the pid was reused)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    root = tmp_path / "root"
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        jobs = {n: Job(n, "eval", [], f"{n}/summary.json") for n in ("eval/a", "eval/b")}
+        _driver_json(root, pid=dead.pid, host=platform.node(), running={"eval/a": other.pid, "eval/b": dead.pid})
+        assert driver._orphans(root, jobs) == {}
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_attempts_and_the_failed_state_follow_the_last_attempt(tmp_path: Path) -> None:
     """Blank lines are no attempts; the last attempt's rc decides: non-zero failed, 0 or none recorded not."""
     job = Job("eval/a", "eval", [], "eval/a/summary.json", deps=("train/t",))
@@ -735,6 +751,73 @@ def test_run_by_default_starts_at_most_its_cap_of_jobs_per_gpu(kind: str, cap: i
     order = _order(log)
     last = order.index(f"start {kind}/j{cap:02d}")
     assert sum(x.startswith("start") for x in order[:last]) == cap and any(x.startswith("end") for x in order[:last])
+
+
+@pytest.mark.parametrize("kind, caps", [("fidelity", {"max_procs": 2}), ("train", {"max_train": 2})])
+def test_a_cap_of_two_starts_two_at_once_and_a_third_in_the_first_freed_place(
+    kind: str, caps: dict, tmp_path: Path
+) -> None:
+    """Under a cap of two processes (or two trainings) per GPU, two jobs start together, and a third starts as soon as
+    one of the two ends, while the other still runs: each running job takes one place, not more."""
+    log = tmp_path / "log"
+    root = tmp_path / "r"
+    naps = (1.0, 2.0, 0.0)  # the first ends while the second runs on
+    plan = [_sh_job(f"{kind}/j{i}", kind, f"sleep {nap}; mkdir -p {root}/{kind}/j{i}; touch {root}/{kind}/j{i}/done",
+                    log, priority=i) for i, nap in enumerate(naps)]  # fmt: skip
+    assert driver.run(root, plan, gpu_gb=100.0, poll=0.02, **caps) == 0
+    order = _order(log)
+    assert order.index(f"start {kind}/j1") < order.index(f"end {kind}/j0")  # the first two together
+    assert order.index(f"end {kind}/j0") < order.index(f"start {kind}/j2")  # the third held back by the cap
+    assert order.index(f"start {kind}/j2") < order.index(f"end {kind}/j1")  # then in the place j0 left
+
+
+def test_jobs_up_to_the_process_cap_start_in_one_pass(tmp_path: Path) -> None:
+    """Two jobs under a cap of two processes start in the same pass, not a poll apart: each launch takes one place."""
+    log = tmp_path / "log"
+    root = tmp_path / "r"
+    plan = [_sh_job(f"fidelity/j{i}", "fidelity", f"sleep 1; mkdir -p {root}/fidelity/j{i}; "
+                    f"touch {root}/fidelity/j{i}/done", log, priority=i) for i in range(2)]  # fmt: skip
+    # a poll apart, j1 would start 3 s after j0, long after j0's 1 s ended; in one pass, well within it
+    assert driver.run(root, plan, gpu_gb=100.0, poll=3.0, max_procs=2) == 0
+    order = _order(log)
+    assert order.index("start fidelity/j1") < order.index("end fidelity/j0")
+
+
+def test_a_job_out_of_attempts_or_a_capped_training_holds_back_no_job_behind_it(tmp_path: Path) -> None:
+    """A job that has failed all its attempts, and a training held back by the trainings cap, are passed over: the
+    jobs behind them in priority order are still launched (here while the first training still runs)."""
+    log = tmp_path / "log"
+    root = tmp_path / "r"
+
+    def job(n: str, kind: str, gb: float, script: str, prio: float) -> Job:
+        done = f"mkdir -p {root}/{n}; touch {root}/{n}/done"
+        return dataclasses.replace(_sh_job(n, kind, f"{script} && {done}", log, priority=prio), gb=gb)
+
+    plan = [job("fidelity/fails", "fidelity", 1.0, "exit 3", 0), job("fidelity/whole", "fidelity", 10.0, "true", 1)]
+    assert driver.run(root, plan, gpu_gb=10.0, poll=0.02, retries=0) == 1  # the whole GPU only once "fails" is out
+    assert attempts(plan[0], root) == 1 and (root / "fidelity/whole/done").is_file()
+    plan = [job("train/t1", "train", 1.0, "sleep 1.5", 0), job("train/t2", "train", 1.0, "true", 1),
+            job("fidelity/f", "fidelity", 1.0, "true", 2)]  # fmt: skip
+    assert driver.run(root, plan, gpu_gb=10.0, poll=0.02, max_train=1) == 0
+    order = _order(log)
+    assert order.index("start fidelity/f") < order.index("end train/t1") < order.index("start train/t2")
+
+
+def test_jobs_that_fill_a_gpu_exactly_fit_it(tmp_path: Path) -> None:
+    """Two jobs whose estimates add up to exactly the memory per GPU run side by side, and a job whose estimate is
+    exactly that memory is launched (it is not too big)."""
+    log = tmp_path / "log"
+    root = tmp_path / "r"
+
+    def job(n: str, gb: float, nap: float, prio: float) -> Job:
+        script = f"sleep {nap}; mkdir -p {root}/fidelity/{n}; touch {root}/fidelity/{n}/done"
+        return dataclasses.replace(_sh_job(f"fidelity/{n}", "fidelity", script, log, priority=prio), gb=gb)
+
+    assert driver.run(root, [job("a", 4.0, 2.0, 0), job("b", 6.0, 0, 1)], gpu_gb=10.0, poll=0.02) == 0
+    order = _order(log)
+    assert order.index("start fidelity/b") < order.index("end fidelity/a")
+    whole = job("whole", 10.0, 0, 2)
+    assert driver.run(root, [whole], gpu_gb=10.0, poll=0.02) == 0 and attempts(whole, root) == 1
 
 
 def test_a_fit_config_saves_the_last_checkpoint_and_validates_plainly_whatever_the_recipe_says(
