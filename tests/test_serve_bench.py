@@ -45,6 +45,8 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
         small = dict(clients=2, sessions=2, context=4, generated=[1, 1, 1, 1, 1], max_steps=1, thought_tokens=2,
                      argument_tokens=2, temperature=0.0)  # fmt: skip
         assert bench_serve(server=server.url, out=str(tmp_path), **small) == 0
+        err = capsys.readouterr().err  # each workload's sessions counted on a progress bar as they end
+        assert re.search(r"bench serve trace: 100%.*2/2", err) and re.search(r"bench serve autoact: 100%.*2/2", err)
         with pytest.raises(ValueError, match="serves base_lr_shared: allowed --schemes base_lr_shared"):
             bench_serve(server=server.url, schemes="non_shared", out=str(tmp_path / "x"), **small)
     finally:

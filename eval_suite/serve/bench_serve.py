@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Literal
 
 from eval_suite.evaluate.server_client import (
@@ -156,9 +156,18 @@ def run_trace(
                 answers.extend(policy.completions)
 
     started = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(session, range(sessions)))
+    with ThreadPoolExecutor(clients) as pool, _bar(sessions, "trace") as bar:
+        for done in as_completed([pool.submit(session, s) for s in range(sessions)]):
+            done.result()
+            bar.update()
     return answers, failed[0], time.perf_counter() - started
+
+
+def _bar(sessions: int, workload: str):
+    """The sessions' progress bar on stderr (a long run on a CPU shows it is alive)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=sessions, desc=f"bench serve {workload}", unit="session", file=sys.stderr, mininterval=1.0)
 
 
 def run_autoact(url: str, api_key: str | None, *, sessions: int, clients: int, bench, agent, temperature: float,
@@ -180,8 +189,9 @@ def run_autoact(url: str, api_key: str | None, *, sessions: int, clients: int, b
     started = time.perf_counter()
     failed = 0
     try:
-        for _ in ex.run(tasks):
-            pass
+        with _bar(sessions, "autoact") as bar:
+            for _ in ex.run(tasks):
+                bar.update()
     except ValueError as exc:
         failed = 1
         print(f"bench serve: autoact stopped at a failed request: {exc}", file=sys.stderr)
