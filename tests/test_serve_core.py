@@ -168,7 +168,7 @@ def test_common_token_prefix_equals_an_id_by_id_count_wherever_the_lists_part():
         base = [i % 7 for i in range(length)]
         for part in range(length + 1):
             a, b = base, base[:part] + [99] + base[part + 1 :]
-            for x, y in ((a, b), (b, a), (a, b[: part + 1]), (a[:part], b), (tuple(a), b)):
+            for x, y in ((a, b), (b, a), (a, b[: part + 1]), (a[:part], b), (tuple(a), b), (a, tuple(b))):
                 n = 0
                 while n < min(len(x), len(y)) and x[n] == y[n]:
                     n += 1

@@ -145,6 +145,13 @@ def test_the_report_names_the_pool_and_the_papers_questions_apart(tmp_path: Path
     sd.write_decide_report(tmp_path, plan, tmp_path / "report")
     md = (tmp_path / "report" / "decide.md").read_text()
     assert "| – (partial: 70 of 360 episodes) |" in md
+    # one episode is partial too; a job with none yet is a dash, not "0 of"
+    for kept, verdict in ((1, "| – (partial: 1 of 360 episodes) |"), (0, "| – |")):
+        (d / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ns_only[:kept]))
+        sd.write_decide_report(tmp_path, plan, tmp_path / "report")
+        md = (tmp_path / "report" / "decide.md").read_text()
+        row = next(line for line in md.splitlines() if line.startswith("| scienceqa, λ 0 |"))
+        assert row.endswith(verdict), (kept, row)
 
 
 def test_the_decide_stage_is_a_stage_of_the_study_command(tmp_path: Path, capsys) -> None:
