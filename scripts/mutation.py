@@ -225,6 +225,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "sigterm_check": ("lit_modules/sigterm_check.py", "", ["tests/test_sigterm_check_units.py"]),
     "speed_table": ("eval_suite/bench/speed_table.py", "", ["tests/test_speed_table.py"]),
     "model_flops": ("eval_suite/bench/model_flops.py", "", ["tests/test_model_flops_units.py"]),  # not its trace: 324 s
+    "multi_gpu_report": ("eval_suite/bench/multi_gpu_report.py", "", ["tests/test_multi_gpu_report.py"]),
     "data_stats": ("eval_suite/diagnostics/data_stats.py", "", ["tests/test_data_stats_units.py"]),  # bundled: 47 s
     "study_report": ("eval_suite/study/report.py", "", ["tests/test_study.py", "tests/test_study_report_units.py"]),
     "similarity_report": (

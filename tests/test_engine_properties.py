@@ -844,6 +844,57 @@ def test_graphs_are_captured_again_after_the_pool_grows(monkeypatch):
     assert [p for _, p in cuda.captures] == cuda.handles
 
 
+def test_graphs_with_lent_rows_are_warmed_up_and_captured_with_them_and_timed(monkeypatch):
+    """With ``feed_budget`` a step's graph carries its extra token rows: warmed up and captured with them (the fake
+    refuses to capture a step that never ran eagerly on its stream), the same ids as eager steps. ``capture_s`` adds
+    up each capture's host time and ``replay_s`` each replay call's (a clock that ticks once a reading: each capture
+    the same positive amount, at most the readings taken while capturing)."""
+    import lragent.engine as engine_mod
+
+    plan = {0: [(LONG[:12], GenerationRequest(role=0, max_new_tokens=3)), (LONG[:9], GenerationRequest(1, 3))],
+            1: [(LONG[:7], GenerationRequest(role=1, max_new_tokens=4))]}  # fmt: skip
+    kw = {"rows": 2, "capacity": 64, "eos_token_ids": [], "prefill_in_decode": 16, "feed_budget": 3}
+    want = _drive(Engine(model(), "full_shared", **kw), plan)
+    eng = Engine(model(), "full_shared", **kw)
+    eng.cuda_graphs = True
+    cuda = FakeCuda(monkeypatch, eng)
+
+    class Clock:
+        n = 0
+
+        def perf_counter(self) -> float:
+            self.n += 1
+            return float(self.n)
+
+    clock = Clock()
+    monkeypatch.setattr(engine_mod, "time", clock)
+    graph_for, added, replays, launches = eng._graph_for, [], [], []
+
+    def timed(b, sampling, extra=0):
+        launches.append(b)  # one launch: its replays are timed together
+        before, readings, known = eng.capture_s, clock.n, (b, sampling, extra) in eng._graphs
+        graph = graph_for(b, sampling, extra)
+        if not known:
+            added.append((eng.capture_s - before, clock.n - readings))
+            replay = graph.replay
+
+            def counted() -> None:
+                n = clock.n
+                replay()
+                replays.append(clock.n - n)  # the readings inside it
+
+            graph.replay = counted
+        return graph
+
+    monkeypatch.setattr(eng, "_graph_for", timed)
+    assert _drive(eng, plan) == want
+    assert any(len(args) == 4 and args[3] == 3 for g, _ in cuda.captures for args in g.steps)  # lent rows captured
+    assert len(added) >= 2 and all(0 < got <= readings for got, readings in added)
+    assert len({got for got, _ in added}) == 1 and eng.capture_s == sum(got for got, _ in added)
+    # replay_s: each launch's replay calls, timed together: the readings inside them and one tick per launch
+    assert len(launches) >= 2 and eng.replay_s == sum(replays) + len(launches)
+
+
 def test_one_capture_stream_per_cuda_device(monkeypatch):
     """The capture stream of a device is made once, on that device; a device without an index is the current one.
     Under a side stream (an executor's lane) that stream itself is the capture stream: lanes never share one."""
@@ -874,6 +925,31 @@ def test_one_capture_stream_per_cuda_device(monkeypatch):
     zero = capture_stream(torch.device("cuda", 0))
     assert zero is not one and zero.device == torch.device("cuda", 0)
     assert capture_stream(torch.device("cuda", 0)) is zero and len(made) == 2
+
+
+def test_the_capture_stream_asks_the_engine_s_own_device_not_the_current_one(monkeypatch):
+    """An engine on cuda:0 driven while cuda:1 is the current device: its capture stream follows cuda:0's streams
+    (cuda:0 on its default stream: the side stream made for cuda:0, whatever lane cuda:1 runs on; cuda:0 on a lane:
+    that lane, while cuda:1 sits on its default stream)."""
+    import lragent.engine as engine_mod
+
+    class Stream:
+        def __init__(self, device=None) -> None:
+            self.device = device
+
+    default = {0: Stream(0), 1: Stream(1)}
+    current = {0: default[0], 1: Stream(1)}  # cuda:1 runs on a lane
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    index = lambda device: 1 if device is None else torch.device(device).index
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[index(device)])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default[index(device)])
+    monkeypatch.setattr(engine_mod, "_CAPTURE_STREAMS", {})
+    made = capture_stream(torch.device("cuda", 0))
+    assert made is not default[0] and made is not current[1] and made.device == torch.device("cuda", 0)
+    lane = current[0] = Stream(0)
+    current[1] = default[1]
+    assert capture_stream(torch.device("cuda", 0)) is lane
 
 
 # ---- more edges: ranges, no tokenizer, stop tokens a special token hides, logits with a stop, syncs -----------------

@@ -142,6 +142,13 @@ def test_rebuilt_off_device_names_the_runs_gpus_and_versions(tmp_path: Path, rep
         (evals / name / "hotpotqa" / "run_config.json").write_text(json.dumps({"provenance": prov}))
     md = report.markdown(report.collect(evals, "cmd", [4]))
     assert "Devices: H200 Y, H200 Y, H200 Y, H200 Y." in md and "Runs: commits ccccccc, ddddddd; dates 2026-11-28" in md
+    # a run that recorded no versions names none: no empty entry in the Runs line
+    prov = {"device": {"type": "cuda", "name": "H200 Y", "count": 4}, "git_commit": "e" * 40, "utc": "2026-11-28"}
+    (evals / "ev2" / "hotpotqa").mkdir(parents=True)
+    (evals / "ev2" / "hotpotqa" / "run_config.json").write_text(json.dumps({"provenance": prov}))
+    res = report.collect(evals, "cmd", [4])
+    assert res["provenance"]["run_versions"] == ["torch 2.11.0"]
+    assert "dates 2026-11-28; torch 2.11.0." in report.markdown(res)
 
 
 def test_episode_loop_speedup_counts_the_slowest_shard_of_each_benchmark(tmp_path: Path, report) -> None:
@@ -538,3 +545,609 @@ def test_the_report_writes_json_and_markdown_and_links_the_plot_only_when_one_wa
     assert json.loads((tmp_path / "multi_gpu.json").read_text())["ddp_embedded"]["ddp2_speedup_tokens_per_s"] == (
         pytest.approx(1.8)
     )
+
+
+def _write(path: Path, body) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(body if isinstance(body, str) else json.dumps(body))
+
+
+def _full_output(out: Path) -> None:
+    """A gpu_multi.sh output with every phase's files (sizes 2 and 4): binary-exact losses, distinct figures."""
+    _write(
+        out / "timings.txt",
+        "emb1 rc=0 seconds=61\nddp2 rc=0 seconds=35\nb1 rc=0 seconds=52\n"
+        "fsdp2 rc=0 seconds=58\nev1 rc=0 seconds=400\nev2 rc=124 seconds=590\nev4 rc=0 seconds=130\n",
+    )
+    _write(out / "emb_model.txt", "embedded SmolLM2-360M\n")
+    # DDP, embedded model: three validations; seed 1 and seed 2 (seed 10 is past gpu_multi.sh's 2..9: not read)
+    for name, losses in (
+        ("emb1", [2.5, 2.0, 1.5]),
+        ("emb1s", [2.5625, 2.0, 1.4375]),
+        ("emb1s2", [2.5, 2.0, 1.625]),
+        ("emb1s10", [2.5, 2.0, 3.0]),
+        ("ddp2", [2.53125, 2.0, 1.625]),
+        ("ddp4", [2.5, 2.0, 1.25]),
+        ("emb1r2", [2.5, 2.0, 1.5]),
+        ("ddp4r2", [2.5, 2.5, 1.375]),
+    ):
+        _metrics(out / f"{name}_metrics.csv", losses)
+    for name, rate, world in (
+        ("emb1", 1000.0, 1),
+        ("emb1r2", 1250.0, 1),
+        ("ddp2", 1900.0, 2),
+        ("ddp4", 3600.0, 4),
+        ("ddp4r2", 4000.0, 4),
+        ("q1", 500.0, 1),
+        ("qddp2", 900.0, 2),
+    ):
+        _speed(out / f"{name}_speed.json", rate, world=world)
+    for path in out.glob("*_speed.json"):  # the runs' own provenance: only where a test sets it
+        _write(path, {k: v for k, v in json.loads(path.read_text()).items() if k != "provenance"})
+    body = json.loads((out / "emb1_speed.json").read_text())  # the host's phases: the optimizer's count not kept
+    body.update(
+        tokens=400000,
+        seconds=400.0,
+        peak_reserved_gib=14.5,
+        steps=4,
+        ms_per_step=100.0,
+        phases_ms={
+            "host": {"forward": 30.0, "backward": 50.0, "optimizer": 8.0},
+            "count": {"forward": 4, "backward": 4},
+        },
+    )
+    body["provenance"] = {
+        "device": {"type": "cuda", "name": "H100 X", "count": 4},
+        "git_commit": "a" * 40,
+        "utc": "2026-11-27T01:00:00Z",
+        "versions": {"torch": "2.11.0", "peft": "0.17.0"},
+    }
+    _write(out / "emb1_speed.json", body)
+    for r, ms in ((0, 110.0), (1, 125.0)):
+        _write(
+            out / f"ddp2_speed.rank{r}.json",
+            {
+                "rank": r,
+                "steps": 2,
+                "ms_per_step": ms,
+                "phases_ms": {"host": {"forward": 40.0, "backward": 60.0}, "count": {"forward": 2, "backward": 2}},
+            },
+        )
+    _metrics(out / "q1_metrics.csv", [3.0])
+    _metrics(out / "qddp2_metrics.csv", [3.125])
+    # FSDP at 8B shapes: one GPU, FSDP on 2 (its ranks' peaks differ), resumed, DDP; exports and the PEFT check
+    _speed(out / "b1_speed.json", 8000.0, peak=20.0)
+    _speed(out / "fsdp2r_speed.json", 11000.0, world=2, peak=12.5)
+    _speed(out / "ddp8b2_speed.json", 10000.0, world=2, peak=30.0)
+    body = {
+        "tokens_per_s": 6000.0,
+        "global_tokens_per_s": 12000.0,
+        "global_step": 5,
+        "world_size": 2,
+        "ms_per_step": 900.0,
+        "peak_reserved_gib": 14.0,
+        "ranks": [
+            {"rank": 0, "tokens_per_s": 6000.0, "steps": 4, "peak_memory_gib": 12.0},
+            {"rank": 1, "tokens_per_s": 6000.0, "steps": 3, "peak_memory_gib": 13.0},
+        ],
+        "provenance": {
+            "device": {"type": "cuda", "name": "H100 X", "count": 2},
+            "git_commit": "b" * 40,
+            "utc": "2026-11-28T02:00:00Z",
+            "versions": {"torch": "2.11.0"},
+        },
+    }
+    _write(out / "fsdp2_speed.json", body)
+    for name in ("b1", "fsdp2r", "ddp8b2"):
+        path = out / f"{name}_speed.json"
+        _write(path, {k: v for k, v in json.loads(path.read_text()).items() if k != "provenance"})
+    _write(out / "fsdp2r.log", "Epoch 0\n  Restoring states from the checkpoint path at last.ckpt  \nEpoch 1\n")
+    _export(out / "b1_export", 0.0)
+    _export(out / "fsdp2r_export", 1.0)
+    _export(out / "fx2_export", 1.25)
+    _write(out / "peft2.json", {"ok": True, "rel_tol": 1e-5, "roles": {"plan": {"rel_diff": 2e-6, "resolved": True}}})
+    # eval: one device (two schemes x and y, one after the other, on 2 rows); 2 devices stopped by the call's limit
+    # after all four episodes; 4 devices finished, one episode's length differs, shard 0 resumed once
+    rows = [
+        {"qid": q, "seed": 0, "prediction": q.upper(), "num_tokens": 7, "steps": 2, "scheme": s, "wall_s": w}
+        for q, s, w in (("a", "x", 3.0), ("b", "x", 1.0), ("c", "y", 1.0), ("d", "y", 1.0))
+    ]
+    _write(out / "ev1" / "hotpotqa" / "episodes.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    _write(
+        out / "ev1" / "hotpotqa" / "timing.json",
+        {
+            "batch": 2,
+            "episodes": 4,
+            "episodes_s": 100.0,
+            "decode_steps": 1000,
+            "wait_s": 2.0,
+            "replay_s": 0.5,
+            "advance_s": 5.0,
+            "agent_s": 3.0,
+            "startup_s": 10.0,
+            "setup_s": 20.0,
+            "capture_s": 1.0,
+        },
+    )
+    for i, qids in enumerate((["a", "c"], ["b", "d"])):
+        _write(
+            out / "ev2" / "hotpotqa" / f"shard_{i}" / "episodes.jsonl",
+            "".join(json.dumps(r) + "\n" for r in rows if r["qid"] in qids),
+        )
+        four = [{**r, "num_tokens": 8 if r["qid"] == "d" else 7} for r in rows if r["qid"] in qids]
+        _write(out / "ev4" / "hotpotqa" / f"shard_{i}" / "episodes.jsonl", "".join(json.dumps(r) + "\n" for r in four))
+    _write(
+        out / "ev4" / "hotpotqa" / "shard_0" / "timing.json",
+        {
+            "episodes": 2,
+            "episodes_s": 30.0,
+            "decode_steps": 300,
+            "wait_s": 0.6,
+            "replay_s": 0.3,
+            "advance_s": 1.8,
+            "agent_s": 0.9,
+            "startup_s": 7.0,
+            "setup_s": 11.0,
+            "capture_s": 0.4,
+            "parts": [{"startup_s": 5.0, "setup_s": 6.0}, {"startup_s": 2.0, "setup_s": 1.0, "capture_s": 0.5}],
+        },
+    )
+    _write(
+        out / "ev4" / "hotpotqa" / "shard_1" / "timing.json",
+        {
+            "episodes": 2,
+            "episodes_s": 20.0,
+            "decode_steps": 200,
+            "wait_s": 0.4,
+            "replay_s": 0.2,
+            "advance_s": 1.2,
+            "agent_s": 1.1,
+            "startup_s": 8.0,
+            "setup_s": 9.0,
+            "capture_s": 0.6,
+        },
+    )
+    _write(out / "ev4" / "hotpotqa" / "launch.json", {"startup_s": 3.0, "launch_s": 0.75})
+
+
+def _fixed_machine(res: dict) -> dict:
+    """The report's own provenance (this machine's commit, clock and versions) set to fixed values."""
+    res["provenance"].update(git_commit="f" * 40, git_dirty=True, utc="2026-12-07T08:00:00Z",
+                             versions={"python": "3.11.7", "torch": "2.13.0", "peft": None})  # fmt: skip
+    return res
+
+
+def test_a_whole_output_gives_every_figure(tmp_path: Path, report) -> None:
+    """Every phase's files, sizes 2 and 4: each figure worked by hand from the files (losses binary-exact)."""
+    _full_output(tmp_path)
+    res = report.collect(tmp_path, "bash scripts/gpu_multi.sh", [2, 4])
+    d = res["ddp_embedded"]
+    assert d["speed_1gpu"] == {
+        "world_size": 1, "global_step": 3, "tokens_per_s": 1000.0, "ms_per_micro_batch": 100.0,
+        "peak_memory_gib_per_rank": [12.5], "peak_reserved_gib_rank0": 14.5, "timed_micro_batches_per_rank": [4],
+        "ranks": [{"rank": 0, "tokens": 400000, "seconds": 400.0, "tokens_per_s": 1000.0, "peak_memory_gib": 12.5,
+                   "steps": 4}],
+    }  # fmt: skip
+    assert d["host_split_1gpu"] == [{"rank": 0, "step_ms": 100.0, "host_ms": 80.0, "rest_ms": 20.0}]
+    assert d["seed_noise"] == [0.0625, 0.0, -0.0625]
+    assert d["seed_final_losses"] == {0: 1.5, 1: 1.4375, 2: 1.625}  # seed 10 is not one gpu_multi.sh runs
+    assert d["seed_spread_last"] == 0.125
+    assert d["ddp2_minus_1gpu"] == [0.03125, 0.0, 0.125] and d["ddp2_within_noise"] is True  # on the spread: within
+    assert d["ddp4_minus_1gpu"] == [0.0, 0.0, -0.25] and d["ddp4_within_noise"] is False
+    assert d["ddp4_minus_1gpu_repeats"] == {2: [0.0, 0.5, -0.125]} and d["ddp4_repeats_within_noise"] is True
+    assert "ddp2_minus_1gpu_repeats" not in d and "ddp2_repeats_within_noise" not in d
+    assert d["ddp2_speedup_tokens_per_s"] == pytest.approx(1900 / 1125)  # one DDP fit against one GPU's two, pooled
+    assert d["ddp2_repeats"] == {"tokens_per_s_1gpu": [1000.0, 1250.0], "tokens_per_s_ddp2": [1900.0],
+                                 "speedup_paired": [1.9]}  # fmt: skip
+    assert d["ddp4_repeats"]["speedup_paired"] == [3.6, 3.2]
+    assert d["speed_ddp2"]["world_size"] == 2 and d["speed_ddp2"]["timed_micro_batches_per_rank"] == [2, 2]
+    q = res["ddp_accuracy_model"]
+    assert q["ddp2_minus_1gpu"] == [0.125] and "seed_noise" not in q and "ddp2_within_noise" not in q
+    assert q["ddp2_speedup_tokens_per_s"] == pytest.approx(1.8) and q["val_loss_ddp4"] is None
+    f = res["fsdp_8b"]
+    assert f["speed_fsdp2"]["peak_memory_gib_per_rank"] == [12.0, 13.0] and f["speed_fsdp2"]["global_step"] == 5
+    assert f["speed_fsdp2"]["peak_reserved_gib_rank0"] == 14.0 and f["speed_fsdp2"]["ms_per_micro_batch"] == 900.0
+    assert f["speed_fsdp2"]["timed_micro_batches_per_rank"] == [4, 3] and len(f["speed_fsdp2"]["ranks"]) == 2
+    assert f["fsdp2_peak_memory_over_1gpu"] == pytest.approx(13.0 / 20.0)  # the largest rank's
+    assert f["fsdp2_resumed_to_step"] == 3 and f["fsdp4_resumed_to_step"] is None
+    assert f["fsdp2_resume_log_line"] == "Restoring states from the checkpoint path at last.ckpt"
+    assert f["fsdp4_resume_log_line"] is None
+    assert f["export_fsdp2r_same_format_as_1gpu"] is True and f["export_fx2_same_format_as_1gpu"] is True
+    assert f["export_fsdp4r_same_format_as_1gpu"] is None and f["export_fx4_same_format_as_1gpu"] is None  # no export
+    assert f["fsdp2_export_in_peft"]["ok"] is True and f["fsdp4_export_in_peft"] is None
+    e = res["eval_devices"]
+    assert e["episodes_1"] == 4 and e["episodes_2"] == 4 and e["stopped_2"] == 124 and e["finished_equal_2"] is True
+    assert e["same_episodes_4"] is False and e["differing_episodes_4"] == 2  # d's length differs: both versions
+    assert e["speedup_4"] == pytest.approx(400 / 130) and e["restart_s_1"] == 0.0 and e["restart_s_4"] == 3.5
+    assert e["speedup_4_less_restarts"] == pytest.approx(400 / (130 - 3.5))
+    assert e["combined_4"] is False and e["launch_s_4"] == 3.75
+    assert e["queue_bound_4"] == pytest.approx({"loop_s_1": 4.0, "loop_s_4": 3.0, "bound": 4.0 / 3.0})  # by scheme
+    prov = res["provenance"]
+    assert prov["dtype"] == "bfloat16" and prov["cpu_check"] is False and prov["command"] == "bash scripts/gpu_multi.sh"
+    assert prov["gpus"] == ["H100 X"] * 4 and prov["run_commits"] == ["a" * 40, "b" * 40]
+    assert prov["run_versions"] == ["torch 2.11.0", "torch 2.11.0, peft 0.17.0"]
+    assert prov["run_dates"] == ["2026-11-27", "2026-11-28"] and res["ddp_model"] == "embedded SmolLM2-360M"
+    assert report.scaling_curves(res) == {
+        "DDP, embedded model": [(1, 1.0), (2, pytest.approx(1900 / 1125)), (4, pytest.approx(3800 / 1125))],
+        "DDP, accuracy model": [(1, 1.0), (2, pytest.approx(1.8))],
+        "FSDP, 8B shapes": [(1, 1.0), (2, pytest.approx(1.5))],
+        "eval --devices N (wall)": [(1, 1.0), (4, pytest.approx(400 / 130))],
+    }
+    del res["sizes"]  # a record without its sizes: GPU count 2
+    assert list(report.scaling_curves(res)) == ["DDP, embedded model", "DDP, accuracy model", "FSDP, 8B shapes"]
+
+
+FULL_MARKDOWN = """# Several GPUs: scripts/gpu_multi.sh
+
+Devices: H100 X, H100 X, H100 X, H100 X.
+
+## DDP, embedded SmolLM2-360M, same global batch
+
+| run | val/loss per validation | tokens/s | speed-up |
+|---|---|---|---|
+| 1 device | [2.5000, 2.0000, 1.5000] | 1000 | 1 |
+| 1 device, adapter seed 1 (noise) | [2.5625, 2.0000, 1.4375] | | |
+| DDP, 2 devices | [2.5312, 2.0000, 1.6250] | 1900 | 1.69x |
+| DDP, 4 devices | [2.5000, 2.0000, 1.2500] | 3600 | 3.38x |
+| DDP, 2 devices: every repeat pooled | | one device 1000, 1250; DDP 1900 | repeat by repeat 1.90x |
+| DDP, 4 devices: every repeat pooled | | one device 1000, 1250; DDP 3600, 4000 | repeat by repeat 3.60x, 3.20x |
+
+Where a micro-batch went (ms, first fit of each; per rank: micro-batch / host time between Lightning's hooks / the \
+rest, waiting):
+- 1 device: rank 0 100.0 / 80.0 / 20.0
+- DDP, 2 devices: rank 0 110.0 / 100.0 / 10.0; rank 1 125.0 / 100.0 / 25.0
+
+Seed noise (seed 1 - seed 0): [0.062500, 0.000000, -0.062500]; final loss by adapter seed: 0: 1.50000, 1: 1.43750, \
+2: 1.62500; spread (largest |seed k - seed 0|): 0.125000.
+DDP on 2 - 1 device: [0.031250, 0.000000, 0.125000]; within the seed noise at the last validation: True.
+DDP on 4 - 1 device: [0.000000, 0.000000, -0.250000]; within the seed noise at the last validation: False.
+DDP on 4 - 1 device, repeat 2: [0.000000, 0.500000, -0.125000].
+Every repeat within the seed noise at the last validation: True.
+
+## DDP, the accuracy model (Qwen2.5-Coder-1.5B-Instruct), same global batch
+
+| run | val/loss per validation | tokens/s | speed-up |
+|---|---|---|---|
+| 1 device | [3.0000] | 500 | 1 |
+| 1 device, adapter seed 1 (noise) | missing | | |
+| DDP, 2 devices | [3.1250] | 900 | 1.80x |
+| DDP, 4 devices | missing | missing | missingx |
+
+Seed noise (seed 1 - seed 0): missing; final loss by adapter seed: missing; spread (largest |seed k - seed 0|): \
+missing.
+DDP on 2 - 1 device: [0.125000]; within the seed noise at the last validation: missing.
+DDP on 4 - 1 device: missing; within the seed noise at the last validation: missing.
+
+## FSDP, LLaMA-3.1-8B shapes
+
+| run | tokens/s | speed-up | peak memory per device (GiB) | steps |
+|---|---|---|---|---|
+| 1 device | 8000 | 1 | [20.00] | 3 |
+| FSDP, 2 devices | 12000 | 1.50x | [12.00, 13.00] | 5 |
+| FSDP, 2 devices, resumed (--ckpt_path last) | 11000 | 1.38x | [12.50, 12.50] | 3 |
+| DDP, 2 devices (the whole base on each) | 10000 | 1.25x | [30.00, 30.00] | 3 |
+| FSDP, 4 devices | missing | missingx | missing | missing |
+| FSDP, 4 devices, resumed (--ckpt_path last) | missing | missingx | missing | missing |
+| DDP, 4 devices (the whole base on each) | missing | missingx | missing | missing |
+
+FSDP on 2: peak memory per device 0.650x one device's; resumed to step 3 (Restoring states from the checkpoint path \
+at last.ckpt); export format equal to the 1-device export: fit's True, `export` command's True; fit's export vs the \
+export command: max |diff| 0.25000000; loads in PEFT with lragent's logits: True (largest relative diff 2.00e-06 \
+against 1e-05; the adapters' effect resolved: yes).
+FSDP on 4: peak memory per device missingx one device's; resumed to step missing (missing); export format equal to \
+the 1-device export: fit's missing, `export` command's missing; fit's export vs the export command: max |diff| \
+missing; loads in PEFT with lragent's logits: missing.
+
+## eval --devices N vs --devices 1
+
+2 devices: stopped (exit 124) after 4 episodes; each of them equal to one device's: True; no speed-up (not finished).
+4 devices: episodes 4 vs 4; same predictions and lengths: False (2 differ); wall seconds 400 vs 130, speed-up 3.08x; \
+episode loops alone (the slowest shard) 100.0 vs 30.0 s, 3.33x; decode steps of the busiest process 1000 vs 300; its \
+seconds in the engine's decode calls 5.0 vs 1.8 and in the episodes' own work 3.0 vs 1.1; before its loop, its start \
+(interpreter, imports) 10.0 vs 8.0 and setup (corpus, model, sizing) 20.0 vs 11.0; in its loop, the graph captures \
+(kernel compiles included) 1.0 vs 0.6; the launcher's own start 3.8 s.
+  - a run resumed in a later call paid its start again (0.0 vs 3.5 s of start, setup and captures): without it the \
+speed-up is **3.16x**.
+  - per decode step, all processes together, 1 vs 4 devices (ms): waiting for the GPU 2.00 vs 2.00; graph replay \
+calls 0.50 vs 1.00; the engine's other host work 1.50 vs 1.00; the episodes' work 3.00 vs 4.00.
+  - what the episodes' lengths allow: one device's episode times, scheduled scheme by scheme on one process of its \
+rows and on 4 of them, 4.0 vs 3.0 s, at most **1.33x** for the loops (the queue's tail alone: steps as fast as one \
+device's, no fixed cost).
+  - hotpotqa shards: episodes [2, 2], decode steps [300, 200]; slowest loop 1.20x the mean.
+
+## Phases
+
+| phase | exit | seconds |
+|---|---|---|
+| emb1 | 0 | 61 |
+| ddp2 | 0 | 35 |
+| b1 | 0 | 52 |
+| fsdp2 | 0 | 58 |
+| ev1 | 0 | 400 |
+| ev2 | 124 | 590 |
+| ev4 | 0 | 130 |
+
+---
+Commit ffffffffffffffffffffffffffffffffffffffff (dirty), 2026-12-07T08:00:00Z; python 3.11.7, torch 2.13.0; dtype \
+bfloat16.<br>
+Runs: commits aaaaaaa, bbbbbbb; dates 2026-11-27, 2026-11-28; torch 2.11.0; torch 2.11.0, peft 0.17.0.<br>
+Command: `bash scripts/gpu_multi.sh`
+""".replace("<br>", "  ")  # the footer's Markdown line breaks
+
+
+def test_a_whole_output_s_page_states_each_figure_in_its_place(tmp_path: Path, report) -> None:
+    """The page of the whole output above, line by line (its own commit, clock and versions fixed): every section,
+    each figure where its label says (the 2-device eval stopped, the 4-device one finished)."""
+    _full_output(tmp_path)
+    res = _fixed_machine(report.collect(tmp_path, "bash scripts/gpu_multi.sh", [2, 4]))
+    assert report.markdown(res) == FULL_MARKDOWN
+    res["provenance"]["git_dirty"] = False
+    assert "Commit ffffffffffffffffffffffffffffffffffffffff, 2026-12-07T08:00:00Z;" in report.markdown(res)
+
+
+def test_a_phase_s_status_and_calls_and_which_phases_join(tmp_path: Path, report) -> None:
+    """A negative exit status (a signal) stays a number; a phase run in three calls counts three; only ``evN-<b>``
+    names join into ``evN``, split at their first dash."""
+    (tmp_path / "timings.txt").write_text(
+        "fsdp2 rc=-9 seconds=3\nev1 rc=124 seconds=5\nev1 rc=124 seconds=6\nev1 rc=0 seconds=7\n"
+        "ev2-hotpot-qa rc=0 seconds=4\nb1-x rc=0 seconds=2\nxx2-a rc=0 seconds=1\n"
+    )
+    t = report.timings(tmp_path)
+    assert t["fsdp2"] == {"rc": -9, "seconds": 3} and t["ev1"] == {"rc": 0, "seconds": 18, "calls": 3}
+    assert t["ev2"] == {"rc": 0, "seconds": 4} and "ev2-hotpot" not in t
+    assert sorted(t) == ["b1-x", "ev1", "ev2", "ev2-hotpot-qa", "fsdp2", "xx2-a"]  # no b1, no xx2
+
+
+def test_episodes_keep_every_field_and_a_fixed_order(tmp_path: Path, report) -> None:
+    """An episode is (qid, seed, prediction, num_tokens, steps), a field it lacks None; sorted by their text, so the
+    order holds whatever the fields' types (seed 10 before seed 9)."""
+    rows = [{"qid": "a", "seed": 9, "prediction": "p", "num_tokens": 3, "steps": 1},
+            {"qid": "b"}, {"qid": "a", "seed": 10, "prediction": "q", "num_tokens": 4, "steps": 2}]  # fmt: skip
+    (tmp_path / "ev1").mkdir()
+    (tmp_path / "ev1" / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert report.episodes(tmp_path / "ev1") == [
+        ("a", 10, "q", 4, 2),
+        ("a", 9, "p", 3, 1),
+        ("b", None, None, None, None),
+    ]
+    assert report.episodes(tmp_path / "none") is None
+
+
+def test_one_figure_of_a_block_is_enough_for_its_section(tmp_path: Path, report) -> None:
+    """A DDP section for a DDP fit's speed or loss alone; an FSDP section for a resumed run's speed, the 8B DDP run's
+    or a PEFT check alone."""
+    for name, write in (
+        ("ddp2_speed", lambda d: _speed(d / "ddp2_speed.json", 1900.0, world=2)),
+        ("ddp2_metrics", lambda d: _metrics(d / "ddp2_metrics.csv", [2.0])),
+        ("fsdp2r", lambda d: _speed(d / "fsdp2r_speed.json", 1.0, world=2)),
+        ("ddp8b2", lambda d: _speed(d / "ddp8b2_speed.json", 1.0, world=2)),
+        ("peft2", lambda d: (d / "peft2.json").write_text(json.dumps({"ok": True}))),
+    ):
+        d = tmp_path / name
+        d.mkdir()
+        write(d)
+        md = report.markdown(report.collect(d, None, [2]))
+        section = "## DDP" if name.startswith("ddp2_") else "## FSDP"
+        assert section in md and "none of their phases ran" in md, name
+
+
+def test_edges_of_the_timing_readers(tmp_path: Path, report) -> None:
+    """The readers' edge cases: a benchmark folder without timing makes a run's per-step split and restart seconds
+    missing; a resumed part lacking a figure counts it 0; one benchmark named in launch.json is no combined launch;
+    shards or episodes of zero seconds give no ratio; a role without rel_diff counts 0."""
+    (tmp_path / "ev1" / "hotpotqa").mkdir(parents=True)
+    (tmp_path / "ev1" / "scienceqa").mkdir()
+    body = {"decode_steps": 10, "wait_s": 1.0, "replay_s": 0.1, "advance_s": 2.0, "agent_s": 0.5,
+            "parts": [{}, {"startup_s": 2.0}], "batch": 2}  # fmt: skip
+    (tmp_path / "ev1" / "hotpotqa" / "timing.json").write_text(json.dumps(body))
+    assert report.per_step_ms(tmp_path / "ev1") is None and report.restart_seconds(tmp_path / "ev1") is None
+    (tmp_path / "ev1" / "scienceqa").rmdir()
+    assert report.per_step_ms(tmp_path / "ev1") is not None
+    assert report.restart_seconds(tmp_path / "ev1") == 2.0  # the resumed part's start; its setup and captures 0
+    assert report.queue_bound(tmp_path / "ev1", 2) is None  # rows, but no episodes.jsonl
+    (tmp_path / "ev1" / "hotpotqa" / "episodes.jsonl").write_text(json.dumps({"qid": "a", "wall_s": 0.0}) + "\n")
+    assert report.queue_bound(tmp_path / "ev1", 2) == {"loop_s_1": 0.0, "loop_s_2": 0.0, "bound": None}
+    (tmp_path / "ev1" / "hotpotqa" / "episodes.jsonl").write_text(json.dumps({"qid": "a", "wall_s": 2.0}) + "\n")
+    one = report.queue_bound(tmp_path / "ev1", 2)
+    assert one == {"loop_s_1": 2.0, "loop_s_2": 2.0, "bound": 1.0}
+    assert report.queue_bound(tmp_path / "ev1", 2, combined=True) == one  # one benchmark: the same launch
+    (tmp_path / "ev1" / "launch.json").write_text(json.dumps({"benchmarks": ["hotpotqa"]}))
+    assert not report.combined_launch(tmp_path / "ev1")
+    for i in (0, 1):
+        d = tmp_path / "ev2" / "hotpotqa" / f"shard_{i}"
+        d.mkdir(parents=True)
+        (d / "timing.json").write_text(json.dumps({"episodes": 0, "decode_steps": 0, "episodes_s": 0.0}))
+    assert report.shard_balance(tmp_path / "ev2")["hotpotqa"]["slowest_over_mean"] is None
+    from eval_suite.bench.multi_gpu_report import _peft_detail
+
+    roles = {"plan": {"rel_diff": 2e-6}, "action": {}}
+    assert _peft_detail({"rel_tol": 1e-5, "roles": roles}) == " (largest relative diff 2.00e-06 against 1e-05)"
+    assert report.host_split(tmp_path, "none") is None
+    (tmp_path / "h_speed.json").write_text(
+        json.dumps({"steps": 2, "ms_per_step": 5.0, "phases_ms": {"host": {"a": 1}}})
+    )
+    assert report.host_split(tmp_path, "h") is None  # host times without their counts
+
+
+def test_a_stage_waits_for_its_process_s_rows_however_many_stages(report) -> None:
+    """One process of 2 rows, three stages: [3, 1] ends at 3 (the row freed at 1 waits); [1, 5] then runs 3-4 and
+    3-8; the row freed at 4 waits for the 5 s episode, and [1] runs 8-9."""
+    assert report.stage_schedule_s([[3.0, 1.0], [1.0, 5.0], [1.0]], 1, 2) == pytest.approx(9.0)
+
+
+def test_evals_without_records_or_timing_lines(tmp_path: Path, report) -> None:
+    """An eval phase that stopped before any episode, one that finished without records, one with records but no
+    timing line: no comparison, no speed-up; a phase of one second is timed as one second."""
+    d = tmp_path / "ev1" / "hotpotqa"
+    d.mkdir(parents=True)
+    (d / "episodes.jsonl").write_text(json.dumps({"qid": "a"}) + "\n")
+    d8 = tmp_path / "ev8" / "hotpotqa"
+    d8.mkdir(parents=True)
+    (d8 / "episodes.jsonl").write_text(json.dumps({"qid": "a"}) + "\n")
+    (tmp_path / "timings.txt").write_text("ev1 rc=0 seconds=10\nev2 rc=1 seconds=3\nev4 rc=0 seconds=1\n")
+    e = report.collect(tmp_path, None, [2, 4, 8])["eval_devices"]
+    assert e["stopped_2"] == 1 and "finished_equal_2" not in e  # no records
+    assert "same_episodes_4" not in e and e["speedup_4"] == 10.0  # one second: ten times ten seconds
+    assert e["same_episodes_8"] is True and "speedup_8" not in e and "wall_seconds_8" not in e  # no timing line
+    (tmp_path / "ev4" / "hotpotqa" / "shard_0").mkdir(parents=True)
+    part = {"startup_s": 1.0, "episodes_s": 1.0}
+    (tmp_path / "ev4" / "hotpotqa" / "shard_0" / "timing.json").write_text(json.dumps({"parts": [part, part]}))
+    (tmp_path / "timings.txt").write_text("ev1 rc=0 seconds=10\nev4 rc=0 seconds=2\n")
+    e = report.collect(tmp_path, None, [4])["eval_devices"]
+    assert e["restart_s_4"] == 1.0 and e["speedup_4_less_restarts"] == 10.0  # 10 / max(2 - 1, 1)
+    e = report.collect(tmp_path, None)["eval_devices"]
+    assert report.collect(tmp_path, None)["sizes"] == [2] and "episodes_2" in e and "episodes_4" not in e
+
+
+def test_a_cpu_check_and_the_device_names(tmp_path: Path, report, monkeypatch) -> None:
+    """A run whose speed file says CPU makes the report a CPU check (float32, the CPU, the tiny models named); a GPU
+    run's report names this machine's GPUs, or where it has none or cannot say, the widest run's device."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: f"GPU {i}")
+    _speed(tmp_path / "b1_speed.json", 8000.0)
+    _metrics(tmp_path / "emb1_metrics.csv", [2.0])
+    res = report.collect(tmp_path, "cmd", [2])
+    prov = res["provenance"]
+    assert prov["device"]["type"] == "cuda" and prov["dtype"] == "bfloat16" and prov["cpu_check"] is False
+    assert prov["gpus"] == ["GPU 0", "GPU 1"] and res["ddp_model"] == "embedded SmolLM2-135M-Instruct"
+    del res["ddp_model"]  # a record from before the label: the embedded model
+    assert "## DDP, embedded SmolLM2-135M-Instruct, same global batch" in report.markdown(res)
+    body = json.loads((tmp_path / "b1_speed.json").read_text())
+    body["provenance"]["device"] = {"type": "cpu"}
+    (tmp_path / "b1_speed.json").write_text(json.dumps(body))
+    res = report.collect(tmp_path, "cmd", [2])
+    prov = res["provenance"]
+    assert prov["device"]["type"] == "cpu" and prov["dtype"] == "float32" and prov["cpu_check"] is True
+    md = report.markdown(res)
+    assert "Devices: CPU check (gloo processes, tiny random models; no GPU figure).\n" in md
+    assert "## FSDP, tiny random LLaMA (CPU check)\n" in md and "dtype float32." in md
+    del res["ddp_model"]
+    assert "## DDP, tiny random LLaMA (CPU check), same global batch" in report.markdown(res)
+
+    def no_cuda() -> int:
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", no_cuda)
+    (tmp_path / "b1_speed.json").unlink()
+    res = report.collect(tmp_path, "cmd", [2])
+    assert res["provenance"]["gpus"] == [] and "Devices: ?.\n" in report.markdown(res)
+    # the widest run: the largest count; a run without one counts 0 (an equal count keeps the first); no name is "?"
+    for name, device in (("a", {"type": "cuda", "name": "X"}), ("b", {"type": "cuda", "name": "Y", "count": 1}),
+                         ("c", {"type": "cuda", "count": 1})):  # fmt: skip
+        (tmp_path / f"{name}_speed.json").write_text(json.dumps({"provenance": {"device": device}}))
+    assert report.collect(tmp_path, "cmd", [2])["provenance"]["gpus"] == ["Y"]
+    (tmp_path / "b_speed.json").unlink()
+    (tmp_path / "c_speed.json").write_text(json.dumps({"provenance": {"device": {"type": "cuda", "count": 3}}}))
+    assert report.collect(tmp_path, "cmd", [2])["provenance"]["gpus"] == ["?"] * 3
+    (tmp_path / "c_speed.json").unlink()
+    assert report.collect(tmp_path, "cmd", [2])["provenance"]["gpus"] == ["X"]  # no count: one
+
+
+def test_the_plot_draws_each_measured_curve_against_the_ideal(tmp_path: Path, report, monkeypatch) -> None:
+    """The figure the report saves: the ideal line from (1, 1) to the most GPUs, each run's points, its axes, legend
+    and title (the GPUs), closed once saved."""
+    import matplotlib.pyplot as plt
+
+    saved = []
+    real = report.save_figure
+    monkeypatch.setattr(report, "save_figure", lambda fig, path: (saved.append(fig), real(fig, path)))
+    _full_output(tmp_path)
+    res = report.collect(tmp_path, None, [2, 4])
+    res["provenance"]["gpus"] = ["H100 X", "H100 X"]
+    assert report.plot(res, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 1000
+    (fig,) = saved
+    assert not plt.fignum_exists(fig.number) and tuple(fig.get_size_inches()) == (5.5, 4.0)
+    (ax,) = fig.axes
+    ideal, *runs = ax.get_lines()
+    assert list(ideal.get_xdata()) == [1, 4] and list(ideal.get_ydata()) == [1, 4] and ideal.get_label() == "ideal"
+    assert ideal.get_color() == "0.7" and ideal.get_linestyle() == "--" and ideal.get_marker() in ("None", None, "")
+    curves = report.scaling_curves(res)
+    assert [line.get_label() for line in runs] == list(curves)
+    for line, pts in zip(runs, curves.values(), strict=True):
+        assert list(line.get_xdata()) == [n for n, _ in pts] and list(line.get_ydata()) == [v for _, v in pts]
+        assert line.get_marker() == "o"
+    assert ax.get_xlabel() == "GPUs" and ax.get_ylabel() == "tokens/s (eval: 1 / wall time) over one GPU's"
+    assert list(ax.get_xticks()) == [1, 2, 4]
+    assert ax.get_title() == "2 × H100 X" and ax.title.get_fontsize() == 9
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["ideal", *curves] and legend.get_texts()[
+        0
+    ].get_fontsize() == 8
+    assert all(g.get_alpha() == 0.3 for g in ax.get_xgridlines())
+    res["provenance"]["gpus"] = ["H100 X", "H200 Y"]
+    report.plot(res, tmp_path / "q.png")
+    assert saved[1].axes[0].get_title() == "H100 X, H200 Y"
+    res["provenance"]["gpus"] = []
+    report.plot(res, tmp_path / "r.png")
+    assert saved[2].axes[0].get_title() == "1 × ?"
+
+
+def test_the_command_writes_indented_json_and_prints_the_page(tmp_path: Path, report, capsys) -> None:
+    """``--sizes`` takes commas or spaces (default 2); the JSON is the project's one-space indent; the page printed
+    is the one written, headed, with the plot's line; without --command the command line itself is recorded."""
+    _full_output(tmp_path)
+    assert report.multi_gpu_report(str(tmp_path), command="cmd", sizes="2,4") == 0
+    text = (tmp_path / "multi_gpu.json").read_text()
+    res = json.loads(text)
+    assert res["sizes"] == [2, 4] and res["provenance"]["command"] == "cmd"
+    assert text == json.dumps(res, indent=1) + "\n"
+    md = (tmp_path / "multi_gpu.md").read_text()
+    assert md.startswith("# Several GPUs: scripts/gpu_multi.sh\n") and md.endswith("(multi_gpu.png)\n")
+    assert capsys.readouterr().out == md + "\n"
+    assert report.multi_gpu_report(str(tmp_path)) == 0
+    assert json.loads((tmp_path / "multi_gpu.json").read_text())["sizes"] == [2]
+    capsys.readouterr()
+    assert report.main(["--out", str(tmp_path)]) == 0
+    command = json.loads((tmp_path / "multi_gpu.json").read_text())["provenance"]["command"]
+    assert command == f"python -m eval_suite.bench.multi_gpu_report --out {tmp_path}"
+
+
+def test_the_bound_of_a_combined_launch_runs_the_benchmarks_without_a_barrier(tmp_path: Path, report) -> None:
+    """An ``eval --benchmark a,b --devices 2`` output (its launch.json names both) is bounded by one device's episodes
+    run as one launch: hotpotqa [3, 1, 1, 1] then scienceqa [1, 1] on 2 rows take 4 s on one process, 3 s on two
+    (apart: 4 s on two as well)."""
+    for bench, walls in (("hotpotqa", [3.0, 1.0, 1.0, 1.0]), ("scienceqa", [1.0, 1.0])):
+        d = tmp_path / "ev1" / bench
+        d.mkdir(parents=True)
+        (d / "timing.json").write_text(json.dumps({"batch": 2, "episodes_s": 1.0}))
+        lines = (json.dumps({"qid": f"q{i}", "row": "s", "wall_s": w}) + "\n" for i, w in enumerate(walls))
+        (d / "episodes.jsonl").write_text("".join(lines))
+    (tmp_path / "ev2").mkdir()
+    (tmp_path / "ev2" / "launch.json").write_text(json.dumps({"benchmarks": ["hotpotqa", "scienceqa"]}))
+    e = report.collect(tmp_path, None, [2])["eval_devices"]
+    assert e["combined_2"] is True
+    assert e["queue_bound_2"] == pytest.approx({"loop_s_1": 4.0, "loop_s_2": 3.0, "bound": 4.0 / 3.0})
+    (tmp_path / "ev2" / "launch.json").write_text(json.dumps({"benchmarks": ["hotpotqa"]}))
+    e = report.collect(tmp_path, None, [2])["eval_devices"]
+    assert e["combined_2"] is False and e["queue_bound_2"] == pytest.approx(
+        {"loop_s_1": 4.0, "loop_s_2": 4.0, "bound": 1.0}
+    )
+
+
+def test_older_records_and_an_output_without_runs(tmp_path: Path, report) -> None:
+    """A record from before ``sizes`` and the accuracy model's block reads as one size of 2 without that block; decode
+    steps read as floats print whole; a page without the runs' provenance has no Runs line; the note of the absent
+    sections stands in its own paragraph."""
+    _full_output(tmp_path)
+    res = _fixed_machine(report.collect(tmp_path, "cmd", [2]))
+    del res["sizes"], res["ddp_accuracy_model"]
+    md = report.markdown(res)
+    assert "| DDP, 2 devices |" in md and "4 devices" not in md and "3 devices" not in md and "Qwen" not in md
+    res = report.collect(tmp_path, "cmd", [4])
+    res["eval_devices"].update(decode_steps_1=1000.0, decode_steps_4=250.0)
+    assert "decode steps of the busiest process 1000 vs 250;" in report.markdown(res)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    md = report.markdown(report.collect(empty, "cmd", [2]))
+    assert "Runs:" not in md
+    assert "none of their phases ran): DDP, FSDP, eval --devices N.\n\n## Phases\n" in md
+
+
+def test_a_resume_log_without_the_restore_line_gives_none(tmp_path: Path, report) -> None:
+    """A resumed run's log that never says it restored (it started afresh): no resume line, not a failure."""
+    (tmp_path / "fsdp2r.log").write_text("Epoch 0\nEpoch 1\n")
+    assert report.collect(tmp_path, None, [2])["fsdp_8b"]["fsdp2_resume_log_line"] is None

@@ -512,9 +512,8 @@ def collect(out: Path, command: str | None, sizes: list[int] | None = None) -> d
         widest = max(runs, key=lambda r: (r.get("device") or {}).get("count") or 0)["device"]
         prov["gpus"] = [widest.get("name") or "?"] * int(widest.get("count") or 1)
     prov["run_commits"] = sorted({r.get("git_commit") for r in runs if r.get("git_commit")})
-    prov["run_versions"] = sorted(
-        {", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items() if v) for r in runs}
-    )
+    versions = {", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items() if v) for r in runs}
+    prov["run_versions"] = sorted(versions - {""})  # a run that recorded no versions adds no empty entry
     prov["run_dates"] = sorted({(r.get("utc") or "")[:10] for r in runs if r.get("utc")})
     prov["cpu_check"] = cpu
     label = out / "emb_model.txt"
