@@ -2,6 +2,7 @@
 
     python scripts/mutation.py                       # every module of MODULES (hours on 2 cores; use a big host)
     python scripts/mutation.py sampling paired       # the modules whose key contains one of the names
+    python scripts/mutation.py similarity --exact true  # only the keys named (not similarity_report)
     python scripts/mutation.py --list                # the modules, their test files and their last scores
     python scripts/mutation.py --report              # rewrite results/mutation/README.md from the JSON files
 
@@ -291,11 +292,12 @@ DESELECT: dict[str, list[str]] = {
         )
     ],
 }
-# mutmut's timeout_multiplier per key (its default: 15): a mutant's tests are stopped (a timeout, counted as caught)
-# after (their measured seconds + 1) times it. The driver's run() polls until its jobs end, and a mutant that breaks
-# its ending polls forever: at 15 each took 379 s (its tests: 24 s), and a run stopped with 329 unchecked; survivors
-# ran at most 1.3x their measured time, so 3 leaves room for a busy host.
-TIMEOUT_MULTIPLIER: dict[str, float] = {"study_driver": 3.0}
+# mutmut's wall-clock limit per mutant is (its tests' measured seconds + 1) x timeout_multiplier (15 by default); a
+# mutant stopped there is a timeout, counted as caught. Where a poll loop is mutated to spin forever that wait is long:
+# the study driver's run() (tests 24 s) waited 379 s a mutant and a run stopped with 329 unchecked; run_eval's and
+# similarity's poll loops (15-20 s) 4-5 minutes. Survivors ran at most 1.3x their measured time, so 3 and 5 leave
+# room for a busy host.
+TIMEOUT_MULTIPLIER: dict[str, float] = {"study_driver": 3.0, "run_eval": 5.0, "similarity": 5.0}
 STATUS = re.compile(r"^\s+(\S+): (.+)$")
 
 
@@ -337,7 +339,7 @@ def _config(module: str, tests: list[str], deselect: list[str] = (), timeout_mul
         f"also_copy = {arr(also)}\n"
         f"pytest_add_cli_args_test_selection = {arr(tests)}\n"
         f"pytest_add_cli_args = {arr(['-p', 'no:cacheprovider', '-q', '-n', '0', *pytest_deselect])}\n"
-        + (f"timeout_multiplier = {timeout_multiplier}\n" if timeout_multiplier else "")
+        + (f"timeout_multiplier = {timeout_multiplier}\n" if timeout_multiplier is not None else "")
     )
 
 
@@ -544,6 +546,7 @@ def mutation(
     timeout: int = 3600,
     list: bool = False,  # noqa: A002  (the option's name)
     report: bool = False,
+    exact: bool = False,
 ) -> int:
     """Mutation testing of the modules whose bugs change results, one module at a time.
 
@@ -553,11 +556,12 @@ def mutation(
         timeout: seconds per module before stopping (resumable).
         list: the modules and their test files.
         report: only rewrite results/mutation/README.md.
+        exact: the names are whole keys (``similarity`` without ``similarity_report``).
 
     Returns:
         the exit status.
     """
-    keys = [k for k in MODULES if not names or any(n in k for n in names)]
+    keys = [k for k in MODULES if not names or any(n == k if exact else n in k for n in names)]
     if not keys:
         raise ValueError(f"no module matches {names}; allowed: {', '.join(MODULES)}")
     if list:

@@ -1148,8 +1148,11 @@ def test_a_shard_queue_knows_the_episodes_its_sibling_shards_hold(tmp_path):
     (tmp_path / "shard_1" / EPISODES_FILE).write_text(json.dumps(rec) + "\n")
     (tmp_path / "shard_0").mkdir()
     (tmp_path / "shard_0" / EPISODES_FILE).write_text(json.dumps({**rec, "qid": "mine"}) + "\n")
+    (tmp_path / "shard_2").mkdir()  # a third sibling: what every one holds counts
+    (tmp_path / "shard_2" / EPISODES_FILE).write_text(json.dumps({**rec, "qid": "q8"}) + "\n")
     queue, elsewhere = run_eval.shard_queue(str(tmp_path / "queue"), "0/2", tmp_path / "shard_0")
-    assert elsewhere == {("non_shared", 1, "q7")}
+    assert elsewhere == {("non_shared", 1, "q7"), ("non_shared", 1, "q8")}
+    assert queue.shard == "0/2"  # the name its claims carry
     assert queue.claim(("non_shared", 0, "q1")) is True and queue.claim(("non_shared", 0, "q1")) is False
 
 
@@ -1160,6 +1163,7 @@ def test_sigterm_raises_keyboard_interrupt_until_the_handler_is_restored():
     before = signal.getsignal(signal.SIGTERM)
     restore = run_eval._stop_on_sigterm()
     try:
+        assert signal.getsignal(signal.SIGTERM) is not before  # set: the signal below cannot end this process
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGTERM)
     finally:
@@ -1198,12 +1202,16 @@ def _without(records, *keys):
 def test_run_plan_writes_its_config_records_timing_and_summary_and_a_rerun_redoes_nothing(
     tmp_path, monkeypatch, capsys
 ):
+    import time
+
     qs = load_questions("hotpotqa", limit=3)
     seen = _fake_model(monkeypatch, qs)
     out = tmp_path / "o"
     kw = dict(benchmark="hotpotqa", scheme="non_shared,base_lr_shared", limit=3, runs=2, seed=5, max_steps=4,
               adapter_init="random", device="cpu", quiet=True, out=str(out), temperature=0.7, top_p=0.8)  # fmt: skip
+    t0 = time.perf_counter()
     assert run_eval.evaluate(**kw) == 0
+    elapsed = time.perf_counter() - t0
     assert seen["load"] == [dict(model="default", adapters=None, adapter_init="random", rank=8, alpha=16.0, seed=5,
                                  dtype="float32", device="cpu")]  # fmt: skip
     assert seen["factory"] == [("LM", "TOK", dict(temperature=0.7, top_p=0.8, use_kernel=True,
@@ -1235,6 +1243,8 @@ def test_run_plan_writes_its_config_records_timing_and_summary_and_a_rerun_redoe
     assert timing["device"] == "cpu" and timing["episodes_s"] > 0 and timing["summary_s"] is not None
     assert timing["prefill_in_decode"] is None and timing["decode_steps"] is None and timing["torch_threads"] >= 1
     assert timing["setup_s"] >= timing["prepare_s"] + timing["load_s"] >= 0 and timing["size_s"] >= 0
+    assert timing["setup_s"] + timing["episodes_s"] <= elapsed and timing["size_s"] <= timing["setup_s"]
+    assert 0 <= timing["summary_s"] <= elapsed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["rows"] == ["non_shared", "base_lr_shared"] and (out / "report.md").is_file()
     lines = capsys.readouterr().out.splitlines()
@@ -1251,6 +1261,8 @@ def test_run_plan_writes_its_config_records_timing_and_summary_and_a_rerun_redoe
 
 
 def test_run_plan_greedy_records_top_p_one_and_a_stopped_loop_keeps_its_time(tmp_path, monkeypatch):
+    import time
+
     qs = load_questions("hotpotqa", limit=3)
     _fake_model(monkeypatch, qs)
     out = tmp_path / "o"
@@ -1270,10 +1282,13 @@ def test_run_plan_greedy_records_top_p_one_and_a_stopped_loop_keeps_its_time(tmp
         return real(*args, on_record=record, **kwargs)
 
     monkeypatch.setattr(run_eval, "run_episodes", stopped_after_two)
+    t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         run_eval.evaluate(**kw)
+    elapsed = time.perf_counter() - t0
     timing = json.loads((out / "timing.json").read_text())
     assert timing["complete"] is False and timing["episodes"] == 2 and timing["summary_s"] is None
+    assert 0 < timing["episodes_s"] <= elapsed  # the loop's time until it stopped
     assert not (out / "summary.json").exists()
     records = read_episodes(out / EPISODES_FILE)
     assert len(records) == 2 and {r["protocol"]["top_p"] for r in records} == {1.0}
@@ -1281,9 +1296,11 @@ def test_run_plan_greedy_records_top_p_one_and_a_stopped_loop_keeps_its_time(tmp
 
 
 def test_timing_is_rewritten_as_episodes_end_only_every_few_seconds(tmp_path, monkeypatch):
+    import time
+
     qs = load_questions("hotpotqa", limit=3)
     _fake_model(monkeypatch, qs)
-    seen = []
+    seen, parts = [], []
     real = run_eval.run_episodes
 
     def watch(*args, on_record=None, **kwargs):
@@ -1291,6 +1308,8 @@ def test_timing_is_rewritten_as_episodes_end_only_every_few_seconds(tmp_path, mo
             on_record()
             path = tmp_path / "o" / "timing.json"
             seen.append(json.loads(path.read_text())["episodes"] if path.exists() else None)
+            if path.exists():
+                parts.append(json.loads(path.read_text())["parts"][-1])
 
         return real(*args, on_record=record, **kwargs)
 
@@ -1301,8 +1320,15 @@ def test_timing_is_rewritten_as_episodes_end_only_every_few_seconds(tmp_path, mo
     assert seen == [None, None, None]  # within TIMING_EVERY_S of the loop's start: not rewritten
     monkeypatch.setattr(run_eval, "TIMING_EVERY_S", 0.0)
     seen.clear()
+    parts.clear()
+    t0 = time.perf_counter()
     assert run_eval.evaluate(**{**kw, "runs": 2}) == 0  # every record rewrites it: the resumed part counts up
+    elapsed = time.perf_counter() - t0
     assert seen == [4, 5, 6]
+    # written while the loop runs: this part is not complete yet, and its loop time is the time so far
+    assert [p["complete"] for p in parts[-3:]] == [False] * 3
+    assert all(0 < p["episodes_s"] <= elapsed for p in parts[-3:])
+    assert [p["episodes_s"] for p in parts[-3:]] == sorted(p["episodes_s"] for p in parts[-3:])
 
 
 def test_out_of_memory_one_episode_at_a_time_ends_in_one_line_keeping_the_finished_episodes(tmp_path, monkeypatch):
@@ -1324,6 +1350,7 @@ def test_out_of_memory_one_episode_at_a_time_ends_in_one_line_keeping_the_finish
                           adapter_init="random", device="cpu", quiet=True, out=str(out))  # fmt: skip
     assert str(err.value).endswith(f"(finished episodes are kept in {out / EPISODES_FILE})")
     assert "--batch N, or fewer processes on the device" in str(err.value)
+    assert str(err.value).startswith("out of memory on cpu allocating 2.00 GiB; try ")
     assert len(read_episodes(out / EPISODES_FILE)) == 2
     monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: Factory(qs))
     with pytest.raises(RuntimeError, match="not memory"):  # any other error goes through as it is
@@ -1343,16 +1370,22 @@ def test_a_queue_shard_runs_what_it_claims_and_writes_no_summary(tmp_path, monke
     (tmp_path / "shard_1").mkdir()  # an earlier launch's shard holds one episode: not run again
     ref, _ = _run(tmp_path / "ref", qs[:1], runs=1, schemes=["full_shared"])
     (tmp_path / "shard_1" / EPISODES_FILE).write_text(json.dumps(ref[0]) + "\n")
+    from eval_suite.evaluate.work_queue import WorkQueue
+
+    assert WorkQueue(queue, shard="1/2").claim(("full_shared", 0, qs[1].qid))  # the other shard runs this one now
+    mine, _ = _run(tmp_path / "ref2", qs[2:3], runs=1, schemes=["full_shared"])
+    out.mkdir()
+    (out / EPISODES_FILE).write_text(json.dumps(mine[0]) + "\n")  # an earlier launch of this shard ran this one
     assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=4, runs=1, max_steps=4,
                              adapter_init="random", device="cpu", quiet=True, out=str(out), shard="0/2",
                              work_queue=str(queue)) == 0  # fmt: skip
     records = read_episodes(out / EPISODES_FILE)
-    assert sorted(r["qid"] for r in records) == sorted(q.qid for q in qs[1:])  # all four questions, less the held one
+    assert sorted(r["qid"] for r in records) == sorted(q.qid for q in qs[2:])  # less the held and the claimed one
     assert not (out / "summary.json").exists()
     assert capsys.readouterr().out == (
-        f"eval: shard 0/2 ran 3 hotpotqa episode(s) from the queue {queue} -> {out / EPISODES_FILE}\n"
+        f"eval: shard 0/2 ran 1 hotpotqa episode(s) from the queue {queue} -> {out / EPISODES_FILE}\n"
     )
-    assert json.loads((out / "timing.json").read_text())["episodes"] == 3
+    assert json.loads((out / "timing.json").read_text())["episodes"] == 1
 
 
 def test_several_benchmarks_in_one_process_each_into_its_folder_with_its_label(tmp_path, monkeypatch, capsys):
@@ -1382,7 +1415,7 @@ def test_several_benchmarks_in_one_process_each_into_its_folder_with_its_label(t
 
 
 def _shards_that_ran(monkeypatch, episodes: dict[str, list], codes=None):
-    """spawn_shards replaced by processes that end at once (exit status ``codes[i]``, default 0), whose shard folders
+    """spawn_shards replaced by processes that have ended (exit status ``codes[i]``, default 0), whose shard folders
     hold the episodes given per benchmark (split over the shards): what fan_out's wait, merge and launch.json see."""
     import subprocess
 
@@ -1399,6 +1432,8 @@ def _shards_that_ran(monkeypatch, episodes: dict[str, list], codes=None):
                 (folder / EPISODES_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[i::n]))
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
         procs = [subprocess.Popen(["true" if not codes or codes[i] == 0 else "false"]) for i in range(n)]
+        for proc in procs:  # ended before the launcher's first poll, however loaded the machine
+            proc.wait()
         calls[-1].update(env=env, logs=logs)
         return procs, logs, [f"shard {i}" for i in range(n)]
 
@@ -2143,3 +2178,283 @@ def test_fan_out_adopts_early_shards_of_several_benchmarks_and_names_them_on_its
     assert run_eval.fan_out(call, 2, out, total=4, benchmarks=["hotpotqa", "scienceqa"]) == 0
     assert early.adopted and json.loads((out / "launch.json").read_text())["startup_s"] == 2.0
     assert "eval hotpotqa,scienceqa (2 shards)" in capsys.readouterr().err
+
+
+def test_run_plan_called_alone_counts_the_process_start_and_prints_unlabelled_lines(tmp_path, monkeypatch, capsys):
+    """``run_plan(plan)`` with its defaults: the first plan of its process (its start is counted), no benchmark label
+    before the summary's lines."""
+    qs = load_questions("hotpotqa", limit=2)
+    _fake_model(monkeypatch, qs)
+    corpus = tmp_path / "more.jsonl"
+    corpus.write_text('{"title": "A", "text": "a"}\n')
+    call = _call(tmp_path, scheme="full_shared", runs=1, limit=2, max_steps=4, quiet=True, corpus=[str(corpus)],
+                 constrain="answer")  # fmt: skip
+    assert run_eval.run_plan(run_eval.check_eval_args(call, notes=False)) == 0
+    out = tmp_path / "o"
+    assert {tuple(r["protocol"]["constraints"]) for r in read_episodes(out / EPISODES_FILE)} == {("answer",)}
+    assert json.loads((out / "timing.json").read_text())["startup_s"] > 0
+    config = json.loads((out / "run_config.json").read_text())  # the extra corpus file is searched too
+    assert config["corpus"]["extra"] == [{"file": str(corpus), "passages": 1}]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("full_shared+constrained:answer: em ")
+    assert lines[1] == f"-> {out / 'summary.json'}, {out / 'report.md'}"
+
+
+def test_run_plan_where_cuda_is_available_runs_on_the_cpu_when_asked(tmp_path, monkeypatch):
+    """With CUDA available (the model faked: nothing touches a GPU), ``--device cpu`` loads, runs and records the CPU,
+    its episodes' provenance too (CUDA would be the default of each)."""
+    import torch
+
+    qs = load_questions("hotpotqa", limit=2)
+    seen = _fake_model(monkeypatch, qs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = tmp_path / "o"
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=2, runs=1, max_steps=4,
+                             adapter_init="random", quiet=True, device="cpu", out=str(out)) == 0  # fmt: skip
+    assert json.loads((out / "timing.json").read_text())["device"] == "cpu"
+    assert [load["device"] for load in seen["load"]] == ["cpu"]
+    assert {r["provenance"]["device"]["type"] for r in read_episodes(out / EPISODES_FILE)} == {"cpu"}
+
+
+def test_fan_out_refreshes_its_bar_every_tenth_poll_of_a_tenth_of_a_second(tmp_path, monkeypatch):
+    """While the shards run, the launcher polls them every 0.1 s and refreshes the bar every 10th poll (about once a
+    second); the shard here ends once the launcher has polled 25 times."""
+    import subprocess
+
+    done = tmp_path / "done"
+
+    def spawn(n, out_dir, args, gpus, device, env, benchmarks=()):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
+        # fails (no merge to prepare); gives up after about 20 s, so that a stopped test leaves no shell behind
+        wait = f"i=0; while [ ! -e {done} ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done; exit 3"
+        return [subprocess.Popen(["sh", "-c", wait]) for _ in range(n)], logs, []
+
+    real_sleep, sleeps, refreshes = run_eval.time.sleep, [], []
+
+    def poll_wait(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) == 25:
+            done.touch()
+        if len(sleeps) > 300:
+            raise AssertionError("fan_out kept waiting for a shard that had ended")
+        real_sleep(seconds)
+
+    real_update = run_eval._ShardProgress.update
+
+    def update(self):
+        refreshes.append(len(sleeps))
+        real_update(self)
+
+    monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    monkeypatch.setattr(run_eval.time, "sleep", poll_wait)
+    monkeypatch.setattr(run_eval._ShardProgress, "update", update)
+    assert run_eval.fan_out(_call(tmp_path, quiet=False), 1, tmp_path / "o", total=2) == 1
+    assert len(sleeps) >= 25 and set(sleeps) == {0.1}
+    assert refreshes[:-1] == list(range(9, len(sleeps), 10))  # after 9, 19, ... waits; the last one: its close
+
+
+def test_shards_that_failed_together_are_each_named_none_as_stopped(tmp_path, monkeypatch, capsys):
+    """Two shards that have both failed by the launcher's first poll: each failure is named (neither was running, so
+    neither was stopped)."""
+    records, _ = _run(tmp_path / "one", load_questions("hotpotqa", limit=2), runs=1, schemes=["full_shared"])
+    _shards_that_ran(monkeypatch, {"": records}, codes=[1, 1])
+    out = tmp_path / "o"
+    assert run_eval.fan_out(_call(tmp_path, quiet=True, devices=2), 2, out, total=2) == 1
+    err = capsys.readouterr().err
+    assert "error: shard 0/2 failed: no output" in err and "error: shard 1/2 failed: no output" in err
+    assert "eval: finished episodes are kept: rerun the same command to resume" in err and "stopped" not in err
+
+
+def test_run_plan_on_a_gpu_takes_the_gpu_host_threads_and_arms_the_stall_watchdog(tmp_path, monkeypatch):
+    """``--device cuda`` (CUDA reported available; the model faked and the device lock left out: nothing touches a
+    GPU): the process takes the GPU host's torch threads (OMP_NUM_THREADS unset), records them and the device, and
+    arms the stall watchdog at its GPU default."""
+    import contextlib
+
+    import torch
+
+    from eval_suite.evaluate.stall_watchdog import GPU_DEFAULT_S, StallWatchdog
+    from lragent.host_threads import GPU_HOST_THREADS
+
+    qs = load_questions("hotpotqa", limit=2)
+    seen = _fake_model(monkeypatch, qs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "a GPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(run_eval, "allocation_lock", lambda device: contextlib.nullcontext())
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    armed = []
+
+    class Watchdog(StallWatchdog):
+        def __init__(self, seconds, *args, **kwargs):
+            armed.append(seconds)
+            super().__init__(seconds, *args, **kwargs)
+
+    monkeypatch.setattr(run_eval, "StallWatchdog", Watchdog)
+    out = tmp_path / "o"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(GPU_HOST_THREADS + 1)
+    try:
+        assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=2, runs=1, max_steps=4,
+                                 adapter_init="random", quiet=True, device="cuda", out=str(out)) == 0  # fmt: skip
+        assert torch.get_num_threads() == GPU_HOST_THREADS
+    finally:
+        torch.set_num_threads(threads)
+    timing = json.loads((out / "timing.json").read_text())
+    assert (timing["device"], timing["torch_threads"]) == ("cuda", GPU_HOST_THREADS)
+    assert [load["device"] for load in seen["load"]] == ["cuda"] and armed == [GPU_DEFAULT_S]
+
+
+def test_evaluate_with_its_own_defaults(tmp_path, monkeypatch, capsys):
+    """``evaluate(limit=1)`` called with the function's own defaults (the CLI's come from its signature): HotpotQA's
+    dev split, LRAgent's sampling and three runs, the benchmark's trained shared-A adapters on the embedded model in
+    float32 on the CPU (no GPU here), the quick look's one scheme, one process, the AutoAct budgets, ``eval_out`` in
+    the working directory and a progress bar."""
+    import torch
+
+    from lragent.sampling import SAMPLER_VERSION
+
+    qs = load_questions("hotpotqa", limit=1)
+    seen = _fake_model(monkeypatch, qs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tqdm.std.tqdm.monitor_interval", 0)  # no monitor thread left behind (a fork would inherit it)
+    monkeypatch.chdir(tmp_path)
+    assert run_eval.evaluate(limit=1) == 0
+    out = tmp_path / "eval_out"
+    adapters = run_eval.default_adapters("hotpotqa")
+    assert seen["load"] == [dict(model="default", adapters=str(adapters), adapter_init=None, rank=8, alpha=16.0, seed=0,
+                                 dtype="float32", device="cpu")]  # fmt: skip
+    assert seen["factory"] == [("LM", "TOK", dict(temperature=0.9, top_p=0.75, use_kernel=True,
+                                                  droidspeak_layers=None))]  # fmt: skip
+    config = json.loads((out / "run_config.json").read_text())
+    assert {k: config[k] for k in ("benchmark", "model", "adapters", "dtype", "temperature", "top_p", "constraints",
+                                   "corpus_files", "seed", "droidspeak_layers", "schemes", "runs", "levels", "split",
+                                   "limit", "shard", "work_queue", "questions", "batch_invariant")} == dict(
+        benchmark="hotpotqa", model="default", adapters=str(adapters.resolve()), dtype="float32", temperature=0.9,
+        top_p=0.75, constraints=[], corpus_files=[], seed=0, droidspeak_layers=None, schemes=["base_lr_shared"],
+        runs=3, levels=None, split=["dev"], limit=1, shard="0/1", work_queue=None, questions=1, batch_invariant=False,
+    )  # fmt: skip
+    assert config["agent"] == vars(AgentConfig(max_steps=15)) and config["sampler"] == SAMPLER_VERSION
+    timing = json.loads((out / "timing.json").read_text())
+    assert (timing["episodes"], timing["batch"], timing["device"]) == (3, 0, "cpu")
+    assert len(read_episodes(out / EPISODES_FILE)) == 3 and (out / "summary.json").is_file()
+    err = capsys.readouterr().err
+    assert "eval: --limit without --scheme runs base_lr_shared only" in err and "3/3" in err  # the notes; the bar
+
+
+def _on_a_gpu(monkeypatch, free_bytes: int) -> None:
+    """CUDA reported available with one GPU of ``free_bytes`` free (nothing touches a GPU: the model is faked, the
+    device lock left out)."""
+    import contextlib
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "a GPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (free_bytes, free_bytes))
+    monkeypatch.setattr(run_eval, "allocation_lock", lambda device: contextlib.nullcontext())
+
+
+def test_a_batched_eval_hands_its_options_to_the_batched_executor_with_cuda_graphs_only_on_a_gpu(tmp_path, monkeypatch):
+    """``--batch 2``: the batched executor gets the command's options (its defaults here), CUDA graphs on a GPU and
+    never on the CPU; its episodes are the fake policy's, run one after another."""
+    from eval_suite.evaluate import batched_executor
+
+    qs = load_questions("hotpotqa", limit=2)
+    _fake_model(monkeypatch, qs)
+    made = []
+
+    class Recorder:
+        def __init__(self, lm, tokenizer, **kw):
+            made.append(kw)
+            self.inner = SequentialExecutor(Factory(qs))
+
+        def reserve(self, scheme, episodes):
+            made[-1]["reserved"] = (str(scheme), episodes)
+
+        def run(self, tasks):
+            return self.inner.run(tasks)
+
+    monkeypatch.setattr(batched_executor, "BatchedExecutor", Recorder)
+    kw = dict(benchmark="hotpotqa", scheme="full_shared", limit=2, runs=1, max_steps=4, adapter_init="random",
+              quiet=True, batch=2, temperature=0.5, top_p=0.9)  # fmt: skip
+    assert run_eval.evaluate(**kw, device="cpu", out=str(tmp_path / "cpu")) == 0
+    _on_a_gpu(monkeypatch, 80 << 30)
+    assert run_eval.evaluate(**kw, device="cuda", out=str(tmp_path / "gpu")) == 0
+    common = dict(batch=2, capacity=8192, temperature=0.5, top_p=0.9, use_kernel=True, droidspeak_layers=None,
+                  prefill_in_decode=None, batch_invariant=False, feed_budget=None, concurrent_schemes=False,
+                  launch_ahead=False, reserved=("full_shared", 2))  # fmt: skip
+    assert made == [{**common, "cuda_graphs": False}, {**common, "cuda_graphs": True}]
+    config = tmp_path / "d.json"
+    config.write_text(json.dumps({"droidspeak_layers": [1, 2], "profile": {}}))
+    droidspeak = {**kw, "scheme": "droidspeak", "droidspeak_config": str(config)}
+    assert run_eval.evaluate(**droidspeak, device="cuda", out=str(tmp_path / "ds")) == 0
+    assert made[2]["droidspeak_layers"] == [1, 2] and made[2]["reserved"] == ("droidspeak", 2)
+
+
+def test_an_explicit_batch_that_does_not_fit_the_gpu_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from lragent.memory_plan import model_shape, plan_memory
+
+    qs = load_questions("hotpotqa", limit=2)
+    seen = _fake_model(monkeypatch, qs)
+    need = [plan_memory(model_shape("default"), "full_shared", b, 8192, element_size=4).total for b in (1, 2)]
+    _on_a_gpu(monkeypatch, (need[0] + need[1]) // 2)  # one episode fits, two do not
+    with pytest.raises(ValueError, match=r"^--batch 2 needs .* allowed --batch <= 1 or --batch auto$"):
+        run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=2, runs=1, adapter_init="random",
+                          quiet=True, batch=2, device="cuda", out=str(tmp_path / "o"))  # fmt: skip
+    assert seen["load"] == [] and not (tmp_path / "o").exists()
+
+
+def test_the_agents_tools_search_the_extra_corpus_files(tmp_path, monkeypatch):
+    """``--corpus FILE``: the tools the episodes get index its passages beside the benchmark's own."""
+    qs = load_questions("hotpotqa", limit=2)
+    _fake_model(monkeypatch, qs)
+    corpus = tmp_path / "more.jsonl"
+    corpus.write_text(json.dumps({"title": "Zyxwv Quorble", "text": "Zyxwv Quorble is a made-up band."}) + "\n")
+    tools, real = [], run_eval.run_episodes
+
+    def watch(*args, toolbox_factory=None, **kwargs):
+        tools.append(toolbox_factory)
+        return real(*args, toolbox_factory=toolbox_factory, **kwargs)
+
+    monkeypatch.setattr(run_eval, "run_episodes", watch)
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=2, runs=1, max_steps=4,
+                             adapter_init="random", device="cpu", quiet=True, corpus=[str(corpus)],
+                             out=str(tmp_path / "o")) == 0  # fmt: skip
+    toolbox = tools[0](qs[0])
+    assert "Zyxwv Quorble is a made-up band." in toolbox("Retrieve", "Zyxwv Quorble")
+    assert "Metallica is an American heavy metal band" in toolbox("Retrieve", "Metallica")  # the benchmark's own
+
+
+def test_out_of_memory_names_the_run_device_and_on_a_gpu_empties_the_cache(tmp_path, monkeypatch):
+    """With CUDA available, an out-of-memory error of a ``--device cpu`` run names the CPU; one of a ``--device cuda``
+    run names the GPU and what is free there, after handing the allocator's cached blocks back."""
+    import torch
+
+    qs = load_questions("hotpotqa", limit=3)
+    _fake_model(monkeypatch, qs)
+
+    class Full(Factory):
+        def __call__(self, task):
+            if self.calls == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().__call__(task)
+
+    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: Full(qs))
+    _on_a_gpu(monkeypatch, 1 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=0: 0)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    kw = dict(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4, adapter_init="random",
+              quiet=True)  # fmt: skip
+    lines = []
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError) as err:
+            run_eval.evaluate(**kw, device=device, out=str(tmp_path / device))
+        lines.append(str(err.value).split("; try ")[0])
+    gpu = "out of memory on cuda allocating 2.00 GiB: 1.00 GiB free of 1.00 GiB, 0.00 GiB held here"
+    assert lines == ["out of memory on cpu allocating 2.00 GiB", gpu]
+    assert emptied == [True]

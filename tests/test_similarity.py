@@ -333,15 +333,28 @@ def test_printed_config_runs_unchanged_and_writes_every_report(tmp_path, capsys)
     assert run_command(similarity, ["--merge", f"[{out}, {out}]", "--out", str(tmp_path / "all")], "x") == 0
     summary = json.loads((tmp_path / "all" / "summary.json").read_text())
     assert summary["runs"][0]["summary"] == doc["summary"]
+    # a merge makes --out with its missing parents, and writes again into one that exists
+    capsys.readouterr()
+    for again in (tmp_path / "new" / "all", tmp_path / "all"):
+        assert similarity(merge=[str(out)], out=str(again)) == 0
+        assert json.loads((again / "summary.json").read_text())["runs"][0]["summary"] == doc["summary"]
+        assert capsys.readouterr().out == f"-> {again / 'summary.md'}, {again / 'summary.json'}\n"
 
 
 @pytest.mark.model
-def test_embedded_model_untrained_control_on_bundled_contexts(tmp_path):
-    """The default path end to end: bundled HotpotQA contexts, the embedded model's tokenizer, B = 0."""
-    out = tmp_path / "zero"
-    argv = ["--adapter_init", "zero", "--samples", "2", "--max_tokens", "24", "--out", str(out), "--quiet", "true"]
-    assert run_command(similarity, argv, "cli.py similarity") == 0
-    s = json.loads((out / "similarity.json").read_text())["summary"]
+def test_embedded_model_untrained_control_on_bundled_contexts(tmp_path, monkeypatch, capsys):
+    """The default path end to end, called with the function's own defaults (the CLI's come from its signature):
+    the embedded model, bundled HotpotQA contexts and its tokenizer, B = 0, ``similarity_out`` in the working
+    directory, a progress bar."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tqdm.std.tqdm.monitor_interval", 0)  # no monitor thread left behind (a fork would inherit it)
+    assert similarity(adapter_init="zero", samples=2, max_tokens=24) == 0
+    out = tmp_path / "similarity_out"
+    doc = json.loads((out / "similarity.json").read_text())
+    assert doc["config"]["model"] == "default" and doc["config"]["benchmark"] == "hotpotqa"
+    assert doc["config"]["label"] == "hotpotqa · init zero (shared A)" and doc["config"]["data"] is None
+    assert "similarity: 100%" in capsys.readouterr().err  # the bar, unless quiet
+    s = doc["summary"]
     assert s["tokens_total"] == 48 and s["cos"]["adapter"]["mean"] is None
     for metric in ("base", "full", "lr", "k", "hidden"):
         assert s["cos"][metric]["mean"] == pytest.approx(1.0, abs=1e-6), metric
@@ -370,6 +383,23 @@ def test_more_bad_input_is_one_line_before_any_output(tmp_path, capsys, argv, me
 def test_cuda_without_a_gpu_is_refused_naming_the_device(tmp_path, capsys):
     rc = run_command(similarity, ["--adapter_init", "zero", "--device", "cuda:0", "--out", str(tmp_path / "o")], "s")
     assert rc == 2 and "--device 'cuda:0' but CUDA is not available: allowed cpu" in capsys.readouterr().err
+
+
+def test_a_cuda_device_by_index_passes_the_checks_where_cuda_is_available(tmp_path, monkeypatch):
+    from eval_suite.diagnostics.similarity import _validate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for device in ("cuda", "cuda:1"):
+        _validate(None, "zero", "hotpotqa", None, 1, 1, "default", "float32", device, str(tmp_path))
+
+
+def test_the_model_is_built_on_the_device_asked_for_even_where_cuda_is_the_default(monkeypatch):
+    """``device="cpu"`` reaches the loader: where CUDA is available the loader's own default would be CUDA."""
+    from eval_suite.diagnostics.similarity import _build_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    m, _ = _build_model("tiny-llama", None, "zero", 0, 2, 16.0, False, "float32", "cpu")
+    assert {p.device.type for p in m.parameters()} == {"cpu"}
 
 
 def test_an_out_file_a_zero_rank_and_out_of_vocabulary_ids_are_refused(tmp_path, capsys):

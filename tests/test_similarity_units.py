@@ -9,6 +9,7 @@ import json
 import math
 import random
 import re
+import time
 
 import numpy as np
 import pytest
@@ -80,6 +81,9 @@ def test_contexts_from_a_file_drop_duplicates_and_blanks_and_keep_source_order(t
         Context("d.jsonl:1", (1, 2)), Context("d.jsonl:2", (255, 104)), Context("d.jsonl:6", (7,))
     ]  # fmt: skip
     assert load_contexts(BosTokenizer(), 10, 1, data=path)[1].ids == (255,)
+    # a text that reads like an id list is no duplicate of that list
+    path = _data(tmp_path, [{"ids": [1, 2]}, {"text": "[1, 2]"}])
+    assert [c.source for c in load_contexts(BosTokenizer(), 10, 100, data=path)] == ["d.jsonl:1", "d.jsonl:2"]
 
 
 def test_contexts_draw_with_the_sample_seed(tmp_path):
@@ -230,10 +234,11 @@ def _ids_data(folder):
     return data
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def default_run(tmp_path_factory):
     """One run through the function with its defaults (16 samples, 2048 tokens, rank 8, alpha 16, seeds 0, float32,
-    the CPU), on three id contexts of a tiny random model."""
+    the CPU), on three id contexts of a tiny random model; run for each test that reads it (a module-scoped run would
+    count, for mutmut's map of which tests reach the function, only for the first of them)."""
     from eval_suite.diagnostics.similarity import similarity
 
     folder = tmp_path_factory.mktemp("sim_default")
@@ -243,7 +248,9 @@ def default_run(tmp_path_factory):
         lines = []
         mp.setattr("sys.stdout", _Tee(lines, "out"))
         mp.setattr("sys.stderr", _Tee(lines, "err"))
+        t0 = time.perf_counter()
         rc = similarity(data=str(data), model="tiny-llama", adapter_init="zero", out=str(out), quiet=True)
+        lines.append(("elapsed", time.perf_counter() - t0))
     return rc, data, out, lines
 
 
@@ -270,10 +277,13 @@ def test_default_run_config(default_run):
         "rank": 8, "alpha": 16.0, "targets": ["q_proj", "v_proj"], "shared_a": True, "n_layers": 4,
     }  # fmt: skip
     assert doc["pairs"] == ["plan-action", "plan-reflect", "action-reflect"] and doc["complete"] is True
+    assert set(doc) == {"config", "pairs", "complete", "wall_s", "summary", "samples", "provenance"}
+    elapsed = next(t for n, t in default_run[3] if n == "elapsed")
+    assert 0 < doc["wall_s"] <= elapsed  # the whole run's time, reports included
     assert doc["wall_s"] > 0 and doc["provenance"]["dtype"] == "float32"
 
 
-def test_default_run_samples_and_summary(default_run):
+def test_default_run_writes_its_samples_and_summary(default_run):
     _, _, out, _ = default_run
     doc = json.loads((out / "similarity.json").read_text())
     assert [(s["source"], s["tokens"]) for s in doc["samples"]] == [("ids.jsonl:1", 12), ("ids.jsonl:2", 9),
@@ -286,7 +296,7 @@ def test_default_run_samples_and_summary(default_run):
     assert doc["samples"][0]["undefined_tokens"]["adapter"] == 12 * 3 * 4  # every token, pair and layer
 
 
-def test_default_run_lines(default_run):
+def test_default_run_prints_its_two_lines(default_run):
     _, data, out, lines = default_run
     err = "".join(t for n, t in lines if n == "err")
     std = "".join(t for n, t in lines if n == "out")
@@ -475,3 +485,65 @@ def test_summary_of_undefined_l1_values_from_json_is_none():
     out = summarize([s], ["p", "a"])
     assert out["l1"]["base"]["mean"] is None and out["l1"]["adapter"]["mean"] is None
     assert out["l1"]["base"]["per_role"] == {"p": 1.0, "a": None}
+
+
+def test_runs_name_their_adapters_or_init_and_write_into_a_new_nested_out_then_into_it_again(tmp_path):
+    """A run on an adapters directory records it and names the run after it; the out directory is made with its
+    parents, and a second run (an independent-A init) writes into the one that exists, named after its init."""
+    from eval_suite.diagnostics.similarity import similarity
+    from lragent import command
+    from lragent.adapters_io import NATIVE_FILE, save_native
+    from tests.conftest import tiny_multi_lora
+
+    adapters = tmp_path / "ad_run"
+    adapters.mkdir()
+    save_native(tiny_multi_lora(rank=4, targets=("k_proj", "v_proj")), adapters / NATIVE_FILE)
+    data, out = _ids_data(tmp_path), tmp_path / "a" / "b"
+    runs = [
+        ({"adapters": str(adapters)}, "ids.jsonl · ad_run", str(adapters.resolve())),
+        ({"adapter_init": "random", "independent_a": True}, "ids.jsonl · init random (independent A)", None),
+    ]
+    for options, label, recorded in runs:
+        rc = similarity(data=str(data), model="tiny-llama", samples=1, out=str(out), quiet=True, **options)
+        cfg = json.loads((out / "similarity.json").read_text())["config"]
+        assert rc == 0 and (cfg["label"], cfg["adapters"]) == (label, recorded)
+        assert command._INTERRUPT_NOTE == [f"finished samples are in {out / 'similarity.json'} (complete: false); "
+                                           "rerun to redo"]  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only torch shows where the run tried to use CUDA")
+def test_where_cuda_is_available_the_default_device_is_cuda_and_an_explicit_cpu_stays_on_the_cpu(tmp_path, monkeypatch):
+    from eval_suite.diagnostics.similarity import similarity
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    options = {"data": str(_ids_data(tmp_path)), "model": "tiny-llama", "adapter_init": "zero", "samples": 1}
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA|NVIDIA"):  # past the checks, to the model's load
+        similarity(out=str(tmp_path / "default"), quiet=True, **options)
+    assert similarity(out=str(tmp_path / "cpu"), device="cpu", quiet=True, **options) == 0
+    doc = json.loads((tmp_path / "cpu" / "similarity.json").read_text())
+    assert doc["config"]["device"] == "cpu" and doc["provenance"]["device"]["type"] == "cpu"
+
+
+def test_an_interrupted_run_keeps_its_finished_samples_marked_incomplete(tmp_path, monkeypatch):
+    """similarity.json is rewritten after every sample: a run stopped during its second context leaves the first,
+    with its summary, marked incomplete."""
+    from eval_suite.diagnostics import similarity as sim
+
+    real, calls = sim.measure_context, []
+
+    def second_stops(model, ids):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(model, ids)
+
+    monkeypatch.setattr(sim, "measure_context", second_stops)
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        sim.similarity(data=str(_ids_data(tmp_path)), model="tiny-llama", adapter_init="zero", out=str(out), quiet=True)
+    elapsed = time.perf_counter() - t0
+    doc = json.loads((out / "similarity.json").read_text())
+    assert doc["complete"] is False and [s["source"] for s in doc["samples"]] == ["ids.jsonl:1"]
+    assert doc["summary"]["n_samples"] == 1 and not (out / "report.md").exists()
+    assert 0 < doc["wall_s"] <= elapsed  # the run's time until that sample

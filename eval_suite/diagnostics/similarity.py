@@ -162,10 +162,11 @@ def load_contexts(
             raise FileNotFoundError(f"no role example files in {data_dir / 'trajectories' / benchmark}")
         records = [(src, {"input": rec.get("input")}) for f in files for src, rec in _read_jsonl(f)]
     pool: list[tuple[str, str | list[int]]] = []
-    seen: set[str] = set()
+    seen: set[tuple] = set()
     for source, rec in records:
         content = _record_content(source, rec)
-        key = content if isinstance(content, str) else json.dumps(content)
+        # text and ids apart: the text "[1, 2]" is no duplicate of the ids [1, 2]
+        key = ("text", content) if isinstance(content, str) else ("ids", tuple(content))
         if (isinstance(content, str) and not content.strip()) or key in seen:
             continue
         seen.add(key)
