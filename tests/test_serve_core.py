@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import tiny_multi_lora
 
-from eval_suite.bench.serve_match import match_every_candidate, time_matching
+from eval_suite.bench.serve_match import bundled_questions, match_every_candidate, time_matching
 from lragent.engine import Engine
 from lragent.serving.metrics import Histogram, ServeMetrics
 from lragent.serving.rows import fork_row
@@ -238,6 +238,11 @@ def test_the_match_timing_runs_both_searches_on_the_bundled_questions_and_refuse
         assert ranked > 0 and every > 0 and res[f"{kind}_speedup"] == pytest.approx(every / ranked)
     with pytest.raises(SystemExit, match=r"--rows 200: hotpotqa has 300 questions, allowed --rows <= 150"):
         time_matching(rows=200, benchmark="hotpotqa", steps=1, repeat=1, tokenizer="default")
+    from eval_suite.evaluate.benchmarks import load_questions  # the questions as eval's agents see them
+
+    for bench in ("hotpotqa", "scienceqa"):
+        want = sorted(q.text for q in load_questions(bench, splits="dev,test"))
+        assert sorted(bundled_questions(bench)) == want
 
 
 def test_appending_a_piece_with_text_or_tokens_adds_a_mark_and_an_empty_piece_adds_none():

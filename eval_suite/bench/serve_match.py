@@ -22,8 +22,10 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from lragent.agents.prompts import get_spec, initial_text, observation_text
+from lragent.agents.prompts import format_question, get_spec, initial_text, observation_text
+from lragent.paths import DATA_DIR
 from lragent.serving.trajectories import Match, TextTrajectory, TrajectoryStore, common_prefix_len, match_prompt
 
 Tokenize = Callable[[str], list[int]]
@@ -58,6 +60,17 @@ def match_every_candidate(
     return best
 
 
+def bundled_questions(benchmark: str, data_dir: Path = DATA_DIR) -> list[str]:
+    """The benchmark's dev and test questions as the agents' prompt shows them, read from the bundled files."""
+    questions = []
+    for path in sorted((data_dir / "benchmarks").glob(f"{benchmark}_*.jsonl")):
+        if path.name.endswith((".dev.jsonl", ".test.jsonl")):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                questions.append(format_question(row["question"], row.get("choices")))
+    return questions
+
+
 def build_store(
     questions: Sequence[str], benchmark: str, tokenize: Tokenize, steps: int
 ) -> tuple[TrajectoryStore, dict[int, list[int]]]:
@@ -82,7 +95,6 @@ def build_store(
 
 def time_matching(rows: int, benchmark: str, steps: int, repeat: int, tokenizer: str) -> dict:
     """Milliseconds per request of the ranked search and of matching every candidate, both request kinds."""
-    from eval_suite.evaluate.benchmarks import load_questions
     from lragent.models import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
@@ -90,7 +102,7 @@ def time_matching(rows: int, benchmark: str, steps: int, repeat: int, tokenizer:
     def tokenize(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    questions = [q.text for q in load_questions(benchmark, splits="dev,test")][: rows * 2]
+    questions = bundled_questions(benchmark)[: rows * 2]
     if len(questions) < rows * 2:
         raise SystemExit(f"error: --rows {rows}: {benchmark} has {len(questions)} questions, allowed --rows <= "
                          f"{len(questions) // 2}")  # fmt: skip
