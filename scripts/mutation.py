@@ -524,7 +524,9 @@ def write_report() -> Path:
         "caught; runs set OMP_NUM_THREADS=1, since torch's thread pool hangs in mutmut's forked children and would "
         "turn survivors into timeouts). Survivors with their diffs are in `KEY.json`; the last column gives mutmut's "
         "raw counts (equivalents included) and the commit checked out when the run started (new tests may have been "
-        "uncommitted then: they are committed with the results).\n\n"
+        "uncommitted then: they are committed with the results). mutmut leaves decorated functions alone, so their "
+        "bodies are in no score (in `lragent/engine.py`: `_run_op`, `_run_lr_forward` and `_decode_step`, under "
+        "`@_own_workspaces`); their tests still run against every other mutant.\n\n"
         "| module | score | killed | equivalent | survivors | run |\n|---|---:|---:|---:|---:|---|\n"
         + "\n".join(rows)
         + "\n"
