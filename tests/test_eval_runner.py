@@ -96,6 +96,21 @@ class Factory:
         return FakePolicy(task.scheme, task.seed, self.answers)
 
 
+class OutOfMemoryAt(Factory):
+    """A :class:`Factory` whose policy for the episode after ``calls`` made ones runs out of memory."""
+
+    def __init__(self, calls: int, questions) -> None:
+        super().__init__(questions)
+        self.at = calls
+
+    def __call__(self, task) -> FakePolicy:
+        if self.calls == self.at:
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().__call__(task)
+
+
 def _tools(q):
     return lambda action, arg: f"Nothing about {arg}."
 
@@ -1332,18 +1347,11 @@ def test_timing_is_rewritten_as_episodes_end_only_every_few_seconds(tmp_path, mo
 
 
 def test_out_of_memory_one_episode_at_a_time_ends_in_one_line_keeping_the_finished_episodes(tmp_path, monkeypatch):
-    import torch
 
     qs = load_questions("hotpotqa", limit=3)
     _fake_model(monkeypatch, qs)
 
-    class Full(Factory):
-        def __call__(self, task):
-            if self.calls == 2:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return super().__call__(task)
-
-    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: Full(qs))
+    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: OutOfMemoryAt(2, qs))
     out = tmp_path / "o"
     with pytest.raises(ValueError) as err:
         run_eval.evaluate(benchmark="hotpotqa", scheme="full_shared", limit=3, runs=1, max_steps=4,
@@ -2437,13 +2445,7 @@ def test_out_of_memory_names_the_run_device_and_on_a_gpu_empties_the_cache(tmp_p
     qs = load_questions("hotpotqa", limit=3)
     _fake_model(monkeypatch, qs)
 
-    class Full(Factory):
-        def __call__(self, task):
-            if self.calls == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return super().__call__(task)
-
-    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: Full(qs))
+    monkeypatch.setattr(run_eval, "build_policy_factory", lambda *a, **kw: OutOfMemoryAt(1, qs))
     _on_a_gpu(monkeypatch, 1 << 30)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=0: 0)
     emptied = []

@@ -26,7 +26,14 @@ from pathlib import Path
 
 from lragent.agents.prompts import format_question, get_spec, initial_text, observation_text
 from lragent.paths import DATA_DIR
-from lragent.serving.trajectories import Match, TextTrajectory, TrajectoryStore, common_prefix_len, match_prompt
+from lragent.serving.trajectories import (
+    Match,
+    TextTrajectory,
+    TrajectoryStore,
+    common_prefix_len,
+    match_prompt,
+    tokenize_once,
+)
 
 Tokenize = Callable[[str], list[int]]
 
@@ -41,13 +48,7 @@ def match_every_candidate(
 ) -> Match | None:
     """``best_match`` without its ranking: every candidate that shares a character is matched (the reference), the
     tokenisations cached by text within the request as ``best_match`` caches them."""
-    cache: dict[str, list[int]] = {}
-
-    def cached(text: str) -> list[int]:
-        if text not in cache:
-            cache[text] = tokenize(text)
-        return cache[text]
-
+    cached = tokenize_once(tokenize)
     best, best_key = None, None
     for row in candidates:
         held = store.held.get(row)

@@ -34,8 +34,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-def common_prefix_len(a: str, b: str) -> int:
-    """Length of the longest common prefix of two strings (binary search over slice comparisons: C speed)."""
+def common_prefix_len(a: str | list[int], b: str | list[int]) -> int:
+    """Length of the longest common prefix of two strings or two lists (binary search over slice comparisons: C
+    speed)."""
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi
@@ -49,20 +50,11 @@ def common_prefix_len(a: str, b: str) -> int:
 
 
 def common_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading tokens two id lists share (binary search over slice comparisons, as
-    :func:`common_prefix_len`: a server compares each prompt with every held trajectory, thousands of tokens each)."""
+    """Number of leading tokens two id lists share (:func:`common_prefix_len` over them: a server compares each prompt
+    with every held trajectory, thousands of tokens each)."""
     a = a if isinstance(a, list) else list(a)  # slices of two lists compare; a list and a tuple never equal
     b = b if isinstance(b, list) else list(b)
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return common_prefix_len(a, b)
 
 
 @dataclass
@@ -138,6 +130,18 @@ def match_prompt(prompt: str, held: TextTrajectory, ids: Sequence[int], tokenize
     return Match(row, tokens, shared, shared == len(ids), TextTrajectory(prompt, marks))
 
 
+def tokenize_once(tokenize: Tokenize) -> Tokenize:
+    """``tokenize`` remembering its answer per text: one request's matches share the tokenisations of a text."""
+    cache: dict[str, list[int]] = {}
+
+    def cached(text: str) -> list[int]:
+        if text not in cache:
+            cache[text] = tokenize(text)
+        return cache[text]
+
+    return cached
+
+
 class TrajectoryStore:
     """The text trajectories of an engine's rows, with their use order.
 
@@ -202,13 +206,7 @@ class TrajectoryStore:
             the match with the most reusable tokens (ties: the most shared tokens, then the most recently used
             row), or None.
         """
-        cache: dict[str, list[int]] = {}
-
-        def cached_tokenize(text: str) -> list[int]:
-            if text not in cache:
-                cache[text] = tokenize(text)
-            return cache[text]
-
+        cached_tokenize = tokenize_once(tokenize)
         # Each candidate's bound: its tokens up to the first piece boundary past the text it shares with the prompt.
         # Tokens that match decode to text both hold, so no match runs past that boundary (for tokens that decode to
         # the text they were made from: byte-level BPE). Candidates go best bound first, then most recently used; one
