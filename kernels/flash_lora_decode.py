@@ -162,6 +162,17 @@ def _check_decode_inputs(
             raise ValueError(f"{fn}: out must have q's dtype {q.dtype} and device {q.device}, got {got}")
 
 
+def _check_group_rows(fn: str, group_rows: int, group: int) -> None:
+    """``group_rows``: an int >= 1 whose groups hold at most :data:`_MAX_GROUP_QUERIES` queries (rows x G heads)."""
+    if isinstance(group_rows, bool) or not isinstance(group_rows, int) or group_rows < 1:
+        raise ValueError(f"{fn}: group_rows must be an int >= 1, got {group_rows!r}")
+    if group_rows > 1 and group_rows * group > _MAX_GROUP_QUERIES:
+        raise ValueError(
+            f"{fn}: group_rows={group_rows} x {group} query heads per KV head = {group_rows * group} queries a group; "
+            f"at most {_MAX_GROUP_QUERIES} (group_rows <= {max(1, _MAX_GROUP_QUERIES // group)})"
+        )
+
+
 def _check_rows(fn: str, name: str, t: Tensor | None, bsz: int, device: torch.device, lo: int, hi: int | None) -> None:
     """Check a per-row integer tensor of shape (B,) on q's device (its values only when it lives on the CPU)."""
     if t is None:
@@ -196,8 +207,10 @@ def _decode_torch(
     *,
     upcast: bool,
     trim: bool,
+    group_rows: int = 1,
 ) -> Tensor:
-    """Eager decode. ``trim`` gathers keys only up to the longest row (a host sync); else the whole capacity."""
+    """Eager decode. ``trim`` gathers keys only up to the longest row (a host sync); else the whole capacity.
+    ``group_rows`` > 1: each group of that many rows reads its first row's slots and role."""
     bsz, hq, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -208,6 +221,10 @@ def _decode_torch(
         return torch.zeros_like(q)
     rows = kv_slot.long() if kv_slot is not None else torch.arange(bsz, device=q.device)
     lr_rows = lr_slot.long() if lr_slot is not None else rows
+    if group_rows > 1:
+        first = torch.arange(bsz, device=q.device) // group_rows * group_rows
+        rows, lr_rows = rows[first], lr_rows[first]
+        role_ids = role_ids[first] if role_ids is not None else None
     k = k_cache[rows, :, :n].to(cdt)  # (B, Hkv, n, D)
     v = v_cache[rows, :, :n].to(cdt)
     qf = q.to(cdt).view(bsz, hkv, group, d)  # head h = g * G + j
@@ -236,6 +253,7 @@ def flash_lora_decode_reference(
     out: Tensor | None = None,
     *,
     upcast: bool = True,
+    group_rows: int = 1,
 ) -> Tensor:
     """Eager PyTorch decode step (any device), the ground truth of :func:`flash_lora_decode`.
 
@@ -248,9 +266,11 @@ def flash_lora_decode_reference(
     """
     fn = "flash_lora_decode_reference"
     _check_decode_inputs(fn, q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot, out)
+    _check_group_rows(fn, group_rows, q.shape[1] // k_cache.shape[1])
     res = _decode_torch(
-        q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot, upcast=upcast, trim=True
-    )
+        q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot, upcast=upcast,
+        trim=True, group_rows=group_rows,
+    )  # fmt: skip
     if out is None:
         return res
     return out.copy_(res)
@@ -272,13 +292,15 @@ _MIN_SPLIT_TILES = 4
 # a 16k cache; at 2 splits or 1 (batch 16 and up) 32-key tiles are slower (54.1 -> 55.5 at 16, 95.9 -> 98.5 at 32),
 # and the plain kernel gains nothing (kernels/NOTES.md, 2026-11-27 night)
 _SMALL_TILE_SPLITS = 3
+# queries of one program of a token group (group_rows x G heads): its accumulators stay in registers at 4 warps
+_MAX_GROUP_QUERIES = 128
 
 
 @dataclass(frozen=True)
 class _DecodePlan:
     """Launch configuration of one decode shape (all compile-time constants of the kernel but the lengths)."""
 
-    n_splits: int  # programs per (row, KV head, row block): grid dim 1
+    n_splits: int  # programs per (row or token group, KV head, row block): grid dim 1
     min_split: int  # keys per split at least: a row of n keys uses min(n_splits, ceil(n / min_split)) splits
     block_m: int  # query heads per program (the G heads of a KV head, padded; >= 16 for tl.dot)
     rows: int  # heads per program kept in the workspace: min(block_m, next_pow2(G))
@@ -287,6 +309,7 @@ class _DecodePlan:
     s_chunk: int  # splits merged per step
     num_warps: int
     num_stages: int
+    tokens: int = 1  # token rows per program (a group sharing its first row's slots); 1: one row per program
 
 
 def _plan(
@@ -300,18 +323,27 @@ def _plan(
     programs_per_sm: int = _PROGRAMS_PER_SM,
     min_split_tiles: int = _MIN_SPLIT_TILES,
     block_n: int | None = None,
-    num_warps: int = 2,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     lora: bool = False,
+    tokens: int = 1,
 ) -> _DecodePlan:
     """The rule; the keyword arguments exist for the benchmark's sweep (``kernels/NOTES.md`` has the one that chose
     the defaults). Splits fill ``programs_per_sm`` programs per SM without starting a second wave; ``lora`` (the
     kernel accumulates ``p · V_lr`` too) takes 32-key tiles where 64-key ones would split a row
-    :data:`_SMALL_TILE_SPLITS` ways or more."""
-    block_m = min(64, max(16, _next_pow2(group)))
-    rows = min(block_m, _next_pow2(group))
-    row_blocks = -(-group // block_m)
-    base = bsz * hkv * row_blocks
+    :data:`_SMALL_TILE_SPLITS` ways or more. ``tokens`` > 1: one program per group of that many token rows
+    (``tokens · group`` queries, at most :data:`_MAX_GROUP_QUERIES`), 4 warps from 64 queries up."""
+    if tokens > 1:
+        block_m = max(16, _next_pow2(tokens * group))
+        rows, row_blocks = block_m, 1
+        base = -(-bsz // tokens) * hkv
+    else:
+        block_m = min(64, max(16, _next_pow2(group)))
+        rows = min(block_m, _next_pow2(group))
+        row_blocks = -(-group // block_m)
+        base = bsz * hkv * row_blocks
+    if num_warps is None:
+        num_warps = 4 if block_m >= 64 and tokens > 1 else 2
 
     def splits(tile: int) -> int:
         return max(1, min(programs_per_sm * sms // base, -(-capacity // (min_split_tiles * tile)), _MAX_SPLITS))
@@ -333,6 +365,7 @@ def _plan(
         s_chunk=1 << (s_chunk.bit_length() - 1),
         num_warps=num_warps,
         num_stages=num_stages or (3 if head_dim <= 128 else 2),
+        tokens=tokens,
     )
 
 
@@ -346,11 +379,12 @@ if triton is not None:
     def _decode_keys(
         acc, acc_lr, l_i, m_i, q,
         k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
-        rank, lo, hi, qk_scale,
+        rank, lo, hi, qk_scale, q_lens,
         HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LORA: tl.constexpr,
-        MASKED: tl.constexpr,
+        MASKED: tl.constexpr, PER_QUERY: tl.constexpr,
     ):  # fmt: skip
-        """Online softmax over keys [lo, hi) in BLOCK_N tiles; MASKED drops keys >= hi (the last, partial tile)."""
+        """Online softmax over keys [lo, hi) in BLOCK_N tiles; MASKED drops keys >= hi (the last, partial tile) and,
+        with PER_QUERY, the keys at or past each query's own length (``q_lens``, (BLOCK_M,): a group's token rows)."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
         offs_r = tl.arange(0, R_PAD)
@@ -369,7 +403,10 @@ if triton is not None:
                 v = tl.load(v_ptrs)
             qk = tl.dot(q, kt) * qk_scale  # (BLOCK_M, BLOCK_N), log2 domain
             if MASKED:
-                qk = tl.where(n_ok[None, :], qk, float("-inf"))
+                if PER_QUERY:
+                    qk = tl.where(n_ok[None, :] & (n[None, :] < q_lens[:, None]), qk, float("-inf"))
+                else:
+                    qk = tl.where(n_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.math.exp2(qk - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
@@ -387,9 +424,9 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(
-        WS_ACC, WS_M, WS_L, OUT, pid, b, g, rb, n_act, stride_ob, stride_oh,
+        WS_ACC, WS_M, WS_L, OUT, pid, b, g, rb, n_act, stride_ob, stride_oh, n_rows,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-        N_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr,
+        N_SPLITS: tl.constexpr, S_CHUNK: tl.constexpr, TOKENS: tl.constexpr,
     ):  # fmt: skip
         """Merge the n_act partials (acc, max, sum) of program column pid's ROWS heads and write O.
 
@@ -417,9 +454,19 @@ if triton is not None:
             l_run = l_run * alpha + tl.sum(l_s * w, 0)
             m_run = m_new
         inv = tl.where(l_run > 0, 1.0 / tl.maximum(l_run, 1e-30), 0.0)
-        j = rb * BLOCK_M + offs_r  # query heads of the group
-        o_ptrs = OUT + b.to(tl.int64) * stride_ob + (g * GROUP + j)[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=(j < GROUP)[:, None])
+        if TOKENS == 1:
+            j = rb * BLOCK_M + offs_r  # query heads of the group
+            o_ptrs = OUT + b.to(tl.int64) * stride_ob + (g * GROUP + j)[:, None].to(tl.int64) * stride_oh
+            ok = j < GROUP
+        else:  # workspace row i is token row b + i // GROUP, query head g * GROUP + i % GROUP
+            row = b + offs_r // GROUP
+            o_ptrs = (
+                OUT
+                + row[:, None].to(tl.int64) * stride_ob
+                + (g * GROUP + offs_r % GROUP)[:, None].to(tl.int64) * stride_oh
+            )
+            ok = (offs_r < TOKENS * GROUP) & (row < n_rows)
+        tl.store(o_ptrs + offs_d[None, :], (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=ok[:, None])
 
     @triton.jit
     def _flash_lora_decode_kernel(
@@ -430,14 +477,17 @@ if triton is not None:
         stride_lrs, stride_lrl, stride_lrr,
         stride_bn, stride_bh, stride_br, stride_bd,
         stride_ob, stride_oh,
-        qk_scale, lora_scaling, capacity, rank,
+        qk_scale, lora_scaling, capacity, rank, n_rows,
         N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
         N_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, S_CHUNK: tl.constexpr,
         HAS_LORA: tl.constexpr, HAS_ROLE: tl.constexpr, HAS_KVSLOT: tl.constexpr, HAS_LRSLOT: tl.constexpr,
-        HAS_QADD: tl.constexpr, PDL: tl.constexpr,
+        HAS_QADD: tl.constexpr, PDL: tl.constexpr, TOKENS: tl.constexpr,
     ):  # fmt: skip
         """Grid (B * Hkv * ROW_BLOCKS, N_SPLITS): program (pid, s) runs split s of row b, KV head g, row block rb.
+        With TOKENS > 1 (ROW_BLOCKS 1) ``b`` is a group of TOKENS token rows from row ``b * TOKENS`` that read the
+        group's first row's slots and role: the program's queries are the group's rows × the G heads (query i is
+        token row i // G, head i % G), each masked to its own length, so every K/V tile is read once for them all.
 
         Splits are the slow grid axis, so the first splits of every row (the only ones short rows use) are
         scheduled first; a program whose split is past the row's active count exits after one load.
@@ -449,7 +499,25 @@ if triton is not None:
         rb = pid % ROW_BLOCKS
         if PDL:  # kernels/pdl.py: every program waits (those that exit at once too), so the grid ends after its
             tl.extra.cuda.gdc_wait()  # predecessor; the lengths, q and the cache are visible past this point
-        kv_len = tl.minimum(tl.maximum(tl.load(KVLEN + b).to(tl.int32), 0), capacity)
+        local = tl.arange(0, BLOCK_M)
+        if TOKENS == 1:
+            kv_len = tl.minimum(tl.maximum(tl.load(KVLEN + b).to(tl.int32), 0), capacity)
+            kv_min = kv_len
+            q_lens = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len
+            j = rb * BLOCK_M + local  # query heads of the group in this program
+            row_ok = j < GROUP
+            q_row = tl.zeros([BLOCK_M], dtype=tl.int64) + b.to(tl.int64)
+            head = (g * GROUP + j).to(tl.int64)
+        else:
+            b = b * TOKENS  # the group's first token row: its slots and role serve the group
+            row = b + local // GROUP
+            row_ok = (local < TOKENS * GROUP) & (row < n_rows)
+            q_lens = tl.load(KVLEN + row, mask=row_ok, other=0).to(tl.int32)
+            q_lens = tl.where(row_ok, tl.minimum(tl.maximum(q_lens, 0), capacity), 0)
+            kv_len = tl.max(q_lens, 0)
+            kv_min = tl.min(tl.where(row_ok, q_lens, capacity), 0)
+            q_row = row.to(tl.int64)
+            head = (g * GROUP + local % GROUP).to(tl.int64)
         n_act = tl.minimum(tl.maximum(tl.cdiv(kv_len, MIN_SPLIT), 1), N_SPLITS)  # splits this row uses
         if pid_s < n_act:
             b64 = b.to(tl.int64)
@@ -465,16 +533,14 @@ if triton is not None:
             split_len = tl.cdiv(tl.cdiv(kv_len, n_act), BLOCK_N) * BLOCK_N
             lo = pid_s * split_len
             hi = tl.minimum(lo + split_len, kv_len)
-            full_hi = lo + (tl.maximum(hi - lo, 0) // BLOCK_N) * BLOCK_N  # tiles before this need no mask
+            # tiles before full_hi need no mask: every query of the program sees all their keys
+            full_hi = lo + (tl.maximum(tl.minimum(hi, kv_min) - lo, 0) // BLOCK_N) * BLOCK_N
 
-            j = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # query heads of the group in this program
-            row_ok = j < GROUP
-            head = (g * GROUP + j).to(tl.int64)
             offs_d = tl.arange(0, HEAD_DIM)
-            q_ptrs = Q + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
+            q_ptrs = Q + q_row[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
             if HAS_QADD:  # a float32 term the step that made q left to add (q_proj's rotated LoRA term)
-                qa_ptrs = QADD + b64 * stride_qab + head[:, None] * HEAD_DIM + offs_d[None, :]
+                qa_ptrs = QADD + q_row[:, None] * stride_qab + head[:, None] * HEAD_DIM + offs_d[None, :]
                 q = (q.to(tl.float32) + tl.load(qa_ptrs, mask=row_ok[:, None], other=0.0)).to(q.dtype)
             k_ptr = K + kv_row * stride_ks + g64 * stride_kh
             v_ptr = V + kv_row * stride_vs + g64 * stride_vh
@@ -486,11 +552,11 @@ if triton is not None:
             acc_lr = tl.zeros([BLOCK_M, R_PAD], dtype=tl.float32)
             acc, acc_lr, l_i, m_i = _decode_keys(
                 acc, acc_lr, l_i, m_i, q, k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
-                rank, lo, full_hi, qk_scale, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, False,
+                rank, lo, full_hi, qk_scale, q_lens, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, False, False,
             )  # fmt: skip
             acc, acc_lr, l_i, m_i = _decode_keys(
                 acc, acc_lr, l_i, m_i, q, k_ptr, v_ptr, lr_ptr, stride_kl, stride_vl, stride_lrl, stride_lrr,
-                rank, full_hi, hi, qk_scale, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, True,
+                rank, full_hi, hi, qk_scale, q_lens, HEAD_DIM, R_PAD, BLOCK_N, HAS_LORA, True, TOKENS > 1,
             )  # fmt: skip
             if HAS_LORA:
                 # B applied per split: the merge is linear in acc, so merging (acc + acc_lr B s) is exact
@@ -505,14 +571,13 @@ if triton is not None:
                 tl.extra.cuda.gdc_launch_dependents()
             if n_act == 1:  # the whole row in this program: write O
                 inv = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-                o_ptrs = OUT + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+                o_ptrs = OUT + q_row[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
                 tl.store(o_ptrs, (acc * inv[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
             else:
                 # fp32 partials: slot (pid, split, head i) = (pid * N_SPLITS + split) * ROWS + i
                 total = tl.num_programs(0).to(tl.int64) * N_SPLITS * ROWS
                 ws_m = WS + total * HEAD_DIM
                 ws_l = ws_m + total
-                local = tl.arange(0, BLOCK_M)
                 keep = row_ok & (local < ROWS)
                 slot = (pid.to(tl.int64) * N_SPLITS + pid_s) * ROWS + local
                 tl.store(WS + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
@@ -523,8 +588,8 @@ if triton is not None:
                 if done == n_act - 1:  # the last split of this row to finish merges
                     tl.store(CNT + pid, 0)  # ready for the next launch / graph replay
                     _merge_splits(
-                        WS, ws_m, ws_l, OUT, pid, b, g, rb, n_act, stride_ob, stride_oh,
-                        GROUP, HEAD_DIM, BLOCK_M, ROWS, N_SPLITS, S_CHUNK,
+                        WS, ws_m, ws_l, OUT, pid, b, g, rb, n_act, stride_ob, stride_oh, n_rows,
+                        GROUP, HEAD_DIM, BLOCK_M, ROWS, N_SPLITS, S_CHUNK, TOKENS,
                     )  # fmt: skip
 
 
@@ -591,12 +656,13 @@ def _launch_decode(
     plan: _DecodePlan,
     q_add: Tensor | None = None,
 ) -> Tensor:
-    """Run the decode kernel: one launch, grid (B * Hkv * row_blocks, n_splits). Inputs are validated."""
+    """Run the decode kernel: one launch, grid (groups * Hkv * row_blocks, n_splits) with groups the B rows or their
+    groups of ``plan.tokens``. Inputs are validated."""
     bsz, hq, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     has_lora = v_lr_cache is not None
     rank = v_lr_cache.shape[2] if has_lora else 1
-    n_programs = bsz * hkv * plan.row_blocks
+    n_programs = -(-bsz // plan.tokens) * hkv * plan.row_blocks
     ws, cnt = _workspace(q.device, n_programs, plan, d) if plan.n_splits > 1 else (out, out)
     _flash_lora_decode_kernel[(n_programs, plan.n_splits)](
         q, k_cache, v_cache, v_lr_cache if has_lora else out, lora_b if has_lora else out, kv_lens,
@@ -605,12 +671,12 @@ def _launch_decode(
         q.stride(0), q.stride(1), q_add.stride(0) if q_add is not None else 0, *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         *(v_lr_cache.stride() if has_lora else (0, 0, 0)), *(lora_b.stride() if has_lora else (0, 0, 0, 0)),
-        out.stride(0), out.stride(1), 1.4426950408889634 / math.sqrt(d), float(scaling), cap, rank,
+        out.stride(0), out.stride(1), 1.4426950408889634 / math.sqrt(d), float(scaling), cap, rank, bsz,
         N_KV_HEADS=hkv, GROUP=hq // hkv, HEAD_DIM=d, R_PAD=max(8, _next_pow2(rank)) if has_lora else 8,
         BLOCK_M=plan.block_m, ROWS=plan.rows, ROW_BLOCKS=plan.row_blocks, BLOCK_N=plan.block_n,
         N_SPLITS=plan.n_splits, MIN_SPLIT=plan.min_split, S_CHUNK=plan.s_chunk, HAS_LORA=has_lora,
         HAS_ROLE=has_lora and role_ids is not None, HAS_KVSLOT=kv_slot is not None, HAS_LRSLOT=lr_slot is not None,
-        HAS_QADD=q_add is not None, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        HAS_QADD=q_add is not None, TOKENS=plan.tokens, num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl_launch(q),
     )  # fmt: skip
     return out
@@ -649,6 +715,7 @@ def flash_lora_decode(
     lr_slot: Tensor | None = None,
     out: Tensor | None = None,
     q_add: Tensor | None = None,
+    group_rows: int = 1,
 ) -> Tensor:
     """One decode step of a batch of rows over a static cache: ``p·V + ((p·V_lr)·B_role)·s`` per query head.
 
@@ -672,6 +739,11 @@ def flash_lora_decode(
         out: (B, Hq, D) preallocated output (q's dtype; last dim contiguous); written and returned.
         q_add: (B, Hq, D) float32, contiguous, added to q (then rounded to q's dtype) before the attention: the rotated
             q_proj LoRA term of a step whose q/k/v GEMV rotated only q's base part (``kernels.fused_qkv_rope``).
+        group_rows: T > 1: rows ``[i·T, i·T + T)`` form a group that reads its first row's ``kv_slot``, ``lr_slot``
+            and ``role_ids`` (each row keeps its own query and length): one program runs the group's T·G queries
+            over each K/V tile once. For several tokens of one sequence in one step (fed prompt tokens at
+            consecutive positions), whose rows would otherwise each read the whole cache. At most
+            ``_MAX_GROUP_QUERIES`` queries a group.
 
     Returns:
         (B, Hq, D) tensor in q's dtype (``out`` when given).
@@ -681,6 +753,7 @@ def flash_lora_decode(
     """
     fn = "flash_lora_decode"
     _check_decode_inputs(fn, q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot, out)
+    _check_group_rows(fn, group_rows, q.shape[1] // k_cache.shape[1])
     if q_add is not None:
         ok = isinstance(q_add, Tensor) and q_add.shape == q.shape and q_add.dtype == torch.float32
         if not ok or q_add.device != q.device or not q_add.is_contiguous():
@@ -696,7 +769,7 @@ def flash_lora_decode(
             log.warning("flash_lora_decode: the Triton kernel does not cover %s; using the torch path", why)
         res = _decode_torch(
             q, k_cache, v_cache, kv_lens, v_lr_cache, lora_b, scaling, role_ids, kv_slot, lr_slot,
-            upcast=True, trim=not q.is_cuda,
+            upcast=True, trim=not q.is_cuda, group_rows=group_rows,
         )  # fmt: skip
         return res if out is None else out.copy_(res)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
@@ -705,10 +778,12 @@ def flash_lora_decode(
     bsz, hq, d = q.shape
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     lora = v_lr_cache is not None
-    key = (bsz, hkv, hq // hkv, cap, d, q.device, lora)
+    key = (bsz, hkv, hq // hkv, cap, d, q.device, lora) + ((group_rows,) if group_rows > 1 else ())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(bsz, hkv, hq // hkv, cap, d, _num_sms(q.device), lora=lora, **plan_overrides())
+        plan = _PLANS[key] = _plan(
+            bsz, hkv, hq // hkv, cap, d, _num_sms(q.device), lora=lora, tokens=group_rows, **plan_overrides()
+        )
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return _launch_decode(

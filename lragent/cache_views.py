@@ -244,6 +244,10 @@ class DecodeView:
             ``None`` (graph capture: the whole capacity, lengths on the device).
         use_kernel: allow the fused decode kernel on CUDA.
         fused: the fused kernels (default: where the decode kernel runs).
+        token_groups: ``(start, T)``: rows ``[start, B)`` come in groups of ``T`` token rows of one sequence each
+            (fed tokens at consecutive positions; a group's rows past its sequence's tokens are padding, whose output
+            is not used): the decode kernel runs them as groups that read each K/V tile once
+            (``flash_lora_decode(group_rows=T)``). The attention of every row that is not padding is unchanged.
 
     ``LRAGENT_FUSED_GEMV=N`` in the environment when the view is made also runs each RMSNorm and SiLU·mul inside the
     GEMV that reads it, and the o projection on the same Triton GEMV (:mod:`kernels.fused_gemv`, on fused views, in
@@ -260,9 +264,11 @@ class DecodeView:
         max_len: int | None = None,
         use_kernel: bool = True,
         fused: bool | None = None,
+        token_groups: tuple[int, int] | None = None,
     ) -> None:
         self.pool = pool
         self.kv_slot, self.lr_slot, self.hidden_slot, self.pos = kv_slot, lr_slot, hidden_slot, pos
+        self.token_groups = token_groups if token_groups is not None and token_groups[1] > 1 else None
         self.kv_lens = pos + 1
         self.max_len = pool.capacity if max_len is None else min(max_len, pool.capacity)
         self.decomposed = pool.layout.decomposed
@@ -358,19 +364,30 @@ class DecodeView:
         if self.kernel is not None:
             lr_pool = p.v_lr[layer] if self.decomposed else None
             b_heads = lora_b_per_head(lora_b, p.layout.n_kv_heads) if self.decomposed else None
-            out = self.kernel(
-                q1,
-                p.k[layer],
-                p.v[layer],
-                self.kv_lens32,
-                v_lr_cache=lr_pool,
-                lora_b=b_heads,
-                scaling=scaling,
-                role_ids=role_ids,
-                kv_slot=self.kv_slot32,
-                lr_slot=self.lr_slot32,
-                **({} if q_add is None else {"q_add": q_add}),  # the call of a step without it unchanged
-            )
+
+            def run(rows: slice, **kw) -> torch.Tensor:
+                return self.kernel(
+                    q1[rows],
+                    p.k[layer],
+                    p.v[layer],
+                    self.kv_lens32[rows],
+                    v_lr_cache=lr_pool,
+                    lora_b=b_heads,
+                    scaling=scaling,
+                    role_ids=None if role_ids is None else role_ids[rows],
+                    kv_slot=self.kv_slot32[rows],
+                    lr_slot=self.lr_slot32[rows],
+                    **({} if q_add is None else {"q_add": q_add[rows]}),  # the call of a step without it unchanged
+                    **kw,
+                )
+
+            if self.token_groups is None:
+                return run(slice(None))[:, :, None]
+            start, size = self.token_groups
+            out = torch.empty_like(q1, memory_format=torch.contiguous_format)
+            if start:
+                run(slice(0, start), out=out[:start])
+            run(slice(start, None), out=out[start:], group_rows=size)
             return out[:, :, None]
         if q_add is not None:
             q1 = (q1.float() + q_add).to(q1.dtype)

@@ -204,6 +204,36 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[key]
 
 
+FEED_GROUP_ENV = "LRAGENT_FEED_GROUP"
+_FEED_GROUP_DEFAULT = 8  # token rows a group: 8 fed tokens of a row read each K/V tile once instead of 8 times
+_MAX_GROUP_QUERIES = 128  # kernels.flash_lora_decode's bound on a group's query heads
+
+
+def _feed_group(value: int | None, kernel: bool, heads: int) -> int:
+    """The engine's ``feed_group``: ``value``, or where the decode kernel runs ``LRAGENT_FEED_GROUP`` (default 8),
+    lowered to fit the kernel's bound on a group's query heads (``heads`` query heads a KV head each); 1 elsewhere
+    (the torch path gains nothing).
+
+    Raises:
+        ValueError: a value that is not an int >= 1, or a group past the kernel's bound, naming it.
+    """
+    fits = max(1, _MAX_GROUP_QUERIES // max(heads, 1))
+    if value is None:
+        if not kernel:
+            return 1
+        raw = os.environ.get(FEED_GROUP_ENV, "").strip()
+        if raw and not (raw.isdigit() and int(raw) >= 1):
+            raise ValueError(f"{FEED_GROUP_ENV}={raw!r}: expected an int >= 1 (token rows a group of fed tokens)")
+        return min(int(raw) if raw else _FEED_GROUP_DEFAULT, fits)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"feed_group must be an int >= 1 (1: no groups), got {value!r}")
+    if value > fits:
+        raise ValueError(
+            f"feed_group={value} x {heads} query heads a KV head is past {_MAX_GROUP_QUERIES}; at most {fits}"
+        )
+    return value
+
+
 def _own_workspaces(method: Callable) -> Callable:
     """Runs an engine method that launches the model's kernels with the engine's own split-K workspaces
     (:func:`kernels.split_workspace.workspace_owner`): engines on different CUDA streams never share partials or
@@ -258,6 +288,11 @@ class Engine:
             by the batch width, so a row's logits can change in their last bits with how many other rows are busy
             and a sampled token can flip; at one width a row's numbers depend on its own inputs only. Costs the idle
             rows' compute when few rows are busy. With ``feed_budget`` every step has the extra rows (one width).
+        feed_group: with ``feed_budget``, each row's lent range starts at a multiple of this many extra rows, so
+            that the decode kernel runs the extra rows in groups of ``feed_group`` token rows of one row each, whose
+            queries share every K/V tile (``flash_lora_decode(group_rows=...)``) instead of each fed token reading
+            its row's whole cache again; a range's last group may hold padding rows (no token). Default: where the
+            decode kernel runs, ``LRAGENT_FEED_GROUP`` or 8 (at most 128 query heads a group), else 1 (no padding).
     """
 
     def __init__(
@@ -279,6 +314,7 @@ class Engine:
         fuse_lora: bool | None = None,
         batch_invariant: bool = False,
         feed_budget: int = 0,
+        feed_group: int | None = None,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -308,6 +344,9 @@ class Engine:
         if fuse_lora is None:
             fuse_lora = os.environ.get("LRAGENT_FUSE_LORA", "1") != "0"
         self.fuse_lora = self.fuse_ops and bool(fuse_lora)
+        self.feed_group = _feed_group(
+            feed_group, gpu_ok, getattr(self.dec, "n_heads", 1) // getattr(self.dec, "n_kv_heads", 1)
+        )
         self.dec.fuse_lora = self.fuse_lora
         if self.fuse_ops:
             from lragent.fused_weights import fuse_base_weights
@@ -706,15 +745,21 @@ class Engine:
         hid_slot: torch.Tensor,
         roles: torch.Tensor,
         max_len: int | None,
+        token_groups: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """One token per token row through every layer: token ``tok[i]`` at position ``pos[i]`` of slots
         ``kv_slot[i]`` / ``lr_slot[i]`` / ``hid_slot[i]`` under adapter ``roles[i]`` (all ``(T,)``); its K/V stored,
         then attention over ``[0, pos[i]]``.
 
+        ``token_groups``: :class:`~lragent.cache_views.DecodeView`'s (the fed rows' groups).
+
         Returns:
             the last hidden states ``(T, 1, H)`` and whether the view ran fused (for the LM head).
         """
-        view = DecodeView(self.pool, kv_slot, lr_slot, hid_slot, pos, max_len, self.use_kernel, fused=self.fuse_ops)
+        view = DecodeView(
+            self.pool, kv_slot, lr_slot, hid_slot, pos, max_len, self.use_kernel, fused=self.fuse_ops,
+            token_groups=token_groups,
+        )  # fmt: skip
         cos_t, sin_t = self.dec.rope_table(self.pool.capacity, self.dtype, self.device)
         rotary = (cos_t[pos][:, None], sin_t[pos][:, None])
         return self.dec.run_view(self.dec.embed(tok[:, None]), rotary, roles, view), bool(view.fused)
@@ -749,7 +794,9 @@ class Engine:
         fcount, flen = self.d_forced_count[:b], self.d_forced_len[:b]
         forcing = act & (fcount < flen)
         want = torch.where(forcing, flen - fcount - 1, 0)  # fed tokens beyond the row's own one this step
-        off = torch.cumsum(want, 0) - want  # where each row's lent range would start
+        size = self.feed_group
+        span = (want + size - 1) // size * size  # a range holds whole groups of the kernel's token rows
+        off = torch.cumsum(span, 0) - span  # where each row's lent range would start
         grant = (extra - off).clamp(min=0).minimum(want)
         # the extra rows: their row (the last whose range starts at or before them), token index, validity
         e = torch.arange(extra, device=self.device)
@@ -775,6 +822,7 @@ class Engine:
             lent(self.d_hid_slot, pool.scratch_hidden),
             torch.cat([self.d_role[:b], self.d_role[owner]]),
             max_len,
+            token_groups=(b, size),
         )  # (b + extra, 1, H)
         last = torch.where(grant > 0, b + off + grant - 1, rows)  # each row's last token this step
         self.d_logits[:b] = self.dec.logits(h[last], fused=fused)[:, 0].float()
@@ -800,7 +848,7 @@ class Engine:
             for p in rows:
                 want = p.forced_left - 1
                 grant = min(want, max(0, extra - off))
-                off += want
+                off += -(-want // self.feed_group) * self.feed_group
                 p.forced_left -= 1 + grant
         return feeding
 

@@ -334,6 +334,37 @@ def test_decode_rows_attend_over_their_own_first_pos_plus_one_positions(decompos
     assert torch.allclose(got, want, atol=1e-10)
 
 
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_decode_token_groups_run_the_fed_rows_as_groups_and_keep_every_real_rows_attention(decomposed):
+    """``token_groups=(1, 2)``: row 0 one call of the kernel on its own; rows 1-4 a second call in groups of 2 (rows
+    1-2 two tokens of slot 2 at positions 3 and 4, rows 3-4 a token of slot 1 and a padding row in the scratch slot).
+    Every row that is not padding attends as without groups: over its own slot up to its own position."""
+    from kernels.flash_lora_decode import flash_lora_decode
+
+    pool = make_pool(decomposed, seed=4)
+    t = torch.tensor
+    kv_slot, lr_slot, pos, roles = t([0, 2, 2, 1, 0]), t([3, 1, 1, 2, 0]), t([6, 3, 4, 8, 0]), t([1, 2, 2, 0, 1])
+    calls = []
+
+    def kernel(q, *args, **kw):
+        calls.append((q.shape[0], kw.get("group_rows", 1), kw["kv_slot"].tolist()))
+        return flash_lora_decode(q, *args, **kw)  # on the CPU: its torch path, groups and all
+
+    views = []
+    for groups in (None, (1, 2)):
+        view = DecodeView(pool, kv_slot, lr_slot, t([0, 1, 1, 0, 1]), pos, token_groups=groups)
+        view.kernel, view.kv_lens32, view.kv_slot32, view.lr_slot32 = kernel, view.kv_lens, kv_slot, lr_slot
+        views.append(view)
+    q = rand(5, H_Q, 1, D, seed=14)
+    lora_b = rand(N_ROLES, H_KV * D, R, seed=15) if decomposed else None
+    plain, grouped = (view.attend(1, q, lora_b, 0.7, roles) for view in views)
+    assert calls == [(5, 1, [0, 2, 2, 1, 0]), (1, 1, [0]), (4, 2, [2, 2, 1, 0])]
+    assert grouped.shape == (5, H_Q, 1, D)
+    torch.testing.assert_close(grouped[:4], plain[:4], rtol=0, atol=1e-12)
+    assert (grouped[4] - plain[4]).abs().max() > 1e-3  # the padding row read its group's slot (output unused)
+    assert DecodeView(pool, kv_slot, lr_slot, kv_slot, pos, token_groups=(1, 1)).token_groups is None
+
+
 def test_decode_attention_reference_masks_each_row_and_applies_its_role():
     """One query per row, GQA, lengths 1..L, each row's own B."""
     b, length = 4, 7

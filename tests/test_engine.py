@@ -404,8 +404,55 @@ def test_extra_rows_are_lent_in_row_order_until_the_budget_is_spent(graph_semant
     assert {extra for extra, _ in steps[3:]} == {0} and len(steps) >= 3 + 4
 
 
+def test_lent_ranges_start_at_whole_groups_of_feed_group_rows():
+    """``feed_budget`` 8 in groups of ``feed_group`` 4, rows feeding 6 and 22 tokens: step 1 lends row 0 the 5 it
+    needs in extra rows 0-4 (5-7 padding: its range is two whole groups), so row 1's range starts at 8, past the
+    budget (it feeds its own 1); steps 2-4 lend row 1 8, 8 and its last 2 (9, 9, 3 tokens with its own). Without
+    groups row 1 takes rows 5-7 in step 1 and is done in step 3. The host's count follows the device's (a host that
+    counted ranges without their padding would stop the extra rows one step early), and the steps after run
+    without extra rows."""
+    model = model_for("tiny-llama")
+    for group, counts in ((4, [[6, 1], [6, 10], [6, 19], [6, 22]]), (1, [[6, 4], [6, 13], [6, 22]])):
+        eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=32,
+                     feed_budget=8, feed_group=group)  # fmt: skip
+        steps: list[tuple[int, list[int]]] = []
+        step = eng._decode_step
+
+        def spy(b, sampling, max_len, extra=0, eng=eng, steps=steps, step=step):
+            step(b, sampling, max_len, extra)
+            steps.append((extra, eng.d_forced_count[:2].tolist()))
+
+        eng._decode_step = spy
+        for row, n in ((0, 6), (1, 22)):
+            eng.append(row, list(range(20, 20 + n)))
+            eng.start(row, GenerationRequest(role=row, max_new_tokens=3, seed=3))
+        while eng._pending:
+            eng.advance()
+        assert steps[: len(counts)] == [(8, c) for c in counts], group
+        assert {extra for extra, _ in steps[len(counts) :]} == {0}, group
+
+
+@pytest.mark.parametrize("group", [1, 4, 5])
+def test_a_bad_or_oversized_feed_group_is_refused_and_the_default_follows_the_kernel(monkeypatch, group):
+    from lragent.engine import _feed_group
+
+    monkeypatch.delenv("LRAGENT_FEED_GROUP", raising=False)
+    assert (_feed_group(None, False, 6), _feed_group(None, True, 6), _feed_group(None, True, 32)) == (1, 8, 4)
+    monkeypatch.setenv("LRAGENT_FEED_GROUP", str(group))
+    assert _feed_group(None, True, 6) == group and _feed_group(None, False, 6) == 1 and _feed_group(3, False, 6) == 3
+    for bad in ("0", "x", "-2"):
+        monkeypatch.setenv("LRAGENT_FEED_GROUP", bad)
+        with pytest.raises(ValueError, match=rf"LRAGENT_FEED_GROUP='{bad}': expected an int >= 1"):
+            _feed_group(None, True, 6)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"feed_group must be an int >= 1 \(1: no groups\), got {bad!r}"):
+            _feed_group(bad, True, 6)
+    with pytest.raises(ValueError, match="feed_group=22 x 6 query heads a KV head is past 128; at most 21"):
+        _feed_group(22, True, 6)
+
+
 # ---- the same, against an eager prefill ----------------------------------------------------------------------
-@pytest.mark.parametrize("budget", [0, 3, 64])
+@pytest.mark.parametrize("budget", [0, 3, 64, (64, 4)])
 @pytest.mark.parametrize("graph_semantics", [False, True])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget):
@@ -415,8 +462,10 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget)
     different roles, lengths and seeds, and leaves the same caches: a last step of every row through the eager path
     (logits asked) gives the same logits. Some fed tokens are end-of-sequence ids. A forced token written to the
     wrong slot or position, sampled from, counted as generated or checked for a stop, an extra row lent to the wrong
-    row, or a row's logits taken from another than its last token, would change one of them."""
+    row, or a row's logits taken from another than its last token, would change one of them. ``(64, 4)``: ranges in
+    whole groups of 4 extra rows (``feed_group``), with padding rows between them."""
     model = model_for("tiny-llama")
+    budget, group = budget if isinstance(budget, tuple) else (budget, 1)
     rows = 8
     schedules = [_row_schedule(300 + r) for r in range(rows)]
     # end-of-sequence ids that the fed tokens contain: a forced token must never end a turn
@@ -425,7 +474,7 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget)
     def run(fed: int) -> tuple[list, list, int]:
         # budget 3 runs the fused path (the kernels' PyTorch fallbacks here): stores of many token rows in one slot
         eng = Engine(model, scheme, rows=rows, capacity=64, eos_token_ids=eos, droidspeak_layers=[1, 2],
-                     prefill_in_decode=fed, feed_budget=budget, fuse_ops=budget == 3)  # fmt: skip
+                     prefill_in_decode=fed, feed_budget=budget, fuse_ops=budget == 3, feed_group=group)  # fmt: skip
         if graph_semantics:
             eng.cuda_graphs = True
             eng._graph_for = lambda b, sampling, extra=0: _EagerReplay(eng, b, sampling, extra)

@@ -153,6 +153,40 @@ def test_decode_on_cpu_takes_the_torch_path_and_says_so(caplog, monkeypatch):
     assert len(warnings) == 1 and "q is on cpu" in warnings[0]
 
 
+def test_grouped_rows_read_their_group_first_rows_slots_and_role():
+    """``group_rows`` T: each group of T rows reads its first row's kv_slot, lr_slot and role, every row with its own
+    query and length (a ragged last group too); when a group's rows share them it is the per-row step."""
+    x = make_decode_inputs(7, 6, 2, 40, 16, 3, torch.float64, n_slots=5, seed=8)
+    lens = torch.tensor([40, 3, 0, 17, 33, 1, 29])
+    slots, lr_slots, roles = (
+        torch.tensor([4, 0, 2, 1, 3, 2, 0]),
+        torch.tensor([1, 3, 4, 0, 2, 2, 4]),
+        torch.tensor([2, 0, 1, 1, 0, 2, 1]),
+    )
+    kw = {"kv_lens": lens, "scaling": 1.5}
+    grouped = flash_lora_decode_reference(**x, **kw, kv_slot=slots, lr_slot=lr_slots, role_ids=roles, group_rows=3)
+    first = torch.tensor([0, 0, 0, 3, 3, 3, 6])
+    per_row = naive_decode_float64(**x, **kw, kv_slot=slots[first], lr_slot=lr_slots[first], role_ids=roles[first])
+    torch.testing.assert_close(grouped.double(), per_row, rtol=1e-9, atol=1e-9)
+    assert torch.equal(grouped[2], torch.zeros_like(grouped[2]))  # a row of length 0 in a group stays zero
+    own = flash_lora_decode_reference(**x, **kw, kv_slot=slots, lr_slot=lr_slots, role_ids=roles)
+    assert (own - grouped)[1:3].abs().max() > 1e-3  # the rows past a group's first really read its slots
+    torch.testing.assert_close(grouped[[0, 3, 6]], own[[0, 3, 6]])
+
+
+@pytest.mark.parametrize("fn", [flash_lora_decode, flash_lora_decode_reference])
+def test_bad_group_rows_is_one_line_naming_it(fn):
+    x = make_decode_inputs(2, 8, 2, 12, 16, 4, torch.float16, n_slots=3)  # 4 query heads a KV head
+    lens = torch.tensor([12, 3], dtype=torch.int32)
+    for value in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match=rf"group_rows must be an int >= 1, got {value!r}$"):
+            fn(**x, kv_lens=lens, group_rows=value)
+    with pytest.raises(ValueError, match=r"group_rows=33 x 4 query heads .* = 132 queries a group; at most 128 "
+                                         r"\(group_rows <= 32\)"):  # fmt: skip
+        fn(**x, kv_lens=lens, group_rows=33)
+    assert fn(**x, kv_lens=lens, group_rows=32).shape == x["q"].shape
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: one-line ValueError naming the argument
 # ------------------------------------------------------------------------------------------------
@@ -306,6 +340,86 @@ def test_decode_kernel_under_interpreter():
         assert err <= 2 * eager_err + 1e-3, (case, err, eager_err)
     assert [r[4] for r in results][:3] == [2, 5, 33] and results[2][5] == 4  # the paths meant: merge, steps
     assert (results[-1][4], results[-1][6], results[0][6]) == (5, 32, 64)  # LoRA at >= 3 splits: 32-key tiles
+
+
+def test_plan_of_token_groups_holds_each_group_in_one_program():
+    """A group of T token rows is one program per KV head: its T·G queries padded to a power of two (at least 16),
+    all kept in the workspace, 4 warps from 64 queries (the accumulators' registers), splits filling the GPU by the
+    groups' count, not the rows'."""
+    rows = _plan(100, 2, 6, 4096, 128, 132)
+    grouped = _plan(100, 2, 6, 4096, 128, 132, tokens=8)  # 48 queries
+    assert (grouped.block_m, grouped.rows, grouped.row_blocks, grouped.num_warps, grouped.tokens) == (64, 64, 1, 4, 8)
+    assert (rows.block_m, rows.rows, rows.num_warps, rows.tokens) == (16, 8, 2, 1)
+    assert grouped.n_splits == 2 * 132 // (13 * 2) and rows.n_splits == 1  # 13 groups x 2 KV heads; 200 programs
+    small = _plan(5, 3, 3, 256, 64, 132, tokens=2)  # 6 queries: one 16-row tile, 2 warps
+    assert (small.block_m, small.rows, small.num_warps) == (16, 16, 2)
+    assert _plan(5, 3, 3, 256, 64, 132, tokens=2, num_warps=8).num_warps == 8
+
+
+_GROUP_SCRIPT = """
+import json, torch
+import kernels.flash_lora_decode as fld
+from tests.test_kernel_decode import make_decode_inputs
+res = []
+for (bsz, hq, hkv, cap, d, rank, tokens, lens, over) in CASES:
+    x = make_decode_inputs(bsz, hq, hkv, cap, d, rank, torch.float16, n_slots=bsz + 1, seed=cap)
+    gen = torch.Generator().manual_seed(bsz)
+    kw = dict(kv_lens=torch.tensor(lens, dtype=torch.int32), scaling=2.0,
+              kv_slot=torch.randint(0, bsz + 1, (bsz,), generator=gen).to(torch.int32))
+    if rank is not None:
+        kw["role_ids"] = torch.randint(0, 3, (bsz,), generator=gen)
+    if over is None:
+        out = fld.flash_lora_decode(**x, **kw, group_rows=tokens)
+        plan = fld._PLANS[(bsz, hkv, hq // hkv, cap, d, x["q"].device, rank is not None, tokens)]
+    else:
+        plan = fld._plan(bsz, hkv, hq // hkv, cap, d, 8, lora=rank is not None, tokens=tokens, **over)
+        out = torch.full_like(x["q"], float("nan"))
+        fld._launch_decode(x["q"], x["k_cache"], x["v_cache"], kw["kv_lens"], x.get("v_lr_cache"), x.get("lora_b"),
+                           2.0, kw.get("role_ids"), kw["kv_slot"], None, out, plan)
+    exact = fld.flash_lora_decode_reference(**x, **kw, group_rows=tokens).float()
+    eager = fld.flash_lora_decode_reference(**x, **kw, group_rows=tokens, upcast=False).float()
+    zero_rows = [b for b, n in enumerate(lens) if n == 0]
+    res.append([(out.float() - exact).abs().max().item(), (eager - exact).abs().max().item(),
+                bool(torch.isfinite(out).all()), all(bool((out[b] == 0).all()) for b in zero_rows), plan.n_splits])
+print(json.dumps(res))
+"""
+
+GROUP_CASES = [
+    # bsz, hq, hkv, cap, d, rank, group_rows, kv_lens, plan override (None: the public function's rule, 8 "SMs")
+    (7, 6, 2, 300, 32, 8, 4, [300, 0, 57, 12, 290, 5, 1], None),  # ragged last group, merge, a row of length 0
+    (5, 8, 2, 130, 16, 3, 3, [130, 64, 9, 100, 1], {"programs_per_sm": 8, "min_split_tiles": 1, "block_n": 16}),
+    (6, 4, 4, 90, 16, None, 2, [90, 89, 45, 0, 3, 4], None),  # plain cache, G = 1 (16-row tile of 2 queries)
+    (
+        9,
+        12,
+        2,
+        200,
+        32,
+        5,
+        8,
+        [200, 199, 198, 10, 11, 12, 13, 14, 150],  # 48 queries a group, 4 warps, 13 splits
+        {"programs_per_sm": 64, "min_split_tiles": 1, "block_n": 16},
+    ),  # fmt: skip
+    (4, 6, 2, 60, 16, 4, 4, [3, 4, 5, 6], None),  # one split: O written directly
+]
+
+
+def test_grouped_decode_kernel_under_interpreter():
+    """The kernel's token groups (T·G queries a program, each masked to its own length, the group's first row's
+    slots and role) against the reference with the same groups: merged splits, one split, ragged last group, idle
+    rows, plain and LoRA caches."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    script = f"CASES = {GROUP_CASES!r}\n" + _GROUP_SCRIPT
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(GROUP_CASES)
+    for case, (err, eager_err, finite, zero_rows_zero, _) in zip(GROUP_CASES, results, strict=True):
+        assert finite and zero_rows_zero, case
+        assert err <= 2 * eager_err + 1e-3, (case, err, eager_err)
+    assert [r[4] for r in results] == [2, 9, 1, 13, 1]  # the paths meant: merges of several splits, and one split
 
 
 def test_plan_overrides_from_the_environment(monkeypatch):

@@ -39,9 +39,9 @@ def mixed_rows(bsz: int, cap: int, n_roles: int, seed: int) -> dict:
     }
 
 
-def check(x: dict, rows: dict, scaling: float = 2.0) -> tuple[float, float]:
+def check(x: dict, rows: dict, scaling: float = 2.0, group_rows: int = 1) -> tuple[float, float]:
     """Kernel vs fp32 reference, next to eager-at-same-precision vs fp32 reference; idle rows must be zero."""
-    kw = {**rows, "scaling": scaling}
+    kw = {**rows, "scaling": scaling, "group_rows": group_rows}
     out = torch.full_like(x["q"], float("nan"))  # poisoned: every element must be written
     res = flash_lora_decode(**x, **kw, out=out)
     exact = flash_lora_decode_reference(**x, **kw).float()
@@ -83,6 +83,68 @@ def test_decode_llama_shapes_at_batch(bsz):
     """LLaMA-3.1-8B layout (32 q heads, 8 KV heads, D 128, r 8) at the batch sizes the engine buckets."""
     x = make_decode_inputs(bsz, 32, 8, 4096, 128, 8, torch.bfloat16, n_slots=bsz + 2, device="cuda", seed=bsz)
     check(x, mixed_rows(bsz, 4096, 3, seed=bsz))
+
+
+def fed_groups(bsz: int, tokens: int, cap: int, n_roles: int, seed: int) -> dict:
+    """Token groups as an engine's fed rows make them: each group of ``tokens`` rows a sequence's consecutive
+    positions in its own slot and role (a random depth, lengths 1 … capacity), some padding rows of length 0 and
+    another slot at a group's end, a ragged last group."""
+    gen = torch.Generator().manual_seed(seed)
+    n_groups = -(-bsz // tokens)
+    slots = torch.randperm(n_groups + 2, generator=gen)[:n_groups]
+    depth = torch.randint(0, cap - tokens + 1, (n_groups,), generator=gen)
+    depth[:2] = torch.tensor([0, cap - tokens])[: min(2, n_groups)]
+    row = torch.arange(bsz)
+    lens = depth[row // tokens] + row % tokens + 1
+    pad = (row % tokens == tokens - 1) & (row // tokens % 3 == 1)  # every third group's last row is padding
+    lens[pad] = 0
+    kv_slot = torch.where(pad, n_groups + 1, slots[row // tokens])
+    return {
+        "kv_lens": lens.to(device="cuda", dtype=torch.int32),
+        "role_ids": torch.randint(0, n_roles, (n_groups,), generator=gen)[row // tokens].cuda(),
+        "kv_slot": kv_slot.to(device="cuda", dtype=torch.int32),
+        "lr_slot": kv_slot.flip(0).to(device="cuda", dtype=torch.int32),
+    }
+
+
+@pytest.mark.parametrize(
+    "heads, tokens, bsz", [((12, 2), 8, 2048), ((12, 2), 16, 300), ((32, 8), 8, 100), ((9, 3), 8, 203), ((8, 8), 2, 7)]
+)
+def test_grouped_decode_matches_reference(heads, tokens, bsz):
+    """Fed token rows in groups (``group_rows``): Qwen2.5-1.5B's heads (12, 2) at 2,048 rows in groups of 8 and 300
+    in groups of 16 (96 queries a program), LLaMA-8B's, SmolLM2's and one query head a KV head (a 16-query tile of
+    2 rows), bf16 and fp16 at a 4k cache; idle and padding rows, ragged last groups."""
+    hq, hkv = heads
+    for dtype in (torch.bfloat16, torch.float16):
+        x = make_decode_inputs(bsz, hq, hkv, 4096, 128, 8, dtype, n_slots=-(-bsz // tokens) + 2, device="cuda")
+        check(x, fed_groups(bsz, tokens, 4096, 3, seed=bsz), group_rows=tokens)
+
+
+def test_grouped_decode_graph_replays_at_new_lengths():
+    """A grouped step captured once at capacity replays at other depths and roles, as the engine's fed step does."""
+    bsz, tokens, cap = 96, 8, 2048
+    x = make_decode_inputs(bsz, 12, 2, cap, 128, 8, torch.bfloat16, n_slots=14, device="cuda", seed=6)
+    rows = fed_groups(bsz, tokens, cap, 3, seed=1)
+    out = torch.empty_like(x["q"])
+    step = lambda: flash_lora_decode(**x, **rows, scaling=2.0, out=out, group_rows=tokens)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (2, 3, 4):
+        for name, value in fed_groups(bsz, tokens, cap, 3, seed=seed).items():
+            rows[name].copy_(value)
+        out.fill_(float("nan"))
+        graph.replay()
+        exact = flash_lora_decode_reference(**x, **rows, scaling=2.0, group_rows=tokens).float()
+        eager = flash_lora_decode_reference(**x, **rows, scaling=2.0, group_rows=tokens, upcast=False).float()
+        assert torch.isfinite(out).all()
+        err, eager_err = (out.float() - exact).abs().max().item(), (eager - exact).abs().max().item()
+        assert err <= 2 * eager_err + ATOL, (seed, err, eager_err)
 
 
 def test_decode_graph_captured_once_replays_at_three_lengths():
