@@ -332,7 +332,7 @@ def _plan(
     the defaults). Splits fill ``programs_per_sm`` programs per SM without starting a second wave; ``lora`` (the
     kernel accumulates ``p · V_lr`` too) takes 32-key tiles where 64-key ones would split a row
     :data:`_SMALL_TILE_SPLITS` ways or more. ``tokens`` > 1: one program per group of that many token rows
-    (``tokens · group`` queries, at most :data:`_MAX_GROUP_QUERIES`), 4 warps from 64 queries up."""
+    (``tokens · group`` queries, at most :data:`_MAX_GROUP_QUERIES`), 4 warps from 64 queries up, 8 from 128."""
     if tokens > 1:
         block_m = max(16, _next_pow2(tokens * group))
         rows, row_blocks = block_m, 1
@@ -343,7 +343,7 @@ def _plan(
         row_blocks = -(-group // block_m)
         base = bsz * hkv * row_blocks
     if num_warps is None:
-        num_warps = 4 if block_m >= 64 and tokens > 1 else 2
+        num_warps = (8 if block_m >= 128 else 4 if block_m >= 64 else 2) if tokens > 1 else 2
 
     def splits(tile: int) -> int:
         return max(1, min(programs_per_sm * sms // base, -(-capacity // (min_split_tiles * tile)), _MAX_SPLITS))

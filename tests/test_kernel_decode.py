@@ -354,6 +354,8 @@ def test_plan_of_token_groups_holds_each_group_in_one_program():
     small = _plan(5, 3, 3, 256, 64, 132, tokens=2)  # 6 queries: one 16-row tile, 2 warps
     assert (small.block_m, small.rows, small.num_warps) == (16, 16, 2)
     assert _plan(5, 3, 3, 256, 64, 132, tokens=2, num_warps=8).num_warps == 8
+    wide = _plan(300, 2, 6, 4096, 128, 132, tokens=16)  # 96 queries: a 128-row tile, 8 warps
+    assert (wide.block_m, wide.num_warps) == (128, 8)
 
 
 _GROUP_SCRIPT = """
