@@ -205,12 +205,14 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 FEED_GROUP_ENV = "LRAGENT_FEED_GROUP"
-_FEED_GROUP_DEFAULT = 8  # token rows a group: 8 fed tokens of a row read each K/V tile once instead of 8 times
+# token rows a group by default: 1, no groups. Groups of 8 cut the device wait of the throughput job by 10% on an H100
+# but their kernels' compilation cost more than that (results/eval_throughput/README.md, "Fed tokens in groups")
+_FEED_GROUP_DEFAULT = 1
 _MAX_GROUP_QUERIES = 128  # kernels.flash_lora_decode's bound on a group's query heads
 
 
 def _feed_group(value: int | None, kernel: bool, heads: int) -> int:
-    """The engine's ``feed_group``: ``value``, or where the decode kernel runs ``LRAGENT_FEED_GROUP`` (default 8),
+    """The engine's ``feed_group``: ``value``, or where the decode kernel runs ``LRAGENT_FEED_GROUP`` (default 1),
     lowered to fit the kernel's bound on a group's query heads (``heads`` query heads a KV head each); 1 elsewhere
     (the torch path gains nothing).
 
@@ -292,7 +294,7 @@ class Engine:
             that the decode kernel runs the extra rows in groups of ``feed_group`` token rows of one row each, whose
             queries share every K/V tile (``flash_lora_decode(group_rows=...)``) instead of each fed token reading
             its row's whole cache again; a range's last group may hold padding rows (no token). Default: where the
-            decode kernel runs, ``LRAGENT_FEED_GROUP`` or 8 (at most 128 query heads a group), else 1 (no padding).
+            decode kernel runs, ``LRAGENT_FEED_GROUP`` or 1 (at most 128 query heads a group), else 1 (no groups).
     """
 
     def __init__(
