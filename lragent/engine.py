@@ -236,6 +236,29 @@ def _feed_group(value: int | None, kernel: bool, heads: int) -> int:
     return value
 
 
+FEED_WIDTHS_ENV = "LRAGENT_FEED_WIDTHS"
+
+
+def feed_step_widths(budget: int, group: int, count: int | None = None) -> tuple[int, ...]:
+    """The extra-row widths a feeding step may take, narrowest first: ``budget`` and its ``count - 1`` halvings, each
+    rounded up to a multiple of ``group`` (at most the budget; duplicates dropped); ``()`` without a budget.
+    ``count`` None reads ``LRAGENT_FEED_WIDTHS`` (default 1).
+
+    Raises:
+        ValueError: a count (or the variable) that is not an int >= 1, naming it.
+    """
+    if count is None:
+        raw = os.environ.get(FEED_WIDTHS_ENV, "").strip()
+        if raw and not (raw.isdigit() and int(raw) >= 1):
+            raise ValueError(f"{FEED_WIDTHS_ENV}={raw!r}: expected an int >= 1 (widths a feeding step may take)")
+        count = int(raw) if raw else 1
+    elif isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"feed_widths must be an int >= 1 (1: the budget at every feeding step), got {count!r}")
+    if not budget:
+        return ()
+    return tuple(sorted({min(budget, max(group, -(-(budget >> k) // group) * group)) for k in range(count)}))
+
+
 def _own_workspaces(method: Callable) -> Callable:
     """Runs an engine method that launches the model's kernels with the engine's own split-K workspaces
     (:func:`kernels.split_workspace.workspace_owner`): engines on different CUDA streams never share partials or
@@ -295,6 +318,12 @@ class Engine:
             queries share every K/V tile (``flash_lora_decode(group_rows=...)``) instead of each fed token reading
             its row's whole cache again; a range's last group may hold padding rows (no token). Default: where the
             decode kernel runs, ``LRAGENT_FEED_GROUP`` or 1 (at most 128 query heads a group), else 1 (no groups).
+        feed_widths: with ``feed_budget``, how many widths a feeding step may take: the budget and its halvings
+            (each a multiple of ``feed_group``). A round of steps takes the narrowest that holds what the rows have
+            left to feed beyond their own token (0 extra rows when that is nothing), so that a step whose rows feed a
+            few tokens does not run the whole budget's rows through the model; each width is one more CUDA graph per
+            batch bucket. Default ``LRAGENT_FEED_WIDTHS`` or 1 (the budget at every feeding step). Batch-invariant
+            engines keep the one width.
     """
 
     def __init__(
@@ -317,6 +346,7 @@ class Engine:
         batch_invariant: bool = False,
         feed_budget: int = 0,
         feed_group: int | None = None,
+        feed_widths: int | None = None,
     ) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -349,6 +379,7 @@ class Engine:
         self.feed_group = _feed_group(
             feed_group, gpu_ok, getattr(self.dec, "n_heads", 1) // getattr(self.dec, "n_kv_heads", 1)
         )
+        self.feed_widths = feed_step_widths(self.feed_budget, self.feed_group, feed_widths)
         self.dec.fuse_lora = self.fuse_lora
         if self.fuse_ops:
             from lragent.fused_weights import fuse_base_weights
@@ -832,10 +863,22 @@ class Engine:
 
     def _extra(self) -> int:
         """Extra token rows in the next steps: ``feed_budget`` while some row has tokens to feed (always, when
-        batch-invariant: one width for every step), else 0."""
-        if self.feed_budget and (self.batch_invariant or any(p.forced_left for p in self._pending.values())):
+        batch-invariant: one width for every step), else 0. With several ``feed_widths``, the narrowest that holds
+        every feeding row's range (0 when no row has more than its own token left)."""
+        if not self.feed_budget:
+            return 0
+        if self.batch_invariant:
             return self.feed_budget
-        return 0
+        left = [p.forced_left for p in self._pending.values() if p.forced_left]
+        if not left:
+            return 0
+        if len(self.feed_widths) == 1:
+            return self.feed_budget
+        size = self.feed_group
+        need = sum(-(-(n - 1) // size) * size for n in left)  # the rows' ranges, in whole groups
+        if need == 0:
+            return 0
+        return next((w for w in self.feed_widths if w >= need), self.feed_budget)
 
     def _feed_on_host(self, extra: int, steps: int) -> int:
         """Advances every pending row's ``forced_left`` by ``steps`` steps as the device does (one token per feeding

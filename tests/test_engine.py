@@ -452,8 +452,53 @@ def test_a_bad_or_oversized_feed_group_is_refused_and_the_default_follows_the_ke
         _feed_group(22, True, 6)
 
 
+def test_feed_step_widths_are_the_budget_and_its_halvings_in_whole_groups(monkeypatch):
+    from lragent.engine import feed_step_widths
+
+    monkeypatch.delenv("LRAGENT_FEED_WIDTHS", raising=False)
+    assert feed_step_widths(2048, 1) == (2048,) and feed_step_widths(0, 1, 4) == ()
+    assert feed_step_widths(2048, 1, 4) == (256, 512, 1024, 2048)
+    assert feed_step_widths(20, 8, 3) == (8, 16, 20)  # 5 and 10 rounded up to whole groups; the budget stays
+    assert feed_step_widths(6, 4, 5) == (4, 6)
+    monkeypatch.setenv("LRAGENT_FEED_WIDTHS", "3")
+    assert feed_step_widths(64, 1) == (16, 32, 64) and feed_step_widths(64, 1, 2) == (32, 64)
+    for bad in ("0", "two"):
+        monkeypatch.setenv("LRAGENT_FEED_WIDTHS", bad)
+        with pytest.raises(ValueError, match=rf"LRAGENT_FEED_WIDTHS='{bad}': expected an int >= 1"):
+            feed_step_widths(64, 1)
+    for bad in (0, False, 1.0):
+        with pytest.raises(ValueError, match=rf"feed_widths must be an int >= 1 .*got {bad!r}"):
+            feed_step_widths(64, 1, bad)
+
+
+def test_a_feeding_round_takes_the_narrowest_width_that_holds_what_is_left():
+    """``feed_budget`` 8 in widths 4 and 8 (``feed_widths`` 2), rows feeding 10 and 6 tokens: 9 + 5 tokens beyond
+    their own are left, more than 8, so step 1 runs 8 extra rows (all lent to row 0); then 0 + 4 are left: step 2
+    runs 4 (row 1's); then nothing is left beyond the rows' own tokens and the steps run without extra rows. With
+    one width every feeding step runs 8. The host's count follows the device's with the widths changing."""
+    model = model_for("tiny-llama")
+    for widths, want in ((2, [(8, [9, 1]), (4, [10, 6])]), (1, [(8, [9, 1]), (8, [10, 6])])):
+        eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16,
+                     feed_budget=8, feed_widths=widths)  # fmt: skip
+        steps: list[tuple[int, list[int]]] = []
+        step = eng._decode_step
+
+        def spy(b, sampling, max_len, extra=0, eng=eng, steps=steps, step=step):
+            step(b, sampling, max_len, extra)
+            steps.append((extra, eng.d_forced_count[:2].tolist()))
+
+        eng._decode_step = spy
+        for row, n in ((0, 10), (1, 6)):
+            eng.append(row, list(range(20, 20 + n)))
+            eng.start(row, GenerationRequest(role=row, max_new_tokens=3, seed=3))
+        while eng._pending:
+            eng.advance()
+        assert steps[:2] == want, widths
+        assert {extra for extra, _ in steps[2:]} == {0}, widths
+
+
 # ---- the same, against an eager prefill ----------------------------------------------------------------------
-@pytest.mark.parametrize("budget", [0, 3, 64, (64, 4)])
+@pytest.mark.parametrize("budget", [0, 3, 64, (64, 4, 1), (24, 2, 3)])
 @pytest.mark.parametrize("graph_semantics", [False, True])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget):
@@ -463,10 +508,11 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget)
     different roles, lengths and seeds, and leaves the same caches: a last step of every row through the eager path
     (logits asked) gives the same logits. Some fed tokens are end-of-sequence ids. A forced token written to the
     wrong slot or position, sampled from, counted as generated or checked for a stop, an extra row lent to the wrong
-    row, or a row's logits taken from another than its last token, would change one of them. ``(64, 4)``: ranges in
-    whole groups of 4 extra rows (``feed_group``), with padding rows between them."""
+    row, or a row's logits taken from another than its last token, would change one of them. ``(64, 4, 1)``: ranges
+    in whole groups of 4 extra rows (``feed_group``), with padding rows between them; ``(24, 2, 3)``: steps of 6, 12
+    or 24 extra rows in groups of 2 (``feed_widths``), as the rows' needs change."""
     model = model_for("tiny-llama")
-    budget, group = budget if isinstance(budget, tuple) else (budget, 1)
+    budget, group, widths = budget if isinstance(budget, tuple) else (budget, 1, 1)
     rows = 8
     schedules = [_row_schedule(300 + r) for r in range(rows)]
     # end-of-sequence ids that the fed tokens contain: a forced token must never end a turn
@@ -475,7 +521,8 @@ def test_prefill_in_decode_equals_eager_prefill(scheme, graph_semantics, budget)
     def run(fed: int) -> tuple[list, list, int]:
         # budget 3 runs the fused path (the kernels' PyTorch fallbacks here): stores of many token rows in one slot
         eng = Engine(model, scheme, rows=rows, capacity=64, eos_token_ids=eos, droidspeak_layers=[1, 2],
-                     prefill_in_decode=fed, feed_budget=budget, fuse_ops=budget == 3, feed_group=group)  # fmt: skip
+                     prefill_in_decode=fed, feed_budget=budget, fuse_ops=budget == 3, feed_group=group,
+                     feed_widths=widths)  # fmt: skip
         if graph_semantics:
             eng.cuda_graphs = True
             eng._graph_for = lambda b, sampling, extra=0: _EagerReplay(eng, b, sampling, extra)

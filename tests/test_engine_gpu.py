@@ -250,16 +250,17 @@ def test_prefill_in_decode_in_graphs_equals_eager_prefill(scheme, budget):
         assert (a - b).abs().max() <= 1e-3, (scheme, float((a - b).abs().max()))
 
 
-@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("group, widths", [(1, 1), (8, 1), (1, 3)])
 @pytest.mark.parametrize("scheme", ["non_shared", "base_lr_shared", "full_shared"])
-def test_extra_fed_rows_through_the_kernels_match_one_token_feeding(scheme, group):
+def test_extra_fed_rows_through_the_kernels_match_one_token_feeding(scheme, group, widths):
     """bf16 with the fused kernels and CUDA graphs (the eval's GPU path): feeding through 24 extra token rows per step
     (too few for all eight rows at once: lent in turn) leaves the caches that feeding one token per row per step
     leaves, for eight rows with fed lengths 5 … 40 and different roles. Checked by a last eager step of every row
     (logits asked) on top of each engine's caches, and by the greedy tokens, which may part only at a bf16 near-tie.
     Fed K/V stored at wrong positions or slots, attended past their token (not causal), or a row's logits taken from
     another token, would move the logits by far more. ``group`` 8: the extra rows lent in whole groups of 8, which
-    the decode kernel runs as token groups (``feed_group``)."""
+    the decode kernel runs as token groups (``feed_group``); ``widths`` 3: rounds of 6, 12 or 24 extra rows, each
+    width its own captured graph (``feed_widths``)."""
     from lragent.lora_model import MultiLoraModel
     from lragent.models import load_model
     from lragent.multi_lora import MultiLoraConfig
@@ -272,7 +273,7 @@ def test_extra_fed_rows_through_the_kernels_match_one_token_feeding(scheme, grou
 
     def run(budget: int) -> tuple[list, list, list]:
         eng = Engine(model, scheme, rows=rows, capacity=512, eos_token_ids=[], cuda_graphs=True, prefill_in_decode=64,
-                     feed_budget=budget, feed_group=group)  # fmt: skip
+                     feed_budget=budget, feed_group=group, feed_widths=widths)  # fmt: skip
         assert eng.fuse_ops  # the fused kernels' path
 
         def launch(r: int, k: int) -> None:
