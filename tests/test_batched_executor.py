@@ -229,7 +229,8 @@ def test_one_scheme_at_a_time_holds_one_engine_at_a_time(monkeypatch) -> None:
 
 def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_path, monkeypatch) -> None:
     """``LRAGENT_EVAL_PROFILE=DIR:FIRST:COUNT``: the executor's run creates DIR and writes one
-    ``eval_profile_<pid>.txt`` whose header names the decode calls from FIRST to at least FIRST + COUNT."""
+    ``eval_profile_<pid>.txt`` whose header names the decode calls from FIRST to at least FIRST + COUNT, with the
+    Python profile of the same calls (the engine's functions in it)."""
     import os
     import re
 
@@ -246,6 +247,8 @@ def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_pa
     text = (folder / f"eval_profile_{os.getpid()}.txt").read_text()
     start, end = map(int, re.match(r"decode calls (\d+)\.\.(\d+), wall \d+\.\d{3} s\n\n", text).groups())
     assert start >= 1 and end >= start + 3 and "Name" in text
+    py = text.split("Python, this thread, by cumulative time:\n", 1)[1]  # the host's own profile, same calls
+    assert "cumulative" in py and "engine.py" in py
 
 
 def test_the_sequential_executor_skips_only_the_tasks_another_process_claimed() -> None:

@@ -372,7 +372,8 @@ class BatchedExecutor:
 
 class _StepProfiler:
     """:data:`PROFILE_ENV`'s recorder: starts torch's profiler at decode call ``first`` and writes its table after
-    ``count`` calls."""
+    ``count`` calls, with Python's own profile of the calling thread over the same calls (the functions by their
+    cumulative time: where the host's seconds go between the device's kernels)."""
 
     def __init__(self, folder: str, first: int = 300, count: int = 100, name: str = "eval") -> None:
         self.folder, self.first, self.count, self.name = folder, first, count, name
@@ -400,20 +401,30 @@ class _StepProfiler:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self._prof = profile(activities=acts)
             self._prof.__enter__()
+            import cProfile
+
+            self._py = cProfile.Profile()
+            self._py.enable()
             self._start = (calls, time.perf_counter())
         elif self._prof is not None and calls >= self._start[0] + self.count:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self._start[1]
+            self._py.disable()
             self._prof.__exit__(None, None, None)
+            import io
             import os
+            import pstats
             from pathlib import Path
 
             table = self._prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
             cpu = self._prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            py = io.StringIO()
+            pstats.Stats(self._py, stream=py).sort_stats("cumulative").print_stats(45)
             path = Path(self.folder) / f"{self.name}_profile_{os.getpid()}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(f"decode calls {self._start[0]}..{calls}, wall {wall:.3f} s\n\n{table}\n\n{cpu}\n")
+            text = f"decode calls {self._start[0]}..{calls}, wall {wall:.3f} s\n\n{table}\n\n{cpu}\n"
+            path.write_text(f"{text}\nPython, this thread, by cumulative time:\n{py.getvalue()}\n")
             self._done = True
 
 
