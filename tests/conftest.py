@@ -31,6 +31,17 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+# Under mutmut (its fork server imports this file once, then forks a process per mutant) tqdm's bars lock only their
+# own process. By default tqdm makes one multiprocessing lock that every later fork shares: a mutant stopped at its
+# time limit while holding it (a mutated loop updating a bar) would leave it held, and every later mutant that makes a
+# bar would hang until its own limit, counted as a timeout, that is as caught.
+if "mutmut" in sys.modules:
+    from tqdm import std as _tqdm_std
+
+    _tqdm_std.TqdmDefaultWriteLock.mp_lock = None  # no cross-process lock: the thread lock only
+    _tqdm_std.tqdm.set_lock(_tqdm_std.TqdmDefaultWriteLock())
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")

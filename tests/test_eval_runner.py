@@ -325,7 +325,7 @@ def test_cli_errors_and_merge(tmp_path, capsys, reference):
     assert written.pop("provenance")["command"]
     assert written == json.loads(json.dumps(ref_summary))
     out = capsys.readouterr().out
-    assert re.search(r"non_shared: em \d+\.\d ± \d+\.\d OOF", out)
+    assert re.search(r"^non_shared: em \d+\.\d ± \d+\.\d OOF", out, re.M)  # one benchmark: no name before the row
     # several directories as a list; the second copy of every record is a duplicate and is dropped
     assert run("--merge", f"[{ref_dir},{ref_dir}]", "--out", str(tmp_path / "m2")) == 0
     twice = json.loads((tmp_path / "m2" / "summary.json").read_text())
@@ -398,6 +398,11 @@ def test_constrained_rows_are_their_own_rows(tmp_path):
         constraints=("action_type", "answer"), temperature=0.9, top_p=0.75,
     )  # fmt: skip
     assert {r["row"] for r in cons} == {"full_shared+constrained"}
+    _, again = _run(
+        tmp_path / "cons", qs, runs=1, schemes=["full_shared"], benchmark="scienceqa",
+        constraints=("action_type", "answer"), temperature=0.9, top_p=0.75,
+    )  # fmt: skip
+    assert again.calls == 0  # resumed: the log's episodes are found under their row's name, not the scheme's
     assert all(
         r["protocol"] == {"temperature": 0.9, "top_p": 0.75, "constraints": ["action_type", "answer"], "sampler": 2}
         for r in cons
@@ -480,13 +485,14 @@ def test_progress_bar_counts_the_whole_grid(tmp_path, questions, monkeypatch):
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
     out = tmp_path / "bar"
-    _run(out, questions, max_episodes=5, progress=True)
+    done, _ = _run(out, questions, max_episodes=10, progress=True)
     records, _ = _run(out, questions, progress=True)
     first, second = bars
     assert first.total == second.total == 9 * 2 * 2  # questions x runs x rows
-    assert (first.n, second.n) == (5, 36) and second.n - 31 == 5  # the resume starts at the 5 done
+    assert (first.n, second.n) == (10, 36) and second.n - 26 == 10  # the resume starts at the 10 done
+    assert first.postfix == {"oof": f"{sum(r['oof'] for r in done)}/10"} != {"oof": "0/10"}
     oof = sum(r["oof"] for r in records)
-    assert second.postfix == {"oof": f"{oof}/36"}
+    assert second.postfix == {"oof": f"{oof}/36"}  # the logged episodes' OOF counted too
 
 
 def test_second_eval_on_the_same_out_is_refused(tmp_path, capsys):
@@ -1114,6 +1120,7 @@ def test_the_plan_holds_the_checked_arguments(tmp_path, capsys):
         ({"adapter_init": "zero", "scheme": "base_shared"}, "--adapter_init zero is the untrained row"),
         ({"devices": 2, "work_queue": "q"}, "give --devices or --work_queue, not both"),
         ({"devices": 5}, "--devices 5: 4 question(s) to split over 5 shards (--limit, --levels); allowed at most 4"),
+        ({"devices": 2, "limit": 1}, "--devices 2: 1 question(s) to split over 2 shards"),
         ({"shard": "4/5"}, "--shard 4/5: 4 question(s) to split over 5 shards"),
         ({"constrain": "answer_text"}, "answer_text"),
     ],
@@ -1141,6 +1148,29 @@ def test_a_work_queue_that_is_a_file_and_a_missing_default_adapter_set_are_refus
     assert "--limit without --scheme runs base_lr_shared only" in err
     run_eval.check_eval_args(_call(tmp_path, adapter_init=None), notes=False)
     assert "--limit without --scheme" not in capsys.readouterr().err  # said once, by the first benchmark
+
+
+def test_the_default_adapters_follow_the_model_and_the_model_check_gets_the_adapter_options(
+    tmp_path, monkeypatch, capsys
+):
+    """Without --adapters the accuracy model's default is its own qwen_ set; the model check gets the command's model,
+    adapters and adapter init as given; check_eval_args says what a default chose unless told not to."""
+    checked = []
+    monkeypatch.setattr(run_eval, "check_model_args", lambda **kw: checked.append(kw))
+    monkeypatch.setattr(run_eval, "DATA_DIR", tmp_path)
+    qwen = tmp_path / "adapters" / "qwen_hotpotqa_sharedA"
+    qwen.mkdir(parents=True)
+    plan = run_eval.check_eval_args(_call(tmp_path, adapter_init=None, model="Qwen2.5-Coder-1.5B"))
+    assert plan.adapters == str(qwen)
+    assert [(c["model"], c["adapters"], c["adapter_init"]) for c in checked] == [
+        ("Qwen2.5-Coder-1.5B", str(qwen), None)
+    ]
+    err = capsys.readouterr().err
+    assert f"eval: using the trained shared-A adapters {qwen} (no --adapters given)" in err
+    assert "eval: --limit without --scheme runs base_lr_shared only" in err  # the default: notes
+    run_eval.check_eval_args(_call(tmp_path, adapter_init="zero"), notes=False)
+    assert (checked[-1]["model"], checked[-1]["adapters"], checked[-1]["adapter_init"]) == ("default", None, "zero")
+    assert capsys.readouterr().err == ""
 
 
 def test_check_out_and_merge_refuse_in_one_line(tmp_path):
@@ -1495,6 +1525,31 @@ def test_fan_out_gives_each_shard_the_options_that_differ_merges_them_and_record
 
     assert command._INTERRUPT_NOTE == [f"the shards' finished episodes are in {out}/shard_*/{EPISODES_FILE}; rerun "
                                        "the same command to resume"]  # fmt: skip
+
+
+def test_launch_json_parts_the_launchers_time_into_start_shards_and_merge(tmp_path, monkeypatch):
+    """launch.json: the shards' walls count from their start, the merge from the last shard's end, so the launch, the
+    longest wall and the merge add up to no more than the launcher's own time (the shards here run 0.3 s)."""
+    import subprocess
+    import time
+
+    records, _ = _run(tmp_path / "one", load_questions("hotpotqa", limit=2), runs=1, schemes=["full_shared"])
+
+    def spawn(n, out_dir, args, gpus, device, env, benchmarks=()):
+        for i in range(n):
+            (out_dir / f"shard_{i}").mkdir(parents=True)
+            (out_dir / f"shard_{i}" / EPISODES_FILE).write_text("".join(json.dumps(r) + "\n" for r in records[i::n]))
+        logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
+        return [subprocess.Popen(["sleep", "0.3"]) for _ in range(n)], logs, []
+
+    monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    t0 = time.perf_counter()
+    assert run_eval.fan_out(_call(tmp_path, quiet=True), 2, tmp_path / "o", total=2) == 0
+    elapsed = time.perf_counter() - t0
+    launch = json.loads((tmp_path / "o" / "launch.json").read_text())
+    walls = launch["shard_wall_s"]
+    assert min(walls) > 0.2 and launch["merge_s"] >= 0 and launch["launch_s"] >= 0
+    assert launch["launch_s"] + max(walls) + launch["merge_s"] <= elapsed
 
 
 def test_fan_out_of_several_benchmarks_merges_each_into_its_folder(tmp_path, monkeypatch, capsys):
@@ -1935,6 +1990,24 @@ def test_droidspeak_layers_reach_the_plan_and_the_policies(tmp_path, monkeypatch
                              droidspeak_config=str(tmp_path / "d.json")) == 0  # fmt: skip
     assert seen["factory"][0][2]["droidspeak_layers"] == [0, 1]
     assert json.loads((tmp_path / "o" / "run_config.json").read_text())["droidspeak_layers"] == [0, 1]
+    from eval_suite.evaluate import batched_executor
+
+    sized, built = [], []
+    monkeypatch.setattr(run_eval, "choose_batch", lambda *a, **kw: sized.append((a[2], kw["droidspeak_layers"])) or 1)
+
+    class Recorder(SequentialExecutor):
+        def __init__(self, lm, tokenizer, **kw):
+            built.append(kw["droidspeak_layers"])
+            super().__init__(Factory(qs))
+
+        def reserve(self, scheme, n):
+            pass
+
+    monkeypatch.setattr(batched_executor, "BatchedExecutor", Recorder)
+    assert run_eval.evaluate(benchmark="hotpotqa", scheme="droidspeak", limit=1, runs=1, adapter_init="random",
+                             device="cpu", quiet=True, out=str(tmp_path / "b"), batch="auto",
+                             droidspeak_config=str(tmp_path / "d.json")) == 0  # fmt: skip
+    assert sized == [(1, [0, 1]), ("auto", [0, 1])] and built == [[0, 1]]  # the batch is sized with the layers
 
 
 def test_the_policy_factory_opens_a_session_of_the_tasks_scheme_with_the_commands_options(monkeypatch):
@@ -2027,6 +2100,41 @@ def test_without_a_toolbox_the_benchmarks_own_searches_the_questions_split(tmp_p
         progress=True,
     )
     assert again == records and "eval hotpotqa" not in capsys.readouterr().err  # nothing to run: no bar
+
+
+def test_the_episodes_get_the_given_toolbox_or_the_benchmarks_own_built_only_for_episodes_to_run(
+    tmp_path, monkeypatch, capsys
+):
+    """A given toolbox factory makes every episode's tools (the benchmark's index is not built); without one the
+    benchmark's is built once over the questions' own splits, and not at all when nothing is left to run. By default
+    run_episodes seeds from base 0 and shows its bar."""
+    from eval_suite.evaluate.benchmarks import Benchmark
+
+    qs = load_questions("hotpotqa", limit=2, splits=("test",))
+    built, real = [], Benchmark.toolbox_factory
+
+    def spy(self, *args, splits=None, **kw):
+        built.append(splits)
+        return real(self, *args, splits=splits, **kw)
+
+    monkeypatch.setattr(Benchmark, "toolbox_factory", spy)
+    made = []
+
+    def tools(q):
+        made.append(q.qid)
+        return _tools(q)
+
+    kw = dict(benchmark="hotpotqa", adapters="init:random", agent_config=CONFIG)
+    given = run_episodes(qs, ["non_shared"], 1, SequentialExecutor(Factory(qs)), tmp_path / "g", **kw,
+                         toolbox_factory=tools)  # fmt: skip
+    assert made == [q.qid for q in qs] and built == []
+    assert [r["seed"] for r in given] == [run_eval.episode_seed(0, 0, q.qid) for q in qs]
+    err = capsys.readouterr().err
+    assert "eval hotpotqa: 100%" in err and "2/2" in err
+    run_episodes(qs, ["non_shared"], 1, SequentialExecutor(Factory(qs)), tmp_path / "o", **kw)
+    assert built == [["test"]]
+    run_episodes(qs, ["non_shared"], 1, SequentialExecutor(Factory(qs)), tmp_path / "o", **kw)
+    assert built == [["test"]]  # nothing to run: no index built
 
 
 def test_a_served_eval_loads_nothing_sizes_nothing_and_takes_its_bound_from_the_server(tmp_path, monkeypatch):

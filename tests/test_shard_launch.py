@@ -143,9 +143,11 @@ def test_the_launchers_bar_counts_finished_lines_of_every_shard_log(tmp_path):
     bar.close()
 
 
-def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, monkeypatch, capsys):
-    """eval --devices N: when one shard fails, the merge cannot run, so the launcher stops the others at once (their
-    finished episodes stay in their logs) and names the failure by the last line of the shard's log."""
+@pytest.mark.parametrize("status", [2, 1])  # a refusal in one line; an uncaught exception
+def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(status, tmp_path, monkeypatch, capsys):
+    """eval --devices N: when one shard fails, whatever its exit status, the merge cannot run, so the launcher stops
+    the others at once (their finished episodes stay in their logs) and names the failure by the last line of the
+    shard's log."""
     import inspect
     import time
 
@@ -156,12 +158,23 @@ def test_a_failed_shard_stops_the_others_and_is_named_by_its_error(tmp_path, mon
     def spawn(n, out_dir, args, gpus, device, env, benchmarks=()):
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = [open(out_dir / f"shard_{i}.log", "w") for i in range(n)]  # noqa: SIM115
-        fail = "import sys, time; time.sleep(0.5); print('error: out of memory on the GPU'); sys.exit(2)"
+        fail = f"import sys, time; time.sleep(0.5); print('error: out of memory on the GPU'); sys.exit({status})"
         codes = [fail] + ["import time; time.sleep(120)"] * (n - 1)
         started.extend(subprocess.Popen([sys.executable, "-c", c], stdout=logs[i]) for i, c in enumerate(codes))
         return list(started), logs, []
 
+    real_sleep, polls = run_eval.time.sleep, []
+
+    def poll_wait(seconds):  # the failure ends after 0.5 s: a launcher still polling after 10 s did not stop the rest
+        polls.append(seconds)
+        if len(polls) > 100:
+            for proc in started:
+                proc.kill()
+            raise AssertionError("fan_out kept waiting for the shards it should have stopped")
+        real_sleep(seconds)
+
     monkeypatch.setattr(run_eval, "spawn_shards", spawn)
+    monkeypatch.setattr(run_eval.time, "sleep", poll_wait)
     call = {k: p.default for k, p in inspect.signature(run_eval.evaluate).parameters.items()}
     call.update(device="cpu", quiet=True, out=str(tmp_path / "o"))
     t0 = time.perf_counter()
