@@ -362,7 +362,75 @@ def test_decode_token_groups_run_the_fed_rows_as_groups_and_keep_every_real_rows
     assert grouped.shape == (5, H_Q, 1, D)
     torch.testing.assert_close(grouped[:4], plain[:4], rtol=0, atol=1e-12)
     assert (grouped[4] - plain[4]).abs().max() > 1e-3  # the padding row read its group's slot (output unused)
+    # a float32 term added to the queries (q_proj's rotated LoRA term) reaches both calls: the same as added first;
+    # the torch path (no kernel) adds it itself
+    q_add = rand(5, H_Q, D, seed=16, dtype=torch.float32)
+    added = views[0].attend(1, (q[:, :, 0].float() + q_add).to(q.dtype)[:, :, None], lora_b, 0.7, roles)
+    torch.testing.assert_close(views[1].attend(1, q, lora_b, 0.7, roles, q_add=q_add)[:4], added[:4], rtol=0, atol=1e-6)
+    torch.testing.assert_close(views[0].attend(1, q, lora_b, 0.7, roles, q_add=q_add), added, rtol=0, atol=1e-6)
+    eager = DecodeView(pool, kv_slot, lr_slot, t([0, 1, 1, 0, 1]), pos)
+    torch.testing.assert_close(eager.attend(1, q, lora_b, 0.7, roles, q_add=q_add), added, rtol=0, atol=1e-6)
+    assert (added - plain).abs().max() > 1e-3
+    if not decomposed:  # a plain cache needs no roles: none given is the same
+        torch.testing.assert_close(views[1].attend(1, q, None, 0.7, None)[:4], grouped[:4], rtol=0, atol=0)
     assert DecodeView(pool, kv_slot, lr_slot, kv_slot, pos, token_groups=(1, 1)).token_groups is None
+
+
+def test_decode_view_takes_the_fused_launch_switches_only_when_fused(monkeypatch):
+    """A fused view reads the fused GEMV rows (``LRAGENT_FUSED_GEMV``, default 1), then, where those are on, the
+    one-launch q/k/v switch (``LRAGENT_QKV_ROPE``, default 1) and, where that is on, its register cap
+    (``LRAGENT_QKV_MAXNREG``, default 80); an unfused view runs none of them (all 0)."""
+    for name in ("LRAGENT_FUSED_GEMV", "LRAGENT_QKV_ROPE", "LRAGENT_QKV_MAXNREG"):
+        monkeypatch.delenv(name, raising=False)
+    pool, pos = make_pool(True), torch.tensor([0, 1])
+
+    def switches(**kw):
+        view = DecodeView(pool, pos, pos, pos, pos, **kw)
+        return view.norm_gemv_rows, view.qkv_rope, view.qkv_maxnreg
+
+    assert switches(fused=True) == (1, 1, 80) and switches(fused=False) == (0, 0, 0) and switches() == (0, 0, 0)
+    monkeypatch.setenv("LRAGENT_QKV_MAXNREG", "96")
+    assert switches(fused=True) == (1, 1, 96)
+    monkeypatch.setenv("LRAGENT_QKV_ROPE", "0")
+    assert switches(fused=True) == (1, 0, 0)
+    monkeypatch.setenv("LRAGENT_QKV_ROPE", "1")
+    monkeypatch.setenv("LRAGENT_FUSED_GEMV", "0")
+    assert switches(fused=True) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("decomposed", [False, True])
+def test_decode_qkv_rope_store_hands_the_launch_its_layers_pools_and_the_rows_slots(monkeypatch, decomposed):
+    """The one-launch q/k/v step (:func:`kernels.fused_qkv_rope.qkv_rope_store`, a GPU kernel) gets the layer's K and
+    V pools, its V_lr pool and no v_lora for a decomposed cache (v_lora and no V_lr pool for a full one), the rows'
+    slots and positions, cos/sin in h's dtype and the view's register cap; its queries come back with a T axis."""
+    import kernels.fused_qkv_rope as fqr
+
+    seen = {}
+
+    def launch(h, norm_w, eps, weight, hq, hkv, d, cos, sin, k_pool, v_pool, lr_pool, kv_slot, lr_slot, pos,
+               v_a_row, q_lora, maxnreg=0, v_lora=None):  # fmt: skip
+        seen.update(locals())
+        return torch.ones(1, hq, d, dtype=h.dtype), "q_add"
+
+    monkeypatch.setattr(fqr, "qkv_rope_store", launch)
+    monkeypatch.setenv("LRAGENT_QKV_MAXNREG", "112")
+    pool = make_pool(decomposed, dtype=torch.float16)
+    t = torch.tensor
+    view = DecodeView(pool, t([2]), t([3]), t([1]), t([5]), fused=True)
+    h, w, nw = rand(1, 1, 5, dtype=torch.float16), rand(8, 5), rand(5)
+    rotary = (rand(1, 1, D, seed=3), rand(1, 1, D, seed=4))  # float64: the view casts them to h's dtype
+    q, q_add = view.qkv_rope_store(1, h, nw, 1e-5, w, (H_Q, H_KV, D), rotary, 7, "q_lora", v_lora="v_lora")
+    assert q.shape == (1, H_Q, 1, D) and q_add == "q_add"
+    assert seen["k_pool"] is pool.k[1] and seen["v_pool"] is pool.v[1]
+    assert (seen["hq"], seen["hkv"], seen["d"]) == (H_Q, H_KV, D)
+    assert seen["lr_pool"] is (pool.v_lr[1] if decomposed else None)
+    assert seen["v_lora"] == (None if decomposed else "v_lora") and seen["q_lora"] == "q_lora"
+    assert (seen["kv_slot"].tolist(), seen["lr_slot"].tolist(), seen["pos"].tolist()) == ([2], [3], [5])
+    assert seen["cos"].dtype == seen["sin"].dtype == torch.float16 and torch.equal(seen["cos"], rotary[0].half())
+    assert torch.equal(seen["sin"], rotary[1].half())
+    assert seen["h"] is h and seen["norm_w"] is nw and seen["weight"] is w
+    assert (seen["eps"], seen["v_a_row"]) == (1e-5, 7)
+    assert seen["maxnreg"] == 112
 
 
 def test_decode_attention_reference_masks_each_row_and_applies_its_role():
