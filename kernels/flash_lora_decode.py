@@ -23,6 +23,9 @@ Design (``kernels/NOTES.md`` has the measurements):
 - A row that uses one split writes O directly. Otherwise the splits write fp32 partials (acc, max, sum) to a
   workspace, and the last split of a (row, KV head) to finish (an atomic counter) merges them in one or a few
   wide loads and writes O, then resets the counter for the next launch or graph replay: one launch.
+- ``group_rows=T``: T consecutive rows of one sequence (fed tokens at consecutive positions) in one program per KV
+  head and split, their T·G queries over each K/V tile once, each masked to its own length; the group reads its first
+  row's slots and role.
 - Workspace and counters are cached per (device, shape) and reused; the launcher never synchronises with the
   host and allocates nothing whose size depends on lengths. Configs are fixed by a rule (``_plan``), never
   autotuned, so capture compiles nothing new after a warm-up call.
