@@ -733,7 +733,7 @@ class Engine:
     def _host_ids(self, ids: Sequence[int]) -> torch.Tensor:
         """``(n,)`` int64 token ids on the host, page-locked on CUDA so that a ``non_blocking`` copy from them does
         not wait for the device (the caching host allocator keeps the block until the copy is done)."""
-        host = torch.tensor(ids, dtype=torch.long)
+        host = torch.tensor(ids, dtype=torch.long, device="cpu")  # on the host whatever the default device
         return host.pin_memory() if self.device.type == "cuda" else host
 
     def _release(self, row: int) -> None:

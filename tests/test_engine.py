@@ -441,6 +441,10 @@ def test_a_bad_or_oversized_feed_group_is_refused_and_the_default_follows_the_ke
     monkeypatch.setenv("LRAGENT_FEED_GROUP", str(group))
     assert _feed_group(None, True, 6) == group and _feed_group(None, False, 6) == 1 and _feed_group(3, False, 6) == 3
     assert _feed_group(None, True, 32) == min(group, 4)  # lowered to the kernel's 128 query heads a group
+    assert _feed_group(None, True, 200) == 1 and _feed_group(21, True, 6) == 21  # at least 1; the bound itself fits
+    monkeypatch.setenv("LRAGENT_FEED_GROUP", "128")
+    assert _feed_group(None, True, 1) == 128 and _feed_group(None, True, 2) == 64
+    assert repr(_feed_group(None, True, 6)) == "21"  # whole token rows: 128 // 6
     for bad in ("0", "x", "-2"):
         monkeypatch.setenv("LRAGENT_FEED_GROUP", bad)
         with pytest.raises(ValueError, match=rf"LRAGENT_FEED_GROUP='{bad}': expected an int >= 1"):
@@ -448,8 +452,10 @@ def test_a_bad_or_oversized_feed_group_is_refused_and_the_default_follows_the_ke
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match=rf"feed_group must be an int >= 1 \(1: no groups\), got {bad!r}"):
             _feed_group(bad, True, 6)
-    with pytest.raises(ValueError, match="feed_group=22 x 6 query heads a KV head is past 128; at most 21"):
+    with pytest.raises(ValueError, match="feed_group=22 x 6 query heads a KV head is past 128; at most 21$"):
         _feed_group(22, True, 6)
+    with pytest.raises(ValueError, match="feed_group=2 x 200 query heads a KV head is past 128; at most 1"):
+        _feed_group(2, True, 200)
 
 
 def test_feed_step_widths_are_the_budget_and_its_halvings_in_whole_groups(monkeypatch):
@@ -462,6 +468,8 @@ def test_feed_step_widths_are_the_budget_and_its_halvings_in_whole_groups(monkey
     assert feed_step_widths(6, 4, 5) == (4, 6)
     monkeypatch.setenv("LRAGENT_FEED_WIDTHS", "3")
     assert feed_step_widths(64, 1) == (16, 32, 64) and feed_step_widths(64, 1, 2) == (32, 64)
+    monkeypatch.setenv("LRAGENT_FEED_WIDTHS", "1")
+    assert feed_step_widths(64, 1) == (64,) and feed_step_widths(64, 8, 1) == (64,)
     for bad in ("0", "two"):
         monkeypatch.setenv("LRAGENT_FEED_WIDTHS", bad)
         with pytest.raises(ValueError, match=rf"LRAGENT_FEED_WIDTHS='{bad}': expected an int >= 1"):
@@ -495,6 +503,121 @@ def test_a_feeding_round_takes_the_narrowest_width_that_holds_what_is_left():
             eng.advance()
         assert steps[:2] == want, widths
         assert {extra for extra, _ in steps[2:]} == {0}, widths
+
+
+@pytest.mark.parametrize("graph_semantics", [False, True])
+def test_the_hosts_count_of_what_is_left_to_feed_is_the_devices_after_every_round(graph_semantics):
+    """Budgets, groups and widths against rows feeding from 1 token to more than the budget (one feeds exactly its
+    own token and the budget, one starts past the budget): after every round of steps the host's ``forced_left`` of
+    each generating row is what the device has left (``d_forced_len - d_forced_count``); a round's width is the
+    narrowest that holds the rows' ranges in whole groups (the budget with one width, 0 when no row has more than its
+    own token left); no step runs extra rows once nothing is left to feed; and under graph semantics a feeding round
+    ends with the feeding, a plain round runs ``sync_every`` steps."""
+    model = model_for("tiny-llama")
+    cases = [(5, 1, 1, (6,)), (5, 1, 1, (7, 1, 4)), (8, 4, 1, (6, 22)), (8, 2, 3, (3, 9, 2, 12)), (6, 3, 2, (10, 2, 5)),
+             (4, 1, 2, (2, 2, 3)), (4, 1, 2, (2, 1)), (8, 2, 3, (2, 2)), (2, 1, 2, (1, 1))]  # fmt: skip
+    for budget, group, widths, lens in cases:
+        where = (budget, group, widths, lens)
+        rows = len(lens)
+        eng = Engine(model, "base_lr_shared", rows=rows, capacity=64, eos_token_ids=[], prefill_in_decode=32,
+                     feed_budget=budget, feed_group=group, feed_widths=widths, sync_every=4)  # fmt: skip
+        if graph_semantics:
+            eng.cuda_graphs = True
+            eng._graph_for = lambda b, sampling, extra=0, eng=eng: _EagerReplay(eng, b, sampling, extra)
+        rounds: list[list[tuple[int, list[int]]]] = []
+        afters: list[list[int]] = []  # what the rows had left after each round
+        step, launch = eng._decode_step, eng._launch
+
+        def left(eng=eng, rows=rows) -> list[int]:
+            return (eng.d_forced_len[:rows] - eng.d_forced_count[:rows]).clamp(min=0).tolist()
+
+        def spy(b, sampling, max_len, extra=0, step=step, left=left, rounds=rounds):
+            rounds[-1].append((extra, left()))  # what the rows had left before the step
+            step(b, sampling, max_len, extra)
+
+        def counted(max_steps, eng=eng, launch=launch, left=left, rounds=rounds, afters=afters, where=where):
+            rounds.append([])
+            n = launch(max_steps)
+            assert n == len(rounds[-1]), where
+            after = left()
+            afters.append(after)
+            assert {r: p.forced_left for r, p in eng._pending.items()} == {r: after[r] for r in eng._pending}, where
+            return n
+
+        eng._decode_step, eng._launch = spy, counted
+        for row, n in enumerate(lens):
+            eng.append(row, list(range(20 + row, 20 + row + n)))
+            eng.start(row, GenerationRequest(role=row % 3, max_new_tokens=3, seed=row))
+        while eng._pending:
+            eng.advance()
+        for k, steps in enumerate(rounds):
+            extra, before = steps[0]
+            need = sum(-(-(n - 1) // group) * group for n in before if n)  # the rows' ranges in whole groups
+            if not any(before) or (widths > 1 and need == 0):
+                want = 0
+            else:
+                want = budget if widths == 1 else min((w for w in eng.feed_widths if w >= need), default=budget)
+            assert extra == want and {e for e, _ in steps} == {extra}, (where, k, rounds)
+            if extra:
+                assert all(any(b) for _, b in steps), (where, k, rounds)  # no step with extra rows and nothing to feed
+            if graph_semantics:  # a plain round runs sync_every steps, a feeding one until the feeding ends
+                assert len(steps) == 4 or (extra and not any(afters[k])), (where, k, rounds)
+        # extra rows ran exactly when some row had more to feed than its own token
+        assert any(e for steps in rounds for e, _ in steps) == (max(lens) > 1), where
+
+
+def test_a_batch_invariant_engine_runs_every_step_at_all_rows_and_the_whole_budget():
+    """``batch_invariant``: every step runs all ``rows`` rows (not the bucket of the busy ones) and, with
+    ``feed_budget``, all its extra rows, feeding or not (one width; ``feed_widths`` is not used), in rounds of
+    ``sync_every`` steps; the tokens are those of the bucketed engine."""
+    model = model_for("tiny-llama")
+    got = {}
+    for invariant in (False, True):
+        eng = Engine(model, "full_shared", rows=4, capacity=64, eos_token_ids=[], prefill_in_decode=16, feed_budget=4,
+                     feed_widths=2, sync_every=4, batch_invariant=invariant)  # fmt: skip
+        eng.cuda_graphs = True
+        eng._graph_for = lambda b, sampling, extra=0, eng=eng: _EagerReplay(eng, b, sampling, extra)
+        steps: list[tuple[int, int]] = []
+        step = eng._decode_step
+
+        def spy(b, sampling, max_len, extra=0, step=step, steps=steps):
+            steps.append((b, extra))
+            step(b, sampling, max_len, extra)
+
+        eng._decode_step = spy
+        for row, n in ((0, 7), (1, 2)):
+            eng.append(row, list(range(30 + row, 30 + row + n)))
+            eng.start(row, GenerationRequest(role=row, max_new_tokens=5, seed=row))
+        out = {}
+        while eng._pending:
+            out.update((res.row, res.generated_ids) for res in eng.advance())
+        got[invariant] = out
+        if invariant:
+            assert eng.batch_invariant is True and len(steps) % 4 == 0 and set(steps) == {(4, 4)}
+        else:
+            assert {b for b, _ in steps} == {2} and (2, 0) in steps and steps[0] == (2, 4)
+    assert got[True] == got[False] and sorted(got[True]) == [0, 1]
+
+
+@pytest.mark.parametrize("n", [4, 5])
+def test_a_row_feeding_exactly_prefill_in_decode_tokens_feeds_the_last_one_where_it_belongs(n):
+    """``prefill_in_decode`` as large as the row's prompt and ``feed_budget`` 2: a row feeding 4 tokens takes 3 in
+    step 1 and its last (the forced buffer's last column) in its own token row in step 2; one feeding 5 takes 3, then
+    2 with its last in an extra row. Either way its tokens and the caches it leaves (the logits of a next step asked
+    eagerly) are those of an eager prefill: a last token read from the column before would be fed twice and the real
+    one never."""
+    model = model_for("tiny-llama")
+    got = []
+    for fed in (0, n):
+        eng = Engine(model, "full_shared", rows=1, capacity=32, eos_token_ids=[], prefill_in_decode=fed, feed_budget=2)
+        eng.append(0, [40, 41, 42, 43, 44][:n])
+        first = eng.generate(0, GenerationRequest(role=1, max_new_tokens=3))
+        eng.append(0, [9])
+        last = eng.generate(0, GenerationRequest(role=1, max_new_tokens=1, return_logits=True))
+        got.append((first.generated_ids, first.prefill_s == 0.0, last.logits))
+    (eager_ids, eager_fed, eager_logits), (fed_ids, fed_fed, fed_logits) = got
+    assert fed_ids == eager_ids and (eager_fed, fed_fed) == (False, True)
+    assert (fed_logits - eager_logits).abs().max() <= 1e-5
 
 
 # ---- the same, against an eager prefill ----------------------------------------------------------------------

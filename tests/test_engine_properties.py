@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datamodules.tiny_tokenizer import BYTE_VOCAB_SIZE, byte_tokenizer
+from lragent.cache_views import DecodeView
 from lragent.engine import CapacityError, Engine, GenerationRequest, StopTokenIndex, capture_stream, find_stop
 from lragent.schemes import SCHEMES
 
@@ -508,6 +509,71 @@ def test_steps_run_on_the_engines_device_and_dtype_not_the_process_defaults(sche
     _same_runs(_steps_everywhere(engine(scheme), float64), want)
 
 
+def test_steps_with_lent_rows_run_on_the_engines_device_and_dtype_not_the_process_defaults():
+    """The decode steps that lend extra token rows to fed prompts (``prefill_in_decode``, ``feed_budget``) make every
+    tensor on the engine's device in its dtype: run under the ``meta`` default device or the float64 default dtype,
+    two rows feeding 9 and 3 tokens give bit for bit what they give under the defaults."""
+
+    def run(ctx) -> list:
+        eng = engine("full_shared", rows=2, prefill_in_decode=16, feed_budget=3)
+        fed = []
+        fed_step = eng._fed_step
+        eng._fed_step = lambda *a: fed.append(a[-1]) or fed_step(*a)
+        for row, ids in enumerate((LONG[:9], SHORT[:3])):
+            eng.append(row, ids)
+            eng.start(row, GenerationRequest(role=row, max_new_tokens=3, temperature=0.8 * row, seed=5))
+        out = []
+        while eng._pending:
+            with ctx():
+                out += [(res.row, res.generated_ids) for res in eng.advance()]
+        assert fed and set(fed) == {3}  # the steps with lent rows ran in the context
+        return sorted(out)
+
+    @contextlib.contextmanager
+    def float64():
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(old)
+
+    want = run(contextlib.nullcontext)
+    assert run(lambda: torch.device("meta")) == want and run(float64) == want
+
+
+def test_every_view_of_a_step_with_lent_rows_carries_the_engines_choices_its_groups_and_a_bound(monkeypatch):
+    """The decode steps that lend extra token rows to a fed prompt (``prefill_in_decode``, ``feed_budget``) give their
+    views the engine's ``use_kernel`` and ``fuse_ops``, the token groups of the extra rows (``(b, feed_group)``) and,
+    eagerly, a bound on what they read (the fed row's length and one position a step, not the whole capacity); a
+    fused engine runs their final norm fused, never through the module."""
+    import lragent.engine as engine_mod
+
+    views = []
+
+    def record(*args, **kw):
+        bound = inspect.signature(DecodeView).bind(*args, **kw)
+        bound.apply_defaults()
+        views.append({k: bound.arguments[k] for k in ("use_kernel", "fused", "max_len", "token_groups")})
+        return DecodeView(*args, **kw)
+
+    monkeypatch.setattr(engine_mod, "DecodeView", record)
+    for use_kernel, fuse_ops in [(False, True), (True, False)]:
+        m = tiny_multi_lora("tiny-llama", b_std=0.3, overrides={"vocab_size": VOCAB})  # fusing changes the model
+        norms = []
+        m.decoder.inner.norm.register_forward_hook(lambda *a, norms=norms: norms.append(1))
+        eng = Engine(m, "full_shared", capacity=CAPACITY, eos_token_ids=[], use_kernel=use_kernel, fuse_ops=fuse_ops,
+                     prefill_in_decode=8, feed_budget=4, feed_group=2)  # fmt: skip
+        eng.append(0, LONG[:7])
+        views.clear()
+        eng.generate(0, GenerationRequest(role=0, max_new_tokens=2))
+        # 1 + 4 fed, then 1 + 1 (the extra rows a range of whole groups), then two sampled tokens without extra rows
+        assert [v["token_groups"] for v in views] == [(1, 2), (1, 2), None, None], views
+        assert all((v["use_kernel"], v["fused"]) == (use_kernel, fuse_ops) for v in views), views
+        assert all(v["max_len"] is not None and v["max_len"] <= 7 + k for k, v in enumerate(views, 1)), views
+        assert (len(norms) == 0) == fuse_ops, (fuse_ops, len(norms))
+
+
 def test_every_cache_view_carries_the_engines_kernel_and_fusion_choice(monkeypatch):
     """``use_kernel`` and ``fuse_ops`` reach every prefill and decode view (a view left at its default would pick
     its kernels from the device alone), a fused engine runs the final norm fused, never through the module, and
@@ -893,6 +959,69 @@ def test_graphs_with_lent_rows_are_warmed_up_and_captured_with_them_and_timed(mo
     assert len({got for got, _ in added}) == 1 and eng.capture_s == sum(got for got, _ in added)
     # replay_s: each launch's replay calls, timed together: the readings inside them and one tick per launch
     assert len(launches) >= 2 and eng.replay_s == sum(replays) + len(launches)
+
+
+def test_graph_rounds_queue_sync_every_steps_or_max_steps_and_the_counters_add_up(monkeypatch):
+    """Through graphs a round queues ``sync_every`` replays (``launch`` returns how many) and ``advance(max_steps)``
+    no more than asked; ``decode_steps`` adds up every round's steps and ``wait_s`` every read-back's wait (a clock
+    that ticks once a reading: one tick a collect)."""
+    import lragent.engine as engine_mod
+
+    class Clock:
+        n = 0
+
+        def perf_counter(self) -> float:
+            self.n += 1
+            return float(self.n)
+
+    eng = engine("full_shared", rows=2, sync_every=4)
+    eng.cuda_graphs = True
+    replays, collects = [], []
+
+    class Replay:
+        def __init__(self, b: int, sampling: bool, extra: int = 0) -> None:
+            self.args = (b, sampling, None, extra)
+
+        def replay(self) -> None:
+            replays.append(self.args)
+            eng._decode_step(*self.args)
+
+    eng._graph_for = Replay
+    collect = eng._collect_finished
+    eng._collect_finished = lambda: collects.append(1) or collect()
+    monkeypatch.setattr(engine_mod, "time", Clock())
+    eng.append(0, LONG[:10])
+    eng.start(0, GenerationRequest(role=0, max_new_tokens=20))
+    assert eng.launch() == 4 and len(replays) == 4 and eng.collect() == []
+    assert eng.advance(max_steps=3) == [] and len(replays) == 7 and eng.decode_steps == 7
+    eng.append(1, SHORT)
+    eng.start(1, GenerationRequest(role=1, max_new_tokens=2))
+    results = []
+    while eng._pending:
+        results += eng.advance()
+    assert sorted(len(res.generated_ids) for res in results) == [2, 20]
+    assert eng.decode_steps == len(replays) and len(replays) % 4 == 3  # whole rounds after the three steps asked
+    assert eng.wait_s == len(collects) >= 4
+
+
+def test_refreshing_the_adapters_updates_the_stacked_and_fused_b_where_the_graphs_read_them():
+    """A fused-LoRA engine's decode reads every adapter's B from cached tensors (the stacked B, the concatenated B in
+    the engine's dtype), which a captured graph reads in place: after a B changed (an adapter trained or loaded
+    between steps), the refresh before a step's replays brings them up to date without moving them."""
+    m = tiny_multi_lora("tiny-llama", b_std=0.3, overrides={"vocab_size": VOCAB})  # fusing changes the model
+    eng = Engine(m, "full_shared", capacity=CAPACITY, eos_token_ids=[], fuse_ops=True, fuse_lora=True)
+    eng.append(0, LONG[:8])
+    eng.generate(0, GenerationRequest(role=1, max_new_tokens=2))
+    mods = eng._lora_modules
+    cached = [(mod.__dict__["_b_cache"], mod.__dict__["_cb_cache"]) for mod in mods]
+    with torch.no_grad():
+        for mod in mods:
+            mod.lora_B[1].mul_(-3.0)
+        eng._refresh_lora()  # as advance() and launch() call it: without autograd
+    for mod, (stacked, cat) in zip(mods, cached, strict=True):
+        assert mod.__dict__["_b_cache"] is stacked and mod.__dict__["_cb_cache"] is cat
+        assert torch.equal(stacked, torch.stack(list(mod.lora_B))) and torch.equal(cat, mod.cat_b())
+    assert cat.dtype == eng.dtype
 
 
 def test_one_capture_stream_per_cuda_device(monkeypatch):
