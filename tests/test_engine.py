@@ -376,6 +376,25 @@ def test_graph_replay_semantics_equal_eager(scheme):
 
 
 # ---- prompt tokens fed through the decode step ----------------------------------------------------------------------
+def _fed_steps(eng: Engine, lengths: tuple[int, ...], max_new_tokens: int) -> list[tuple[int, list[int]]]:
+    """Row r feeds ``lengths[r]`` tokens, then generates; returns each decode step's extra rows with the rows' fed
+    counts after it (``d_forced_count``)."""
+    steps: list[tuple[int, list[int]]] = []
+    step = eng._decode_step
+
+    def spy(b, sampling, max_len, extra=0):
+        step(b, sampling, max_len, extra)
+        steps.append((extra, eng.d_forced_count[: len(lengths)].tolist()))
+
+    eng._decode_step = spy
+    for row, n in enumerate(lengths):
+        eng.append(row, list(range(20, 20 + n)))
+        eng.start(row, GenerationRequest(role=row, max_new_tokens=max_new_tokens, seed=3))
+    while eng._pending:
+        eng.advance()
+    return steps
+
+
 @pytest.mark.parametrize("graph_semantics", [False, True])
 def test_extra_rows_are_lent_in_row_order_until_the_budget_is_spent(graph_semantics):
     """``feed_budget`` 5, rows feeding 10 and 6 tokens: step 1 lends all 5 extra rows to row 0 (it feeds 6, row 1
@@ -384,22 +403,10 @@ def test_extra_rows_are_lent_in_row_order_until_the_budget_is_spent(graph_semant
     it would stop the extra rows early (slow) or keep them after the feeding (wasted compute)."""
     model = model_for("tiny-llama")
     eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16, feed_budget=5)
-    steps: list[tuple[int, list[int]]] = []
-    step = eng._decode_step
-
-    def spy(b, sampling, max_len, extra=0):
-        step(b, sampling, max_len, extra)
-        steps.append((extra, eng.d_forced_count[:2].tolist()))
-
-    eng._decode_step = spy
     if graph_semantics:
         eng.cuda_graphs = True
         eng._graph_for = lambda b, sampling, extra=0: _EagerReplay(eng, b, sampling, extra)
-    for row, n in ((0, 10), (1, 6)):
-        eng.append(row, list(range(20, 20 + n)))
-        eng.start(row, GenerationRequest(role=row, max_new_tokens=4, seed=3))
-    while eng._pending:
-        eng.advance()
+    steps = _fed_steps(eng, (10, 6), max_new_tokens=4)
     assert steps[:3] == [(5, [6, 1]), (5, [10, 4]), (5, [10, 6])]
     assert {extra for extra, _ in steps[3:]} == {0} and len(steps) >= 3 + 4
 
@@ -415,19 +422,7 @@ def test_lent_ranges_start_at_whole_groups_of_feed_group_rows():
     for group, counts in ((4, [[6, 1], [6, 10], [6, 19], [6, 22]]), (1, [[6, 4], [6, 13], [6, 22]])):
         eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=32,
                      feed_budget=8, feed_group=group)  # fmt: skip
-        steps: list[tuple[int, list[int]]] = []
-        step = eng._decode_step
-
-        def spy(b, sampling, max_len, extra=0, eng=eng, steps=steps, step=step):
-            step(b, sampling, max_len, extra)
-            steps.append((extra, eng.d_forced_count[:2].tolist()))
-
-        eng._decode_step = spy
-        for row, n in ((0, 6), (1, 22)):
-            eng.append(row, list(range(20, 20 + n)))
-            eng.start(row, GenerationRequest(role=row, max_new_tokens=3, seed=3))
-        while eng._pending:
-            eng.advance()
+        steps = _fed_steps(eng, (6, 22), max_new_tokens=3)
         assert steps[: len(counts)] == [(8, c) for c in counts], group
         assert {extra for extra, _ in steps[len(counts) :]} == {0}, group
 
@@ -488,19 +483,7 @@ def test_a_feeding_round_takes_the_narrowest_width_that_holds_what_is_left():
     for widths, want in ((2, [(8, [9, 1]), (4, [10, 6])]), (1, [(8, [9, 1]), (8, [10, 6])])):
         eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16,
                      feed_budget=8, feed_widths=widths)  # fmt: skip
-        steps: list[tuple[int, list[int]]] = []
-        step = eng._decode_step
-
-        def spy(b, sampling, max_len, extra=0, eng=eng, steps=steps, step=step):
-            step(b, sampling, max_len, extra)
-            steps.append((extra, eng.d_forced_count[:2].tolist()))
-
-        eng._decode_step = spy
-        for row, n in ((0, 10), (1, 6)):
-            eng.append(row, list(range(20, 20 + n)))
-            eng.start(row, GenerationRequest(role=row, max_new_tokens=3, seed=3))
-        while eng._pending:
-            eng.advance()
+        steps = _fed_steps(eng, (10, 6), max_new_tokens=3)
         assert steps[:2] == want, widths
         assert {extra for extra, _ in steps[2:]} == {0}, widths
 

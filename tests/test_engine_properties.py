@@ -488,6 +488,17 @@ def _same_runs(a: list, b: list) -> None:
     assert a[-1] == b[-1]
 
 
+@contextlib.contextmanager
+def float64():
+    """The process's default dtype set to float64 for the block."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 @pytest.mark.parametrize("scheme", ["non_shared", "base_shared", "droidspeak"])
 def test_steps_run_on_the_engines_device_and_dtype_not_the_process_defaults(scheme):
     """Every tensor a step makes lives on the engine's device in the engine's dtype: with the process's default
@@ -496,15 +507,6 @@ def test_steps_run_on_the_engines_device_and_dtype_not_the_process_defaults(sche
     give under the defaults."""
     want = _steps_everywhere(engine(scheme), contextlib.nullcontext)
     _same_runs(_steps_everywhere(engine(scheme), lambda: torch.device("meta")), want)
-
-    @contextlib.contextmanager
-    def float64():
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(old)
 
     _same_runs(_steps_everywhere(engine(scheme), float64), want)
 
@@ -528,15 +530,6 @@ def test_steps_with_lent_rows_run_on_the_engines_device_and_dtype_not_the_proces
                 out += [(res.row, res.generated_ids) for res in eng.advance()]
         assert fed and set(fed) == {3}  # the steps with lent rows ran in the context
         return sorted(out)
-
-    @contextlib.contextmanager
-    def float64():
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(old)
 
     want = run(contextlib.nullcontext)
     assert run(lambda: torch.device("meta")) == want and run(float64) == want

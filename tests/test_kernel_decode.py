@@ -326,18 +326,26 @@ INTERPRET_CASES = [
 ]
 
 
-def test_decode_kernel_under_interpreter():
+def _interpreted(script: str, cases: list) -> list:
+    """Runs ``script`` over ``cases`` in a fresh process under ``TRITON_INTERPRET=1`` and checks each case's result
+    (kernel error, eager error, finite, idle rows zero, ...): finite, idle rows exactly zero, the kernel's error at
+    most twice eager PyTorch's at the same precision plus 1e-3. Returns the results."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    script = f"CASES = {INTERPRET_CASES!r}\n" + _INTERPRET_SCRIPT
     proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+        [sys.executable, "-c", f"CASES = {cases!r}\n" + script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(INTERPRET_CASES)
-    for case, (err, eager_err, finite, zero_rows_zero, *_) in zip(INTERPRET_CASES, results, strict=True):
+    assert len(results) == len(cases)
+    for case, (err, eager_err, finite, zero_rows_zero, *_) in zip(cases, results, strict=True):
         assert finite and zero_rows_zero, case
         assert err <= 2 * eager_err + 1e-3, (case, err, eager_err)
+    return results
+
+
+def test_decode_kernel_under_interpreter():
+    results = _interpreted(_INTERPRET_SCRIPT, INTERPRET_CASES)
     assert [r[4] for r in results][:3] == [2, 5, 33] and results[2][5] == 4  # the paths meant: merge, steps
     assert (results[-1][4], results[-1][6], results[0][6]) == (5, 32, 64)  # LoRA at >= 3 splits: 32-key tiles
 
@@ -410,17 +418,7 @@ def test_grouped_decode_kernel_under_interpreter():
     """The kernel's token groups (T·G queries a program, each masked to its own length, the group's first row's
     slots and role) against the reference with the same groups: merged splits, one split, ragged last group, idle
     rows, plain and LoRA caches."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    script = f"CASES = {GROUP_CASES!r}\n" + _GROUP_SCRIPT
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == len(GROUP_CASES)
-    for case, (err, eager_err, finite, zero_rows_zero, _) in zip(GROUP_CASES, results, strict=True):
-        assert finite and zero_rows_zero, case
-        assert err <= 2 * eager_err + 1e-3, (case, err, eager_err)
+    results = _interpreted(_GROUP_SCRIPT, GROUP_CASES)
     assert [r[4] for r in results] == [2, 9, 1, 13, 1]  # the paths meant: merges of several splits, and one split
 
 
