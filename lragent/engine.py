@@ -211,6 +211,18 @@ _FEED_GROUP_DEFAULT = 1
 _MAX_GROUP_QUERIES = 128  # kernels.flash_lora_decode's bound on a group's query heads
 
 
+def _env_count(env: str, meaning: str) -> int | None:
+    """The whole number >= 1 that ``env`` sets, or None when it is unset or empty.
+
+    Raises:
+        ValueError: any other value, naming the variable and what it means.
+    """
+    raw = os.environ.get(env, "").strip()
+    if raw and not (raw.isdigit() and int(raw) >= 1):
+        raise ValueError(f"{env}={raw!r}: expected an int >= 1 ({meaning})")
+    return int(raw) if raw else None
+
+
 def _feed_group(value: int | None, kernel: bool, heads: int) -> int:
     """The engine's ``feed_group``: ``value``, or where the decode kernel runs ``LRAGENT_FEED_GROUP`` (default 1),
     lowered to fit the kernel's bound on a group's query heads (``heads`` query heads a KV head each); 1 elsewhere
@@ -223,10 +235,7 @@ def _feed_group(value: int | None, kernel: bool, heads: int) -> int:
     if value is None:
         if not kernel:
             return 1
-        raw = os.environ.get(FEED_GROUP_ENV, "").strip()
-        if raw and not (raw.isdigit() and int(raw) >= 1):
-            raise ValueError(f"{FEED_GROUP_ENV}={raw!r}: expected an int >= 1 (token rows a group of fed tokens)")
-        return min(int(raw) if raw else _FEED_GROUP_DEFAULT, fits)
+        return min(_env_count(FEED_GROUP_ENV, "token rows a group of fed tokens") or _FEED_GROUP_DEFAULT, fits)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"feed_group must be an int >= 1 (1: no groups), got {value!r}")
     if value > fits:
@@ -248,10 +257,7 @@ def feed_step_widths(budget: int, group: int, count: int | None = None) -> tuple
         ValueError: a count (or the variable) that is not an int >= 1, naming it.
     """
     if count is None:
-        raw = os.environ.get(FEED_WIDTHS_ENV, "").strip()
-        if raw and not (raw.isdigit() and int(raw) >= 1):
-            raise ValueError(f"{FEED_WIDTHS_ENV}={raw!r}: expected an int >= 1 (widths a feeding step may take)")
-        count = int(raw) if raw else 1
+        count = _env_count(FEED_WIDTHS_ENV, "widths a feeding step may take") or 1
     elif isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"feed_widths must be an int >= 1 (1: the budget at every feeding step), got {count!r}")
     if not budget:
@@ -874,11 +880,14 @@ class Engine:
             return 0
         if len(self.feed_widths) == 1:
             return self.feed_budget
-        size = self.feed_group
-        need = sum(-(-(n - 1) // size) * size for n in left)  # the rows' ranges, in whole groups
+        need = sum(self._in_groups(n - 1) for n in left)  # the rows' ranges
         if need == 0:
             return 0
         return next((w for w in self.feed_widths if w >= need), self.feed_budget)
+
+    def _in_groups(self, tokens: int) -> int:
+        """Extra rows a range of ``tokens`` fed tokens takes: whole groups of ``feed_group``, as ``_fed_step`` lends."""
+        return -(-tokens // self.feed_group) * self.feed_group
 
     def _feed_on_host(self, extra: int, steps: int) -> int:
         """Advances every pending row's ``forced_left`` by ``steps`` steps as the device does (one token per feeding
@@ -893,7 +902,7 @@ class Engine:
             for p in rows:
                 want = p.forced_left - 1
                 grant = min(want, max(0, extra - off))
-                off += -(-want // self.feed_group) * self.feed_group
+                off += self._in_groups(want)
                 p.forced_left -= 1 + grant
         return feeding
 
