@@ -246,18 +246,19 @@ def _feed_group(value: int | None, kernel: bool, heads: int) -> int:
 
 
 FEED_WIDTHS_ENV = "LRAGENT_FEED_WIDTHS"
+_FEED_WIDTHS_DEFAULT = 4  # the budget and 3 halvings: 13% less loop time than one width on the study's job (H200)
 
 
 def feed_step_widths(budget: int, group: int, count: int | None = None) -> tuple[int, ...]:
     """The extra-row widths a feeding step may take, narrowest first: ``budget`` and its ``count - 1`` halvings, each
     rounded up to a multiple of ``group`` (at most the budget; duplicates dropped); ``()`` without a budget.
-    ``count`` None reads ``LRAGENT_FEED_WIDTHS`` (default 1).
+    ``count`` None reads ``LRAGENT_FEED_WIDTHS`` (default 4).
 
     Raises:
         ValueError: a count (or the variable) that is not an int >= 1, naming it.
     """
     if count is None:
-        count = _env_count(FEED_WIDTHS_ENV, "widths a feeding step may take") or 1
+        count = _env_count(FEED_WIDTHS_ENV, "widths a feeding step may take") or _FEED_WIDTHS_DEFAULT
     elif isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"feed_widths must be an int >= 1 (1: the budget at every feeding step), got {count!r}")
     if not budget:
@@ -328,7 +329,7 @@ class Engine:
             (each a multiple of ``feed_group``). A round of steps takes the narrowest that holds what the rows have
             left to feed beyond their own token (0 extra rows when that is nothing), so that a step whose rows feed a
             few tokens does not run the whole budget's rows through the model; each width is one more CUDA graph per
-            batch bucket. Default ``LRAGENT_FEED_WIDTHS`` or 1 (the budget at every feeding step). Batch-invariant
+            batch bucket. Default ``LRAGENT_FEED_WIDTHS`` or 4 (1: the budget at every feeding step). Batch-invariant
             engines keep the one width.
     """
 

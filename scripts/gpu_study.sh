@@ -10,12 +10,29 @@
 # Usage on the device: [MODEL=qwen2.5-coder-1.5b] [STAGE=sweep] bash scripts/gpu_study.sh SECONDS_TO_STAY [options]
 #   MODEL  default (the embedded SmolLM2-135M, carried as .gguf1/.gguf2) or qwen2.5-coder-1.5b (carried as .accNN)
 #   STAGE  study (the λ study) or sweep (the recipe sweep); options go to `eval_suite.study.driver run` (e.g. --benchmarks)
+# [MODEL=...] [STAGE=...] bash scripts/gpu_study.sh stop   stops that root's driver and every job it runs (SIGTERM to
+#   the driver's process group, then SIGKILL to what is left after 30 s; the jobs' finished episodes stay), then packs
+#   the root into $OUT: the GPU is free for other work. (A driver started with setsid and & ignores SIGINT, and
+#   killing the jobs alone is not enough: the driver launches them again.)
 case "${1:-}" in -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 STAY=${1:-540}; shift || true
 T0=$(date +%s)
 MODEL=${MODEL:-default}
 STAGE=${STAGE:-study}
+if [ "$STAY" = stop ]; then
+  ROOT=/tmp/${STAGE}_${MODEL}
+  mine() { pgrep -f -- "$ROOT( |/|$)" | grep -vx "$$" || true; }  # the driver (--root ROOT) and its jobs (ROOT/...)
+  for pid in $(pgrep -f "^[^ ]*python[0-9.]* -m eval_suite.study run --root $ROOT "); do
+    kill -TERM -- "-$(ps -o pgid= "$pid" | tr -d ' ')" 2>/dev/null || kill -TERM "$pid"
+  done
+  for pid in $(mine); do kill -TERM "$pid" 2>/dev/null; done  # jobs adopted from an earlier driver's group
+  for _ in $(seq 30); do [ -z "$(mine)" ] && break; sleep 1; done
+  for pid in $(mine); do kill -KILL "$pid" 2>/dev/null; done
+  echo "stopped: $([ -z "$(mine)" ] && echo "nothing of $ROOT runs" || echo "still running: $(mine)")"
+  [ -d "$ROOT" ] && PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD python3 -m eval_suite.study pack --root "$ROOT" --out "${OUT:-/tmp/study_pack}" | tail -1
+  exit 0
+fi
 source scripts/device_model.sh
 export PYTHONPATH=${PYTHONPATH:-$PWD}:$PWD PYTHONUNBUFFERED=1
 if [ "$MODEL" = default ]; then

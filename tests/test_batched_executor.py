@@ -234,7 +234,7 @@ def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_pa
     import os
     import re
 
-    from eval_suite.evaluate.batched_executor import PROFILE_ENV
+    from eval_suite.evaluate.batched_executor import PROFILE_ENV, PY_PROFILE_HEADING
 
     model = tiny_multi_lora("tiny-llama", b_std=0.3)
     cfg = AgentConfig(max_steps=2, thought_tokens=4, action_type_tokens=3, argument_tokens=3, reflect_tokens=2)
@@ -247,7 +247,7 @@ def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_pa
     text = (folder / f"eval_profile_{os.getpid()}.txt").read_text()
     start, end = map(int, re.match(r"decode calls (\d+)\.\.(\d+), wall \d+\.\d{3} s\n\n", text).groups())
     assert start >= 1 and end >= start + 3 and "Name" in text
-    py = text.split("Python, this thread, by cumulative time:\n", 1)[1]  # the host's own profile, same calls
+    py = text.split(f"{PY_PROFILE_HEADING}\n", 1)[1]  # the host's own profile, same calls
     assert "cumulative" in py and "engine.py" in py
 
 

@@ -402,7 +402,8 @@ def test_extra_rows_are_lent_in_row_order_until_the_budget_is_spent(graph_semant
     the steps run without extra rows: the host's count of what is left must follow the device's lending exactly, or
     it would stop the extra rows early (slow) or keep them after the feeding (wasted compute)."""
     model = model_for("tiny-llama")
-    eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16, feed_budget=5)
+    eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16, feed_budget=5,
+                 feed_widths=1)  # fmt: skip
     if graph_semantics:
         eng.cuda_graphs = True
         eng._graph_for = lambda b, sampling, extra=0: _EagerReplay(eng, b, sampling, extra)
@@ -421,7 +422,7 @@ def test_lent_ranges_start_at_whole_groups_of_feed_group_rows():
     model = model_for("tiny-llama")
     for group, counts in ((4, [[6, 1], [6, 10], [6, 19], [6, 22]]), (1, [[6, 4], [6, 13], [6, 22]])):
         eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=32,
-                     feed_budget=8, feed_group=group)  # fmt: skip
+                     feed_budget=8, feed_group=group, feed_widths=1)  # fmt: skip
         steps = _fed_steps(eng, (6, 22), max_new_tokens=3)
         assert steps[: len(counts)] == [(8, c) for c in counts], group
         assert {extra for extra, _ in steps[len(counts) :]} == {0}, group
@@ -457,7 +458,7 @@ def test_feed_step_widths_are_the_budget_and_its_halvings_in_whole_groups(monkey
     from lragent.engine import feed_step_widths
 
     monkeypatch.delenv("LRAGENT_FEED_WIDTHS", raising=False)
-    assert feed_step_widths(2048, 1) == (2048,) and feed_step_widths(0, 1, 4) == ()
+    assert feed_step_widths(2048, 1) == (256, 512, 1024, 2048) and feed_step_widths(0, 1, 4) == ()  # default: 4
     assert feed_step_widths(2048, 1, 4) == (256, 512, 1024, 2048)
     assert feed_step_widths(20, 8, 3) == (8, 16, 20)  # 5 and 10 rounded up to whole groups; the budget stays
     assert feed_step_widths(6, 4, 5) == (4, 6)

@@ -40,6 +40,9 @@ PROFILE_ENV = "LRAGENT_EVAL_PROFILE"
 (default 300 and 100: past the graph captures) and writes where their device and host time went to
 ``DIR/eval_profile_<pid>.txt`` (a diagnostic: the profiler slows the steps it records, not the others)."""
 
+PY_PROFILE_HEADING = "Python, by cumulative time (every thread on Python 3.12+, where cProfile records them all):"
+"""The heading of the Python profile written after torch's tables."""
+
 SERVE_PROFILE_ENV = "LRAGENT_SERVE_PROFILE"
 """The same for a server (``lragent serve``, the servers ``bench serve`` starts): its scheduler's rounds from decode
 step FIRST until COUNT steps later, admissions and streaming included, into ``DIR/serve_profile_<pid>.txt``."""
@@ -424,7 +427,7 @@ class _StepProfiler:
             path = Path(self.folder) / f"{self.name}_profile_{os.getpid()}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             text = f"decode calls {self._start[0]}..{calls}, wall {wall:.3f} s\n\n{table}\n\n{cpu}\n"
-            path.write_text(f"{text}\nPython, this thread, by cumulative time:\n{py.getvalue()}\n")
+            path.write_text(f"{text}\n{PY_PROFILE_HEADING}\n{py.getvalue()}\n")
             self._done = True
 
 
