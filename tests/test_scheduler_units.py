@@ -210,6 +210,10 @@ def test_the_worker_loop_serves_what_is_queued_then_returns_once_stopping():
     assert snap["decode_steps"] == sch.engine.decode_steps > 0 and phases["capture"] == 0
     assert all(0 < phases[k] < wall for k in ("admit", "decode", "other")) and 0 <= phases["idle"] < wall
     assert sum(phases.values()) <= wall
+    # the placing of the two requests, by part: each part ran and together they lie inside the admit phase
+    parts = snap["admit_s"]
+    assert set(parts) == {"match", "rows", "start"} and all(v > 0 for v in parts.values())
+    assert sum(parts.values()) <= phases["admit"]
 
 
 def test_the_worker_accounts_its_seconds_by_phase_and_serves_everything_queued_before_it_stops(monkeypatch):

@@ -76,6 +76,9 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
         # the first snapshot can land after it: on a loaded machine that alone passed the wall by a few ms)
         busy = sum(v for k, v in r["worker_s"].items() if k != "idle")
         assert r["worker_s"]["decode"] > 0 and busy <= r["wall_s"] + 0.5, r
+        # admission split by part, read from the server's counters over the workload: within the admit phase
+        assert set(r["admit_s"]) == {"match", "rows", "start"} and min(r["admit_s"].values()) > 0, r
+        assert sum(r["admit_s"].values()) <= r["worker_s"]["admit"] + 1e-6, r
         assert 0 < r["server_decode_mean_s"] and 0 < r["server_ttft_mean_s"] < r["request_wall_mean_s"], r
 
 

@@ -674,6 +674,7 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
         "peak_cache_bytes": 0,
         "decode_steps": 0,
         "worker_s": {"admit": 0.0, "decode": 0.0, "capture": 0.0, "idle": 0.0, "other": 0.0},
+        "admit_s": {"match": 0.0, "rows": 0.0, "start": 0.0},
     }
     lines = m.render().splitlines()
     samples = [line for line in lines if not line.startswith("#")]
@@ -695,7 +696,8 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
     ]
     assert all(line.endswith("} 0") for line in samples if "_bucket" in line)
     assert [line for line in samples if "{" in line and "_bucket" not in line] == [
-        f'lragent_worker_seconds_total{{phase="{k}"}} 0.0' for k in ("admit", "decode", "capture", "idle", "other")
+        *(f'lragent_worker_seconds_total{{phase="{k}"}} 0.0' for k in ("admit", "decode", "capture", "idle", "other")),
+        *(f'lragent_admit_seconds_total{{part="{k}"}} 0.0' for k in ("match", "rows", "start")),
     ]
     # a labelled metric with no samples yet still announces itself
     assert lines[lines.index("# TYPE lragent_requests_total counter") + 1].startswith("# HELP lragent_trajectories ")
@@ -714,6 +716,9 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
     m.worker_time("decode", 0.5, decode_steps=3)
     m.worker_time("idle", 0.25)
     m.worker_time("decode", 0.125, decode_steps=4)
+    m.admit_time("rows", 0.5)
+    m.admit_time("match", 0.125)
+    m.admit_time("rows", 0.25)
     assert m.snapshot() == {
         "running": 1,
         "waiting": 4,
@@ -730,6 +735,7 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
         "peak_cache_bytes": 107,
         "decode_steps": 7,
         "worker_s": {"admit": 0.0, "decode": 0.625, "capture": 0.0, "idle": 0.25, "other": 0.0},
+        "admit_s": {"match": 0.125, "rows": 0.75, "start": 0.0},
     }
     assert (m.ttft.count, m.tpot.count) == (2, 2)  # the requests without timings observe nothing
 
@@ -774,6 +780,7 @@ def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_be
     m.finished("cancelled")
     m.worker_time("admit", 1.5)
     m.worker_time("decode", 2.0, decode_steps=9)
+    m.admit_time("start", 1.25)
     ttft = "lragent_time_to_first_token_seconds"
     tpot = "lragent_time_per_output_token_seconds"
     ttft_buckets = [("0.01", 1), ("0.025", 1), ("0.05", 1), ("0.1", 1), ("0.25", 1), ("0.5", 2), ("1", 2), ("2.5", 2),
@@ -831,6 +838,13 @@ def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_be
         'lragent_worker_seconds_total{phase="capture"} 0.0',
         'lragent_worker_seconds_total{phase="idle"} 0.0',
         'lragent_worker_seconds_total{phase="other"} 0.0',
+        "# HELP lragent_admit_seconds_total Seconds of placing requests, within the admit phase: match (the prompt "
+        "against the held trajectories, its new text tokenised), rows (eviction, fork or cut, the new tokens "
+        "appended), start (the engine's start of the generation).",
+        "# TYPE lragent_admit_seconds_total counter",
+        'lragent_admit_seconds_total{part="match"} 0.0',
+        'lragent_admit_seconds_total{part="rows"} 0.0',
+        'lragent_admit_seconds_total{part="start"} 1.25',
         f"# HELP {ttft} Seconds from a request's arrival to its first generated token.",
         f"# TYPE {ttft} histogram",
         *(f'{ttft}_bucket{{le="{le}"}} {n}' for le, n in ttft_buckets),

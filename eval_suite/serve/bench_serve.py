@@ -86,8 +86,8 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
 
     Where a request's time goes: ``request_wall_mean_s`` (the client's, sending to the whole answer) against the
     server's ``server_ttft_mean_s`` (arrival to first token: queue and prefill) and ``server_decode_mean_s``; the
-    scheduler thread's seconds by phase (``worker_s``) and the mean decode batch (``tokens_per_decode_step``: generated
-    tokens over the batched steps run).
+    scheduler thread's seconds by phase (``worker_s``; ``admit_s`` splits its placing of requests) and the mean decode
+    batch (``tokens_per_decode_step``: generated tokens over the batched steps run).
     """
     prompt = sum(c.usage.get("prompt_tokens", 0) for c in completions)
     cached = sum((c.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for c in completions)
@@ -97,6 +97,7 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
     before = before or {}
     steps = server.get("decode_steps", 0) - before.get("decode_steps", 0) if "decode_steps" in server else None
     worker = {k: v - (before.get("worker_s") or {}).get(k, 0.0) for k, v in (server.get("worker_s") or {}).items()}
+    admit = {k: v - (before.get("admit_s") or {}).get(k, 0.0) for k, v in (server.get("admit_s") or {}).items()}
 
     def mean(values: list[float]) -> float | None:
         return sum(values) / len(values) if values else None
@@ -127,6 +128,7 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
         "decode_steps": steps,
         "tokens_per_decode_step": generated / steps if steps else None,
         "worker_s": worker or None,
+        "admit_s": admit or None,
     }
 
 
@@ -206,7 +208,7 @@ def _free(bench, q) -> dict:
 
 def _server_metrics(url: str, api_key: str | None) -> dict:
     """The cache bytes, queue peaks, counters (evictions, forks, decode steps) and the scheduler thread's seconds by
-    phase, from a server's /metrics text."""
+    phase and of admission by part, from a server's /metrics text."""
     text = ServeClient(url, api_key).get("/metrics")
     out: dict = {"cache_bytes": {}}
     names = {"lragent_cache_bytes_peak": "peak_cache_bytes", "lragent_trajectory_evictions_total": "evictions",
@@ -221,6 +223,8 @@ def _server_metrics(url: str, api_key: str | None) -> dict:
             out["cache_bytes"][name.split('"')[1]] = int(float(value))
         elif name.startswith('lragent_worker_seconds_total{phase="'):
             out.setdefault("worker_s", {})[name.split('"')[1]] = float(value)
+        elif name.startswith('lragent_admit_seconds_total{part="'):
+            out.setdefault("admit_s", {})[name.split('"')[1]] = float(value)
     return out
 
 
@@ -503,7 +507,7 @@ def render(runs: list[dict], config: dict, prov: dict) -> str:
     """The Markdown report."""
     from lragent.provenance import provenance_footer
     from lragent.report_io import markdown_table
-    from lragent.serving.metrics import WORKER_PHASES
+    from lragent.serving.metrics import ADMIT_PARTS, WORKER_PHASES
 
     header = ["scheme", "workload", "sessions", "requests", "failed", "tokens/s", "trajectory tokens/s", "sessions/s",
               "TTFT p50 (s)", "TTFT p99 (s)", "cached prefix", "peak cache (MiB)"]  # fmt: skip
@@ -521,11 +525,13 @@ def render(runs: list[dict], config: dict, prov: dict) -> str:
         [r["scheme"], r["workload"], _fmt(r.get("request_wall_mean_s"), ".3f"),
          _fmt(r.get("server_ttft_mean_s"), ".3f"), _fmt(r.get("server_decode_mean_s"), ".3f"),
          _fmt(r.get("tokens_per_decode_step"), ".2f"),
-         *[_fmt((r.get("worker_s") or {}).get(k), ".1f") for k in WORKER_PHASES]]
+         *[_fmt((r.get("worker_s") or {}).get(k), ".1f") for k in WORKER_PHASES],
+         *[_fmt((r.get("admit_s") or {}).get(k), ".1f") for k in ADMIT_PARTS]]
         for r in runs
     ]  # fmt: skip
     time_header = ["scheme", "workload", "request (client, s)", "arrival to first token (server, s)",
-                   "decode (server, s)", "mean decode batch", *[f"worker {k} (s)" for k in WORKER_PHASES]]  # fmt: skip
+                   "decode (server, s)", "mean decode batch", *[f"worker {k} (s)" for k in WORKER_PHASES],
+                   *[f"of admit: {k} (s)" for k in ADMIT_PARTS]]  # fmt: skip
     return (
         "# bench serve\n\n"
         f"{config['clients']} concurrent clients, {config['sessions']} sessions per workload and scheme, "

@@ -16,6 +16,10 @@ TPOT_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 """Seconds per generated token after the first."""
 WORKER_PHASES: tuple[str, ...] = ("admit", "decode", "capture", "idle", "other")
 """Where the scheduler's thread spends its time (``lragent_worker_seconds_total``)."""
+ADMIT_PARTS: tuple[str, ...] = ("match", "rows", "start")
+"""Where the placing of requests in the admit phase goes (``lragent_admit_seconds_total``): matching the prompt against
+the held trajectories and tokenising its new text, readying the row (an eviction, a fork or a cut, the new tokens
+appended), and the engine's start of the generation (its first tokens fed or prefilled)."""
 
 
 class Histogram:
@@ -68,6 +72,7 @@ class ServeMetrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.decode_steps = 0
         self.worker_s = dict.fromkeys(WORKER_PHASES, 0.0)
+        self.admit_s = dict.fromkeys(ADMIT_PARTS, 0.0)
         self.tpot = Histogram(TPOT_BUCKETS)
 
     def set_queue(self, running: int, waiting: int) -> None:
@@ -88,6 +93,12 @@ class ServeMetrics:
         with self._lock:
             self.worker_s[phase] += seconds
             self.decode_steps += decode_steps
+
+    def admit_time(self, part: str, seconds: float) -> None:
+        """Adds ``seconds`` of placing requests to ``part`` (one of :data:`ADMIT_PARTS`; they lie inside the worker's
+        admit phase)."""
+        with self._lock:
+            self.admit_s[part] += seconds
 
     def count_event(self, evicted: bool = False, forked: bool = False) -> None:
         with self._lock:
@@ -133,6 +144,7 @@ class ServeMetrics:
                 "peak_cache_bytes": self.peak_cache_bytes,
                 "decode_steps": self.decode_steps,
                 "worker_s": dict(self.worker_s),
+                "admit_s": dict(self.admit_s),
             }
 
     def render(self) -> str:
@@ -187,6 +199,14 @@ class ServeMetrics:
                 "Seconds of the scheduler's thread by phase: admit (matching, prefills), decode (batched steps, "
                 "streaming), capture (CUDA graphs for a new decode width), idle (waiting for requests), other.",
                 [f'lragent_worker_seconds_total{{phase="{k}"}} {v}' for k, v in self.worker_s.items()],
+            )
+            metric(
+                "lragent_admit_seconds_total",
+                "counter",
+                "Seconds of placing requests, within the admit phase: match (the prompt against the held trajectories, "
+                "its new text tokenised), rows (eviction, fork or cut, the new tokens appended), start (the engine's "
+                "start of the generation).",
+                [f'lragent_admit_seconds_total{{part="{k}"}} {v}' for k, v in self.admit_s.items()],
             )
             metric("lragent_time_to_first_token_seconds", "histogram",
                    "Seconds from a request's arrival to its first generated token.",

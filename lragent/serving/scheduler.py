@@ -383,6 +383,7 @@ class Scheduler:
     def _place(self, req: ServeRequest) -> bool:
         """Gives ``req`` a row and starts its step; False when every row is generating."""
         eng = self.engine
+        t0 = time.perf_counter()
         role = eng.model.router.id(req.role)
         busy = set(self._running)
         candidates = [r for r in self.store.held if r not in busy]
@@ -393,6 +394,8 @@ class Scheduler:
         match = self.store.best_match(req.prompt, candidates, eng.ids, reusable, self._tokenize)
         tokens = match.tokens if match is not None else self._tokenize(req.prompt)
         max_tokens = self._check_length(req, len(tokens))
+        t1 = time.perf_counter()
+        self.metrics.admit_time("match", t1 - t0)
         evicted = forked = False
         if match is not None and match.extends:
             row = match.row
@@ -408,7 +411,7 @@ class Scheduler:
         else:
             row = self.store.spare_row(busy)
             if row is None:
-                return False
+                return False  # (the match's seconds are counted: the request is matched again when a row frees)
             evicted = self._empty(row)
         held = (
             match.trajectory
@@ -417,6 +420,8 @@ class Scheduler:
         )
         eng.append(row, tokens[len(eng.ids(row)) :])
         self.store.set(row, held)
+        t2 = time.perf_counter()
+        self.metrics.admit_time("rows", t2 - t1)
         gen = GenerationRequest(
             role=role,
             max_new_tokens=max_tokens,
@@ -430,6 +435,8 @@ class Scheduler:
         except Exception:
             self._discard(row)
             raise
+        finally:
+            self.metrics.admit_time("start", time.perf_counter() - t2)
         self.metrics.count_event(evicted=evicted, forked=forked)
         self._running[row] = _Run(req, len(tokens))
         self._send(req, Admitted(prompt_tokens=len(tokens)))
