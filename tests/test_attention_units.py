@@ -74,6 +74,15 @@ def test_attention_mask_with_padding_lets_a_padding_query_see_itself():
     assert one[0, 0].tolist() == [[True, True, True, True]]
 
 
+def test_attention_mask_on_the_requested_device():
+    """Every position tensor is made on ``device``: a mask for another device (meta here) mixes in no host tensor."""
+    meta = torch.device("meta")
+    m = attention_mask(3, 5, None, meta)
+    assert m.device == meta and m.shape == (1, 1, 3, 5) and m.dtype == torch.bool
+    m = attention_mask(3, 5, torch.ones(2, 5, device=meta), meta)
+    assert m.device == meta and m.shape == (2, 1, 3, 5)
+
+
 # ------------------------------------------------------------------------------------------------ the switches
 
 
@@ -121,6 +130,20 @@ def test_compute_dtype_and_kernel_on_the_cpu():
         assert compute_dtype(torch.zeros(1)) == torch.float32  # only CUDA's autocast is SDPA's
 
 
+def test_compute_dtype_of_a_cpu_tensor_ignores_cuda_autocast():
+    """CUDA autocast casts CUDA tensors only: a host tensor keeps its dtype while it is on (flag, dtype restored)."""
+    was_on, was_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.float16)
+    try:
+        assert torch.is_autocast_enabled("cuda")
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            assert compute_dtype(torch.zeros(1, dtype=dtype)) == dtype
+    finally:
+        torch.set_autocast_enabled("cuda", was_on)
+        torch.set_autocast_dtype("cuda", was_dtype)
+
+
 # ------------------------------------------------------------------------------------------------ plain attention
 
 
@@ -151,6 +174,16 @@ def test_plain_attention_in_training_keeps_gradients():
     wq, wk, wv = torch.autograd.grad(want.sum(), (q, k, v))
     assert torch.allclose(gq, wq, atol=1e-10) and torch.allclose(gk, wk, atol=1e-10)
     assert torch.allclose(gv, wv, atol=1e-10)
+
+
+@pytest.mark.parametrize("h_q, h_kv", [(2, 2), (4, 2)])
+def test_plain_attention_builds_its_mask_on_the_queries_device(h_q, h_kv):
+    """The padding mask is made on q's device (meta here: shapes only), not the default one."""
+    meta = torch.device("meta")
+    q = torch.empty(2, h_q, 3, 8, device=meta)
+    k, v = torch.empty(2, h_kv, 5, 8, device=meta), torch.empty(2, h_kv, 5, 8, device=meta)
+    got = plain_attention(q, k, v, torch.ones(2, 5, device=meta))
+    assert got.device == meta and got.shape == (2, h_q, 3, 8)
 
 
 # ------------------------------------------------------------------------------------------- decomposed attention
@@ -267,6 +300,34 @@ def test_role_split_layout_with_ends():
     assert rows.row_pos.tolist() == [] and rows.cu.tolist() == [0, 0, 0]
     empty = RoleSplit.make(z[:0], z[:0], torch.tensor([], dtype=torch.long), 8).rows
     assert empty.max_count == 0 and empty.max_end == 0 and empty.cu.tolist() == [0]
+
+
+def test_role_split_layout_on_the_producers_device():
+    """split and every row tensor go to the producer's device (meta here); the host-side maxima stay exact."""
+    meta = torch.device("meta")
+    p, c = torch.tensor([0, 1], device=meta), torch.tensor([1, 0], device=meta)
+    for ends in (None, torch.tensor([3, 6])):
+        lay = RoleSplit.make(p, c, torch.tensor([1, 2]), 6, ends)
+        rows = lay.rows
+        for name, x in (("split", lay.split), ("start", rows.start), ("count", rows.count), ("cu", rows.cu),
+                        ("row_seq", rows.row_seq), ("row_pos", rows.row_pos)):  # fmt: skip
+            assert x.device == meta, name
+        assert lay.split.dtype == rows.row_seq.dtype == rows.row_pos.dtype == torch.long
+        assert rows.start.dtype == rows.count.dtype == rows.cu.dtype == torch.int32
+        assert rows.row_pos.shape == (2 + 4 if ends is not None else 5 + 4,)
+        assert (rows.max_count, rows.max_end) == ((4, 6) if ends is not None else (5, 6))
+
+
+def test_role_split_reads_the_split_exactly_whatever_the_ends_dtype():
+    """ends as floats (a float mask's sums) are read as integers: the split is not rounded to ends' dtype (past
+    2**24 a float32 holds even integers only)."""
+    big = 2**24
+    z = torch.zeros(1, dtype=torch.long)
+    for ends in (torch.tensor([big + 2.0]), torch.tensor([big + 2], dtype=torch.int32), torch.tensor([big + 2])):
+        lay = RoleSplit.make(z, z, torch.tensor([big + 1]), big + 4, ends)
+        assert lay.split.tolist() == [big + 1], ends.dtype
+        assert lay.rows.start.tolist() == [big + 1] and lay.rows.count.tolist() == [1], ends.dtype
+        assert lay.rows.row_pos.tolist() == [big + 1] and lay.rows.max_end == big + 2, ends.dtype
 
 
 # ---------------------------------------------------------------------------------------------- two pieces

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eval_suite.evaluate.prompt_template import PromptTemplate, prompt_template_enabled
 from lragent.agents import EpisodeResult
 from lragent.agents.requests import Choose, Generate, Reply, StepStats, best_option
 from lragent.engine import Engine, GenerationRequest, StepResult
@@ -62,6 +63,7 @@ class _Lane:
     name: str = ""  # the scheme's name (a stall report names the lane)
     active: dict[int, _Row] = field(default_factory=dict)
     launched: bool = False
+    template: PromptTemplate | None = None  # the engine's template row (LRAGENT_PROMPT_TEMPLATE=1), else None
 
     @property
     def busy(self) -> bool:
@@ -173,6 +175,9 @@ class BatchedExecutor:
         self.heartbeat: Callable[[], None] = lambda: None
         self._lanes: list[_Lane] = []
         self._in_call: str | None = None  # the engine call the host is in ("<scheme> <call>"), for describe()
+        # LRAGENT_PROMPT_TEMPLATE=1: each engine has one more row, whose caches of the shared opening episodes copy
+        self.prompt_template = prompt_template_enabled()
+        self.template_tokens = 0  # opening tokens episodes copied from a template instead of computing them
 
     def describe(self) -> str:
         """The executor's state in a few words: the engine call in progress, each lane's rows and queue."""
@@ -197,7 +202,7 @@ class BatchedExecutor:
         return Engine(
             self.model,
             scheme,
-            rows=rows,
+            rows=rows + int(self.prompt_template),  # the template's row is the last
             capacity=self.capacity,
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
@@ -248,7 +253,8 @@ class BatchedExecutor:
             stream.wait_stream(torch.cuda.current_stream(self.model_device))  # the model and caches are made there
         with _on(stream):
             eng = reserved[1] if reserved is not None and reserved[0] >= rows else self._engine(scheme, rows)
-        return _Lane(eng, list(tasks), list(range(rows)), stream, name=f"{scheme}")
+        template = PromptTemplate(eng.rows - 1) if self.prompt_template else None
+        return _Lane(eng, list(tasks), list(range(rows)), stream, name=f"{scheme}", template=template)
 
     @torch.no_grad()
     def _run_lanes(self, schemes: list, groups: list[list]) -> Iterator[tuple[object, EpisodeResult]]:
@@ -321,18 +327,26 @@ class BatchedExecutor:
     def _timed_answer(self, lane: _Lane, row: int, state: _Row, reply: Reply | None) -> EpisodeResult | None:
         started = time.perf_counter()
         try:
-            return self._answer(lane.eng, row, state, reply)
+            return self._answer(lane.eng, row, state, reply, lane.template)
         finally:
             self.agent_s += time.perf_counter() - started
 
-    def _answer(self, eng: Engine, row: int, state: _Row, reply: Reply | None) -> EpisodeResult | None:
-        """Sends ``reply`` and serves the episode's requests until it waits on generation or ends."""
+    def _answer(
+        self, eng: Engine, row: int, state: _Row, reply: Reply | None, template: PromptTemplate | None = None
+    ) -> EpisodeResult | None:
+        """Sends ``reply`` and serves the episode's requests until it waits on generation or ends; an episode's
+        opening starts from ``template`` where it shares it."""
         episode = state.task.episode
         try:
             request = episode.send(reply) if reply is not None else next(episode)
             while True:
                 if request.new_text:
-                    eng.append(row, self._encode(request.new_text))
+                    tokens = self._encode(request.new_text)
+                    if template is not None and not eng.ids(row):
+                        copied = len(tokens)
+                        tokens = template.open(eng, row, tokens, self.model.router.id(request.role))
+                        self.template_tokens += copied - len(tokens)
+                    eng.append(row, tokens)
                 if isinstance(request, Choose):
                     options = [self._encode(o) for o in request.options]
                     role = self.model.router.id(request.role)

@@ -976,6 +976,8 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 "replay_s": getattr(executor, "replay_s", None), "wait_s": getattr(executor, "wait_s", None),
                 # of advance_s the graph captures (kernel compiles and loads included): once per graph, not per step
                 "capture_s": getattr(executor, "capture_s", None),
+                # opening tokens copied from a template row (LRAGENT_PROMPT_TEMPLATE=1) instead of computed
+                "template_tokens": getattr(executor, "template_tokens", None),
             }  # fmt: skip
 
         written = [time.perf_counter()]
