@@ -20,6 +20,9 @@ STAY=${1:-540}; shift || true
 T0=$(date +%s)
 MODEL=${MODEL:-default}
 STAGE=${STAGE:-study}
+# The decisive study's jobs began with one feeding width and no fed-token groups: its unfinished jobs keep that
+# computation (set either variable to override)
+[ "$STAGE" = decide ] && export LRAGENT_FEED_WIDTHS=${LRAGENT_FEED_WIDTHS:-1} LRAGENT_FEED_GROUP=${LRAGENT_FEED_GROUP:-1}
 if [ "$STAY" = stop ]; then
   ROOT=/tmp/${STAGE}_${MODEL}
   mine() { pgrep -f -- "$ROOT( |/|$)" | grep -vx "$$" || true; }  # the driver (--root ROOT) and its jobs (ROOT/...)
