@@ -135,3 +135,46 @@ def test_a_job_that_wrote_no_episode_file_counts_none_and_fails_the_bench(tmp_pa
     result = json.loads((out / "bench_eval.json").read_text())
     assert [(j["rc"], j["episodes"]) for j in result["jobs"]] == [(5, 0)] and result["summary"]["episodes"] == 0
     assert be.read_compared(out) == []  # a compared bench's job folder without episodes adds none
+
+
+def _fake_nvidia_smi(bindir: Path, apps: int) -> None:
+    """An ``nvidia-smi`` (a CPU has none) reporting 50% busy, 1,000 MiB and ``apps`` processes computing."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    script = bindir / "nvidia-smi"
+    pids = "\\n".join(str(4000 + i) for i in range(apps))
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        f'  --query-compute-apps=pid) printf "{pids}{chr(92)}n" ;;\n'
+        '  --query-gpu=utilization.gpu,memory.used) echo "50, 1000" ;;\n'
+        "  *) exit 1 ;;\n"
+        "esac\n"
+    )
+    script.chmod(0o755)
+
+
+@pytest.mark.parametrize(("apps", "others"), [(1, 0), (3, 2)])
+def test_processes_beside_the_jobs_on_the_gpu_mark_the_run_unclean(tmp_path: Path, fake_python: str, monkeypatch,
+                                                                   capsys, apps: int, others: int) -> None:  # fmt: skip
+    """One job at a time: one process computing is the job's own; three are two others sharing the GPU's time, which
+    the report and a warning line say (the figure is still written)."""
+    _fake_nvidia_smi(tmp_path / "bin", apps)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    out = tmp_path / "b"
+    assert be.bench_eval([_job(2, sleep=0.5)], out=str(out), python=fake_python, sample_s=0.05) == 0
+    s = json.loads((out / "bench_eval.json").read_text())["summary"]
+    assert s["peak_processes"] == apps and s["other_processes"] == others and s["busy_pct"] == 50.0
+    md = (out / "bench_eval.md").read_text()
+    assert ("**Not a clean measurement**: 2 more process(es)" in md) == bool(others)
+    assert ("warning: 2 more process(es)" in capsys.readouterr().err) == bool(others)
+
+
+def test_without_nvidia_smi_no_process_count_and_no_verdict(tmp_path: Path, fake_python: str, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:/usr/bin:/bin")
+    if be.shutil.which("nvidia-smi"):
+        pytest.skip("this machine has an nvidia-smi")
+    out = tmp_path / "b"
+    be.bench_eval([_job(1)], out=str(out), python=fake_python, sample_s=0.05)
+    s = json.loads((out / "bench_eval.json").read_text())["summary"]
+    assert s["peak_processes"] is None and s["other_processes"] is None and s["busy_pct"] is None
+    assert "Not a clean measurement" not in (out / "bench_eval.md").read_text()

@@ -36,12 +36,14 @@ TIMING_FIELDS = ("startup_s", "load_s", "episodes_s", "advance_s", "wait_s", "re
 
 
 class GpuSampler:
-    """Reads ``nvidia-smi``'s GPU utilization (and memory in use) every ``period`` seconds on a thread until
-    :meth:`stop`. Without ``nvidia-smi`` it records nothing (the bench still runs; ``busy`` is None)."""
+    """Reads ``nvidia-smi``'s GPU utilization, memory in use and the processes computing on it every ``period``
+    seconds on a thread until :meth:`stop`. Without ``nvidia-smi`` it records nothing (the bench still runs; ``busy``
+    is None)."""
 
     def __init__(self, period: float = 0.5) -> None:
         self.period = period
         self.samples: list[tuple[float, float, float]] = []  # (seconds since start, busy %, memory MiB)
+        self.processes: list[int] = []  # processes computing on the GPU at each read (its compute apps)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._t0 = time.perf_counter()
@@ -53,28 +55,35 @@ class GpuSampler:
 
     def _loop(self) -> None:
         query = ["nvidia-smi", "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+        apps = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader", "-i", "0"]
         while not self._stop.is_set():
             try:
                 line = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
                 busy, mem = (float(x) for x in line.split(","))
                 self.samples.append((time.perf_counter() - self._t0, busy, mem))
+                listed = subprocess.run(apps, capture_output=True, text=True, timeout=10)
+                if listed.returncode == 0:
+                    self.processes.append(sum(1 for pid in listed.stdout.split() if pid.isdigit()))
             except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 pass
             self._stop.wait(self.period)
 
     def stop(self) -> dict[str, Any]:
-        """Stops sampling; returns the mean busy percentage, the share of samples at 0%, the peak memory."""
+        """Stops sampling; returns the mean busy percentage, the share of samples at 0%, the peak memory and the most
+        processes seen computing on the GPU at once (None: not read)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=15)
+        peak = max(self.processes) if self.processes else None
         if not self.samples:
-            return {"busy_pct": None, "idle_share": None, "peak_memory_mib": None, "samples": 0}
+            return {"busy_pct": None, "idle_share": None, "peak_memory_mib": None, "samples": 0, "peak_processes": peak}
         busy = [b for _, b, _ in self.samples]
         return {
             "busy_pct": sum(busy) / len(busy),
             "idle_share": sum(b == 0 for b in busy) / len(busy),
             "peak_memory_mib": max(m for _, _, m in self.samples),
             "samples": len(busy),
+            "peak_processes": peak,
         }
 
 
@@ -123,6 +132,14 @@ def _job_summary(out: Path, wall: float, rc: int) -> dict[str, Any]:
     }
 
 
+def _unclean(others: int | None) -> list[str]:
+    """The report's warning lines when other processes computed on the GPU during the run (none otherwise)."""
+    if not others:
+        return []
+    return [f"**Not a clean measurement**: {others} more process(es) than its jobs computed on the GPU during the run "
+            "(`nvidia-smi`'s compute apps): they shared its time.", ""]  # fmt: skip
+
+
 def _markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     busy = "n/a" if s["busy_pct"] is None else f"{s['busy_pct']:.1f}%"
@@ -132,6 +149,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"{s['episodes']} episodes in {s['wall_s']:.1f} s on one device ({result['concurrent']} process(es) at once): "
         f"**{s['episodes_per_gpu_s']:.3f} episodes per GPU-second**; GPU busy {busy} of the time.",
         "",
+        *_unclean(s.get("other_processes")),
         "| job | episodes | wall s | start s | load s | loop s | decode calls s | of which wait s | captures s "
         "| host work s | steps | batch | rc |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -203,6 +221,7 @@ def bench_eval(
     result: dict[str, Any] = {"label": label, "concurrent": concurrent, "jobs": [], "provenance": prov}
     queue = list(enumerate(jobs))
     running: dict[int, tuple[subprocess.Popen, float, Any]] = {}
+    peak_running = 0  # the most jobs at once: any other process computing on the GPU is another's
     summaries: dict[int, dict[str, Any]] = {}
     sampler = GpuSampler(sample_s).start()
     started = time.perf_counter()
@@ -218,6 +237,7 @@ def bench_eval(
                 log.flush()
                 proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
                 running[i] = (proc, time.perf_counter(), log)
+                peak_running = max(peak_running, len(running))
                 print(f"bench eval: job {i} started: {opts}", file=sys.stderr, flush=True)
             time.sleep(0.2)
             for i, (proc, t0, log) in list(running.items()):
@@ -238,7 +258,12 @@ def bench_eval(
     wall = time.perf_counter() - started
     gpu = sampler.stop()
     episodes = sum(s["episodes"] for s in summaries.values())
-    result["summary"] = {"episodes": episodes, "wall_s": wall, "episodes_per_gpu_s": episodes / wall, **gpu}
+    others = None if gpu["peak_processes"] is None else max(0, gpu["peak_processes"] - peak_running)
+    result["summary"] = {"episodes": episodes, "wall_s": wall, "episodes_per_gpu_s": episodes / wall, **gpu,
+                         "other_processes": others}  # fmt: skip
+    if others:
+        print(f"bench eval: warning: {others} more process(es) than its jobs computed on the GPU during the run: "
+              "not a clean measurement", file=sys.stderr, flush=True)  # fmt: skip
     if compare is not None:
         ours = sorted(out_dir.glob("job_*"))
         counts = compare_records([r for d in ours for r in _episodes(d)], read_compared(Path(compare)))
