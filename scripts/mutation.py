@@ -297,7 +297,7 @@ DESELECT: dict[str, list[str]] = {
 # the study driver's run() (tests 24 s) waited 379 s a mutant and a run stopped with 329 unchecked; run_eval's and
 # similarity's poll loops (15-20 s) 4-5 minutes. Survivors ran at most 1.3x their measured time, so 3 and 5 leave
 # room for a busy host.
-TIMEOUT_MULTIPLIER: dict[str, float] = {"study_driver": 3.0, "run_eval": 5.0, "similarity": 5.0}
+TIMEOUT_MULTIPLIER: dict[str, float] = {"study_driver": 3.0, "run_eval": 5.0, "similarity": 5.0, "engine": 3.0}
 STATUS = re.compile(r"^\s+(\S+): (.+)$")
 
 

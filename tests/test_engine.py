@@ -475,6 +475,39 @@ def test_feed_step_widths_are_the_budget_and_its_halvings_in_whole_groups(monkey
             feed_step_widths(64, 1, bad)
 
 
+def test_a_bad_feed_variable_is_refused_naming_the_variable_its_value_and_what_it_sets(monkeypatch):
+    """The error for a bad ``LRAGENT_FEED_GROUP`` / ``LRAGENT_FEED_WIDTHS`` is one line: the variable, its value (blanks
+    stripped) and what the number means."""
+    from lragent.engine import _feed_group, feed_step_widths
+
+    monkeypatch.setenv("LRAGENT_FEED_GROUP", " 0 ")
+    want = r"^LRAGENT_FEED_GROUP='0': expected an int >= 1 \(token rows a group of fed tokens\)$"
+    with pytest.raises(ValueError, match=want):
+        _feed_group(None, True, 6)
+    monkeypatch.setenv("LRAGENT_FEED_WIDTHS", "two")
+    want = r"^LRAGENT_FEED_WIDTHS='two': expected an int >= 1 \(widths a feeding step may take\)$"
+    with pytest.raises(ValueError, match=want):
+        feed_step_widths(64, 1)
+
+
+def test_the_feed_budget_defaults_to_none_and_is_dropped_without_prefill_in_decode(monkeypatch):
+    """No extra rows unless asked (``feed_budget`` 0 by default, even with ``prefill_in_decode``), and none without
+    ``prefill_in_decode`` whatever ``feed_budget`` says (nothing is fed then): no widths, no extra rows a step."""
+    monkeypatch.delenv("LRAGENT_FEED_WIDTHS", raising=False)
+    model = model_for("tiny-llama")
+    for kw, want in [
+        ({"prefill_in_decode": 3}, (3, 0, ())),
+        ({"feed_budget": 5}, (0, 0, ())),
+        ({"prefill_in_decode": 3, "feed_budget": 5}, (3, 5, (1, 2, 5))),  # the budget and its halvings (default 4)
+    ]:
+        eng = Engine(model, "full_shared", rows=2, capacity=16, eos_token_ids=[], **kw)
+        assert (eng.prefill_in_decode, eng.feed_budget, eng.feed_widths) == want, kw
+        eng.append(0, [5, 6])
+        eng.start(0, GenerationRequest(role=0, max_new_tokens=2))
+        # the fed row's two tokens: one beyond its own, which the narrowest width holds (one extra row) when asked
+        assert eng._extra() == (1 if want[1] else 0), kw
+
+
 def test_a_feeding_round_takes_the_narrowest_width_that_holds_what_is_left():
     """``feed_budget`` 8 in widths 4 and 8 (``feed_widths`` 2), rows feeding 10 and 6 tokens: 9 + 5 tokens beyond
     their own are left, more than 8, so step 1 runs 8 extra rows (all lent to row 0); then 0 + 4 are left: step 2

@@ -535,6 +535,46 @@ def test_steps_with_lent_rows_run_on_the_engines_device_and_dtype_not_the_proces
     assert run(lambda: torch.device("meta")) == want and run(float64) == want
 
 
+def test_a_fed_row_started_under_another_default_device_feeds_its_own_tokens():
+    """``start`` of a row whose prompt is fed through decoding puts the fed ids on the host itself, not on the
+    process's default device: started under the ``meta`` default device (a tensor left there cannot be copied into
+    the engine's state), two fed rows generate what they generate when started under the defaults."""
+
+    def run(ctx) -> list:
+        eng = engine("full_shared", rows=2, prefill_in_decode=16, feed_budget=3)
+        for row, ids in enumerate((LONG[:9], SHORT[:3])):
+            eng.append(row, ids)
+            req = GenerationRequest(role=row, max_new_tokens=3, temperature=0.8 * row, seed=5)
+            with ctx():
+                assert eng.start(row, req) is None
+            assert eng._pending[row].forced_left == len(ids)  # fed, not prefilled
+        out = []
+        while eng._pending:
+            out += [(res.row, res.generated_ids) for res in eng.advance()]
+        return sorted(out)
+
+    assert run(lambda: torch.device("meta")) == run(contextlib.nullcontext)
+
+
+def test_fed_ids_are_page_locked_on_the_host_exactly_for_a_cuda_engine(monkeypatch):
+    """The fed ids' host tensor (int64, on the CPU) is page-locked when the engine is on CUDA, so that the
+    ``non_blocking`` copy into the decode state does not wait for the device; a CPU engine leaves it as it is."""
+    pinned = []
+
+    def pin(self):
+        pinned.append(self.tolist())
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    eng = engine("full_shared")
+    for device, want in [("cpu", []), ("cuda", [[3, 4, 5]]), ("cuda:1", [[3, 4, 5]])]:
+        eng.device = torch.device(device)
+        pinned.clear()
+        host = eng._host_ids([3, 4, 5])
+        assert (host.device.type, host.dtype, host.tolist()) == ("cpu", torch.long, [3, 4, 5])
+        assert pinned == want, device
+
+
 def test_every_view_of_a_step_with_lent_rows_carries_the_engines_choices_its_groups_and_a_bound(monkeypatch):
     """The decode steps that lend extra token rows to a fed prompt (``prefill_in_decode``, ``feed_budget``) give their
     views the engine's ``use_kernel`` and ``fuse_ops``, the token groups of the extra rows (``(b, feed_group)``) and,
@@ -1099,6 +1139,22 @@ def test_without_a_tokenizer_the_text_is_empty_and_timings_are_wall_seconds():
     assert 0 < res.prefill_s <= wall and 0 < res.decode_s <= wall
 
 
+def test_an_engine_builds_a_stop_index_only_with_a_tokenizer_and_its_counters_start_at_zero():
+    """Without a tokenizer there is no stop index (stop strings are refused); with one, an index over the model's
+    vocabulary. The step and time counters of a new engine are 0, so after one request the seconds spent in
+    ``advance`` are at most the wall time of the request and hold the read-back time."""
+    assert Engine(model(), "full_shared", capacity=CAPACITY, eos_token_ids=[]).stop_index is None
+    eng = engine("full_shared")
+    assert isinstance(eng.stop_index, StopTokenIndex) and eng.stop_index.vocab_size == VOCAB
+    counters = ("advance_s", "sync_s", "replay_s", "wait_s", "capture_s", "decode_steps", "peak_cache_bytes")
+    assert [getattr(eng, c) for c in counters] == [0] * len(counters)
+    eng.append(0, SHORT)
+    t0 = time.perf_counter()
+    eng.generate(0, GenerationRequest(role=0, max_new_tokens=3))
+    wall = time.perf_counter() - t0
+    assert 0 < eng.wait_s <= eng.sync_s <= eng.advance_s <= wall and eng.decode_steps == 3
+
+
 def test_a_stop_token_whose_text_only_shows_with_special_tokens_is_dropped():
     """The device ends a row on a token whose own text (special tokens shown) holds a stop string; when the result's
     text (special tokens hidden) does not show it, that token is dropped: the step ends on ``stop`` and keeps the
@@ -1227,6 +1283,41 @@ def test_cuda_graphs_and_fused_paths_default_on_for_a_half_precision_cuda_model(
     assert _dispatch(monkeypatch, "cuda:0", torch.bfloat16) == on
 
 
+def _feed_group_of(monkeypatch, decoder: dict, device: str = "cuda:0", dtype: torch.dtype = torch.bfloat16, **kw):
+    """The ``feed_group`` the constructor picks for a model on ``device`` in ``dtype`` whose decoder has the attributes
+    ``decoder`` (a CPU stand-in, the constructor stopped when it builds the scheme, as in :func:`_dispatch`)."""
+    import lragent.engine as engine_mod
+    import lragent.fused_weights as fused_weights
+
+    monkeypatch.setattr(fused_weights, "fuse_base_weights", lambda model, lora=False: None)
+
+    def built(*args, **kwargs):
+        raise _Built(sys._getframe(1).f_locals["self"])
+
+    monkeypatch.setattr(engine_mod, "make_scheme", built)
+    param = SimpleNamespace(device=torch.device(device), dtype=dtype)
+    fake = SimpleNamespace(decoder=SimpleNamespace(n_layers=2, **decoder), lora_config=SimpleNamespace(shared_a=True),
+                           model=SimpleNamespace(parameters=lambda: iter([param])), router=[0, 1])  # fmt: skip
+    with pytest.raises(_Built) as stop:
+        Engine(fake, "full_shared", **kw)
+    return stop.value.args[0].feed_group
+
+
+def test_the_feed_group_variable_is_taken_where_the_kernel_runs_within_its_query_heads_a_kv_head(monkeypatch):
+    """A half-precision CUDA engine with kernels takes ``LRAGENT_FEED_GROUP``, lowered to whole token rows within the
+    kernel's 128 query heads a group: ``n_heads // n_kv_heads`` query heads a KV head (1 for an attribute the decoder
+    lacks), so 7 // 2 = 3 heads give 42 rows, 7 give 18; an int always. Elsewhere no groups."""
+    monkeypatch.setenv("LRAGENT_FEED_GROUP", "128")
+    gqa = {"n_heads": 7, "n_kv_heads": 2}
+    for decoder, want in [(gqa, 42), ({"n_heads": 7}, 18), ({}, 128), ({"n_kv_heads": 2}, 128)]:
+        got = _feed_group_of(monkeypatch, decoder)
+        assert (type(got), got) == (int, want), decoder
+    for kw in [{"device": "cpu"}, {"dtype": torch.float32}, {"use_kernel": False}]:
+        assert _feed_group_of(monkeypatch, gqa, **kw) == 1, kw
+    monkeypatch.setenv("LRAGENT_FEED_GROUP", "4")
+    assert _feed_group_of(monkeypatch, gqa) == 4
+
+
 def test_caches_take_the_models_dtype():
     """A bf16 model's engine holds bf16 caches, and counts two bytes per cached value where an fp32 one counts four."""
     fp32 = Engine(model(), "base_shared", capacity=8, eos_token_ids=[])
@@ -1234,6 +1325,38 @@ def test_caches_take_the_models_dtype():
     bf16 = Engine(half, "base_shared", capacity=8, eos_token_ids=[])
     assert {t.dtype for t in [*bf16.pool.k, *bf16.pool.v, *bf16.pool.v_lr]} == {torch.bfloat16}
     assert {k: 2 * v for k, v in bf16.per_position.items()} == fp32.per_position
+
+
+def test_the_decode_state_is_made_on_the_engines_device_with_its_own_dtypes_and_start_values():
+    """Every decode-state tensor (made at construction and again when the pool grows) has the dtype and shape the
+    steps index with and lives on the engine's device whatever the process's defaults: with the engine's device set
+    to ``meta`` and the default dtype float64, a tensor left on the default device (the CPU) or in the default
+    dtype shows. On the CPU the start values: idle rows at the scratch slots, top-p 1, the vocabulary's EOS ids set."""
+    eng = engine("base_lr_shared", rows=3, prefill_in_decode=4)
+    eng.eos_token_ids = {0, 7, VOCAB - 1, VOCAB, -2}  # ids past the vocabulary mark nothing
+    long, f32, boolean = torch.long, torch.float32, torch.bool
+    want = {
+        "d_tok": ((3,), long), "d_pos": ((3,), long), "d_role": ((3,), long), "d_kv_slot": ((3,), long),
+        "d_lr_slot": ((3,), long), "d_hid_slot": ((3,), long), "d_active": ((3,), boolean),
+        "d_remaining": ((3,), long), "d_count": ((3,), long), "d_temp": ((3,), f32), "d_top_p": ((3,), f32),
+        "d_seed": ((3,), long), "d_gen": ((3, CAPACITY), long), "d_forced": ((3, 4), long),
+        "d_forced_len": ((3,), long), "d_forced_count": ((3,), long), "d_stop": ((3, VOCAB), boolean),
+        "d_logits": ((3, VOCAB), f32), "d_eos": ((VOCAB,), boolean),
+    }  # fmt: skip
+    for device in ("meta", "cpu"):
+        eng.device = torch.device(device)
+        with float64():
+            eng._alloc_decode_state()
+        got = {k: (tuple(v.shape), v.dtype) for k, v in vars(eng).items() if k.startswith("d_")}
+        assert got == want, device
+        assert {k for k, v in vars(eng).items() if k.startswith("d_") and v.device.type != device} == set(), device
+    pool = eng.pool
+    slots = (pool.scratch_kv, pool.scratch_lr, pool.scratch_hidden)
+    assert [eng.d_kv_slot.tolist(), eng.d_lr_slot.tolist(), eng.d_hid_slot.tolist()] == [[s] * 3 for s in slots]
+    assert eng.d_top_p.tolist() == [1.0] * 3 and eng.d_eos.nonzero().flatten().tolist() == [0, 7, VOCAB - 1]
+    zero = [eng.d_tok, eng.d_pos, eng.d_role, eng.d_active, eng.d_remaining, eng.d_count, eng.d_temp, eng.d_seed,
+            eng.d_gen, eng.d_forced, eng.d_forced_len, eng.d_forced_count, eng.d_stop, eng.d_logits]  # fmt: skip
+    assert all(not t.any() for t in zero)
 
 
 def test_eos_ids_default_to_the_models_generation_config_and_end_the_row_on_the_device():
