@@ -81,6 +81,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         "",
         ["tests/test_batched_executor_properties.py"],  # test_batched_executor: 220-280 s a run on 2 cores
     ),
+    "prompt_template": ("eval_suite/evaluate/prompt_template.py", "", ["tests/test_prompt_template.py"]),
     "static_cache": (
         "lragent/static_cache.py",
         "",

@@ -92,3 +92,18 @@ def test_the_switch_reads_0_or_1_and_names_a_bad_value(monkeypatch):
     monkeypatch.setenv("LRAGENT_PROMPT_TEMPLATE", "yes")
     with pytest.raises(ValueError, match=r"LRAGENT_PROMPT_TEMPLATE='yes': allowed 0 \(off\) or 1"):
         prompt_template_enabled()
+
+
+def test_the_share_counts_from_the_first_token_and_a_share_of_the_minimum_is_copied():
+    """An opening whose first token differs shares nothing, whatever follows; one that shares exactly
+    MIN_SHARED_TOKENS is copied; the copied count adds up over the rows opened."""
+    model = tiny_multi_lora("tiny-llama", b_std=0.3)
+    eng = Engine(model, "base_lr_shared", rows=4, capacity=256, eos_token_ids=[])
+    template = PromptTemplate(row=3)
+    first = list(range(1, 41))
+    assert template.open(eng, 0, first, role=0) == [40] and template.copied_tokens == 39
+    other_start = [99, *first[1:30], 7]
+    assert template.open(eng, 1, other_start, role=0) == other_start and eng.ids(1) == []
+    edge = [*first[:MIN_SHARED_TOKENS], 98, 97]
+    assert template.open(eng, 2, edge, role=0) == [98, 97] and eng.ids(2) == first[:MIN_SHARED_TOKENS]
+    assert template.copied_tokens == 39 + MIN_SHARED_TOKENS
