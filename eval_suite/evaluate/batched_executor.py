@@ -177,7 +177,12 @@ class BatchedExecutor:
         self._in_call: str | None = None  # the engine call the host is in ("<scheme> <call>"), for describe()
         # LRAGENT_PROMPT_TEMPLATE=1: each engine has one more row, whose caches of the shared opening episodes copy
         self.prompt_template = prompt_template_enabled()
-        self.template_tokens = 0  # opening tokens episodes copied from a template instead of computing them
+        self._templates: list[PromptTemplate] = []  # every lane's, kept past its lane for template_tokens
+
+    @property
+    def template_tokens(self) -> int:
+        """Opening tokens episodes copied from a template row instead of computing them (timing.json)."""
+        return sum(t.copied_tokens for t in self._templates)
 
     def describe(self) -> str:
         """The executor's state in a few words: the engine call in progress, each lane's rows and queue."""
@@ -254,6 +259,8 @@ class BatchedExecutor:
         with _on(stream):
             eng = reserved[1] if reserved is not None and reserved[0] >= rows else self._engine(scheme, rows)
         template = PromptTemplate(eng.rows - 1) if self.prompt_template else None
+        if template is not None:
+            self._templates.append(template)
         return _Lane(eng, list(tasks), list(range(rows)), stream, name=f"{scheme}", template=template)
 
     @torch.no_grad()
@@ -343,9 +350,7 @@ class BatchedExecutor:
                 if request.new_text:
                     tokens = self._encode(request.new_text)
                     if template is not None and not eng.ids(row):
-                        copied = len(tokens)
                         tokens = template.open(eng, row, tokens, self.model.router.id(request.role))
-                        self.template_tokens += copied - len(tokens)
                     eng.append(row, tokens)
                 if isinstance(request, Choose):
                     options = [self._encode(o) for o in request.options]
