@@ -96,8 +96,10 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
     ttft = [c.ttft_s for c in completions]
     before = before or {}
     steps = server.get("decode_steps", 0) - before.get("decode_steps", 0) if "decode_steps" in server else None
-    worker = {k: v - (before.get("worker_s") or {}).get(k, 0.0) for k, v in (server.get("worker_s") or {}).items()}
-    admit = {k: v - (before.get("admit_s") or {}).get(k, 0.0) for k, v in (server.get("admit_s") or {}).items()}
+    worker, admit = (
+        {k: v - (before.get(key) or {}).get(k, 0.0) for k, v in (server.get(key) or {}).items()}
+        for key in ("worker_s", "admit_s")
+    )
 
     def mean(values: list[float]) -> float | None:
         return sum(values) / len(values) if values else None
@@ -213,6 +215,7 @@ def _server_metrics(url: str, api_key: str | None) -> dict:
     out: dict = {"cache_bytes": {}}
     names = {"lragent_cache_bytes_peak": "peak_cache_bytes", "lragent_trajectory_evictions_total": "evictions",
              "lragent_trajectory_forks_total": "forks", "lragent_decode_steps_total": "decode_steps"}  # fmt: skip
+    seconds = {"lragent_worker_seconds_total": "worker_s", "lragent_admit_seconds_total": "admit_s"}  # by label
     for line in str(text).splitlines():
         if line.startswith("#") or " " not in line:
             continue
@@ -221,10 +224,8 @@ def _server_metrics(url: str, api_key: str | None) -> dict:
             out[names[name]] = int(float(value))
         elif name.startswith('lragent_cache_bytes{component="'):
             out["cache_bytes"][name.split('"')[1]] = int(float(value))
-        elif name.startswith('lragent_worker_seconds_total{phase="'):
-            out.setdefault("worker_s", {})[name.split('"')[1]] = float(value)
-        elif name.startswith('lragent_admit_seconds_total{part="'):
-            out.setdefault("admit_s", {})[name.split('"')[1]] = float(value)
+        elif "{" in name and name.split("{")[0] in seconds:  # a labelled sample: its label's value is the key
+            out.setdefault(seconds[name.split("{")[0]], {})[name.split('"')[1]] = float(value)
     return out
 
 
