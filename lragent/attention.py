@@ -88,10 +88,17 @@ def _cudnn_wide_values_ok() -> bool:
     return _CUDNN_WIDE_VALUES["ok"] and os.environ.get("LRAGENT_WIDE_CUDNN", "1") != "0"
 
 
+def _cuda_route(t: torch.Tensor) -> bool:
+    """True when ``t`` is on CUDA, where SDPA's backend choices below apply (FlashAttention, cuDNN, the
+    memory-efficient kernel). The routes' arithmetic (padding, scale, expanded heads, casts) is device-independent:
+    the CPU tests run it by answering True here."""
+    return t.is_cuda
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype SDPA computes ``t`` in: autocast's on CUDA when it is on (training: RoPE leaves Q in float32 and
     autocast casts it at the SDPA call), else ``t``'s own."""
-    if t.is_cuda and torch.is_autocast_enabled("cuda"):
+    if _cuda_route(t) and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
     return t.dtype
 
@@ -100,7 +107,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     q_len, k_len = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
     if key_mask is None and q_len == k_len:
-        if q.is_cuda and v.shape[-1] != q.shape[-1] and flash_takes_wide_values(q, v):
+        if _cuda_route(q) and v.shape[-1] != q.shape[-1] and flash_takes_wide_values(q, v):
             # [V_base | V_lr] is wider than Q and K, and FlashAttention wants one head width: Q and K get zero
             # columns (Q Kᵀ unchanged, the scale stays 1/sqrt(D)) and FlashAttention runs with GQA, no expanded KV
             # heads. The training step's shared pass (λ > 0) spends its attention here.
@@ -121,13 +128,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             pad = v.shape[-1] - q.shape[-1]
             q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-        if gqa and q.is_cuda and v.shape[-1] != q.shape[-1]:
+        if gqa and _cuda_route(q) and v.shape[-1] != q.shape[-1]:
             # float32 (no FlashAttention): GQA would fall to the math kernel; expanded KV heads take the
             # memory-efficient kernel (as the masked case below). Same values.
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if q.is_cuda and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _cuda_route(q) and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             # Training: not cuDNN, which torch picks first on Hopper: it builds a plan per new sequence length,
             # 120-240 ms (forward + backward, H200), so an epoch of length-bucketed batches paid ~300 ms a new batch
             # shape; FlashAttention takes any length at once (results/ddp_embedded_h200x4_2026-11-28/). Inference
@@ -135,7 +142,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
             with sdpa_kernel(_NO_CUDNN):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if key_mask is None and q.is_cuda and compute_dtype(q) in _KERNEL_DTYPES:
+    if key_mask is None and _cuda_route(q) and compute_dtype(q) in _KERNEL_DTYPES:
         # A chunk at the end of the keys: FlashAttention's bottom-right causal variant, no mask tensor.
         from torch.nn.attention.bias import causal_lower_right
 
@@ -144,7 +151,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, k_len), enable_gqa=gqa)
     mask = attention_mask(q_len, k_len, key_mask, q.device)
-    if gqa and mask is not None and q.is_cuda:
+    if gqa and mask is not None and _cuda_route(q):
         # Masked GQA would go to cuDNN's kernel, which failed on an H200 (mha_graph.execute); expanded KV heads take
         # the memory-efficient kernel instead. Same values.
         group = q.shape[1] // k.shape[1]
@@ -210,7 +217,7 @@ def decomposed_attention(
         use_kernel
         and not per_query
         and key_mask is None
-        and q.is_cuda
+        and _cuda_route(q)
         and q.dtype in _KERNEL_DTYPES
         and kernel_available()
     ):

@@ -521,3 +521,282 @@ def test_plain_attention_in_half_precision_on_the_cpu(monkeypatch, width):
     square = plain_attention(q, k[:, :, :4], v[:, :, :4])  # queries = keys, no mask
     assert torch.allclose(square.double(), reference(q, k[:, :, :4], v[:, :, :4]), atol=3e-2)
     assert _cudnn_wide_values_ok() is True
+
+
+# ------------------------------------------------------------------ the CUDA routes' arithmetic, run on the CPU
+# _sdpa picks SDPA backends for CUDA tensors (cuDNN for wide values, FlashAttention with zero-padded Q/K, expanded KV
+# heads, the bottom-right causal bias, no cuDNN in training). Which backend runs needs a GPU; what each route computes
+# does not: answering True for the route runs that arithmetic on host tensors, checked against the written-out
+# softmax, and a spy on sdpa_kernel (the real one still runs) records which backends each route asked for.
+
+
+@pytest.fixture
+def cuda_route(monkeypatch):
+    """The CUDA routes on host tensors; the backend lists requested, in order; cuDNN's switch on and untouched."""
+    monkeypatch.setattr(attention, "_cuda_route", lambda t: True)
+    monkeypatch.setitem(attention._CUDNN_WIDE_VALUES, "ok", True)
+    monkeypatch.delenv("LRAGENT_WIDE_CUDNN", raising=False)
+    asked = []
+    real = attention.sdpa_kernel
+
+    def spy(backends):
+        asked.append(list(backends))
+        return real(backends)
+
+    monkeypatch.setattr(attention, "sdpa_kernel", spy)
+    return asked
+
+
+@pytest.fixture
+def cuda_autocast():
+    """CUDA autocast's flag on in bfloat16 (a thread-local flag: settable without a GPU), restored after."""
+    was_on, was_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    yield
+    torch.set_autocast_enabled("cuda", was_on)
+    torch.set_autocast_dtype("cuda", was_dtype)
+
+
+def test_compute_dtype_on_the_cuda_route(cuda_route, cuda_autocast):
+    """On CUDA, autocast's dtype while it is on; its own dtype once it is off."""
+    for dtype in (torch.float32, torch.float64, torch.float16):
+        assert compute_dtype(torch.zeros(1, dtype=dtype)) == torch.bfloat16
+    torch.set_autocast_enabled("cuda", False)
+    for dtype in (torch.float32, torch.float16):
+        assert compute_dtype(torch.zeros(1, dtype=dtype)) == dtype
+
+
+@pytest.mark.parametrize("h_q, h_kv", [(4, 2), (2, 2)])
+def test_wide_values_try_cudnn_once_then_pad_queries_and_keys(cuda_route, caplog, h_q, h_kv):
+    """Values wider than Q/K in half precision: cuDNN is asked first; refused (as here), the refusal is logged and
+    remembered, and FlashAttention's route (Q and K zero-padded to V's width, the scale still 1/sqrt(D)) gives the
+    softmax written out. The second call goes straight to the padded route."""
+    caplog.set_level("INFO", logger="lragent.attention")
+    q = randn(2, h_q, 5, 8, seed=1).to(torch.bfloat16)
+    k, v = randn(2, h_kv, 5, 8, seed=2).to(torch.bfloat16), randn(2, h_kv, 5, 24, seed=3).to(torch.bfloat16)
+    got = plain_attention(q, k, v)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, h_q, 5, 24)
+    assert torch.allclose(got.double(), reference(q, k, v), atol=3e-2)
+    assert cuda_route == [[attention.SDPBackend.CUDNN_ATTENTION]]
+    assert attention._CUDNN_WIDE_VALUES["ok"] is False
+    (record,) = [r for r in caplog.records if r.name == "lragent.attention"]
+    message = record.getMessage()
+    assert message.startswith("cuDNN attention refused values wider than Q/K (") and message.endswith("); padding Q/K")
+    assert "No viable backend" in message  # the refusal's own text
+    again = plain_attention(q, k, v)
+    assert torch.equal(again, got) and cuda_route == [[attention.SDPBackend.CUDNN_ATTENTION]]
+    assert len([r for r in caplog.records if r.name == "lragent.attention"]) == 1
+
+
+def test_wide_values_without_cudnn_when_switched_off(cuda_route, monkeypatch):
+    monkeypatch.setenv("LRAGENT_WIDE_CUDNN", "0")
+    q, k = randn(1, 4, 6, 8, seed=1).to(torch.float16), randn(1, 2, 6, 8, seed=2).to(torch.float16)
+    v = randn(1, 2, 6, 16, seed=3).to(torch.float16)
+    got = plain_attention(q, k, v)
+    assert got.dtype == torch.float16 and torch.allclose(got.double(), reference(q, k, v), atol=3e-2)
+    assert cuda_route == [] and attention._CUDNN_WIDE_VALUES["ok"] is True
+
+
+def test_wide_values_in_float32_under_autocast_take_the_padded_half_precision_route(cuda_route, cuda_autocast):
+    """Training's shared pass: RoPE leaves Q/K in float32 and autocast computes SDPA in bfloat16, so the route casts
+    all three to it (the output is bfloat16)."""
+    q, k, v = randn(1, 4, 5, 8, seed=1).float(), randn(1, 2, 5, 8, seed=2).float(), randn(1, 2, 5, 16, seed=3).float()
+    got = plain_attention(q, k, v)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), reference(q, k, v), atol=3e-2)
+    assert cuda_route == [[attention.SDPBackend.CUDNN_ATTENTION]]
+
+
+@pytest.mark.parametrize("h_q, h_kv", [(6, 2), (4, 1)])
+def test_wide_values_in_float32_with_gqa_expand_the_kv_heads(cuda_route, h_q, h_kv):
+    """float32 (no FlashAttention): GQA with wide values takes expanded KV heads; same values, no backend asked."""
+    q, k, v = randn(2, h_q, 7, 8, seed=1), randn(2, h_kv, 7, 8, seed=2), randn(2, h_kv, 7, 12, seed=3)
+    got = plain_attention(q, k, v)
+    assert got.shape == (2, h_q, 7, 12) and torch.allclose(got, reference(q, k, v), atol=1e-10, rtol=0)
+    assert cuda_route == []
+
+
+@pytest.mark.parametrize("h_q, h_kv", [(4, 2), (2, 2)])
+def test_training_on_cuda_asks_for_every_backend_but_cudnn(cuda_route, h_q, h_kv):
+    q, k, v = randn(1, h_q, 6, 8, seed=1), randn(1, h_kv, 6, 8, seed=2), randn(1, h_kv, 6, 8, seed=3)
+    with torch.no_grad():  # inference: torch's own choice
+        assert torch.allclose(plain_attention(q, k, v), reference(q, k, v), atol=1e-10, rtol=0)
+    assert cuda_route == []
+    for trained in ("q", "k", "v"):
+        x = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
+        x[trained].requires_grad_()
+        with torch.enable_grad():
+            got = plain_attention(x["q"], x["k"], x["v"])
+            (grad,) = torch.autograd.grad(got.sum(), x[trained])
+            want = reference(x["q"], x["k"], x["v"])
+            (wgrad,) = torch.autograd.grad(want.sum(), x[trained])
+        assert torch.allclose(got, want, atol=1e-10) and torch.allclose(grad, wgrad, atol=1e-10)
+    assert cuda_route == [attention._NO_CUDNN] * 3
+    with torch.no_grad():  # a tensor that requires gradients, with gradients off: inference
+        plain_attention(q.clone().requires_grad_(), k, v)
+    assert len(cuda_route) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q, h_kv, lq, lk", [(4, 2, 3, 7), (2, 2, 1, 5), (4, 1, 6, 9)])
+def test_a_chunk_at_the_end_of_the_keys_takes_the_bottom_right_causal_bias(cuda_route, dtype, h_q, h_kv, lq, lk):
+    q = randn(2, h_q, lq, 8, seed=1).to(dtype)
+    k, v = randn(2, h_kv, lk, 8, seed=2).to(dtype), randn(2, h_kv, lk, 8, seed=3).to(dtype)
+    got = plain_attention(q, k, v)
+    assert got.dtype == dtype and got.shape == (2, h_q, lq, 8)
+    assert torch.allclose(got.double(), reference(q, k, v), atol=3e-2)
+
+
+def test_a_float32_chunk_under_autocast_is_cast_for_the_bottom_right_bias(cuda_route, cuda_autocast):
+    q, k, v = randn(1, 4, 3, 8, seed=1).float(), randn(1, 2, 7, 8, seed=2).float(), randn(1, 2, 7, 8, seed=3).float()
+    got = plain_attention(q, k, v)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.double(), reference(q, k, v), atol=3e-2)
+
+
+@pytest.mark.parametrize("h_q, h_kv, lq, lk", [(6, 2, 4, 7), (4, 1, 7, 7), (4, 2, 1, 5)])
+def test_masked_gqa_on_cuda_expands_the_kv_heads(cuda_route, h_q, h_kv, lq, lk):
+    """cuDNN's masked GQA kernel failed on an H200: the route expands the KV heads instead. Same values."""
+    q, k, v = randn(2, h_q, lq, 8, seed=1), randn(2, h_kv, lk, 8, seed=2), randn(2, h_kv, lk, 8, seed=3)
+    key_mask = torch.tensor([[0, 0] + [1] * (lk - 2), [1] * (lk - 1) + [0]])
+    got = plain_attention(q, k, v, key_mask)
+    assert got.shape == (2, h_q, lq, 8) and torch.allclose(got, reference(q, k, v, key_mask), atol=1e-10, rtol=0)
+    assert cuda_route == []
+
+
+def test_kernel_available_with_cuda_imports_the_kernel(monkeypatch, caplog):
+    """With CUDA present (answered True here), the kernel is available when its module imports, and unavailable,
+    with one warning naming the import error, when it does not (triton missing)."""
+    import sys
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kernel_available() is True
+    monkeypatch.setitem(sys.modules, "kernels.flash_lora_attention", None)  # import raises ImportError
+    caplog.set_level("WARNING", logger="lragent.attention")
+    assert kernel_available() is False
+    (record,) = [r for r in caplog.records if r.name == "lragent.attention"]
+    message = record.getMessage()
+    assert message.startswith("fused kernel unavailable (") and message.endswith("); using the PyTorch path")
+    assert "kernels.flash_lora_attention" in message
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Each SDPA call's shapes and keyword arguments, in order (the real SDPA still runs)."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), **kwargs})
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("h_q, h_kv", [(4, 2), (2, 2)])
+def test_wide_values_calls_cudnn_as_they_are_then_flash_with_padded_queries(cuda_route, sdpa_calls, h_q, h_kv):
+    """cuDNN gets Q/K 8 wide and V 24 wide, GQA by the head counts, the scale of 8; the padded call gets all three 24
+    wide (FlashAttention takes one width) with the same scale."""
+    q = randn(1, h_q, 5, 8, seed=1).to(torch.bfloat16)
+    k, v = randn(1, h_kv, 5, 8, seed=2).to(torch.bfloat16), randn(1, h_kv, 5, 24, seed=3).to(torch.bfloat16)
+    plain_attention(q, k, v)
+    scale, gqa = 8**-0.5, h_q != h_kv
+    assert sdpa_calls == [
+        {"q": (1, h_q, 5, 8), "k": (1, h_kv, 5, 8), "v": (1, h_kv, 5, 24), "is_causal": True, "enable_gqa": gqa,
+         "scale": scale},
+        {"q": (1, h_q, 5, 24), "k": (1, h_kv, 5, 24), "v": (1, h_kv, 5, 24), "is_causal": True, "enable_gqa": gqa,
+         "scale": scale},
+    ]  # fmt: skip
+
+
+def test_square_half_precision_values_as_wide_as_queries_ask_for_no_backend(cuda_route, sdpa_calls):
+    q, k, v = (randn(1, h, 5, 8, seed=s).to(torch.bfloat16) for s, h in ((1, 4), (2, 2), (3, 2)))
+    got = plain_attention(q, k, v)
+    assert torch.allclose(got.double(), reference(q, k, v), atol=3e-2)
+    assert cuda_route == [] and attention._CUDNN_WIDE_VALUES["ok"] is True
+    assert sdpa_calls == [{"q": (1, 4, 5, 8), "k": (1, 2, 5, 8), "v": (1, 2, 5, 8), "is_causal": True,
+                           "enable_gqa": True}]  # fmt: skip
+
+
+@pytest.mark.parametrize("h_q, h_kv, lq, lk", [(6, 2, 4, 7), (4, 2, 1, 5)])
+def test_masked_gqa_calls_sdpa_with_expanded_heads(cuda_route, sdpa_calls, h_q, h_kv, lq, lk):
+    q, k, v = randn(1, h_q, lq, 8, seed=1), randn(1, h_kv, lk, 8, seed=2), randn(1, h_kv, lk, 8, seed=3)
+    plain_attention(q, k, v, torch.tensor([[0] + [1] * (lk - 1)]))
+    ((call),) = sdpa_calls
+    assert call["k"] == call["v"] == (1, h_q, lk, 8) and call["enable_gqa"] is False
+    assert call["attn_mask"].shape == (1, 1, lq, lk)
+
+
+def test_unmasked_gqa_decode_keeps_the_kv_heads(cuda_route, sdpa_calls):
+    """One query, no padding: no mask, so GQA stays GQA (no expanded heads)."""
+    q, k, v = randn(1, 4, 1, 8, seed=1), randn(1, 2, 5, 8, seed=2), randn(1, 2, 5, 8, seed=3)
+    assert torch.allclose(plain_attention(q, k, v), reference(q, k, v), atol=1e-10, rtol=0)
+    ((call),) = sdpa_calls
+    assert call["k"] == (1, 2, 5, 8) and call["enable_gqa"] is True and call["attn_mask"] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_masked_half_precision_chunk_keeps_its_padding_mask(cuda_route, dtype):
+    """The bottom-right causal bias is for unpadded keys only: with a padding mask the mask is built and applied."""
+    q = randn(2, 2, 3, 8, seed=1).to(dtype)
+    k, v = randn(2, 2, 6, 8, seed=2).to(dtype), randn(2, 2, 6, 8, seed=3).to(dtype)
+    key_mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
+    got = plain_attention(q, k, v, key_mask)
+    assert torch.allclose(got.double(), reference(q, k, v, key_mask), atol=3e-2)
+
+
+# ------------------------------------------------------------ decomposed attention's dispatch to the fused kernel
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """CUDA answered present and the route taken; the Triton kernel (GPU only) stood in for by its own eager
+    reference (kernels.flash_lora_attention.flash_lora_attention_reference, its tests' ground truth), each call's
+    arguments recorded."""
+    import kernels.flash_lora_attention as fla
+
+    monkeypatch.setattr(attention, "_cuda_route", lambda t: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls = []
+
+    def kernel(q, k, v_base, v_lr, lora_b, scaling, role_ids=None, kv_lens=None, sm_scale=None):
+        calls.append({"role_ids": role_ids, "kv_lens": kv_lens, "sm_scale": sm_scale, "lora_b": tuple(lora_b.shape)})
+        return fla.flash_lora_attention_reference(q, k, v_base, v_lr, lora_b, scaling, role_ids, kv_lens, sm_scale)
+
+    monkeypatch.setattr(fla, "flash_lora_attention", kernel)
+    return calls
+
+
+@pytest.mark.parametrize("h_q, h_kv, lq", [(4, 2, 6), (2, 2, 3), (4, 1, 1)])
+def test_decomposed_attention_hands_half_precision_to_the_kernel_with_its_arguments(kernel_calls, h_q, h_kv, lq):
+    b, lk, d, r = 2, 6, 8, 3
+    q, k = randn(b, h_q, lq, d, seed=1).bfloat16(), randn(b, h_kv, lk, d, seed=2).bfloat16()
+    v_base, v_lr = randn(b, h_kv, lk, d, seed=3).bfloat16(), randn(b, lk, r, seed=4).bfloat16()
+    lora_b, roles = randn(3, h_kv * d, r, seed=5).bfloat16(), torch.tensor([2, 1])
+    got = decomposed_attention(q, k, v_base, v_lr, lora_b, 0.7, roles)
+    assert got.dtype == torch.bfloat16 and got.shape == (b, h_q, lq, d)
+    want = decomposed_reference(q, k, v_base, v_lr, lora_b, 0.7, roles)
+    assert torch.allclose(got.double(), want, atol=5e-2), (got.double() - want).abs().max()
+    ((call),) = kernel_calls
+    assert call["role_ids"] is roles and call["kv_lens"] is None and call["sm_scale"] is None
+    assert call["lora_b"] == (3, h_kv, r, d)  # the per-head view
+
+
+def test_decomposed_attention_keeps_the_pytorch_path_where_the_kernel_does_not_apply(kernel_calls, monkeypatch):
+    b, h_q, h_kv, lk, d, r = 2, 4, 2, 6, 8, 3
+    q, k = randn(b, h_q, lk, d, seed=1), randn(b, h_kv, lk, d, seed=2)
+    v_base, v_lr, lora_b = randn(b, h_kv, lk, d, seed=3), randn(b, lk, r, seed=4), randn(3, h_kv * d, r, seed=5)
+    roles, mask = torch.tensor([2, 1]), torch.tensor([[0, 1, 1, 1, 1, 1], [1] * 6])
+    per_query = torch.tensor([[0, 2, 1, 1, 0, 2], [2, 2, 0, 1, 1, 0]])
+    half = [t.bfloat16() for t in (q, k, v_base, v_lr, lora_b)]
+    decomposed_attention(q, k, v_base, v_lr, lora_b, 0.7, roles)  # float64: not the kernel's dtype
+    decomposed_attention(*half, 0.7, roles, use_kernel=False)  # switched off
+    decomposed_attention(*half, 0.7, per_query)  # a role per query
+    decomposed_attention(*half, 0.7, roles, mask)  # padding
+    assert kernel_calls == []
+    decomposed_attention(*half, 0.7, roles)  # all four hold: the kernel, by default
+    assert len(kernel_calls) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    decomposed_attention(*half, 0.7, roles)
+    assert len(kernel_calls) == 1
