@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's lragent (its command machinery), whatever is installed
 OUT = ROOT / "results" / "mutation"
 SCRATCH = Path(os.environ.get("LRAGENT_MUTATION_SCRATCH", "/tmp/lragent_mutation"))
-PACKAGES = ["lragent", "eval_suite", "datamodules", "lit_modules", "kernels"]
+# scripts/ is no package: the tests load its files as scripts.<name> (tests/conftest.py), the names mutmut gives them
+PACKAGES = ["lragent", "eval_suite", "datamodules", "lit_modules", "kernels", "scripts"]
 
 # key -> (module file, mutant-name pattern or "" for the whole module, test files that cover it). Not selected:
 # tests/test_scheme_chain.py, whose sys.settrace trail of the scheme through the library cannot see through mutmut's
@@ -260,6 +261,10 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
         "",
         ["tests/test_similarity_units.py", "tests/test_similarity.py"],
     ),
+    "ship_adapter_set": ("scripts/ship_adapter_set.py", "", ["tests/test_ship_adapter_set_files.py"]),
+    "gpu_tests_record": ("scripts/gpu_tests_record.py", "", ["tests/test_gpu_tests_record.py"]),
+    "plant_bugs": ("scripts/plant_bugs.py", "", ["tests/test_plant_bugs.py"]),
+    "mutation_tool": ("scripts/mutation.py", "", ["tests/test_mutation_files.py"]),
 }
 # functions mutmut must leave unwrapped, by their whole def line: Lightning's save_hyperparameters() reads the
 # arguments of the __init__ frame that called it, which mutmut's trampoline hides (hparams come out empty). The
@@ -331,7 +336,7 @@ def _config(module: str, tests: list[str], deselect: list[str] = (), timeout_mul
     def arr(xs: list[str]) -> str:
         return "[" + ", ".join(json.dumps(x) for x in xs) + "]"
 
-    also = ["cli.py", "configs", "data", "scripts", "docs", "README.md"]
+    also = ["cli.py", "configs", "data", "docs", "README.md"]
     pytest_deselect = [a for d in deselect for a in ("--deselect", d)]
     return (
         "\n[tool.mutmut]\n"

@@ -235,10 +235,12 @@ def run_under_interpreter(code: str, timeout: int = 600) -> str:
 
 
 def load_script(name: str) -> ModuleType:
-    """The module of ``scripts/<name>.py`` (scripts are not a package), registered under ``name`` (dataclasses look
-    their module up)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    """The module of ``scripts/<name>.py`` (scripts are not a package), named ``scripts.<name>`` as its path reads
+    (the name mutation testing gives its functions) and registered under both names (dataclasses look their module
+    up)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"scripts.{name}", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[name] = sys.modules[f"scripts.{name}"] = module
     spec.loader.exec_module(module)
     return module

@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 from conftest import load_script, tiny_multi_lora
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lragent.adapters_io import NATIVE_FILE, PEFT_CONFIG, export_peft
@@ -76,3 +77,42 @@ def test_shipping_creates_a_target_that_does_not_exist(script: ModuleType, tmp_p
     assert script.ship(str(src), str(dst)) == 0
     assert sorted(p.name for p in dst.iterdir()) == sorted([*ROLES, NATIVE_FILE, "train_config.json"])
     assert json.loads((dst / "train_config.json").read_text())["shipped_from"] == str(src)
+
+
+def test_the_command_line_ships_and_says_what_it_wrote(script: ModuleType, tmp_path: Path, capsys) -> None:
+    """SOURCE TARGET as positionals; one line naming both and the set's entries; train_config.json written as
+    `lragent export` writes it (indented by 2, a final newline); the PEFT configs name the set's base model."""
+    src, dst = _study_set(tmp_path / "study"), tmp_path / "shipped"
+    assert script.main([str(src), str(dst)]) == 0
+    entries = sorted([*ROLES, NATIVE_FILE, "train_config.json"])
+    assert capsys.readouterr().out == f"{src} -> {dst}: {entries}\n"
+    config = {**TRAIN_CONFIG, "shipped_from": str(src)}
+    assert (dst / "train_config.json").read_text() == json.dumps(config, indent=2) + "\n"
+    for role in ROLES:
+        assert json.loads((dst / role / PEFT_CONFIG).read_text())["base_model_name_or_path"] == "tiny-llama"
+    with safe_open(str(dst / NATIVE_FILE), "pt") as native:  # the native checkpoint carries the config too
+        assert json.loads(native.metadata()["meta"]) == config
+
+
+def test_the_command_line_names_itself_and_refuses_a_bad_source_in_one_line(
+    script: ModuleType, tmp_path: Path, capsys
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: scripts/ship_adapter_set.py") and "source" in out and "target" in out
+    missing = tmp_path / "nothing"
+    assert script.main([str(missing), str(tmp_path / "shipped")]) == 2
+    assert capsys.readouterr().err == f"error: {missing / NATIVE_FILE} not found\n"
+    assert not (tmp_path / "shipped").exists()
+
+
+def test_a_set_without_a_dtype_ships_in_float32(script: ModuleType, tmp_path: Path) -> None:
+    src, dst = _study_set(tmp_path / "study"), tmp_path / "shipped"
+    (src / "train_config.json").write_text(json.dumps({"model": {"model_name": "tiny-llama"}}))
+    assert script.ship(str(src), str(dst)) == 0
+    before, after = load_file(str(src / NATIVE_FILE)), load_file(str(dst / NATIVE_FILE))
+    for name, t in after.items():
+        assert t.dtype == torch.float32, name
+        torch.testing.assert_close(t, before[name].float(), rtol=0, atol=0)
