@@ -106,3 +106,104 @@ def test_saving_merges_into_the_results_file_through_a_temporary_file(
     pb.save({"rerun": {"exit": 2}, "new": {"exit": 1}})
     assert json.loads(results.read_text()) == {"earlier": {"exit": 1}, "rerun": {"exit": 2}, "new": {"exit": 1}}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["planted.json"]
+
+
+def test_the_command_runs_the_chosen_entries_of_a_catalogue_and_writes_one_line_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A catalogue read by load() (lists of old/new as tuples, a single string kept), the entries whose names hold
+    the filter run in order, each printed in one line and saved one JSON line each (non-ASCII names as they are);
+    the copy leaves out wheels, GGUF pieces, .hypothesis; an old text found twice is refused naming the entry."""
+    pb = load_script("plant_bugs")
+    root, scratch, out = tmp_path / "repo", tmp_path / "scratch", tmp_path / "planted.json"
+    (root / "pkg").mkdir(parents=True)
+    calc = "def add(a, b):\n    return a + b\n\n\ndef neg(a):\n    return -a\n\n\nTWICE = 1\nTWICE = 1\n"
+    (root / "pkg" / "calc.py").write_text(calc)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_calc.py").write_text(
+        "from pkg.calc import add, neg\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+        "def test_neg():\n    assert neg(2) == -2\n"
+    )
+    (root / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
+    for junk in (".whl", ".gguf3", ".hypothesis", "data"):
+        (root / junk).mkdir()
+        (root / junk / "f").write_text(junk)
+    catalogue = tmp_path / "bugs.yaml"
+    catalogue.write_text(
+        "'calc: add subtracts':\n  file: pkg/calc.py\n  old: return a + b\n  new: return a - b\n"
+        "  tests: tests/test_calc.py\n"
+        "'calc: négation kept':\n  file: pkg/calc.py\n  old: [return -a, 'def neg(a):']\n"
+        "  new: [return a, 'def neg(a, b=0):']\n  tests: tests/test_calc.py::test_neg\n"
+        "'other: not chosen':\n  file: pkg/calc.py\n  old: a\n  new: b\n  tests: tests\n"
+    )
+    bugs = pb.load(str(catalogue))
+    assert bugs == {
+        "calc: add subtracts": ("pkg/calc.py", "return a + b", "return a - b", "tests/test_calc.py"),
+        "calc: négation kept": ("pkg/calc.py", ("return -a", "def neg(a):"), ("return a", "def neg(a, b=0):"),
+                                "tests/test_calc.py::test_neg"),
+        "other: not chosen": ("pkg/calc.py", "a", "b", "tests"),
+    }  # fmt: skip
+    for name, value in (("ROOT", str(root)), ("SCRATCH", str(scratch)), ("RESULTS", str(out)), ("BUGS", bugs)):
+        monkeypatch.setattr(pb, name, value)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("PYTEST_PLUGINS", "xdist.plugin")
+    assert pb.main(["calc"]) == 0
+    results = json.loads(out.read_text())
+    assert list(results) == ["calc: add subtracts", "calc: négation kept"]
+    assert [r["failed"] for r in results.values()] == [
+        ["tests/test_calc.py::test_add"],
+        ["tests/test_calc.py::test_neg"],
+    ]
+    assert all(r["exit"] == 1 and r["summary"].startswith("1 failed") for r in results.values())
+    lines = out.read_text().splitlines()
+    assert lines[0] == "{" and lines[-1] == "}" and len(lines) == 4 and '"calc: négation kept": {' in lines[2]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"{n} -> 1 {r['summary']} {r['failed']}" for n, r in results.items()]
+    assert sorted(p.name for p in scratch.iterdir()) == ["data", "pkg", "pytest.ini", "tests"]  # junk left out
+    assert "def neg(a, b=0):\n    return a\n" in (scratch / "pkg" / "calc.py").read_text()
+    monkeypatch.setattr(pb, "BUGS", {"twice": ("pkg/calc.py", "TWICE = 1", "TWICE = 2", "tests")})
+    with pytest.raises(AssertionError, match=r"\('twice', 2\)"):
+        pb.main(["twice"])
+    assert pb.main(["--help"]) == 0
+    assert capsys.readouterr().out.endswith("\nentries:\n  twice\n")
+
+
+def test_help_lists_every_entry_and_an_interrupt_in_process_keeps_what_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """-h / --help (from the command line too) print the usage and every entry, one an indented line; an entry whose
+    old and new lists differ in length is refused; a Ctrl-C during the second entry returns 130 with one line naming
+    it, the first entry's result saved."""
+    pb = load_script("plant_bugs")
+    out = tmp_path / "planted.json"
+    monkeypatch.setattr(pb, "RESULTS", str(out))
+    monkeypatch.setattr(pb, "BUGS", {"first": ("f.py", "a", "b", "t"), "second": ("f.py", "c", "d", "t")})
+    for argv in (["-h"], ["x", "--help"]):
+        assert pb.main(argv) == 0
+        assert capsys.readouterr().out == pb.__doc__.strip() + "\n\nentries:\n  first\n  second\n"
+    monkeypatch.setattr(sys, "argv", ["plant_bugs.py", "-h"])
+    assert pb.main() == 0 and capsys.readouterr().out.endswith("entries:\n  first\n  second\n")
+
+    def run_one(name: str, results: dict) -> None:
+        if name == "second":
+            raise KeyboardInterrupt
+        results[name] = {"exit": 1, "summary": "1 failed", "failed": ["t"]}
+
+    monkeypatch.setattr(pb, "run_one", run_one)
+    assert pb.main([]) == 130
+    assert capsys.readouterr().err == f"plant_bugs: interrupted during 'second': 1 of 2 run, kept in {out}\n"
+    assert json.loads(out.read_text()) == {"first": {"exit": 1, "summary": "1 failed", "failed": ["t"]}}
+
+
+def test_an_entry_whose_old_and_new_lists_differ_in_length_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pb = load_script("plant_bugs")
+    root = tmp_path / "repo"
+    (root / "data").mkdir(parents=True)
+    (root / "f.py").write_text("a = 1\nb = 2\n")
+    monkeypatch.setattr(pb, "ROOT", str(root))
+    monkeypatch.setattr(pb, "SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.setattr(pb, "BUGS", {"uneven": ("f.py", ("a = 1", "b = 2"), ("a = 2",), "t")})
+    with pytest.raises(ValueError, match="zip"):
+        pb.run_one("uneven", {})
