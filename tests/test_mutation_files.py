@@ -312,3 +312,33 @@ def test_a_module_whose_mutants_no_test_reaches_is_reported_as_none_checked_not_
     (mm.OUT / "mod.json").write_text(json.dumps(result))
     row = next(ln for ln in mm.write_report().read_text().splitlines() if ln.startswith("| `pkg/mod.py`"))
     assert row.startswith("| `pkg/mod.py` | incomplete (0 of 0 checked) |")
+
+
+def test_the_committed_report_is_what_the_committed_results_say(tmp_path: Path) -> None:
+    """write_report over the repository's own results/mutation/*.json (in a copy) gives results/mutation/README.md
+    byte for byte: every row, the not-run and left-out tables, the header (a report edited by hand, or results
+    committed without their report, fail here)."""
+    import shutil
+
+    m = load_script("mutation")
+    out = tmp_path / "mutation"
+    shutil.copytree(m.ROOT / "results" / "mutation", out)
+    (out / "README.md").unlink()
+    m.OUT = out  # the module object is this test's own (load_script builds a new one)
+    assert m.write_report() == out / "README.md"
+    assert (out / "README.md").read_text() == (m.ROOT / "results" / "mutation" / "README.md").read_text()
+
+
+def test_the_mutmut_configuration_of_a_module(tmp_path: Path) -> None:
+    """The [tool.mutmut] table: the packages as sources, one module mutated, the copies its tests read, the test files,
+    pytest in one process with the deselected tests, and a timeout multiplier only where one is set."""
+    m = load_script("mutation")
+    pkgs = '["lragent", "eval_suite", "datamodules", "lit_modules", "kernels", "scripts"]'
+    also = '["cli.py", "configs", "data", "docs", "README.md", "results/mutation"]'
+    assert m._config("pkg/a.py", ["tests/test_a.py", "tests/test_b.py"], ["tests/test_a.py::slow"], 3.0) == (
+        f'\n[tool.mutmut]\nsource_paths = {pkgs}\nonly_mutate = ["pkg/a.py"]\nalso_copy = {also}\n'
+        'pytest_add_cli_args_test_selection = ["tests/test_a.py", "tests/test_b.py"]\n'
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-n", "0", "--deselect", "tests/test_a.py::slow"]\n'
+        "timeout_multiplier = 3.0\n"
+    )
+    assert m._config("pkg/a.py", []).endswith('pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-n", "0"]\n')
