@@ -314,7 +314,9 @@ def test_a_module_whose_mutants_no_test_reaches_is_reported_as_none_checked_not_
     assert row.startswith("| `pkg/mod.py` | incomplete (0 of 0 checked) |")
 
 
-def test_the_committed_report_is_what_the_committed_results_say(tmp_path: Path) -> None:
+def test_the_committed_report_is_what_the_committed_results_say(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """write_report over the repository's own results/mutation/*.json (in a copy) gives results/mutation/README.md
     byte for byte: every row, the not-run and left-out tables, the header (a report edited by hand, or results
     committed without their report, fail here)."""
@@ -324,7 +326,7 @@ def test_the_committed_report_is_what_the_committed_results_say(tmp_path: Path) 
     out = tmp_path / "mutation"
     shutil.copytree(m.ROOT / "results" / "mutation", out)
     (out / "README.md").unlink()
-    m.OUT = out  # the module object is this test's own (load_script builds a new one)
+    monkeypatch.setattr(m, "OUT", out)
     assert m.write_report() == out / "README.md"
     assert (out / "README.md").read_text() == (m.ROOT / "results" / "mutation" / "README.md").read_text()
 

@@ -21,6 +21,24 @@ FAST = "q/k/v in one launch: off again when LRAGENT_QKV_ROPE is unset"  # its te
 SLOW = "decoder: full caches kept off the one q/k/v launch"  # an engine under the interpreter: about a minute
 
 
+def _calc_repo(root: Path, junk: tuple[str, ...], extra: str = "") -> str:
+    """A tiny repository at ``root``: pkg/calc.py (add, neg, then ``extra``), its two tests, pytest.ini, and a folder
+    with one file for each name of ``junk``; returns calc.py's text."""
+    (root / "pkg").mkdir(parents=True)
+    calc = "def add(a, b):\n    return a + b\n\n\ndef neg(a):\n    return -a\n" + extra
+    (root / "pkg" / "calc.py").write_text(calc)
+    (root / "tests").mkdir()
+    (root / "tests" / "test_calc.py").write_text(
+        "from pkg.calc import add, neg\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+        "def test_neg():\n    assert neg(2) == -2\n"
+    )
+    (root / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
+    for name in junk:
+        (root / name).mkdir()
+        (root / name / "f").write_text(name)
+    return calc
+
+
 def test_an_interrupted_run_keeps_the_entries_it_finished(tmp_path: Path) -> None:
     results = tmp_path / "planted.json"
     env = {**os.environ, "LRAGENT_PLANTED_RESULTS": str(results), "LRAGENT_PLANT_SCRATCH": str(tmp_path / "scratch")}
@@ -63,18 +81,7 @@ def test_an_entry_is_planted_in_a_fresh_copy_and_its_failing_test_recorded(
     failure; the repository's own file is untouched."""
     pb = load_script("plant_bugs")
     root, scratch = tmp_path / "repo", tmp_path / "scratch"
-    (root / "pkg").mkdir(parents=True)
-    calc = "def add(a, b):\n    return a + b\n\n\ndef neg(a):\n    return -a\n"
-    (root / "pkg" / "calc.py").write_text(calc)
-    (root / "tests").mkdir()
-    (root / "tests" / "test_calc.py").write_text(
-        "from pkg.calc import add, neg\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-        "def test_neg():\n    assert neg(2) == -2\n"
-    )
-    (root / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
-    for junk in (".git", "__pycache__", "data"):
-        (root / junk).mkdir()
-        (root / junk / "f").write_text(junk)
+    calc = _calc_repo(root, (".git", "__pycache__", "data"))
     scratch.mkdir()
     (scratch / "stale.txt").write_text("the previous entry's copy")
     monkeypatch.setattr(pb, "ROOT", str(root))
@@ -116,18 +123,7 @@ def test_the_command_runs_the_chosen_entries_of_a_catalogue_and_writes_one_line_
     the copy leaves out wheels, GGUF pieces, .hypothesis; an old text found twice is refused naming the entry."""
     pb = load_script("plant_bugs")
     root, scratch, out = tmp_path / "repo", tmp_path / "scratch", tmp_path / "planted.json"
-    (root / "pkg").mkdir(parents=True)
-    calc = "def add(a, b):\n    return a + b\n\n\ndef neg(a):\n    return -a\n\n\nTWICE = 1\nTWICE = 1\n"
-    (root / "pkg" / "calc.py").write_text(calc)
-    (root / "tests").mkdir()
-    (root / "tests" / "test_calc.py").write_text(
-        "from pkg.calc import add, neg\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-        "def test_neg():\n    assert neg(2) == -2\n"
-    )
-    (root / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
-    for junk in (".whl", ".gguf3", ".hypothesis", "data"):
-        (root / junk).mkdir()
-        (root / junk / "f").write_text(junk)
+    _calc_repo(root, (".whl", ".gguf3", ".hypothesis", "data"), extra="\n\nTWICE = 1\nTWICE = 1\n")
     catalogue = tmp_path / "bugs.yaml"
     catalogue.write_text(
         "'calc: add subtracts':\n  file: pkg/calc.py\n  old: return a + b\n  new: return a - b\n"
