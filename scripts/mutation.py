@@ -408,8 +408,8 @@ def run_module(key: str, workers: int, timeout_s: int) -> dict:
     considered = sum(1 for k, v in status.items() if v not in ("skipped", "not checked") and k not in marked)
     survivors = []
     for k, v in sorted(status.items()):
-        if v in ("killed", "timeout", "not checked") or k in marked:
-            continue  # an unchecked mutant is counted (``complete`` is false), not listed
+        if v in ("killed", "timeout", "not checked", "skipped") or k in marked:
+            continue  # an unchecked mutant is counted (``complete`` is false), not listed; a skipped one, neither
         diff = subprocess.run(["mutmut", "show", k], cwd=work, capture_output=True, text=True, env=env).stdout
         survivors.append({"mutant": k, "status": v, "diff": "\n".join(diff.splitlines()[1:])})
     result = {
@@ -545,6 +545,7 @@ def write_report() -> Path:
             + "\n".join(f"| `{m}` | {why} |" for m, why in unscored)
             + "\n"
         )
+    OUT.mkdir(parents=True, exist_ok=True)  # a fresh checkout's first report
     (OUT / "README.md").write_text(text)
     return OUT / "README.md"
 

@@ -10,12 +10,13 @@ these tests check is the script's own handling of the scratch copy and of mutmut
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import stat
 import subprocess
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from conftest import load_script
@@ -24,8 +25,13 @@ MODULE = "def f(\n    x,\n):\n    return x\n"
 TESTS = "from pkg.mod import f\n\n\ndef test_f():\n    assert f(1) == 1\n"
 FAKE_MUTMUT = """#!/bin/sh
 echo "$*" >> "$FAKE_MUTMUT_LOG"
+if [ -n "$FAKE_MUTMUT_ENV" ]; then
+  echo "$1 cwd=$(pwd -P) PYTHONPATH=$PYTHONPATH OMP=$OMP_NUM_THREADS MKL=$MKL_NUM_THREADS" >> "$FAKE_MUTMUT_ENV"
+fi
 case "$1" in
-  run) [ -n "$FAKE_MUTMUT_SLEEP" ] && exec sleep "$FAKE_MUTMUT_SLEEP"; exit 0 ;;
+  run) [ -n "$FAKE_MUTMUT_SLEEP" ] && exec sleep "$FAKE_MUTMUT_SLEEP"
+    [ -n "$FAKE_MUTMUT_OUT" ] && cat "$FAKE_MUTMUT_OUT" && printf 'on stderr' >&2
+    exit "${FAKE_MUTMUT_RC:-0}" ;;
   results) cat "$FAKE_MUTMUT_RESULTS" 2>/dev/null; exit 0 ;;
   show) printf '# %s\\n-    return x\\n+    return None\\n' "$2" ;;
 esac
@@ -71,7 +77,8 @@ def mm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_MUTMUT_LOG", str(tmp_path / "mutmut.log"))
     monkeypatch.setenv("FAKE_MUTMUT_RESULTS", str(tmp_path / "listing.txt"))
-    monkeypatch.delenv("FAKE_MUTMUT_SLEEP", raising=False)
+    for name in ("FAKE_MUTMUT_SLEEP", "FAKE_MUTMUT_ENV", "FAKE_MUTMUT_OUT", "FAKE_MUTMUT_RC"):
+        monkeypatch.delenv(name, raising=False)
     return m
 
 
@@ -219,6 +226,7 @@ def test_a_pattern_keeps_only_its_mutants_and_the_result_file_is_written(mm: Mod
         "    pkg.mod.x_loss__mutmut_2: survived\n"
         "    pkg.mod.x_loss__mutmut_3: survived\n"
         "    pkg.mod.x_other__mutmut_1: survived\n"
+        "    pkgXmod.x_loss__mutmut_9: survived\n"  # the pattern's dots are dots, not any character
     )
     (mm.OUT / "equivalent").mkdir(parents=True)
     (mm.OUT / "equivalent" / "mod.json").write_text(json.dumps({"pkg.mod.x_loss__mutmut_3": "same value"}))
@@ -344,3 +352,251 @@ def test_the_mutmut_configuration_of_a_module(tmp_path: Path) -> None:
         "timeout_multiplier = 3.0\n"
     )
     assert m._config("pkg/a.py", []).endswith('pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-n", "0"]\n')
+
+
+def _head(repo: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+
+def test_a_whole_run_is_recorded_field_by_field_from_mutmuts_own_verdicts(
+    mm: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run with every verdict mutmut gives: the counts, the equivalents (a killed mutant listed as equivalent stays
+    a kill), the score to one decimal, the survivors sorted with their diffs, the seconds, the commit read in the
+    repository (not in the caller's directory), the tool's version; the JSON file written with one-space indent; the
+    stamp over both test files; the deselected tests and the timeout multiplier in the copy's table; every mutmut
+    call made in the scratch copy with it first on PYTHONPATH and one OpenMP/MKL thread; a finished run's output not
+    kept."""
+    (mm.ROOT / "tests" / "test_more.py").write_text("def test_more():\n    assert True\n")
+    _git(mm.ROOT, "add", "-A")
+    _git(mm.ROOT, "commit", "-qm", "more")
+    tests = ["tests/test_mod.py", "tests/test_more.py"]
+    mm.MODULES["mod"] = ("pkg/mod.py", "", tests)
+    monkeypatch.setattr(mm, "DESELECT", {"mod": ["tests/test_more.py::test_more"]})
+    monkeypatch.setattr(mm, "TIMEOUT_MULTIPLIER", {"mod": 4.0})
+    clock = iter([100.0, 112.345])
+    monkeypatch.setattr(mm, "time", SimpleNamespace(time=lambda: next(clock)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")
+    monkeypatch.setenv("FAKE_MUTMUT_ENV", str(tmp_path / "env.log"))
+    (tmp_path / "run_output.txt").write_text("mutmut's progress\n")
+    monkeypatch.setenv("FAKE_MUTMUT_OUT", str(tmp_path / "run_output.txt"))
+    verdicts = ["killed", "timeout", "survived", "skipped", "no tests", "survived", "killed", "survived", "suspicious"]
+    (tmp_path / "listing.txt").write_text(
+        "".join(f"    pkg.mod.x_f__mutmut_{i}: {v}\n" for i, v in enumerate(verdicts, 1))
+    )
+    (mm.OUT / "equivalent").mkdir(parents=True)
+    (mm.OUT / "equivalent" / "mod.json").write_text(
+        json.dumps({"pkg.mod.x_f__mutmut_6": "same value", "pkg.mod.x_f__mutmut_7": "thought equivalent, killed"})
+    )
+    monkeypatch.chdir(tmp_path)  # no repository here: the commit must be read in ROOT
+    result = mm.run_module("mod", 3, 60)
+    diff = "-    return x\n+    return None"
+    assert result == {
+        "module": "pkg/mod.py",
+        "pattern": None,
+        "tests": tests,
+        "counts": {"killed": 2, "timeout": 1, "survived": 3, "skipped": 1, "no tests": 1, "suspicious": 1},
+        "equivalent": {"pkg.mod.x_f__mutmut_6": "same value"},
+        "killed_or_timeout": 3,
+        "considered": 7,
+        "score": 42.9,
+        "survivors": [
+            {"mutant": f"pkg.mod.x_f__mutmut_{i}", "status": verdicts[i - 1], "diff": diff} for i in (3, 5, 8, 9)
+        ],
+        "complete": True,
+        "seconds": 12.3,
+        "workers": 3,
+        "tool": f"mutmut {importlib.metadata.version('mutmut')}",
+        "commit": _head(mm.ROOT),
+        "host_cpus": os.cpu_count(),
+        "log_tail": "",
+    }
+    assert (mm.OUT / "mod.json").read_text() == json.dumps(result, indent=1) + "\n"
+    work = mm.SCRATCH / "mod"
+    assert (work / ".lragent_source").read_text() == _stamp(mm.ROOT, tests)
+    config = (work / "pyproject.toml").read_text()
+    assert '"--deselect", "tests/test_more.py::test_more"]\n' in config
+    assert config.endswith("timeout_multiplier = 4.0\n")
+    calls = (tmp_path / "env.log").read_text().splitlines()
+    where = f"cwd={work.resolve()} PYTHONPATH={work} OMP=1 MKL=1"
+    assert calls == [f"run {where}", f"results {where}"] + [f"show {where}"] * 4
+    assert "results --all true" in (tmp_path / "mutmut.log").read_text().splitlines()
+
+
+def test_the_result_folder_is_made_with_its_parents(mm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """results/mutation and the folders above it are made when missing (a fresh checkout's first run)."""
+    monkeypatch.setattr(mm, "OUT", mm.OUT / "results" / "mutation")
+    mm.run_module("mod", 1, 60)
+    assert json.loads((mm.OUT / "mod.json").read_text())["module"] == "pkg/mod.py"
+
+
+def test_a_run_that_fails_keeps_the_end_of_its_output_and_is_incomplete(
+    mm: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mutmut exiting non-zero: the result is not complete and keeps the last 2,000 characters of its stdout then
+    stderr, as text."""
+    out = "".join(f"line {i}\n" for i in range(500))
+    (tmp_path / "run_output.txt").write_text(out)
+    monkeypatch.setenv("FAKE_MUTMUT_OUT", str(tmp_path / "run_output.txt"))
+    monkeypatch.setenv("FAKE_MUTMUT_RC", "1")
+    (tmp_path / "listing.txt").write_text("    pkg.mod.x_f__mutmut_1: killed\n")
+    result = mm.run_module("mod", 1, 60)
+    assert result["complete"] is False
+    assert result["log_tail"] == (out + "on stderr")[-2000:]
+    assert json.loads((mm.OUT / "mod.json").read_text())["log_tail"] == result["log_tail"]
+
+
+def test_unchecked_mutants_make_the_run_incomplete_and_are_neither_scored_nor_listed(
+    mm: ModuleType, tmp_path: Path
+) -> None:
+    """A mutant mutmut has not checked yet is counted (the run is incomplete) but is in neither the score nor the
+    survivors."""
+    (tmp_path / "listing.txt").write_text(
+        "    pkg.mod.x_f__mutmut_1: killed\n"
+        "    pkg.mod.x_f__mutmut_2: not checked\n"
+        "    pkg.mod.x_f__mutmut_3: survived\n"
+    )
+    result = mm.run_module("mod", 1, 60)
+    assert result["counts"] == {"killed": 1, "not checked": 1, "survived": 1}
+    assert (result["considered"], result["killed_or_timeout"], result["score"]) == (2, 1, 50.0)
+    assert [s["mutant"] for s in result["survivors"]] == ["pkg.mod.x_f__mutmut_3"]
+    assert result["complete"] is False and result["log_tail"] == ""
+
+
+def test_a_new_test_file_in_new_folders_is_brought_into_the_copy_and_its_mutants_tree(mm: ModuleType) -> None:
+    """A test file added under folders the scratch copy lacks is copied there and into mutants/ (folders made)."""
+    mm.run_module("mod", 1, 60)
+    deep = mm.ROOT / "tests" / "deep" / "er" / "test_deep.py"
+    deep.parent.mkdir(parents=True)
+    deep.write_text("def test_deep():\n    assert True\n")
+    mm.MODULES["mod"] = ("pkg/mod.py", "", ["tests/test_mod.py", "tests/deep/er/test_deep.py"])
+    mm.run_module("mod", 1, 60)
+    work = mm.SCRATCH / "mod"
+    for dest in (work / "tests/deep/er/test_deep.py", work / "mutants/tests/deep/er/test_deep.py"):
+        assert dest.read_text() == deep.read_text()
+
+
+def test_an_unwrapped_function_is_found_by_its_whole_header_line_after_other_functions(mm: ModuleType) -> None:
+    """The pragma goes on the named function's own header colon, not on an earlier function's, nor on a line that
+    merely starts the same way."""
+    module = "def g(\n    y,\n):\n    return y\n\n\ndef f(x):\n    return x\n\n\ndef f(\n    x,\n):\n    return x\n"
+    (mm.ROOT / "pkg" / "mod.py").write_text(module)
+    mm.UNWRAPPED["mod"] = ["def f("]
+    mm.run_module("mod", 1, 60)
+    marked = (mm.SCRATCH / "mod" / "pkg" / "mod.py").read_text()
+    assert marked == module.replace("def f(\n    x,\n):\n", "def f(\n    x,\n):  # pragma: no mutate block\n")
+
+
+def test_a_meta_file_without_verdicts_is_left_as_it_is(mm: ModuleType, tmp_path: Path) -> None:
+    """_reset_unkilled on a .meta file that holds no verdicts yet (mutmut wrote only durations) changes nothing."""
+    meta = tmp_path / "work" / "mutants" / "pkg" / "mod.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"durations_by_key": {"pkg.mod.x_f__mutmut_1": 0.5}}))
+    mm._reset_unkilled(tmp_path / "work")
+    assert json.loads(meta.read_text()) == {"durations_by_key": {"pkg.mod.x_f__mutmut_1": 0.5}}
+
+
+def test_the_report_rows_for_each_kind_of_result_in_order(mm: ModuleType) -> None:
+    """A module not run, one whose mutants no test reached, an interrupted run (checked = all but the unchecked) and
+    a result written before log_tail existed: one row each, in MODULES' order (none stops the table)."""
+    mm.MODULES.clear()
+    mm.MODULES.update({k: (f"pkg/{k}.py", "", []) for k in ("a", "b", "c", "d")})
+    mm.OUT.mkdir(parents=True)
+    base = {
+        "pattern": None, "equivalent": {}, "killed_or_timeout": 3, "considered": 4, "score": 75.0,
+        "survivors": [{}], "seconds": 12.0, "workers": 2, "host_cpus": 2, "commit": "abcdef0123",
+    }  # fmt: skip
+    (mm.OUT / "b.json").write_text(
+        json.dumps({**base, "module": "pkg/b.py", "counts": {}, "complete": False, "log_tail": mm.UNREACHED})
+    )
+    counts = {"killed": 3, "survived": 1, "not checked": 2}
+    (mm.OUT / "c.json").write_text(json.dumps({**base, "module": "pkg/c.py", "counts": counts, "complete": False}))
+    (mm.OUT / "d.json").write_text(json.dumps({**base, "module": "pkg/d.py", "counts": {}, "complete": True}))
+    rows = [ln for ln in mm.write_report().read_text().splitlines() if ln.startswith("| `")]
+    assert rows[0] == "| `pkg/a.py` | not run yet | | | | |"
+    assert rows[1].startswith("| `pkg/b.py` | no mutant checked | |")
+    assert rows[2] == (
+        "| `pkg/c.py` | incomplete (4 of 6 checked) | 3 of 4 | 0 | 1 | interrupted, 12 s on 2 workers (2 CPUs), "
+        "abcdef0; killed 3, not checked 2, survived 1 |"
+    )
+    assert rows[3] == "| `pkg/d.py` | 75.0% | 3 of 4 | 0 | 1 | complete, 12 s on 2 workers (2 CPUs), abcdef0;  |"
+    assert len(rows) == 4
+
+
+def test_listing_the_modules_by_part_of_a_key_or_by_whole_keys(mm: ModuleType, capsys: pytest.CaptureFixture) -> None:
+    """--list prints key, module and test files, one line each; a name matches every key containing it unless
+    ``exact``."""
+    mm.MODULES.clear()
+    mm.MODULES.update({"sim": ("pkg/sim.py", "", ["tests/a.py", "tests/b.py"]), "sim_report": ("pkg/r.py", "", [])})
+    assert mm.mutation(["sim"], list=True) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"{'sim':24s} {'pkg/sim.py':36s} tests/a.py tests/b.py", f"{'sim_report':24s} {'pkg/r.py':36s} "]
+    assert mm.mutation(["sim"], list=True, exact=True) == 0
+    assert capsys.readouterr().out.splitlines() == [lines[0]]
+    assert mm.mutation(["report"], list=True) == 0
+    assert capsys.readouterr().out.splitlines() == [lines[1]]
+    assert not mm.SCRATCH.exists()
+
+
+def test_running_modules_prints_each_score_then_the_report(
+    mm: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Each module's line (score, killed of considered, survivors left), then the report's path; exit 0; mutmut is
+    found on PATH under its own name."""
+    mm.MODULES["mod2"] = ("pkg/mod.py", "", ["tests/test_mod.py"])
+    (tmp_path / "listing.txt").write_text("    pkg.mod.x_f__mutmut_1: killed\n    pkg.mod.x_f__mutmut_2: survived\n")
+    assert mm.mutation(["mod"], workers=2) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "mod: 50.0% (1 of 2), 1 left",
+        "mod2: 50.0% (1 of 2), 1 left",
+        str(mm.OUT / "README.md"),
+    ]
+    assert (mm.OUT / "mod2.json").is_file() and (mm.OUT / "README.md").is_file()
+
+
+def test_the_workers_and_the_timeout_reach_mutmut(
+    mm: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mutation(workers=3, timeout=1): mutmut runs with --max-children 3 and is stopped after 1 s."""
+    monkeypatch.setenv("FAKE_MUTMUT_SLEEP", "30")
+    assert mm.mutation(["mod"], workers=3, timeout=1) == 0
+    assert "run --max-children 3" in (tmp_path / "mutmut.log").read_text().splitlines()
+    assert json.loads((mm.OUT / "mod.json").read_text())["log_tail"] == "stopped after 1 s (rerun to resume)"
+
+
+def test_a_module_whose_tests_fail_unmutated_is_named_and_the_others_still_run(
+    mm: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """mutmut cannot start where a selected test fails on the unmutated code: one error line per such module, the
+    next module still runs, the report is written, exit 2."""
+    mm.MODULES["mod2"] = ("pkg/mod.py", "", ["tests/test_mod.py"])
+    (tmp_path / "run_output.txt").write_text("failed to collect stats\n")
+    monkeypatch.setenv("FAKE_MUTMUT_OUT", str(tmp_path / "run_output.txt"))
+    monkeypatch.setenv("FAKE_MUTMUT_RC", "1")
+    assert mm.mutation(["mod"]) == 2
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [
+        f"error: {k}: a selected test fails on the unmutated code (mutmut cannot start): see the end of "
+        f"results/mutation/{k}.json's log_tail"
+        for k in ("mod", "mod2")
+    ]
+    assert out.out.splitlines() == [str(mm.OUT / "README.md")]
+
+
+def test_the_command_line_takes_module_names_first_and_its_defaults(
+    mm: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``scripts/mutation.py NAME ...``: the names come first, before options; --help names the script; by default
+    every core works and a module may take an hour."""
+    assert mm.main(["mod", "--list", "true"]) == 0
+    assert capsys.readouterr().out.startswith("mod ")
+    with pytest.raises(SystemExit) as stop:
+        mm.main(["--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: scripts/mutation.py")
+    calls = []
+    done = {"log_tail": "", "score": 100.0, "killed_or_timeout": 1, "considered": 1, "survivors": []}
+    monkeypatch.setattr(mm, "run_module", lambda *args: calls.append(args) or done)
+    assert mm.main(["mod"]) == 0
+    assert calls == [("mod", os.cpu_count(), 3600)]
