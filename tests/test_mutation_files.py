@@ -600,3 +600,23 @@ def test_the_command_line_takes_module_names_first_and_its_defaults(
     monkeypatch.setattr(mm, "run_module", lambda *args: calls.append(args) or done)
     assert mm.main(["mod"]) == 0
     assert calls == [("mod", os.cpu_count(), 3600)]
+
+
+def test_called_from_python_every_core_works_and_a_module_may_take_an_hour(
+    mm: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mutation(names) without options: run_module gets os.cpu_count() workers and 3,600 s."""
+    calls = []
+    done = {"log_tail": "", "score": 100.0, "killed_or_timeout": 1, "considered": 1, "survivors": []}
+    monkeypatch.setattr(mm, "run_module", lambda *args: calls.append(args) or done)
+    assert mm.mutation(["mod"]) == 0
+    assert calls == [("mod", os.cpu_count(), 3600)]
+
+
+def test_the_report_is_written_where_no_results_folder_exists_yet(
+    mm: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_report on a fresh checkout (no results/mutation, no results/): the folders are made, the table says
+    not run yet."""
+    monkeypatch.setattr(mm, "OUT", mm.OUT / "results" / "mutation")
+    assert mm.write_report().read_text().count("| not run yet |") == 1
