@@ -76,6 +76,7 @@ SWITCHES: tuple[str, ...] = (
     "LRAGENT_SIGTERM_EVERY",
     "LRAGENT_LIGHTNING_SIGTERM",
     "LRAGENT_PIN_CORES",
+    "LRAGENT_SWITCH_INTERVAL_MS",
     "OMP_NUM_THREADS",
 )
 """Environment variables that change which kernels or code paths run: a result records those that were set, since

@@ -19,3 +19,42 @@ def test_serve_options_are_refused_naming_the_value(capsys, argv, message):
     assert main(["serve", "--scheme", "base_lr_shared", "--model", "tiny-llama", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+@pytest.fixture
+def switch_interval():
+    """Python's switch interval, put back after the test (the tests set it in this process)."""
+    import sys
+
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_the_switch_interval_is_set_from_the_environment_in_milliseconds(switch_interval):
+    """LRAGENT_SWITCH_INTERVAL_MS=0.5 sets Python's switch interval to 0.0005 s; unset or empty leaves it alone."""
+    import sys
+
+    from eval_suite.serve.serve_command import apply_switch_interval
+
+    sys.setswitchinterval(0.005)
+    assert apply_switch_interval({}) == 0.005
+    assert apply_switch_interval({"LRAGENT_SWITCH_INTERVAL_MS": " "}) == 0.005
+    assert apply_switch_interval({"LRAGENT_SWITCH_INTERVAL_MS": "0.5"}) == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "fast", "inf", "nan"])
+def test_a_bad_switch_interval_is_refused_naming_it_and_the_server_not_started(
+    capsys, monkeypatch, raw, switch_interval
+):
+    """A value that is not a number of milliseconds > 0: one line naming it and what is allowed, exit 2, before any
+    model is loaded; the interval unchanged."""
+    import sys
+
+    monkeypatch.setenv("LRAGENT_SWITCH_INTERVAL_MS", raw)
+    before = sys.getswitchinterval()
+    assert main(["serve", "--model", "tiny-llama", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: LRAGENT_SWITCH_INTERVAL_MS={raw!r}: allowed a number of milliseconds > 0 (e.g. 0.5)\n"
+    assert sys.getswitchinterval() == before

@@ -19,6 +19,25 @@ CPU_AUTO_ROWS = 4
 GPU_AUTO_ROWS = 64
 """``--max_rows auto`` on a GPU: at most this many rows, fewer where the caches would not fit."""
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+SWITCH_INTERVAL_ENV = "LRAGENT_SWITCH_INTERVAL_MS"
+"""Python's thread switch interval in the server process, in milliseconds (default: Python's own, 5 ms). The worker
+thread and the HTTP event loop share one interpreter lock: a thread that wants it back after a torch or tokenizer
+call waits until the other gives it up, at most this long."""
+
+
+def apply_switch_interval(environ: dict[str, str] | None = None) -> float:
+    """Sets ``sys.setswitchinterval`` from ``$LRAGENT_SWITCH_INTERVAL_MS`` (unset or empty: unchanged); returns the
+    interval in force, in seconds. Raises ValueError naming the value unless it is a number of milliseconds > 0."""
+    raw = (os.environ if environ is None else environ).get(SWITCH_INTERVAL_ENV, "").strip()
+    if raw:
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = float("nan")
+        if not ms > 0 or ms == float("inf"):
+            raise ValueError(f"{SWITCH_INTERVAL_ENV}={raw!r}: allowed a number of milliseconds > 0 (e.g. 0.5)")
+        sys.setswitchinterval(ms / 1000)
+    return sys.getswitchinterval()
 
 
 def serve(
@@ -91,6 +110,7 @@ def serve(
     if log_level not in ("critical", "error", "warning", "info", "debug"):
         raise ValueError(f"--log_level {log_level!r}: allowed critical, error, warning, info, debug")
     api_key = api_key if api_key is not None else os.environ.get("LRAGENT_API_KEY") or None
+    apply_switch_interval()
     run_device = resolve_device(device)
     on_gpu = run_device.startswith("cuda")
     dtype = dtype or ("bfloat16" if on_gpu else "float32")
