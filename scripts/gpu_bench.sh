@@ -27,6 +27,15 @@
 #                                                GPU's busy share) into /tmp/bench_eval/NAME, packed as
 #                                                $OUT/NAME.tar.gz (the accuracy model converted first, if carried);
 #                                                the jobs run as the study runs them (OMP_NUM_THREADS=1)
+#   bash scripts/gpu_bench.sh pair NAME [R] [N] [SCHEMES]  the served / in-process pair on HotpotQA AutoAct episodes:
+#                                                per scheme (default base_lr_shared,non_shared) bench serve with R
+#                                                clients and rows (default 64) over N sessions (default 256), the
+#                                                server a process of its own, then per scheme eval --batch R --limit N
+#                                                --runs 1 --launch_ahead true on the same questions; the accuracy model
+#                                                and its shipped HotpotQA set ($PAIR_MODEL, $PAIR_ADAPTERS); every
+#                                                record in $OUT/NAME.tar.gz, packed after each phase (a call returns few
+#                                                files, and one cut short keeps what finished). The servers inherit
+#                                                LRAGENT_SERVE_PROFILE and LRAGENT_SWITCH_INTERVAL_MS
 #   bash scripts/gpu_bench.sh fit8b              the paper-settings fit on 8B shapes (random weights, checkpointing,
 #                                                accumulation 2): FIT_STEPS1 steps, resumed with --ckpt_path last to
 #                                                FIT_STEPS2, exported (one PEFT directory per role)
@@ -40,9 +49,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
-  decode | trace | kernel | train | fit8b | gemv | profile | readme | eval) BENCH=$1; shift ;;
+  decode | trace | kernel | train | fit8b | gemv | profile | readme | eval | pair) BENCH=$1; shift ;;
   -h | --help) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}"; exit 0 ;;
-  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b, gemv, profile, readme, eval (--help)" >&2
+  *) echo "error: bench ${1:-nothing}: allowed decode, trace, kernel, train, fit8b, gemv, profile, readme, eval, pair (--help)" >&2
     exit 2 ;;
 esac
 [ -f scripts/device_model.sh ] && source scripts/device_model.sh > /dev/null
@@ -70,6 +79,26 @@ case "$BENCH" in
     mkdir -p /tmp/bench_eval
     OMP_NUM_THREADS=1 phase "$NAME" "$PY" cli.py bench eval "$@" --out "/tmp/bench_eval/$NAME"
     tar czf "$OUT/$NAME.tar.gz" -C /tmp/bench_eval "$NAME"
+    exit 0 ;;
+  pair)
+    NAME=${1:?pair needs a NAME}; R=${2:-64}; N=${3:-256}; SCHEMES=${4:-base_lr_shared,non_shared}
+    [ -n "${LRAGENT_ACCURACY_GGUF:-}" ] && "$PY" -m lragent.accuracy_model 2>&1 | grep -v "it/s\]" | tail -1
+    A=(--model "${PAIR_MODEL:-qwen2.5-coder-1.5b}" --adapters "${PAIR_ADAPTERS:-data/adapters/qwen_hotpotqa_sharedA}"
+      --dtype bfloat16)
+    mkdir -p "/tmp/bench_pair/$NAME"
+    pack() { tar czf "$OUT/$NAME.tar.gz" -C /tmp/bench_pair "$NAME"; }
+    for S in ${SCHEMES//,/ }; do
+      OMP_NUM_THREADS=1 phase "serve${R}_$S" "$PY" cli.py bench serve "${A[@]}" --workload autoact --benchmark hotpotqa \
+        --schemes "$S" --clients "$R" --sessions "$N" --max_rows "$R" --stream false \
+        --out "/tmp/bench_pair/$NAME/serve${R}_$S"
+      pack
+    done
+    for S in ${SCHEMES//,/ }; do
+      OMP_NUM_THREADS=1 phase "eval${R}_$S" "$PY" cli.py eval "${A[@]}" --benchmark hotpotqa --scheme "$S" \
+        --split dev,test --limit "$N" --batch "$R" --runs 1 --launch_ahead true --quiet true \
+        --out "/tmp/bench_pair/$NAME/eval${R}_$S"
+      pack
+    done
     exit 0 ;;
   fit8b) ;;
   readme)
