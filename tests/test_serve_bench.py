@@ -79,6 +79,8 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
         # admission split by part, read from the server's counters over the workload: within the admit phase
         assert set(r["admit_s"]) == {"match", "rows", "start"} and min(r["admit_s"].values()) > 0, r
         assert sum(r["admit_s"].values()) <= r["worker_s"]["admit"] + 1e-6, r
+        # collections' seconds by generation, read the same way (this in-process server does not count them: zero)
+        assert r["gc_s"] == {"0": 0.0, "1": 0.0, "2": 0.0}, r
         assert 0 < r["server_decode_mean_s"] and 0 < r["server_ttft_mean_s"] < r["request_wall_mean_s"], r
 
 

@@ -53,6 +53,7 @@ class Recorder:
                 rec.calls["scheduler"] = (engine, tokenizer, launch_ahead)
                 rec.calls["profiler"] = profiler
                 self.roles = (*STORED.roles, "Base")
+                self.metrics = SimpleNamespace(watch_gc=lambda: rec.calls.__setitem__("watch_gc", True))
 
         def serve_until_stopped(app, sock, log_level):
             rec.calls["serve_until_stopped"] = (app, sock.getsockname(), log_level)
@@ -180,6 +181,7 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
     }
     assert rec.calls["scheduler"] == (rec.engine, "TOK", False)
     assert rec.calls["profiler"] is None  # LRAGENT_SERVE_PROFILE unset: nothing recorded
+    assert rec.calls["watch_gc"] is True  # /metrics counts the collections' pauses
     app, (host, port), level = rec.calls["serve_until_stopped"]
     assert (host, level) == ("127.0.0.1", "info") and port > 0
     state = app.state.serve

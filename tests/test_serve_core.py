@@ -675,6 +675,8 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
         "decode_steps": 0,
         "worker_s": {"admit": 0.0, "decode": 0.0, "capture": 0.0, "idle": 0.0, "other": 0.0},
         "admit_s": {"match": 0.0, "rows": 0.0, "start": 0.0},
+        "gc_s": {"0": 0.0, "1": 0.0, "2": 0.0},
+        "gc_collections": {"0": 0, "1": 0, "2": 0},
     }
     lines = m.render().splitlines()
     samples = [line for line in lines if not line.startswith("#")]
@@ -698,6 +700,8 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
     assert [line for line in samples if "{" in line and "_bucket" not in line] == [
         *(f'lragent_worker_seconds_total{{phase="{k}"}} 0.0' for k in ("admit", "decode", "capture", "idle", "other")),
         *(f'lragent_admit_seconds_total{{part="{k}"}} 0.0' for k in ("match", "rows", "start")),
+        *(f'lragent_gc_seconds_total{{generation="{k}"}} 0.0' for k in ("0", "1", "2")),
+        *(f'lragent_gc_collections_total{{generation="{k}"}} 0' for k in ("0", "1", "2")),
     ]
     # a labelled metric with no samples yet still announces itself
     assert lines[lines.index("# TYPE lragent_requests_total counter") + 1].startswith("# HELP lragent_trajectories ")
@@ -736,6 +740,8 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
         "decode_steps": 7,
         "worker_s": {"admit": 0.0, "decode": 0.625, "capture": 0.0, "idle": 0.25, "other": 0.0},
         "admit_s": {"match": 0.125, "rows": 0.75, "start": 0.0},
+        "gc_s": {"0": 0.0, "1": 0.0, "2": 0.0},  # not watched: nothing counted
+        "gc_collections": {"0": 0, "1": 0, "2": 0},
     }
     assert (m.ttft.count, m.tpot.count) == (2, 2)  # the requests without timings observe nothing
 
@@ -845,6 +851,13 @@ def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_be
         'lragent_admit_seconds_total{part="match"} 0.0',
         'lragent_admit_seconds_total{part="rows"} 0.0',
         'lragent_admit_seconds_total{part="start"} 1.25',
+        "# HELP lragent_gc_seconds_total Seconds of Python's garbage collections in the server process by generation "
+        "(each pauses every thread, the scheduler's included; counted once the server runs).",
+        "# TYPE lragent_gc_seconds_total counter",
+        *(f'lragent_gc_seconds_total{{generation="{k}"}} 0.0' for k in ("0", "1", "2")),
+        "# HELP lragent_gc_collections_total Python's garbage collections in the server process by generation.",
+        "# TYPE lragent_gc_collections_total counter",
+        *(f'lragent_gc_collections_total{{generation="{k}"}} 0' for k in ("0", "1", "2")),
         f"# HELP {ttft} Seconds from a request's arrival to its first generated token.",
         f"# TYPE {ttft} histogram",
         *(f'{ttft}_bucket{{le="{le}"}} {n}' for le, n in ttft_buckets),
@@ -958,3 +971,31 @@ def test_launch_ahead_queues_the_next_round_before_answering_and_serves_the_same
     assert "launch" not in plain_order
     # a round queued, then a request of the round before it finished (answered while the device decodes)
     assert any(a == "launch" and b == "finish" for a, b in zip(order, order[1:], strict=False)), order
+
+
+def test_watched_collections_are_counted_by_generation_once_and_no_more_once_unwatched():
+    """watch_gc counts each of Python's collections in its generation, with its seconds (registered once however often
+    called; render and snapshot report them); after unwatch_gc nothing more is counted and the callback is gone."""
+    import gc
+
+    m = ServeMetrics()
+    callbacks = list(gc.callbacks)
+    m.watch_gc()
+    m.watch_gc()
+    try:
+        assert len(gc.callbacks) == len(callbacks) + 1
+        gc.collect(2)
+        gc.collect(0)
+        snap = m.snapshot()
+        assert snap["gc_collections"]["2"] >= 1 and snap["gc_collections"]["0"] >= 1
+        assert snap["gc_s"]["2"] > 0 and snap["gc_s"]["0"] > 0
+        text = m.render()
+        assert f'lragent_gc_collections_total{{generation="2"}} {snap["gc_collections"]["2"]}' in text.splitlines()
+        assert f'lragent_gc_seconds_total{{generation="2"}} {snap["gc_s"]["2"]}' in text.splitlines()
+    finally:
+        m.unwatch_gc()
+        m.unwatch_gc()
+    assert gc.callbacks == callbacks
+    before = m.snapshot()
+    gc.collect(2)
+    assert m.snapshot() == before

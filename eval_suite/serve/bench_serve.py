@@ -86,8 +86,10 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
 
     Where a request's time goes: ``request_wall_mean_s`` (the client's, sending to the whole answer) against the
     server's ``server_ttft_mean_s`` (arrival to first token: queue and prefill) and ``server_decode_mean_s``; the
-    scheduler thread's seconds by phase (``worker_s``; ``admit_s`` splits its placing of requests) and the mean decode
-    batch (``tokens_per_decode_step``: generated tokens over the batched steps run).
+    scheduler thread's seconds by phase (``worker_s``; ``admit_s`` splits its placing of requests), the seconds of
+    Python's collections in the server process by generation (``gc_s``: they pause every thread; counted by servers
+    ``lragent serve`` starts) and the mean decode batch (``tokens_per_decode_step``: generated tokens over the batched
+    steps run).
     """
     prompt = sum(c.usage.get("prompt_tokens", 0) for c in completions)
     cached = sum((c.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for c in completions)
@@ -96,9 +98,9 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
     ttft = [c.ttft_s for c in completions]
     before = before or {}
     steps = server.get("decode_steps", 0) - before.get("decode_steps", 0) if "decode_steps" in server else None
-    worker, admit = (
+    worker, admit, collections = (
         {k: v - (before.get(key) or {}).get(k, 0.0) for k, v in (server.get(key) or {}).items()}
-        for key in ("worker_s", "admit_s")
+        for key in ("worker_s", "admit_s", "gc_s")
     )
 
     def mean(values: list[float]) -> float | None:
@@ -131,6 +133,7 @@ def summarise(completions: list[Completion], wall_s: float, sessions: int, faile
         "tokens_per_decode_step": generated / steps if steps else None,
         "worker_s": worker or None,
         "admit_s": admit or None,
+        "gc_s": collections or None,
     }
 
 
@@ -209,13 +212,14 @@ def _free(bench, q) -> dict:
 
 
 def _server_metrics(url: str, api_key: str | None) -> dict:
-    """The cache bytes, queue peaks, counters (evictions, forks, decode steps) and the scheduler thread's seconds by
-    phase and of admission by part, from a server's /metrics text."""
+    """The cache bytes, queue peaks, counters (evictions, forks, decode steps), the scheduler thread's seconds by
+    phase, of admission by part and of Python's collections by generation, from a server's /metrics text."""
     text = ServeClient(url, api_key).get("/metrics")
     out: dict = {"cache_bytes": {}}
     names = {"lragent_cache_bytes_peak": "peak_cache_bytes", "lragent_trajectory_evictions_total": "evictions",
              "lragent_trajectory_forks_total": "forks", "lragent_decode_steps_total": "decode_steps"}  # fmt: skip
-    seconds = {"lragent_worker_seconds_total": "worker_s", "lragent_admit_seconds_total": "admit_s"}  # by label
+    seconds = {"lragent_worker_seconds_total": "worker_s", "lragent_admit_seconds_total": "admit_s",
+               "lragent_gc_seconds_total": "gc_s"}  # by label  # fmt: skip
     for line in str(text).splitlines():
         if line.startswith("#") or " " not in line:
             continue

@@ -141,6 +141,7 @@ def serve(
         feed_budget=FEED_BUDGET if on_gpu else 0,
     )  # fmt: skip
     scheduler = Scheduler(engine, tokenizer, launch_ahead=launch_ahead, profiler=serve_profiler())
+    scheduler.metrics.watch_gc()  # /metrics: the seconds collections pause the scheduler and the HTTP loop
     app = build_app(ServerState(scheduler, str(sch), base, tokenizer, api_key))
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -7,7 +7,9 @@ names follow vLLM's where they mean the same thing, under the ``lragent_`` prefi
 from __future__ import annotations
 
 import bisect
+import gc
 import threading
+import time
 from collections.abc import Sequence
 
 TTFT_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -20,6 +22,8 @@ ADMIT_PARTS: tuple[str, ...] = ("match", "rows", "start")
 """Where the placing of requests in the admit phase goes (``lragent_admit_seconds_total``): matching the prompt against
 the held trajectories and tokenising its new text, readying the row (an eviction, a fork or a cut, the new tokens
 appended), and the engine's start of the generation (its first tokens fed or prefilled)."""
+GC_GENERATIONS: tuple[str, ...] = ("0", "1", "2")
+"""Python's collector generations (``lragent_gc_seconds_total``): a collection pauses every thread of the process."""
 
 
 class Histogram:
@@ -74,6 +78,9 @@ class ServeMetrics:
         self.worker_s = dict.fromkeys(WORKER_PHASES, 0.0)
         self.admit_s = dict.fromkeys(ADMIT_PARTS, 0.0)
         self.tpot = Histogram(TPOT_BUCKETS)
+        self.gc_s = dict.fromkeys(GC_GENERATIONS, 0.0)
+        self.gc_collections = dict.fromkeys(GC_GENERATIONS, 0)
+        self._gc_t0: float | None = None
 
     def set_queue(self, running: int, waiting: int) -> None:
         with self._lock:
@@ -99,6 +106,28 @@ class ServeMetrics:
         admit phase)."""
         with self._lock:
             self.admit_s[part] += seconds
+
+    def watch_gc(self) -> None:
+        """Counts the seconds of Python's garbage collections in this process from now on, by generation (once,
+        however often called)."""
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def unwatch_gc(self) -> None:
+        """Stops counting collections."""
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        # No lock: a collection can start inside any allocation, also one made while this thread holds the lock
+        # (it would wait for itself); collections never overlap, and a reader sees each float whole.
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            generation = str(info["generation"])
+            self.gc_s[generation] += time.perf_counter() - self._gc_t0
+            self.gc_collections[generation] += 1
+            self._gc_t0 = None
 
     def count_event(self, evicted: bool = False, forked: bool = False) -> None:
         with self._lock:
@@ -145,6 +174,8 @@ class ServeMetrics:
                 "decode_steps": self.decode_steps,
                 "worker_s": dict(self.worker_s),
                 "admit_s": dict(self.admit_s),
+                "gc_s": dict(self.gc_s),
+                "gc_collections": dict(self.gc_collections),
             }
 
     def render(self) -> str:
@@ -207,6 +238,19 @@ class ServeMetrics:
                 "its new text tokenised), rows (eviction, fork or cut, the new tokens appended), start (the engine's "
                 "start of the generation).",
                 [f'lragent_admit_seconds_total{{part="{k}"}} {v}' for k, v in self.admit_s.items()],
+            )
+            metric(
+                "lragent_gc_seconds_total",
+                "counter",
+                "Seconds of Python's garbage collections in the server process by generation (each pauses every "
+                "thread, the scheduler's included; counted once the server runs).",
+                [f'lragent_gc_seconds_total{{generation="{k}"}} {v}' for k, v in self.gc_s.items()],
+            )
+            metric(
+                "lragent_gc_collections_total",
+                "counter",
+                "Python's garbage collections in the server process by generation.",
+                [f'lragent_gc_collections_total{{generation="{k}"}} {v}' for k, v in self.gc_collections.items()],
             )
             metric("lragent_time_to_first_token_seconds", "histogram",
                    "Seconds from a request's arrival to its first generated token.",
