@@ -11,6 +11,7 @@ import random
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -999,3 +1000,22 @@ def test_watched_collections_are_counted_by_generation_once_and_no_more_once_unw
     before = m.snapshot()
     gc.collect(2)
     assert m.snapshot() == before
+
+
+def test_each_collection_adds_its_own_seconds_and_a_stop_without_its_start_adds_nothing(monkeypatch):
+    """The collector's callback, driven with a clock: each start-stop pair adds its seconds and one collection to its
+    generation; a stop seen without its start (watching began mid-collection, or a stop repeated) adds nothing."""
+    import lragent.serving.metrics as metrics_module
+
+    clock = iter([10.0, 10.25, 20.0, 20.5, 30.0, 31.0])
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    m = ServeMetrics()
+    m._on_gc("stop", {"generation": 1})  # its start came before watching
+    for _ in range(2):
+        m._on_gc("start", {"generation": 1})
+        m._on_gc("stop", {"generation": 1})
+    m._on_gc("stop", {"generation": 1})  # repeated: no start before it
+    m._on_gc("start", {"generation": 2})
+    m._on_gc("stop", {"generation": 2})
+    assert m.snapshot()["gc_s"] == {"0": 0.0, "1": 0.75, "2": 1.0}
+    assert m.snapshot()["gc_collections"] == {"0": 0, "1": 2, "2": 1}
