@@ -584,8 +584,17 @@ def test_a_module_whose_tests_fail_unmutated_is_named_and_the_others_still_run(
     assert out.out.splitlines() == [str(mm.OUT / "README.md")]
 
 
+@pytest.fixture
+def run_calls(mm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """run_module's arguments, one tuple a call, for a run_module that answers at once with a finished module."""
+    calls: list[tuple] = []
+    done = {"log_tail": "", "score": 100.0, "killed_or_timeout": 1, "considered": 1, "survivors": []}
+    monkeypatch.setattr(mm, "run_module", lambda *args: calls.append(args) or done)
+    return calls
+
+
 def test_the_command_line_takes_module_names_first_and_its_defaults(
-    mm: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    mm: ModuleType, capsys: pytest.CaptureFixture, run_calls: list[tuple]
 ) -> None:
     """``scripts/mutation.py NAME ...``: the names come first, before options; --help names the script; by default
     every core works and a module may take an hour."""
@@ -595,22 +604,17 @@ def test_the_command_line_takes_module_names_first_and_its_defaults(
         mm.main(["--help"])
     assert stop.value.code == 0
     assert capsys.readouterr().out.startswith("usage: scripts/mutation.py")
-    calls = []
-    done = {"log_tail": "", "score": 100.0, "killed_or_timeout": 1, "considered": 1, "survivors": []}
-    monkeypatch.setattr(mm, "run_module", lambda *args: calls.append(args) or done)
+    assert run_calls == []  # --list and --help run no module
     assert mm.main(["mod"]) == 0
-    assert calls == [("mod", os.cpu_count(), 3600)]
+    assert run_calls == [("mod", os.cpu_count(), 3600)]
 
 
 def test_called_from_python_every_core_works_and_a_module_may_take_an_hour(
-    mm: ModuleType, monkeypatch: pytest.MonkeyPatch
+    mm: ModuleType, run_calls: list[tuple]
 ) -> None:
     """mutation(names) without options: run_module gets os.cpu_count() workers and 3,600 s."""
-    calls = []
-    done = {"log_tail": "", "score": 100.0, "killed_or_timeout": 1, "considered": 1, "survivors": []}
-    monkeypatch.setattr(mm, "run_module", lambda *args: calls.append(args) or done)
     assert mm.mutation(["mod"]) == 0
-    assert calls == [("mod", os.cpu_count(), 3600)]
+    assert run_calls == [("mod", os.cpu_count(), 3600)]
 
 
 def test_the_report_is_written_where_no_results_folder_exists_yet(
