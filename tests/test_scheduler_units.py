@@ -212,8 +212,55 @@ def test_the_worker_loop_serves_what_is_queued_then_returns_once_stopping():
     assert sum(phases.values()) <= wall
     # the placing of the two requests, by part: each part ran and together they lie inside the admit phase
     parts = snap["admit_s"]
-    assert set(parts) == {"match", "rows", "start"} and all(v > 0 for v in parts.values())
+    assert set(parts) == {"match", "tokenize", "rows", "start"} and all(v > 0 for v in parts.values())
     assert sum(parts.values()) <= phases["admit"]
+
+
+def test_the_admission_counts_the_tokenizers_calls_apart_from_the_match():
+    """The tokenizer's calls while placing requests (each made 50 ms long here) are counted as ``tokenize``, and
+    ``match`` holds only the comparisons around them: a first prompt tokenised whole, then a continuing prompt whose
+    new text alone is tokenised."""
+    sch = _scheduler(rows=1)
+    calls: list[str] = []
+    plain = sch._tokenize
+
+    def slow(text: str) -> list[int]:
+        calls.append(text)
+        time.sleep(0.05)
+        return plain(text)
+
+    sch._tokenize = slow
+    for prompt in ("hello ", "hello world "):
+        req, events = _request("plan", prompt, max_tokens=2)
+        sch.submit(req)
+        _drain(sch)
+        assert isinstance(events[-1], Finished), events
+    assert calls[0] == "hello " and len(calls) == 2 and calls[1].endswith("world ")
+    parts = sch.metrics.snapshot()["admit_s"]
+    assert 0.1 <= parts["tokenize"] < 0.1 + 0.5 and 0 < parts["match"] < 0.05, parts
+
+
+def test_the_admission_adds_up_every_tokenizer_call_of_a_request():
+    """One request whose match tokenises twice (non_shared: the plan role's trajectory, ranked first, serves the action
+    role nothing, so the action role's own shorter trajectory is matched too, from its own piece boundary): every
+    call's 50 ms is in ``tokenize``."""
+    sch = _scheduler(rows=2, scheme="non_shared")
+    calls: list[str] = []
+    plain = sch._tokenize
+
+    def slow(text: str) -> list[int]:
+        calls.append(text)
+        time.sleep(0.05)
+        return plain(text)
+
+    sch._tokenize = slow
+    for role, prompt in (("plan", "abcdefgh"), ("action", "ab"), ("action", "abcd")):
+        req, events = _request(role, prompt, max_tokens=0)
+        sch.submit(req)
+        _drain(sch)
+        assert isinstance(events[-1], Finished), events
+    assert calls == ["abcdefgh", "ab", "abcd", "cd"]
+    assert 0.2 <= sch.metrics.snapshot()["admit_s"]["tokenize"] < 0.2 + 0.5
 
 
 def test_the_worker_accounts_its_seconds_by_phase_and_serves_everything_queued_before_it_stops(monkeypatch):

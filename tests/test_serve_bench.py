@@ -77,7 +77,7 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys):
         busy = sum(v for k, v in r["worker_s"].items() if k != "idle")
         assert r["worker_s"]["decode"] > 0 and busy <= r["wall_s"] + 0.5, r
         # admission split by part, read from the server's counters over the workload: within the admit phase
-        assert set(r["admit_s"]) == {"match", "rows", "start"} and min(r["admit_s"].values()) > 0, r
+        assert set(r["admit_s"]) == {"match", "tokenize", "rows", "start"} and min(r["admit_s"].values()) > 0, r
         assert sum(r["admit_s"].values()) <= r["worker_s"]["admit"] + 1e-6, r
         # collections' seconds by generation, read the same way (this in-process server does not count them: zero)
         assert r["gc_s"] == {"0": 0.0, "1": 0.0, "2": 0.0}, r

@@ -675,7 +675,7 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
         "peak_cache_bytes": 0,
         "decode_steps": 0,
         "worker_s": {"admit": 0.0, "decode": 0.0, "capture": 0.0, "idle": 0.0, "other": 0.0},
-        "admit_s": {"match": 0.0, "rows": 0.0, "start": 0.0},
+        "admit_s": {"match": 0.0, "tokenize": 0.0, "rows": 0.0, "start": 0.0},
         "gc_s": {"0": 0.0, "1": 0.0, "2": 0.0},
         "gc_collections": {"0": 0, "1": 0, "2": 0},
     }
@@ -700,7 +700,7 @@ def test_a_fresh_serve_metrics_reports_zero_everywhere_and_labels_only_the_worke
     assert all(line.endswith("} 0") for line in samples if "_bucket" in line)
     assert [line for line in samples if "{" in line and "_bucket" not in line] == [
         *(f'lragent_worker_seconds_total{{phase="{k}"}} 0.0' for k in ("admit", "decode", "capture", "idle", "other")),
-        *(f'lragent_admit_seconds_total{{part="{k}"}} 0.0' for k in ("match", "rows", "start")),
+        *(f'lragent_admit_seconds_total{{part="{k}"}} 0.0' for k in ("match", "tokenize", "rows", "start")),
         *(f'lragent_gc_seconds_total{{generation="{k}"}} 0.0' for k in ("0", "1", "2")),
         *(f'lragent_gc_collections_total{{generation="{k}"}} 0' for k in ("0", "1", "2")),
     ]
@@ -724,6 +724,7 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
     m.admit_time("rows", 0.5)
     m.admit_time("match", 0.125)
     m.admit_time("rows", 0.25)
+    m.admit_time("tokenize", 0.0625)
     assert m.snapshot() == {
         "running": 1,
         "waiting": 4,
@@ -740,7 +741,7 @@ def test_serve_metrics_counters_add_up_over_requests_gauges_hold_the_last_value_
         "peak_cache_bytes": 107,
         "decode_steps": 7,
         "worker_s": {"admit": 0.0, "decode": 0.625, "capture": 0.0, "idle": 0.25, "other": 0.0},
-        "admit_s": {"match": 0.125, "rows": 0.75, "start": 0.0},
+        "admit_s": {"match": 0.125, "tokenize": 0.0625, "rows": 0.75, "start": 0.0},
         "gc_s": {"0": 0.0, "1": 0.0, "2": 0.0},  # not watched: nothing counted
         "gc_collections": {"0": 0, "1": 0, "2": 0},
     }
@@ -846,10 +847,11 @@ def test_metrics_render_is_the_whole_prometheus_exposition_with_help_and_type_be
         'lragent_worker_seconds_total{phase="idle"} 0.0',
         'lragent_worker_seconds_total{phase="other"} 0.0',
         "# HELP lragent_admit_seconds_total Seconds of placing requests, within the admit phase: match (the prompt "
-        "against the held trajectories, its new text tokenised), rows (eviction, fork or cut, the new tokens "
-        "appended), start (the engine's start of the generation).",
+        "against the held trajectories), tokenize (the tokenizer's calls on its new text), rows (eviction, fork or "
+        "cut, the new tokens appended), start (the engine's start of the generation).",
         "# TYPE lragent_admit_seconds_total counter",
         'lragent_admit_seconds_total{part="match"} 0.0',
+        'lragent_admit_seconds_total{part="tokenize"} 0.0',
         'lragent_admit_seconds_total{part="rows"} 0.0',
         'lragent_admit_seconds_total{part="start"} 1.25',
         "# HELP lragent_gc_seconds_total Seconds of Python's garbage collections in the server process by generation "

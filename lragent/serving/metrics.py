@@ -18,10 +18,11 @@ TPOT_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 """Seconds per generated token after the first."""
 WORKER_PHASES: tuple[str, ...] = ("admit", "decode", "capture", "idle", "other")
 """Where the scheduler's thread spends its time (``lragent_worker_seconds_total``)."""
-ADMIT_PARTS: tuple[str, ...] = ("match", "rows", "start")
+ADMIT_PARTS: tuple[str, ...] = ("match", "tokenize", "rows", "start")
 """Where the placing of requests in the admit phase goes (``lragent_admit_seconds_total``): matching the prompt against
-the held trajectories and tokenising its new text, readying the row (an eviction, a fork or a cut, the new tokens
-appended), and the engine's start of the generation (its first tokens fed or prefilled)."""
+the held trajectories (text and token comparisons), the tokenizer's calls on its new text, readying the row (an
+eviction, a fork or a cut, the new tokens appended), and the engine's start of the generation (its first tokens fed or
+prefilled)."""
 GC_GENERATIONS: tuple[str, ...] = ("0", "1", "2")
 """Python's collector generations (``lragent_gc_seconds_total``): a collection pauses every thread of the process."""
 
@@ -234,9 +235,9 @@ class ServeMetrics:
             metric(
                 "lragent_admit_seconds_total",
                 "counter",
-                "Seconds of placing requests, within the admit phase: match (the prompt against the held trajectories, "
-                "its new text tokenised), rows (eviction, fork or cut, the new tokens appended), start (the engine's "
-                "start of the generation).",
+                "Seconds of placing requests, within the admit phase: match (the prompt against the held "
+                "trajectories), tokenize (the tokenizer's calls on its new text), rows (eviction, fork or cut, the new "
+                "tokens appended), start (the engine's start of the generation).",
                 [f'lragent_admit_seconds_total{{part="{k}"}} {v}' for k, v in self.admit_s.items()],
             )
             metric(
