@@ -93,6 +93,20 @@ def _serve(sch: Scheduler, role: str, prompt: str, **kw) -> list:
     return events
 
 
+def _slow_tokenizer(sch: Scheduler, seconds: float = 0.05) -> list[str]:
+    """Makes each of ``sch``'s tokenizer calls take ``seconds`` more; returns the list the tokenised texts go to."""
+    calls: list[str] = []
+    plain = sch._tokenize
+
+    def slow(text: str) -> list[int]:
+        calls.append(text)
+        time.sleep(seconds)
+        return plain(text)
+
+    sch._tokenize = slow
+    return calls
+
+
 # ---- construction and submission ----------------------------------------------------------------------------------
 def _fake_engine(cuda_graphs: bool) -> SimpleNamespace:
     router = SimpleNamespace(roles=["plan", "act"])
@@ -221,19 +235,9 @@ def test_the_admission_counts_the_tokenizers_calls_apart_from_the_match():
     ``match`` holds only the comparisons around them: a first prompt tokenised whole, then a continuing prompt whose
     new text alone is tokenised."""
     sch = _scheduler(rows=1)
-    calls: list[str] = []
-    plain = sch._tokenize
-
-    def slow(text: str) -> list[int]:
-        calls.append(text)
-        time.sleep(0.05)
-        return plain(text)
-
-    sch._tokenize = slow
+    calls = _slow_tokenizer(sch)
     for prompt in ("hello ", "hello world "):
-        req, events = _request("plan", prompt, max_tokens=2)
-        sch.submit(req)
-        _drain(sch)
+        events = _serve(sch, "plan", prompt, max_tokens=2)
         assert isinstance(events[-1], Finished), events
     assert calls[0] == "hello " and len(calls) == 2 and calls[1].endswith("world ")
     parts = sch.metrics.snapshot()["admit_s"]
@@ -245,19 +249,9 @@ def test_the_admission_adds_up_every_tokenizer_call_of_a_request():
     role nothing, so the action role's own shorter trajectory is matched too, from its own piece boundary): every
     call's 50 ms is in ``tokenize``."""
     sch = _scheduler(rows=2, scheme="non_shared")
-    calls: list[str] = []
-    plain = sch._tokenize
-
-    def slow(text: str) -> list[int]:
-        calls.append(text)
-        time.sleep(0.05)
-        return plain(text)
-
-    sch._tokenize = slow
+    calls = _slow_tokenizer(sch)
     for role, prompt in (("plan", "abcdefgh"), ("action", "ab"), ("action", "abcd")):
-        req, events = _request(role, prompt, max_tokens=0)
-        sch.submit(req)
-        _drain(sch)
+        events = _serve(sch, role, prompt, max_tokens=0)
         assert isinstance(events[-1], Finished), events
     assert calls == ["abcdefgh", "ab", "abcd", "cd"]
     assert 0.2 <= sch.metrics.snapshot()["admit_s"]["tokenize"] < 0.2 + 0.5
