@@ -457,6 +457,7 @@ class Engine:
         self.d_gen = torch.zeros(r, pool.capacity, **long)
         # teacher-forced tokens a row feeds before it samples (prefill_in_decode); width 1 when the feature is off
         self.d_forced = torch.zeros(r, max(self.prefill_in_decode, 1), **long)
+        self._alloc_forced_host()
         self.d_forced_len = torch.zeros(r, **long)
         self.d_forced_count = torch.zeros(r, **long)
         self.d_stop = torch.zeros(r, v, dtype=torch.bool, device=dev)
@@ -466,6 +467,14 @@ class Engine:
         self.d_eos = eos.to(dev)
         self._drop_graphs()
         self._pool_version = self.pool.version
+
+    def _alloc_forced_host(self) -> None:
+        """Each row's fed tokens staged on the host: ``(rows, d_forced width)`` int64, page-locked on CUDA (a
+        ``non_blocking`` copy from pageable memory waits for the steps in flight; pinning a fresh tensor at each start
+        cost about 0.5 ms of host time), with a NumPy view that takes a list of ids without a torch call."""
+        host = torch.zeros(self.rows, self.d_forced.shape[1], dtype=torch.long)
+        self._forced_host = host.pin_memory() if self.device.type == "cuda" else host
+        self._forced_host_np = self._forced_host.numpy()
 
     def _drop_graphs(self) -> None:
         """Releases the captured graphs and, with them, their memory pool's handle.
@@ -697,7 +706,10 @@ class Engine:
         """Enters ``row`` into decoding with ``op``'s tokens to feed first (the row samples once they are in)."""
         traj = self.traj[row]
         n = op.end - op.start
-        self.d_forced[row, :n].copy_(self._host_ids(traj.ids[op.start : op.end]), non_blocking=True)
+        # The row's own staging slot. Rewriting it while an earlier copy from it is still queued (a row abandoned
+        # mid-step) is harmless: this copy, queued after that one, writes the row's tokens last.
+        self._forced_host_np[row, :n] = traj.ids[op.start : op.end]
+        self.d_forced[row, :n].copy_(self._forced_host[row, :n], non_blocking=True)
         self.d_forced_len[row].fill_(n)
         self.d_forced_count[row].fill_(0)
         self._load_row(row, request, pos=op.start)
@@ -736,12 +748,6 @@ class Engine:
         if mask is None:
             mask = self._stop_masks[stops] = self.stop_index.mask(stops).to(self.device)
         return mask
-
-    def _host_ids(self, ids: Sequence[int]) -> torch.Tensor:
-        """``(n,)`` int64 token ids on the host, page-locked on CUDA so that a ``non_blocking`` copy from them does
-        not wait for the device (the caching host allocator keeps the block until the copy is done)."""
-        host = torch.tensor(ids, dtype=torch.long, device="cpu")  # on the host whatever the default device
-        return host.pin_memory() if self.device.type == "cuda" else host
 
     def _release(self, row: int) -> None:
         """Points an idle row at the scratch slots so graph steps for other rows cannot touch its caches."""

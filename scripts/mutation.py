@@ -123,6 +123,7 @@ MODULES: dict[str, tuple[str, str, list[str]]] = {
     "report_io": ("lragent/report_io.py", "", ["tests/test_report_io.py"]),
     "protocol": ("eval_suite/serve/protocol.py", "", ["tests/test_protocol_branches.py"]),
     "trajectories": ("lragent/serving/trajectories.py", "", ["tests/test_serve_core.py"]),
+    "text_encoder": ("lragent/serving/text_encoder.py", "", ["tests/test_text_encoder.py"]),
     "serving_metrics": (
         "lragent/serving/metrics.py",
         "",

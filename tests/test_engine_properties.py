@@ -556,23 +556,27 @@ def test_a_fed_row_started_under_another_default_device_feeds_its_own_tokens():
     assert run(lambda: torch.device("meta")) == run(contextlib.nullcontext)
 
 
-def test_fed_ids_are_page_locked_on_the_host_exactly_for_a_cuda_engine(monkeypatch):
-    """The fed ids' host tensor (int64, on the CPU) is page-locked when the engine is on CUDA, so that the
-    ``non_blocking`` copy into the decode state does not wait for the device; a CPU engine leaves it as it is."""
+def test_fed_ids_are_staged_page_locked_on_the_host_exactly_for_a_cuda_engine(monkeypatch):
+    """The fed ids' staging buffer (int64 on the CPU, one slot per row as wide as ``d_forced``) is page-locked when
+    the engine is on CUDA, so that the ``non_blocking`` copy into the decode state does not wait for the device; a
+    CPU engine leaves it as it is. Its NumPy view writes into it."""
     pinned = []
 
     def pin(self):
-        pinned.append(self.tolist())
+        pinned.append(tuple(self.shape))
         return self
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
-    eng = engine("full_shared")
-    for device, want in [("cpu", []), ("cuda", [[3, 4, 5]]), ("cuda:1", [[3, 4, 5]])]:
+    eng = engine("full_shared", rows=2, prefill_in_decode=8)
+    for device, want in [("cpu", []), ("cuda", [(eng.rows, 8)]), ("cuda:1", [(eng.rows, 8)])]:
         eng.device = torch.device(device)
         pinned.clear()
-        host = eng._host_ids([3, 4, 5])
-        assert (host.device.type, host.dtype, host.tolist()) == ("cpu", torch.long, [3, 4, 5])
+        eng._alloc_forced_host()
+        host = eng._forced_host
+        assert (host.device.type, host.dtype, tuple(host.shape)) == ("cpu", torch.long, (eng.rows, 8))
         assert pinned == want, device
+        eng._forced_host_np[1, :3] = [3, 4, 5]
+        assert host[1, :4].tolist() == [3, 4, 5, 0]
 
 
 def test_every_view_of_a_step_with_lent_rows_carries_the_engines_choices_its_groups_and_a_bound(monkeypatch):

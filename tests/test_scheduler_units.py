@@ -230,6 +230,43 @@ def test_the_worker_loop_serves_what_is_queued_then_returns_once_stopping():
     assert sum(parts.values()) <= phases["admit"]
 
 
+class _Backend:
+    """A fast tokenizer's backend as text_encoder reads it: byte ids, its ``encode`` calls recorded."""
+
+    truncation = padding = None
+    encode_special_tokens = False
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> SimpleNamespace:
+        self.texts.append(text)
+        return SimpleNamespace(ids=[0] * bool(add_special_tokens) + list(text.encode("utf-8")))
+
+
+class FastBytes(Bytes):
+    """Bytes with a fast backend; its own call (which would give up the interpreter lock) is recorded."""
+
+    def __init__(self) -> None:
+        self.backend_tokenizer = _Backend()
+        self.called: list[str] = []
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        self.called.append(text)
+        return super().__call__(text, add_special_tokens)
+
+
+def test_the_scheduler_tokenises_prompts_through_the_backends_encode():
+    """A served prompt is tokenised by the fast backend's single-text encode, never by the tokenizer's own call, and
+    gives the same tokens (byte ids, no special token added)."""
+    tok = FastBytes()
+    sch = _scheduler(tok=tok)
+    events = _serve(sch, "plan", "hello ", max_tokens=0)
+    assert isinstance(events[-1], Finished), events
+    assert tok.backend_tokenizer.texts == ["hello "] and tok.called == []
+    assert [list(sch.engine.traj[r].ids) for r in sch.store.held] == [list(b"hello ")]
+
+
 def test_the_admission_counts_the_tokenizers_calls_apart_from_the_match():
     """The tokenizer's calls while placing requests (each made 50 ms long here) are counted as ``tokenize``, and
     ``match`` holds only the comparisons around them: a first prompt tokenised whole, then a continuing prompt whose

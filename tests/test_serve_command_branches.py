@@ -58,3 +58,27 @@ def test_a_bad_switch_interval_is_refused_naming_it_and_the_server_not_started(
     err = capsys.readouterr().err
     assert err == f"error: LRAGENT_SWITCH_INTERVAL_MS={raw!r}: allowed a number of milliseconds > 0 (e.g. 0.5)\n"
     assert sys.getswitchinterval() == before
+
+
+def test_the_startup_heap_is_collected_then_frozen():
+    """Garbage left by loading (a reference cycle) is collected first, not frozen for the server's life; what is alive
+    is frozen (out of every later collection's walk) and counted."""
+    import gc
+    import weakref
+
+    from eval_suite.serve.serve_command import freeze_startup_heap
+
+    class Node:
+        pass
+
+    alive, cycle = Node(), Node()
+    cycle.me = cycle
+    dead = weakref.ref(cycle)
+    del cycle
+    try:
+        frozen = freeze_startup_heap()
+        assert dead() is None  # collected before the freeze
+        assert frozen == gc.get_freeze_count() > 1000
+        assert gc.is_tracked(alive) and not any(o is alive for o in gc.get_objects())  # frozen: out of sight
+    finally:
+        gc.unfreeze()

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import eval_suite.serve.api_server as api_server
+import eval_suite.serve.serve_command as serve_command
 import lragent.device_share as device_share
 import lragent.engine as engine_module
 import lragent.loading as loading
@@ -57,7 +58,12 @@ class Recorder:
 
         def serve_until_stopped(app, sock, log_level):
             rec.calls["serve_until_stopped"] = (app, sock.getsockname(), log_level)
+            rec.calls["frozen_before_serving"] = rec.calls.get("frozen", 0)
             sock.close()
+
+        def freeze_startup_heap():
+            rec.calls["frozen"] = rec.calls.get("frozen", 0) + 1
+            return 1
 
         monkeypatch.setattr(loading, "resolve_device", lambda d: device if d is None else d)
         monkeypatch.setattr(loading, "check_model_args", check_model_args)
@@ -67,6 +73,7 @@ class Recorder:
         monkeypatch.setattr(engine_module, "Engine", Engine)
         monkeypatch.setattr(scheduler_module, "Scheduler", Scheduler)
         monkeypatch.setattr(api_server, "serve_until_stopped", serve_until_stopped)
+        monkeypatch.setattr(serve_command, "freeze_startup_heap", freeze_startup_heap)
 
 
 @pytest.mark.parametrize(
@@ -182,6 +189,7 @@ def test_serve_builds_the_server_from_its_options_on_the_cpu(monkeypatch, capsys
     assert rec.calls["scheduler"] == (rec.engine, "TOK", False)
     assert rec.calls["profiler"] is None  # LRAGENT_SERVE_PROFILE unset: nothing recorded
     assert rec.calls["watch_gc"] is True  # /metrics counts the collections' pauses
+    assert rec.calls["frozen_before_serving"] == rec.calls["frozen"] == 1  # the loaded heap frozen once, then served
     app, (host, port), level = rec.calls["serve_until_stopped"]
     assert (host, level) == ("127.0.0.1", "info") and port > 0
     state = app.state.serve

@@ -38,6 +38,7 @@ from lragent.device_share import is_oom
 from lragent.engine import Engine, GenerationRequest, StepResult, find_stop
 from lragent.serving.metrics import ServeMetrics
 from lragent.serving.rows import abandon_rows, fork_row
+from lragent.serving.text_encoder import text_encoder
 from lragent.serving.trajectories import TextTrajectory, TrajectoryStore
 
 IDLE_TICK_S = 0.1
@@ -206,6 +207,7 @@ class Scheduler:
             raise ValueError("a served model needs a tokenizer (the prompts are text)")
         self.engine = engine
         self.tokenizer = tokenizer
+        self._tokenize = text_encoder(tokenizer)  # text -> ids, keeping the interpreter lock (see text_encoder)
         self.store = TrajectoryStore(engine.rows)
         self.context = engine.pool.capacity - 1  # the prompt and its completion, per trajectory
         self.steps_per_sync = steps_per_sync or (engine.sync_every if engine.cuda_graphs else 1)
@@ -325,9 +327,6 @@ class Scheduler:
                 # consistent and the trajectory, with what it generated, stays held)
                 self.engine.d_remaining[row].fill_(0)  # queued behind any steps in flight: no wait for them
                 run.stopping = True
-
-    def _tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def _admit(self) -> bool:
         """Places waiting requests in rows while there are rows; returns whether any request left the queue."""
