@@ -420,6 +420,10 @@ class Engine:
         self._stop_masks: dict[tuple[str, ...], torch.Tensor] = {}
         self.peak_cache_bytes = 0
         self.decode_steps = 0  # batched decode steps run (graph replays included): an episode's latency in steps
+        # the feeding steps' extra token rows (``feed_budget``): computed (each step's width) and, of those, carrying a
+        # fed token; the rest is padding to the step's width, device work that feeds nothing
+        self.feed_rows = 0
+        self.feed_tokens = 0
         # wall seconds in advance(), and the part of it spent reading results back (waiting for the device, stop
         # checks): where a run's time goes between the device and the host, without a profiler
         self.advance_s = 0.0
@@ -911,6 +915,7 @@ class Engine:
                 grant = min(want, max(0, extra - off))
                 off += self._in_groups(want)
                 p.forced_left -= 1 + grant
+                self.feed_tokens += grant
         return feeding
 
     def _bucket(self) -> int:
@@ -1014,6 +1019,7 @@ class Engine:
             feeding = self._feed_on_host(extra, n)
             if extra and not self.batch_invariant:
                 n = max(1, feeding)  # back to plain steps once the feeding is done (it may end before n)
+            self.feed_rows += extra * n
         if graphs:
             graph = self._graph_for(b, sampling, extra)
             launched = time.perf_counter()

@@ -101,6 +101,7 @@ class FakeEngine:
         self.replay_s = 0.0  # of advance_s: graph replays; of sync_s: the wait for the device (fake)
         self.wait_s = 0.0
         self.capture_s = 0.0  # of advance_s: graph captures (fake: the first call captures)
+        self.feed_rows = self.feed_tokens = 0  # feeding steps' extra rows, and those carrying a fed token (fake)
         self.events: list[tuple[str, object]] = []  # (engine call, its row or the rows generating)
         self.streams = [FakeEngine.stream]  # the stream current when made, then at each launch
         FakeEngine.built.append(self)
@@ -144,6 +145,8 @@ class FakeEngine:
         FakeEngine.during_call()
         out = []
         self.decode_steps += 3  # as if each call ran three steps
+        self.feed_rows += 8  # with 8 extra rows, 5 of them feeding
+        self.feed_tokens += 5
         self.advance_s += 0.5  # and took half a second, a fifth of it reading back
         self.sync_s += 0.1
         self.replay_s += 0.2
@@ -166,6 +169,8 @@ class FakeEngine:
             return 0
         self.in_flight = sorted(self.pending)
         self.decode_steps += 3
+        self.feed_rows += 8
+        self.feed_tokens += 5
         return 3
 
     def collect(self) -> list[StepResult]:
@@ -316,11 +321,14 @@ def test_engine_gets_min_of_batch_and_tasks_rows_and_the_executor_settings() -> 
 
 
 def test_decode_steps_are_summed_over_the_engines() -> None:
-    """The executor's decode steps (timing.json's hardware-free cost of a run) are its engines' steps, all schemes."""
+    """The executor's decode steps (timing.json's hardware-free cost of a run) are its engines' steps, all schemes;
+    so are the feeding steps' extra rows and the fed tokens they carried."""
     ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
     one = [("gen", "plan", "", 2), ("gen", "action", "", 1)]
     _run(ex, _tasks([one] * 3, ["base_lr_shared"] * 2 + ["non_shared"]))
     assert len(FakeEngine.built) == 2 and ex.decode_steps == sum(e.decode_steps for e in FakeEngine.built) > 0
+    assert ex.feed_rows == sum(e.feed_rows for e in FakeEngine.built) > 0
+    assert ex.feed_tokens == sum(e.feed_tokens for e in FakeEngine.built) > 0
 
 
 def test_the_loop_time_is_split_between_the_engines_and_the_episodes() -> None:

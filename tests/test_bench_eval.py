@@ -27,7 +27,8 @@ with open(out + "/episodes.jsonl", "w") as f:
                             "actions": ["Finish[x]"], "num_tokens": 10 + i, "seed": i}}) + "\\n")
 with open(out + "/timing.json", "w") as f:
     json.dump({{"batch": 4, "decode_steps": 7 * n, "startup_s": 0.5, "load_s": 0.25, "episodes_s": 1.5,
-               "advance_s": 1.0, "wait_s": 0.75, "replay_s": 0.1, "capture_s": 0.0, "agent_s": 0.5}}, f)
+               "advance_s": 1.0, "wait_s": 0.75, "replay_s": 0.1, "capture_s": 0.0, "agent_s": 0.5,
+               "feed_rows": 40 * n, "feed_tokens": 30 * n}}, f)
 sys.exit(int(args[args.index("--rc") + 1]))
 """
 
@@ -57,8 +58,10 @@ def test_episodes_per_second_counts_every_jobs_episodes_over_the_whole_wall(tmp_
     jobs = result["jobs"]
     assert [j["episodes"] for j in jobs] == [3, 5, 2] and [j["decode_steps"] for j in jobs] == [21, 35, 14]
     assert all(j["wait_s"] == 0.75 and j["agent_s"] == 0.5 for j in jobs)  # each job's timing.json split, as written
+    assert [(j["feed_rows"], j["feed_tokens"]) for j in jobs] == [(120, 90), (200, 150), (80, 60)]
     md = (out / "bench_eval.md").read_text()
     assert "10 episodes" in md and "episodes per GPU-second" in md
+    assert "| fed rows used |" in md and "| 75.0% of 120 |" in md and "| 75.0% of 200 |" in md
 
 
 def test_a_failed_job_fails_the_bench_but_its_episodes_count(tmp_path: Path, fake_python: str) -> None:

@@ -512,14 +512,17 @@ def test_a_feeding_round_takes_the_narrowest_width_that_holds_what_is_left():
     """``feed_budget`` 8 in widths 4 and 8 (``feed_widths`` 2), rows feeding 10 and 6 tokens: 9 + 5 tokens beyond
     their own are left, more than 8, so step 1 runs 8 extra rows (all lent to row 0); then 0 + 4 are left: step 2
     runs 4 (row 1's); then nothing is left beyond the rows' own tokens and the steps run without extra rows. With
-    one width every feeding step runs 8. The host's count follows the device's with the widths changing."""
+    one width every feeding step runs 8. The host's count follows the device's with the widths changing. The engine
+    counts the extra rows computed and the fed tokens they carried: 12 tokens (8 + 4) in 12 rows with the widths, in
+    16 rows (8 + 8, 4 of them padding) with one width."""
     model = model_for("tiny-llama")
-    for widths, want in ((2, [(8, [9, 1]), (4, [10, 6])]), (1, [(8, [9, 1]), (8, [10, 6])])):
+    for widths, want, rows in ((2, [(8, [9, 1]), (4, [10, 6])], 12), (1, [(8, [9, 1]), (8, [10, 6])], 16)):
         eng = Engine(model, "base_lr_shared", rows=2, capacity=64, eos_token_ids=[], prefill_in_decode=16,
                      feed_budget=8, feed_widths=widths)  # fmt: skip
         steps = _fed_steps(eng, (10, 6), max_new_tokens=3)
         assert steps[:2] == want, widths
         assert {extra for extra, _ in steps[2:]} == {0}, widths
+        assert (eng.feed_rows, eng.feed_tokens) == (rows, 12), widths
 
 
 @pytest.mark.parametrize("graph_semantics", [False, True])
@@ -581,6 +584,11 @@ def test_the_hosts_count_of_what_is_left_to_feed_is_the_devices_after_every_roun
                 assert len(steps) == 4 or (extra and not any(afters[k])), (where, k, rounds)
         # extra rows ran exactly when some row had more to feed than its own token
         assert any(e for steps in rounds for e, _ in steps) == (max(lens) > 1), where
+        # the counts: every step's width, and every fed token that did not go through its row's own slot (one a step
+        # while the row had tokens left)
+        assert eng.feed_rows == sum(e for steps in rounds for e, _ in steps), where
+        own = sum(1 for steps in rounds for _, before in steps for n in before if n)
+        assert eng.feed_tokens == sum(lens) - own, where
 
 
 def test_a_batch_invariant_engine_runs_every_step_at_all_rows_and_the_whole_budget():

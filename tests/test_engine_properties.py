@@ -1150,7 +1150,8 @@ def test_an_engine_builds_a_stop_index_only_with_a_tokenizer_and_its_counters_st
     assert Engine(model(), "full_shared", capacity=CAPACITY, eos_token_ids=[]).stop_index is None
     eng = engine("full_shared")
     assert isinstance(eng.stop_index, StopTokenIndex) and eng.stop_index.vocab_size == VOCAB
-    counters = ("advance_s", "sync_s", "replay_s", "wait_s", "capture_s", "decode_steps", "peak_cache_bytes")
+    counters = ("advance_s", "sync_s", "replay_s", "wait_s", "capture_s", "decode_steps", "peak_cache_bytes",
+                "feed_rows", "feed_tokens")  # fmt: skip
     assert [getattr(eng, c) for c in counters] == [0] * len(counters)
     eng.append(0, SHORT)
     t0 = time.perf_counter()

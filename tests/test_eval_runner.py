@@ -1718,6 +1718,7 @@ def test_a_batched_run_builds_its_engine_from_the_options_and_reserves_each_sche
     class Recorder(SequentialExecutor):
         prefill_in_decode, feed_budget, concurrent_schemes, launch_ahead, decode_steps = 7, 8, "c", "l", 9
         advance_s, sync_s, agent_s, replay_s, wait_s, capture_s = 1.5, 2.5, 3.5, 4.5, 5.5, 6.5
+        feed_rows, feed_tokens = 10, 8
 
         def __init__(self, lm, tokenizer, **kw):
             built.append((lm, tokenizer, kw))
@@ -1752,9 +1753,10 @@ def test_a_batched_run_builds_its_engine_from_the_options_and_reserves_each_sche
     timing = json.loads((tmp_path / "a" / "timing.json").read_text())
     assert {k: timing[k] for k in ("batch", "prefill_in_decode", "feed_budget", "concurrent_schemes", "launch_ahead",
                                    "decode_steps", "advance_s", "sync_s", "agent_s", "replay_s", "wait_s",
-                                   "capture_s")} == dict(
+                                   "capture_s", "feed_rows", "feed_tokens")} == dict(
         batch=4, prefill_in_decode=7, feed_budget=8, concurrent_schemes="c", launch_ahead="l", decode_steps=9,
-        advance_s=1.5, sync_s=2.5, agent_s=3.5, replay_s=4.5, wait_s=5.5, capture_s=6.5)  # fmt: skip
+        advance_s=1.5, sync_s=2.5, agent_s=3.5, replay_s=4.5, wait_s=5.5, capture_s=6.5, feed_rows=10,
+        feed_tokens=8)  # fmt: skip
     assert len(read_episodes(tmp_path / "a" / EPISODES_FILE)) == 8
     built.clear(), reserved.clear()
     assert run_eval.evaluate(**kw, out=str(tmp_path / "c"), batch=2) == 0  # one scheme at a time: the first reserves

@@ -10,10 +10,13 @@ from eval_suite.evaluate.eval_timing import EvalTiming, totals
 
 
 def test_totals_sum_the_seconds_and_counts_and_keep_the_last_settings() -> None:
-    a = {"episodes_s": 10.0, "episodes": 4, "startup_s": None, "batch": 16, "decode_steps": 100}
-    b = {"episodes_s": 5.0, "episodes": 2, "startup_s": 3.0, "batch": 8, "decode_steps": 50, "capture_s": 1.0}
+    a = {"episodes_s": 10.0, "episodes": 4, "startup_s": None, "batch": 16, "decode_steps": 100, "feed_rows": 512,
+         "feed_tokens": 300}  # fmt: skip
+    b = {"episodes_s": 5.0, "episodes": 2, "startup_s": 3.0, "batch": 8, "decode_steps": 50, "capture_s": 1.0,
+         "feed_rows": 256, "feed_tokens": 100}  # fmt: skip
     t = totals([a, b])
     assert (t["episodes_s"], t["episodes"], t["decode_steps"]) == (15.0, 6, 150)
+    assert (t["feed_rows"], t["feed_tokens"]) == (768, 400)
     assert t["startup_s"] == 3.0 and t["capture_s"] == 1.0  # a part without a figure adds nothing
     assert t["batch"] == 8  # a setting, not a sum: the last part's
     assert "wait_s" not in t  # no part has it: not made up

@@ -32,7 +32,10 @@ from lragent.report_io import write_json, write_text
 ROOT = Path(__file__).resolve().parents[2]
 SAME_FIELDS = ("prediction", "actions", "num_tokens", "seed")
 """What makes two episode records the same episode."""
-TIMING_FIELDS = ("startup_s", "load_s", "episodes_s", "advance_s", "wait_s", "replay_s", "capture_s", "agent_s")
+TIMING_FIELDS = (
+    "startup_s", "load_s", "episodes_s", "advance_s", "wait_s", "replay_s", "capture_s", "agent_s", "feed_rows",
+    "feed_tokens",
+)  # fmt: skip
 
 
 class GpuSampler:
@@ -140,6 +143,13 @@ def _unclean(others: int | None) -> list[str]:
             "(`nvidia-smi`'s compute apps): they shared its time.", ""]  # fmt: skip
 
 
+def _fed_share(job: dict[str, Any]) -> str:
+    """The share of the feeding steps' extra token rows that carried a fed token ("–" without feeding steps): the rest
+    is padding to the steps' widths, device work that feeds nothing."""
+    rows, tokens = job.get("feed_rows"), job.get("feed_tokens")
+    return f"{100 * tokens / rows:.1f}% of {rows:,}" if rows and tokens is not None else "–"
+
+
 def _markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     busy = "n/a" if s["busy_pct"] is None else f"{s['busy_pct']:.1f}%"
@@ -151,15 +161,15 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         *_unclean(s.get("other_processes")),
         "| job | episodes | wall s | start s | load s | loop s | decode calls s | of which wait s | captures s "
-        "| host work s | steps | batch | rc |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| host work s | steps | fed rows used | batch | rc |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v: "–" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
     for j in result["jobs"]:
         lines.append(
             f"| `{j['options']}` | {j['episodes']} | {fmt(j['wall_s'])} | {fmt(j['startup_s'])} | {fmt(j['load_s'])} "
             f"| {fmt(j['episodes_s'])} | {fmt(j['advance_s'])} | {fmt(j['wait_s'])} | {fmt(j['capture_s'])} "
-            f"| {fmt(j['agent_s'])} | {fmt(j['decode_steps'])} | {fmt(j['batch'])} | {j['rc']} |"
+            f"| {fmt(j['agent_s'])} | {fmt(j['decode_steps'])} | {_fed_share(j)} | {fmt(j['batch'])} | {j['rc']} |"
         )
     if result.get("compare"):
         c = result["compare"]

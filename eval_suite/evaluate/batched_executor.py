@@ -48,7 +48,9 @@ SERVE_PROFILE_ENV = "LRAGENT_SERVE_PROFILE"
 """The same for a server (``lragent serve``, the servers ``bench serve`` starts): its scheduler's rounds from decode
 step FIRST until COUNT steps later, admissions and streaming included, into ``DIR/serve_profile_<pid>.txt``."""
 
-_ENGINE_COUNTERS = ("decode_steps", "advance_s", "sync_s", "replay_s", "wait_s", "capture_s")
+_ENGINE_COUNTERS = (
+    "decode_steps", "advance_s", "sync_s", "replay_s", "wait_s", "capture_s", "feed_rows", "feed_tokens",
+)  # fmt: skip
 """The engine's counters an executor sums over its engines (its timing.json figures)."""
 
 
@@ -165,6 +167,8 @@ class BatchedExecutor:
         self.replay_s = 0.0  # of advance_s: the CUDA-graph replay calls (lragent.engine.Engine.replay_s)
         self.wait_s = 0.0  # of sync_s: the first read-back of each sync, the wait for the device
         self.capture_s = 0.0  # of advance_s: the graph captures, kernel compiles included (a fixed cost)
+        self.feed_rows = 0  # the feeding steps' extra token rows computed (lragent.engine.Engine.feed_rows)
+        self.feed_tokens = 0  # of those, rows that carried a fed token (the rest: padding to the step's width)
         self.agent_s = 0.0
         self._reserved: dict[str, tuple[int, Engine]] = {}  # scheme -> (rows, engine) made under the alloc lock
         self.concurrent_schemes = bool(concurrent_schemes)

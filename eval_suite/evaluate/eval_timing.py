@@ -19,7 +19,7 @@ from typing import Any
 
 ADDITIVE = (
     "setup_s", "episodes_s", "startup_s", "prepare_s", "load_s", "size_s", "summary_s", "episodes", "decode_steps",
-    "advance_s", "sync_s", "agent_s", "replay_s", "wait_s", "capture_s", "template_tokens",
+    "advance_s", "sync_s", "agent_s", "replay_s", "wait_s", "capture_s", "template_tokens", "feed_rows", "feed_tokens",
 )  # fmt: skip
 """Figures that add up over the parts (seconds and counts); the others (rows, device, settings) are the last part's."""
 

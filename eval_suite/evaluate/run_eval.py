@@ -978,6 +978,9 @@ def run_plan(plan: EvalPlan, first: bool = True, label: str = "") -> int:
                 "capture_s": getattr(executor, "capture_s", None),
                 # opening tokens copied from a template row (LRAGENT_PROMPT_TEMPLATE=1) instead of computed
                 "template_tokens": getattr(executor, "template_tokens", None),
+                # the feeding steps' extra token rows computed, and of them those that carried a fed token
+                "feed_rows": getattr(executor, "feed_rows", None),
+                "feed_tokens": getattr(executor, "feed_tokens", None),
             }  # fmt: skip
 
         written = [time.perf_counter()]
