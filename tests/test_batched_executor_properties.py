@@ -678,3 +678,54 @@ def test_the_profile_switch_writes_one_table_of_the_decode_calls_it_names(tmp_pa
     _run(BatchedExecutor(_fake_model(), Tokenizer(), batch=2), _tasks([plan] * 2))
     assert (tmp_path / name).read_text().startswith("decode calls 0..3, wall ")
     assert rest.count("aten::add_") == 2 and rest.count("Self CPU") >= 2  # the device-time and CPU-time tables
+
+
+def test_a_template_row_opens_each_episodes_first_request_and_counts_its_copies(monkeypatch) -> None:
+    """With the prompt template on, each engine has one row more, the last, the template's; an episode's first request
+    (its row's trajectory empty) is opened through the template with its row, its tokens and its role's id, and the
+    row takes what the template returns; later requests are not opened; ``template_tokens`` adds up the copies."""
+    made, opened, appended = [], [], []
+
+    class Template:
+        def __init__(self, row: int) -> None:
+            self.row, self.copied_tokens = row, 0
+            made.append(self)
+
+        def open(self, eng, row: int, tokens: list[int], role: int) -> list[int]:
+            opened.append((eng, row, list(tokens), role, list(eng.traj[row])))
+            self.copied_tokens += 5
+            return [7, *tokens]
+
+    plain_append = FakeEngine.append
+
+    def append(self, row: int, ids: list[int]) -> None:
+        appended.append((row, list(ids)))
+        plain_append(self, row, ids)
+
+    monkeypatch.setattr(be, "prompt_template_enabled", lambda: True)
+    monkeypatch.setattr(be, "PromptTemplate", Template)
+    monkeypatch.setattr(FakeEngine, "append", append)
+    ex = BatchedExecutor(_fake_model(), Tokenizer(), batch=2)
+    plan = [("gen", "plan", "", 2), ("gen", "action", "x", 1)]
+    _run(ex, _tasks([plan] * 3, ["base_lr_shared"] * 3))
+    (eng,) = FakeEngine.built
+    assert eng.rows == 3 and [t.row for t in made] == [2]  # one row more: the last is the template's
+    assert len(opened) == 3 and all(o[0] is eng and o[1] in (0, 1) and o[3] == ROLE_IDS["plan"] for o in opened)
+    assert all(o[4] == [] for o in opened)  # opened on an empty row only
+    assert sorted(o[2] for o in opened) == sorted(_enc(f"T{i}:") for i in range(3))
+    for _, row, tokens, _, _ in opened:  # the row took what the template returned
+        assert (row, [7, *tokens]) in appended
+    assert ex.template_tokens == 15
+
+
+def test_the_serve_profiler_is_the_one_its_variable_asks_for(monkeypatch, tmp_path) -> None:
+    """``LRAGENT_SERVE_PROFILE=DIR:FIRST:COUNT`` gives a recorder named ``serve`` over those calls; unset, none. A
+    recorder made without a name is ``eval``'s."""
+    monkeypatch.delenv(be.SERVE_PROFILE_ENV, raising=False)
+    assert be.serve_profiler() is None
+    monkeypatch.setenv(be.PROFILE_ENV, f"{tmp_path}:1:2")  # the eval variable is not the server's
+    assert be.serve_profiler() is None
+    monkeypatch.setenv(be.SERVE_PROFILE_ENV, f"{tmp_path}:5:7")
+    prof = be.serve_profiler()
+    assert (prof.folder, prof.first, prof.count, prof.name) == (str(tmp_path), 5, 7, "serve")
+    assert be._StepProfiler(str(tmp_path)).name == "eval"
