@@ -630,19 +630,22 @@ def test_a_row_feeding_exactly_prefill_in_decode_tokens_feeds_the_last_one_where
     step 1 and its last (the forced buffer's last column) in its own token row in step 2; one feeding 5 takes 3, then
     2 with its last in an extra row. Either way its tokens and the caches it leaves (the logits of a next step asked
     eagerly) are those of an eager prefill: a last token read from the column before would be fed twice and the real
-    one never."""
+    one never. With one feeding width the second step still runs the extra rows (the feeding step's own read of the
+    forced buffer); with several it runs none (the plain decode step's)."""
     model = model_for("tiny-llama")
-    got = []
-    for fed in (0, n):
-        eng = Engine(model, "full_shared", rows=1, capacity=32, eos_token_ids=[], prefill_in_decode=fed, feed_budget=2)
-        eng.append(0, [40, 41, 42, 43, 44][:n])
-        first = eng.generate(0, GenerationRequest(role=1, max_new_tokens=3))
-        eng.append(0, [9])
-        last = eng.generate(0, GenerationRequest(role=1, max_new_tokens=1, return_logits=True))
-        got.append((first.generated_ids, first.prefill_s == 0.0, last.logits))
-    (eager_ids, eager_fed, eager_logits), (fed_ids, fed_fed, fed_logits) = got
-    assert fed_ids == eager_ids and (eager_fed, fed_fed) == (False, True)
-    assert (fed_logits - eager_logits).abs().max() <= 1e-5
+    for widths in (1, 4):
+        got = []
+        for fed in (0, n):
+            eng = Engine(model, "full_shared", rows=1, capacity=32, eos_token_ids=[], prefill_in_decode=fed,
+                         feed_budget=2, feed_widths=widths)  # fmt: skip
+            eng.append(0, [40, 41, 42, 43, 44][:n])
+            first = eng.generate(0, GenerationRequest(role=1, max_new_tokens=3))
+            eng.append(0, [9])
+            last = eng.generate(0, GenerationRequest(role=1, max_new_tokens=1, return_logits=True))
+            got.append((first.generated_ids, first.prefill_s == 0.0, last.logits))
+        (eager_ids, eager_fed, eager_logits), (fed_ids, fed_fed, fed_logits) = got
+        assert fed_ids == eager_ids and (eager_fed, fed_fed) == (False, True), widths
+        assert (fed_logits - eager_logits).abs().max() <= 1e-5, widths
 
 
 # ---- the same, against an eager prefill ----------------------------------------------------------------------
