@@ -41,7 +41,8 @@ KEEP=${KEEP:-/tmp/lragent_slim}
 LIMIT=$((64 * 1024 * 1024))
 SLIM=(results data/adapters)  # what a device call need not carry: result records and adapter sets (no GPU test reads them)
 WHEELS=(gguf==0.19.0 jsonargparse==4.53.0 typeshed_client==2.15.0 docstring_parser==0.18.0)
-SERVE_WHEELS=(fastapi==0.165.0 uvicorn==0.55.0 pydantic==2.13.4 starlette==1.10.0 httptools==0.9.0 uvloop==0.23.0)  # with their dependencies
+SERVE_WHEELS=(fastapi==0.165.0 uvicorn==0.55.0 pydantic==2.13.4 starlette==1.10.0  # with their dependencies
+  httptools==0.9.0 uvloop==0.23.0)
 
 tree_bytes() {  # what a call carries of the tree: tracked files that exist, plus untracked files git does not ignore
   { git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null || true; } \

@@ -97,11 +97,9 @@ def build_store(
 def time_matching(rows: int, benchmark: str, steps: int, repeat: int, tokenizer: str) -> dict:
     """Milliseconds per request of the ranked search and of matching every candidate, both request kinds."""
     from lragent.models import load_tokenizer
+    from lragent.serving.text_encoder import text_encoder
 
-    tok = load_tokenizer(tokenizer)
-
-    def tokenize(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False)["input_ids"]) if text else []
+    tokenize = text_encoder(load_tokenizer(tokenizer))  # the server's own tokenisation
 
     questions = bundled_questions(benchmark)[: rows * 2]
     if len(questions) < rows * 2:
